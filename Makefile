@@ -1,0 +1,38 @@
+# Two commands for a new user: `make demo` and `make test` (each sets up first).
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.hpcft-installed
+DEBS    := slurm-wlm slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix2 lmod iproute2
+TORCH   ?= torch==2.13.0
+
+.PHONY: setup debs venv test unit demo clean-venv
+
+setup: debs $(STAMP)
+
+debs:
+	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+# The CPU torch wheel is pinned first so that no CUDA build is pulled in; a site keeps its own ROCm torch.
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	@$(VPY) -m pip install -q --upgrade pip >/dev/null
+	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH)"
+	@$(VPY) -m pip install -q -e ".[dev,mpi]"
+	@touch $(STAMP)
+
+test: setup
+	$(VPY) -m pytest -q tests
+
+unit: setup
+	$(VPY) -m pytest -q tests/unit
+
+demo: setup
+	$(VENV)/bin/hpcft demo
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,37 @@
+"""The named exceptions of hpcft, so callers can tell "nothing to restore" from "restore failed"."""
+
+
+class HpcftError(Exception):
+    """Base of every error hpcft raises on purpose; its message says what is wrong and what to do."""
+
+
+class ConfigError(HpcftError):
+    """Bad input from the user: an option, a file, an environment variable."""
+
+
+class SlurmError(HpcftError):
+    """A Slurm command failed or is missing."""
+
+
+class SandboxError(HpcftError):
+    """The local Slurm sandbox could not be started, inspected or stopped."""
+
+
+class StoreError(HpcftError):
+    """The node-local snapshot store is unusable (permissions, owner, space)."""
+
+
+class CheckpointError(HpcftError):
+    """A snapshot could not be taken or restored."""
+
+
+class NoCheckpointError(CheckpointError):
+    """Nothing to restore: no version is complete on every rank."""
+
+
+class IntegrityError(CheckpointError):
+    """A chunk's checksum does not match: the data is treated as lost, never loaded."""
+
+
+class MissingDependencyError(HpcftError):
+    """An optional dependency (mpi4py, hip-python, ...) is needed for the requested path."""

@@ -1,0 +1,37 @@
+"""The command line: usage errors, exit statuses, doctor's report."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def hpcft(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "bin" / "hpcft"), *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_help_lists_commands():
+    out = hpcft("--help")
+    assert out.returncode == 0
+    for cmd in ("doctor", "sandbox", "bench", "demo"):
+        assert cmd in out.stdout
+
+
+def test_unknown_option_is_usage_error():
+    out = hpcft("--bogus")
+    assert out.returncode == 2 and "No such option" in out.stderr
+    out = hpcft("nonsense")
+    assert out.returncode == 2 and "No such command" in out.stderr
+
+
+def test_doctor_json_and_missing_essential(tmp_path):
+    out = hpcft("doctor", "--json", env={"HPCFT_STORE_ROOT": str(tmp_path / "absent")})
+    report = json.loads(out.stdout)
+    store = next(c for c in report["checks"] if c["name"] == "store")
+    assert not store["ok"] and "HPCFT_STORE_ROOT" in store["detail"]
+    assert out.returncode == 1 and report["ok"] is False
+    torch_check = next(c for c in report["checks"] if c["name"] == "torch")
+    assert torch_check["ok"]
