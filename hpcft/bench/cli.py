@@ -1,0 +1,85 @@
+"""`hpcft bench …`: benchmarks that report ratios against baselines measured in the same run."""
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
+
+
+class Count(click.ParamType):
+    """A positive count such as 50000000, 50M, 1.5M or 1e6."""
+
+    name = "count"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower()
+        scale = _SUFFIXES.get(text[-1:], 1)
+        try:
+            number = float(text[:-1] if scale != 1 else text) * scale
+        except ValueError:
+            self.fail(f"{value!r} is not a count; write e.g. 50000000, 50M or 1e6", param, ctx)
+        if number < 1:
+            self.fail(f"{value!r} must be at least 1", param, ctx)
+        return int(number)
+
+
+def common_options(func: Callable) -> Callable:
+    """The options every bench takes: model size, warmup, threads, store root and --json."""
+    for option in reversed([
+        click.option("--params", type=Count(), default="50M", show_default=True,
+                     help="Model size in parameters (e.g. 50M, 1M)."),
+        click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
+                     help="Unmeasured calls per variant before timing."),
+        click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
+                     help="torch compute threads."),
+        click.option("--root", type=click.Path(file_okay=False), default=None,
+                     help="Parent dir of the temporary hpcft store (default /dev/shm); removed afterwards."),
+        click.option("--json", "as_json", is_flag=True,
+                     help="One JSON object on stdout; the table goes to stderr."),
+    ]):
+        func = option(func)
+    return func
+
+
+def _run(as_json: bool, bench: Callable[[], Any]) -> None:
+    """Run a bench with everything libraries print sent to stderr, then print its report."""
+    from hpcft.bench.harness import emit, stdout_to_stderr
+
+    with stdout_to_stderr():
+        report = bench()
+    emit(report, as_json)
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks. With --json each prints one JSON object on stdout and the table on stderr."""
+
+
+@bench.command()
+@common_options
+@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Measured training steps per variant.")
+@click.option("--block", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Consecutive steps of one variant before switching to the next.")
+def snapshot(params: int, warmup: int, threads: int, root: str | None, as_json: bool, steps: int,
+             block: int) -> None:
+    """Step-time overhead of checkpointing every step: hpcft vs torch.save vs dcp.async_save."""
+    from hpcft.bench.snapshot import SnapshotOptions, run
+
+    opts = SnapshotOptions(params=params, steps=steps, warmup=warmup, block=block, threads=threads, root=root)
+    _run(as_json, lambda: run(opts))
+
+
+@bench.command()
+@common_options
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Measured restores per path.")
+def restore(params: int, warmup: int, threads: int, root: str | None, as_json: bool, repeats: int) -> None:
+    """Restore bandwidth of hpcft from shm vs dcp.load and torch.load from local disk."""
+    from hpcft.bench.restore import RestoreOptions, run
+
+    opts = RestoreOptions(params=params, repeats=repeats, warmup=warmup, threads=threads, root=root)
+    _run(as_json, lambda: run(opts))

@@ -1,0 +1,249 @@
+"""What every `hpcft bench` shares: interleaved timing, medians, a memcpy reference, scratch dirs, output.
+
+A bench builds `Variant`s, lets `run_interleaved` time them round-robin in blocks (so drift in a
+shared machine hits all alike), and reports ratios in a `Report`: one JSON object on stdout with
+`--json` (the table then goes to stderr), else the table on stdout.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcft.errors import ConfigError
+
+_log = logging.getLogger(__name__)
+
+GB = 1e9
+
+
+# ---------------------------------------------------------------- timing
+
+class Variant:
+    """One way of running the timed body (e.g. "train step + torch.save"); subclasses fill in the hooks."""
+
+    name = "variant"
+    label = ""
+
+    def prepare(self, index: int) -> None:
+        """Untimed set-up before call `index` (e.g. perturb the state a restore must bring back)."""
+
+    def run_once(self, index: int) -> None:
+        """The timed body; `index` counts calls to this variant from 0 (warmup included)."""
+        raise NotImplementedError
+
+    def check(self, index: int) -> None:
+        """Untimed check after call `index` (and its drain); raises when the outcome is wrong."""
+
+    def drain(self) -> None:
+        """Finish work left in the background before another variant runs; timed with the last call."""
+
+    def close(self) -> None:
+        """Release what the variant holds; not timed."""
+
+
+@dataclass
+class Timings:
+    """Per-variant wall times of the measured calls (warmup excluded)."""
+
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.samples[name])
+
+    def summary(self, name: str) -> dict[str, float]:
+        """Median, quartiles and count of one variant's samples, for the JSON."""
+        xs = sorted(self.samples[name])
+        q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+        return {"median_s": statistics.median(xs), "p25_s": q[0], "p75_s": q[2], "n": len(xs)}
+
+
+def run_interleaved(variants: Sequence[Variant], steps: int, warmup: int = 1, block: int = 2,
+                    clock: Callable[[], float] = time.perf_counter) -> Timings:
+    """Time `warmup + steps` calls of every variant, round-robin in blocks of `block` calls.
+
+    A variant's background work still pending at the end of its block (`drain`) is charged to the
+    block's last call: that is the wait its next call would have had.
+    """
+    if steps < 1 or warmup < 0 or block < 1:
+        raise ConfigError(f"need steps >= 1, warmup >= 0, block >= 1 (got {steps}, {warmup}, {block})")
+    timings = Timings({v.name: [] for v in variants})
+    done = {v.name: 0 for v in variants}
+    total = warmup + steps
+    while any(done[v.name] < total for v in variants):
+        for v in variants:
+            n = min(block, total - done[v.name])
+            for k in range(n):
+                index = done[v.name]
+                v.prepare(index)
+                t0 = clock()
+                v.run_once(index)
+                if k == n - 1:
+                    v.drain()
+                elapsed = clock() - t0
+                v.check(index)
+                done[v.name] += 1
+                if index >= warmup:
+                    timings.samples[v.name].append(elapsed)
+                _log.debug("bench %s call %d: %.4f s", v.name, index, elapsed)
+    return timings
+
+
+def overhead(timings: Timings, name: str, baseline: str) -> float:
+    """Median time of `name` ÷ median time of `baseline`, minus 1."""
+    return timings.median(name) / timings.median(baseline) - 1.0
+
+
+def memcpy_bandwidth(nbytes: int, reps: int = 3) -> float:
+    """Bytes/s of one plain single-thread memcpy (numpy.copyto) of `nbytes` into a pre-faulted buffer."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)  # np.zeros may map lazily: the first copy below faults it in
+    np.copyto(dst, src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+# ---------------------------------------------------------------- environment
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_process_group() -> Iterator[None]:
+    """A 1-rank gloo process group on a free loopback port (DCP needs one); reuses an existing group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    port = free_loopback_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """Where a bench writes: `disk` for file-based baselines, `shm` for the hpcft store."""
+
+    disk: Path
+    shm: Path
+
+
+@contextlib.contextmanager
+def scratch(root: str | os.PathLike | None = None) -> Iterator[Scratch]:
+    """Fresh temp dirs for a bench (store dir under `root`, default /dev/shm), removed afterwards."""
+    shm_parent = Path(root) if root else Path("/dev/shm")
+    if not shm_parent.is_dir():
+        raise ConfigError(f"--root {shm_parent} is not a directory; give an existing directory (e.g. /dev/shm)")
+    disk = Path(tempfile.mkdtemp(prefix="hpcft-bench-"))
+    shm = Path(tempfile.mkdtemp(prefix="hpcft-bench-", dir=shm_parent))
+    try:
+        yield Scratch(disk=disk, shm=shm)
+    finally:
+        for path in (disk, shm):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def set_threads(threads: int) -> None:
+    """Set torch's intra-op thread count (the CPU bench's compute cores)."""
+    import torch
+
+    if threads < 1:
+        raise ConfigError(f"--threads must be >= 1 (got {threads})")
+    torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to fd 1 (Python or C++ libraries) to stderr, so --json stays one object."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+# ---------------------------------------------------------------- output
+
+@dataclass
+class Row:
+    key: str
+    value: Any
+    unit: str
+    label: str
+
+
+class Report:
+    """The result of one bench: keyed values for the JSON, the labelled ones also as table rows."""
+
+    def __init__(self, bench: str) -> None:
+        self.bench = bench
+        self.rows: list[Row] = []
+        self.extra: dict[str, Any] = {}
+
+    def add(self, key: str, value: Any, unit: str = "", label: str = "") -> None:
+        """A result value; with a `label` it is also a table row."""
+        self.rows.append(Row(key, value, unit, label))
+
+    def note(self, key: str, value: Any) -> None:
+        """JSON-only detail (configuration, per-variant quartiles)."""
+        self.extra[key] = value
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bench": self.bench, **{r.key: r.value for r in self.rows}, **self.extra}
+
+    def table(self) -> str:
+        rows = [r for r in self.rows if r.label]
+        width = max((len(r.label) for r in rows), default=0)
+        lines = [f"hpcft bench {self.bench}"]
+        lines += [f"  {r.label:<{width}}  {_fmt(r.value, r.unit)}" for r in rows]
+        return "\n".join(lines)
+
+
+def _fmt(value: Any, unit: str) -> str:
+    if isinstance(value, float):
+        if unit == "%":
+            return f"{100 * value:+.1f} %"
+        if unit == "x":
+            return f"{value:.2f}x"
+        return f"{value:.4g} {unit}".rstrip()
+    return f"{value} {unit}".rstrip()
+
+
+def emit(report: Report, as_json: bool) -> None:
+    """--json: one JSON object on stdout and the table on stderr; else the table on stdout."""
+    if as_json:
+        print(report.table(), file=sys.stderr)
+        sys.stdout.write(json.dumps(report.as_dict(), sort_keys=False) + "\n")
+        sys.stdout.flush()
+    else:
+        print(report.table())

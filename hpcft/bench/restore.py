@@ -1,0 +1,133 @@
+"""`hpcft bench restore`: loading the same training state back, hpcft from shm against torch baselines.
+
+The state of the bench transformer after one AdamW step is saved once by each path (hpcft store
+in shm, torch.distributed.checkpoint on local disk, torch.save on local disk). Then, interleaved,
+each path restores it into a live model and optimizer whose state was perturbed beforehand; every
+restore is checked bit for bit against the saved state (untimed). Reported: hpcft restore bandwidth
+(checksum verification included) ÷ single-thread memcpy, and the speedups over DCP and torch.load.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hpcft.bench import baselines
+from hpcft.bench.harness import (GB, Report, Timings, Variant, local_process_group, memcpy_bandwidth,
+                                 run_interleaved, scratch, set_threads)
+from hpcft.bench.model import Trainer, config_for_params
+from hpcft.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class RestoreOptions:
+    """What `hpcft bench restore` runs: model size, measured restores per path, warmup, threads."""
+
+    params: int = 50_000_000
+    repeats: int = 5
+    warmup: int = 1
+    threads: int = 2
+    root: str | None = None
+
+
+class Restoring(Variant):
+    """Restore `reference` into `trainer`; perturbed before and verified bitwise after each call."""
+
+    def __init__(self, trainer: Trainer, reference: list[torch.Tensor]) -> None:
+        self.trainer = trainer
+        self.reference = reference
+
+    def prepare(self, index: int) -> None:
+        with torch.no_grad():
+            for t in self.trainer.state_tensors():
+                if t.is_floating_point() and t.numel() > 1:
+                    t.view(-1)[0] += 1.0
+
+    def check(self, index: int) -> None:
+        live = self.trainer.state_tensors()
+        if len(live) != len(self.reference) or not all(torch.equal(a, b) for a, b in zip(live, self.reference)):
+            raise CheckpointError(f"bench restore: {self.name} did not bring back the saved state bit for bit")
+
+
+class TorchLoad(Restoring):
+    name, label = "torch_load", "torch.load + load_state_dict (local disk)"
+
+    def __init__(self, trainer: Trainer, reference: list[torch.Tensor], path: Path) -> None:
+        super().__init__(trainer, reference)
+        self.path = path
+
+    def run_once(self, index: int) -> None:
+        baselines.torch_load(self.trainer, self.path)
+
+
+class DcpLoad(Restoring):
+    name, label = "dcp_load", "dcp.load + set_state_dict (local disk)"
+
+    def __init__(self, trainer: Trainer, reference: list[torch.Tensor], path: Path) -> None:
+        super().__init__(trainer, reference)
+        self.path = path
+
+    def run_once(self, index: int) -> None:
+        baselines.dcp_load(self.trainer, self.path)
+
+
+class HpcftRestore(Restoring):
+    name, label = "hpcft", "hpcft restore from shm (checksums verified)"
+
+    def __init__(self, trainer: Trainer, reference: list[torch.Tensor], ckpt: object) -> None:
+        super().__init__(trainer, reference)
+        self.ckpt = ckpt
+
+    def run_once(self, index: int) -> None:
+        self.ckpt.restore()
+
+
+def _trained(opts: RestoreOptions) -> Trainer:
+    trainer = Trainer(config_for_params(opts.params))
+    trainer.step()  # creates the Adam moments, so the restored state is the full training state
+    return trainer
+
+
+def run(opts: RestoreOptions) -> Report:
+    """Run the restore bench and return its report."""
+    from hpcft.checkpointer import Checkpointer
+
+    set_threads(opts.threads)
+    with scratch(opts.root) as where, local_process_group():
+        source = _trained(opts)
+        ckpt = Checkpointer(source.model, source.optimizer, every=1, keep=2, root=str(where.shm), job_id="bench")
+        try:
+            ckpt.step(1)
+            ckpt.wait()
+            baselines.torch_save(source, where.disk / "ckpt.pt")
+            baselines.dcp_save(source, where.disk / "dcp")
+            reference = [t.clone() for t in source.state_tensors()]
+            variants = [HpcftRestore(source, reference, ckpt),
+                        DcpLoad(_trained(opts), reference, where.disk / "dcp"),
+                        TorchLoad(_trained(opts), reference, where.disk / "ckpt.pt")]
+            timings = run_interleaved(variants, opts.repeats, opts.warmup, block=1)
+        finally:
+            ckpt.close()
+        state_bytes = source.state_bytes()
+        memcpy = memcpy_bandwidth(state_bytes)
+        return _report(opts, source, timings, state_bytes, memcpy)
+
+
+def _report(opts: RestoreOptions, trainer: Trainer, timings: Timings, state_bytes: int, memcpy: float) -> Report:
+    hp, dcp, tl = (timings.median(n) for n in ("hpcft", "dcp_load", "torch_load"))
+    r = Report("restore")
+    r.add("restore_vs_memcpy", state_bytes / hp / memcpy, "x", "hpcft restore bandwidth ÷ 1-thread memcpy")
+    r.add("speedup_vs_dcp", dcp / hp, "x", "hpcft restore speedup over dcp.load")
+    r.add("speedup_vs_torch_load", tl / hp, "x", "hpcft restore speedup over torch.load")
+    r.add("restore_GBps", state_bytes / hp / GB, "GB/s", "hpcft restore bandwidth")
+    r.add("memcpy_GBps", memcpy / GB, "GB/s", "memcpy, 1 thread, same bytes")
+    r.add("restore_s_hpcft", hp, "s", "hpcft restore, median")
+    r.add("restore_s_dcp", dcp, "s", "dcp.load + set_state_dict, median")
+    r.add("restore_s_torch_load", tl, "s", "torch.load + load_state_dict, median")
+    r.add("state_bytes", state_bytes, "B", "bytes restored")
+    r.add("params", trainer.n_params(), "", "model parameters")
+    r.add("verified", True, "", "every restore bitwise equal to the saved state")
+    r.note("config", {**asdict(opts), "model": trainer.cfg.as_dict()})
+    r.note("variants", {name: timings.summary(name) for name in timings.samples})
+    return r
