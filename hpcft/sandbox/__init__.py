@@ -1,0 +1,5 @@
+"""The local Slurm sandbox: a real slurmctld and N real slurmd on this machine (see docs/sandbox.md)."""
+from hpcft.sandbox.cluster import Sandbox, ensure_up
+from hpcft.sandbox.config import SandboxConfig, default_dir
+
+__all__ = ["Sandbox", "SandboxConfig", "default_dir", "ensure_up"]

@@ -1,0 +1,111 @@
+"""`hpcft sandbox up|status|down|crash|restart` and `hpcft demo`."""
+import time
+from pathlib import Path
+
+import click
+
+from hpcft.errors import SandboxError
+from hpcft.sandbox.cluster import Sandbox, ensure_up
+from hpcft.sandbox.config import MODES, SandboxConfig, default_dir
+
+_dir_option = click.option(
+    "--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=None,
+    help="Sandbox directory (conf, logs, state) [default: $TMPDIR/hpcft-sandbox-<uid>].",
+)
+
+
+def _dir(directory: Path | None) -> Path:
+    return directory if directory is not None else default_dir()
+
+
+@click.group()
+def sandbox() -> None:
+    """A real local Slurm cluster (slurmctld + N slurmd) on this machine."""
+
+
+@sandbox.command()
+@click.option("--nodes", "-N", default=4, show_default=True, help="Number of slurmd nodes (n1..nN).")
+@click.option("--mode", type=click.Choice(MODES), default="netns", show_default=True,
+              help="netns: a network namespace, address and hostname per node; local: all on 127.0.0.1.")
+@click.option("--ctld-port", type=int, default=None, help="slurmctld port [6817 netns, 17000 local].")
+@click.option("--slurmd-port", type=int, default=None, help="slurmd port (local: the first node's) [6818, ctld+1].")
+@click.option("--subnet", default="10.77.0", show_default=True, help="netns: /24 used only inside the sandbox.")
+@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for every node to be idle.")
+@_dir_option
+def up(nodes: int, mode: str, ctld_port: int | None, slurmd_port: int | None, subnet: str, timeout: float,
+       directory: Path | None) -> None:
+    """Start the sandbox and wait until every node is idle (exit 0 if it is already up)."""
+    config = SandboxConfig(dir=_dir(directory), nodes=nodes, mode=mode, ctld_port=ctld_port,
+                           slurmd_port=slurmd_port, subnet=subnet)
+    t0 = time.monotonic()
+    sb, started = ensure_up(config, timeout=timeout)
+    if started:
+        click.echo(f"sandbox up in {time.monotonic() - t0:.1f} s: {len(sb.node_names)} nodes, mode {sb.config.mode}, dir {sb.dir}")
+    else:
+        click.echo(f"sandbox already up: {len(sb.node_names)} nodes, mode {sb.config.mode}, dir {sb.dir}")
+    _print_usage(sb)
+
+
+def _print_usage(sb: Sandbox) -> None:
+    prefix = " ".join(sb.client_prefix())
+    click.echo(f"run Slurm commands in it with: SLURM_CONF={sb.layout.slurm_conf} {prefix + ' ' if prefix else ''}srun -N{len(sb.node_names)} hostname")
+
+
+@sandbox.command()
+@_dir_option
+def status(directory: Path | None) -> None:
+    """Show the sandbox's daemons and Slurm's state of every node (exit 3 if it is not up)."""
+    sb = Sandbox.load(_dir(directory))
+    if not sb.is_up():
+        click.echo(f"sandbox in {sb.dir} is recorded but its slurmctld is not running; run `hpcft sandbox down` then `up`")
+        raise click.exceptions.Exit(3)
+    lay = sb.layout
+    click.echo(f"sandbox {sb.dir}: mode {sb.config.mode}, controller {lay.ctld_host} {lay.ctld_addr}:{lay.ctld_port} "
+               f"(pid {sb.groups['slurmctld'].pid})")
+    states = sb.node_states()
+    click.echo(f"{'NODE':<6} {'ADDRESS':<16} {'PORT':<6} {'PIDS':<5} SLURM STATE")
+    for node in lay.nodes:
+        click.echo(f"{node.name:<6} {node.addr:<16} {node.port:<6} {len(sb.node_pids(node.name)):<5} {states.get(node.name, '?')}")
+    _print_usage(sb)
+
+
+@sandbox.command()
+@_dir_option
+def down(directory: Path | None) -> None:
+    """Stop the sandbox's daemons and remove its namespaces (logs stay in its directory)."""
+    path = _dir(directory)
+    try:
+        sb = Sandbox.load(path)
+    except SandboxError:  # nothing recorded: nothing to stop
+        click.echo(f"no sandbox recorded in {path}; nothing to stop")
+        return
+    sb.down()
+    click.echo(f"sandbox in {path} stopped; logs kept in {sb.layout.log_dir}")
+
+
+@sandbox.command()
+@click.argument("node")
+@_dir_option
+def crash(node: str, directory: Path | None) -> None:
+    """Crash NODE hard: SIGKILL its slurmd, slurmstepds and tasks (its /dev/shm is lost)."""
+    pids = Sandbox.load(_dir(directory)).crash_node(node)
+    click.echo(f"crashed {node}: killed {len(pids)} processes")
+
+
+@sandbox.command()
+@click.argument("node")
+@click.option("--timeout", default=30.0, show_default=True)
+@_dir_option
+def restart(node: str, timeout: float, directory: Path | None) -> None:
+    """Bring NODE back (a fresh slurmd, empty /dev/shm) and wait until Slurm uses it."""
+    Sandbox.load(_dir(directory)).restart_node(node, timeout=timeout)
+    click.echo(f"{node} is back")
+
+
+@click.command()
+@_dir_option
+def demo(directory: Path | None) -> None:
+    """Bring the sandbox up, run `hpcft doctor` and a 4-node srun step."""
+    from hpcft.sandbox.demo import run_demo
+
+    raise click.exceptions.Exit(run_demo(SandboxConfig(dir=_dir(directory), nodes=4), click.echo))

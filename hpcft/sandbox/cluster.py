@@ -1,0 +1,338 @@
+"""The local Slurm sandbox: a real slurmctld and N real slurmd on this machine, started, inspected, crashed.
+
+Everything lives under one directory (conf, logs, pids, state, spool) and a state file (state.json)
+records what was started, so any process can `Sandbox.load(dir)` it and run Slurm clients inside it.
+"""
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+
+from hpcft.errors import SandboxError, SlurmError
+from hpcft.sandbox import munge, netns, procs
+from hpcft.sandbox.config import Layout, SandboxConfig, plan, render_hosts, render_mpi_conf, render_slurm_conf
+from hpcft.slurm.runner import Runner
+
+_log = logging.getLogger(__name__)
+
+STATE_FILE = "state.json"
+_READY = {"idle", "mixed", "allocated", "completing"}
+_NEEDED = {
+    "slurmctld": "slurmctld", "slurmd": "slurmd", "sinfo": "slurm-client", "srun": "slurm-client",
+    "/usr/sbin/munged": "munge", "nsenter": "util-linux", "unshare": "util-linux", "setpriv": "util-linux",
+}
+
+
+def _is_ready(state: str) -> bool:
+    """A node Slurm can use: responding (no '*') and not down, drained or failing."""
+    return state in _READY
+
+
+class Sandbox:
+    """One sandbox directory: its layout, and the daemons (groups) started for it."""
+
+    def __init__(self, layout: Layout, groups: Mapping[str, dict] | None = None, created_netns: Iterable[str] = ()):
+        self.layout = layout
+        self.groups: dict[str, procs.Group | None] = {
+            k: procs.Group.from_json(v) if v else None for k, v in (groups or {}).items()
+        }
+        self.created_netns: list[str] = list(created_netns)
+
+    # -- construction and the state file ------------------------------------------------------
+    @classmethod
+    def load(cls, directory: Path | str) -> "Sandbox":
+        """The sandbox recorded in `directory` (started by `hpcft sandbox up` or a test fixture)."""
+        path = Path(directory).absolute() / STATE_FILE
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise SandboxError(f"no sandbox in {path.parent}: start one with `hpcft sandbox up --dir {path.parent}`") from exc
+        except (OSError, ValueError) as exc:
+            raise SandboxError(f"cannot read sandbox state {path}: {exc}; remove it and run `hpcft sandbox up`") from exc
+        config = SandboxConfig(**{**data["config"], "dir": Path(data["config"]["dir"])})
+        layout = plan(config, hostname=data["ctld_host"])
+        return cls(layout, data.get("groups"), data.get("netns", []))
+
+    @property
+    def dir(self) -> Path:
+        return self.layout.dir
+
+    @property
+    def config(self) -> SandboxConfig:
+        return self.layout.config
+
+    @property
+    def node_names(self) -> list[str]:
+        return [n.name for n in self.layout.nodes]
+
+    def _save(self) -> None:
+        cfg = {**asdict(self.config), "dir": str(self.config.dir)}
+        data = {
+            "mode": self.config.mode,
+            "config": cfg,
+            "ctld_host": self.layout.ctld_host,
+            "controller": {"host": self.layout.ctld_host, "addr": self.layout.ctld_addr, "port": self.layout.ctld_port},
+            "nodes": [asdict(n) for n in self.layout.nodes],
+            "client_prefix": self.client_prefix(),
+            "slurm_conf": str(self.layout.slurm_conf),
+            "netns": self.created_netns,
+            "groups": {k: g.to_json() if g else None for k, g in self.groups.items()},
+        }
+        tmp = self.dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(self.dir / STATE_FILE)
+
+    # -- clients -----------------------------------------------------------------------------
+    def client_prefix(self) -> list[str]:
+        """What goes before srun/sbatch/scontrol so they reach the sandbox (enter its network namespace)."""
+        ctl = self.layout.ctld_netns
+        return ["nsenter", f"--net=/run/netns/{ctl}"] if ctl else []
+
+    def client_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """An environment (`base`, default ours) whose Slurm clients talk to this sandbox."""
+        env = dict(os.environ if base is None else base)
+        env["SLURM_CONF"] = str(self.layout.slurm_conf)
+        return env
+
+    def runner(self, timeout: float | None = 60.0) -> Runner:
+        """The Runner every Slurm command for this sandbox goes through."""
+        return Runner(prefix=self.client_prefix(), env={"SLURM_CONF": str(self.layout.slurm_conf)}, timeout=timeout)
+
+    # -- inspection ----------------------------------------------------------------------------
+    def is_up(self) -> bool:
+        """True if the controller we started is still running."""
+        ctl = self.groups.get("slurmctld")
+        return (self.dir / STATE_FILE).exists() and ctl is not None and procs.alive(ctl.pid, ctl.start_time)
+
+    def node_states(self) -> dict[str, str]:
+        """Slurm's view of every node, e.g. {'n1': 'idle', 'n2': 'down*'} ('*': not responding)."""
+        out = self.runner(timeout=15).run(["sinfo", "--noheader", "--Node", "--format=%N %T"]).stdout
+        return dict(line.split(None, 1) for line in out.splitlines() if line.strip())
+
+    def node_pids(self, name: str) -> list[int]:
+        """Live processes of node `name`: its slurmd, slurmstepds and their tasks."""
+        self.layout.node(name)
+        group = self.groups.get(name)
+        return procs.members(group) if group else []
+
+    def log_files(self) -> list[Path]:
+        """Every log the sandbox writes (daemon output, Slurm logs, munged)."""
+        return sorted(p for p in [*self.layout.log_dir.glob("*"), self.dir / "munge" / "munged.log"] if p.is_file())
+
+    # -- start -----------------------------------------------------------------------------------
+    def up(self, timeout: float = 30.0) -> bool:
+        """Start the sandbox and wait until every node is idle; False if it was already up.
+
+        On any failure everything started so far is stopped again and the error names the cause.
+        """
+        if self.is_up():
+            return False
+        if (self.dir / STATE_FILE).exists():
+            raise SandboxError(f"a stopped sandbox is recorded in {self.dir}: run `hpcft sandbox down --dir {self.dir}` first")
+        self.preflight()
+        try:
+            self._prepare_files()
+            self._save()
+            self._start_munge()
+            if self.config.mode == "netns":
+                self._create_namespaces()
+            self._start_controller()
+            for node in self.node_names:
+                self._start_node(node)
+            self.wait_ready(timeout=timeout)
+        except BaseException:
+            _log.info("sandbox start failed; stopping what was started")
+            self.down()
+            raise
+        return True
+
+    def preflight(self) -> None:
+        """Fail early, naming the missing privilege, binary or busy port, before anything starts."""
+        if os.geteuid() != 0:
+            raise SandboxError("the sandbox needs root (namespaces, mounts, munged as user munge): run it as root")
+        needed = dict(_NEEDED, **({"ip": "iproute2"} if self.config.mode == "netns" else {}))
+        missing = [f"{b} ({pkg})" for b, pkg in needed.items() if shutil.which(b) is None]
+        if missing:
+            raise SandboxError(f"missing for the sandbox: {', '.join(missing)}; run `make debs` or apt-get install them")
+        if self.config.mode == "netns" and not Path("/run/netns").parent.is_dir():
+            raise SandboxError("no /run directory for `ip netns`; use --mode local")
+        if self.config.mode == "local":
+            ports = [("slurmctld", self.layout.ctld_port)] + [(f"slurmd {n.name}", n.port) for n in self.layout.nodes]
+            for who, port in ports:
+                if not _port_free(port):
+                    raise SandboxError(
+                        f"port {port} ({who}) is in use on this machine: choose free ports with --ctld-port/--slurmd-port "
+                        "or use --mode netns"
+                    )
+
+    def _prepare_files(self) -> None:
+        d = self.dir
+        for sub in ("state", "spool", "pmix", "run"):
+            shutil.rmtree(d / sub, ignore_errors=True)
+        for sub in ("etc", "log", "state", "pmix", "run/mark", *(f"spool/{n}" for n in self.node_names)):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        d.chmod(0o755)
+        for path in self.layout.log_dir.glob("*"):
+            path.unlink()
+        self.layout.slurm_conf.write_text(render_slurm_conf(self.layout))
+        self.layout.mpi_conf.write_text(render_mpi_conf(self.layout))
+        self.layout.hosts_file.write_text(render_hosts(self.layout))
+        munge.prepare(d / "munge")
+
+    def _marker(self, name: str) -> str:
+        return f"hpcft-{self.config.tag}-{name}"
+
+    def _spawn(self, key: str, argv: list[str], **ns) -> None:
+        group = procs.spawn(
+            procs.namespaced(argv, marker=self._marker(key), marker_dir=self.dir / "run" / "mark", **ns),
+            self.layout.log_dir / f"{key}.out",
+            self._marker(key),
+        )
+        self.groups[key] = group
+        self._save()
+
+    def _start_munge(self) -> None:
+        self._spawn("munged", munge.argv(self.dir / "munge"))
+        deadline = time.monotonic() + 5
+        while not self.layout.munge_socket.exists():
+            if time.monotonic() > deadline:
+                raise SandboxError(f"munged did not create {self.layout.munge_socket}:\n{procs.tail(self.dir / 'munge' / 'munged.log')}")
+            time.sleep(0.01)
+
+    def _create_namespaces(self) -> None:
+        ctl = self.layout.ctld_netns
+        self.created_netns.append(ctl)
+        self._save()
+        netns.create_controller(ctl, self.layout.ctld_addr)
+        for node in self.layout.nodes:
+            self.created_netns.append(node.netns)
+            self._save()
+            netns.create_node(node.netns, ctl, node.name, node.addr)
+
+    def _netns_options(self, netns_name: str | None, hostname: str) -> dict:
+        if netns_name is None:
+            return {}
+        return {"netns": netns_name, "hostname": hostname, "binds": [(self.layout.hosts_file, "/etc/hosts")]}
+
+    def _start_controller(self) -> None:
+        argv = ["slurmctld", "-D", "-i", "-f", str(self.layout.slurm_conf)]
+        self._spawn("slurmctld", argv, **self._netns_options(self.layout.ctld_netns, self.layout.ctld_host))
+
+    def _start_node(self, name: str) -> None:
+        node = self.layout.node(name)
+        tmpfs = [
+            (self._marker(f"{name}-shm"), f"size={self.config.shm_size},mode=1777", "/dev/shm"),
+            (self._marker(f"{name}-pmix"), "mode=0755", str(self.layout.pmix_dir)),
+        ]
+        argv = ["slurmd", "-D", "-N", name, "-f", str(self.layout.slurm_conf)]
+        self._spawn(name, argv, tmpfs=tmpfs, **self._netns_options(node.netns, node.hostname))
+
+    # -- readiness -------------------------------------------------------------------------------
+    def wait_for(self, nodes: Iterable[str], predicate: Callable[[str], bool], what: str, timeout: float) -> dict[str, str]:
+        """Poll Slurm until predicate(state) holds for every node in `nodes`; the error shows the log tails."""
+        nodes = list(nodes)
+        deadline = time.monotonic() + timeout
+        states: dict[str, str] = {}
+        while True:
+            self._check_daemons()
+            try:
+                states = self.node_states()
+            except SlurmError as exc:
+                states = {"(sinfo)": str(exc)}
+            if all(predicate(states.get(n, "")) for n in nodes):
+                return states
+            if time.monotonic() > deadline:
+                logs = "\n".join(
+                    f"--- {p}:\n{procs.tail(p, 8)}" for p in [self.layout.log_dir / "slurmctld.out",
+                                                            *(self.layout.log_dir / f"{n}.out" for n in nodes)]
+                )
+                raise SandboxError(f"sandbox nodes {','.join(nodes)} not {what} within {timeout:g} s; Slurm says {states}\n{logs}")
+            time.sleep(0.1)
+
+    def wait_ready(self, nodes: Iterable[str] | None = None, timeout: float = 30.0) -> dict[str, str]:
+        """Wait until the nodes (default all) are up and usable in Slurm."""
+        return self.wait_for(self.node_names if nodes is None else nodes, _is_ready, "ready", timeout)
+
+    def _check_daemons(self) -> None:
+        for key in ("munged", "slurmctld"):
+            group = self.groups.get(key)
+            if group is None or not procs.alive(group.pid, group.start_time):
+                log = self.layout.log_dir / f"{key}.out"
+                raise SandboxError(f"{key} of the sandbox is not running; its log {log}:\n{procs.tail(log)}")
+
+    # -- faults ----------------------------------------------------------------------------------
+    def crash_node(self, name: str) -> list[int]:
+        """A hard node crash: SIGKILL its slurmd, slurmstepds and tasks at once; its /dev/shm is lost."""
+        self.layout.node(name)
+        group = self.groups.get(name)
+        pids = procs.members(group) if group else []
+        if group:
+            procs.kill(group, signal.SIGKILL)
+        _log.info("crashed sandbox node %s (killed pids %s)", name, pids)
+        return pids
+
+    def restart_node(self, name: str, timeout: float = 30.0) -> None:
+        """Power a node back on (crashing what is left of it first) and wait until Slurm uses it again."""
+        self.crash_node(name)
+        self._start_node(name)
+        self.wait_ready([name], timeout=timeout)
+
+    # -- stop --------------------------------------------------------------------------------------
+    def down(self) -> None:
+        """Stop only what this sandbox started (recorded groups, created namespaces); keep the logs.
+
+        Every daemon is SIGKILLed: the next `up` starts from empty state, so nothing needs saving.
+        """
+        errors = []
+        for key in ["slurmctld", *self.node_names, "munged"]:
+            group = self.groups.get(key)
+            if group is None:
+                continue
+            try:
+                procs.kill(group, signal.SIGKILL)
+                self.groups[key] = None
+            except SandboxError as exc:
+                errors.append(f"{key}: {exc}")
+        try:
+            netns.delete(self.created_netns)
+            self.created_netns = []
+        except SandboxError as exc:
+            errors.append(str(exc))
+        if errors:
+            self._save()
+            raise SandboxError("sandbox stopped incompletely: " + "; ".join(errors))
+        (self.dir / STATE_FILE).unlink(missing_ok=True)
+
+
+def ensure_up(config: SandboxConfig, timeout: float = 30.0) -> tuple[Sandbox, bool]:
+    """The sandbox in config.dir, started if it is not running; True in second place if we started it.
+
+    A sandbox already running there is returned as it is (whatever `config` says); one recorded but
+    dead (e.g. after a reboot) is cleaned up first.
+    """
+    if (config.dir / STATE_FILE).exists():
+        recorded = Sandbox.load(config.dir)
+        if recorded.is_up():
+            return recorded, False
+        _log.info("sandbox in %s left from an earlier run; cleaning it up first", config.dir)
+        recorded.down()
+    sandbox = Sandbox(plan(config))
+    sandbox.up(timeout=timeout)
+    return sandbox, True
+
+
+def _port_free(port: int) -> bool:
+    """True if a TCP listener could bind `port` on all addresses (what slurmd and slurmctld do)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True

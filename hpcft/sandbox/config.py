@@ -1,0 +1,189 @@
+"""What a sandbox looks like (nodes, addresses, ports, paths) and the Slurm files rendered from it. Pure."""
+import hashlib
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcft.errors import ConfigError
+
+MODES = ("netns", "local")
+MAX_NODES = 64
+
+
+def default_dir() -> Path:
+    """The sandbox directory used when none is given: one per user, under the temp directory."""
+    return Path(os.environ.get("TMPDIR", "/tmp")) / f"hpcft-sandbox-{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Everything that decides a sandbox's shape; every field has a working default."""
+
+    dir: Path = field(default_factory=default_dir)
+    nodes: int = 4
+    mode: str = "netns"
+    ctld_port: int | None = None  # default: 6817 (netns) or 17000 (local)
+    slurmd_port: int | None = None  # netns: every node's port (6818); local: the first node's (ctld_port + 1)
+    subnet: str = "10.77.0"  # netns only: a /24 that exists only inside the sandbox's namespaces
+    cpus: int = 4
+    memory_mb: int = 1000
+    shm_size: str = "2g"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dir", Path(self.dir).absolute())
+        if self.mode not in MODES:
+            raise ConfigError(f"sandbox mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if not 1 <= self.nodes <= MAX_NODES:
+            raise ConfigError(f"sandbox nodes must be between 1 and {MAX_NODES}, got {self.nodes}")
+        octets = self.subnet.split(".")
+        if len(octets) != 3 or not all(o.isdigit() and int(o) < 256 for o in octets):
+            raise ConfigError(f"sandbox subnet must be the first three octets of a /24 (e.g. 10.77.0), got {self.subnet!r}")
+        for name in ("ctld_port", "slurmd_port"):
+            port = getattr(self, name)
+            if port is not None and not 1 <= port <= 65535 - MAX_NODES:
+                raise ConfigError(f"sandbox {name} {port} is out of range")
+
+    @property
+    def tag(self) -> str:
+        """A short name derived from the directory, so two sandboxes never share a namespace name."""
+        return hashlib.sha1(str(self.dir).encode()).hexdigest()[:8]
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One slurmd: its Slurm name, the hostname and address it is reached at, its port and namespace."""
+
+    name: str
+    hostname: str
+    addr: str
+    port: int
+    netns: str | None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The concrete sandbox: controller, nodes and the files every daemon shares."""
+
+    config: SandboxConfig
+    ctld_host: str
+    ctld_addr: str
+    ctld_port: int
+    ctld_netns: str | None
+    nodes: tuple[NodeSpec, ...]
+
+    @property
+    def dir(self) -> Path:
+        return self.config.dir
+
+    @property
+    def slurm_conf(self) -> Path:
+        return self.dir / "etc" / "slurm.conf"
+
+    @property
+    def mpi_conf(self) -> Path:
+        return self.dir / "etc" / "mpi.conf"
+
+    @property
+    def hosts_file(self) -> Path:
+        return self.dir / "etc" / "hosts"
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.dir / "munge" / "munge.socket"
+
+    @property
+    def pmix_dir(self) -> Path:
+        return self.dir / "pmix"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.dir / "log"
+
+    def node(self, name: str) -> NodeSpec:
+        """The node called `name`; a clear error names the nodes there are."""
+        for spec in self.nodes:
+            if spec.name == name:
+                return spec
+        raise ConfigError(f"no sandbox node {name!r}; nodes are {', '.join(n.name for n in self.nodes)}")
+
+
+def plan(config: SandboxConfig, hostname: str | None = None) -> Layout:
+    """Lay out controller and nodes: netns gives every node its own address; local shares 127.0.0.1."""
+    names = [f"n{i}" for i in range(1, config.nodes + 1)]
+    if config.mode == "netns":
+        ctld_port = config.ctld_port or 6817
+        port = config.slurmd_port or 6818
+        prefix = f"hpcft-{config.tag}"
+        nodes = tuple(
+            NodeSpec(name, name, f"{config.subnet}.{10 + i}", port, f"{prefix}-{name}")
+            for i, name in enumerate(names, start=1)
+        )
+        return Layout(config, "ctl", f"{config.subnet}.1", ctld_port, f"{prefix}-ctl", nodes)
+    ctld_port = config.ctld_port or 17000
+    first = config.slurmd_port or ctld_port + 1
+    nodes = tuple(NodeSpec(name, "localhost", "127.0.0.1", first + i, None) for i, name in enumerate(names))
+    host = (hostname or socket.gethostname()).split(".")[0]
+    return Layout(config, host, "127.0.0.1", ctld_port, None, nodes)
+
+
+def render_slurm_conf(layout: Layout) -> str:
+    """slurm.conf for the sandbox: no cgroups, no accounting, fast failure detection and requeue."""
+    d = layout.dir
+    lines = [
+        "# Written by `hpcft sandbox up`; rewritten on every start.",
+        "ClusterName=hpcft-sandbox",
+        f"SlurmctldHost={layout.ctld_host}({layout.ctld_addr})",
+        f"SlurmctldPort={layout.ctld_port}",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        f"AuthInfo=socket={layout.munge_socket},cred_expire=10",
+        f"StateSaveLocation={d}/state",
+        f"SlurmdSpoolDir={d}/spool/%n",
+        f"SlurmctldPidFile={d}/run/slurmctld.pid",
+        f"SlurmdPidFile={d}/run/slurmd-%n.pid",
+        f"SlurmctldLogFile={layout.log_dir}/slurmctld.log",
+        f"SlurmdLogFile={layout.log_dir}/slurmd-%n.log",
+        "SlurmctldDebug=info",
+        "SlurmdDebug=info",
+        "MailProg=/bin/true",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "SlurmdParameters=config_overrides",
+        "MpiDefault=none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "SlurmdTimeout=10",
+        "SlurmctldTimeout=10",
+        "MessageTimeout=5",
+        "KillWait=3",
+        "ReturnToService=1",
+        "JobRequeue=1",
+        "SchedulerParameters=sched_interval=2,bf_interval=1",
+    ]
+    cfg = layout.config
+    for node in layout.nodes:
+        lines.append(
+            f"NodeName={node.name} NodeHostname={node.hostname} NodeAddr={node.addr} Port={node.port} "
+            f"CPUs={cfg.cpus} RealMemory={cfg.memory_mb} State=UNKNOWN"
+        )
+    lines.append("PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
+    return "\n".join(lines) + "\n"
+
+
+def render_mpi_conf(layout: Layout) -> str:
+    """mpi.conf: PMIx client files go to a per-node private tmpfs mounted at the same path on every node."""
+    return f"PMIxCliTmpDirBase={layout.pmix_dir}\n"
+
+
+def render_hosts(layout: Layout) -> str:
+    """/etc/hosts seen inside the sandbox's namespaces: the controller and every node by name."""
+    lines = ["127.0.0.1 localhost"]
+    if layout.ctld_netns is not None:
+        lines.append(f"{layout.ctld_addr} {layout.ctld_host}")
+        lines.extend(f"{n.addr} {n.hostname}" for n in layout.nodes)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,165 @@
+"""Detached daemons we start ourselves, each in its own mount namespace, found and killed by that namespace.
+
+A daemon "group" is one started process and everything it later forks (slurmstepds, job tasks): they
+all share the mount namespace `unshare -m` made for it, so killing a group never needs a process name.
+Namespace inodes are reused once a namespace dies, so a group is also marked by a tiny tmpfs whose
+source name is unique to it; a process counts as a member only if its namespace shows that mount.
+"""
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hpcft.errors import SandboxError
+
+# Start argv in the background with its output appended to $LOG, print its pid, exit: the daemon is
+# orphaned at once (no zombie for us to reap) and keeps that pid through nsenter/unshare/sh exec chains.
+_SPAWN = 'exec 0</dev/null; "$@" >>"$HPCFT_LOG" 2>&1 & echo $!'
+
+
+@dataclass(frozen=True)
+class Group:
+    """A started daemon: pid, its start time (guards against pid reuse), mount namespace inode and marker."""
+
+    pid: int
+    start_time: int
+    mntns: int
+    marker: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Group":
+        return cls(int(data["pid"]), int(data["start_time"]), int(data["mntns"]), str(data["marker"]))
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2 :].split()  # fields from 3 (state) on
+
+
+def _start_time(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None
+
+
+def alive(pid: int, start_time: int | None = None) -> bool:
+    """True if `pid` runs (zombies count as dead) and, when given, started at `start_time`."""
+    fields = _stat_fields(pid)
+    if not fields or fields[0] in ("Z", "X"):
+        return False
+    return start_time is None or int(fields[19]) == start_time
+
+
+def mntns_of(pid: int) -> int | None:
+    """The inode of `pid`'s mount namespace, or None if it is gone."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino
+    except OSError:
+        return None
+
+
+def has_marker(pid: int, marker: str) -> bool:
+    """True if `pid`'s mount namespace holds the tmpfs whose source is `marker`."""
+    try:
+        text = Path(f"/proc/{pid}/mountinfo").read_text()
+    except OSError:
+        return False
+    return f" - tmpfs {marker} " in text
+
+
+def pids_in_mntns(inode: int, marker: str) -> list[int]:
+    """Every live process whose mount namespace is `inode` and carries `marker`."""
+    found = [int(e) for e in os.listdir("/proc") if e.isdigit() and mntns_of(int(e)) == inode and alive(int(e))]
+    return found if found and has_marker(found[0], marker) else []
+
+
+def namespaced(
+    argv: Sequence[str],
+    *,
+    marker: str,
+    marker_dir: Path,
+    netns: str | None = None,
+    hostname: str | None = None,
+    binds: Sequence[tuple[Path, str]] = (),
+    tmpfs: Sequence[tuple[str, str, str]] = (),
+) -> list[str]:
+    """argv run in a new private mount namespace (and UTS namespace with `hostname`, net namespace `netns`).
+
+    Inside it: the marker tmpfs on `marker_dir`, bind mounts (source, target) and tmpfs mounts
+    (name, options, target), then `exec argv`. `ip netns exec` is not used: it remounts /sys.
+    """
+    q = shlex.quote
+    steps = ["set -e"]
+    if hostname:
+        steps.append(f"hostname {q(hostname)}")
+    steps.append(f"mount -t tmpfs -o size=4k,mode=0700 {q(marker)} {q(str(marker_dir))}")
+    steps += [f"mount --bind {q(str(src))} {q(dst)}" for src, dst in binds]
+    steps += [f"mount -t tmpfs -o {q(opts)} {q(name)} {q(target)}" for name, opts, target in tmpfs]
+    steps.append("exec " + " ".join(q(str(a)) for a in argv))
+    cmd = ["unshare", "-m", *(["--uts"] if hostname else []), "--propagation", "private", "sh", "-c", "\n".join(steps)]
+    return (["nsenter", f"--net=/run/netns/{netns}"] if netns else []) + cmd
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a log file, for error messages."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def spawn(argv: Sequence[str], log: Path, marker: str, timeout: float = 5.0) -> Group:
+    """Start a `namespaced` argv detached from us; return once its namespace shows `marker`."""
+    env = dict(os.environ, HPCFT_LOG=str(log))
+    proc = subprocess.run(
+        ["sh", "-c", _SPAWN, "sh", *argv], capture_output=True, text=True, env=env, start_new_session=True
+    )
+    if proc.returncode != 0 or not proc.stdout.strip().isdigit():
+        raise SandboxError(f"could not start {argv[0]}: {proc.stderr.strip() or proc.stdout.strip()}")
+    pid = int(proc.stdout.strip())
+    deadline = time.monotonic() + timeout
+    while True:
+        start, ns = _start_time(pid), mntns_of(pid)
+        if start is None or not alive(pid):
+            raise SandboxError(f"{marker} exited while starting; its log {log}:\n{tail(log)}")
+        if ns is not None and has_marker(pid, marker):
+            return Group(pid, start, ns, marker)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            raise SandboxError(f"pid {pid} did not set up its namespace within {timeout:g} s; log {log}:\n{tail(log)}")
+        time.sleep(0.005)
+
+
+def members(group: Group) -> list[int]:
+    """The live processes of a group: the daemon (if it is still ours) and all in its mount namespace."""
+    pids = set(pids_in_mntns(group.mntns, group.marker))
+    if alive(group.pid, group.start_time):
+        pids.add(group.pid)
+    return sorted(pids)
+
+
+def kill(group: Group, sig: int = signal.SIGKILL, timeout: float = 5.0) -> None:
+    """Send `sig` to every member until none is left (SIGKILL) or the daemon itself has exited (others)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = members(group) if sig == signal.SIGKILL else [p for p in [group.pid] if alive(p, group.start_time)]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            raise SandboxError(f"processes {pids} did not exit within {timeout:g} s after signal {sig}")
+        time.sleep(0.02)
