@@ -1,0 +1,173 @@
+"""The training-side API: `Checkpointer` snapshots model + optimizer + RNG + `extra` into node-local
+memory after optimizer steps, and `restore()` brings the newest complete snapshot back.
+
+Step numbering: a snapshot of step s holds the state after s optimizer steps (s >= 1). `restore()`
+returns s, the number of completed steps, which is also the 0-based index of the next loop iteration:
+`for it in range(ckpt.restore(), total)` resumes exactly where the snapshot left off; 0 means a fresh
+run (nothing to restore). A failed restore raises (IntegrityError / CheckpointError), never returns 0.
+"""
+import json
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hpcft.env import job_env
+from hpcft.errors import CheckpointError, ConfigError
+from hpcft.snapshot import copiers, rng, state
+from hpcft.snapshot.engine import Group, SnapshotEngine, Stats
+from hpcft.snapshot.restore import restore_newest
+from hpcft.store import RankStore
+
+_log = logging.getLogger(__name__)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class Checkpointer:
+    """In-memory snapshots of one model and its optimizer (see docs/checkpointing.md).
+
+    extra: a callable returning a JSON-able dict (e.g. data-loader position), recorded with each snapshot;
+           after restore() the saved dict is in `ckpt.extra` and is passed to `on_restore` if given.
+    dp_group: the data-parallel group; replicated state is split across its members (each copies 1/DP).
+    every / keep: snapshot every n-th optimizer step; keep this many complete versions (plus one slot).
+    auto: snapshot from the optimizer's post-step hook (default); with auto=False call `step(it)` yourself.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 extra: Callable[[], dict] | None = None, dp_group: Any = None, every: int = 1, keep: int = 2,
+                 root: str | os.PathLike | None = None, job_id: str | None = None, *, backend: str | None = None,
+                 max_inflight_bytes: int = 256 << 20, chunk_bytes: int = 4 << 20, threads: int | None = None,
+                 on_restore: Callable[[dict | None], None] | None = None, auto: bool = True,
+                 delay_per_chunk: float = 0.0):
+        if every < 1:
+            raise ConfigError(f"every must be at least 1 (got {every})")
+        if extra is not None and not callable(extra):
+            raise ConfigError("extra must be a callable returning a JSON-able dict (e.g. lambda: {'pos': pos})")
+        self.model, self.optimizer = model, optimizer
+        self.every, self.auto = every, auto
+        self._extra_fn, self._on_restore = extra, on_restore
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.job_id = str(job_id or job_env().job_id)
+        self.group = Group.of(dp_group)
+        self._dp_ranks = frozenset(self.group.ranks) if self.group else None
+        self.threads = threads or max(1, min(4, torch.get_num_threads()))
+        device = _device_of(model)
+        backend = copiers.choose(backend, device)
+        self.store = RankStore(self.job_id, self.rank, keep=keep, root=root)
+        copier = copiers.make(backend, device, max_inflight_bytes=max_inflight_bytes, threads=self.threads,
+                              delay_per_chunk=delay_per_chunk)
+        self.engine = SnapshotEngine(self.store, copier, group=self.group, chunk_bytes=chunk_bytes)
+        self.backend = backend
+        self.completed = 0  # optimizer steps applied to the live state
+        self.extra: dict | None = None
+        self._quiet = False  # hooks ignore optimizer steps hpcft itself makes
+        self._warned = False
+        self._hooks = []
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_pre_hook(self._pre_step))
+            if auto:
+                self._hooks.append(optimizer.register_step_post_hook(self._post_step))
+        elif auto:
+            raise ConfigError("auto snapshots need an optimizer; pass auto=False and call ckpt.step(it)")
+
+    # the two optimizer hooks -----------------------------------------------------------------------------
+    def _pre_step(self, *_: Any) -> None:
+        if not self._quiet:
+            self.engine.guard()
+
+    def _post_step(self, *_: Any) -> None:
+        if self._quiet:
+            return
+        self.completed += 1
+        if self.completed % self.every == 0:
+            self._snapshot()
+
+    # public API --------------------------------------------------------------------------------------------
+    def step(self, it: int) -> None:
+        """Mark the end of loop iteration `it` (0-based, as in `range(start, total)`): the state now holds
+        it + 1 optimizer steps. With auto=False this takes the snapshot; with auto=True the hook already did
+        and this only checks that the loop and the optimizer agree."""
+        if self.auto:
+            if it + 1 != self.completed and not self._warned:
+                self._warned = True
+                _log.warning("ckpt.step(%d) but the optimizer has made %d steps since step 0; snapshots are "
+                             "numbered by optimizer steps (use auto=False if your loop skips steps)",
+                             it, self.completed)
+            return
+        self.completed = it + 1
+        if self.completed % self.every == 0:
+            self._snapshot()
+            if self.optimizer is None:  # no pre-step hook to order the next update after the copy
+                self.engine.guard()
+
+    def _snapshot(self) -> None:
+        extra = self._extra_fn() if self._extra_fn else None
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"extra() must return a JSON-able dict ({exc})") from exc
+        meta = {"world": self.world, "job_id": self.job_id, "rng": rng.capture(), "extra": extra,
+                "optim": state.optimizer_meta(self.model, self.optimizer)}
+        entries = state.collect(self.model, self.optimizer, self._dp_ranks)
+        self.engine.snapshot(self.completed, entries, meta)
+
+    def snapshot(self) -> None:
+        """Take a snapshot of the current state now, as step `completed` (e.g. before a planned exit)."""
+        self.engine.guard()
+        self._snapshot()
+
+    def wait(self) -> None:
+        """Block until the last snapshot is committed (or has failed, with its event)."""
+        self.engine.wait()
+
+    def restore(self) -> int:
+        """Load the newest snapshot complete on every rank (collective) and return its step: the number of
+        optimizer steps it holds = the next loop index. 0 on a fresh run. Raises if snapshots exist but
+        none could be loaded (every candidate lost a chunk or does not match the model)."""
+        self.engine.wait()
+
+        def live() -> list[state.Entry]:
+            self._quiet = True
+            try:
+                state.ensure_optimizer_state(self.optimizer)
+            finally:
+                self._quiet = False
+            return state.collect(self.model, self.optimizer, self._dp_ranks)
+
+        version = restore_newest(self.store, self.group, live, self.threads)
+        if version is None:
+            self.completed, self.extra = 0, None
+            return 0
+        m = version.manifest
+        rng.restore(m["rng"])
+        state.apply_optimizer_meta(self.model, self.optimizer, m.get("optim") or {})
+        self.completed, self.extra = version.step, m.get("extra")
+        if self._on_restore:
+            self._on_restore(self.extra)
+        return version.step
+
+    @property
+    def stats(self) -> Stats:
+        """Counters: snapshots, bytes, blocked_s (training thread), copy_s, last_* and a per-snapshot history."""
+        return self.engine.stats
+
+    def close(self) -> None:
+        """Finish the last snapshot, remove the hooks, release threads and mappings (snapshots stay)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.engine.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,46 @@
+"""Copy-level backends behind one Protocol: `torch` (CUDA/ROCm streams), `hip` (hip-python), `cpu`."""
+import logging
+
+import torch
+
+from hpcft.deps import available
+from hpcft.errors import ConfigError
+from hpcft.snapshot.copiers.base import Copier, Transfer
+from hpcft.snapshot.copiers.cpu import CpuCopier
+
+_log = logging.getLogger(__name__)
+BACKENDS = ("auto", "cpu", "torch", "hip")
+
+
+def choose(backend: str | None, device: torch.device) -> str:
+    """`auto` → hip when the state is on a GPU of a ROCm build and hip-python imports, torch on any
+    other GPU, cpu otherwise. An explicit choice is validated, never silently replaced."""
+    backend = backend or "auto"
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown snapshot backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    on_gpu = device.type == "cuda"
+    if backend == "auto":
+        if not on_gpu:
+            return "cpu"
+        return "hip" if torch.version.hip and available("hip.hip") else "torch"
+    if backend in ("torch", "hip") and not on_gpu:
+        raise ConfigError(f"snapshot backend {backend!r} needs the model on a GPU (it is on {device}); "
+                          "use backend='cpu' or 'auto'")
+    return backend
+
+
+def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads: int,
+         delay_per_chunk: float = 0.0) -> Copier:
+    """Build the copier named by `choose`."""
+    if backend == "cpu":
+        return CpuCopier(threads=threads, delay_per_chunk=delay_per_chunk)
+    if backend == "torch":
+        from hpcft.snapshot.copiers.torch_stream import TorchCopier
+
+        return TorchCopier(device, max_inflight_bytes)
+    from hpcft.snapshot.copiers.hip import HipCopier
+
+    return HipCopier(device, max_inflight_bytes)
+
+
+__all__ = ["BACKENDS", "Copier", "CpuCopier", "Transfer", "choose", "make"]

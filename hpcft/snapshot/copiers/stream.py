@@ -1,0 +1,120 @@
+"""The GPU copy level shared by the torch and hip backends: an issuer thread with a cap on bytes in
+flight, a per-chunk completion event, a checksum per chunk once it has landed in host memory.
+
+A backend supplies four primitives (`_record_ready`, `_copy`, `_record`, `_synchronize`) and the
+device-side wait used by `guard`; everything else lives here once.
+"""
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+
+from hpcft.errors import CheckpointError
+from hpcft.snapshot.plan import Chunk
+from hpcft.store import Slot, crc32c
+
+
+class StreamTransfer:
+    """Issued asynchronously; `done_event` is recorded on the copy stream after the last chunk."""
+
+    def __init__(self, sources: Sequence[torch.Tensor]):
+        self.sources = sources  # kept alive until the copy is done
+        self.issued = threading.Event()
+        self.done_event: Any = None
+        self.future: Future | None = None
+
+    def done(self) -> bool:
+        return self.future is not None and self.future.done()
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        crcs = self.future.result(timeout)
+        self.sources = ()
+        return crcs
+
+
+class StreamCopier:
+    """Base of the device backends; subclasses implement the primitives below."""
+
+    name = "stream"
+
+    def __init__(self, max_inflight_bytes: int = 256 << 20):
+        self.cap = max_inflight_bytes
+        self._issuer = ThreadPoolExecutor(1, thread_name_prefix="hpcft-issue")
+        self._pinned: dict[str, tuple[int, int, int]] = {}  # slot path -> (generation, ptr, size)
+
+    # primitives -------------------------------------------------------------------------------------
+    def _register(self, ptr: int, size: int) -> None: raise NotImplementedError
+    def _unregister(self, ptr: int) -> None: raise NotImplementedError
+    def _record_ready(self) -> Any: raise NotImplementedError          # on the compute stream
+    def _wait_ready(self, ready: Any) -> None: raise NotImplementedError  # copy stream waits on it
+    def _copy(self, host: torch.Tensor, offset: int, src: torch.Tensor, start: int, nbytes: int) -> None:
+        raise NotImplementedError
+    def _record(self) -> Any: raise NotImplementedError                 # an event on the copy stream
+    def _synchronize(self, event: Any) -> None: raise NotImplementedError
+    def _compute_waits(self, event: Any) -> None: raise NotImplementedError
+
+    # shared logic -----------------------------------------------------------------------------------
+    def _pin(self, slot: Slot) -> torch.Tensor:
+        key = str(slot.path)
+        host = torch.from_numpy(slot.array)
+        ptr = host.data_ptr()
+        held = self._pinned.get(key)
+        if held is None or held[0] != slot.generation:
+            if held is not None:
+                self._unregister(held[1])
+            self._register(ptr, slot.size)
+            self._pinned[key] = (slot.generation, ptr, slot.size)
+        return host
+
+    def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> StreamTransfer:
+        host = self._pin(slot)
+        ready = self._record_ready()
+        transfer = StreamTransfer(sources)
+        transfer.future = self._issuer.submit(self._issue, transfer, chunks, slot, host, ready)
+        return transfer
+
+    def _issue(self, transfer: StreamTransfer, chunks: Sequence[Chunk], slot: Slot, host: torch.Tensor,
+               ready: Any) -> list[int]:
+        crcs = [0] * len(chunks)
+        inflight: deque = deque()
+        pending = 0
+
+        def land() -> int:
+            i, event = inflight.popleft()
+            self._synchronize(event)
+            c = chunks[i]
+            crcs[i] = crc32c(slot.array[c.offset:c.offset + c.nbytes])
+            return c.nbytes
+
+        try:
+            self._wait_ready(ready)
+            for i, chunk in enumerate(chunks):
+                for s in chunk.segments:
+                    self._copy(host, s.offset, transfer.sources[s.source], s.start, s.nbytes)
+                inflight.append((i, self._record()))
+                pending += chunk.nbytes
+                while pending > self.cap and len(inflight) > 1:
+                    pending -= land()
+            transfer.done_event = self._record()
+        finally:
+            transfer.issued.set()
+        while inflight:
+            land()
+        return crcs
+
+    def guard(self, transfer: StreamTransfer) -> None:
+        """Device-side: the compute stream waits for the copy's last event; the host waits only while
+        chunks are still being issued (a copy later than the whole forward/backward)."""
+        transfer.issued.wait()
+        if transfer.done_event is None:
+            transfer.result()  # issuing failed: raise its error here rather than race the optimizer
+            raise CheckpointError("snapshot copy ended without a completion event")
+        self._compute_waits(transfer.done_event)
+
+    def close(self) -> None:
+        self._issuer.shutdown(wait=True)
+        for _, ptr, _ in self._pinned.values():
+            self._unregister(ptr)
+        self._pinned.clear()

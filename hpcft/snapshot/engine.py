@@ -1,0 +1,221 @@
+"""The hierarchical asynchronous snapshot engine: level (a) chunked copies into a store slot by a
+copier backend, level (b) the replicated state split across the data-parallel group; a background
+thread commits the manifest once the copy has landed. Level (c) (protection, persistence) belongs to
+the node agent, which reads the committed snapshots."""
+import collections
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hpcft import events
+from hpcft.errors import CheckpointError, StoreError
+from hpcft.snapshot import plan
+from hpcft.snapshot.copiers import Copier, Transfer
+from hpcft.snapshot.state import Entry
+from hpcft.store import RankStore, Slot, crc32c
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class Stats:
+    """Counters for benches and status: totals since start, and the latest snapshot's figures."""
+    snapshots: int = 0           # committed
+    failed: int = 0              # started but not committed (copy or commit error)
+    skipped: int = 0             # not started (no slot: ENOSPC, ...)
+    bytes: int = 0               # bytes copied into the store by this rank, committed snapshots
+    blocked_s: float = 0.0       # training thread blocked: snapshot start + pre-step wait
+    copy_s: float = 0.0          # copy + checksum wall time (off the training thread where possible)
+    last_step: int = -1
+    last_blocked_s: float = 0.0
+    last_copy_s: float = 0.0
+    last_bytes: int = 0
+    history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1024))
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "history"}
+        d["history"] = list(self.history)
+        return d
+
+
+@dataclass(frozen=True)
+class Group:
+    """The data-parallel group as the engine needs it: the process group, its ranks, my index."""
+    pg: Any
+    ranks: tuple[int, ...]
+    member: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @staticmethod
+    def of(pg: Any) -> "Group | None":
+        if pg is None or not dist.is_initialized():
+            return None
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        return Group(pg, ranks, ranks.index(dist.get_rank()))
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's bytes (a contiguous copy if it is strided)."""
+    t = t if t.is_contiguous() else t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def signature(entries: Sequence[Entry]) -> int:
+    """crc32c of the names, dtypes and shapes: equal on every member iff their layouts agree."""
+    text = "|".join(f"{e.name}:{e.local.dtype}:{tuple(e.local.shape)}" for e in entries)
+    return crc32c(text.encode())
+
+
+@dataclass
+class Prepared:
+    """A layout with its byte views and chunks, reused while the state's tensors stay the same."""
+    key: tuple
+    own: list[Entry]
+    rep: list[Entry]
+    layout: plan.Layout
+    sources: list[torch.Tensor]
+    chunks: list[plan.Chunk]
+    rep_signature: int
+
+
+class SnapshotEngine:
+    """Takes snapshots of a list of entries into a RankStore through a Copier."""
+
+    def __init__(self, store: RankStore, copier: Copier, *, group: Group | None = None,
+                 chunk_bytes: int = 4 << 20):
+        self.store = store
+        self.copier = copier
+        self.group = group
+        self.chunk_bytes = chunk_bytes
+        self.stats = Stats()
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="hpcft-commit")
+        self._prepared: Prepared | None = None
+        self._checked_signature: int | None = None
+        self._transfer: Transfer | None = None
+        self._pending: Future | None = None
+
+    # level (b): who copies what ------------------------------------------------------------------------
+    def prepare(self, entries: Sequence[Entry]) -> Prepared:
+        """Split entries into own and replicated, lay out this member's bytes, cut chunks (cached)."""
+        key = tuple((e.name, e.local.data_ptr(), e.nbytes, e.local.dtype, e.replicated) for e in entries)
+        if self._prepared is not None and self._prepared.key == key:
+            return self._prepared
+        split = self.group is not None and self.group.size > 1
+        rep = [e for e in entries if split and e.replicated]
+        own = [e for e in entries if not (split and e.replicated)]
+        member, members = (self.group.member, self.group.size) if rep else (0, 1)
+        lay = plan.layout([e.nbytes for e in own], [e.nbytes for e in rep], member, members)
+        sources = [byte_view(e.local) for e in own + rep]
+        sig = signature(rep)
+        if rep and sig != self._checked_signature:
+            self._check_group_agrees(sig)
+        self._prepared = Prepared(key, own, rep, lay, sources, plan.chunks(lay.pieces, lay.nbytes, self.chunk_bytes),
+                                  sig)
+        return self._prepared
+
+    def _check_group_agrees(self, sig: int) -> None:
+        """Every member must split the same replicated list, or shares would not fit together."""
+        mine = torch.tensor([sig], dtype=torch.int64)
+        got = [torch.zeros_like(mine) for _ in range(self.group.size)]
+        dist.all_gather(got, mine, group=self.group.pg)
+        if any(int(g) != sig for g in got):
+            raise CheckpointError(
+                "the data-parallel group's members hold different replicated state (names, dtypes or shapes "
+                "differ); pass dp_group= only for ranks that hold identical replicas")
+        self._checked_signature = sig
+
+    # level (a): start, guard, commit -------------------------------------------------------------------
+    def snapshot(self, step: int, entries: Sequence[Entry], meta: dict[str, Any]) -> bool:
+        """Start a snapshot of `entries` as version `step`; False (with an event) if it could not start.
+        Call right after the optimizer step, on the training thread."""
+        t0 = time.perf_counter()
+        self._drain()
+        prep = self.prepare(entries)
+        try:
+            slot = self.store.begin(prep.layout.nbytes)
+        except StoreError as exc:
+            self.stats.skipped += 1
+            events.emit("snapshot_skipped", level=logging.ERROR, rank=self.store.rank, step=step, error=str(exc))
+            self.stats.blocked_s += time.perf_counter() - t0
+            return False
+        manifest = self._manifest(step, prep, meta)
+        self._transfer = self.copier.start(prep.sources, prep.chunks, slot)
+        self._pending = self._committer.submit(self._commit, self._transfer, slot, manifest, prep, time.perf_counter())
+        blocked = time.perf_counter() - t0
+        self.stats.blocked_s += blocked
+        self.stats.last_blocked_s = blocked
+        return True
+
+    def guard(self) -> None:
+        """Before the next optimizer step: that step must not change the state until the copy has read it."""
+        if self._transfer is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.copier.guard(self._transfer)
+        except Exception:  # the commit thread reports the failure as an event
+            _log.debug("snapshot copy failed; reported by the commit thread", exc_info=True)
+        finally:
+            self._transfer = None
+            waited = time.perf_counter() - t0
+            self.stats.blocked_s += waited
+            self.stats.last_blocked_s += waited
+
+    def _manifest(self, step: int, prep: Prepared, meta: dict[str, Any]) -> dict[str, Any]:
+        offsets = {p.source: p.offset for p in prep.layout.pieces if p.source < len(prep.own)}
+        entries = [{**e.describe(), "offset": offsets[i]} for i, e in enumerate(prep.own)]
+        m = {"step": step, "rank": self.store.rank, "time": time.time(), "backend": self.copier.name,
+             "data_bytes": prep.layout.nbytes, "chunk_bytes": self.chunk_bytes, "entries": entries, **meta}
+        if prep.rep:
+            m["share"] = {"group": list(self.group.ranks), "member": self.group.member, "members": self.group.size,
+                          "range": list(prep.layout.share_range), "offset": prep.layout.share_offset,
+                          "signature": prep.rep_signature, "replicated": [e.describe() for e in prep.rep]}
+        return m
+
+    def _commit(self, transfer: Transfer, slot: Slot, manifest: dict[str, Any], prep: Prepared, t0: float) -> None:
+        step = manifest["step"]
+        try:
+            crcs = transfer.result()
+            copy_s = time.perf_counter() - t0
+            manifest["chunks"] = [[c.offset, c.nbytes, crc] for c, crc in zip(prep.chunks, crcs)]
+            self.store.commit(slot, manifest)
+        except Exception as exc:
+            self.stats.failed += 1
+            events.emit("snapshot_failed", level=logging.ERROR, rank=self.store.rank, step=step,
+                        error=f"{type(exc).__name__}: {exc}")
+            return
+        s = self.stats
+        s.snapshots += 1
+        s.bytes += prep.layout.nbytes
+        s.copy_s += copy_s
+        s.last_step, s.last_copy_s, s.last_bytes = step, copy_s, prep.layout.nbytes
+        s.history.append({"step": step, "bytes": prep.layout.nbytes, "copy_s": copy_s,
+                          "blocked_s": s.last_blocked_s})
+
+    def _drain(self) -> None:
+        """Wait for the previous snapshot's copy and commit (normally long done)."""
+        self.guard()
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def wait(self) -> None:
+        """Block until the last snapshot is committed (or has failed, with its event)."""
+        self._drain()
+
+    def close(self) -> None:
+        """Finish the last snapshot, stop the threads, unmap the store (its snapshots stay)."""
+        try:
+            self._drain()
+        finally:
+            self._committer.shutdown(wait=True)
+            self.copier.close()
+            self.store.close()

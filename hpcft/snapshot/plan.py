@@ -1,0 +1,107 @@
+"""Pure planning: split replicated bytes across data-parallel members, lay out a data file, cut chunks.
+
+Nothing here touches tensors or files; every function maps plain numbers to plain numbers.
+"""
+from dataclasses import dataclass
+from typing import Sequence
+
+ALIGN = 64  # file offsets and share cuts are multiples of this (cache lines; full-speed memcpy)
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def share_cuts(total: int, members: int, align: int = ALIGN) -> list[int]:
+    """Cut points 0 = c0 <= ... <= c_members = total of a byte stream, balanced to within `align` bytes."""
+    if members < 1:
+        raise ValueError(f"members must be >= 1 (got {members})")
+    inner = [min(total, (total * i // members) // align * align) for i in range(1, members)]
+    return [0, *inner, total]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes [start, stop) of source `source` live at `offset` in the data file."""
+    source: int
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+
+def pieces_of_range(sizes: Sequence[int], lo: int, hi: int, base: int) -> list[Piece]:
+    """The pieces of the concatenation of `sizes` that fall in [lo, hi), placed contiguously from `base`."""
+    out, pos = [], 0
+    for i, n in enumerate(sizes):
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            out.append(Piece(i, a - pos, b - pos, base + (a - lo)))
+        pos += n
+    return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each piece goes: own sources first (each aligned), then this member's share, contiguous."""
+    pieces: tuple[Piece, ...]
+    share_offset: int
+    share_range: tuple[int, int]  # [lo, hi) of the replicated stream held here
+    nbytes: int
+
+
+def layout(own_sizes: Sequence[int], rep_sizes: Sequence[int], member: int, members: int) -> Layout:
+    """Lay out own sources (indices 0..len(own)-1) and this member's share of the replicated ones
+    (indices len(own)..); the replicated stream is the concatenation of `rep_sizes` in order."""
+    pieces, off = [], 0
+    for i, n in enumerate(own_sizes):
+        pieces.append(Piece(i, 0, n, off))
+        off = align_up(off + n)
+    cuts = share_cuts(sum(rep_sizes), members)
+    lo, hi = cuts[member], cuts[member + 1]
+    share = pieces_of_range(rep_sizes, lo, hi, off)
+    pieces += [Piece(p.source + len(own_sizes), p.start, p.stop, p.offset) for p in share]
+    return Layout(tuple(pieces), off, (lo, hi), align_up(off + hi - lo))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One contiguous copy: bytes [start, start+nbytes) of `source` to file offset `offset`."""
+    source: int
+    start: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes [offset, offset+nbytes) of the data file: the unit of copy, checksum and loss."""
+    offset: int
+    nbytes: int
+    segments: tuple[Segment, ...]
+
+
+def chunks(pieces: Sequence[Piece], nbytes: int, chunk_bytes: int) -> list[Chunk]:
+    """Cut [0, nbytes) into chunks of `chunk_bytes` (last one shorter) with the segments each covers.
+    Small pieces share a chunk (one checksum, one task); large ones span several."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive (got {chunk_bytes})")
+    ordered = sorted(pieces, key=lambda p: p.offset)
+    out, i = [], 0
+    for lo in range(0, nbytes, chunk_bytes):
+        hi = min(nbytes, lo + chunk_bytes)
+        segs = []
+        while i < len(ordered) and ordered[i].offset + ordered[i].nbytes <= lo:
+            i += 1
+        j = i
+        while j < len(ordered) and ordered[j].offset < hi:
+            p = ordered[j]
+            a, b = max(lo, p.offset), min(hi, p.offset + p.nbytes)
+            if a < b:
+                segs.append(Segment(p.source, p.start + (a - p.offset), a, b - a))
+            j += 1
+        out.append(Chunk(lo, hi - lo, tuple(segs)))
+    return out

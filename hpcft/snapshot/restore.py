@@ -1,0 +1,208 @@
+"""Restore (the paper's distributed in-memory loading): agree on the newest version every rank holds,
+verify each chunk while copying it back into the live tensors, and rebuild the replicated state from
+the data-parallel members' shares through the process group."""
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpcft import events
+from hpcft.errors import CheckpointError, IntegrityError
+from hpcft.snapshot import plan
+from hpcft.snapshot.engine import Group, byte_view, signature
+from hpcft.snapshot.state import Entry
+from hpcft.store import RankStore, Version, crc32c
+
+_log = logging.getLogger(__name__)
+OK, LOST, MISMATCH = 0, 1, 2
+
+
+def held_everywhere(store: RankStore) -> tuple[list[int], bool]:
+    """Steps complete on every rank, newest first, and whether any rank holds anything at all."""
+    mine = sorted({v.step for v in store.versions()}, reverse=True)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine, bool(mine)
+    width = store.nslots
+    row = torch.full((width,), -1, dtype=torch.int64)
+    row[:len(mine[:width])] = torch.tensor(mine[:width], dtype=torch.int64)
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    sets = [set(r.tolist()) - {-1} for r in rows]
+    return sorted(set.intersection(*sets), reverse=True), any(sets)
+
+
+@dataclass
+class _Target:
+    """A live tensor's bytes as the restore writes them (a staging copy if the tensor is strided)."""
+    entry: Entry
+    view: torch.Tensor
+
+    @staticmethod
+    def of(entry: Entry) -> "_Target":
+        t = entry.local
+        return _Target(entry, t.reshape(-1).view(torch.uint8) if t.is_contiguous()
+                       else torch.empty(entry.nbytes, dtype=torch.uint8, device=t.device))
+
+    def finish(self) -> None:
+        t = self.entry.local
+        if not t.is_contiguous():
+            t.copy_(self.view.view(t.dtype).view(t.shape))
+
+
+def _put(dst: torch.Tensor, start: int, src: np.ndarray) -> None:
+    """dst[start:start+len(src)] = src, at memcpy speed on the CPU, through torch on a device."""
+    n = src.size
+    if dst.device.type == "cpu":
+        np.copyto(dst[start:start + n].numpy(), src)
+    else:
+        dst[start:start + n].copy_(torch.from_numpy(src))
+
+
+def _check_structure(m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry], group: Group | None) -> None:
+    saved = [(e["name"], e["dtype"], e["shape"], e.get("placement")) for e in m["entries"]]
+    live = [(e.name, d["dtype"], d["shape"], d.get("placement")) for e, d in ((e, e.describe()) for e in own)]
+    if saved != live:
+        diff = sorted(set(map(str, saved)) ^ set(map(str, live)))[:3]
+        raise CheckpointError(f"snapshot of step {m['step']} does not match the live model/optimizer "
+                              f"(first differences: {diff}); restore into the same model, layout and optimizer")
+    share = m.get("share")
+    if bool(share) != bool(rep) or (share and (share["members"] != group.size or share["member"] != group.member
+                                              or share["signature"] != signature(rep))):
+        raise CheckpointError(f"snapshot of step {m['step']} was split over a different data-parallel group "
+                              "(or different replicated state) than the live one")
+
+
+class Loader:
+    """Loads one version into live entries; `threads` workers verify and copy chunks."""
+
+    def __init__(self, store: RankStore, group: Group | None, threads: int = 2):
+        self.store = store
+        self.group = group
+        self.threads = max(1, threads)
+
+    def split(self, entries: Sequence[Entry]) -> tuple[list[Entry], list[Entry]]:
+        on = self.group is not None and self.group.size > 1
+        return [e for e in entries if not (on and e.replicated)], [e for e in entries if on and e.replicated]
+
+    def load(self, version: Version, entries: Sequence[Entry]) -> int:
+        """Load `version` into `entries` on every rank (collective). Returns bytes read from the local store.
+        IntegrityError / CheckpointError on every rank if any rank failed, so all fall back together."""
+        own, rep = self.split(entries)
+        m = version.manifest
+        code, reason, nbytes = OK, "", 0
+        targets = [_Target.of(e) for e in own + rep]
+        try:
+            _check_structure(m, own, rep, self.group)
+            nbytes = self._local(version, own, rep, targets)
+        except IntegrityError as exc:
+            code, reason = LOST, str(exc)
+        except CheckpointError as exc:
+            code, reason = MISMATCH, str(exc)
+        worst = self._agree(code)
+        if worst != OK:
+            why = reason or ("another rank lost a chunk of this version" if worst == LOST
+                             else "another rank's snapshot does not match its live state")
+            raise (IntegrityError if worst == LOST else CheckpointError)(f"step {version.step}: {why}")
+        if rep:
+            self._exchange(version, rep, targets[len(own):])
+        for t in targets:
+            t.finish()
+        return nbytes
+
+    def _agree(self, code: int) -> int:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return code
+        t = torch.tensor([code], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
+
+    def _local(self, version: Version, own: Sequence[Entry], rep: Sequence[Entry], targets: list[_Target]) -> int:
+        """Verify every chunk of this rank's data file and copy the good ones into the live tensors."""
+        m = version.manifest
+        pieces = [plan.Piece(i, 0, e.nbytes, d["offset"]) for i, (e, d) in enumerate(zip(own, m["entries"]))]
+        if rep:
+            lo, hi = m["share"]["range"]
+            pieces += [plan.Piece(p.source + len(own), p.start, p.stop, p.offset) for p in
+                       plan.pieces_of_range([e.nbytes for e in rep], lo, hi, m["share"]["offset"])]
+        chunks = plan.chunks(pieces, m["data_bytes"], m["chunk_bytes"])
+        recorded = m["chunks"]
+        if len(chunks) != len(recorded) or any(c.offset != r[0] or c.nbytes != r[1] for c, r in zip(chunks, recorded)):
+            raise CheckpointError(f"step {version.step}: the manifest's chunk table does not match its layout")
+        data = self.store.slot(version.slot).array
+        if data.size < m["data_bytes"]:
+            raise IntegrityError(f"step {version.step}: data file is shorter than its manifest says")
+        views = [t.view for t in targets]
+
+        def work(which: range) -> list[int]:
+            lost = []
+            for i in which:
+                c = chunks[i]
+                block = data[c.offset:c.offset + c.nbytes]
+                if crc32c(block) != recorded[i][2]:
+                    lost.append(i)  # never copied into the model
+                    continue
+                for s in c.segments:
+                    _put(views[s.source], s.start, data[s.offset:s.offset + s.nbytes])
+            return lost
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            lost = sorted(i for f in [pool.submit(work, range(t, len(chunks), self.threads))
+                                      for t in range(self.threads)] for i in f.result())
+        if lost:
+            events.emit("chunk_lost", level=logging.ERROR, rank=self.store.rank, step=version.step,
+                        chunks=len(lost), first_offset=chunks[lost[0]].offset, path=str(self.store.dir))
+            raise IntegrityError(f"{len(lost)} chunk(s) of rank {self.store.rank}'s data fail their crc32c")
+        return m["data_bytes"]
+
+    def _exchange(self, version: Version, rep: Sequence[Entry], targets: Sequence[_Target]) -> None:
+        """Each member broadcasts its verified share; the others scatter it into their replicas."""
+        sizes = [e.nbytes for e in rep]
+        cuts = plan.share_cuts(sum(sizes), self.group.size)
+        share = version.manifest["share"]
+        data = self.store.slot(version.slot).array
+        scratch = torch.empty(max(b - a for a, b in zip(cuts, cuts[1:])), dtype=torch.uint8)
+        for j, src in enumerate(self.group.ranks):
+            lo, hi = cuts[j], cuts[j + 1]
+            if j == self.group.member:
+                buf = torch.from_numpy(data[share["offset"]:share["offset"] + hi - lo])
+            else:
+                buf = scratch[:hi - lo]
+            if hi > lo:
+                dist.broadcast(buf, src=src, group=self.group.pg)
+            if j == self.group.member:
+                continue
+            arr = buf.numpy()
+            for p in plan.pieces_of_range(sizes, lo, hi, 0):
+                _put(targets[p.source].view, p.start, arr[p.offset:p.offset + p.nbytes])
+
+
+def restore_newest(store: RankStore, group: Group | None, entries_fn, threads: int = 2) -> Version | None:
+    """Load the newest version complete on every rank, falling back on loss; None on a fresh run.
+    `entries_fn()` returns the live entries (called once, after the caller created optimizer state)."""
+    t0 = time.perf_counter()
+    candidates, anything = held_everywhere(store)
+    if not candidates:
+        if anything:
+            events.emit("restore_none", level=logging.WARNING, rank=store.rank,
+                        reason="no version is complete on every rank; starting from step 0")
+        return None
+    entries = entries_fn()
+    loader = Loader(store, group, threads)
+    by_step = {v.step: v for v in store.versions()}
+    failures = []
+    for step in candidates:
+        try:
+            nbytes = loader.load(by_step[step], entries)
+        except CheckpointError as exc:
+            failures.append(str(exc))
+            events.emit("restore_fallback", level=logging.ERROR, rank=store.rank, step=step, error=str(exc))
+            continue
+        events.emit("restore_done", rank=store.rank, step=step, bytes=nbytes,
+                    seconds=round(time.perf_counter() - t0, 6), skipped=len(failures))
+        return by_step[step]
+    raise IntegrityError("restore failed: no version held by every rank could be loaded: " + "; ".join(failures))

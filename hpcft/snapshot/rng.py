@@ -1,0 +1,41 @@
+"""RNG states (torch CPU and device, Python, NumPy) as JSON, and back."""
+import base64
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _tensor(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def capture() -> dict[str, Any]:
+    """Every generator a training step may draw from, in a JSON-able dict."""
+    version, state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"torch": _b64(torch.get_rng_state()),
+           "python": [version, list(state), gauss],
+           "numpy": [kind, _b64(torch.from_numpy(np.ascontiguousarray(keys).view(np.uint8))), int(pos),
+                     int(has_gauss), float(cached)]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["device"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore(saved: dict[str, Any]) -> None:
+    """Set every generator to the captured state."""
+    torch.set_rng_state(_tensor(saved["torch"]))
+    version, state, gauss = saved["python"]
+    random.setstate((version, tuple(state), gauss))
+    kind, keys, pos, has_gauss, cached = saved["numpy"]
+    np.random.set_state((kind, _tensor(keys).numpy().view(np.uint32).copy(), pos, has_gauss, cached))
+    if "device" in saved and torch.cuda.is_available():
+        states = [_tensor(s) for s in saved["device"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)

@@ -1,0 +1,167 @@
+"""What a snapshot holds: the model's and optimizer's tensors (local shards for DTensors), by name.
+
+Every entry is a live tensor that the optimizer updates in place, so a restore copies bytes back into
+exactly these tensors and the next step sees them (DTensor `to_local()` shares storage).
+"""
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcft.errors import CheckpointError, ConfigError
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class Entry:
+    """One named tensor of the state: `local` is the bytes this rank holds (the shard of a DTensor)."""
+    name: str
+    local: torch.Tensor
+    replicated: bool  # identical on every member of the data-parallel group
+    placement: dict[str, Any] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.local.numel() * self.local.element_size()
+
+    def describe(self) -> dict[str, Any]:
+        d = {"name": self.name, "dtype": str(self.local.dtype).removeprefix("torch."),
+             "shape": list(self.local.shape), "nbytes": self.nbytes, "replicated": self.replicated}
+        if self.placement:
+            d["placement"] = self.placement
+        return d
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
+def _placement(t: Any) -> dict[str, Any]:
+    mesh = t.device_mesh
+    return {"placements": [str(p) for p in t.placements], "mesh_shape": list(mesh.mesh.shape),
+            "mesh_dims": list(mesh.mesh_dim_names or ()), "global_shape": list(t.shape)}
+
+
+def _replicated(t: Any, dp_ranks: frozenset[int] | None) -> bool:
+    """Is `t` identical across the data-parallel group? Plain tensors are (DDP); a DTensor is when its
+    placement on the mesh dimension that spans the group is Replicate, or when its mesh does not span
+    the group at all (tensor parallel inside each replica). Anything unclear is saved by its owner."""
+    if not dp_ranks or len(dp_ranks) < 2:
+        return False
+    if not _is_dtensor(t):
+        return True
+    mesh = t.device_mesh
+    for dim in range(mesh.ndim):
+        if frozenset(dist.get_process_group_ranks(mesh.get_group(dim))) == dp_ranks:
+            return t.placements[dim].is_replicate()
+    return not (frozenset(mesh.mesh.flatten().tolist()) & dp_ranks) - {dist.get_rank()}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = t.to_local() if _is_dtensor(t) else t
+    return t.detach()
+
+
+def param_names(model: torch.nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name in the model."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def collect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+            dp_ranks: frozenset[int] | None) -> list[Entry]:
+    """Model state_dict entries (`model/<name>`) then optimizer state tensors (`optim/<param>/<key>`)."""
+    out = []
+    for name, t in model.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            out.append(Entry(f"model/{name}", _local(t), _replicated(t, dp_ranks),
+                             _placement(t) if _is_dtensor(t) else None))
+    if optimizer is not None:
+        names = param_names(model)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if not state:
+                    continue
+                if id(p) not in names:
+                    raise ConfigError("the optimizer holds a parameter that is not in the model; "
+                                      "give the Checkpointer the model that owns every optimized parameter")
+                for key, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        out.append(Entry(f"optim/{names[id(p)]}/{key}", _local(v), _replicated(v, dp_ranks),
+                                         _placement(v) if _is_dtensor(v) else None))
+    return out
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return {"tensor": v.item() if v.numel() == 1 else v.tolist()}
+    if isinstance(v, tuple):
+        return {"tuple": [_jsonable(x) for x in v]}
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    raise CheckpointError(f"cannot record optimizer setting of type {type(v).__name__} in a JSON manifest")
+
+
+def _unjson(v: Any, like: Any) -> Any:
+    if isinstance(v, dict) and "tuple" in v:
+        return tuple(_unjson(x, None) for x in v["tuple"])
+    if isinstance(v, dict) and "tensor" in v:
+        if isinstance(like, torch.Tensor):
+            like.copy_(torch.as_tensor(v["tensor"], dtype=like.dtype))
+            return like
+        return torch.tensor(v["tensor"])
+    return v
+
+
+def optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Hyperparameters of each param group and the non-tensor per-parameter state, as JSON."""
+    if optimizer is None:
+        return {}
+    names = param_names(model)
+    groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    scalars = {}
+    for p, state in optimizer.state.items():
+        for key, v in state.items():
+            if not isinstance(v, torch.Tensor) and id(p) in names:
+                scalars[f"{names[id(p)]}/{key}"] = _jsonable(v)
+    return {"param_groups": groups, "scalars": scalars}
+
+
+def apply_optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                         meta: dict[str, Any]) -> None:
+    """Put saved hyperparameters (e.g. a scheduled lr) and non-tensor state back."""
+    if optimizer is None or not meta:
+        return
+    if len(meta["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"snapshot has {len(meta['param_groups'])} optimizer param groups, "
+                              f"the optimizer {len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
+        for k, v in saved.items():
+            group[k] = _unjson(v, group.get(k))
+    names = param_names(model)
+    for p, state in optimizer.state.items():
+        for key in list(state):
+            k = f"{names.get(id(p))}/{key}"
+            if k in meta["scalars"]:
+                state[key] = _unjson(meta["scalars"][k], None)
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
+    """Create the optimizer's lazily built state (moments, step counters) without changing any parameter,
+    so that a restore has tensors to copy into. Uses torch's own helper (a step with lr=0 and zero
+    gradients); the restore then overwrites every state tensor it created."""
+    if optimizer is None or all(p in optimizer.state and optimizer.state[p]
+                                for g in optimizer.param_groups for p in g["params"] if p.requires_grad):
+        return
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)

@@ -1,0 +1,61 @@
+"""Manifests: the JSON description of one snapshot (never pickle), self-checksummed, committed by rename."""
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hpcft.errors import StoreError
+from hpcft.store.checksum import crc32c
+
+FORMAT = "hpcft-snapshot/1"
+
+
+def _body(manifest: dict[str, Any]) -> bytes:
+    fields = {k: v for k, v in manifest.items() if k != "checksum"}
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def encode(manifest: dict[str, Any]) -> bytes:
+    """The committed bytes: the manifest plus `format` and a crc32c of its canonical JSON."""
+    manifest = {**manifest, "format": FORMAT}
+    return json.dumps({**manifest, "checksum": crc32c(_body(manifest))}, sort_keys=True).encode()
+
+
+def decode(data: bytes, path: Path | str = "<manifest>") -> dict[str, Any]:
+    """Parse and verify a manifest; StoreError if it is torn, foreign or corrupt."""
+    try:
+        manifest = json.loads(data)
+    except ValueError as exc:
+        raise StoreError(f"manifest {path} is not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise StoreError(f"manifest {path} is not an {FORMAT} manifest")
+    if manifest.get("checksum") != crc32c(_body(manifest)):
+        raise StoreError(f"manifest {path} fails its checksum")
+    return manifest
+
+
+def write_atomic(path: Path, manifest: dict[str, Any]) -> None:
+    """Write `<path>.dirty` (exclusive, 0600), then rename it to `path`: readers see all or nothing."""
+    dirty = path.with_name(path.name + ".dirty")
+    try:
+        dirty.unlink(missing_ok=True)
+        fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            data = encode(manifest)
+            if os.write(fd, data) != len(data):
+                raise OSError(28, "short write")
+        finally:
+            os.close(fd)
+        os.rename(dirty, path)
+    except OSError as exc:
+        dirty.unlink(missing_ok=True)
+        raise StoreError(f"cannot commit manifest {path}: {exc.strerror or exc}") from exc
+
+
+def read(path: Path) -> dict[str, Any]:
+    """Read and verify one committed manifest."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise StoreError(f"cannot read manifest {path}: {exc.strerror}") from exc
+    return decode(data, path)

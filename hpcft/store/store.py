@@ -1,0 +1,107 @@
+"""A rank's versioned snapshots: fixed slots reused round-robin, a manifest per complete version."""
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcft import events
+from hpcft.errors import StoreError
+from hpcft.store import manifest as mf
+from hpcft.store.paths import job_dir, resolve_root, secure_dir
+from hpcft.store.slot import Slot
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Version:
+    """A complete snapshot held by this rank: its step, the slot that holds it and its manifest."""
+    step: int
+    slot: int
+    manifest: dict[str, Any]
+
+
+def rank_dir(job: Path, rank: int) -> Path:
+    return job / f"rank-{rank:05d}"
+
+
+class RankStore:
+    """Slots `slot-<k>.data` + manifests `slot-<k>.json` under `<root>/hpcft-<user>-<job>/rank-<r>/`.
+
+    Invariants: a slot is written only after its manifest is withdrawn; the slot holding the newest
+    complete version is never chosen for writing; a crash at any point leaves that version loadable.
+    """
+
+    def __init__(self, job_id: str, rank: int, *, keep: int = 2, root: str | os.PathLike | None = None,
+                 user: str | None = None):
+        if keep < 1:
+            raise StoreError(f"keep must be at least 1 (got {keep})")
+        self.keep = keep
+        self.rank = rank
+        self.job = secure_dir(job_dir(resolve_root(root), job_id, user))
+        self.dir = secure_dir(rank_dir(self.job, rank))
+        self.nslots = keep + 1
+        self._slots: dict[int, Slot] = {}
+        self._full: set[int] = set()  # slots whose allocation ran out of space in this process
+        for stale in self.dir.glob("*.dirty"):
+            stale.unlink(missing_ok=True)
+
+    def _manifest_path(self, k: int) -> Path:
+        return self.dir / f"slot-{k}.json"
+
+    def slot(self, k: int) -> Slot:
+        """Open (create if missing) slot k."""
+        if k not in self._slots:
+            self._slots[k] = Slot(k, self.dir / f"slot-{k}.data")
+        return self._slots[k]
+
+    def versions(self) -> list[Version]:
+        """Complete versions held here, oldest first; an unreadable manifest is reported and skipped."""
+        found = []
+        for k in range(self.nslots):
+            path = self._manifest_path(k)
+            if not path.exists():
+                continue
+            try:
+                m = mf.read(path)
+            except StoreError as exc:
+                events.emit("manifest_bad", level=logging.WARNING, rank=self.rank, path=str(path), error=str(exc))
+                continue
+            found.append(Version(int(m["step"]), k, m))
+        return sorted(found, key=lambda v: v.step)
+
+    def begin(self, nbytes: int) -> Slot:
+        """Pick a slot for a new version of `nbytes`, withdraw its manifest, size it; StoreError if none fits."""
+        held = self.versions()
+        newest = held[-1].slot if held else None
+        by_age = {v.slot: i for i, v in enumerate(held)}
+        order = sorted((k for k in range(self.nslots) if k != newest), key=lambda k: by_age.get(k, -1))
+        last_error: StoreError | None = None
+        for k in order:
+            if k in self._full and (k not in self._slots or self._slots[k].size < nbytes):
+                continue
+            self.withdraw(k)
+            try:
+                slot = self.slot(k)
+                slot.ensure(nbytes)
+                return slot
+            except StoreError as exc:
+                self._full.add(k)
+                last_error = exc
+                events.emit("store_full", level=logging.ERROR, rank=self.rank, slot=k, bytes=nbytes, error=str(exc))
+        raise last_error or StoreError(f"no slot available in {self.dir}")
+
+    def withdraw(self, k: int) -> None:
+        """Remove slot k's manifest: from now on its data is not a version and may be overwritten."""
+        self._manifest_path(k).unlink(missing_ok=True)
+
+    def commit(self, slot: Slot, manifest: dict[str, Any]) -> None:
+        """Publish `slot` as a complete version described by `manifest` (atomic rename)."""
+        mf.write_atomic(self._manifest_path(slot.index), {**manifest, "slot": slot.index})
+
+    def close(self) -> None:
+        """Unmap every slot; the snapshots stay on the store root."""
+        for slot in self._slots.values():
+            slot.close()
+        self._slots.clear()
