@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
@@ -22,6 +23,9 @@ from hpcft.slurm.runner import Runner
 _log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
+# Every daemon's namespace mounts its marker tmpfs here: a fixed directory that is never removed (removing
+# a mount point, even one mounted only in another namespace, detaches the mount and would hide the marker).
+MARKER_DIR = Path("/run/hpcft-sandbox-mark")
 _READY = {"idle", "mixed", "allocated", "completing"}
 _NEEDED = {
     "slurmctld": "slurmctld", "slurmd": "slurmd", "sinfo": "slurm-client", "srun": "slurm-client",
@@ -154,14 +158,7 @@ class Sandbox:
 
     def preflight(self) -> None:
         """Fail early, naming the missing privilege, binary or busy port, before anything starts."""
-        if os.geteuid() != 0:
-            raise SandboxError("the sandbox needs root (namespaces, mounts, munged as user munge): run it as root")
-        needed = dict(_NEEDED, **({"ip": "iproute2"} if self.config.mode == "netns" else {}))
-        missing = [f"{b} ({pkg})" for b, pkg in needed.items() if shutil.which(b) is None]
-        if missing:
-            raise SandboxError(f"missing for the sandbox: {', '.join(missing)}; run `make debs` or apt-get install them")
-        if self.config.mode == "netns" and not Path("/run/netns").parent.is_dir():
-            raise SandboxError("no /run directory for `ip netns`; use --mode local")
+        check_machine(self.config.mode)
         if self.config.mode == "local":
             ports = [("slurmctld", self.layout.ctld_port)] + [(f"slurmd {n.name}", n.port) for n in self.layout.nodes]
             for who, port in ports:
@@ -175,8 +172,9 @@ class Sandbox:
         d = self.dir
         for sub in ("state", "spool", "pmix", "run"):
             shutil.rmtree(d / sub, ignore_errors=True)
-        for sub in ("etc", "log", "state", "pmix", "run/mark", *(f"spool/{n}" for n in self.node_names)):
+        for sub in ("etc", "log", "state", "pmix", "run", *(f"spool/{n}" for n in self.node_names)):
             (d / sub).mkdir(parents=True, exist_ok=True)
+        MARKER_DIR.mkdir(mode=0o755, exist_ok=True)
         d.chmod(0o755)
         for path in self.layout.log_dir.glob("*"):
             path.unlink()
@@ -190,7 +188,7 @@ class Sandbox:
 
     def _spawn(self, key: str, argv: list[str], **ns) -> None:
         group = procs.spawn(
-            procs.namespaced(argv, marker=self._marker(key), marker_dir=self.dir / "run" / "mark", **ns),
+            procs.namespaced(argv, marker=self._marker(key), marker_dir=MARKER_DIR, **ns),
             self.layout.log_dir / f"{key}.out",
             self._marker(key),
         )
@@ -205,15 +203,18 @@ class Sandbox:
                 raise SandboxError(f"munged did not create {self.layout.munge_socket}:\n{procs.tail(self.dir / 'munge' / 'munged.log')}")
             time.sleep(0.01)
 
+    def _add_netns(self, name: str) -> None:
+        netns.add(name)
+        self.created_netns.append(name)  # recorded only once it is ours, so rollback never deletes another's
+        self._save()
+
     def _create_namespaces(self) -> None:
         ctl = self.layout.ctld_netns
-        self.created_netns.append(ctl)
-        self._save()
-        netns.create_controller(ctl, self.layout.ctld_addr)
+        self._add_netns(ctl)
+        netns.setup_controller(ctl, self.layout.ctld_addr)
         for node in self.layout.nodes:
-            self.created_netns.append(node.netns)
-            self._save()
-            netns.create_node(node.netns, ctl, node.name, node.addr)
+            self._add_netns(node.netns)
+            netns.setup_node(node.netns, ctl, node.name, node.addr)
 
     def _netns_options(self, netns_name: str | None, hostname: str) -> dict:
         if netns_name is None:
@@ -283,6 +284,24 @@ class Sandbox:
         self._start_node(name)
         self.wait_ready([name], timeout=timeout)
 
+    def heal(self, timeout: float = 60.0) -> None:
+        """Back to a clean cluster for the next test: no jobs, every node running and idle.
+
+        Nodes without a live slurmd are restarted; nodes Slurm holds down or drained are resumed.
+        """
+        runner = self.runner(timeout=15)
+        jobs = runner.run(["squeue", "--noheader", "--format=%i"]).stdout.split()
+        if jobs:
+            runner.run(["scancel", *jobs], check=False)
+        for name in self.node_names:
+            group = self.groups.get(name)
+            if group is None or not procs.alive(group.pid, group.start_time):
+                self.restart_node(name, timeout=timeout)
+        held = [n for n, s in self.node_states().items() if s.rstrip("*~#").startswith(("down", "drain", "fail"))]
+        if held:
+            runner.run(["scontrol", "update", f"NodeName={','.join(held)}", "State=RESUME"], check=False)
+        self.wait_for(self.node_names, lambda s: s == "idle", "idle", timeout)
+
     # -- stop --------------------------------------------------------------------------------------
     def down(self) -> None:
         """Stop only what this sandbox started (recorded groups, created namespaces); keep the logs.
@@ -308,6 +327,30 @@ class Sandbox:
             self._save()
             raise SandboxError("sandbox stopped incompletely: " + "; ".join(errors))
         (self.dir / STATE_FILE).unlink(missing_ok=True)
+
+
+def unavailable_reason(mode: str = "netns") -> str | None:
+    """Why this machine cannot run a sandbox in `mode` (not root, packages missing, no namespaces), or None."""
+    try:
+        check_machine(mode)
+    except SandboxError as exc:
+        return str(exc)
+    return None
+
+
+def check_machine(mode: str) -> None:
+    """Raise SandboxError naming the missing privilege or binary that `mode` needs."""
+    if os.geteuid() != 0:
+        raise SandboxError("the sandbox needs root (namespaces, mounts, munged as user munge): run it as root")
+    needed = dict(_NEEDED, **({"ip": "iproute2"} if mode == "netns" else {}))
+    missing = [f"{b} ({pkg})" for b, pkg in needed.items() if shutil.which(b) is None]
+    if missing:
+        raise SandboxError(f"missing for the sandbox: {', '.join(missing)}; run `make debs` or apt-get install them")
+    flags = ["--mount"] + (["--net", "--uts"] if mode == "netns" else [])
+    probe = subprocess.run(["unshare", *flags, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        hint = "; try --mode local" if mode == "netns" else ""
+        raise SandboxError(f"cannot create namespaces (`unshare {' '.join(flags)}`: {probe.stderr.strip()}){hint}")
 
 
 def ensure_up(config: SandboxConfig, timeout: float = 30.0) -> tuple[Sandbox, bool]:

@@ -23,19 +23,26 @@ def exists(name: str) -> bool:
     return Path("/run/netns", name).exists()
 
 
-def create_controller(name: str, addr: str) -> None:
-    """The controller's namespace: loopback and a bridge at `addr`/24 that every node plugs into."""
+def add(name: str) -> None:
+    """Create an empty network namespace; refuse one that exists (it is not ours to take over)."""
+    if exists(name):
+        raise SandboxError(
+            f"network namespace {name} exists already (left by a sandbox whose state was lost?): "
+            f"remove it with `ip netns del {name}`"
+        )
     _ip("netns", "add", name)
     _ip("-n", name, "link", "set", "lo", "up")
+
+
+def setup_controller(name: str, addr: str) -> None:
+    """The controller's namespace gets a bridge at `addr`/24 that every node plugs into."""
     _ip("-n", name, "link", "add", _BRIDGE, "type", "bridge")
     _ip("-n", name, "addr", "add", f"{addr}/24", "dev", _BRIDGE)
     _ip("-n", name, "link", "set", _BRIDGE, "up")
 
 
-def create_node(name: str, controller: str, node: str, addr: str) -> None:
-    """A node's namespace: loopback and eth0 at `addr`/24, a veth whose peer is on the controller's bridge."""
-    _ip("netns", "add", name)
-    _ip("-n", name, "link", "set", "lo", "up")
+def setup_node(name: str, controller: str, node: str, addr: str) -> None:
+    """A node's namespace gets eth0 at `addr`/24, a veth whose peer is on the controller's bridge."""
     _ip("-n", controller, "link", "add", f"v-{node}", "type", "veth", "peer", "name", "eth0", "netns", name)
     _ip("-n", controller, "link", "set", f"v-{node}", "master", _BRIDGE, "up")
     _ip("-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
