@@ -1,0 +1,172 @@
+"""Training scenarios run as real ranks by launch.py (one process per rank, gloo, CPU).
+
+  roundtrip --kind ddp|tp|fsdp   snapshot, clobber, restore into a fresh model+optimizer: bitwise equal?
+  train --steps N [--kill-at K] [--delay S] [--tag T]
+                                 train with snapshots every step; SIGKILL itself right after step K
+                                 (mid-snapshot with --delay); restore on start; save reference states
+"""
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import hpcft
+from hpcft.snapshot import state as hstate
+
+D = 16
+
+
+def build(kind: str, ctx, dropout: float = 0.0) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(D, 4 * D), torch.nn.ReLU(), torch.nn.Linear(4 * D, D),
+                                torch.nn.Dropout(dropout))
+    model.register_buffer("seen", torch.zeros(3))
+    if kind == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if kind == "tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        return parallelize_module(model, ctx.mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=ctx.mesh["dp"])
+        return fully_shard(model, mesh=ctx.mesh["dp"])
+    raise SystemExit(f"unknown kind {kind}")
+
+
+def batch(it: int, dp_rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * it + dp_rank)
+    return torch.randn(8, D, generator=g)
+
+
+def train_step(kind: str, ctx, model, opt, it: int, pos: dict) -> None:
+    x = batch(it, ctx.dp_rank)
+    pos["pos"] = it + 1  # batches consumed: what extra() reports at the optimizer step
+    loss = model(x).pow(2).mean() + 0.01 * torch.rand(()).item()  # draws from the torch RNG too
+    loss.backward()
+    if kind == "tp" and ctx.dp > 1:  # data parallel by hand across the dp dimension
+        for p in model.parameters():
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(g, group=ctx.dp_group)
+            g.div_(ctx.dp)
+    with torch.no_grad():
+        model.get_buffer("module.seen" if kind == "ddp" else "seen").add_(1)
+    random.random(), np.random.rand()  # RNG draws belong before the step: auto snapshots capture RNG there
+    opt.step()
+    opt.zero_grad()
+
+
+def snapshot_of(model, opt) -> dict[str, torch.Tensor]:
+    return {e.name: e.local.clone() for e in hstate.collect(model, opt, None)}
+
+
+def rng_now() -> dict:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, st, gauss = random.getstate()
+    return {"torch": torch.get_rng_state().clone(), "python": [version, list(st), gauss],
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
+
+
+def same_rng(a: dict, b: dict) -> bool:
+    return (torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"] and a["numpy"][0] == b["numpy"][0]
+            and torch.equal(a["numpy"][1], b["numpy"][1]) and a["numpy"][2:] == b["numpy"][2:])
+
+
+def diff(ref: dict, now: dict) -> list[str]:
+    bad = [k for k in ref if k not in now or ref[k].dtype != now[k].dtype or not torch.equal(ref[k], now[k])]
+    return bad + [k for k in now if k not in ref]
+
+
+def roundtrip(args, ctx) -> dict:
+    model = build(args.kind, ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    pos = {"pos": 0}
+    ckpt = hpcft.Checkpointer(model, opt, extra=lambda: dict(pos), dp_group=ctx.dp_group, chunk_bytes=1024)
+    if ckpt.restore() != 0:
+        return {"ok": False, "why": "fresh run did not restore 0"}
+    for it in range(args.steps):
+        train_step(args.kind, ctx, model, opt, it, pos)
+    ckpt.wait()
+    ref, ref_rng = snapshot_of(model, opt), rng_now()
+    stats = ckpt.stats.as_dict()
+    ckpt.close()
+    # a fresh model and optimizer (other seed, no optimizer state), as after a relaunch
+    torch.manual_seed(123), random.seed(5), np.random.seed(5)
+    model2 = build(args.kind, ctx)
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(1.0)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5, weight_decay=0.1)
+    ckpt2 = hpcft.Checkpointer(model2, opt2, dp_group=ctx.dp_group)
+    step = ckpt2.restore()
+    now = snapshot_of(model2, opt2)
+    bad = diff(ref, now)
+    ok = step == args.steps and not bad and same_rng(ref_rng, rng_now()) and ckpt2.extra == {"pos": args.steps} \
+        and opt2.param_groups[0]["lr"] == 1e-2
+    ckpt2.close()
+    return {"ok": ok, "step": step, "mismatch": bad, "extra": ckpt2.extra, "entries": len(ref),
+            "bytes_copied": stats["bytes"], "rng_equal": same_rng(ref_rng, rng_now())}
+
+
+def train(args, ctx) -> dict:
+    torch.use_deterministic_algorithms(True)
+    model = build("ddp", ctx, dropout=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    pos = {"pos": 0}
+    ckpt = hpcft.Checkpointer(model, opt, extra=lambda: dict(pos), dp_group=ctx.dp_group, chunk_bytes=1024,
+                              delay_per_chunk=args.delay)
+    torch.manual_seed(7 + ctx.rank), random.seed(7), np.random.seed(7)  # the run's seed; restore overrides it
+    start = ckpt.restore()
+    out = Path(args.out)
+    report = {"start": start, "extra": ckpt.extra}
+    ref = out / f"ref-rank{ctx.rank}-step{start}.pt"
+    if start and ref.exists():
+        saved = torch.load(ref)
+        report["restored_equal"] = not diff(saved["state"], snapshot_of(model, opt)) and same_rng(saved["rng"], rng_now())
+    pos["pos"] = start
+    for it in range(start, args.steps):
+        train_step("ddp", ctx, model, opt, it, pos)
+        if args.kill_at == it + 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # the snapshot of this step is in flight
+        if args.save_refs:
+            ckpt.wait()
+            torch.save({"state": snapshot_of(model, opt), "rng": rng_now()}, out / f"ref-rank{ctx.rank}-step{it + 1}.pt")
+    ckpt.wait()
+    torch.save({k: v for k, v in model.state_dict().items()}, out / f"final-{args.tag}-rank{ctx.rank}.pt")
+    ckpt.close()
+    return {**report, "ok": True}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kind", default="ddp")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--kill-at", type=int, default=0)
+    ap.add_argument("--delay", type=float, default=0.0)
+    ap.add_argument("--tag", default="run")
+    ap.add_argument("--save-refs", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    ctx = hpcft.init(tp=args.tp)
+    fn = {"roundtrip": roundtrip, "train": train}[args.scenario]
+    report = fn(args, ctx)
+    Path(args.out, f"{args.scenario}-{args.tag}-rank{ctx.rank}.json").write_text(json.dumps(report, default=str))
+    dist.barrier()
+    ctx.close()
+    return 0 if report.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
