@@ -1,0 +1,104 @@
+"""The sandbox's layout and the Slurm files rendered from it (golden text), without starting anything."""
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpcft.errors import ConfigError
+from hpcft.sandbox.config import SandboxConfig, plan, render_hosts, render_mpi_conf, render_slurm_conf
+from hpcft.sandbox.procs import namespaced
+
+# When a change to the rendering is intended, print render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb",
+# nodes=2))) and paste it here.
+GOLDEN_NETNS = """\
+# Written by `hpcft sandbox up`; rewritten on every start.
+ClusterName=hpcft-sandbox
+SlurmctldHost=ctl(10.77.0.1)
+SlurmctldPort=6817
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=/tmp/sb/munge/munge.socket,cred_expire=10
+StateSaveLocation=/tmp/sb/state
+SlurmdSpoolDir=/tmp/sb/spool/%n
+SlurmctldPidFile=/tmp/sb/run/slurmctld.pid
+SlurmdPidFile=/tmp/sb/run/slurmd-%n.pid
+SlurmctldLogFile=/tmp/sb/log/slurmctld.log
+SlurmdLogFile=/tmp/sb/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+MailProg=/bin/true
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SlurmdTimeout=10
+SlurmctldTimeout=10
+MessageTimeout=5
+KillWait=3
+ReturnToService=1
+JobRequeue=1
+SchedulerParameters=sched_interval=2,bf_interval=1
+NodeName=n1 NodeHostname=n1 NodeAddr=10.77.0.11 Port=6818 CPUs=4 RealMemory=1000 State=UNKNOWN
+NodeName=n2 NodeHostname=n2 NodeAddr=10.77.0.12 Port=6818 CPUs=4 RealMemory=1000 State=UNKNOWN
+PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def test_netns_slurm_conf_matches_golden_text():
+    assert render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb", nodes=2))) == GOLDEN_NETNS
+
+
+def test_local_mode_shares_localhost_with_one_port_per_node():
+    layout = plan(SandboxConfig(dir="/tmp/sb", nodes=3, mode="local", ctld_port=20000), hostname="host.example")
+    text = render_slurm_conf(layout)
+    assert "SlurmctldHost=host(127.0.0.1)\nSlurmctldPort=20000\n" in text
+    assert "NodeName=n3 NodeHostname=localhost NodeAddr=127.0.0.1 Port=20003 CPUs=4" in text
+    assert render_hosts(layout) == "127.0.0.1 localhost\n"
+    assert layout.ctld_netns is None and all(n.netns is None for n in layout.nodes)
+
+
+def test_netns_layout_gives_each_node_its_own_namespace_address_and_hosts_entry():
+    layout = plan(SandboxConfig(dir="/tmp/sb", nodes=6, subnet="10.9.8"))
+    assert [n.addr for n in layout.nodes] == [f"10.9.8.{i}" for i in range(11, 17)]
+    assert len({n.netns for n in layout.nodes} | {layout.ctld_netns}) == 7
+    assert "10.9.8.1 ctl\n" in render_hosts(layout) and "10.9.8.16 n6\n" in render_hosts(layout)
+    assert render_mpi_conf(layout) == "PMIxCliTmpDirBase=/tmp/sb/pmix\n"
+
+
+def test_two_directories_never_share_namespace_names():
+    a, b = plan(SandboxConfig(dir="/tmp/a")), plan(SandboxConfig(dir="/tmp/b"))
+    assert a.ctld_netns != b.ctld_netns
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"mode": "vm"}, "mode 'vm'"),
+        ({"nodes": 0}, "between 1 and"),
+        ({"subnet": "10.0.0.0/24"}, "subnet"),
+        ({"ctld_port": 70000}, "ctld_port 70000"),
+    ],
+)
+def test_bad_config_is_named(kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        SandboxConfig(dir="/tmp/sb", **kwargs)
+
+
+def test_unknown_node_names_the_nodes_there_are():
+    with pytest.raises(ConfigError, match="nodes are n1, n2"):
+        plan(SandboxConfig(dir="/tmp/sb", nodes=2)).node("n9")
+
+
+def test_namespaced_command_is_valid_shell_and_keeps_arguments_intact():
+    argv = namespaced(["echo", "a b", "$HOME"], marker="m-1", marker_dir=Path("/run/x"), netns="ns-1",
+                      hostname="n1", binds=[(Path("/tmp/h o"), "/etc/hosts")], tmpfs=[("shm-1", "size=1g", "/dev/shm")])
+    assert argv[:2] == ["nsenter", "--net=/run/netns/ns-1"]
+    script = argv[-1]
+    assert subprocess.run(["sh", "-n", "-c", script]).returncode == 0
+    assert "exec echo 'a b' '$HOME'" in script and "mount --bind '/tmp/h o' /etc/hosts" in script
