@@ -56,7 +56,10 @@ def sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         pytest.skip(f"no Slurm sandbox on this machine: {reason}")
     root = Path(os.environ.get("TMPDIR", "/tmp"))
     _reap_orphans(root)
-    sb = Sandbox(plan(SandboxConfig(dir=root / f"{_PREFIX}{os.getpid()}", nodes=SANDBOX_NODES, mode="netns")))
+    directory = root / f"{_PREFIX}{os.getpid()}"
+    if (directory / "state.json").exists():  # left by an earlier session that had our pid
+        Sandbox.load(directory).down()
+    sb = Sandbox(plan(SandboxConfig(dir=directory, nodes=SANDBOX_NODES, mode="netns")))
     started = time.monotonic()
     sb.up(timeout=60)  # on failure it stops what it started and the error carries the log tails
     _log.info("sandbox up in %.2f s at %s", time.monotonic() - started, sb.dir)
