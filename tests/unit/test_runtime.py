@@ -1,0 +1,37 @@
+"""hpcft.init(): layout arithmetic, and a real single-rank gloo init from launcher-style variables."""
+import socket
+
+import pytest
+import torch
+
+from hpcft.errors import ConfigError
+from hpcft.runtime import init, resolve_layout
+
+
+def test_resolve_layout() -> None:
+    assert resolve_layout(8, None, 2, 1) == (4, 2, 1)
+    assert resolve_layout(8, 2, 2, 2) == (2, 2, 2)
+    with pytest.raises(ConfigError, match="not divisible"):
+        resolve_layout(6, None, 4, 1)
+    with pytest.raises(ConfigError, match="does not match world size 8"):
+        resolve_layout(8, 3, 2, 1)
+    with pytest.raises(ConfigError, match="tp must be a positive"):
+        resolve_layout(8, None, 0, 1)
+
+
+def test_init_single_rank_from_launcher_variables() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"HPCFT_RANK": "0", "HPCFT_WORLD_SIZE": "1", "HPCFT_LOCAL_RANK": "0", "HPCFT_JOB_ID": "77",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    ctx = init(environ=env)
+    try:
+        assert (ctx.rank, ctx.world, ctx.job_id, ctx.backend) == (0, 1, "77", "gloo")
+        assert ctx.device == torch.device("cpu") and (ctx.dp, ctx.tp, ctx.pp) == (1, 1, 1)
+        assert ctx.mesh.mesh_dim_names == ("pp", "dp", "tp") and ctx.dp_rank == 0
+        t = torch.ones(2)
+        torch.distributed.all_reduce(t, group=ctx.dp_group)
+        assert torch.equal(t, torch.ones(2))
+    finally:
+        ctx.close()

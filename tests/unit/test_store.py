@@ -1,0 +1,129 @@
+"""The snapshot store on real files: permissions and ownership, slot rotation, atomic commit, ENOSPC."""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpcft.errors import StoreError
+from hpcft.store import RankStore, job_dir, manifest
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+def _commit(store: RankStore, step: int, nbytes: int = 1000) -> int:
+    slot = store.begin(nbytes)
+    slot.array[:nbytes] = step % 251
+    store.commit(slot, {"step": step})
+    return slot.index
+
+
+def test_layout_and_modes(root: Path) -> None:
+    store = RankStore("42", 3, root=root, user="alice")
+    _commit(store, 1)
+    assert store.dir == root / "hpcft-alice-42" / "rank-00003"
+    for path in (store.job, store.dir):
+        assert (path.stat().st_mode & 0o777) == 0o700
+    for f in store.dir.iterdir():
+        assert (f.stat().st_mode & 0o777) == 0o600, f
+
+
+def test_refuses_symlink_root(root: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    (root / "hpcft-alice-7").symlink_to(elsewhere)
+    with pytest.raises(StoreError, match="symlink"):
+        RankStore("7", 0, root=root, user="alice")
+
+
+def test_refuses_open_permissions(root: Path) -> None:
+    d = job_dir(root, "7", "alice")
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    with pytest.raises(StoreError, match="0755.*must be 0700"):
+        RankStore("7", 0, root=root, user="alice")
+
+
+def test_refuses_other_owner(root: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    d = job_dir(root, "7", "alice")
+    d.mkdir(mode=0o700)
+    os.chown(d, 65534, 65534)
+    with pytest.raises(StoreError, match="owned by uid 65534"):
+        RankStore("7", 0, root=root, user="alice")
+
+
+def test_rotation_keeps_newest_and_keep_versions(root: Path) -> None:
+    store = RankStore("j", 0, keep=2, root=root)
+    slots = [_commit(store, s) for s in range(1, 8)]
+    assert slots[:3] == [0, 1, 2] and len(set(slots)) == 3  # three slots, reused round-robin
+    assert [v.step for v in store.versions()] == [5, 6, 7]
+    # while a new version is being written, the newest two complete ones are untouched
+    slot = store.begin(1000)
+    assert [v.step for v in store.versions()] == [6, 7] and slot.index not in {v.slot for v in store.versions()}
+
+
+def test_crash_before_commit_leaves_previous_loadable(root: Path) -> None:
+    store = RankStore("j", 0, keep=1, root=root)
+    _commit(store, 1)
+    slot = store.begin(1000)
+    slot.array[:1000] = 99  # then the process dies: no manifest, a stale .dirty maybe
+    (store.dir / f"slot-{slot.index}.json.dirty").write_text("{torn")
+    store.close()
+    again = RankStore("j", 0, keep=1, root=root)
+    assert [v.step for v in again.versions()] == [1]
+    assert not list(again.dir.glob("*.dirty"))
+    assert (again.slot(again.versions()[0].slot).array[:1000] == 1).all()
+
+
+def test_corrupt_manifest_is_skipped_with_event(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcft import events
+
+    monkeypatch.setenv("HPCFT_EVENT_DIR", str(root / "ev"))
+    store = RankStore("j", 0, root=root)
+    _commit(store, 1)
+    k = _commit(store, 2)
+    path = store.dir / f"slot-{k}.json"
+    path.write_bytes(path.read_bytes().replace(b'"step": 2', b'"step": 3'))
+    assert [v.step for v in store.versions()] == [1]
+    assert [e["event"] for e in events.read(root / "ev")] == ["manifest_bad"]
+
+
+def test_manifest_roundtrip_and_checksum() -> None:
+    m = {"step": 5, "entries": [{"name": "w", "shape": [2, 3]}], "x": 0.1}
+    data = manifest.encode(m)
+    assert manifest.decode(data)["x"] == 0.1
+    with pytest.raises(StoreError, match="checksum"):
+        manifest.decode(data.replace(b"0.1", b"0.2"))
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path):
+    """A 1600 KiB tmpfs: room for one 1 MiB slot and its manifests, not for a second slot."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root")
+    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k,mode=0700", "tmpfs", str(mnt)],
+                        capture_output=True, text=True)
+    if rc.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {rc.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_enospc_is_an_error_not_a_crash(tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcft import events
+
+    monkeypatch.setenv("HPCFT_EVENT_DIR", str(tiny_tmpfs.parent / "ev"))
+    store = RankStore("j", 0, root=tiny_tmpfs)
+    _commit(store, 1)
+    with pytest.raises(StoreError, match="No space left"):
+        store.begin(1000)
+    assert [v.step for v in store.versions()] == [1]
+    assert (store.slot(0).array[:1000] == 1).all()
+    assert "store_full" in [e["event"] for e in events.read(tiny_tmpfs.parent / "ev")]
