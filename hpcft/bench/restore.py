@@ -96,9 +96,10 @@ def run(opts: RestoreOptions) -> Report:
     set_threads(opts.threads)
     with scratch(opts.root) as where, local_process_group():
         source = _trained(opts)
-        ckpt = Checkpointer(source.model, source.optimizer, every=1, keep=2, root=str(where.shm), job_id="bench")
+        ckpt = Checkpointer(source.model, source.optimizer, every=1, keep=2, root=str(where.shm), job_id="bench",
+                             auto=False)
         try:
-            ckpt.step(1)
+            ckpt.step(0)  # iteration 0 done: the state after one optimizer step
             ckpt.wait()
             baselines.torch_save(source, where.disk / "ckpt.pt")
             baselines.dcp_save(source, where.disk / "dcp")

@@ -1,0 +1,67 @@
+"""Smoke runs of `hpcft bench snapshot|restore` on a tiny model: the output contract, never the timings."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+SNAPSHOT_KEYS = {"overhead_hpcft", "overhead_torch_save", "overhead_dcp_async", "blocked_s_per_snapshot",
+                 "copy_vs_memcpy", "dcp_async_form", "snapshot_bytes", "config", "variants"}
+RESTORE_KEYS = {"restore_vs_memcpy", "speedup_vs_dcp", "speedup_vs_torch_load", "verified", "state_bytes"}
+TINY = ["--params", "1M", "--warmup", "1", "--threads", "1"]
+
+
+def hpcft(*args: str, root) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpcft.cli", *args, "--root", str(root)],
+                          capture_output=True, text=True, timeout=240)
+
+
+def one_json_object(stdout: str) -> dict:
+    """stdout must be exactly one JSON object (one line), nothing else."""
+    lines = stdout.splitlines()
+    assert len(lines) == 1, stdout
+    obj = json.loads(lines[0])
+    assert isinstance(obj, dict)
+    return obj
+
+
+@pytest.mark.slow
+def test_snapshot_json_contract(tmp_path):
+    proc = hpcft("bench", "snapshot", *TINY, "--steps", "2", "--json", root=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result = one_json_object(proc.stdout)
+    assert SNAPSHOT_KEYS <= result.keys()
+    for key in ("overhead_hpcft", "overhead_torch_save", "overhead_dcp_async", "blocked_s_per_snapshot",
+                "copy_vs_memcpy"):
+        assert isinstance(result[key], float) and math.isfinite(result[key]), key
+    assert result["blocked_s_per_snapshot"] >= 0 and result["copy_vs_memcpy"] > 0
+    assert "async_save" in result["dcp_async_form"]
+    assert {v["n"] for v in result["variants"].values()} == {2}
+    assert "hpcft every step" in proc.stderr  # the table went to stderr
+    assert list(tmp_path.iterdir()) == []  # the store dir was removed
+
+
+@pytest.mark.slow
+def test_restore_json_contract(tmp_path):
+    proc = hpcft("bench", "restore", *TINY, "--repeats", "2", "--json", root=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result = one_json_object(proc.stdout)
+    assert RESTORE_KEYS <= result.keys()
+    assert result["verified"] is True
+    for key in ("restore_vs_memcpy", "speedup_vs_dcp", "speedup_vs_torch_load"):
+        assert result[key] > 0, key
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_table_on_stdout_without_json(tmp_path):
+    proc = hpcft("bench", "restore", *TINY, "--repeats", "1", "--warmup", "0", root=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("hpcft bench restore")
+    assert "speedup over dcp.load" in proc.stdout
+
+
+def test_bad_params_is_a_clear_error(tmp_path):
+    proc = hpcft("bench", "snapshot", "--params", "lots", root=tmp_path)
+    assert proc.returncode != 0
+    assert "not a count" in proc.stderr and "Traceback" not in proc.stderr
