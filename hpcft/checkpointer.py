@@ -93,17 +93,18 @@ class Checkpointer:
     # public API --------------------------------------------------------------------------------------------
     def step(self, it: int) -> None:
         """Mark the end of loop iteration `it` (0-based, as in `range(start, total)`): the state now holds
-        it + 1 optimizer steps. With auto=False this takes the snapshot; with auto=True the hook already did
-        and this only checks that the loop and the optimizer agree."""
-        if self.auto:
-            if it + 1 != self.completed and not self._warned:
-                self._warned = True
-                _log.warning("ckpt.step(%d) but the optimizer has made %d steps since step 0; snapshots are "
-                             "numbered by optimizer steps (use auto=False if your loop skips steps)",
-                             it, self.completed)
+        it + 1 steps. With auto=False this takes the snapshot. With auto=True the optimizer hook normally
+        already took it; if the hook count disagrees (a skipped optimizer step, hooks added late), the
+        loop's count wins: the counter is set to it + 1 and the snapshot is taken here."""
+        if self.auto and self.completed == it + 1:
             return
+        if self.auto and not self._warned:
+            self._warned = True
+            _log.warning("ckpt.step(%d): the optimizer hook counted %d steps; numbering by the loop from now on",
+                         it, self.completed)
         self.completed = it + 1
         if self.completed % self.every == 0:
+            self.engine.guard()
             self._snapshot()
             if self.optimizer is None:  # no pre-step hook to order the next update after the copy
                 self.engine.guard()

@@ -101,6 +101,8 @@ class SnapshotEngine:
         self._checked_signature: int | None = None
         self._transfer: Transfer | None = None
         self._pending: Future | None = None
+        self._prealloc: Future | None = None
+        self._allocated = 0  # slot size every slot has been pre-faulted to
 
     # level (b): who copies what ------------------------------------------------------------------------
     def prepare(self, entries: Sequence[Entry]) -> Prepared:
@@ -149,6 +151,9 @@ class SnapshotEngine:
         manifest = self._manifest(step, prep, meta)
         self._transfer = self.copier.start(prep.sources, prep.chunks, slot)
         self._pending = self._committer.submit(self._commit, self._transfer, slot, manifest, prep, time.perf_counter())
+        if prep.layout.nbytes > self._allocated:  # the other slots, off the training thread, once
+            self._allocated = prep.layout.nbytes
+            self._prealloc = self._committer.submit(self.store.preallocate, prep.layout.nbytes)
         blocked = time.perf_counter() - t0
         self.stats.blocked_s += blocked
         self.stats.last_blocked_s = blocked
@@ -206,6 +211,9 @@ class SnapshotEngine:
         if self._pending is not None:
             self._pending.result()
             self._pending = None
+        if self._prealloc is not None:
+            self._prealloc.result()
+            self._prealloc = None
 
     def wait(self) -> None:
         """Block until the last snapshot is committed (or has failed, with its event)."""

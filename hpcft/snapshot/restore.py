@@ -54,13 +54,17 @@ class _Target:
             t.copy_(self.view.view(t.dtype).view(t.shape))
 
 
-def _put(dst: torch.Tensor, start: int, src: np.ndarray) -> None:
-    """dst[start:start+len(src)] = src, at memcpy speed on the CPU, through torch on a device."""
-    n = src.size
+def _writer(dst: torch.Tensor):
+    """A function (start, src) -> dst[start:start+len(src)] = src: numpy memcpy on the CPU, torch on a device."""
     if dst.device.type == "cpu":
-        np.copyto(dst[start:start + n].numpy(), src)
+        arr = dst.numpy()
+
+        def put(start: int, src: np.ndarray) -> None:
+            np.copyto(arr[start:start + src.size], src)
     else:
-        dst[start:start + n].copy_(torch.from_numpy(src))
+        def put(start: int, src: np.ndarray) -> None:
+            dst[start:start + src.size].copy_(torch.from_numpy(src))
+    return put
 
 
 def _check_structure(m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry], group: Group | None) -> None:
@@ -136,7 +140,7 @@ class Loader:
         data = self.store.slot(version.slot).array
         if data.size < m["data_bytes"]:
             raise IntegrityError(f"step {version.step}: data file is shorter than its manifest says")
-        views = [t.view for t in targets]
+        puts = [_writer(t.view) for t in targets]
 
         def work(which: range) -> list[int]:
             lost = []
@@ -147,7 +151,7 @@ class Loader:
                     lost.append(i)  # never copied into the model
                     continue
                 for s in c.segments:
-                    _put(views[s.source], s.start, data[s.offset:s.offset + s.nbytes])
+                    puts[s.source](s.start, data[s.offset:s.offset + s.nbytes])
             return lost
 
         with ThreadPoolExecutor(self.threads) as pool:
@@ -178,7 +182,7 @@ class Loader:
                 continue
             arr = buf.numpy()
             for p in plan.pieces_of_range(sizes, lo, hi, 0):
-                _put(targets[p.source].view, p.start, arr[p.offset:p.offset + p.nbytes])
+                _writer(targets[p.source].view)(p.start, arr[p.offset:p.offset + p.nbytes])
 
 
 def restore_newest(store: RankStore, group: Group | None, entries_fn, threads: int = 2) -> Version | None:
