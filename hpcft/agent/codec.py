@@ -1,0 +1,125 @@
+"""Erasure codes over equal-length byte blocks: XOR (one parity block, numpy in place) and Reed–Solomon
+(k parity blocks, zfec). Block numbers 0..n−k−1 are data, n−k..n−1 parity, as in zfec."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from hpcft.deps import require
+from hpcft.errors import ConfigError, IntegrityError
+
+CHUNK = 1 << 21  # XOR works chunk by chunk so the parity chunk stays in cache while every source is added
+
+
+class Unrecoverable(IntegrityError):
+    """More blocks of a stripe (or copies of a snapshot) are lost than the scheme tolerates."""
+
+
+class Codec:
+    """`n` blocks per stripe, `k` of them parity; any n−k blocks rebuild the rest."""
+
+    def __init__(self, n: int, k: int):
+        if not 1 <= k < n:
+            raise ConfigError(f"an erasure code needs 1 <= parity blocks < blocks (got k={k}, n={n})")
+        self.n, self.k = n, k
+
+    @property
+    def data_blocks(self) -> int:
+        return self.n - self.k
+
+    def encode(self, data: Sequence[np.ndarray], parity: Sequence[np.ndarray]) -> None:
+        """Write the k parity blocks of `data` (n−k equal-length uint8 arrays) into `parity`, in place."""
+        raise NotImplementedError
+
+    def decode(self, have: Mapping[int, np.ndarray], want: Mapping[int, np.ndarray]) -> None:
+        """Fill the blocks `want` (block number → output array) from the blocks `have`."""
+        raise NotImplementedError
+
+    def _check(self, have: Mapping[int, np.ndarray], want: Mapping[int, np.ndarray]) -> None:
+        if len(have) < self.data_blocks:
+            raise Unrecoverable(f"a stripe of {self.n} blocks lost {self.n - len(have)}; "
+                                f"it tolerates {self.k}")
+        bad = [b for b in list(have) + list(want) if not 0 <= b < self.n]
+        if bad:
+            raise ConfigError(f"block numbers {bad} are outside 0..{self.n - 1}")
+
+
+class XorCodec(Codec):
+    """One parity block: the XOR of the data blocks (RAID-5)."""
+
+    def __init__(self, n: int):
+        super().__init__(n, 1)
+
+    def encode(self, data: Sequence[np.ndarray], parity: Sequence[np.ndarray]) -> None:
+        xor_into(parity[0], data)
+
+    def decode(self, have: Mapping[int, np.ndarray], want: Mapping[int, np.ndarray]) -> None:
+        self._check(have, want)
+        if len(want) > 1 or set(want) & set(have):
+            raise ConfigError(f"XOR rebuilds the one missing block of a stripe (asked for {sorted(want)})")
+        for out in want.values():  # `have` holds every other block: their XOR is the missing one
+            xor_into(out, list(have.values()))
+
+
+def xor_into(out: np.ndarray, sources: Sequence[np.ndarray], chunk: int = CHUNK) -> None:
+    """out = XOR of `sources` (all as long as `out`), computed chunk by chunk in place, no allocation."""
+    n = out.size
+    if any(s.size != n for s in sources):
+        raise ConfigError(f"XOR needs blocks of one length (got {[s.size for s in sources]} into {n})")
+    if not sources:
+        out[:] = 0
+        return
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        o = out[lo:hi]
+        np.copyto(o, sources[0][lo:hi])
+        for s in sources[1:]:
+            np.bitwise_xor(o, s[lo:hi], out=o)
+
+
+class RsCodec(Codec):
+    """Reed–Solomon over GF(2^8) by zfec: any n−k of the n blocks rebuild the others."""
+
+    def __init__(self, n: int, k: int, chunk: int = 1 << 20):
+        super().__init__(n, k)
+        zfec = require("zfec", "Reed-Solomon protection (scheme rs)")
+        if n > 256:
+            raise ConfigError(f"Reed-Solomon sets hold at most 256 members (got {n})")
+        self._enc = zfec.Encoder(self.data_blocks, n)
+        self._dec = zfec.Decoder(self.data_blocks, n)
+        self._parity_nums = tuple(range(self.data_blocks, n))
+        self.chunk = chunk  # zfec returns new bytes objects: bound them by coding chunk by chunk
+
+    def encode(self, data: Sequence[np.ndarray], parity: Sequence[np.ndarray]) -> None:
+        size = parity[0].size
+        for lo in range(0, size, self.chunk):
+            hi = min(size, lo + self.chunk)
+            out = self._enc.encode([d[lo:hi] for d in data], self._parity_nums)
+            for p, block in zip(parity, out):
+                p[lo:hi] = np.frombuffer(block, dtype=np.uint8)
+
+    def decode(self, have: Mapping[int, np.ndarray], want: Mapping[int, np.ndarray]) -> None:
+        self._check(have, want)
+        nums = sorted(have)[:self.data_blocks]
+        size = have[nums[0]].size
+        lost_parity = [b for b in want if b >= self.data_blocks]
+        for lo in range(0, size, self.chunk):
+            hi = min(size, lo + self.chunk)
+            data = self._dec.decode([have[b][lo:hi] for b in nums], nums)
+            for b, out in want.items():
+                if b < self.data_blocks:
+                    out[lo:hi] = np.frombuffer(data[b], dtype=np.uint8)
+            if lost_parity:
+                blocks = self._enc.encode(data, tuple(lost_parity))
+                for b, block in zip(lost_parity, blocks):
+                    want[b][lo:hi] = np.frombuffer(block, dtype=np.uint8)
+
+
+def codec_for(scheme: str, n: int, k: int) -> Codec:
+    """The codec of a set of `n` members tolerating `k` losses under `scheme` (xor or rs)."""
+    if scheme == "xor":
+        return XorCodec(n)
+    if scheme == "rs":
+        return RsCodec(n, k)
+    raise ConfigError(f"scheme {scheme!r} has no erasure code (only xor and rs do)")

@@ -1,0 +1,103 @@
+"""A protection set's payloads cut into stripes (pure, over byte arrays): each member's payload is split
+into G−k pieces; stripe s combines one piece of every data member of s into k parity blocks held by
+the members `ProtectionSet.parity_positions(s)`. The agent moves the same blocks between nodes."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from hpcft.agent.codec import Codec, Unrecoverable
+from hpcft.agent.placement import Placement, ProtectionSet
+
+
+def piece_bytes(size: int, pset: ProtectionSet) -> int:
+    """Length of one piece (and one parity block) when the largest payload of the set has `size` bytes."""
+    return -(-size // pset.data_pieces)
+
+
+def piece(payload: np.ndarray, index: int, nbytes: int) -> np.ndarray:
+    """Piece `index` of `payload`: a view, or a zero-padded copy where the payload ends inside it."""
+    lo = index * nbytes
+    view = payload[lo:lo + nbytes]
+    if view.size == nbytes:
+        return view
+    padded = np.zeros(nbytes, dtype=np.uint8)
+    padded[:view.size] = view
+    return padded
+
+
+def parity_block(parity: np.ndarray, pset: ProtectionSet, position: int, stripe: int, nbytes: int) -> np.ndarray:
+    """The view of member `position`'s parity buffer that holds its block of stripe `stripe`."""
+    i = pset.stripes_holding(position).index(stripe)
+    return parity[i * nbytes:(i + 1) * nbytes]
+
+
+def parity_bytes(pset: ProtectionSet, position: int, nbytes: int) -> int:
+    """Size of member `position`'s parity buffer (k blocks of one piece each)."""
+    return len(pset.stripes_holding(position)) * nbytes
+
+
+def encode_set(pset: ProtectionSet, payloads: Sequence[np.ndarray], codec: Codec) -> list[np.ndarray]:
+    """Every member's parity buffer for `payloads` (one uint8 array per member, any lengths)."""
+    nbytes = piece_bytes(max(p.size for p in payloads), pset)
+    parities = [np.empty(parity_bytes(pset, pos, nbytes), dtype=np.uint8) for pos in range(pset.size)]
+    for stripe in range(pset.size):
+        data = [piece(payloads[pos], pset.piece_of(pos, stripe), nbytes) for pos in pset.data_positions(stripe)]
+        outs = [parity_block(parities[pos], pset, pos, stripe, nbytes) for pos in pset.parity_positions(stripe)]
+        codec.encode(data, outs)
+    return parities
+
+
+def rebuild_set(pset: ProtectionSet, payloads: Sequence[np.ndarray | None], parities: Sequence[np.ndarray | None],
+                sizes: Sequence[int], codec: Codec) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Rebuild every missing payload (None) and parity buffer (None) of a set from what survives.
+    `sizes` are the payload lengths recorded at encode time. Unrecoverable if a stripe lost more than k."""
+    nbytes = piece_bytes(max(sizes), pset)
+    lost = sorted({pos for pos in range(pset.size) if payloads[pos] is None or parities[pos] is None})
+    for stripe in range(pset.size):
+        if sum(_blocks_lost(pset, stripe, payloads, parities)) > pset.losses:
+            raise Unrecoverable(f"protection set {pset.index} (slots {list(pset.members)}) lost members at "
+                                f"positions {lost}; it tolerates {pset.losses} loss(es)")
+    full = [np.zeros(pset.data_pieces * nbytes, dtype=np.uint8) if p is None else p for p in payloads]
+    par = [np.empty(parity_bytes(pset, pos, nbytes), dtype=np.uint8) if p is None else p
+           for pos, p in enumerate(parities)]
+    for stripe in range(pset.size):
+        have, want = {}, {}
+        for b, pos in enumerate(pset.data_positions(stripe)):
+            i = pset.piece_of(pos, stripe)
+            if payloads[pos] is None:
+                want[b] = full[pos][i * nbytes:(i + 1) * nbytes]
+            else:
+                have[b] = piece(full[pos], i, nbytes)
+        for t, pos in enumerate(pset.parity_positions(stripe)):
+            block = parity_block(par[pos], pset, pos, stripe, nbytes)
+            (want if parities[pos] is None else have)[pset.data_pieces + t] = block
+        if want:
+            codec.decode(have, want)
+    return [f[:sizes[pos]] if payloads[pos] is None else f for pos, f in enumerate(full)], par
+
+
+def _blocks_lost(pset: ProtectionSet, stripe: int, payloads: Sequence[np.ndarray | None],
+                 parities: Sequence[np.ndarray | None]) -> list[bool]:
+    return ([payloads[pos] is None for pos in pset.data_positions(stripe)]
+            + [parities[pos] is None for pos in pset.parity_positions(stripe)])
+
+
+def partner_copies(placement: Placement, payloads: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """What each slot holds for its partner: a copy of slot `partnered_by(slot)`'s payload."""
+    return [payloads[placement.partnered_by(slot)].copy() for slot in range(placement.slots)]
+
+
+def rebuild_partner(placement: Placement, payloads: Sequence[np.ndarray | None],
+                    copies: Sequence[np.ndarray | None]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Rebuild lost payloads from their partner's copy and lost copies from their source payload."""
+    out = list(payloads)
+    for slot, p in enumerate(payloads):
+        if p is None:
+            holder = placement.partner_of(slot)
+            if copies[holder] is None:
+                raise Unrecoverable(f"slot {slot} and its partner slot {holder} are both lost")
+            out[slot] = copies[holder].copy()
+    held = [c if c is not None else out[placement.partnered_by(slot)].copy() for slot, c in enumerate(copies)]
+    return out, held
