@@ -1,0 +1,138 @@
+"""`hpcft run` options from three places, CLI > environment (HPCFT_<NAME>) > config file (TOML), one dataclass."""
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from hpcft.errors import ConfigError
+
+CONFIG_ENV = "HPCFT_CONFIG"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every option of the supervisor; the docstring of each field is its help text in docs/supervisor.md.
+
+    nodes: active nodes (default: the allocation minus the spares); spares: nodes held back to replace failed
+    ones; profile: frontier | cuda | cpu; tasks_per_node: overrides the profile's; max_restarts: relaunches
+    allowed before giving up (requeues not counted); hang_timeout: seconds without a completed step before
+    the step is killed as hung (0: off); poll_interval: seconds between checks of the step and the nodes;
+    kill_grace: seconds between SIGTERM and SIGKILL of a step; requeue_margin: with less walltime left than
+    this, persist and requeue instead of relaunching; requeue: allow `scontrol requeue` (else stop);
+    job_dir: where events, decisions and progress go (default ./hpcft-<job id>); srun_args: extra srun
+    options for the trainer step; probe_timeout: seconds a node health probe may take.
+    """
+
+    nodes: int | None = None
+    spares: int = 0
+    profile: str = "cpu"
+    tasks_per_node: int | None = None
+    max_restarts: int = 3
+    hang_timeout: float = 0.0
+    poll_interval: float = 1.0
+    kill_grace: float = 10.0
+    requeue_margin: float = 300.0
+    requeue: bool = True
+    job_dir: str | None = None
+    srun_args: str = ""
+    probe_timeout: float = 15.0
+
+
+KEYS = tuple(f.name for f in fields(RunConfig))
+_TYPES = {f.name: f.type for f in fields(RunConfig)}
+
+
+def env_name(key: str) -> str:
+    return "HPCFT_" + key.upper()
+
+
+def _coerce(key: str, value: Any, where: str) -> Any:
+    kind = _TYPES[key]
+    if value is None:
+        return None
+    try:
+        if kind in (int, "int", int | None, "int | None"):
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if kind in (float, "float"):
+            return float(value)
+        if kind in (bool, "bool"):
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {key}={value!r} is not a valid {getattr(kind, '__name__', kind)}") from None
+
+
+def _check_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    out = {}
+    for raw, value in data.items():
+        key = raw.replace("-", "_")
+        if key not in KEYS:
+            raise ConfigError(f"{where}: unknown option {raw!r}; valid options: {', '.join(KEYS)}")
+        out[key] = _coerce(key, value, where)
+    return out
+
+
+def from_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Options from a TOML file: top-level keys, or a [run] table."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    if isinstance(data.get("run"), dict):
+        data = data["run"]
+    return _check_keys(data, f"config file {p}")
+
+
+def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Options set as HPCFT_<NAME> (e.g. HPCFT_SPARES=2); only these names are read."""
+    return {k: _coerce(k, environ[env_name(k)], f"environment variable {env_name(k)}")
+            for k in KEYS if environ.get(env_name(k), "") != ""}
+
+
+def load(cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+         config_file: str | os.PathLike | None = None) -> RunConfig:
+    """Merge defaults < file (`config_file` or $HPCFT_CONFIG) < environment < CLI (None means not given)."""
+    env = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    path = config_file or env.get(CONFIG_ENV)
+    if path:
+        merged.update(from_file(path))
+    merged.update(from_env(env))
+    merged.update(_check_keys({k: v for k, v in (cli or {}).items() if v is not None}, "command line"))
+    cfg = replace(RunConfig(), **merged)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Reject values no run can use, naming the option."""
+    if cfg.spares < 0:
+        raise ConfigError(f"spares must be 0 or more (got {cfg.spares})")
+    if cfg.nodes is not None and cfg.nodes < 1:
+        raise ConfigError(f"nodes must be at least 1 (got {cfg.nodes})")
+    if cfg.tasks_per_node is not None and cfg.tasks_per_node < 1:
+        raise ConfigError(f"tasks_per_node must be at least 1 (got {cfg.tasks_per_node})")
+    if cfg.max_restarts < 0:
+        raise ConfigError(f"max_restarts must be 0 or more (got {cfg.max_restarts})")
+    for key in ("hang_timeout", "kill_grace", "requeue_margin"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key} must be 0 or more (got {getattr(cfg, key)})")
+    if cfg.poll_interval <= 0 or cfg.probe_timeout <= 0:
+        raise ConfigError("poll_interval and probe_timeout must be positive")
+    from hpcft.launch import profiles
+
+    profiles.get(cfg.profile)

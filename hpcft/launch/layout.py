@@ -1,0 +1,110 @@
+"""Ordered node slots: N active slots hold the trainers, S spares wait; a spare takes a failed node's slot,
+so every rank keeps its role (slot i always runs ranks i*T .. i*T+T-1). A node once bad stays excluded."""
+from dataclasses import dataclass, field, replace
+
+from hpcft.errors import ConfigError
+from hpcft.slurm.nodelist import compress
+
+
+class NoSpareError(ConfigError):
+    """A slot lost its node and no spare is left to take it."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which node runs which slot. Pure data: every change returns a new Layout."""
+
+    slots: tuple[str, ...]
+    spares: tuple[str, ...] = ()
+    excluded: tuple[str, ...] = ()
+    tasks_per_node: int = 1
+
+    @classmethod
+    def plan(cls, nodes: list[str], active: int | None = None, spares: int | None = None,
+             tasks_per_node: int = 1, excluded: list[str] | tuple[str, ...] = ()) -> "Layout":
+        """Split an allocation's `nodes` (in allocation order) into active slots and spares, skipping `excluded`.
+
+        Give `active` or `spares` (or both); the other follows from the allocation size."""
+        if tasks_per_node < 1:
+            raise ConfigError(f"tasks per node must be at least 1 (got {tasks_per_node})")
+        bad = set(excluded)
+        usable = [n for n in dict.fromkeys(nodes) if n not in bad]
+        if active is None:
+            active = len(usable) - (spares or 0)
+        if spares is None:
+            spares = len(usable) - active
+        if active < 1 or spares < 0:
+            raise ConfigError(f"cannot run {active} active node(s) with {spares} spare(s): the allocation has "
+                              f"{len(usable)} usable node(s) ({compress(usable) or 'none'}); "
+                              "ask for more nodes (-N) or fewer spares (--spares)")
+        if active + spares > len(usable):
+            raise ConfigError(f"{active} active + {spares} spare node(s) need {active + spares} nodes, but the "
+                              f"allocation has {len(usable)} usable ({compress(usable) or 'none'}"
+                              f"{'; excluded: ' + compress(sorted(bad)) if bad else ''}); "
+                              "ask for more nodes (-N) or fewer spares (--spares)")
+        return cls(slots=tuple(usable[:active]), spares=tuple(usable[active:active + spares]),
+                   excluded=tuple(dict.fromkeys(excluded)), tasks_per_node=tasks_per_node)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.slots) * self.tasks_per_node
+
+    @property
+    def master(self) -> str:
+        """The rendezvous host: the node of slot 0."""
+        return self.slots[0]
+
+    def slot_of(self, node: str) -> int:
+        """The slot index `node` runs; ConfigError if it runs none."""
+        try:
+            return self.slots.index(node)
+        except ValueError:
+            raise ConfigError(f"node {node} has no slot in this layout (slots: {', '.join(self.slots)})") from None
+
+    def rank(self, node: str, local_rank: int) -> int:
+        """The global rank of task `local_rank` on `node`: fixed by the slot, not by srun's node order."""
+        if not 0 <= local_rank < self.tasks_per_node:
+            raise ConfigError(f"local rank {local_rank} is outside 0..{self.tasks_per_node - 1}")
+        return self.slot_of(node) * self.tasks_per_node + local_rank
+
+    def replace(self, failed: list[str] | tuple[str, ...]) -> tuple["Layout", dict[str, str]]:
+        """Exclude `failed` nodes; a spare takes each failed active node's slot. Returns the new layout and
+        {failed node: spare}; NoSpareError if spares run out (the layout is then unchanged)."""
+        slots, spares = list(self.slots), [s for s in self.spares if s not in failed]
+        moved: dict[str, str] = {}
+        for node in failed:
+            if node in slots:
+                if not spares:
+                    raise NoSpareError(f"node {node} failed and no spare node is left "
+                                       f"(excluded: {', '.join(self.excluded + tuple(failed))})")
+                spare = spares.pop(0)
+                slots[slots.index(node)] = spare
+                moved[node] = spare
+        excluded = tuple(dict.fromkeys(self.excluded + tuple(failed)))
+        return replace(self, slots=tuple(slots), spares=tuple(spares), excluded=excluded), moved
+
+    def to_env(self) -> dict[str, str]:
+        """The variables a task needs to find its ranks (read back by `Layout.from_env`)."""
+        return {"HPCFT_LAYOUT": ",".join(self.slots), "HPCFT_LAYOUT_TASKS": str(self.tasks_per_node)}
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> "Layout":
+        """The layout exported by `hpcft run` (HPCFT_LAYOUT, HPCFT_LAYOUT_TASKS)."""
+        text = env.get("HPCFT_LAYOUT")
+        if not text:
+            raise ConfigError("HPCFT_LAYOUT is not set: run tasks through `hpcft run`, which exports it")
+        try:
+            tasks = int(env.get("HPCFT_LAYOUT_TASKS", "1"))
+        except ValueError:
+            raise ConfigError(f"HPCFT_LAYOUT_TASKS={env.get('HPCFT_LAYOUT_TASKS')!r} is not an integer") from None
+        return cls(slots=tuple(text.split(",")), tasks_per_node=tasks)
+
+    def to_dict(self) -> dict:
+        return {"slots": list(self.slots), "spares": list(self.spares), "excluded": list(self.excluded),
+                "tasks_per_node": self.tasks_per_node}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Layout":
+        return cls(slots=tuple(d["slots"]), spares=tuple(d.get("spares", ())), excluded=tuple(d.get("excluded", ())),
+                   tasks_per_node=int(d.get("tasks_per_node", 1)))
+

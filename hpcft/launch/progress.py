@@ -1,0 +1,102 @@
+"""Training progress as the supervisor sees it: one small file per rank, `<job dir>/progress/rank-<r>`, holding
+the newest completed step. A watcher next to each task writes it from what the Checkpointer already commits
+(its manifests in the node-local store), so training code needs no hook; any task may also write it itself
+(the path is in $HPCFT_PROGRESS_FILE)."""
+import ctypes
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from hpcft.errors import HpcftError
+from hpcft.store.paths import job_dir as store_job_dir, resolve_root
+from hpcft.store.store import rank_dir
+
+_log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+def progress_file(job_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(job_dir) / "progress" / f"rank-{rank:05d}"
+
+
+def newest_step(directory: Path) -> int | None:
+    """The highest step among committed manifests (`slot-*.json`) in a rank's store directory, if any."""
+    best = None
+    for path in directory.glob("slot-*.json"):
+        try:
+            step = int(json.loads(path.read_text(encoding="utf-8"))["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being replaced right now, or not a manifest: the next poll sees the new one
+        best = step if best is None else max(best, step)
+    return best
+
+
+def write(path: Path, step: int) -> None:
+    """Publish `step` atomically (write, then rename), so a reader never sees half a number."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(str(step), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read(job_dir: str | os.PathLike) -> dict[int, tuple[int, float]]:
+    """{rank: (step, mtime)} of every progress file in the job directory."""
+    found = {}
+    for path in (Path(job_dir) / "progress").glob("rank-*"):
+        try:
+            found[int(path.name.removeprefix("rank-"))] = (int(path.read_text(encoding="utf-8")), path.stat().st_mtime)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def last_change(job_dir: str | os.PathLike, since: float) -> float:
+    """The time of the newest progress report after `since` (wall clock), or `since` if there is none."""
+    times = [mtime for _, mtime in read(job_dir).values() if mtime > since]
+    return max(times, default=since)
+
+
+def watch(job_id: str, rank: int, target: Path, interval: float = 1.0) -> None:
+    """Copy the rank's newest committed step into `target` until the parent (the training task) dies."""
+    parent = os.getppid()
+    source = None
+    last = None
+    while os.getppid() == parent:
+        if source is None:
+            try:
+                source = rank_dir(store_job_dir(resolve_root(), job_id), rank)
+            except HpcftError:  # no store root yet: keep polling, progress is best effort
+                source = None
+        if source is not None:
+            step = newest_step(source)
+            if step is not None and step != last:
+                try:
+                    write(target, step)
+                    last = step
+                except OSError as exc:
+                    _log.warning("cannot write progress file %s: %s", target, exc)
+        time.sleep(interval)
+
+
+def start_watcher(job_id: str, rank: int, target: Path, interval: float = 1.0) -> int:
+    """Fork a watcher that dies with its parent (PR_SET_PDEATHSIG); returns its pid, 0 in the child never."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass  # the getppid() check still ends the loop within one interval
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        watch(job_id, rank, target, interval)
+    except BaseException:  # noqa: BLE001 - the child must never return into the parent's code
+        code = 1
+    finally:
+        os._exit(code)

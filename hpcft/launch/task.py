@@ -1,0 +1,38 @@
+"""`python -m hpcft.launch.task -- CMD …`: the first thing each trainer task runs. It turns the exported slot
+layout plus SLURMD_NODENAME/SLURM_LOCALID into this task's ranks, starts the progress watcher, and execs CMD."""
+import os
+import sys
+
+from hpcft.errors import HpcftError
+from hpcft.launch import progress
+from hpcft.launch.srun import task_env
+
+
+def main(argv: list[str]) -> int:
+    """Set the rank variables and replace this process by the command after `--`."""
+    command = argv[1:] if argv[:1] == ["--"] else argv
+    if not command:
+        print("usage: python -m hpcft.launch.task -- CMD [ARGS...]", file=sys.stderr)
+        return 2
+    try:
+        os.environ.update(task_env(os.environ))
+    except HpcftError as exc:
+        print(f"hpcft task: error: {exc}", file=sys.stderr)
+        return 2
+    job_dir = os.environ.get("HPCFT_JOB_DIR")
+    if job_dir:
+        rank = int(os.environ["HPCFT_RANK"])
+        target = progress.progress_file(job_dir, rank)
+        os.environ["HPCFT_PROGRESS_FILE"] = str(target)
+        progress.start_watcher(os.environ.get("HPCFT_JOB_ID", "local"), rank, target)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        print(f"hpcft task: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,44 @@
+"""Golden files for the command lines and scripts hpcft generates (srun argv, sbatch scripts).
+
+When a change to them is intended, refresh the records and review the diff:
+    HPCFT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/unit/test_launch_golden.py && git diff tests/unit/golden
+"""
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+
+from hpcft.launch import profiles
+from hpcft.launch.layout import Layout
+from hpcft.launch.srun import probe_argv, trainer_argv
+
+GOLDEN = Path(__file__).parent / "golden"
+NODES = [f"frontier{n:05d}" for n in range(10, 16)]
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("HPCFT_UPDATE_GOLDEN"):
+        path.write_text(text, encoding="utf-8")
+    if not path.exists():
+        pytest.fail(f"no golden file {path}; create it with HPCFT_UPDATE_GOLDEN=1 (see this module's docstring)")
+    assert text == path.read_text(encoding="utf-8"), (
+        f"{name} differs from its golden file; if the change is intended, rerun with HPCFT_UPDATE_GOLDEN=1")
+
+
+def _lines(argv: list[str]) -> str:
+    return " \\\n  ".join(shlex.quote(a) for a in argv) + "\n"
+
+
+@pytest.mark.parametrize("profile", ["frontier", "cuda", "cpu"])
+def test_trainer_srun_line(profile):
+    prof = profiles.get(profile)
+    lay, _ = Layout.plan(NODES, spares=2, tasks_per_node=prof.tasks_per_node).replace([NODES[1]])
+    argv = trainer_argv(lay, prof, ["python3", "train.py", "--config", "cfg.yaml"], python="python3",
+                        extra="--cpu-bind=cores")
+    check_golden(f"srun-{profile}.txt", _lines(argv))
+
+
+def test_probe_srun_line():
+    check_golden("srun-probe.txt", _lines(probe_argv(NODES[:4])))

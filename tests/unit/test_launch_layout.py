@@ -1,0 +1,99 @@
+"""Slots, spares, profiles, options precedence and per-task ranks of `hpcft run` (pure, no Slurm)."""
+import pytest
+
+from hpcft.env import job_env
+from hpcft.errors import ConfigError
+from hpcft.launch import config, profiles
+from hpcft.launch.layout import Layout, NoSpareError
+from hpcft.launch.srun import master_port, step_env, task_env
+
+NODES = ["n1", "n2", "n3", "n4", "n5", "n6"]
+
+
+def test_plan_takes_active_then_spares_in_allocation_order():
+    lay = Layout.plan(NODES, spares=2, tasks_per_node=2)
+    assert lay.slots == ("n1", "n2", "n3", "n4") and lay.spares == ("n5", "n6")
+    assert lay.world_size == 8 and lay.master == "n1"
+    assert [lay.rank("n3", i) for i in range(2)] == [4, 5]
+
+
+def test_spare_takes_the_failed_slot_and_ranks_keep_their_roles():
+    lay = Layout.plan(NODES, spares=2, tasks_per_node=2)
+    new, moved = lay.replace(["n3"])
+    assert moved == {"n3": "n5"}
+    assert new.slots == ("n1", "n2", "n5", "n4") and new.spares == ("n6",) and new.excluded == ("n3",)
+    assert new.rank("n5", 1) == lay.rank("n3", 1) == 5
+    assert new.rank("n4", 0) == lay.rank("n4", 0)
+
+
+def test_a_failed_spare_is_dropped_and_a_bad_node_stays_excluded():
+    lay, _ = Layout.plan(NODES, spares=2).replace(["n6"])
+    assert lay.slots == ("n1", "n2", "n3", "n4") and lay.spares == ("n5",)
+    again = Layout.plan(NODES, active=4, excluded=lay.excluded)  # e.g. after a requeue on the same nodes
+    assert "n6" not in again.slots + again.spares
+
+
+def test_no_spare_left_is_an_error_and_leaves_the_layout_alone():
+    lay = Layout.plan(NODES[:4], spares=1)
+    lay, _ = lay.replace(["n1"])
+    with pytest.raises(NoSpareError, match="no spare node is left"):
+        lay.replace(["n2"])
+
+
+def test_too_few_nodes_names_the_counts():
+    with pytest.raises(ConfigError, match="4 active \\+ 3 spare node\\(s\\) need 7 nodes, but the allocation has 6"):
+        Layout.plan(NODES, active=4, spares=3)
+
+
+def test_layout_round_trips_through_env_and_dict():
+    lay, _ = Layout.plan(NODES, spares=2, tasks_per_node=8).replace(["n2"])
+    back = Layout.from_env(lay.to_env())
+    assert back.slots == lay.slots and back.tasks_per_node == 8
+    assert Layout.from_dict(lay.to_dict()) == lay
+
+
+def test_each_task_gets_its_slot_ranks_whatever_srun_order():
+    lay, _ = Layout.plan(NODES, spares=2, tasks_per_node=2).replace(["n1"])  # n5 is slot 0 and the master
+    base = step_env(lay, job_id="1234", restart_count=1, job_dir="/jobs/1234")
+    env = {**base, **task_env({**base, "SLURMD_NODENAME": "n5", "SLURM_LOCALID": "1"})}
+    assert (env["RANK"], env["LOCAL_RANK"], env["HPCFT_NODE_RANK"]) == ("1", "1", "0")
+    assert env["MASTER_ADDR"] == "n5" and env["WORLD_SIZE"] == "8"
+    seen = job_env(env)  # what hpcft.init() reads
+    assert (seen.source, seen.rank, seen.local_rank, seen.world_size, seen.node_rank) == ("hpcft", 1, 1, 8, 0)
+    assert seen.nodelist == ["n5", "n2", "n3", "n4"] and seen.restart_count == 1
+    assert seen.master_port == master_port("1234", 1) != master_port("1234", 0)
+
+
+def test_task_on_a_node_without_slot_is_refused():
+    base = Layout.plan(NODES, spares=2).to_env()
+    with pytest.raises(ConfigError, match="node n6 has no slot"):
+        task_env({**base, "SLURMD_NODENAME": "n6", "SLURM_LOCALID": "0"})
+
+
+def test_profile_env_never_overrides_the_user():
+    got = profiles.env_defaults(profiles.get("frontier"), {"NCCL_SOCKET_IFNAME": "hsn1"}, user="u", job="7")
+    assert "NCCL_SOCKET_IFNAME" not in got
+    assert got["MIOPEN_USER_DB_PATH"] == "/tmp/hpcft-miopen-u-7" and got["FI_CXI_ATS"] == "0"
+    with pytest.raises(ConfigError, match="unknown profile 'summit'; choose one of: frontier, cuda, cpu"):
+        profiles.get("summit")
+
+
+def test_options_cli_beats_environment_beats_file(tmp_path):
+    cfg_file = tmp_path / "hpcft.toml"
+    cfg_file.write_text("spares = 1\nmax-restarts = 7\nhang_timeout = 30\nprofile = 'frontier'\n")
+    env = {"HPCFT_SPARES": "2", "HPCFT_HANG_TIMEOUT": "45", "HPCFT_RANK": "3"}  # HPCFT_RANK is not an option
+    cfg = config.load({"spares": 3, "hang_timeout": None}, env, cfg_file)
+    assert (cfg.spares, cfg.hang_timeout, cfg.max_restarts, cfg.profile) == (3, 45.0, 7, "frontier")
+    assert config.load({}, {"HPCFT_CONFIG": str(cfg_file)}).spares == 1
+    assert config.load({}, {}).spares == 0
+
+
+def test_unknown_or_bad_option_is_named_with_the_valid_ones(tmp_path):
+    cfg_file = tmp_path / "hpcft.toml"
+    cfg_file.write_text("[run]\nspare = 2\n")
+    with pytest.raises(ConfigError, match="unknown option 'spare'; valid options: nodes, spares, profile"):
+        config.load({}, {}, cfg_file)
+    with pytest.raises(ConfigError, match="HPCFT_SPARES: spares='two' is not a valid int"):
+        config.load({}, {"HPCFT_SPARES": "two"})
+    with pytest.raises(ConfigError, match="max_restarts must be 0 or more"):
+        config.load({"max_restarts": -1}, {})
