@@ -1,0 +1,110 @@
+"""What the supervisor does after something happens: a pure function of the event and the run's state.
+
+No Slurm, no clock of its own (`now` is passed in), so every branch is tested with plain data. The run loop
+(hpcft/launch/supervisor.py) is the mechanism that gathers the event and carries the decision out."""
+import enum
+import logging
+from dataclasses import dataclass, field, replace
+
+from hpcft import events
+from hpcft.launch.layout import Layout, NoSpareError
+
+# Exit status of `hpcft run` (also in docs/supervisor.md). EXIT_GAVE_UP means "do not requeue": put it in
+# slurm.conf's RequeueExitHold or leave it out of RequeueExit.
+EXIT_OK = 0
+EXIT_ERROR = 1          # hpcft itself could not run (bad option, Slurm command failed): fix and resubmit
+EXIT_GAVE_UP = 3        # failures beyond --max-restarts, or nothing left to run on: do not requeue
+EXIT_REQUEUED = 4       # `scontrol requeue` was asked; the job runs again and resumes
+EXIT_NO_REQUEUE = 5     # a requeue was needed but is not allowed (--no-requeue, or not a batch job)
+
+
+class Kind(enum.Enum):
+    SUCCESS = "success"                  # the step ended with every task at exit status 0
+    TASK_FAILED = "task_failed"          # a task died or exited non-zero; its node answers
+    NODE_FAILED = "node_failed"          # a node is DOWN/DRAIN/NOT_RESPONDING, left the allocation or failed a probe
+    HANG = "hang"                        # no completed step within --hang-timeout
+    WALLTIME = "walltime"                # Slurm's warning signal (SIGUSR1 from --signal=B:USR1@T)
+    ALLOCATION_LOST = "allocation_lost"  # too few nodes left in the allocation to form the layout at all
+
+
+class Action(enum.Enum):
+    DONE = "done"
+    RELAUNCH = "relaunch"    # same nodes, same slots: each rank finds its snapshot in local memory
+    REPLACE = "replace"      # spares take the failed nodes' slots, then relaunch
+    REQUEUE = "requeue"      # persist and `scontrol requeue`: resume in a new allocation
+    STOP = "stop"            # give up, with a summary
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: Kind
+    exit_code: int | None = None
+    bad_nodes: tuple[str, ...] = ()
+    failed_tasks: tuple[str, ...] = ()   # srun's own words, e.g. "n2: task 1: Exited with exit code 3"
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class State:
+    layout: Layout
+    restarts: int = 0                 # relaunches so far in this job (all allocations)
+    max_restarts: int = 3
+    requeue_allowed: bool = True
+    end_time: float | None = None     # the allocation's end (epoch seconds), None if unlimited
+    requeue_margin: float = 300.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    layout: Layout
+    exit_code: int | None = None                       # for DONE / REQUEUE / STOP: what `hpcft run` returns
+    replaced: dict[str, str] = field(default_factory=dict)
+
+
+def _requeue(state: State, reason: str) -> Decision:
+    if state.requeue_allowed:
+        return Decision(Action.REQUEUE, reason, state.layout, EXIT_REQUEUED)
+    return Decision(Action.STOP, f"{reason}; requeue not allowed", state.layout, EXIT_NO_REQUEUE)
+
+
+def decide(event: Event, state: State, now: float) -> Decision:
+    """Relaunch on the same nodes, replace failed nodes by spares, requeue, or stop — and why."""
+    if event.kind is Kind.SUCCESS:
+        return Decision(Action.DONE, "every task exited 0", state.layout, EXIT_OK)
+    if event.kind is Kind.WALLTIME:
+        return _requeue(state, "walltime warning signal")
+    if event.kind is Kind.ALLOCATION_LOST:
+        return _requeue(state, f"allocation lost ({event.detail or 'too few nodes'})")
+    if state.restarts >= state.max_restarts:
+        return Decision(Action.STOP, f"{event.kind.value} after {state.restarts} restart(s), the limit "
+                        f"(--max-restarts {state.max_restarts})", state.layout, EXIT_GAVE_UP)
+    layout, replaced, why = state.layout, {}, event.kind.value
+    if event.bad_nodes:
+        try:
+            layout, replaced = state.layout.replace(list(event.bad_nodes))
+        except NoSpareError as exc:
+            excluded = tuple(dict.fromkeys(state.layout.excluded + event.bad_nodes))
+            return _requeue(replace(state, layout=replace(state.layout, excluded=excluded)), str(exc))
+        why = f"{why} on {','.join(event.bad_nodes)}"
+    if state.end_time is not None and state.end_time - now < state.requeue_margin:
+        left = max(0.0, state.end_time - now)
+        return _requeue(replace(state, layout=layout),
+                        f"{why} with {left:.0f} s of walltime left (< --requeue-margin {state.requeue_margin:g} s)")
+    if replaced:
+        moves = ", ".join(f"{a}->{b}" for a, b in replaced.items())
+        return Decision(Action.REPLACE, f"{why}: spare takes the slot ({moves})", layout, replaced=replaced)
+    return Decision(Action.RELAUNCH, f"{why}: nodes healthy, relaunch on the same nodes", layout)
+
+
+def record(decision: Decision, event: Event, state: State, job_dir: str) -> dict:
+    """One greppable `event=decision action=…` line and its JSON record in the job directory's events.jsonl."""
+    level = logging.INFO if decision.action in (Action.DONE, Action.RELAUNCH) else logging.WARNING
+    return events.emit(
+        "decision", level=level, log_dir=job_dir, action=decision.action.value, cause=event.kind.value,
+        reason=decision.reason, restarts=state.restarts, exit_code=event.exit_code,
+        bad_nodes=",".join(event.bad_nodes), failed_tasks="; ".join(event.failed_tasks),
+        replaced=",".join(f"{a}:{b}" for a, b in decision.replaced.items()),
+        slots=",".join(decision.layout.slots), spares=",".join(decision.layout.spares),
+        excluded=",".join(decision.layout.excluded), result=decision.exit_code)

@@ -1,0 +1,74 @@
+"""The supervisor's policy as plain data in, decision out, with a fake clock (no Slurm)."""
+import pytest
+
+from hpcft import events
+from hpcft.launch.layout import Layout
+from hpcft.launch.policy import (EXIT_GAVE_UP, EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUED, Action, Event, Kind, State,
+                                 decide, record)
+
+NOW = 1_000_000.0
+LAYOUT = Layout.plan(["n1", "n2", "n3", "n4", "n5"], spares=1)
+
+
+def state(**kw) -> State:
+    return State(**{"layout": LAYOUT, "end_time": NOW + 3600, "requeue_margin": 300.0, **kw})
+
+
+def test_success_is_done():
+    d = decide(Event(Kind.SUCCESS, exit_code=0), state(), NOW)
+    assert (d.action, d.exit_code) == (Action.DONE, EXIT_OK)
+
+
+def test_process_failure_on_healthy_nodes_relaunches_in_place():
+    d = decide(Event(Kind.TASK_FAILED, exit_code=9, failed_tasks=("n2: task 1: Killed",)), state(), NOW)
+    assert d.action is Action.RELAUNCH and d.layout == LAYOUT
+
+
+def test_hang_relaunches_in_place():
+    assert decide(Event(Kind.HANG), state(), NOW).action is Action.RELAUNCH
+
+
+def test_failed_node_is_replaced_by_a_spare_in_its_slot():
+    d = decide(Event(Kind.NODE_FAILED, bad_nodes=("n3",)), state(), NOW)
+    assert d.action is Action.REPLACE and d.replaced == {"n3": "n5"}
+    assert d.layout.slots == ("n1", "n2", "n5", "n4") and d.layout.excluded == ("n3",)
+
+
+def test_no_spare_left_persists_and_requeues_with_the_node_excluded():
+    used, _ = LAYOUT.replace(["n1"])
+    d = decide(Event(Kind.NODE_FAILED, bad_nodes=("n2",)), state(layout=used), NOW)
+    assert (d.action, d.exit_code) == (Action.REQUEUE, EXIT_REQUEUED)
+    assert set(d.layout.excluded) == {"n1", "n2"}
+    stopped = decide(Event(Kind.NODE_FAILED, bad_nodes=("n2",)), state(layout=used, requeue_allowed=False), NOW)
+    assert (stopped.action, stopped.exit_code) == (Action.STOP, EXIT_NO_REQUEUE)
+
+
+@pytest.mark.parametrize("left, action", [(301, Action.RELAUNCH), (299, Action.REQUEUE), (-5, Action.REQUEUE)])
+def test_little_walltime_left_requeues_instead_of_relaunching(left, action):
+    assert decide(Event(Kind.TASK_FAILED, exit_code=1), state(end_time=NOW + left), NOW).action is action
+
+
+def test_no_time_limit_never_requeues_for_time():
+    assert decide(Event(Kind.TASK_FAILED), state(end_time=None), NOW).action is Action.RELAUNCH
+
+
+def test_walltime_signal_and_lost_allocation_requeue():
+    assert decide(Event(Kind.WALLTIME), state(), NOW).action is Action.REQUEUE
+    assert decide(Event(Kind.ALLOCATION_LOST), state(), NOW).action is Action.REQUEUE
+    assert decide(Event(Kind.WALLTIME), state(requeue_allowed=False), NOW).exit_code == EXIT_NO_REQUEUE
+
+
+def test_stop_after_max_restarts_with_a_summary():
+    d = decide(Event(Kind.TASK_FAILED, exit_code=1), state(restarts=3, max_restarts=3), NOW)
+    assert (d.action, d.exit_code) == (Action.STOP, EXIT_GAVE_UP)
+    assert "after 3 restart(s), the limit (--max-restarts 3)" in d.reason
+
+
+def test_every_decision_is_one_line_and_one_json_record(tmp_path, caplog):
+    ev, st = Event(Kind.NODE_FAILED, bad_nodes=("n3",)), state(restarts=1)
+    d = decide(ev, st, NOW)
+    with caplog.at_level("INFO", logger="hpcft.events"):
+        record(d, ev, st, str(tmp_path))
+    assert any(r.getMessage().startswith("event=decision action=replace cause=node_failed ") for r in caplog.records)
+    (rec,) = events.read(tmp_path)
+    assert (rec["action"], rec["replaced"], rec["slots"], rec["restarts"]) == ("replace", "n3:n5", "n1,n2,n5,n4", 1)
