@@ -1,0 +1,28 @@
+"""A bytes-per-second cap for protection traffic, so the agent never starves the trainers of bandwidth."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class Throttle:
+    """Token bucket: `take(n)` sleeps until n bytes fit under `rate` bytes/s (burst `burst` bytes).
+    A rate of 0 or None means no cap."""
+
+    def __init__(self, rate: float | None, burst: int = 4 << 20, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.rate = rate or 0.0
+        self.burst = burst
+        self._clock, self._sleep = clock, sleep
+        self._tokens = float(burst)
+        self._last = clock()
+
+    def take(self, nbytes: int) -> None:
+        """Account for `nbytes` about to be sent or encoded; wait as long as the cap requires."""
+        if self.rate <= 0:
+            return
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate) - nbytes
+        self._last = now
+        if self._tokens < 0:
+            self._sleep(-self._tokens / self.rate)

@@ -1,0 +1,125 @@
+"""Agent transport on real sockets: mutual HMAC handshake, strangers refused and logged, byte-exact
+payloads into the caller's buffer; the job secret file; the bandwidth cap."""
+import os
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from hpcft import events
+from hpcft.agent import secret as job_secret
+from hpcft.agent.throttle import Throttle
+from hpcft.agent.transport import MAGIC, NONCE, AuthError, Listener, TransportError, connect
+from hpcft.errors import ConfigError
+
+SECRET = b"s" * 64
+
+
+@pytest.fixture
+def event_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPCFT_EVENT_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def listener():
+    lst = Listener(SECRET, host="127.0.0.1")
+    yield lst
+    lst.close()
+
+
+def test_payload_arrives_byte_identical_into_the_callers_buffer(listener):
+    data = np.random.default_rng(1).integers(0, 256, (9 << 20) + 3, dtype=np.uint8)
+    with ThreadPoolExecutor(1) as pool:
+        server = pool.submit(listener.accept, 10)
+        client = connect(SECRET, "127.0.0.1", listener.port)
+        peer = server.result()
+    into = np.zeros(data.size + 100, dtype=np.uint8)
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(client.send, {"kind": "piece", "step": 7}, data)
+        header, got = peer.recv(into=into)
+        sent.result()
+    assert header == {"kind": "piece", "step": 7}
+    assert got.tobytes() == data.tobytes()
+    assert np.shares_memory(got, into)
+    peer.send({"kind": "ack"})
+    assert client.recv()[0] == {"kind": "ack"}
+    client.close()
+    peer.close()
+
+
+def test_stranger_with_another_secret_is_refused_and_logged(listener, event_dir):
+    with ThreadPoolExecutor(1) as pool:
+        server = pool.submit(listener.accept, 10)
+        with pytest.raises(TransportError):
+            connect(b"x" * 64, "127.0.0.1", listener.port)
+        good = connect(SECRET, "127.0.0.1", listener.port)
+        peer = server.result()  # the stranger was skipped, the job's peer accepted
+    assert listener.refused == 1
+    refused = [e for e in events.read(event_dir) if e["event"] == "peer_refused"]
+    assert len(refused) == 1 and refused[0]["reason"] == "wrong job secret"
+    assert refused[0]["port"] == listener.port
+    good.close()
+    peer.close()
+
+
+def test_garbage_client_is_refused_and_logged(listener, event_dir):
+    with ThreadPoolExecutor(1) as pool:
+        server = pool.submit(listener.accept, 10)
+        with socket.create_connection(("127.0.0.1", listener.port)) as raw:
+            raw.recv(len(MAGIC) + NONCE)
+            raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 100)
+            try:
+                assert raw.recv(10) == b""  # closed on us
+            except ConnectionResetError:
+                pass  # closed on us with our garbage unread
+        good = connect(SECRET, "127.0.0.1", listener.port)
+        server.result().close()
+    good.close()
+    assert [e["reason"] for e in events.read(event_dir) if e["event"] == "peer_refused"] == \
+        ["not an hpcft agent (bad greeting)"]
+
+
+def test_client_refuses_a_server_without_the_secret(event_dir):
+    fake = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = fake.accept()
+        conn.sendall(MAGIC + os.urandom(NONCE))
+        conn.recv(1024)
+        conn.sendall(b"\0" * 32)
+        conn.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    with pytest.raises(AuthError, match="does not hold this job's secret"):
+        connect(SECRET, "127.0.0.1", fake.getsockname()[1])
+    t.join()
+    fake.close()
+    assert any(e["event"] == "peer_refused" for e in events.read(event_dir))
+
+
+def test_secret_file_is_0600_kept_on_relaunch_and_refused_when_open(tmp_path):
+    path = job_secret.create(tmp_path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    first = job_secret.load(path)
+    assert len(first) == 64
+    assert job_secret.create(tmp_path) == path and job_secret.load(path) == first
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="mode 0600"):
+        job_secret.load(path)
+    with pytest.raises(ConfigError, match="HPCFT_SECRET_FILE"):
+        job_secret.load(None)
+
+
+def test_throttle_waits_for_the_bytes_over_the_cap():
+    now = [0.0]
+    slept = []
+    throttle = Throttle(100.0, burst=100, clock=lambda: now[0], sleep=lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
+    throttle.take(100)  # the burst
+    throttle.take(50)
+    throttle.take(50)
+    assert sum(slept) == pytest.approx(1.0)
+    Throttle(None).take(1 << 40)  # no cap, no wait
