@@ -58,6 +58,8 @@ class Group:
     def of(pg: Any) -> "Group | None":
         if pg is None or not dist.is_initialized():
             return None
+        if hasattr(pg, "get_group"):  # a 1-D DeviceMesh such as ctx.mesh["dp"]
+            pg = pg.get_group()
         ranks = tuple(dist.get_process_group_ranks(pg))
         return Group(pg, ranks, ranks.index(dist.get_rank()))
 

@@ -76,14 +76,18 @@ def param_names(model: torch.nn.Module) -> dict[int, str]:
 
 def collect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
             dp_ranks: frozenset[int] | None) -> list[Entry]:
-    """Model state_dict entries (`model/<name>`) then optimizer state tensors (`optim/<param>/<key>`)."""
+    """Model state_dict entries (`model/<name>`) then optimizer state tensors (`optim/<param>/<key>`).
+    Only parameters and their optimizer state count as replicated; buffers (which FSDP does not keep in
+    sync, e.g. BatchNorm statistics) are always saved by their owner."""
+    params = dict(model.named_parameters())
+    rep_param = {id(p): _replicated(p, dp_ranks) for p in params.values()}
     out = []
     for name, t in model.state_dict().items():
         if isinstance(t, torch.Tensor):
-            out.append(Entry(f"model/{name}", _local(t), _replicated(t, dp_ranks),
-                             _placement(t) if _is_dtensor(t) else None))
+            rep = name in params and rep_param[id(params[name])] and _replicated(t, dp_ranks)
+            out.append(Entry(f"model/{name}", _local(t), rep, _placement(t) if _is_dtensor(t) else None))
     if optimizer is not None:
-        names = param_names(model)
+        names = {id(p): n for n, p in params.items()}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state = optimizer.state.get(p)
@@ -94,7 +98,8 @@ def collect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                                       "give the Checkpointer the model that owns every optimized parameter")
                 for key, v in state.items():
                     if isinstance(v, torch.Tensor):
-                        out.append(Entry(f"optim/{names[id(p)]}/{key}", _local(v), _replicated(v, dp_ranks),
+                        rep = rep_param[id(p)] and _replicated(v, dp_ranks)
+                        out.append(Entry(f"optim/{names[id(p)]}/{key}", _local(v), rep,
                                          _placement(v) if _is_dtensor(v) else None))
     return out
 
