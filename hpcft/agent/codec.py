@@ -30,6 +30,10 @@ class Codec:
 
     def encode(self, data: Sequence[np.ndarray], parity: Sequence[np.ndarray]) -> None:
         """Write the k parity blocks of `data` (n−k equal-length uint8 arrays) into `parity`, in place."""
+        self.encode_some(data, dict(enumerate(parity)))
+
+    def encode_some(self, data: Sequence[np.ndarray], parity: Mapping[int, np.ndarray]) -> None:
+        """Write only the parity blocks `parity` (parity index t → output array): what one holder needs."""
         raise NotImplementedError
 
     def decode(self, have: Mapping[int, np.ndarray], want: Mapping[int, np.ndarray]) -> None:
@@ -51,8 +55,9 @@ class XorCodec(Codec):
     def __init__(self, n: int):
         super().__init__(n, 1)
 
-    def encode(self, data: Sequence[np.ndarray], parity: Sequence[np.ndarray]) -> None:
-        xor_into(parity[0], data)
+    def encode_some(self, data: Sequence[np.ndarray], parity: Mapping[int, np.ndarray]) -> None:
+        for out in parity.values():
+            xor_into(out, data)
 
     def decode(self, have: Mapping[int, np.ndarray], want: Mapping[int, np.ndarray]) -> None:
         self._check(have, want)
@@ -88,15 +93,16 @@ class RsCodec(Codec):
             raise ConfigError(f"Reed-Solomon sets hold at most 256 members (got {n})")
         self._enc = zfec.Encoder(self.data_blocks, n)
         self._dec = zfec.Decoder(self.data_blocks, n)
-        self._parity_nums = tuple(range(self.data_blocks, n))
         self.chunk = chunk  # zfec returns new bytes objects: bound them by coding chunk by chunk
 
-    def encode(self, data: Sequence[np.ndarray], parity: Sequence[np.ndarray]) -> None:
-        size = parity[0].size
+    def encode_some(self, data: Sequence[np.ndarray], parity: Mapping[int, np.ndarray]) -> None:
+        nums = tuple(self.data_blocks + t for t in parity)
+        outs = list(parity.values())
+        size = outs[0].size
         for lo in range(0, size, self.chunk):
             hi = min(size, lo + self.chunk)
-            out = self._enc.encode([d[lo:hi] for d in data], self._parity_nums)
-            for p, block in zip(parity, out):
+            blocks = self._enc.encode([d[lo:hi] for d in data], nums)
+            for p, block in zip(outs, blocks):
                 p[lo:hi] = np.frombuffer(block, dtype=np.uint8)
 
     def decode(self, have: Mapping[int, np.ndarray], want: Mapping[int, np.ndarray]) -> None:

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -65,15 +66,20 @@ class Channel:
         sock.settimeout(None)
 
     def send(self, header: dict[str, Any], payload: Any = None) -> None:
-        """Send a JSON-able `header` and an optional bytes-like `payload` (sent in pieces, throttled)."""
+        """Send a JSON-able `header` and an optional bytes-like `payload`."""
+        self.send_parts(header, () if payload is None else (payload,))
+
+    def send_parts(self, header: dict[str, Any], parts: Sequence[Any]) -> None:
+        """Send `header` and the concatenation of `parts` as one payload (in pieces, throttled, no copy)."""
         head = json.dumps(header, separators=(",", ":")).encode()
-        view = memoryview(b"" if payload is None else payload).cast("B")
+        views = [memoryview(p).cast("B") for p in parts]
         try:
-            self.sock.sendall(_FRAME.pack(len(head), len(view)) + head)
-            for lo in range(0, len(view), SEND_PIECE):
-                piece = view[lo:lo + SEND_PIECE]
-                self.throttle.take(len(piece))
-                self.sock.sendall(piece)
+            self.sock.sendall(_FRAME.pack(len(head), sum(len(v) for v in views)) + head)
+            for view in views:
+                for lo in range(0, len(view), SEND_PIECE):
+                    piece = view[lo:lo + SEND_PIECE]
+                    self.throttle.take(len(piece))
+                    self.sock.sendall(piece)
         except OSError as exc:
             raise TransportError(f"sending to {self.peer} failed: {exc}") from exc
 

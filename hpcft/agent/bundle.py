@@ -1,0 +1,133 @@
+"""One node's snapshot of one step as a single byte string (the unit the agent protects), read from the
+store without opening it for writing: a length-prefixed JSON header, then per local rank its committed
+manifest bytes and its data bytes. Read-only; the trainers keep writing their next versions meanwhile."""
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hpcft import events
+from hpcft.errors import IntegrityError, StoreError
+from hpcft.store import crc32c
+from hpcft.store import manifest as mf
+
+_LEN = struct.Struct("!Q")
+_RANK = re.compile(r"rank-(\d{5})$")
+_SLOT = re.compile(r"slot-(\d+)\.json$")
+
+
+@dataclass(frozen=True)
+class Held:
+    """A committed version of one rank as found on disk: its manifest (raw bytes and parsed) and data file."""
+    rank: int
+    step: int
+    manifest_path: Path
+    manifest_bytes: bytes
+    manifest: dict
+    data_path: Path
+
+
+def local_versions(job: Path) -> dict[int, dict[int, Held]]:
+    """step → rank → Held, for every committed version of every rank directory under the job dir."""
+    found: dict[int, dict[int, Held]] = {}
+    for rdir in sorted(job.glob("rank-*")):
+        m = _RANK.match(rdir.name)
+        if not m:
+            continue
+        for mpath in rdir.glob("slot-*.json"):
+            if not _SLOT.match(mpath.name):
+                continue
+            try:
+                raw = mpath.read_bytes()
+                parsed = mf.decode(raw, mpath)
+            except (OSError, StoreError) as exc:  # withdrawn under us, or torn: not a version
+                _log_skip(mpath, exc)
+                continue
+            held = Held(int(m.group(1)), int(parsed["step"]), mpath, raw, parsed,
+                        mpath.with_suffix(".data"))
+            found.setdefault(held.step, {})[held.rank] = held
+    return found
+
+
+def _log_skip(path: Path, exc: Exception) -> None:
+    logging.getLogger(__name__).debug("skipping %s: %s", path, exc)
+
+
+def complete_steps(job: Path) -> dict[int, dict[int, Held]]:
+    """The steps every local rank holds (the node's complete versions), newest last."""
+    versions = local_versions(job)
+    ranks = {r for by_rank in versions.values() for r in by_rank}
+    return dict(sorted((s, v) for s, v in versions.items() if set(v) == ranks))
+
+
+def _map_readonly(path: Path, nbytes: int) -> np.ndarray:
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+class Bundle:
+    """The virtual concatenation of a node's parts for one step; `slices(lo, hi)` without copying."""
+
+    def __init__(self, step: int, held: dict[int, Held]):
+        self.step = step
+        self.held = held
+        ranks = sorted(held)
+        header = json.dumps({"step": step, "ranks": [
+            {"rank": r, "manifest_bytes": len(held[r].manifest_bytes),
+             "data_bytes": int(held[r].manifest["data_bytes"])} for r in ranks]}, sort_keys=True).encode()
+        self.parts: list[np.ndarray] = [np.frombuffer(_LEN.pack(len(header)) + header, dtype=np.uint8)]
+        for r in ranks:
+            h = held[r]
+            self.parts.append(np.frombuffer(h.manifest_bytes, dtype=np.uint8))
+            self.parts.append(_map_readonly(h.data_path, int(h.manifest["data_bytes"])))
+        self.starts = np.cumsum([0] + [p.size for p in self.parts]).tolist()
+        self.size = self.starts[-1]
+
+    def slices(self, lo: int, hi: int) -> Iterator[np.ndarray]:
+        """Views covering bytes [lo, min(hi, size)) in order."""
+        hi = min(hi, self.size)
+        for part, start in zip(self.parts, self.starts):
+            a, b = max(lo, start), min(hi, start + part.size)
+            if a < b:
+                yield part[a - start:b - start]
+
+    def piece(self, lo: int, hi: int) -> list[np.ndarray]:
+        """Bytes [lo, hi) as views, zero-padded past the end (the padding is the only allocation)."""
+        views = list(self.slices(lo, hi))
+        pad = hi - max(lo, min(hi, self.size))
+        return views + ([np.zeros(pad, dtype=np.uint8)] if pad > 0 else [])
+
+    def verify(self) -> None:
+        """Check every chunk of every rank's data against its manifest; IntegrityError names the first bad one."""
+        for r, h in sorted(self.held.items()):
+            data = self.parts[2 + 2 * sorted(self.held).index(r)]
+            for off, n, crc in h.manifest["chunks"]:
+                if crc32c(data[off:off + n]) != crc:
+                    events.emit("chunk_lost", level=logging.ERROR, rank=r, step=self.step, offset=off,
+                                path=str(h.data_path))
+                    raise IntegrityError(f"rank {r} step {self.step}: chunk at offset {off} fails its crc32c")
+
+    def still_committed(self) -> bool:
+        """True if every rank's manifest of this step is still the one read (the slot was not reused)."""
+        try:
+            return all(h.manifest_path.read_bytes() == h.manifest_bytes for h in self.held.values())
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self.parts.clear()

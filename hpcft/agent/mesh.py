@@ -1,0 +1,83 @@
+"""The agents of one job connected all-to-all over the authenticated transport. Addresses meet in a
+rendezvous directory shared by the nodes (the job's directory on the shared file system); slot i
+connects to every lower slot and accepts every higher one, so the mesh forms without deadlock."""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcft.agent.throttle import Throttle
+from hpcft.agent.transport import Channel, Listener, TransportError, connect
+
+
+class Mesh:
+    """Channels to every other agent, keyed by slot; `allgather` for small JSON values."""
+
+    def __init__(self, slot: int, size: int, secret: bytes, rendezvous: str | os.PathLike, *, host: str = "127.0.0.1",
+                 bind: str = "0.0.0.0", timeout: float = 60.0, rate: float | None = None, tag: str = "0"):
+        self.slot, self.size = slot, size
+        self.throttle = Throttle(rate)
+        self.listener = Listener(secret, host=bind, throttle=self.throttle)
+        self.peers: dict[int, Channel] = {}
+        base = Path(rendezvous)
+        _publish(base / f"agent-{tag}-{slot}.addr", f"{host}:{self.listener.port}")
+        deadline = time.monotonic() + timeout
+        try:
+            for j in range(slot):
+                peer_host, port = _wait_for(base / f"agent-{tag}-{j}.addr", deadline).rsplit(":", 1)
+                ch = connect(secret, peer_host, int(port), timeout=max(1.0, deadline - time.monotonic()),
+                             throttle=self.throttle)
+                ch.send({"hello": slot})
+                self.peers[j] = ch
+            for _ in range(size - slot - 1):
+                ch = self.listener.accept(max(1.0, deadline - time.monotonic()))
+                header, _ = ch.recv()
+                self.peers[int(header["hello"])] = ch
+        except Exception:
+            self.close()
+            raise
+
+    def send(self, peer: int, header: dict[str, Any], parts: Sequence[Any] = ()) -> None:
+        self.peers[peer].send_parts(header, parts)
+
+    def recv(self, peer: int, into: np.ndarray | None = None) -> tuple[dict[str, Any], np.ndarray]:
+        return self.peers[peer].recv(into)
+
+    def allgather(self, value: Any) -> list[Any]:
+        """Every agent's `value` (JSON-able, small), indexed by slot."""
+        for ch in self.peers.values():
+            ch.send({"allgather": value})
+        out: list[Any] = [None] * self.size
+        out[self.slot] = value
+        for j, ch in self.peers.items():
+            header, _ = ch.recv()
+            if "allgather" not in header:
+                raise TransportError(f"agent {j} sent {sorted(header)} during an all-gather")
+            out[j] = header["allgather"]
+        return out
+
+    def close(self) -> None:
+        for ch in self.peers.values():
+            ch.close()
+        self.listener.close()
+
+
+def _publish(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.dirty")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _wait_for(path: Path, deadline: float) -> str:
+    while True:
+        try:
+            return path.read_text()
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise TransportError(f"agent address {path} did not appear in time; is that agent running?") from None
+            time.sleep(0.05)
