@@ -1,0 +1,1 @@
+"""The node agent: cross-node protection of committed snapshots (placement, codecs, transport, protect pass)."""
