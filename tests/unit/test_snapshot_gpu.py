@@ -1,0 +1,54 @@
+"""The device backends (torch streams on CUDA/ROCm, hip-python) on a real GPU; skipped without one."""
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcft.checkpointer import Checkpointer
+from hpcft.deps import available
+from hpcft.snapshot.state import collect
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA/ROCm GPU visible to torch")
+BACKENDS = ["torch", pytest.param("hip", marks=pytest.mark.skipif(
+    not (torch.version.hip and available("hip.hip")), reason="hip backend needs a ROCm build and hip-python"))]
+
+
+@pytest.fixture
+def root() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="hpcft-test-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_snapshots_are_the_state_after_their_step(root: Path, backend: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 1024)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ckpt = Checkpointer(model, opt, root=root, job_id="gpu", backend=backend, keep=3,
+                        chunk_bytes=1 << 20, max_inflight_bytes=4 << 20)
+    refs = {}
+    for it in range(4):
+        x = torch.randn(256, 1024, device="cuda")
+        model(x).pow(2).mean().backward()
+        opt.step()  # the next iteration's forward/backward overlaps this snapshot's copy
+        opt.zero_grad()
+        refs[it + 1] = {e.name: e.local.detach().cpu() for e in collect(model, opt, None)}
+    ckpt.wait()
+    for v in ckpt.store.versions():
+        data = ckpt.store.slot(v.slot).array
+        for e in v.manifest["entries"]:
+            raw = torch.from_numpy(data[e["offset"]:e["offset"] + e["nbytes"]].copy())
+            saved = raw.view(getattr(torch, e["dtype"])).view(e["shape"])
+            assert torch.equal(saved, refs[v.step][e["name"]]), (v.step, e["name"])
+    torch.manual_seed(1)
+    model2 = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 1024)).cuda()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    ckpt.close()
+    with Checkpointer(model2, opt2, root=root, job_id="gpu", backend=backend) as again:
+        assert again.restore() == 4
+        for e in collect(model2, opt2, None):
+            assert torch.equal(e.local.cpu(), refs[4][e.name]), e.name
