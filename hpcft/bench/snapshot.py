@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpcft.bench import baselines
-from hpcft.bench.harness import (GB, Report, Scratch, Timings, Variant, local_process_group, memcpy_bandwidth, overhead,
+from hpcft.bench.harness import (GB, Memcpy, Report, Scratch, Timings, Variant, local_process_group, overhead,
                                  run_interleaved, scratch, set_threads)
 from hpcft.bench.model import Trainer, config_for_params
 
@@ -112,9 +112,10 @@ class Hpcft(Checkpointing):
                                  job_id="bench", auto=False)
         self.calls = 0  # ckpt.step numbering: this variant's own iterations
         self.training_blocked: dict[int, float] = {}  # stats.blocked_s delta per call: start + pre-step guard
-        self._snapshot_and_wait(self.ckpt.store.nslots)  # allocate and fault in every slot once, untimed
+        self.snapshot_and_wait(self.ckpt.store.nslots)  # allocate and fault in every slot once, untimed
 
-    def _snapshot_and_wait(self, count: int) -> None:
+    def snapshot_and_wait(self, count: int) -> None:
+        """Take `count` snapshots, each waited for (no training in between)."""
         for _ in range(count):
             self.ckpt.step(self.calls)
             self.calls += 1
@@ -139,18 +140,25 @@ class Hpcft(Checkpointing):
         return self.ckpt.store.nslots + warmup + 1
 
     def copy_bandwidth(self, first_step: int) -> float:
-        """Bytes/s of the committed snapshots numbered >= `first_step` (copy + checksum wall time)."""
-        hist = [h for h in self.ckpt.stats.history if h["step"] >= first_step]
-        return sum(h["bytes"] for h in hist) / sum(h["copy_s"] for h in hist) if hist else float("nan")
-
-    def idle_copy_bandwidth(self, repeats: int = 3) -> float:
-        """Snapshot then wait, with no training running: the copier's own bandwidth on these bytes."""
-        first = self.calls + 1
-        self._snapshot_and_wait(repeats)
-        return self.copy_bandwidth(first)
+        """Median bytes/s (copy + checksum wall time) of the committed snapshots numbered >= `first_step`."""
+        bw = [h["bytes"] / h["copy_s"] for h in self.ckpt.stats.history if h["step"] >= first_step and h["copy_s"]]
+        return statistics.median(bw) if bw else float("nan")
 
     def close(self) -> None:
         self.ckpt.close()
+
+
+class IdleSnapshot(Variant):
+    """An hpcft snapshot and its wait with no training running: the copier's own bandwidth."""
+
+    name, label = "hpcft_idle", "hpcft snapshot + wait, no training"
+
+    def __init__(self, hp: Hpcft) -> None:
+        self.hp = hp
+        self.first_step = hp.calls + 1
+
+    def run_once(self, index: int) -> None:
+        self.hp.snapshot_and_wait(1)
 
 
 def _build(opts: SnapshotOptions, where: Scratch) -> tuple[Trainer, list[Checkpointing]]:
@@ -176,18 +184,22 @@ def run(opts: SnapshotOptions) -> Report:
     set_threads(opts.threads)
     with scratch(opts.root) as where, local_process_group():
         trainer, variants = _build(opts, where)
-        by_name = {v.name: v for v in variants}
+        hp = next(v for v in variants if isinstance(v, Hpcft))
         try:
             timings = run_interleaved(variants, opts.steps, opts.warmup, opts.block)
-            hp = by_name["hpcft"]
             training = hp.copy_bandwidth(first_step=hp.first_measured_step(opts.warmup))
-            idle = hp.idle_copy_bandwidth()
+            idle, memcpy = IdleSnapshot(hp), Memcpy(trainer.state_bytes())
+            try:
+                reference = run_interleaved([idle, memcpy], steps=3, warmup=1, block=1)
+            finally:
+                memcpy.close()
             stats = hp.ckpt.stats.as_dict()
         finally:
             for v in variants:
                 v.close()
-        copy = CopyFigures(idle, training, memcpy_bandwidth(trainer.state_bytes()), stats["last_bytes"])
-        r = _report(opts, trainer, timings, by_name, copy)
+        copy = CopyFigures(idle=hp.copy_bandwidth(first_step=idle.first_step + 1), training=training,
+                           memcpy=memcpy.nbytes / reference.median("memcpy"), snapshot_bytes=stats["last_bytes"])
+        r = _report(opts, trainer, timings, {v.name: v for v in variants}, copy)
         r.note("hpcft_stats", {k: v for k, v in stats.items() if k != "history"})
         return r
 
