@@ -45,7 +45,7 @@ class Checkpointer:
                  root: str | os.PathLike | None = None, job_id: str | None = None, *, backend: str | None = None,
                  max_inflight_bytes: int = 256 << 20, chunk_bytes: int = 4 << 20, threads: int | None = None,
                  on_restore: Callable[[dict | None], None] | None = None, auto: bool = True,
-                 delay_per_chunk: float = 0.0):
+                 delay_per_chunk: float = 0.0, overlap: bool | None = None):
         if every < 1:
             raise ConfigError(f"every must be at least 1 (got {every})")
         if extra is not None and not callable(extra):
@@ -63,7 +63,7 @@ class Checkpointer:
         backend = copiers.choose(backend, device)
         self.store = RankStore(self.job_id, self.rank, keep=keep, root=root)
         copier = copiers.make(backend, device, max_inflight_bytes=max_inflight_bytes, threads=self.threads,
-                              delay_per_chunk=delay_per_chunk)
+                              delay_per_chunk=delay_per_chunk, overlap=overlap)
         self.engine = SnapshotEngine(self.store, copier, group=self.group, chunk_bytes=chunk_bytes)
         self.backend = backend
         self.completed = 0  # optimizer steps applied to the live state

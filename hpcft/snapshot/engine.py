@@ -151,8 +151,9 @@ class SnapshotEngine:
             self.stats.blocked_s += time.perf_counter() - t0
             return False
         manifest = self._manifest(step, prep, meta)
+        t_copy = time.perf_counter()
         self._transfer = self.copier.start(prep.sources, prep.chunks, slot)
-        self._pending = self._committer.submit(self._commit, self._transfer, slot, manifest, prep, time.perf_counter())
+        self._pending = self._committer.submit(self._commit, self._transfer, slot, manifest, prep, t_copy)
         if prep.layout.nbytes > self._allocated:  # the other slots, off the training thread, once
             self._allocated = prep.layout.nbytes
             self._prealloc = self._committer.submit(self.store.preallocate, prep.layout.nbytes)

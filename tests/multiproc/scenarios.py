@@ -123,7 +123,7 @@ def train(args, ctx) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     pos = {"pos": 0}
     ckpt = hpcft.Checkpointer(model, opt, extra=lambda: dict(pos), dp_group=ctx.dp_group, chunk_bytes=1024,
-                              delay_per_chunk=args.delay)
+                              delay_per_chunk=args.delay, overlap=True)
     torch.manual_seed(7 + ctx.rank), random.seed(7), np.random.seed(7)  # the run's seed; restore overrides it
     start = ckpt.restore()
     out = Path(args.out)

@@ -64,7 +64,8 @@ def test_fresh_run_restores_zero(root: Path) -> None:
 @pytest.mark.parametrize("racy", [False, True], ids=["guarded", "racy-control"])
 def test_snapshot_during_next_step_is_the_state_after_its_step(root: Path, racy: bool) -> None:
     model, opt = _model()
-    ckpt = Checkpointer(model, opt, root=root, job_id="j", chunk_bytes=1024, delay_per_chunk=0.01, keep=3)
+    ckpt = Checkpointer(model, opt, root=root, job_id="j", chunk_bytes=1024, delay_per_chunk=0.01, keep=3,
+                        overlap=True)
     if racy:  # the trap: a copy that the next optimizer step does not wait for (pytorch #144657's shape)
         class Racy(CpuCopier):
             def guard(self, transfer) -> None:

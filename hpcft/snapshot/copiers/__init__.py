@@ -29,11 +29,22 @@ def choose(backend: str | None, device: torch.device) -> str:
     return backend
 
 
+def cpu_overlap(threads: int) -> bool:
+    """Overlap CPU copies with training only where cores are left idle by torch's compute threads; on a
+    CPU whose cores all compute, a background copy fights the step for them and costs more than a short
+    parallel copy while the step waits (docs/PERFORMANCE-NOTES: no idle core, nothing to hide)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores >= torch.get_num_threads() + threads
+
+
 def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads: int,
-         delay_per_chunk: float = 0.0) -> Copier:
-    """Build the copier named by `choose`."""
+         delay_per_chunk: float = 0.0, overlap: bool | None = None) -> Copier:
+    """Build the copier named by `choose`; `overlap` (cpu backend) defaults to `cpu_overlap(threads)`."""
     if backend == "cpu":
-        return CpuCopier(threads=threads, delay_per_chunk=delay_per_chunk)
+        overlap = cpu_overlap(threads) if overlap is None else overlap
+        return CpuCopier(threads=threads, delay_per_chunk=delay_per_chunk, overlap=overlap)
     if backend == "torch":
         from hpcft.snapshot.copiers.torch_stream import TorchCopier
 
@@ -43,4 +54,4 @@ def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads
     return HipCopier(device, max_inflight_bytes)
 
 
-__all__ = ["BACKENDS", "Copier", "CpuCopier", "Transfer", "choose", "make"]
+__all__ = ["BACKENDS", "Copier", "CpuCopier", "Transfer", "choose", "cpu_overlap", "make"]

@@ -1,6 +1,6 @@
 """CPU backend: worker threads copy chunks into the slot mapping and checksum each while it is warm."""
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Sequence
 
 import numpy as np
@@ -29,14 +29,17 @@ class CpuTransfer:
 
 
 class CpuCopier:
-    """`threads` workers, each taking every threads-th chunk; `delay_per_chunk` (seconds) slows each chunk
-    down, for tests and benches that need a wide window between the optimizer step and the copy's end."""
+    """`threads` workers, each taking every threads-th chunk. With `overlap` the copy runs while training
+    continues and the pre-step hook joins it; without, `start` returns once the bytes are copied (on a CPU
+    whose cores all compute, overlapping only makes the copy and the step fight for the same cores).
+    `delay_per_chunk` (seconds) slows each chunk down, for tests that need a wide copy window."""
 
     name = "cpu"
 
-    def __init__(self, threads: int = 2, delay_per_chunk: float = 0.0):
+    def __init__(self, threads: int = 2, delay_per_chunk: float = 0.0, overlap: bool = True):
         self.threads = max(1, threads)
         self.delay_per_chunk = delay_per_chunk
+        self.overlap = overlap
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpcft-copy")
 
     def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> CpuTransfer:
@@ -44,6 +47,8 @@ class CpuCopier:
         dst = slot.array
         futures = [self._pool.submit(self._work, arrays, chunks, dst, range(t, len(chunks), self.threads))
                    for t in range(min(self.threads, len(chunks)) or 1)]
+        if not self.overlap:
+            wait(futures)  # errors stay in the futures: the commit thread reports them
         return CpuTransfer(futures, len(chunks))
 
     def _work(self, arrays: list[np.ndarray], chunks: Sequence[Chunk], dst: np.ndarray,
