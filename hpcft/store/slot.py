@@ -10,7 +10,7 @@ from hpcft.errors import StoreError
 from hpcft.store.paths import check_file
 
 GRAIN = 1 << 20  # sizes are rounded up to this, so small layout changes do not regrow the file
-_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _round_up(n: int, grain: int = GRAIN) -> int:
@@ -20,11 +20,12 @@ def _round_up(n: int, grain: int = GRAIN) -> int:
 class Slot:
     """A data file `slot-<k>.data` and its shared mapping; `array` is a uint8 view of all of it."""
 
-    def __init__(self, index: int, path: Path):
+    def __init__(self, index: int, path: Path, *, readonly: bool = False):
         self.index = index
         self.path = path
+        self.readonly = readonly
         self.generation = 0  # bumped whenever the mapping moves (copiers re-register pinned memory)
-        self._fd = os.open(path, _FLAGS, 0o600)
+        self._fd = os.open(path, _FLAGS | (os.O_RDONLY if readonly else os.O_RDWR | os.O_CREAT), 0o600)
         try:
             check_file(self._fd, path)
         except StoreError:
@@ -44,6 +45,8 @@ class Slot:
         """Make the file at least `nbytes` long with every page allocated (ENOSPC here, never SIGBUS later)."""
         if nbytes <= self.size:
             return
+        if self.readonly:
+            raise StoreError(f"{self.path} is open read-only and holds {self.size} bytes, not {nbytes}")
         size = _round_up(nbytes)
         try:
             os.posix_fallocate(self._fd, 0, size)
@@ -57,7 +60,8 @@ class Slot:
 
     def _map(self, size: int) -> None:
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._mm = mmap.mmap(self._fd, size, flags=flags)
+        prot = mmap.PROT_READ | (0 if self.readonly else mmap.PROT_WRITE)
+        self._mm = mmap.mmap(self._fd, size, flags=flags, prot=prot)
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.generation += 1
 

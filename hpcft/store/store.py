@@ -31,21 +31,27 @@ class RankStore:
 
     Invariants: a slot is written only after its manifest is withdrawn; the slot holding the newest
     complete version is never chosen for writing; a crash at any point leaves that version loadable.
+
+    `readonly=True` is for other processes (the node agent): nothing is created or cleaned, slots are
+    mapped read-only. The writer may withdraw and reuse a slot at any time, so a reader copies the data,
+    verifies the chunk checksums, and then checks that the manifest is still the one it read.
     """
 
     def __init__(self, job_id: str, rank: int, *, keep: int = 2, root: str | os.PathLike | None = None,
-                 user: str | None = None):
+                 user: str | None = None, readonly: bool = False):
         if keep < 1:
             raise StoreError(f"keep must be at least 1 (got {keep})")
         self.keep = keep
         self.rank = rank
-        self.job = secure_dir(job_dir(resolve_root(root), job_id, user))
-        self.dir = secure_dir(rank_dir(self.job, rank))
+        self.readonly = readonly
+        self.job = secure_dir(job_dir(resolve_root(root), job_id, user), create=not readonly)
+        self.dir = secure_dir(rank_dir(self.job, rank), create=not readonly)
         self.nslots = keep + 1
         self._slots: dict[int, Slot] = {}
         self._full: set[int] = set()  # slots whose allocation ran out of space in this process
-        for stale in self.dir.glob("*.dirty"):
-            stale.unlink(missing_ok=True)
+        if not readonly:
+            for stale in self.dir.glob("*.dirty"):
+                stale.unlink(missing_ok=True)
 
     def _manifest_path(self, k: int) -> Path:
         return self.dir / f"slot-{k}.json"
@@ -53,7 +59,7 @@ class RankStore:
     def slot(self, k: int) -> Slot:
         """Open (create if missing) slot k."""
         if k not in self._slots:
-            self._slots[k] = Slot(k, self.dir / f"slot-{k}.data")
+            self._slots[k] = Slot(k, self.dir / f"slot-{k}.data", readonly=self.readonly)
         return self._slots[k]
 
     def versions(self) -> list[Version]:

@@ -127,3 +127,17 @@ def test_enospc_is_an_error_not_a_crash(tiny_tmpfs: Path, monkeypatch: pytest.Mo
     assert [v.step for v in store.versions()] == [1]
     assert (store.slot(0).array[:1000] == 1).all()
     assert "store_full" in [e["event"] for e in events.read(tiny_tmpfs.parent / "ev")]
+
+
+def test_readonly_reader_sees_versions_and_changes_nothing(root: Path) -> None:
+    writer = RankStore("j", 0, root=root)
+    _commit(writer, 1)
+    (writer.dir / "slot-1.json.dirty").write_text("{in progress")
+    reader = RankStore("j", 0, root=root, readonly=True)
+    (v,) = reader.versions()
+    assert v.step == 1 and (reader.slot(v.slot).array[:1000] == 1).all()
+    assert (writer.dir / "slot-1.json.dirty").exists()  # a reader never cleans the writer's files
+    with pytest.raises(ValueError):
+        reader.slot(v.slot).array[0] = 5  # mapped read-only
+    with pytest.raises(StoreError, match="does not exist"):
+        RankStore("j", 9, root=root, readonly=True)
