@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hpcft import events
 from hpcft.errors import CheckpointError, IntegrityError
 from hpcft.snapshot import plan
-from hpcft.snapshot.engine import Group, byte_view, signature
+from hpcft.snapshot.engine import Group, signature
 from hpcft.snapshot.state import Entry
 from hpcft.store import RankStore, Version, crc32c
 
