@@ -152,7 +152,14 @@ class SnapshotEngine:
             return False
         manifest = self._manifest(step, prep, meta)
         t_copy = time.perf_counter()
-        self._transfer = self.copier.start(prep.sources, prep.chunks, slot)
+        try:
+            self._transfer = self.copier.start(prep.sources, prep.chunks, slot)
+        except Exception as exc:  # e.g. pinning refused: no snapshot this step, training goes on
+            self.stats.failed += 1
+            events.emit("snapshot_failed", level=logging.ERROR, rank=self.store.rank, step=step,
+                        error=f"{type(exc).__name__}: {exc}")
+            self.stats.blocked_s += time.perf_counter() - t0
+            return False
         self._pending = self._committer.submit(self._commit, self._transfer, slot, manifest, prep, t_copy)
         if prep.layout.nbytes > self._allocated:  # the other slots, off the training thread, once
             self._allocated = prep.layout.nbytes

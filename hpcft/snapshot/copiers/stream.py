@@ -99,6 +99,11 @@ class StreamCopier:
                     pending -= land()
             transfer.done_event = self._record()
         finally:
+            if transfer.done_event is None:  # failed mid-way: still order the next step after what was issued
+                try:
+                    transfer.done_event = self._record()
+                except Exception:  # the device is gone; guard falls back to a host wait
+                    pass
             transfer.issued.set()
         while inflight:
             land()
@@ -109,7 +114,7 @@ class StreamCopier:
         chunks are still being issued (a copy later than the whole forward/backward)."""
         transfer.issued.wait()
         if transfer.done_event is None:
-            transfer.result()  # issuing failed: raise its error here rather than race the optimizer
+            transfer.result()  # no event to wait on: wait on the host and raise the copy's error here
             raise CheckpointError("snapshot copy ended without a completion event")
         self._compute_waits(transfer.done_event)
 
