@@ -86,6 +86,7 @@ class Prepared:
     sources: list[torch.Tensor]
     chunks: list[plan.Chunk]
     rep_signature: int
+    described: dict[str, Any] | None = None
 
 
 class SnapshotEngine:
@@ -185,15 +186,17 @@ class SnapshotEngine:
             self.stats.last_blocked_s += waited
 
     def _manifest(self, step: int, prep: Prepared, meta: dict[str, Any]) -> dict[str, Any]:
-        offsets = {p.source: p.offset for p in prep.layout.pieces if p.source < len(prep.own)}
-        entries = [{**e.describe(), "offset": offsets[i]} for i, e in enumerate(prep.own)]
-        m = {"step": step, "rank": self.store.rank, "time": time.time(), "backend": self.copier.name,
-             "data_bytes": prep.layout.nbytes, "chunk_bytes": self.chunk_bytes, "entries": entries, **meta}
-        if prep.rep:
-            m["share"] = {"group": list(self.group.ranks), "member": self.group.member, "members": self.group.size,
-                          "range": list(prep.layout.share_range), "offset": prep.layout.share_offset,
-                          "signature": prep.rep_signature, "replicated": [e.describe() for e in prep.rep]}
-        return m
+        if prep.described is None:  # the layout's part of the manifest, built once per layout
+            offsets = {p.source: p.offset for p in prep.layout.pieces if p.source < len(prep.own)}
+            prep.described = {"data_bytes": prep.layout.nbytes, "chunk_bytes": self.chunk_bytes,
+                              "entries": [{**e.describe(), "offset": offsets[i]} for i, e in enumerate(prep.own)]}
+            if prep.rep:
+                prep.described["share"] = {
+                    "group": list(self.group.ranks), "member": self.group.member, "members": self.group.size,
+                    "range": list(prep.layout.share_range), "offset": prep.layout.share_offset,
+                    "signature": prep.rep_signature, "replicated": [e.describe() for e in prep.rep]}
+        return {"step": step, "rank": self.store.rank, "time": time.time(), "backend": self.copier.name,
+                **prep.described, **meta}
 
     def _commit(self, transfer: Transfer, slot: Slot, manifest: dict[str, Any], prep: Prepared, t0: float) -> None:
         step = manifest["step"]

@@ -3,7 +3,7 @@
 Nothing here touches tensors or files; every function maps plain numbers to plain numbers.
 """
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 ALIGN = 64  # file offsets and share cuts are multiples of this (cache lines; full-speed memcpy)
 
@@ -20,8 +20,7 @@ def share_cuts(total: int, members: int, align: int = ALIGN) -> list[int]:
     return [0, *inner, total]
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Bytes [start, stop) of source `source` live at `offset` in the data file."""
     source: int
     start: int
@@ -67,8 +66,7 @@ def layout(own_sizes: Sequence[int], rep_sizes: Sequence[int], member: int, memb
     return Layout(tuple(pieces), off, (lo, hi), align_up(off + hi - lo))
 
 
-@dataclass(frozen=True)
-class Segment:
+class Segment(NamedTuple):
     """One contiguous copy: bytes [start, start+nbytes) of `source` to file offset `offset`."""
     source: int
     start: int
@@ -76,8 +74,7 @@ class Segment:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """Bytes [offset, offset+nbytes) of the data file: the unit of copy, checksum and loss."""
     offset: int
     nbytes: int

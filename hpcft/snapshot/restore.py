@@ -22,9 +22,9 @@ _log = logging.getLogger(__name__)
 OK, LOST, MISMATCH = 0, 1, 2
 
 
-def held_everywhere(store: RankStore) -> tuple[list[int], bool]:
-    """Steps complete on every rank, newest first, and whether any rank holds anything at all."""
-    mine = sorted({v.step for v in store.versions()}, reverse=True)
+def held_everywhere(store: RankStore, held: Sequence[Version]) -> tuple[list[int], bool]:
+    """Steps complete on every rank (each holding `held`), newest first, and whether any rank holds any."""
+    mine = sorted({v.step for v in held}, reverse=True)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine, bool(mine)
     width = store.nslots
@@ -189,7 +189,8 @@ def restore_newest(store: RankStore, group: Group | None, entries_fn, threads: i
     """Load the newest version complete on every rank, falling back on loss; None on a fresh run.
     `entries_fn()` returns the live entries (called once, after the caller created optimizer state)."""
     t0 = time.perf_counter()
-    candidates, anything = held_everywhere(store)
+    held = store.versions()
+    candidates, anything = held_everywhere(store, held)
     if not candidates:
         if anything:
             events.emit("restore_none", level=logging.WARNING, rank=store.rank,
@@ -197,7 +198,7 @@ def restore_newest(store: RankStore, group: Group | None, entries_fn, threads: i
         return None
     entries = entries_fn()
     loader = Loader(store, group, threads)
-    by_step = {v.step: v for v in store.versions()}
+    by_step = {v.step: v for v in held}
     failures = []
     for step in candidates:
         try:

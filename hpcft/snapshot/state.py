@@ -35,12 +35,19 @@ class Entry:
         return d
 
 
-def _is_dtensor(t: Any) -> bool:
+def _dtensor_class() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_class()
+
+
+def _is_dtensor(t: Any) -> bool:
+    return _DTENSOR is not None and isinstance(t, _DTENSOR)
 
 
 def _placement(t: Any) -> dict[str, Any]:

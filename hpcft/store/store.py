@@ -49,6 +49,7 @@ class RankStore:
         self.nslots = keep + 1
         self._slots: dict[int, Slot] = {}
         self._full: set[int] = set()  # slots whose allocation ran out of space in this process
+        self._index: dict[int, Version] | None = None  # slot -> complete version, as this writer knows it
         if not readonly:
             for stale in self.dir.glob("*.dirty"):
                 stale.unlink(missing_ok=True)
@@ -63,8 +64,9 @@ class RankStore:
         return self._slots[k]
 
     def versions(self) -> list[Version]:
-        """Complete versions held here, oldest first; an unreadable manifest is reported and skipped."""
-        found = []
+        """Complete versions held here, oldest first, read from disk (an unreadable manifest is reported
+        and skipped). Also refreshes the writer's in-memory index."""
+        found = {}
         for k in range(self.nslots):
             path = self._manifest_path(k)
             if not path.exists():
@@ -74,12 +76,19 @@ class RankStore:
             except StoreError as exc:
                 events.emit("manifest_bad", level=logging.WARNING, rank=self.rank, path=str(path), error=str(exc))
                 continue
-            found.append(Version(int(m["step"]), k, m))
-        return sorted(found, key=lambda v: v.step)
+            found[k] = Version(int(m["step"]), k, m)
+        self._index = found
+        return sorted(found.values(), key=lambda v: v.step)
+
+    def _held(self) -> list[Version]:
+        """The writer's view without touching the disk (only this process writes this rank's manifests)."""
+        if self._index is None:
+            return self.versions()
+        return sorted(self._index.values(), key=lambda v: v.step)
 
     def begin(self, nbytes: int) -> Slot:
         """Pick a slot for a new version of `nbytes`, withdraw its manifest, size it; StoreError if none fits."""
-        held = self.versions()
+        held = self._held()
         newest = held[-1].slot if held else None
         by_age = {v.slot: i for i, v in enumerate(held)}
         order = sorted((k for k in range(self.nslots) if k != newest), key=lambda k: by_age.get(k, -1))
@@ -113,10 +122,15 @@ class RankStore:
     def withdraw(self, k: int) -> None:
         """Remove slot k's manifest: from now on its data is not a version and may be overwritten."""
         self._manifest_path(k).unlink(missing_ok=True)
+        if self._index is not None:
+            self._index.pop(k, None)
 
     def commit(self, slot: Slot, manifest: dict[str, Any]) -> None:
         """Publish `slot` as a complete version described by `manifest` (atomic rename)."""
-        mf.write_atomic(self._manifest_path(slot.index), {**manifest, "slot": slot.index})
+        manifest = {**manifest, "slot": slot.index}
+        mf.write_atomic(self._manifest_path(slot.index), manifest)
+        if self._index is not None:
+            self._index[slot.index] = Version(int(manifest["step"]), slot.index, manifest)
 
     def close(self) -> None:
         """Unmap every slot; the snapshots stay on the store root."""
