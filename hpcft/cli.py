@@ -20,9 +20,10 @@ def cli(verbose: int) -> None:
 def _register() -> None:
     from hpcft.bench.cli import bench
     from hpcft.doctor import doctor
+    from hpcft.launch.cli import clean, run, submit
     from hpcft.sandbox.cli import demo, sandbox
 
-    for command in (doctor, sandbox, bench, demo):
+    for command in (doctor, sandbox, bench, demo, run, submit, clean):
         cli.add_command(command)
 
 

@@ -88,7 +88,8 @@ def decide(event: Event, state: State, now: float) -> Decision:
             excluded = tuple(dict.fromkeys(state.layout.excluded + event.bad_nodes))
             return _requeue(replace(state, layout=replace(state.layout, excluded=excluded)), str(exc))
         why = f"{why} on {','.join(event.bad_nodes)}"
-    if state.end_time is not None and state.end_time - now < state.requeue_margin:
+    # Near the end of the walltime a relaunch would not get far: requeue, if that is possible at all.
+    if state.requeue_allowed and state.end_time is not None and state.end_time - now < state.requeue_margin:
         left = max(0.0, state.end_time - now)
         return _requeue(replace(state, layout=layout),
                         f"{why} with {left:.0f} s of walltime left (< --requeue-margin {state.requeue_margin:g} s)")

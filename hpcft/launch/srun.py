@@ -21,13 +21,17 @@ def master_port(job_id: str, restart_count: int) -> int:
 def trainer_argv(layout: Layout, profile: Profile, command: Sequence[str], *, python: str,
                  extra: str = "") -> list[str]:
     """`srun … python -m hpcft.launch.task -- CMD`: the active slots' nodes, T tasks on each, the step killed
-    as a whole when one task fails, the profile's resource options, then the user's extra options."""
+    as a whole when one task fails, the profile's resource options, then the user's extra options.
+
+    --overlap: a step that failed with a node keeps its resources on the healthy nodes until Slurm declares
+    the dead node DOWN; without it the relaunch would wait ("Requested nodes are busy"). The node agents'
+    step overlaps the trainers' too."""
     if not command:
         raise ConfigError("no training command given: use `hpcft run [options] -- CMD ...`")
     n, t = len(layout.slots), layout.tasks_per_node
     return ["srun", f"--job-name={TRAIN_STEP_NAME}", f"--nodes={n}", f"--ntasks={n * t}",
             f"--ntasks-per-node={t}", f"--nodelist={compress(list(layout.slots))}", "--kill-on-bad-exit=1",
-            "--export=ALL", *profile.srun_args, *shlex.split(extra), python, *TASK_WRAPPER, *command]
+            "--overlap", "--export=ALL", *profile.srun_args, *shlex.split(extra), python, *TASK_WRAPPER, *command]
 
 
 def probe_argv(nodes: Sequence[str]) -> list[str]:

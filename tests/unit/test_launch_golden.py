@@ -2,14 +2,18 @@
 
 When a change to them is intended, refresh the records and review the diff:
     HPCFT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/unit/test_launch_golden.py && git diff tests/unit/golden
+The sbatch scripts are also checked by `bash -n`.
 """
 import os
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from hpcft.errors import ConfigError
 from hpcft.launch import profiles
+from hpcft.launch.submit import SubmitSpec, render
 from hpcft.launch.layout import Layout
 from hpcft.launch.srun import probe_argv, trainer_argv
 
@@ -42,3 +46,20 @@ def test_trainer_srun_line(profile):
 
 def test_probe_srun_line():
     check_golden("srun-probe.txt", _lines(probe_argv(NODES[:4])))
+
+
+@pytest.mark.parametrize("profile", ["frontier", "cpu"])
+def test_sbatch_script(profile):
+    spec = SubmitSpec(command=("python3", "train.py", "--config", "my cfg.yaml"), nodes=64, spares=2, time="06:00:00",
+                      profile=profile, account="ABC123", partition="batch", job_name="llm-7b", warn_seconds=600,
+                      run_options={"max_restarts": 5, "hang_timeout": 900.0, "requeue": True, "nodes": 64})
+    script = render(spec)
+    check_golden(f"sbatch-{profile}.sh", script)
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_submit_refuses_a_bad_job_name_and_an_empty_command():
+    with pytest.raises(ConfigError, match="job name 'a b' may use letters"):
+        render(SubmitSpec(command=("x",), nodes=1, job_name="a b"))
+    with pytest.raises(ConfigError, match="no training command given"):
+        render(SubmitSpec(command=(), nodes=1))

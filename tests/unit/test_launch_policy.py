@@ -52,6 +52,11 @@ def test_no_time_limit_never_requeues_for_time():
     assert decide(Event(Kind.TASK_FAILED), state(end_time=None), NOW).action is Action.RELAUNCH
 
 
+def test_near_the_end_without_requeue_it_still_relaunches():
+    got = decide(Event(Kind.TASK_FAILED), state(end_time=NOW + 10, requeue_allowed=False), NOW)
+    assert got.action is Action.RELAUNCH
+
+
 def test_walltime_signal_and_lost_allocation_requeue():
     assert decide(Event(Kind.WALLTIME), state(), NOW).action is Action.REQUEUE
     assert decide(Event(Kind.ALLOCATION_LOST), state(), NOW).action is Action.REQUEUE

@@ -1,0 +1,96 @@
+"""Click commands of the launcher: `hpcft run`, `hpcft submit`, `hpcft clean` — parse, call, print."""
+import click
+
+from hpcft.launch import config
+
+
+def _run_options(f):
+    """The supervisor's options, shared by `run` and `submit` (None = not given, so the environment or the
+    config file may set it)."""
+    options = [
+        click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+                     help="TOML file of options (also $HPCFT_CONFIG); CLI > HPCFT_<NAME> > file."),
+        click.option("--nodes", type=int, default=None, help="Active nodes (default: allocation minus spares)."),
+        click.option("--spares", type=int, default=None, help="Spare nodes that replace failed ones."),
+        click.option("--profile", type=click.Choice(["frontier", "cuda", "cpu"]), default=None,
+                     help="Machine profile (tasks per node, srun options, library environment)."),
+        click.option("--tasks-per-node", type=int, default=None, help="Override the profile's tasks per node."),
+        click.option("--max-restarts", type=int, default=None, help="Relaunches before giving up."),
+        click.option("--hang-timeout", type=float, default=None, help="Seconds without a completed step = hang (0: off)."),
+        click.option("--poll-interval", type=float, default=None, help="Seconds between checks."),
+        click.option("--kill-grace", type=float, default=None, help="Seconds between SIGTERM and SIGKILL of a step."),
+        click.option("--requeue-margin", type=float, default=None,
+                     help="Requeue instead of relaunching with less walltime left than this (s)."),
+        click.option("--requeue/--no-requeue", default=None, help="Allow `scontrol requeue`."),
+        click.option("--job-dir", default=None, help="Events, decisions, progress (default ./hpcft-<job id>)."),
+        click.option("--srun-args", default=None, help="Extra srun options for the trainer step (one string)."),
+        click.option("--probe-timeout", type=float, default=None, help="Seconds a node health probe may take."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _cli_values(kwargs: dict) -> dict:
+    return {k: v for k, v in kwargs.items() if k in config.KEYS}
+
+
+@click.command(context_settings={"ignore_unknown_options": False})
+@_run_options
+@click.argument("command", nargs=-1, required=True)
+def run(config_file, command, **kwargs) -> None:
+    """Run CMD on the allocation's nodes and keep it running: relaunch, replace nodes by spares, requeue.
+
+    Use inside an allocation: `hpcft run --spares 2 --profile frontier -- python train.py`."""
+    from hpcft.launch.supervisor import Supervisor
+
+    cfg = config.load(_cli_values(kwargs), config_file=config_file)
+    click.get_current_context().exit(Supervisor(cfg, command).run())
+
+
+@click.command()
+@_run_options
+@click.option("--time", "-t", "walltime", default="01:00:00", show_default=True, help="Walltime (sbatch --time).")
+@click.option("--account", "-A", default=None, help="sbatch --account.")
+@click.option("--partition", "-p", default=None, help="sbatch --partition.")
+@click.option("--job-name", "-J", default="hpcft", show_default=True, help="sbatch --job-name.")
+@click.option("--output", "-o", default="hpcft-%j.out", show_default=True, help="sbatch --output (appended to).")
+@click.option("--warn", "warn_seconds", type=int, default=300, show_default=True,
+              help="Seconds before the walltime at which Slurm sends USR1 (persist and requeue).")
+@click.option("--module", default="hpcft", show_default=True, help="Module to load first ('' for none).")
+@click.option("--dry-run", is_flag=True, help="Print the batch script instead of submitting it.")
+@click.argument("command", nargs=-1, required=True)
+def submit(config_file, command, walltime, account, partition, job_name, output, warn_seconds, module, dry_run,
+           **kwargs) -> None:
+    """Write the batch script for `hpcft run … -- CMD` (template in slurm/) and submit it; print the job id.
+
+    --nodes counts the active nodes; the allocation is --nodes + --spares."""
+    from hpcft.launch.submit import SubmitSpec, render, submit as sbatch
+    from hpcft.slurm.runner import default_runner
+
+    cfg = config.load(_cli_values(kwargs), config_file=config_file)
+    if cfg.nodes is None:
+        raise click.UsageError("hpcft submit needs --nodes (the active nodes; spares come on top)")
+    forwarded = {k: v for k, v in _cli_values(kwargs).items() if v is not None}
+    spec = SubmitSpec(command=tuple(command), nodes=cfg.nodes, spares=cfg.spares, time=walltime, profile=cfg.profile,
+                      account=account, partition=partition, job_name=job_name, output=output,
+                      warn_seconds=warn_seconds, module=module, run_options=forwarded)
+    script = render(spec)
+    if dry_run:
+        click.echo(script, nl=False)
+        return
+    click.echo(sbatch(script, default_runner()))
+
+
+@click.command()
+@click.option("--job", "job_id", envvar="SLURM_JOB_ID", required=True, help="Job id (default $SLURM_JOB_ID).")
+@click.option("--user", default=None, help="Owner of the store (default: you).")
+@click.option("--root", default=None, help="Store root (default $HPCFT_STORE_ROOT or /dev/shm).")
+@click.option("--force", is_flag=True, help="Remove even if Slurm says a requeue is pending.")
+def clean(job_id, user, root, force) -> None:
+    """Remove a job's snapshots from this node's memory unless a requeue is pending (as slurm/epilog.sh does)."""
+    from hpcft.launch.clean import clean as clean_store
+    from hpcft.slurm.runner import default_runner
+
+    path, removed, why = clean_store(job_id, runner=default_runner(), user=user, root=root, force=force)
+    click.echo(f"{path}: {why}")

@@ -1,0 +1,86 @@
+"""`hpcft submit`: render the sbatch script from a template in slurm/ and submit it through the Runner."""
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcft.errors import ConfigError, SlurmError
+from hpcft.slurm.runner import Runner
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "slurm"
+_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+@dataclass(frozen=True)
+class SubmitSpec:
+    """What goes into the batch script; `run_options` are forwarded to `hpcft run` as given."""
+    command: tuple[str, ...]
+    nodes: int
+    spares: int = 0
+    time: str = "01:00:00"
+    profile: str = "cpu"
+    account: str | None = None
+    partition: str | None = None
+    job_name: str = "hpcft"
+    output: str = "hpcft-%j.out"
+    warn_seconds: int = 300
+    module: str = "hpcft"
+    run_options: Mapping[str, object] = field(default_factory=dict)
+
+
+def template_for(profile: str, template_dir: Path = TEMPLATE_DIR) -> Path:
+    """slurm/sbatch-<profile>.sh if there is one, else slurm/sbatch-generic.sh."""
+    specific = template_dir / f"sbatch-{profile}.sh"
+    path = specific if specific.exists() else template_dir / "sbatch-generic.sh"
+    if not path.exists():
+        raise ConfigError(f"no sbatch template {path}; hpcft's slurm/ directory is missing from this installation")
+    return path
+
+
+def render_template(text: str, values: Mapping[str, str]) -> str:
+    """Fill `{{name}}` placeholders; a placeholder without a value is an error naming it."""
+    def fill(m: re.Match) -> str:
+        if m.group(1) not in values:
+            raise ConfigError(f"sbatch template needs a value for {{{{{m.group(1)}}}}}")
+        return values[m.group(1)]
+    return _PLACEHOLDER.sub(fill, text)
+
+
+def _flag(key: str, value: object) -> list[str]:
+    name = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return [name if value else "--no-" + key.replace("_", "-")]
+    return [name, str(value)]
+
+
+def render(spec: SubmitSpec, template_dir: Path = TEMPLATE_DIR) -> str:
+    """The batch script for `spec` (a pure function of it: golden-file tested)."""
+    if not spec.command:
+        raise ConfigError("no training command given: use `hpcft submit [options] -- CMD ...`")
+    if spec.nodes < 1 or spec.spares < 0:
+        raise ConfigError(f"need at least 1 node and 0 or more spares (got --nodes {spec.nodes} --spares {spec.spares})")
+    if not re.fullmatch(r"[\w.-]+", spec.job_name):
+        raise ConfigError(f"job name {spec.job_name!r} may use letters, digits, '_', '.' and '-' only")
+    sbatch = [f"#SBATCH --{k}={v}\n" for k, v in (("account", spec.account), ("partition", spec.partition)) if v]
+    run = ["--nodes", str(spec.nodes), "--spares", str(spec.spares), "--profile", spec.profile]
+    for key, value in spec.run_options.items():
+        if value is not None and key not in ("nodes", "spares", "profile"):
+            run += _flag(key, value)
+    values = {
+        "job_name": spec.job_name, "active": str(spec.nodes), "spares": str(spec.spares),
+        "total_nodes": str(spec.nodes + spec.spares), "time": spec.time, "sbatch_lines": "".join(sbatch),
+        "warn_seconds": str(spec.warn_seconds), "output": spec.output,
+        "module_line": f"module load {spec.module}\n" if spec.module else "",
+        "run_options": shlex.join(run), "command": shlex.join(spec.command),
+    }
+    return render_template(template_for(spec.profile, template_dir).read_text(encoding="utf-8"), values)
+
+
+def submit(script: str, runner: Runner, extra: Sequence[str] = ()) -> str:
+    """Submit `script` with sbatch (on stdin) and return the job id."""
+    out = runner.run(["sbatch", "--parsable", *extra], input=script).stdout.strip()
+    job_id = out.split(";")[0]
+    if not job_id.isdigit():
+        raise SlurmError(f"sbatch did not print a job id (got {out!r})")
+    return job_id

@@ -1,0 +1,245 @@
+"""The run loop of `hpcft run`: launch the trainers' srun step, watch it, ask the policy, carry out its decision.
+
+Watching means: the step's exit (with srun's per-task errors), the nodes of the active slots (scontrol, read
+fresh), training progress (hpcft/launch/progress.py) for --hang-timeout, and Slurm's warning signal SIGUSR1.
+State that must outlive a requeue (relaunch count, excluded nodes) is kept in <job dir>/state.json."""
+import getpass
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcft import events
+from hpcft.errors import ConfigError, SlurmError
+from hpcft.launch import profiles, progress, slurmstate
+from hpcft.launch.config import RunConfig
+from hpcft.launch.layout import Layout
+from hpcft.launch.policy import Action, Decision, Event, Kind, State, decide, record
+from hpcft.launch.srun import TRAIN_STEP_NAME, probe_argv, step_env, trainer_argv
+from hpcft.slurm.runner import Runner
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class Persisted:
+    """What the next allocation of a requeued job must know: relaunches so far and the nodes found bad."""
+    restarts: int = 0
+    requeues: int = 0
+    excluded: list[str] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: Path) -> "Persisted":
+        if not path.exists():
+            return cls()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return cls(int(data["restarts"]), int(data.get("requeues", 0)), list(data.get("excluded", [])))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path} is not a valid supervisor state ({exc}); move it away to start afresh") from None
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.__dict__), encoding="utf-8")
+        os.replace(tmp, path)
+
+
+class Supervisor:
+    """One `hpcft run`: everything it touches in Slurm goes through `runner`; `persist` is called before a
+    requeue (the node agents' persistent flush, once they exist)."""
+
+    def __init__(self, cfg: RunConfig, command: Sequence[str], *, runner: Runner | None = None,
+                 environ: Mapping[str, str] | None = None, python: str = sys.executable,
+                 persist: Callable[[], None] | None = None):
+        self.cfg, self.command = cfg, list(command)
+        self.runner = runner or Runner()
+        self.environ = dict(os.environ if environ is None else environ)
+        self.python = python
+        self.persist = persist
+        self.job_id = self.environ.get("SLURM_JOB_ID") or self.environ.get("SLURM_JOBID") or ""
+        if not self.job_id:
+            raise ConfigError("hpcft run must run inside a Slurm allocation (sbatch or salloc); "
+                              "use `hpcft submit` to create one")
+        self.profile = profiles.get(cfg.profile)
+        self.job_dir = Path(cfg.job_dir or Path.cwd() / f"hpcft-{self.job_id}").resolve()
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        self.state_path = self.job_dir / "state.json"
+        self._signal: int | None = None
+        self._wake = threading.Event()
+
+    # -- events -----------------------------------------------------------------------------------------
+    def emit(self, kind: str, **fields) -> None:
+        events.emit(kind, log_dir=str(self.job_dir), job=self.job_id, **fields)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self._signal = signum
+        self._wake.set()
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run the command until it succeeds, gives up or is requeued; returns `hpcft run`'s exit status."""
+        saved = Persisted.load(self.state_path)
+        info = slurmstate.job_info(self.runner, self.job_id)
+        saved.requeues = max(saved.requeues, info.restarts)
+        tasks = self.cfg.tasks_per_node or self.profile.tasks_per_node
+        layout = Layout.plan(info.nodes, active=self.cfg.nodes, spares=self.cfg.spares, tasks_per_node=tasks,
+                             excluded=[n for n in saved.excluded if n in info.nodes])
+        self.emit("start", slots=",".join(layout.slots), spares=",".join(layout.spares),
+                  excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
+                  profile=self.profile.name, job_dir=str(self.job_dir))
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGUSR1, signal.SIGTERM)}
+        try:
+            while True:
+                event = self._run_step(layout, saved.restarts + saved.requeues)
+                if self._signal == signal.SIGTERM:
+                    self.emit("terminated", level=logging.WARNING, reason="SIGTERM (scancel, preemption or requeue)")
+                    return 128 + signal.SIGTERM
+                state = State(layout=layout, restarts=saved.restarts, max_restarts=self.cfg.max_restarts,
+                              requeue_allowed=self.cfg.requeue and info.batch and info.requeue,
+                              end_time=slurmstate.job_info(self.runner, self.job_id).end_time,
+                              requeue_margin=self.cfg.requeue_margin)
+                decision = decide(event, state, time.time())
+                record(decision, event, state, str(self.job_dir))
+                layout = decision.layout
+                saved.excluded = list(layout.excluded)
+                if decision.action in (Action.RELAUNCH, Action.REPLACE):
+                    saved.restarts += 1
+                    saved.save(self.state_path)
+                    continue
+                saved.save(self.state_path)
+                return self._finish(decision, saved)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _finish(self, decision: Decision, saved: Persisted) -> int:
+        if decision.action is Action.REQUEUE:
+            self._persist_before_requeue()
+            saved.requeues += 1
+            saved.save(self.state_path)
+            self.emit("requeue", level=logging.WARNING, excluded=",".join(saved.excluded), reason=decision.reason)
+            slurmstate.requeue(self.runner, self.job_id, saved.excluded)
+        elif decision.action is Action.STOP:
+            self.emit("summary", level=logging.ERROR, reason=decision.reason, restarts=saved.restarts,
+                      requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=decision.exit_code)
+        return int(decision.exit_code or 0)
+
+    def _persist_before_requeue(self) -> None:
+        if self.persist is None:
+            self.emit("persist", level=logging.WARNING, done=False,
+                      reason="no persistent flush configured: the next allocation resumes from what its nodes hold")
+            return
+        started = time.monotonic()
+        self.persist()
+        self.emit("persist", done=True, seconds=round(time.monotonic() - started, 3))
+
+    # -- one step -----------------------------------------------------------------------------------------
+    def _run_step(self, layout: Layout, restart_count: int) -> Event:
+        user = self.environ.get("USER") or getpass.getuser()
+        env = step_env(layout, job_id=self.job_id, restart_count=restart_count, job_dir=str(self.job_dir),
+                       profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id))
+        argv = trainer_argv(layout, self.profile, self.command, python=self.python, extra=self.cfg.srun_args)
+        self.emit("launch", restart=restart_count, slots=",".join(layout.slots), world=layout.world_size,
+                  master=f"{layout.master}:{env['MASTER_PORT']}")
+        launched = time.time()
+        proc = self.runner.popen(argv, env={**self.environ, **env}, stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=_tee, args=(proc.stderr, lines), daemon=True)
+        reader.start()
+        try:
+            event = self._watch(proc, layout, launched)
+        finally:
+            if proc.poll() is None:
+                self._stop_step(proc)
+            reader.join(timeout=5)
+        failed = tuple(slurmstate.task_errors(lines))
+        return Event(event.kind, exit_code=proc.returncode, bad_nodes=event.bad_nodes, failed_tasks=failed,
+                     detail=event.detail)
+
+    def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float) -> Event:
+        while True:
+            code = proc.poll()
+            if code is not None:
+                if code == 0:
+                    return Event(Kind.SUCCESS, exit_code=0)
+                bad = self._bad_nodes(layout, probe=True)
+                if bad:
+                    return Event(Kind.NODE_FAILED, exit_code=code, bad_nodes=tuple(bad), detail=_why(bad))
+                return Event(Kind.TASK_FAILED, exit_code=code)
+            if self._signal is not None:
+                if self._signal == signal.SIGUSR1:
+                    self.emit("signal", level=logging.WARNING, signal="USR1", meaning="walltime warning")
+                return Event(Kind.WALLTIME, detail=f"signal {self._signal}")
+            bad = self._bad_nodes(layout, probe=False)
+            if bad:
+                return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
+            if self.cfg.hang_timeout:
+                quiet = time.time() - progress.last_change(self.job_dir, launched)
+                if quiet > self.cfg.hang_timeout:
+                    return Event(Kind.HANG, detail=f"no completed step for {quiet:.0f} s")
+            self._wake.wait(self.cfg.poll_interval)
+
+    def _bad_nodes(self, layout: Layout, *, probe: bool) -> dict[str, str]:
+        """Bad nodes among the slots (scontrol); with probe, also those that fail to run a trivial task."""
+        try:
+            bad = slurmstate.bad_nodes(self.runner, self.job_id, list(layout.slots))
+        except SlurmError as exc:
+            _log.warning("node check failed: %s", exc)
+            bad = {}
+        if probe and not bad:
+            bad = self._probe(list(layout.slots))
+        for node, why in bad.items():
+            self.emit("node_bad", level=logging.WARNING, node=node, state=why)
+        return bad
+
+    def _probe(self, nodes: list[str]) -> dict[str, str]:
+        """Run a trivial task on each node at once; a node that does not answer in time is bad."""
+        procs = {n: self.runner.popen(probe_argv([n]), env=self.environ, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, text=True) for n in nodes}
+        deadline = time.monotonic() + self.cfg.probe_timeout
+        bad = {}
+        for node, p in procs.items():
+            try:
+                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                if p.returncode != 0 or out.strip() != node:
+                    bad[node] = f"probe failed (exit status {p.returncode})"
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+                bad[node] = f"probe did not answer within {self.cfg.probe_timeout:g} s"
+        return bad
+
+    def _stop_step(self, proc: subprocess.Popen) -> None:
+        """SIGTERM to srun (forwarded to the tasks), then after --kill-grace SIGKILL the step and srun."""
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=self.cfg.kill_grace)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        steps = self.runner.run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False).stdout
+        for line in steps.splitlines():
+            step_id, _, name = line.strip().partition(" ")
+            if name == TRAIN_STEP_NAME:
+                self.runner.run(["scancel", "--signal=KILL", step_id], check=False)
+        proc.kill()
+        proc.wait()
+        self.emit("step_killed", level=logging.WARNING, grace=self.cfg.kill_grace)
+
+
+def _tee(stream, lines: list[str]) -> None:
+    """Pass srun's stderr through to ours and keep its lines for the per-task error summary."""
+    for line in stream:
+        sys.stderr.write(line)
+        lines.append(line.rstrip("\n"))
+
+
+def _why(bad: dict[str, str]) -> str:
+    return "; ".join(f"{n}: {w}" for n, w in bad.items())
