@@ -1,0 +1,103 @@
+"""The device backends' shared issuing logic (cap on bytes in flight, per-chunk checksums, failure
+ordering), driven on the CPU by a backend whose 'device' primitives are host copies and host events."""
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcft.snapshot import plan
+from hpcft.snapshot.copiers.base import crc_chunks
+from hpcft.snapshot.copiers.stream import StreamCopier
+from hpcft.store import RankStore
+
+
+class HostStream(StreamCopier):
+    """Copies happen at `_record` time (a batch per event), so bytes 'in flight' are real until synchronized."""
+
+    name = "host-stream"
+
+    def __init__(self, cap: int, fail_at: int | None = None):
+        super().__init__(cap)
+        self.batch, self.inflight, self.peak, self.fail_at, self.copies = [], 0, 0, fail_at, 0
+        self.compute_waited = []
+
+    def _register(self, ptr, size): pass
+    def _unregister(self, ptr): pass
+    def _record_ready(self): return "ready"
+    def _wait_ready(self, ready): assert ready == "ready"
+
+    def _copy(self, host, offset, src, start, nbytes):
+        self.copies += 1
+        if self.fail_at is not None and self.copies > self.fail_at:
+            raise RuntimeError("device lost")
+        self.batch.append((host, offset, src, start, nbytes))
+        self.inflight += nbytes
+        self.peak = max(self.peak, self.inflight)
+
+    def _record(self):
+        done, batch, self.batch = threading.Event(), self.batch, []
+        return (done, batch)
+
+    def _synchronize(self, event):
+        done, batch = event
+        for host, offset, src, start, nbytes in batch:
+            host[offset:offset + nbytes].copy_(src[start:start + nbytes])
+            self.inflight -= nbytes
+        done.set()
+
+    def _compute_waits(self, event):
+        self.compute_waited.append(event)
+
+
+@pytest.fixture
+def slot():
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        store = RankStore("s", 0, root=Path(d))
+        yield store.begin(1 << 20)
+        store.close()
+
+
+def _work(n_tensors: int = 12, size: int = 5000):
+    sources = [torch.randint(0, 255, (size,), dtype=torch.uint8) for _ in range(n_tensors)]
+    lay = plan.layout([size] * n_tensors, [], 0, 1)
+    return sources, lay, plan.chunks(lay.pieces, lay.nbytes, 4096)
+
+
+def test_cap_checksums_and_guard(slot) -> None:
+    sources, lay, chunks = _work()
+    copier = HostStream(cap=3 * 4096)
+    transfer = copier.start(sources, chunks, slot)
+    copier.guard(transfer)
+    crcs = transfer.result()
+    assert copier.peak <= 3 * 4096 + 4096  # never more than the cap plus the chunk being issued
+    assert crcs == crc_chunks(slot.array, chunks)
+    for i, p in enumerate(lay.pieces):
+        assert bytes(slot.array[p.offset:p.offset + p.nbytes]) == sources[i].numpy().tobytes()
+    assert len(copier.compute_waited) == 1
+    copier.close()
+
+
+def test_failure_mid_issue_still_orders_the_next_step(slot) -> None:
+    sources, _, chunks = _work()
+    copier = HostStream(cap=1 << 30, fail_at=5)
+    transfer = copier.start(sources, chunks, slot)
+    copier.guard(transfer)  # the copies issued before the failure are still waited for
+    assert len(copier.compute_waited) == 1
+    with pytest.raises(RuntimeError, match="device lost"):
+        transfer.result()
+    copier.close()
+
+
+def test_guard_without_event_raises(slot) -> None:
+    class NoEvents(HostStream):
+        def _record(self):
+            raise RuntimeError("no events")
+
+    sources, _, chunks = _work()
+    copier = NoEvents(cap=1 << 30)
+    transfer = copier.start(sources, chunks, slot)
+    with pytest.raises(RuntimeError, match="no events"):
+        copier.guard(transfer)
+    copier.close()
