@@ -127,3 +127,15 @@ def test_crashed_node_is_replaced_by_a_spare_in_its_slot(healthy_sandbox, refere
     # Without protection (hpcft/agent) n3's share of the snapshot died with it: the relaunch starts from 0.
     assert (out / "final.pt").exists()
     _assert_same_result(out, reference)
+
+
+def test_no_progress_within_the_hang_timeout_kills_relaunches_then_gives_up(sandbox, tmp_path):
+    argv = ["salloc", "-N2", "--no-kill", "-t", "5", sys.executable, "-m", "hpcft.cli", "-v", "run",
+            "--job-dir", str(tmp_path / "job"), "--poll-interval", "0.2", "--kill-grace", "1", "--hang-timeout", "2",
+            "--max-restarts", "1", "--", "sleep", "60"]
+    proc = sandbox.runner().popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    code, output = _finish(proc, timeout=90)
+    assert code == 3, output[-3000:]  # EXIT_GAVE_UP: do not requeue
+    decisions = [(d["action"], d["cause"]) for d in _decisions(tmp_path)]
+    assert decisions == [("relaunch", "hang"), ("stop", "hang")], output[-3000:]
+    assert [e["event"] for e in events.read(tmp_path / "job")].count("launch") == 2
