@@ -57,30 +57,38 @@ class Variant:
 
 @dataclass
 class Timings:
-    """Per-variant wall times of the measured calls (warmup excluded)."""
+    """Per-variant wall times and process CPU times (all threads) of the measured calls (warmup excluded)."""
 
     samples: dict[str, list[float]] = field(default_factory=dict)
+    cpu_samples: dict[str, list[float]] = field(default_factory=dict)
 
     def median(self, name: str) -> float:
         return statistics.median(self.samples[name])
+
+    def cpu_median(self, name: str) -> float:
+        return statistics.median(self.cpu_samples[name])
 
     def summary(self, name: str) -> dict[str, float]:
         """Median, quartiles and count of one variant's samples, for the JSON."""
         xs = sorted(self.samples[name])
         q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
-        return {"median_s": statistics.median(xs), "p25_s": q[0], "p75_s": q[2], "n": len(xs)}
+        cpu = self.cpu_samples.get(name)
+        return {"median_s": statistics.median(xs), "p25_s": q[0], "p75_s": q[2], "n": len(xs),
+                "median_cpu_s": statistics.median(cpu) if cpu else None}
 
 
 def run_interleaved(variants: Sequence[Variant], steps: int, warmup: int = 1, block: int = 2,
-                    clock: Callable[[], float] = time.perf_counter) -> Timings:
+                    clock: Callable[[], float] = time.perf_counter,
+                    cpu_clock: Callable[[], float] = time.process_time) -> Timings:
     """Time `warmup + steps` calls of every variant, round-robin in blocks of `block` calls.
 
     A variant's background work still pending at the end of its block (`drain`) is charged to the
-    block's last call: that is the wait its next call would have had.
+    block's last call: that is the wait its next call would have had. Besides wall time, the process's
+    CPU time (all its threads) is recorded: on a machine shared with other work it is the steadier cost.
     """
     if steps < 1 or warmup < 0 or block < 1:
         raise ConfigError(f"need steps >= 1, warmup >= 0, block >= 1 (got {steps}, {warmup}, {block})")
-    timings = Timings({v.name: [] for v in variants})
+    timings = Timings({v.name: [] for v in variants}, {v.name: [] for v in variants})
     done = {v.name: 0 for v in variants}
     total = warmup + steps
     while any(done[v.name] < total for v in variants):
@@ -89,22 +97,28 @@ def run_interleaved(variants: Sequence[Variant], steps: int, warmup: int = 1, bl
             for k in range(n):
                 index = done[v.name]
                 v.prepare(index)
-                t0 = clock()
+                t0, c0 = clock(), cpu_clock()
                 v.run_once(index)
                 if k == n - 1:
                     v.drain()
-                elapsed = clock() - t0
+                elapsed, cpu = clock() - t0, cpu_clock() - c0
                 v.check(index)
                 done[v.name] += 1
                 if index >= warmup:
                     timings.samples[v.name].append(elapsed)
+                    timings.cpu_samples[v.name].append(cpu)
                 _log.debug("bench %s call %d: %.4f s", v.name, index, elapsed)
     return timings
 
 
 def overhead(timings: Timings, name: str, baseline: str) -> float:
-    """Median time of `name` ÷ median time of `baseline`, minus 1."""
+    """Median wall time of `name` ÷ median wall time of `baseline`, minus 1."""
     return timings.median(name) / timings.median(baseline) - 1.0
+
+
+def cpu_overhead(timings: Timings, name: str, baseline: str) -> float:
+    """The same with process CPU time: what the variant costs in core-seconds, whatever else the machine runs."""
+    return timings.cpu_median(name) / timings.cpu_median(baseline) - 1.0
 
 
 class Memcpy(Variant):

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpcft.bench import baselines
-from hpcft.bench.harness import (GB, Memcpy, Report, Scratch, Timings, Variant, local_process_group, overhead,
-                                 run_interleaved, scratch, set_threads)
+from hpcft.bench.harness import (GB, Memcpy, Report, Scratch, Timings, Variant, cpu_overhead, local_process_group,
+                                 overhead, run_interleaved, scratch, set_threads)
 from hpcft.bench.model import Trainer, config_for_params
 
 
@@ -25,7 +25,7 @@ class SnapshotOptions:
     """What `hpcft bench snapshot` runs: model size, measured steps per variant, warmup, block, threads."""
 
     params: int = 50_000_000
-    steps: int = 8
+    steps: int = 12
     warmup: int = 1
     block: int = 2
     threads: int = 2
@@ -216,6 +216,9 @@ def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: 
     r.add("dcp_async_vs_hpcft_overhead", over["dcp_async"] / over["hpcft"] if over["hpcft"] > 0 else None, "x",
           "dcp.async_save overhead ÷ hpcft overhead")
     r.add("step_s_none", timings.median("none"), "s", "median step, no checkpointing")
+    for k, text in (("hpcft", "hpcft"), ("torch_save", "torch.save"), ("dcp_async", "dcp.async_save")):
+        r.add(f"cpu_overhead_{k}", cpu_overhead(timings, k, "none"), "%", f"{text}, process CPU-time overhead")
+    r.add("step_cpu_s_none", timings.cpu_median("none"), "s", "median step CPU time (all threads), no checkpointing")
     r.add("blocked_s_per_snapshot", statistics.median(measured), "s",
           "hpcft blocked per snapshot (start + pre-step wait)")
     r.add("blocked_fraction_hpcft", statistics.median(measured) / timings.median("none"), "%",
