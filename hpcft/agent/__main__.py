@@ -1,50 +1,79 @@
-"""`python -m hpcft.agent`: run one node's agent (one srun task per node, or a local process)."""
+"""`python -m hpcft.agent`: run one node's agent (one srun task per node, or a local process).
+
+Under srun the job id, the slot (this node's place in $HPCFT_LAYOUT or --layout) and the address the
+other agents reach it at (its hostname's address) come from the environment; locally pass them."""
 import argparse
 import logging
+import os
+import socket
 import sys
-from pathlib import Path
 
 from hpcft.agent import secret as job_secret
-from hpcft.agent.agent import protect_newest
-from hpcft.agent.mesh import Mesh
-from hpcft.agent.placement import Scheme, plan
-from hpcft.errors import HpcftError
-from hpcft.store import job_dir, resolve_root, secure_dir
+from hpcft.agent.agent import AgentConfig, run
+from hpcft.agent.placement import Scheme
+from hpcft.errors import ConfigError, HpcftError, NoCheckpointError
+
+EXIT_NO_CHECKPOINT = 3
+
+
+def _slot(args: argparse.Namespace) -> tuple[int, int]:
+    """(slot, slots) from --slot/--slots, else from the layout and this node's name."""
+    layout = args.layout or os.environ.get("HPCFT_LAYOUT")
+    if args.slot is not None and args.slots is not None:
+        return args.slot, args.slots
+    if not layout:
+        raise ConfigError("pass --slot and --slots, or --layout NODE,NODE,... (or export HPCFT_LAYOUT)")
+    nodes = layout.split(",")
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if node not in nodes:
+        raise ConfigError(f"node {node} has no slot in the layout {layout}; launch agents on the active nodes only")
+    return nodes.index(node), len(nodes)
+
+
+def _host(value: str) -> str:
+    return socket.gethostbyname(socket.gethostname()) if value == "auto" else value
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the options, join the mesh, run protection rounds."""
+    """Parse the options, join the mesh, rebuild if asked, run protection rounds."""
     ap = argparse.ArgumentParser(prog="python -m hpcft.agent", description=__doc__)
-    ap.add_argument("--job-id", required=True)
-    ap.add_argument("--slot", type=int, required=True, help="this node's slot position")
-    ap.add_argument("--slots", type=int, required=True, help="number of active slots")
-    ap.add_argument("--rendezvous", required=True, help="directory shared by the nodes for agent addresses")
+    ap.add_argument("--job-id", default=os.environ.get("HPCFT_JOB_ID") or os.environ.get("SLURM_JOB_ID"))
+    ap.add_argument("--slot", type=int, default=None, help="this node's slot position")
+    ap.add_argument("--slots", type=int, default=None, help="number of active slots")
+    ap.add_argument("--layout", default=None, help="active nodes in slot order (default $HPCFT_LAYOUT)")
+    ap.add_argument("--rendezvous", required=True, help="directory shared by the nodes for addresses and status")
     ap.add_argument("--secret", default=None, help="job secret file (default $HPCFT_SECRET_FILE)")
-    ap.add_argument("--host", default="127.0.0.1", help="address the other agents reach this one at")
+    ap.add_argument("--host", default="127.0.0.1", help="address the other agents reach this one at ('auto': "
+                    "the address of this node's hostname)")
     ap.add_argument("--scheme", default="xor")
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--losses", type=int, default=1)
     ap.add_argument("--distance", type=int, default=1)
     ap.add_argument("--rate", type=float, default=None, help="bytes/s cap on protection traffic")
-    ap.add_argument("--rounds", type=int, default=1, help="protection rounds before exiting")
-    ap.add_argument("--tag", default="0", help="launch tag (restart count) keeping relaunches apart")
+    ap.add_argument("--rounds", type=int, default=1, help="protection rounds before exiting (0: until stopped)")
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between protection rounds")
+    ap.add_argument("--rebuild", action="store_true", help="first rebuild what replaced nodes lost (after a relaunch)")
+    ap.add_argument("--tag", default=os.environ.get("HPCFT_RESTART_COUNT", "0"),
+                    help="launch tag (restart count) keeping relaunches apart")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the other agents")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        placement = plan(args.slots, Scheme(args.scheme, args.group, args.losses, args.distance))
-        job = secure_dir(job_dir(resolve_root(), args.job_id))
-        mesh = Mesh(args.slot, args.slots, job_secret.load(args.secret), args.rendezvous, host=args.host,
-                    rate=args.rate, tag=args.tag)
-        try:
-            for _ in range(args.rounds):
-                rec = protect_newest(mesh, placement, Path(job))
-                print(f"slot={args.slot} protected={rec.step if rec else None}", flush=True)
-        finally:
-            mesh.close()
+        if not args.job_id:
+            raise ConfigError("no job id: pass --job-id or run under Slurm")
+        slot, slots = _slot(args)
+        cfg = AgentConfig(job_id=args.job_id, slot=slot, slots=slots, rendezvous=args.rendezvous,
+                          secret=job_secret.load(args.secret), host=_host(args.host),
+                          scheme=Scheme(args.scheme, args.group, args.losses, args.distance), rate=args.rate,
+                          rounds=args.rounds, interval=args.interval, rebuild=args.rebuild, tag=args.tag,
+                          timeout=args.timeout)
+        return run(cfg)
+    except NoCheckpointError as exc:
+        print(f"hpcft agent: {exc}", file=sys.stderr)
+        return EXIT_NO_CHECKPOINT
     except HpcftError as exc:
         print(f"hpcft agent: {exc}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,16 +1,25 @@
-"""The node agent's protection loop: agree with the other agents on the newest step every node holds
-and not yet protected, check it, protect it. No state of its own: everything is read from the store."""
+"""The node agent: join the mesh, rebuild what replaced nodes lost (when relaunched after a failure), then
+protect the newest step every node holds, round after round, publishing a status file as heartbeat.
+No state of its own: everything is read from the store."""
 from __future__ import annotations
 
 import logging
+import socket
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpcft import events
-from hpcft.agent.bundle import Bundle, complete_steps
+from hpcft.agent import status
+from hpcft.agent.bundle import Bundle, complete_steps, local_versions
 from hpcft.agent.mesh import Mesh
-from hpcft.agent.placement import Placement
-from hpcft.agent.protect import Record, protect_step, records
-from hpcft.errors import IntegrityError
+from hpcft.agent.placement import Placement, Scheme, plan
+from hpcft.agent.protect import Record, StaleStep, protect_dir, protect_step, records, retire
+from hpcft.agent.rebuild import rebuild
+from hpcft.errors import HpcftError, IntegrityError, NoCheckpointError
+from hpcft.store import job_dir, resolve_root, secure_dir
+
+_log = logging.getLogger(__name__)
 
 
 def _common(lists: list[list[int]]) -> set[int]:
@@ -33,10 +42,93 @@ def protect_newest(mesh: Mesh, placement: Placement, job: Path, keep: int = 2) -
             bundle.verify()
             ok = True
         except IntegrityError as exc:
-            events.emit("protect_skipped", level=logging.ERROR, step=step, slot=mesh.slot, reason=str(exc))
+            stale = not bundle.still_committed()
+            events.emit("protect_stale" if stale else "protect_skipped", level=logging.INFO if stale else logging.ERROR,
+                        step=step, slot=mesh.slot, reason="the trainers reused the slot" if stale else str(exc))
             ok = False
         if not all(mesh.allgather(ok)):
             return None
         return protect_step(mesh, placement, bundle, job, keep)
     finally:
         bundle.close()
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything one agent needs (see `python -m hpcft.agent --help`)."""
+    job_id: str
+    slot: int
+    slots: int
+    rendezvous: str
+    secret: bytes
+    host: str = "127.0.0.1"
+    scheme: Scheme = Scheme()
+    rate: float | None = None
+    rounds: int = 1
+    interval: float = 1.0
+    rebuild: bool = False
+    tag: str = "0"
+    timeout: float = 120.0
+    root: str | None = None
+
+
+def _progress(job: Path) -> dict[str, int]:
+    """Newest committed step of each local rank (what the trainers have staged)."""
+    return {str(r): max(steps) for r, steps in _by_rank(job).items()}
+
+
+def _by_rank(job: Path) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for step, held in local_versions(job).items():
+        for r in held:
+            out.setdefault(r, []).append(step)
+    return out
+
+
+def run(cfg: AgentConfig) -> int:
+    """The agent's life: mesh, optional rebuild, protection rounds; 0 when the rounds are done."""
+    placement = plan(cfg.slots, cfg.scheme)
+    job = secure_dir(job_dir(resolve_root(cfg.root), cfg.job_id))
+    retire(protect_dir(job), 2)  # data files a killed pass left without a record
+    node = socket.gethostname()
+
+    def report(phase: str, **fields) -> None:
+        complete = complete_steps(job)
+        recs = records(job)
+        status.write(cfg.rendezvous, cfg.tag, cfg.slot, node=node, phase=phase, scheme=cfg.scheme.name,
+                     staged=max(complete) if complete else None, protected=max(recs) if recs else None,
+                     persisted=None, ranks=_progress(job), **fields)
+
+    report(status.REBUILDING if cfg.rebuild else status.READY)
+    mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, rate=cfg.rate, tag=cfg.tag,
+                timeout=cfg.timeout)
+    try:
+        extra = {}
+        if cfg.rebuild:
+            try:
+                outcome = rebuild(mesh, placement, job, cfg.job_id, cfg.root)
+            except NoCheckpointError as exc:
+                report(status.FAILED, reason="no_checkpoint", error=str(exc))
+                raise
+            extra = {"rebuilt_step": outcome.step, "rebuilt": list(outcome.rebuilt)}
+            print(f"slot={cfg.slot} rebuilt={outcome.step} here={cfg.slot in outcome.rebuilt}", flush=True)
+        report(status.READY, **extra)
+        done = 0
+        while cfg.rounds <= 0 or done < cfg.rounds:
+            try:
+                rec = protect_newest(mesh, placement, job)
+            except StaleStep as exc:  # after the exchange, so the mesh is still in step
+                events.emit("protect_stale", slot=cfg.slot, reason=str(exc))
+                rec = None
+            done += 1
+            print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)
+            report(status.PROTECTING, **extra)
+            if cfg.rounds <= 0 or done < cfg.rounds:
+                time.sleep(cfg.interval)
+    except HpcftError as exc:
+        if not isinstance(exc, NoCheckpointError):
+            report(status.FAILED, reason="error", error=str(exc))
+        raise
+    finally:
+        mesh.close()
+    return 0

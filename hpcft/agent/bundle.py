@@ -1,6 +1,7 @@
 """One node's snapshot of one step as a single byte string (the unit the agent protects), read from the
 store without opening it for writing: a length-prefixed JSON header, then per local rank its committed
-manifest bytes and its data bytes. Read-only; the trainers keep writing their next versions meanwhile."""
+manifest bytes and its data bytes. Read-only; the trainers keep writing their next versions meanwhile.
+On a replacement node, `parse` + `unpack` turn a rebuilt bundle back into committed rank-store versions."""
 from __future__ import annotations
 
 import json
@@ -69,7 +70,7 @@ def complete_steps(job: Path) -> dict[int, dict[int, Held]]:
     return dict(sorted((s, v) for s, v in versions.items() if set(v) == ranks))
 
 
-def _map_readonly(path: Path, nbytes: int) -> np.ndarray:
+def map_readonly(path: Path, nbytes: int) -> np.ndarray:
     if nbytes == 0:
         return np.empty(0, dtype=np.uint8)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -94,7 +95,7 @@ class Bundle:
         for r in ranks:
             h = held[r]
             self.parts.append(np.frombuffer(h.manifest_bytes, dtype=np.uint8))
-            self.parts.append(_map_readonly(h.data_path, int(h.manifest["data_bytes"])))
+            self.parts.append(map_readonly(h.data_path, int(h.manifest["data_bytes"])))
         self.starts = np.cumsum([0] + [p.size for p in self.parts]).tolist()
         self.size = self.starts[-1]
 
@@ -131,3 +132,66 @@ class Bundle:
 
     def close(self) -> None:
         self.parts.clear()
+
+
+@dataclass(frozen=True)
+class Part:
+    """One rank's share of a bundle received from elsewhere: its manifest (raw and parsed) and data bytes."""
+    rank: int
+    manifest_bytes: bytes
+    manifest: dict
+    data: np.ndarray
+
+
+def parse(payload: np.ndarray, step: int) -> list[Part]:
+    """Split a bundle's bytes into its ranks' parts, verifying every manifest and every data chunk's crc32c;
+    IntegrityError names the first thing that does not match (the bundle is then treated as lost)."""
+    try:
+        (hlen,) = _LEN.unpack(payload[:_LEN.size].tobytes())
+        header = json.loads(payload[_LEN.size:_LEN.size + hlen].tobytes())
+        ranks = header["ranks"]
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        raise IntegrityError(f"bundle of step {step}: unreadable header ({exc})") from exc
+    if header.get("step") != step:
+        raise IntegrityError(f"bundle holds step {header.get('step')}, expected step {step}")
+    parts, off = [], _LEN.size + hlen
+    for entry in ranks:
+        mlen, dlen = int(entry["manifest_bytes"]), int(entry["data_bytes"])
+        raw = payload[off:off + mlen].tobytes()
+        data = payload[off + mlen:off + mlen + dlen]
+        off += mlen + dlen
+        if data.size != dlen:
+            raise IntegrityError(f"bundle of step {step} ends inside rank {entry['rank']}'s data")
+        try:
+            manifest = mf.decode(raw, f"<rank {entry['rank']} manifest in bundle>")
+        except StoreError as exc:
+            raise IntegrityError(str(exc)) from exc
+        if manifest["step"] != step or manifest.get("rank", entry["rank"]) != entry["rank"]:
+            raise IntegrityError(f"bundle of step {step}: rank {entry['rank']}'s manifest is for rank "
+                                 f"{manifest.get('rank')} step {manifest['step']}")
+        for lo, n, crc in manifest["chunks"]:
+            if crc32c(data[lo:lo + n]) != crc:
+                raise IntegrityError(f"bundle of step {step}: rank {entry['rank']} chunk at offset {lo} fails its crc32c")
+        parts.append(Part(int(entry["rank"]), raw, manifest, data))
+    return parts
+
+
+def unpack(parts: list[Part], job_id: str, root: str | os.PathLike | None = None) -> list[Path]:
+    """Write verified parts into this node's rank stores: data into the slot the manifest names, then the
+    manifest committed by the store's own atomic rename (so a torn unpack is never a version)."""
+    from hpcft.store import RankStore  # the writer side of the store, used only on a replacement node
+
+    written = []
+    for part in parts:
+        store = RankStore(job_id, part.rank, root=root)
+        try:
+            k = int(part.manifest["slot"])
+            store.withdraw(k)
+            slot = store.slot(k)
+            slot.ensure(part.data.size)
+            slot.array[:part.data.size] = part.data
+            store.commit(slot, {k: v for k, v in part.manifest.items() if k not in ("checksum", "format")})
+            written.append(slot.path)
+        finally:
+            store.close()
+    return written

@@ -4,8 +4,10 @@ connects to every lower slot and accepts every higher one, so the mesh forms wit
 from __future__ import annotations
 
 import os
+import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,24 @@ class Mesh:
                 raise TransportError(f"agent {j} sent {sorted(header)} during an all-gather")
             out[j] = header["allgather"]
         return out
+
+    @contextmanager
+    def all_or_nothing(self) -> Iterator[None]:
+        """Around a multi-threaded exchange: if any part fails, shut every connection down, so no thread here
+        or on a peer stays blocked on a message that will never come; every agent then fails and relaunches."""
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Shut down every connection (unblocks receivers in other threads; peers see the end of stream)."""
+        for ch in self.peers.values():
+            try:
+                ch.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         for ch in self.peers.values():

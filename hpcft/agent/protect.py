@@ -15,11 +15,11 @@ import numpy as np
 
 from hpcft import events
 from hpcft.agent import stripes
-from hpcft.agent.bundle import Bundle
+from hpcft.agent.bundle import Bundle, map_readonly
 from hpcft.agent.codec import codec_for
 from hpcft.agent.mesh import Mesh
-from hpcft.agent.placement import Placement
-from hpcft.errors import HpcftError
+from hpcft.agent.placement import Placement, ProtectionSet
+from hpcft.errors import HpcftError, IntegrityError
 from hpcft.store import Slot, crc32c, secure_dir
 from hpcft.store import manifest as mf
 
@@ -65,28 +65,60 @@ def protect_step(mesh: Mesh, placement: Placement, bundle: Bundle, job: Path, ke
         else:
             held, meta = _parity(mesh, placement, bundle, slot, sizes)
         if not bundle.still_committed():
-            raise HpcftError(f"step {bundle.step} was overwritten while it was being protected")
-        meta.update(step=bundle.step, scheme=scheme.name, slot=mesh.slot, slots=placement.slots, bytes=held,
-                    chunks=[[lo, min(CHUNK, held - lo), crc32c(slot.array[lo:min(held, lo + CHUNK)])]
-                            for lo in range(0, held, CHUNK)])
-        path = pdir / f"step-{bundle.step}.json"
-        mf.write_atomic(path, meta)
+            raise StaleStep(f"step {bundle.step} was overwritten while it was being protected")
+        path = commit_record(pdir, bundle.step, placement, mesh.slot, slot, held, meta)
     finally:
         slot.close()
-    _retire(pdir, keep)
+    retire(pdir, keep)
     events.emit("snapshot_protected", step=bundle.step, slot=mesh.slot, scheme=scheme.name, held_bytes=held,
                 sent_bytes=meta["sent_bytes"], seconds=round(time.perf_counter() - t0, 6))
     return Record(bundle.step, path, meta)
 
 
+class StaleStep(HpcftError):
+    """The trainers reused the store slot of the step being protected before the pass ended."""
+
+
+def commit_record(pdir: Path, step: int, placement: Placement, slot_index: int, data: Slot, held: int,
+                  meta: dict[str, Any]) -> Path:
+    """Publish the `held` bytes of `data` as this node's record of `step` (crc32c per chunk, committed by rename)."""
+    meta = {**meta, "step": step, "scheme": placement.scheme.name, "slot": slot_index, "slots": placement.slots,
+            "bytes": held, "chunks": [[lo, min(CHUNK, held - lo), crc32c(data.array[lo:min(held, lo + CHUNK)])]
+                                      for lo in range(0, held, CHUNK)]}
+    path = pdir / f"step-{step}.json"
+    mf.write_atomic(path, meta)
+    return path
+
+
+def record_data(record: Record) -> np.ndarray:
+    """The held bytes of `record`, mapped read-only and checked against its chunk crc32c (IntegrityError)."""
+    data = map_readonly(record.path.with_suffix(".data"), int(record.meta["bytes"]))
+    for lo, n, crc in record.meta["chunks"]:
+        if crc32c(data[lo:lo + n]) != crc:
+            events.emit("protect_chunk_lost", level=logging.ERROR, step=record.step, offset=lo, path=str(record.path))
+            raise IntegrityError(f"protection record {record.path}: chunk at offset {lo} fails its crc32c")
+    return data
+
+
+def parity_meta(pset: ProtectionSet, position: int, sizes: list[int], nbytes: int, sent: int) -> dict[str, Any]:
+    """The scheme-specific fields of a parity record (what a rebuild needs to decode the set)."""
+    return {"kind": "parity", "set": pset.index, "members": list(pset.members), "position": position,
+            "losses": pset.losses, "sizes": sizes, "piece_bytes": nbytes, "sent_bytes": sent}
+
+
+def partner_meta(source: int, source_bytes: int, sent: int) -> dict[str, Any]:
+    """The scheme-specific fields of a partner record: whose bundle it copies, and its length."""
+    return {"kind": "partner", "source": source, "source_bytes": source_bytes, "sent_bytes": sent}
+
+
 def _partner(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes: list[int]):
     dst, src = placement.partner_of(mesh.slot), placement.partnered_by(mesh.slot)
     slot.ensure(max(1, sizes[src]))
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool, mesh.all_or_nothing():  # abort before the pool waits
         sent = pool.submit(mesh.send, dst, {"step": bundle.step, "kind": "bundle"}, bundle.piece(0, bundle.size))
         mesh.recv(src, into=slot.array[:sizes[src]])
         sent.result()
-    return sizes[src], {"kind": "partner", "source": src, "source_bytes": sizes[src], "sent_bytes": bundle.size}
+    return sizes[src], partner_meta(src, sizes[src], bundle.size)
 
 
 def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes: list[int]):
@@ -119,7 +151,7 @@ def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes:
                     raise HpcftError(f"agent {pset.members[d]} sent {header}, expected stripe {s} of step {bundle.step}")
 
     senders = sorted({d for s in mine for d in pset.data_positions(s)})
-    with ThreadPoolExecutor(1 + len(senders)) as pool:
+    with ThreadPoolExecutor(1 + len(senders)) as pool, mesh.all_or_nothing():  # abort before the pool waits
         sent = pool.submit(send_all)
         for f in [pool.submit(recv_from, d) for d in senders]:
             f.result()
@@ -128,13 +160,16 @@ def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes:
         t = pset.parity_positions(s).index(pos)
         codec.encode_some([inbox[(s, d)] for d in pset.data_positions(s)],
                           {t: stripes.parity_block(slot.array, pset, pos, s, nbytes)})
-    return held, {"kind": "parity", "set": pset.index, "members": list(pset.members), "position": pos,
-                  "losses": pset.losses, "sizes": set_sizes, "piece_bytes": nbytes, "sent_bytes": sent_bytes}
+    return held, parity_meta(pset, pos, set_sizes, nbytes, sent_bytes)
 
 
-def _retire(pdir: Path, keep: int) -> None:
-    """Keep the newest `keep` records; remove older ones (manifest first, so no record is ever torn)."""
+def retire(pdir: Path, keep: int) -> None:
+    """Keep the newest `keep` records; remove older ones (manifest first, so no record is ever torn) and any
+    data file without a record (left by a pass that died before committing)."""
     steps = sorted(int(p.stem.split("-")[1]) for p in pdir.glob("step-*.json"))
     for step in steps[:-keep]:
         (pdir / f"step-{step}.json").unlink(missing_ok=True)
         (pdir / f"step-{step}.data").unlink(missing_ok=True)
+    for data in pdir.glob("step-*.data"):
+        if not data.with_suffix(".json").exists():
+            data.unlink(missing_ok=True)

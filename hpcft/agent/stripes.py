@@ -54,11 +54,7 @@ def rebuild_set(pset: ProtectionSet, payloads: Sequence[np.ndarray | None], pari
     """Rebuild every missing payload (None) and parity buffer (None) of a set from what survives.
     `sizes` are the payload lengths recorded at encode time. Unrecoverable if a stripe lost more than k."""
     nbytes = piece_bytes(max(sizes), pset)
-    lost = sorted({pos for pos in range(pset.size) if payloads[pos] is None or parities[pos] is None})
-    for stripe in range(pset.size):
-        if sum(_blocks_lost(pset, stripe, payloads, parities)) > pset.losses:
-            raise Unrecoverable(f"protection set {pset.index} (slots {list(pset.members)}) lost members at "
-                                f"positions {lost}; it tolerates {pset.losses} loss(es)")
+    check_recoverable(pset, payloads, parities)
     full = [np.zeros(pset.data_pieces * nbytes, dtype=np.uint8) if p is None else p for p in payloads]
     par = [np.empty(parity_bytes(pset, pos, nbytes), dtype=np.uint8) if p is None else p
            for pos, p in enumerate(parities)]
@@ -78,8 +74,17 @@ def rebuild_set(pset: ProtectionSet, payloads: Sequence[np.ndarray | None], pari
     return [f[:sizes[pos]] if payloads[pos] is None else f for pos, f in enumerate(full)], par
 
 
-def _blocks_lost(pset: ProtectionSet, stripe: int, payloads: Sequence[np.ndarray | None],
-                 parities: Sequence[np.ndarray | None]) -> list[bool]:
+def check_recoverable(pset: ProtectionSet, payloads: Sequence[object | None], parities: Sequence[object | None]) -> None:
+    """Unrecoverable if some stripe of the set lost more blocks (None payloads or parity buffers) than k."""
+    for stripe in range(pset.size):
+        if sum(_blocks_lost(pset, stripe, payloads, parities)) > pset.losses:
+            lost = sorted({pos for pos in range(pset.size) if payloads[pos] is None or parities[pos] is None})
+            raise Unrecoverable(f"protection set {pset.index} (slots {list(pset.members)}) lost members at "
+                                f"positions {lost}; it tolerates {pset.losses} loss(es)")
+
+
+def _blocks_lost(pset: ProtectionSet, stripe: int, payloads: Sequence[object | None],
+                 parities: Sequence[object | None]) -> list[bool]:
     return ([payloads[pos] is None for pos in pset.data_positions(stripe)]
             + [parities[pos] is None for pos in pset.parity_positions(stripe)])
 

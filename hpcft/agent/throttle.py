@@ -7,14 +7,14 @@ from collections.abc import Callable
 
 class Throttle:
     """Token bucket: `take(n)` sleeps until n bytes fit under `rate` bytes/s (burst `burst` bytes).
-    A rate of 0 or None means no cap."""
+    A rate of 0 or None means no cap; the default burst is a tenth of a second's worth (64 KiB to 4 MiB)."""
 
-    def __init__(self, rate: float | None, burst: int = 4 << 20, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, rate: float | None, burst: int | None = None, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep):
         self.rate = rate or 0.0
-        self.burst = burst
+        self.burst = burst if burst is not None else int(min(4 << 20, max(64 << 10, self.rate / 10)))
         self._clock, self._sleep = clock, sleep
-        self._tokens = float(burst)
+        self._tokens = float(self.burst)
         self._last = clock()
 
     def take(self, nbytes: int) -> None:

@@ -1,9 +1,12 @@
 """The protect pass with real agent processes on this machine: four "nodes" (each its own store root,
 two ranks each), agents meshed over authenticated TCP. What each node keeps must be byte-identical to
 the parity (or partner copy) of the nodes' bundles, and must rebuild a lost node's bundle exactly."""
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +14,13 @@ import pytest
 
 from hpcft import events
 from hpcft.agent import secret as job_secret
+from hpcft.agent import status as agent_status
 from hpcft.agent.bundle import Bundle, complete_steps
 from hpcft.agent.codec import codec_for
 from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.protect import records
 from hpcft.agent.stripes import encode_set, rebuild_partner, rebuild_set
+from hpcft.errors import NoCheckpointError
 from hpcft.store import RankStore, crc32c, job_dir
 
 JOB = "4242"
@@ -49,19 +54,30 @@ def cluster(tmp_path):
     return roots, shared, job_secret.create(shared)
 
 
-def _run_agents(roots, shared, secret, scheme: Scheme, tag: str) -> list[subprocess.CompletedProcess]:
+def _start_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.Popen]:
     procs = []
     for i, root in enumerate(roots):
         env = {**os.environ, "HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(shared / "events")}
         argv = [sys.executable, "-m", "hpcft.agent", "--job-id", JOB, "--slot", str(i), "--slots", str(NODES),
                 "--rendezvous", str(shared), "--secret", str(secret), "--scheme", scheme.name,
                 "--group", str(scheme.group), "--losses", str(scheme.losses), "--distance", str(scheme.distance),
-                "--tag", tag]
+                "--tag", tag, *extra]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _run_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.CompletedProcess]:
+    procs = _start_agents(roots, shared, secret, scheme, tag, *extra)
     out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=120)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=120)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return out
 
 
@@ -127,3 +143,107 @@ def test_a_corrupt_chunk_stops_protection_of_that_step_with_an_event(cluster):
     skipped = [e for e in events.read(shared / "events") if e["event"] == "protect_skipped"]
     assert len(skipped) == 1 and skipped[0]["slot"] == 2 and skipped[0]["step"] == 2
     assert all(2 not in records(job_dir(root, JOB)) for root in roots)
+
+
+# -- rebuild onto replacement nodes ---------------------------------------------------------------------
+
+def _node_files(root: Path) -> dict[str, bytes]:
+    """What a node holds of the job: every committed manifest and the data it describes, byte for byte."""
+    out = {}
+    for held in (h for by_rank in complete_steps(job_dir(root, JOB)).values() for h in by_rank.values()):
+        out[str(held.manifest_path.relative_to(root))] = held.manifest_bytes
+        out[str(held.data_path.relative_to(root))] = held.data_path.read_bytes()[:held.manifest["data_bytes"]]
+    return out
+
+
+def _replace(roots: list[Path], lost: set[int], tmp_path: Path) -> list[Path]:
+    """Crash nodes `lost` (their memory is gone) and give their slots to empty spare nodes."""
+    now = list(roots)
+    for i in lost:
+        now[i] = tmp_path / f"spare{i}"
+        now[i].mkdir()
+    return now
+
+
+def _check(done):
+    assert [p.returncode for p in done] == [0] * NODES, [p.stderr[-2000:] for p in done]
+
+
+@pytest.mark.parametrize("scheme,lost", [(Scheme("xor", group=4), {1}), (Scheme("partner", distance=1), {2}),
+                                         (Scheme("rs", group=4, losses=2), {0, 3})], ids=["xor", "partner", "rs"])
+def test_rebuild_puts_the_lost_nodes_snapshot_back_byte_identical(cluster, tmp_path, scheme, lost):
+    roots, shared, secret = cluster
+    _check(_run_agents(roots, shared, secret, scheme, "p"))
+    before = {i: _node_files(roots[i]) for i in lost}
+    want_records = {i: _held(roots[i], 2)[1].tobytes() for i in lost}
+    now = _replace(roots, lost, tmp_path)
+    done = _run_agents(now, shared, secret, scheme, "r", "--rebuild")
+    assert [p.returncode for p in done] == [0] * NODES, [p.stderr[-2000:] for p in done]
+    assert all("rebuilt=2" in p.stdout for p in done)
+    for i in lost:
+        got = _node_files(now[i])
+        step2 = {k: v for k, v in before[i].items() if k in got}
+        assert got.keys() == {k for k in before[i] if k in step2} and len(got) == 2 * RANKS_PER_NODE
+        assert got == step2  # manifests and data of step 2, byte-identical
+        assert _held(now[i], 2)[1].tobytes() == want_records[i]  # its own protection record regenerated
+    kinds = [e["event"] for e in events.read(shared / "events")]
+    assert kinds.count("rebuild_done") == NODES
+
+
+def test_two_nodes_of_one_xor_set_lost_is_no_checkpoint_and_writes_nothing(cluster, tmp_path):
+    roots, shared, secret = cluster
+    scheme = Scheme("xor", group=4)
+    _check(_run_agents(roots, shared, secret, scheme, "p", "--rounds", "2"))
+    now = _replace(roots, {1, 2}, tmp_path)
+    done = _run_agents(now, shared, secret, scheme, "r", "--rebuild")
+    assert [p.returncode for p in done] == [3] * NODES, [p.stderr[-2000:] for p in done]
+    for i in (1, 2):
+        assert not list(now[i].rglob("*.json")), "a node that could not be rebuilt must hold no partial version"
+    failed = [e for e in events.read(shared / "events") if e["event"] == "rebuild_failed"]
+    assert len(failed) == NODES and "persistent tier" in failed[0]["reason"]
+    states = agent_status.read(shared, "r")
+    assert {s["phase"] for s in states.values()} == {"failed"}
+    with pytest.raises(NoCheckpointError):
+        agent_status.wait_ready(shared, "r", NODES, timeout=5)
+
+
+def test_a_corrupt_parity_chunk_is_detected_and_an_older_step_is_rebuilt(cluster, tmp_path):
+    roots, shared, secret = cluster
+    scheme = Scheme("xor", group=4)
+    _check(_run_agents(roots, shared, secret, scheme, "p", "--rounds", "2"))
+    assert sorted(records(job_dir(roots[2], JOB))) == [1, 2]
+    step1 = _node_files(roots[1])
+    parity = records(job_dir(roots[2], JOB))[2].path.with_suffix(".data")
+    with open(parity, "r+b") as fh:
+        fh.seek(5)
+        b = fh.read(1)
+        fh.seek(5)
+        fh.write(bytes([b[0] ^ 1]))
+    now = _replace(roots, {1}, tmp_path)
+    _check(_run_agents(now, shared, secret, scheme, "r", "--rebuild"))
+    got = _node_files(now[1])
+    assert got and got == {k: v for k, v in step1.items() if k in got}
+    assert {json.loads(v)["step"] for k, v in got.items() if k.endswith(".json")} == {1}
+    kinds = [e["event"] for e in events.read(shared / "events")]
+    assert "protect_chunk_lost" in kinds and "rebuild_fallback" in kinds
+    assert agent_status.wait_ready(shared, "r", NODES, timeout=5).step == 1
+
+
+def test_an_agent_killed_mid_protection_loses_nothing_and_the_relaunch_completes(cluster):
+    roots, shared, secret = cluster
+    scheme = Scheme("xor", group=4)
+    procs = _start_agents(roots, shared, secret, scheme, "k", "--rate", "400000")  # ~2 s per pass
+    deadline = time.monotonic() + 60
+    while not (job_dir(roots[1], JOB) / "protect" / "step-2.data").exists():
+        assert time.monotonic() < deadline, "the protect pass never started"
+        time.sleep(0.02)
+    procs[1].send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=60)
+    assert all(2 not in records(job_dir(root, JOB)) for root in roots), "the kill came after the pass"
+    _check(_run_agents(roots, shared, secret, scheme, "k2"))
+    pset = plan(NODES, scheme).sets[0]
+    expected = encode_set(pset, [_bundle_bytes(root, 2) for root in roots], codec_for("xor", pset.size, 1))
+    for root, want in zip(roots, expected):
+        assert _held(root, 2)[1].tobytes() == want.tobytes()
+        assert [p.name for p in (job_dir(root, JOB) / "protect").glob("*.data")] == ["step-2.data"]

@@ -1,0 +1,77 @@
+"""Each agent's status file in the rendezvous directory (shared by the nodes): its phase (rebuilding → ready
+→ protecting, or failed), the newest step staged by its ranks, protected, persisted, and a heartbeat time.
+The supervisor waits on it before releasing the trainers; `hpcft status` reads it."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcft.errors import CheckpointError, NoCheckpointError
+
+REBUILDING, READY, PROTECTING, FAILED = "rebuilding", "ready", "protecting", "failed"
+_NAME = re.compile(r"agent-(.+)-(\d+)\.status$")
+
+
+def path(rendezvous: str | os.PathLike, tag: str, slot: int) -> Path:
+    return Path(rendezvous) / f"agent-{tag}-{slot}.status"
+
+
+def write(rendezvous: str | os.PathLike, tag: str, slot: int, **fields: Any) -> None:
+    """Publish this agent's status atomically (write, then rename); `time` is the heartbeat."""
+    target = path(rendezvous, tag, slot)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"slot": slot, "tag": tag, "pid": os.getpid(), "time": time.time(), **fields},
+                              sort_keys=True), encoding="utf-8")
+    os.replace(tmp, target)
+
+
+def read(rendezvous: str | os.PathLike, tag: str | None = None) -> dict[int, dict[str, Any]]:
+    """{slot: status} of the agents of launch `tag`, or of the newest launch per slot when `tag` is None."""
+    found: dict[int, dict[str, Any]] = {}
+    for p in Path(rendezvous).glob("agent-*.status"):
+        m = _NAME.match(p.name)
+        if not m or (tag is not None and m.group(1) != tag):
+            continue
+        try:
+            st = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # replaced under us; the next read sees the new one
+        slot = int(m.group(2))
+        if slot not in found or st.get("time", 0) > found[slot].get("time", 0):
+            found[slot] = st
+    return found
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Every agent of a launch finished its rebuild: the step all slots hold (None on a fresh run)."""
+    step: int | None
+    rebuilt: tuple[int, ...]
+
+
+def wait_ready(rendezvous: str | os.PathLike, tag: str, slots: int, timeout: float = 600.0,
+               poll: float = 0.1) -> Ready:
+    """Block until the `slots` agents of launch `tag` have rebuilt (the supervisor's gate before starting
+    trainers). NoCheckpointError if they found nothing rebuildable; CheckpointError on another failure or
+    on timeout, naming the slots that did not report."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = read(rendezvous, tag)
+        failed = {s: v for s, v in st.items() if v.get("phase") == FAILED}
+        if failed:
+            slot, v = sorted(failed.items())[0]
+            cls = NoCheckpointError if v.get("reason") == "no_checkpoint" else CheckpointError
+            raise cls(f"agent of slot {slot} failed: {v.get('error')}")
+        done = [v for v in st.values() if v.get("phase") in (READY, PROTECTING)]
+        if len(done) == slots:
+            return Ready(done[0].get("rebuilt_step"), tuple(done[0].get("rebuilt") or ()))
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(slots)) - {int(v["slot"]) for v in done})
+            raise CheckpointError(f"agents of slots {missing} did not finish their rebuild within {timeout:g} s; "
+                                  f"see their logs and {rendezvous}")
+        time.sleep(poll)
