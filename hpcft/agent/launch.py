@@ -1,0 +1,29 @@
+"""The srun command line of the node agents' step (pure): one agent per active node, overlapping the
+trainers' step; each agent finds its slot from $HPCFT_LAYOUT and SLURMD_NODENAME (see `step_env`)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hpcft.agent.placement import Scheme
+from hpcft.slurm.nodelist import compress
+
+AGENT_STEP_NAME = "hpcft-agent"
+
+
+def agent_argv(nodes: Sequence[str], *, rendezvous: str, secret: str, scheme: Scheme, python: str,
+               rebuild: bool = False, interval: float = 1.0, rate: float | None = None, rounds: int = 0) -> list[str]:
+    """`srun --overlap … python -m hpcft.agent …` on `nodes` (the active slots, in slot order). The supervisor
+    exports HPCFT_LAYOUT, HPCFT_JOB_ID and HPCFT_RESTART_COUNT (the tag keeping relaunches apart) to it,
+    passes `rebuild=True` after replacing nodes, and waits on `status.wait_ready` before the trainers."""
+    n = len(nodes)
+    argv = ["srun", f"--job-name={AGENT_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
+            f"--nodelist={compress(list(nodes))}", "--overlap", "--export=ALL", "--kill-on-bad-exit=0",
+            python, "-m", "hpcft.agent", "--rendezvous", rendezvous, "--secret", secret, "--host", "auto",
+            "--layout", ",".join(nodes), "--scheme", scheme.name, "--group", str(scheme.group),
+            "--losses", str(scheme.losses), "--distance", str(scheme.distance), "--rounds", str(rounds),
+            "--interval", str(interval)]
+    if rate:
+        argv += ["--rate", str(rate)]
+    if rebuild:
+        argv.append("--rebuild")
+    return argv

@@ -1,0 +1,171 @@
+"""Node agents in the Slurm sandbox (netns mode, a private /dev/shm per node): a 4-node DP job with 2 spares
+and one agent per node protecting its snapshots; nodes crash (slurmd, steps and /dev/shm gone); agents are
+relaunched on the survivors + spares, rebuild the lost snapshots byte-identical onto the spares, and the
+training resumes there, ending bit-identical to an uninterrupted run (issue 4: node agents)."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcft.agent import secret as job_secret
+from hpcft.agent import status as agent_status
+from hpcft.agent.launch import agent_argv
+from hpcft.agent.placement import Scheme
+from hpcft.launch.layout import Layout
+from hpcft.launch.profiles import CPU
+from hpcft.launch.srun import step_env, trainer_argv
+
+pytestmark = pytest.mark.sandbox
+
+JOB = Path(__file__).parent / "jobs" / "train_dp.py"
+STEPS = 16
+ACTIVE = ["n1", "n2", "n3", "n4"]
+# On one node: sha256 of every committed manifest and of the data it describes, for the step given.
+DUMP = """
+import hashlib, json, sys
+from hpcft.agent.bundle import complete_steps
+from hpcft.store import job_dir, resolve_root
+root = resolve_root()
+held = complete_steps(job_dir(root, sys.argv[1])).get(int(sys.argv[2]), {})
+out = {}
+for h in held.values():
+    out[str(h.manifest_path.relative_to(root))] = hashlib.sha256(h.manifest_bytes).hexdigest()
+    out[str(h.data_path.relative_to(root))] = hashlib.sha256(h.data_path.read_bytes()[:h.manifest["data_bytes"]]).hexdigest()
+print("DUMP" + json.dumps(out))
+"""
+
+
+def _allocate(runner) -> str:
+    out = runner.run(["salloc", "-N6", "--nodelist=n[1-6]", "--no-kill", "--no-shell"], timeout=60)
+    m = re.search(r"Granted job allocation (\d+)", out.stdout + out.stderr)
+    if not m:
+        raise AssertionError(f"salloc gave no job id: {out.stderr}")
+    return m.group(1)
+
+
+def _env(job: str, slots: list[str], restart: int, out: Path, **extra: str) -> dict[str, str]:
+    env = step_env(Layout(slots=tuple(slots)), job_id=job, restart_count=restart, job_dir=str(out))
+    return {**env, "OUT": str(out), "STEPS": str(STEPS), "SYNC": "manual", "HPCFT_SECRET_FILE": str(out / "secret"),
+            **extra}
+
+
+def _trainers(runner, job: str, slots: list[str], restart: int, out: Path, **extra: str) -> subprocess.Popen:
+    argv = trainer_argv(Layout(slots=tuple(slots)), CPU, [sys.executable, str(JOB)], python=sys.executable)
+    return runner.popen([argv[0], f"--jobid={job}", *argv[1:]], env=_env(job, slots, restart, out, **extra),
+                        stdout=open(out / f"train-{restart}.log", "ab"), stderr=subprocess.STDOUT)
+
+
+def _agents(runner, job: str, slots: list[str], restart: int, out: Path, scheme: Scheme, rebuild: bool,
+            rounds: int = 0) -> subprocess.Popen:
+    argv = agent_argv(slots, rendezvous=str(out / "agents"), secret=str(out / "secret"), scheme=scheme,
+                      python=sys.executable, rebuild=rebuild, interval=0.2, rounds=rounds)
+    return runner.popen([argv[0], f"--jobid={job}", *argv[1:]], env=_env(job, slots, restart, out),
+                        stdout=open(out / f"agents-{restart}.log", "ab"), stderr=subprocess.STDOUT)
+
+
+def _dump(runner, job: str, node: str, step: int) -> dict[str, str]:
+    out = runner.run(["srun", f"--jobid={job}", "-N1", "-n1", f"--nodelist={node}", "--overlap",
+                      sys.executable, "-c", DUMP, job, str(step)], env={"HPCFT_JOB_ID": job}, timeout=60)
+    return json.loads(out.stdout.split("DUMP", 1)[1])
+
+
+def _wait(predicate, what: str, timeout: float, *logs: Path):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout} s:\n" + "\n".join(p.read_text()[-3000:] for p in logs if p.exists()))
+        time.sleep(0.2)
+
+
+def _progress(out: Path) -> int:
+    steps = [int(p.read_text() or -1) for p in out.glob("progress.*")]
+    return min(steps) if len(steps) == 4 else -1
+
+
+def _final(out: Path) -> dict:
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(sandbox, tmp_path_factory) -> dict:
+    """The uninterrupted run's final parameters."""
+    out = tmp_path_factory.mktemp("reference")
+    os.chmod(out, 0o755)
+    runner = sandbox.runner(timeout=240)
+    job = _allocate(runner)
+    try:
+        assert _trainers(runner, job, ACTIVE, 0, out).wait(timeout=240) == 0, (out / "train-0.log").read_text()[-3000:]
+    finally:
+        runner.run(["scancel", job], check=False)
+    return _final(out)
+
+
+def _settled(out: Path) -> int | None:
+    """The step every agent has protected once the trainers stopped (the newest held everywhere)."""
+    st = agent_status.read(out / "agents", "0")
+    if len(st) != 4 or any(s.get("staged") is None for s in st.values()):
+        return None
+    protected = {s.get("protected") for s in st.values()}
+    newest_common = min(s["staged"] for s in st.values())
+    return newest_common if protected == {newest_common} else None
+
+
+@pytest.mark.parametrize("scheme,lost", [(Scheme("xor", group=4), ["n2"]), (Scheme("partner", distance=1), ["n3"]),
+                                         (Scheme("rs", group=4, losses=2), ["n2", "n3"])], ids=["xor", "partner", "rs"])
+def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(healthy_sandbox, reference, tmp_path,
+                                                                                scheme, lost):
+    runner = healthy_sandbox.runner(timeout=240)
+    out = tmp_path / "run"
+    (out / "agents").mkdir(parents=True)
+    os.chmod(tmp_path, 0o755)
+    os.chmod(out, 0o755)
+    job_secret.create(out)
+    job = _allocate(runner)
+    try:
+        trainers = _trainers(runner, job, ACTIVE, 0, out, STEP_DELAY="0.15")
+        _wait(lambda: _progress(out) >= 1 or trainers.poll() is not None, "training never started", 120,
+              out / "train-0.log")  # the trainers' step is step 0
+        agents = _agents(runner, job, ACTIVE, 0, out, scheme, rebuild=False)
+        _wait(lambda: _progress(out) >= 5 or trainers.poll() is not None, "training never reached step 5", 120,
+              out / "train-0.log")
+        assert trainers.poll() is None, (out / "train-0.log").read_text()[-3000:]
+        runner.run(["scancel", "--signal=KILL", f"{job}.0"])  # the trainers stop at an arbitrary point
+        trainers.wait(timeout=60)
+        step = _wait(lambda: _settled(out), "the agents never protected the newest step", 60, out / "agents-0.log")
+        before = {n: _dump(runner, job, n, step) for n in lost}
+        assert all(len(d) == 2 for d in before.values()), before
+
+        for n in lost:
+            healthy_sandbox.crash_node(n)  # slurmd, its steps and its /dev/shm are gone
+        if agents.wait(timeout=60) is None:  # the survivors' agents see the peer go and exit
+            agents.kill()
+        slots, _ = Layout(slots=tuple(ACTIVE), spares=("n5", "n6")).replace(lost)
+        slots = list(slots.slots)
+
+        rebuild = _agents(runner, job, slots, 1, out, scheme, rebuild=True, rounds=1)
+        ready = agent_status.wait_ready(out / "agents", "1", 4, timeout=120)
+        assert rebuild.wait(timeout=60) == 0, (out / "agents-1.log").read_text()[-3000:]
+        assert ready.step == step
+        assert sorted(slots[i] for i in ready.rebuilt) == sorted(slots[ACTIVE.index(n)] for n in lost)
+        for n in lost:
+            spare = slots[ACTIVE.index(n)]
+            assert _dump(runner, job, spare, step) == before[n], f"{spare} does not hold what {n} held"
+
+        assert _trainers(runner, job, slots, 1, out).wait(timeout=240) == 0, (out / "train-1.log").read_text()[-3000:]
+    finally:
+        runner.run(["scancel", job], check=False)
+    starts = {p.name: int(p.read_text()) for p in out.glob("start.*") if int(p.read_text()) > 0}
+    assert sorted(set(starts.values())) == [step] and len(starts) == 4, starts
+    final = _final(out)
+    assert final["seen"] == reference["seen"]
+    for name, value in reference["params"].items():
+        assert torch.equal(final["params"][name], value), f"{name} differs after the rebuild"
