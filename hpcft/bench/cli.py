@@ -83,3 +83,20 @@ def restore(params: int, warmup: int, threads: int, root: str | None, as_json: b
 
     opts = RestoreOptions(params=params, repeats=repeats, warmup=warmup, threads=threads, root=root)
     _run(as_json, lambda: run(opts))
+
+
+@bench.command()
+@common_options
+@click.option("--state", "state_bytes", type=Count(), default="64M", show_default=True,
+              help="Bytes of each node's snapshot for the encode/traffic/rebuild figures.")
+@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Measured training steps per variant (with / without protection).")
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between protection rounds.")
+def protect(params: int, warmup: int, threads: int, root: str | None, as_json: bool, state_bytes: int, steps: int,
+            interval: float) -> None:
+    """Cross-node protection per scheme: encode vs memcpy, bytes sent/stored vs state, rebuild time, step overhead."""
+    from hpcft.bench.protect import ProtectOptions, run
+
+    opts = ProtectOptions(params=params, state_bytes=state_bytes, steps=steps, warmup=warmup, threads=threads,
+                          interval=interval, root=root)
+    _run(as_json, lambda: run(opts))
