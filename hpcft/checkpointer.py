@@ -18,7 +18,7 @@ from hpcft.env import job_env
 from hpcft.errors import CheckpointError, ConfigError
 from hpcft.snapshot import copiers, rng, state
 from hpcft.snapshot.engine import Group, SnapshotEngine, Stats
-from hpcft.snapshot.restore import restore_newest
+from hpcft.snapshot.restore import Loader, restore_newest
 from hpcft.store import RankStore
 
 _log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class Checkpointer:
         copier = copiers.make(backend, device, max_inflight_bytes=max_inflight_bytes, threads=self.threads,
                               delay_per_chunk=delay_per_chunk, overlap=overlap)
         self.engine = SnapshotEngine(self.store, copier, group=self.group, chunk_bytes=chunk_bytes)
+        self._loader = Loader(self.store, self.group, self.threads)
         self.backend = backend
         self.completed = 0  # optimizer steps applied to the live state
         self.extra: dict | None = None
@@ -143,7 +144,7 @@ class Checkpointer:
                 self._quiet = False
             return state.collect(self.model, self.optimizer, self._dp_ranks)
 
-        version = restore_newest(self.store, self.group, live, self.threads)
+        version = restore_newest(self._loader, live)
         if version is None:
             self.completed, self.extra = 0, None
             return 0
@@ -165,6 +166,7 @@ class Checkpointer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._loader.close()
         self.engine.close()
 
     def __enter__(self) -> "Checkpointer":

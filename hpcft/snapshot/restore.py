@@ -88,6 +88,12 @@ class Loader:
         self.store = store
         self.group = group
         self.threads = max(1, threads)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def split(self, entries: Sequence[Entry]) -> tuple[list[Entry], list[Entry]]:
         on = self.group is not None and self.group.size > 1
@@ -154,9 +160,10 @@ class Loader:
                     puts[s.source](s.start, data[s.offset:s.offset + s.nbytes])
             return lost
 
-        with ThreadPoolExecutor(self.threads) as pool:
-            lost = sorted(i for f in [pool.submit(work, range(t, len(chunks), self.threads))
-                                      for t in range(self.threads)] for i in f.result())
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpcft-restore")
+        futures = [self._pool.submit(work, range(t, len(chunks), self.threads)) for t in range(self.threads)]
+        lost = sorted(i for f in futures for i in f.result())
         if lost:
             events.emit("chunk_lost", level=logging.ERROR, rank=self.store.rank, step=version.step,
                         chunks=len(lost), first_offset=chunks[lost[0]].offset, path=str(self.store.dir))
@@ -185,9 +192,10 @@ class Loader:
                 _writer(targets[p.source].view)(p.start, arr[p.offset:p.offset + p.nbytes])
 
 
-def restore_newest(store: RankStore, group: Group | None, entries_fn, threads: int = 2) -> Version | None:
+def restore_newest(loader: Loader, entries_fn) -> Version | None:
     """Load the newest version complete on every rank, falling back on loss; None on a fresh run.
     `entries_fn()` returns the live entries (called once, after the caller created optimizer state)."""
+    store = loader.store
     t0 = time.perf_counter()
     held = store.versions()
     candidates, anything = held_everywhere(store, held)
@@ -197,7 +205,6 @@ def restore_newest(store: RankStore, group: Group | None, entries_fn, threads: i
                         reason="no version is complete on every rank; starting from step 0")
         return None
     entries = entries_fn()
-    loader = Loader(store, group, threads)
     by_step = {v.step: v for v in held}
     failures = []
     for step in candidates:
