@@ -74,10 +74,7 @@ def _assert_same_result(out: Path, ref: Path) -> None:
     assert got["seen"] == want["seen"]
     assert got["params"].keys() == want["params"].keys()
     differ = [name for name, tensor in want["params"].items() if not torch.equal(got["params"][name], tensor)]
-    if differ:
-        # Known and open (snapshot engine): tests/integration/test_relaunch.py, which kills and relaunches with
-        # plain srun, fails the same way. The supervisor's part (relaunch, slots, resume step) is asserted above.
-        pytest.xfail(f"parameters {differ} differ from the uninterrupted run (restore determinism, not the supervisor)")
+    assert not differ, f"parameters {differ} differ from the uninterrupted run"
 
 
 def _decisions(out: Path) -> list[dict]:
