@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--losses", type=int, default=1)
     ap.add_argument("--distance", type=int, default=1)
     ap.add_argument("--rate", type=float, default=None, help="bytes/s cap on protection traffic")
+    ap.add_argument("--nice", type=int, default=10, help="CPU priority increment (os.nice), so the agent yields the "
+                    "cores to the trainers (0: none)")
     ap.add_argument("--rounds", type=int, default=1, help="protection rounds before exiting (0: until stopped)")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between protection rounds")
     ap.add_argument("--rebuild", action="store_true", help="first rebuild what replaced nodes lost (after a relaunch)")
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = AgentConfig(job_id=args.job_id, slot=slot, slots=slots, rendezvous=args.rendezvous,
                           secret=job_secret.load(args.secret), host=_host(args.host),
                           scheme=Scheme(args.scheme, args.group, args.losses, args.distance), rate=args.rate,
-                          rounds=args.rounds, interval=args.interval, rebuild=args.rebuild, tag=args.tag,
+                          rounds=args.rounds, interval=args.interval, nice=args.nice, rebuild=args.rebuild, tag=args.tag,
                           timeout=args.timeout)
         return run(cfg)
     except NoCheckpointError as exc:

@@ -4,6 +4,7 @@ No state of its own: everything is read from the store."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ def _common(lists: list[list[int]]) -> set[int]:
 def protect_newest(mesh: Mesh, placement: Placement, job: Path, keep: int = 2) -> Record | None:
     """One collective round: protect the newest step complete on every node and not yet protected
     everywhere; None if there is none, or if a node found its copy damaged (with an event)."""
+    started = time.perf_counter()
     complete = complete_steps(job)
     held = mesh.allgather(sorted(complete))
     done = mesh.allgather(sorted(records(job)))
@@ -39,7 +41,7 @@ def protect_newest(mesh: Mesh, placement: Placement, job: Path, keep: int = 2) -
     bundle = Bundle(step, complete[step])
     try:
         try:
-            bundle.verify()
+            bundle.verify(mesh.throttle)
             ok = True
         except IntegrityError as exc:
             stale = not bundle.still_committed()
@@ -48,7 +50,7 @@ def protect_newest(mesh: Mesh, placement: Placement, job: Path, keep: int = 2) -
             ok = False
         if not all(mesh.allgather(ok)):
             return None
-        return protect_step(mesh, placement, bundle, job, keep)
+        return protect_step(mesh, placement, bundle, job, keep, started)
     finally:
         bundle.close()
 
@@ -70,6 +72,7 @@ class AgentConfig:
     tag: str = "0"
     timeout: float = 120.0
     root: str | None = None
+    nice: int = 10
 
 
 def _progress(job: Path) -> dict[str, int]:
@@ -88,6 +91,8 @@ def _by_rank(job: Path) -> dict[int, list[int]]:
 def run(cfg: AgentConfig) -> int:
     """The agent's life: mesh, optional rebuild, protection rounds; 0 when the rounds are done."""
     placement = plan(cfg.slots, cfg.scheme)
+    if cfg.nice:
+        os.nice(cfg.nice)  # yield the cores to the trainers: protection is background work
     job = secure_dir(job_dir(resolve_root(cfg.root), cfg.job_id))
     retire(protect_dir(job), 2)  # data files a killed pass left without a record
     node = socket.gethostname()

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcft import events
+from hpcft.agent.throttle import Throttle
 from hpcft.errors import IntegrityError, StoreError
 from hpcft.store import crc32c
 from hpcft.store import manifest as mf
@@ -75,7 +76,8 @@ def map_readonly(path: Path, nbytes: int) -> np.ndarray:
         return np.empty(0, dtype=np.uint8)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+        # MAP_POPULATE: map every page table entry now, in one call, instead of one fault per 4 KiB page later
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     return np.frombuffer(mm, dtype=np.uint8)
@@ -113,11 +115,14 @@ class Bundle:
         pad = hi - max(lo, min(hi, self.size))
         return views + ([np.zeros(pad, dtype=np.uint8)] if pad > 0 else [])
 
-    def verify(self) -> None:
-        """Check every chunk of every rank's data against its manifest; IntegrityError names the first bad one."""
+    def verify(self, throttle: Throttle | None = None) -> None:
+        """Check every chunk of every rank's data against its manifest; IntegrityError names the first bad one.
+        With a `throttle`, the checksums are paced like the protection traffic."""
         for r, h in sorted(self.held.items()):
             data = self.parts[2 + 2 * sorted(self.held).index(r)]
             for off, n, crc in h.manifest["chunks"]:
+                if throttle is not None:
+                    throttle.take(n)
                 if crc32c(data[off:off + n]) != crc:
                     events.emit("chunk_lost", level=logging.ERROR, rank=r, step=self.step, offset=off,
                                 path=str(h.data_path))

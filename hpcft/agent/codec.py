@@ -2,6 +2,7 @@
 (k parity blocks, zfec). Block numbers 0..n−k−1 are data, n−k..n−1 parity, as in zfec."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -9,7 +10,7 @@ import numpy as np
 from hpcft.deps import require
 from hpcft.errors import ConfigError, IntegrityError
 
-CHUNK = 1 << 21  # XOR works chunk by chunk so the parity chunk stays in cache while every source is added
+CHUNK = 256 << 10  # XOR works chunk by chunk: the parity chunk stays in L2 while every source is added
 
 
 class Unrecoverable(IntegrityError):
@@ -68,19 +69,63 @@ class XorCodec(Codec):
 
 
 def xor_into(out: np.ndarray, sources: Sequence[np.ndarray], chunk: int = CHUNK) -> None:
-    """out = XOR of `sources` (all as long as `out`), computed chunk by chunk in place, no allocation."""
+    """out = XOR of `sources`, in place, chunk by chunk (the chunk of `out` stays in cache while every source
+    is added), with no allocation. A source shorter than `out` counts as zero-padded: no padded copies."""
     n = out.size
-    if any(s.size != n for s in sources):
-        raise ConfigError(f"XOR needs blocks of one length (got {[s.size for s in sources]} into {n})")
-    if not sources:
-        out[:] = 0
-        return
+    if any(s.size > n for s in sources):
+        raise ConfigError(f"XOR sources must not be longer than the output (got {[s.size for s in sources]} into {n})")
+    srcs = sorted(sources, key=lambda s: -s.size)
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         o = out[lo:hi]
-        np.copyto(o, sources[0][lo:hi])
-        for s in sources[1:]:
-            np.bitwise_xor(o, s[lo:hi], out=o)
+        parts = [s[lo:hi] for s in srcs if s.size > lo]
+        if not parts:
+            o[:] = 0
+            continue
+        first = parts[0]
+        if len(parts) > 1 and parts[1].size == first.size:
+            np.bitwise_xor(first, parts[1], out=o[:first.size])
+            rest = parts[2:]
+        else:
+            np.copyto(o[:first.size], first)
+            rest = parts[1:]
+        o[first.size:] = 0
+        for s in rest:
+            np.bitwise_xor(o[:s.size], s, out=o[:s.size])
+
+
+class XorFold:
+    """A parity block built as pieces arrive, in place: the first bytes to reach a region of `out` are copied,
+    later ones XORed in; thread-safe, so receivers from several peers can fold concurrently. `finish()` zeroes
+    what no piece covered (pieces shorter than the block are zero-padded by definition)."""
+
+    def __init__(self, out: np.ndarray, grid: int = CHUNK):
+        self.out, self.grid = out, grid
+        self._filled = np.zeros(-(-out.size // grid), dtype=np.int64)  # bytes initialised in each grid cell
+        self._lock = threading.Lock()
+
+    def add(self, offset: int, data: np.ndarray) -> None:
+        """Fold `data` into out[offset:offset+len]; `offset` must be on the grid, `data` at most one cell long."""
+        cell, n = divmod(offset, self.grid)
+        if n or data.size > self.grid or offset + data.size > self.out.size:
+            raise ConfigError(f"fold of {data.size} bytes at offset {offset} is off the {self.grid}-byte grid "
+                              f"of a {self.out.size}-byte block")
+        o = self.out[offset:offset + data.size]
+        with self._lock:
+            done = int(self._filled[cell])
+            head = min(done, data.size)
+            np.bitwise_xor(o[:head], data[:head], out=o[:head])
+            if data.size > done:
+                np.copyto(o[done:], data[done:])
+                self._filled[cell] = data.size
+
+    def finish(self) -> None:
+        """Zero every byte no piece reached (a stripe whose pieces all end early)."""
+        for cell, done in enumerate(self._filled.tolist()):
+            lo = cell * self.grid
+            hi = min(self.out.size, lo + self.grid)
+            if lo + done < hi:
+                self.out[lo + done:hi] = 0
 
 
 class RsCodec(Codec):
@@ -101,18 +146,18 @@ class RsCodec(Codec):
         size = outs[0].size
         for lo in range(0, size, self.chunk):
             hi = min(size, lo + self.chunk)
-            blocks = self._enc.encode([d[lo:hi] for d in data], nums)
+            blocks = self._enc.encode([_span(d, lo, hi) for d in data], nums)
             for p, block in zip(outs, blocks):
                 p[lo:hi] = np.frombuffer(block, dtype=np.uint8)
 
     def decode(self, have: Mapping[int, np.ndarray], want: Mapping[int, np.ndarray]) -> None:
         self._check(have, want)
         nums = sorted(have)[:self.data_blocks]
-        size = have[nums[0]].size
+        size = max(a.size for a in [*have.values(), *want.values()])
         lost_parity = [b for b in want if b >= self.data_blocks]
         for lo in range(0, size, self.chunk):
             hi = min(size, lo + self.chunk)
-            data = self._dec.decode([have[b][lo:hi] for b in nums], nums)
+            data = self._dec.decode([_span(have[b], lo, hi) for b in nums], nums)
             for b, out in want.items():
                 if b < self.data_blocks:
                     out[lo:hi] = np.frombuffer(data[b], dtype=np.uint8)
@@ -120,6 +165,16 @@ class RsCodec(Codec):
                 blocks = self._enc.encode(data, tuple(lost_parity))
                 for b, block in zip(lost_parity, blocks):
                     want[b][lo:hi] = np.frombuffer(block, dtype=np.uint8)
+
+
+def _span(block: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """block[lo:hi] as a view, or (only for the chunk where a short block ends) a zero-padded copy."""
+    view = block[lo:hi]
+    if view.size == hi - lo:
+        return view
+    padded = np.zeros(hi - lo, dtype=np.uint8)
+    padded[:view.size] = view
+    return padded
 
 
 def codec_for(scheme: str, n: int, k: int) -> Codec:

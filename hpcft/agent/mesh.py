@@ -50,6 +50,9 @@ class Mesh:
     def recv(self, peer: int, into: np.ndarray | None = None) -> tuple[dict[str, Any], np.ndarray]:
         return self.peers[peer].recv(into)
 
+    def channel(self, peer: int) -> Channel:
+        return self.peers[peer]
+
     def allgather(self, value: Any) -> list[Any]:
         """Every agent's `value` (JSON-able, small), indexed by slot."""
         for ch in self.peers.values():

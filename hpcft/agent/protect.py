@@ -5,6 +5,7 @@ per chunk. A record on every node of a set means the step is protected; none is 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,14 +17,17 @@ import numpy as np
 from hpcft import events
 from hpcft.agent import stripes
 from hpcft.agent.bundle import Bundle, map_readonly
-from hpcft.agent.codec import codec_for
+from hpcft.agent.codec import CHUNK as FOLD
+from hpcft.agent.codec import XorFold, codec_for
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.placement import Placement, ProtectionSet
+from hpcft.agent.transport import Channel
 from hpcft.errors import HpcftError, IntegrityError
 from hpcft.store import Slot, crc32c, secure_dir
 from hpcft.store import manifest as mf
 
 CHUNK = 4 << 20
+SPARE = "spare.data"
 
 
 @dataclass(frozen=True)
@@ -51,14 +55,16 @@ def records(job: Path) -> dict[int, Record]:
     return out
 
 
-def protect_step(mesh: Mesh, placement: Placement, bundle: Bundle, job: Path, keep: int = 2) -> Record:
-    """Protect `bundle` (this node's step) with every other agent doing the same step (collective)."""
-    t0 = time.perf_counter()
+def protect_step(mesh: Mesh, placement: Placement, bundle: Bundle, job: Path, keep: int = 2,
+                 started: float | None = None) -> Record:
+    """Protect `bundle` (this node's step) with every other agent doing the same step (collective); `started`
+    (perf_counter) is when the pass began, for the event's `seconds` (default: now)."""
+    t0 = time.perf_counter() if started is None else started
     scheme = placement.scheme
     sizes = mesh.allgather(bundle.size)
     pdir = protect_dir(job)
     (pdir / f"step-{bundle.step}.json").unlink(missing_ok=True)  # a rerun: withdraw before overwriting
-    slot = Slot(bundle.step, pdir / f"step-{bundle.step}.data")
+    slot = record_slot(pdir, bundle.step)
     try:
         if scheme.name == "partner":
             held, meta = _partner(mesh, placement, bundle, slot, sizes)
@@ -130,7 +136,26 @@ def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes:
     held = stripes.parity_bytes(pset, pos, nbytes)
     slot.ensure(max(1, held))
     mine = pset.stripes_holding(pos)
-    inbox = {(s, d): np.empty(nbytes, dtype=np.uint8) for s in mine for d in pset.data_positions(s)}
+    senders = sorted({d for s in mine for d in pset.data_positions(s)})
+    if placement.scheme.name == "xor":  # fold each piece into the parity block as it arrives
+        folds = {s: XorFold(stripes.parity_block(slot.array, pset, pos, s, nbytes)) for s in mine}
+        scratch = {d: np.empty(FOLD, dtype=np.uint8) for d in senders}
+
+        def take(d: int, s: int, ch: Channel, plen: int) -> None:
+            buf = scratch[d]
+            for off in range(0, plen, FOLD):
+                n = min(FOLD, plen - off)
+                ch.recv_payload(buf[:n])
+                folds[s].add(off, buf[:n])
+    else:  # RS needs every data block of a stripe at once: keep them, in buffers reused pass after pass
+        inbox_all = _inbox(len(mine) * pset.data_pieces * nbytes)
+        inbox = {(s, d): inbox_all[(i * pset.data_pieces + j) * nbytes:(i * pset.data_pieces + j + 1) * nbytes]
+                 for i, s in enumerate(mine) for j, d in enumerate(pset.data_positions(s))}
+        arrived: dict[tuple[int, int], np.ndarray] = {}
+
+        def take(d: int, s: int, ch: Channel, plen: int) -> None:
+            ch.recv_payload(inbox[(s, d)][:plen])
+            arrived[(s, d)] = inbox[(s, d)][:plen]
 
     def send_all() -> int:
         sent = 0
@@ -138,38 +163,76 @@ def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes:
             if pos not in pset.data_positions(s):
                 continue
             i = pset.piece_of(pos, s)
+            views = list(bundle.slices(i * nbytes, (i + 1) * nbytes))  # unpadded: a short piece is zero-extended
             for h in pset.parity_positions(s):
-                mesh.send(pset.members[h], {"step": bundle.step, "stripe": s}, bundle.piece(i * nbytes, (i + 1) * nbytes))
+                mesh.send(pset.members[h], {"step": bundle.step, "stripe": s}, views)
                 sent += nbytes
         return sent
 
     def recv_from(d: int) -> None:
+        ch = mesh.channel(pset.members[d])
         for s in mine:
             if d in pset.data_positions(s):
-                header, _ = mesh.recv(pset.members[d], into=inbox[(s, d)])
-                if header.get("stripe") != s or header.get("step") != bundle.step:
-                    raise HpcftError(f"agent {pset.members[d]} sent {header}, expected stripe {s} of step {bundle.step}")
+                header, plen = ch.recv_header()
+                if header.get("stripe") != s or header.get("step") != bundle.step or plen > nbytes:
+                    raise HpcftError(f"agent {pset.members[d]} sent {header} ({plen} bytes), expected stripe {s} "
+                                     f"of step {bundle.step} (at most {nbytes} bytes)")
+                take(d, s, ch, plen)
 
-    senders = sorted({d for s in mine for d in pset.data_positions(s)})
     with ThreadPoolExecutor(1 + len(senders)) as pool, mesh.all_or_nothing():  # abort before the pool waits
         sent = pool.submit(send_all)
         for f in [pool.submit(recv_from, d) for d in senders]:
             f.result()
         sent_bytes = sent.result()
-    for s in mine:
-        t = pset.parity_positions(s).index(pos)
-        codec.encode_some([inbox[(s, d)] for d in pset.data_positions(s)],
-                          {t: stripes.parity_block(slot.array, pset, pos, s, nbytes)})
+    if placement.scheme.name == "xor":
+        for fold in folds.values():
+            fold.finish()
+    else:
+        for s in mine:
+            t = pset.parity_positions(s).index(pos)
+            codec.encode_some([arrived[(s, d)] for d in pset.data_positions(s)],
+                              {t: stripes.parity_block(slot.array, pset, pos, s, nbytes)})
     return held, parity_meta(pset, pos, set_sizes, nbytes, sent_bytes)
 
 
+_INBOX: list[np.ndarray] = []
+
+
+def _inbox(nbytes: int) -> np.ndarray:
+    """A buffer of at least `nbytes`, kept for the agent's life so its pages are faulted in once, not per pass."""
+    if not _INBOX or _INBOX[0].size < nbytes:
+        _INBOX[:] = [np.ones(nbytes, dtype=np.uint8)]  # written now: faulted in here, not while receiving
+    return _INBOX[0][:nbytes]
+
+
+def record_slot(pdir: Path, step: int) -> Slot:
+    """The data file of `step`'s record, reusing the pages of the last retired one (`spare.data`) when there is
+    one: fresh shared-memory pages cost ten times a copy to fault in, so each pass would pay for them again."""
+    path = pdir / f"step-{step}.data"
+    spare = pdir / SPARE
+    if not path.exists() and spare.exists():
+        os.replace(spare, path)
+    return Slot(step, path)
+
+
 def retire(pdir: Path, keep: int) -> None:
-    """Keep the newest `keep` records; remove older ones (manifest first, so no record is ever torn) and any
-    data file without a record (left by a pass that died before committing)."""
+    """Keep the newest `keep` records; remove older ones (manifest first, so no record is ever torn; one data file
+    is kept as `spare.data` for the next pass) and any data file without a record (left by a pass that died)."""
     steps = sorted(int(p.stem.split("-")[1]) for p in pdir.glob("step-*.json"))
     for step in steps[:-keep]:
         (pdir / f"step-{step}.json").unlink(missing_ok=True)
-        (pdir / f"step-{step}.data").unlink(missing_ok=True)
+        _recycle(pdir / f"step-{step}.data")
     for data in pdir.glob("step-*.data"):
         if not data.with_suffix(".json").exists():
-            data.unlink(missing_ok=True)
+            _recycle(data)
+
+
+def _recycle(data: Path) -> None:
+    spare = data.with_name(SPARE)
+    try:
+        if spare.exists():
+            data.unlink()
+        else:
+            os.replace(data, spare)
+    except FileNotFoundError:
+        pass

@@ -21,8 +21,8 @@ from hpcft.agent.bundle import Bundle, complete_steps, parse, unpack
 from hpcft.agent.codec import Unrecoverable, codec_for
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.placement import Placement
-from hpcft.agent.protect import (Record, commit_record, parity_meta, partner_meta, protect_dir, record_data, records,
-                                 retire)
+from hpcft.agent.protect import (Record, commit_record, parity_meta, partner_meta, protect_dir, record_data, record_slot,
+                                 records, retire)
 from hpcft.errors import IntegrityError, NoCheckpointError
 from hpcft.store import Slot
 
@@ -237,7 +237,7 @@ def _write_record(placement: Placement, slot_index: int, step: int, held: np.nda
                   job: Path) -> None:
     pdir = protect_dir(job)
     (pdir / f"step-{step}.json").unlink(missing_ok=True)
-    data = Slot(step, pdir / f"step-{step}.data")
+    data = record_slot(pdir, step)
     try:
         data.ensure(max(1, held.size))
         data.array[:held.size] = held

@@ -17,14 +17,9 @@ def piece_bytes(size: int, pset: ProtectionSet) -> int:
 
 
 def piece(payload: np.ndarray, index: int, nbytes: int) -> np.ndarray:
-    """Piece `index` of `payload`: a view, or a zero-padded copy where the payload ends inside it."""
-    lo = index * nbytes
-    view = payload[lo:lo + nbytes]
-    if view.size == nbytes:
-        return view
-    padded = np.zeros(nbytes, dtype=np.uint8)
-    padded[:view.size] = view
-    return padded
+    """Piece `index` of `payload` as a view; shorter than `nbytes` (even empty) where the payload ends inside
+    it. The codecs treat the missing tail as zeros, so nothing is ever copied to pad it."""
+    return payload[index * nbytes:(index + 1) * nbytes]
 
 
 def parity_block(parity: np.ndarray, pset: ProtectionSet, position: int, stripe: int, nbytes: int) -> np.ndarray:
@@ -38,10 +33,13 @@ def parity_bytes(pset: ProtectionSet, position: int, nbytes: int) -> int:
     return len(pset.stripes_holding(position)) * nbytes
 
 
-def encode_set(pset: ProtectionSet, payloads: Sequence[np.ndarray], codec: Codec) -> list[np.ndarray]:
-    """Every member's parity buffer for `payloads` (one uint8 array per member, any lengths)."""
+def encode_set(pset: ProtectionSet, payloads: Sequence[np.ndarray], codec: Codec,
+               out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+    """Every member's parity buffer for `payloads` (one uint8 array per member, any lengths), written into
+    `out` when given (preallocated, pre-faulted buffers of `parity_bytes` each: no page faults, no allocation)."""
     nbytes = piece_bytes(max(p.size for p in payloads), pset)
-    parities = [np.empty(parity_bytes(pset, pos, nbytes), dtype=np.uint8) for pos in range(pset.size)]
+    sizes = [parity_bytes(pset, pos, nbytes) for pos in range(pset.size)]
+    parities = [np.empty(n, dtype=np.uint8) for n in sizes] if out is None else [o[:n] for o, n in zip(out, sizes)]
     for stripe in range(pset.size):
         data = [piece(payloads[pos], pset.piece_of(pos, stripe), nbytes) for pos in pset.data_positions(stripe)]
         outs = [parity_block(parities[pos], pset, pos, stripe, nbytes) for pos in pset.parity_positions(stripe)]
@@ -89,9 +87,18 @@ def _blocks_lost(pset: ProtectionSet, stripe: int, payloads: Sequence[object | N
             + [parities[pos] is None for pos in pset.parity_positions(stripe)])
 
 
-def partner_copies(placement: Placement, payloads: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """What each slot holds for its partner: a copy of slot `partnered_by(slot)`'s payload."""
-    return [payloads[placement.partnered_by(slot)].copy() for slot in range(placement.slots)]
+def partner_copies(placement: Placement, payloads: Sequence[np.ndarray],
+                   out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+    """What each slot holds for its partner: a copy of slot `partnered_by(slot)`'s payload (into `out[slot]`,
+    preallocated, when given)."""
+    if out is None:
+        return [payloads[placement.partnered_by(slot)].copy() for slot in range(placement.slots)]
+    copies = []
+    for slot in range(placement.slots):
+        src = payloads[placement.partnered_by(slot)]
+        np.copyto(out[slot][:src.size], src)
+        copies.append(out[slot][:src.size])
+    return copies
 
 
 def rebuild_partner(placement: Placement, payloads: Sequence[np.ndarray | None],

@@ -85,20 +85,33 @@ class Channel:
 
     def recv(self, into: np.ndarray | None = None) -> tuple[dict[str, Any], np.ndarray]:
         """The next message: its header and payload (written into `into[:n]` when given, else a new array)."""
+        header, plen = self.recv_header()
+        if into is not None and into.size < plen:
+            raise TransportError(f"{self.peer} sent {plen} bytes for a {into.size}-byte buffer")
+        out = into[:plen] if into is not None else np.empty(plen, dtype=np.uint8)
+        self.recv_payload(out)
+        return header, out
+
+    def recv_header(self) -> tuple[dict[str, Any], int]:
+        """The next message's header and payload length; read the payload with `recv_payload` (in parts if
+        wanted, e.g. to fold it into parity as it arrives)."""
         try:
             hlen, plen = _FRAME.unpack(_recv_exact(self.sock, _FRAME.size))
             if hlen > MAX_HEADER:
                 raise TransportError(f"{self.peer} sent a {hlen}-byte header (limit {MAX_HEADER}); protocol error")
             header = json.loads(_recv_exact(self.sock, hlen))
-            if into is not None and into.size < plen:
-                raise TransportError(f"{self.peer} sent {plen} bytes for a {into.size}-byte buffer")
-            out = into[:plen] if into is not None else np.empty(plen, dtype=np.uint8)
-            _recv_into(self.sock, memoryview(out).cast("B"))
         except (OSError, ValueError) as exc:
             raise TransportError(f"receiving from {self.peer} failed: {exc}") from exc
         if not isinstance(header, dict):
             raise TransportError(f"{self.peer} sent a header that is not a JSON object")
-        return header, out
+        return header, plen
+
+    def recv_payload(self, into: np.ndarray) -> None:
+        """Exactly `into.size` bytes of the current message's payload, straight into `into`."""
+        try:
+            _recv_into(self.sock, memoryview(into).cast("B"))
+        except OSError as exc:
+            raise TransportError(f"receiving from {self.peer} failed: {exc}") from exc
 
     def close(self) -> None:
         try:

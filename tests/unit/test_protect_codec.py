@@ -4,9 +4,10 @@ import itertools
 import numpy as np
 import pytest
 
-from hpcft.agent.codec import RsCodec, Unrecoverable, XorCodec, codec_for, xor_into
+from hpcft.agent.codec import RsCodec, Unrecoverable, XorCodec, XorFold, codec_for, xor_into
 from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.stripes import encode_set, partner_copies, rebuild_partner, rebuild_set
+from hpcft.errors import ConfigError
 
 RNG = np.random.default_rng(7)
 
@@ -82,3 +83,42 @@ def test_xor_into_is_in_place_and_rs_matches_its_own_decode():
     got = {0: np.empty_like(a), 1: np.empty_like(a)}
     rs.decode({2: p[0], 3: p[1]}, got)
     assert got[0].tobytes() == a.tobytes() and got[1].tobytes() == b.tobytes()
+
+
+def _padded(x, n):
+    out = np.zeros(n, dtype=np.uint8)
+    out[:x.size] = x
+    return out
+
+
+def test_short_sources_count_as_zero_padded_without_copies():
+    n = 3 * 1000 + 17
+    srcs = _payloads([n, n - 5, 1000, 0])
+    out = np.full(n, 0xAB, dtype=np.uint8)  # stale bytes must not survive
+    xor_into(out, srcs, chunk=1000)
+    want = np.zeros(n, dtype=np.uint8)
+    for s in srcs:
+        want ^= _padded(s, n)
+    assert out.tobytes() == want.tobytes()
+    rs, full = RsCodec(4, 2, chunk=1000), [_padded(s, n) for s in srcs[:2]]
+    short, padded = [np.empty(n, np.uint8), np.empty(n, np.uint8)], [np.empty(n, np.uint8), np.empty(n, np.uint8)]
+    rs.encode([srcs[0], srcs[2]], short)
+    rs.encode([full[0], _padded(srcs[2], n)], padded)
+    assert [p.tobytes() for p in short] == [p.tobytes() for p in padded]
+
+
+def test_fold_builds_the_parity_from_pieces_arriving_in_any_order_and_length():
+    n, grid = 2500, 512
+    pieces = _payloads([n, n - 700, 300])
+    out = np.full(n, 0x5A, dtype=np.uint8)
+    fold = XorFold(out, grid=grid)
+    parts = [(i, off, p[off:off + grid]) for i, p in enumerate(pieces) for off in range(0, p.size, grid)]
+    for _, off, data in reversed(parts):  # the last piece's chunks first, interleaved senders
+        fold.add(off, data)
+    fold.finish()
+    want = np.zeros(n, dtype=np.uint8)
+    for p in pieces:
+        want ^= _padded(p, n)
+    assert out.tobytes() == want.tobytes()
+    with pytest.raises(ConfigError, match="grid"):
+        fold.add(100, pieces[0][:10])
