@@ -101,8 +101,11 @@ def run(cfg: AgentConfig) -> int:
         complete = complete_steps(job)
         recs = records(job)
         status.write(cfg.rendezvous, cfg.tag, cfg.slot, node=node, phase=phase, scheme=cfg.scheme.name,
-                     staged=max(complete) if complete else None, protected=max(recs) if recs else None,
-                     persisted=None, ranks=_progress(job), **fields)
+                     group=cfg.scheme.group, losses=cfg.scheme.losses, distance=cfg.scheme.distance, slots=cfg.slots,
+                     interval=cfg.interval, staged=max(complete) if complete else None,
+                     protected=max(recs) if recs else None, persisted=None, ranks=_progress(job),
+                     versions={str(r): sorted(v) for r, v in _by_rank(job).items()},
+                     staged_steps=sorted(complete), protected_steps=sorted(recs), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
     mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, rate=cfg.rate, tag=cfg.tag,

@@ -1,0 +1,198 @@
+"""`hpcft status`: a read-only view of a job's in-memory checkpoints, for people. Per node (slot) and rank, the
+versions held and how far each got (staged → protected → persisted), the agent's heartbeat age, and the
+redundancy health of every protection set. Reads only the agents' status files in the shared rendezvous
+directory (each agent writes what its node's store holds), so it never waits on a dead node."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from hpcft.agent import status as agent_status
+from hpcft.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hpcft.agent.placement import Placement
+
+STAGED, PROTECTED, PERSISTED = "staged", "protected", "persisted"
+HEALTHY, DEGRADED, LOST, UNPROTECTED = "healthy", "degraded", "lost", "unprotected"
+MIN_STALE_S = 30.0
+
+
+@dataclass
+class NodeView:
+    """One slot as its agent last reported it; `fresh` is false when the agent is silent, failed or absent."""
+    slot: int
+    node: str | None
+    phase: str
+    heartbeat_age_s: float | None
+    fresh: bool
+    staged: int | None = None
+    protected: int | None = None
+    persisted: int | None = None
+    ranks: dict[str, list[int]] = field(default_factory=dict)
+    steps: dict[str, str] = field(default_factory=dict)  # step → staged / protected / persisted
+    error: str | None = None
+
+
+@dataclass
+class SetView:
+    """A protection set: its members, the newest step every member holds a record of, and its health."""
+    index: int
+    members: list[int]
+    health: str
+    missing: list[int]
+    protected_step: int | None
+    detail: str
+
+
+@dataclass
+class JobView:
+    rendezvous: str
+    tag: str | None
+    scheme: dict[str, Any]
+    stale_after_s: float
+    nodes: list[NodeView]
+    sets: list[SetView]
+
+
+def collect(rendezvous: str | Path, tag: str | None = None, stale_after: float | None = None,
+            now: float | None = None) -> JobView:
+    """Everything `hpcft status` shows, from the status files under `rendezvous` (launch `tag`, or the newest)."""
+    from hpcft.agent.placement import Scheme, plan  # here, so `hpcft --help` stays light
+
+    where = Path(rendezvous)
+    if not where.is_dir():
+        raise ConfigError(f"{where} is not a directory; pass the job's agent rendezvous directory")
+    reports = agent_status.read(where, tag)
+    if not reports:
+        raise ConfigError(f"no agent status files (agent-<tag>-<slot>.status) in {where}"
+                          + (f" for launch {tag}" if tag is not None else "") + "; are the agents running there?")
+    now = time.time() if now is None else now
+    first = reports[min(reports)]
+    scheme = Scheme(first.get("scheme", "none"), int(first.get("group", 4)), int(first.get("losses", 1)),
+                    int(first.get("distance", 1)))
+    slots = max([int(first.get("slots") or 0), max(reports) + 1])
+    interval = max(float(v.get("interval") or 0) for v in reports.values())
+    stale = stale_after if stale_after is not None else max(MIN_STALE_S, 5 * interval)
+    nodes = [_node(s, reports.get(s), now, stale) for s in range(slots)]
+    placement = plan(slots, scheme) if scheme.name != "none" else None
+    _mark_steps(nodes, placement, reports)
+    sets = [_set_view(placement, pset.index, list(pset.members), nodes, reports) for pset in placement.sets] \
+        if placement else []
+    return JobView(str(where), tag, asdict(scheme), stale, nodes, sets)
+
+
+def _node(slot: int, rep: dict[str, Any] | None, now: float, stale: float) -> NodeView:
+    if rep is None:
+        return NodeView(slot, None, "absent", None, False, error="no status file")
+    age = max(0.0, now - float(rep.get("time", 0)))
+    phase = rep.get("phase", "?")
+    return NodeView(slot, rep.get("node"), phase, round(age, 3),
+                    fresh=phase != agent_status.FAILED and age <= stale, staged=rep.get("staged"),
+                    protected=rep.get("protected"), persisted=rep.get("persisted"),
+                    ranks={str(r): list(v) for r, v in (rep.get("versions") or {}).items()}, error=rep.get("error"))
+
+
+def _records(reports: dict[int, dict[str, Any]], slot: int) -> set[int]:
+    return set((reports.get(slot) or {}).get("protected_steps") or [])
+
+
+def _guards(placement: Placement, slot: int) -> list[int]:
+    """The slots whose records make `slot`'s snapshot recoverable: its set (xor/rs) or its partner."""
+    if placement.scheme.name == "partner":
+        return [placement.partner_of(slot)]
+    return list(placement.set_of(slot).members)
+
+
+def _mark_steps(nodes: list[NodeView], placement: Placement | None, reports: dict[int, dict[str, Any]]) -> None:
+    """Each held step's state: persisted (≤ the persisted step), protected (every guard holds its record), staged."""
+    for n in nodes:
+        held = sorted({s for v in n.ranks.values() for s in v})
+        for step in held:
+            if n.persisted is not None and step <= n.persisted:
+                state = PERSISTED
+            elif placement and all(step in _records(reports, g) for g in _guards(placement, n.slot)):
+                state = PROTECTED
+            else:
+                state = STAGED
+            n.steps[str(step)] = state
+
+
+def _set_view(placement: Placement, index: int, members: list[int], nodes: list[NodeView],
+              reports: dict[int, dict[str, Any]]) -> SetView:
+    common = set.intersection(*(_records(reports, m) for m in members))
+    step = max(common) if common else None
+    missing = [m for m in members if not nodes[m].fresh]
+    if not missing:
+        return SetView(index, members, HEALTHY, [], step, "every member fresh")
+    from hpcft.agent.codec import Unrecoverable
+    from hpcft.agent.rebuild import lost_slots
+
+    alive = [s not in missing for s in range(placement.slots)]  # judge this set's losses alone
+    why = ", ".join(f"slot {m} {_why(nodes[m])}" for m in missing)
+    try:
+        lost_slots(placement, alive, alive)
+    except Unrecoverable as exc:
+        return SetView(index, members, LOST, missing, step, f"{why}; {exc}")
+    return SetView(index, members, DEGRADED, missing, step, f"{why}; still rebuildable from the others")
+
+
+def _why(n: NodeView) -> str:
+    if n.phase == "absent":
+        return "has no agent status"
+    if n.phase == agent_status.FAILED:
+        return f"agent failed ({n.error})"
+    return f"silent for {n.heartbeat_age_s:.0f} s"
+
+
+def as_dict(view: JobView) -> dict[str, Any]:
+    return asdict(view)
+
+
+def render(view: JobView) -> str:
+    """The human table."""
+    sc = view.scheme
+    lines = [f"rendezvous {view.rendezvous}  launch {view.tag or 'newest'}  scheme {sc['name']}"
+             + (f" (group {sc['group']}, losses {sc['losses']})" if sc["name"] in ("xor", "rs") else "")
+             + (f" (distance {sc['distance']})" if sc["name"] == "partner" else ""),
+             f"{'slot':>4}  {'node':<14} {'phase':<11} {'heartbeat':>9}  {'staged':>6} {'protected':>9} "
+             f"{'persisted':>9}  versions (rank: steps)"]
+    for n in view.nodes:
+        age = "-" if n.heartbeat_age_s is None else f"{n.heartbeat_age_s:.1f} s" + ("" if n.fresh else "!")
+        versions = "; ".join(f"{r}: " + ",".join(f"{s}{_mark(n.steps.get(str(s)))}" for s in steps)
+                             for r, steps in sorted(n.ranks.items(), key=lambda kv: int(kv[0])))
+        lines.append(f"{n.slot:>4}  {(n.node or '-'):<14} {n.phase:<11} {age:>9}  {_opt(n.staged):>6} "
+                     f"{_opt(n.protected):>9} {_opt(n.persisted):>9}  {versions or '-'}")
+    for s in view.sets:
+        lines.append(f"set {s.index} slots {','.join(map(str, s.members))}: {s.health}"
+                     f" (newest step protected on all: {_opt(s.protected_step)}; {s.detail})")
+    lines.append("versions: * protected, ** persisted, plain staged; ! heartbeat older than "
+                 f"{view.stale_after_s:g} s")
+    return "\n".join(lines)
+
+
+def _opt(x: Any) -> str:
+    return "-" if x is None else str(x)
+
+
+def _mark(state: str | None) -> str:
+    return {PROTECTED: "*", PERSISTED: "**"}.get(state or "", "")
+
+
+@click.command("status")
+@click.argument("rendezvous", type=click.Path(file_okay=False))
+@click.option("--tag", default=None, help="Launch tag (restart count) to show [default: the newest per slot].")
+@click.option("--stale", type=float, default=None,
+              help=f"Seconds without a heartbeat before an agent counts as missing [default: max({MIN_STALE_S:g}, "
+                   "5 × the protect interval)].")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of the table.")
+def status(rendezvous: str, tag: str | None, stale: float | None, as_json: bool) -> None:
+    """Versions held per node and rank, their protection state, agent heartbeats and each protection set's health."""
+    import json
+
+    view = collect(rendezvous, tag, stale)
+    click.echo(json.dumps(as_dict(view), sort_keys=False) if as_json else render(view))

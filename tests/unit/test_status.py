@@ -1,0 +1,62 @@
+"""`hpcft status` over agent status files written here: versions and their state, heartbeats, set health."""
+import json
+import time
+
+from click.testing import CliRunner
+
+from hpcft.agent import status as agent_status
+from hpcft.cli import cli
+from hpcft.status import DEGRADED, HEALTHY, LOST, PROTECTED, STAGED, collect, render
+
+
+def _agents(where, slots, scheme="xor", group=4, losses=1, silent=(), failed=(), absent=(), records=(3, 4)):
+    for s in range(slots):
+        if s in absent:
+            continue
+        agent_status.write(where, "0", s, node=f"n{s}", phase="failed" if s in failed else "protecting",
+                           scheme=scheme, group=group, losses=losses, distance=1, slots=slots, interval=1.0,
+                           staged=5, protected=max(records), persisted=None, versions={"0": [3, 4, 5], "1": [4, 5]},
+                           protected_steps=list(records), error="boom" if s in failed else None)
+    if silent:  # heartbeats from long ago
+        for s in silent:
+            path = agent_status.path(where, "0", s)
+            st = json.loads(path.read_text())
+            st["time"] = time.time() - 3600
+            path.write_text(json.dumps(st))
+
+
+def test_versions_states_and_a_degraded_set(tmp_path):
+    _agents(tmp_path, 8, silent=(5,))
+    view = collect(tmp_path)
+    n0 = view.nodes[0]
+    assert n0.fresh and n0.steps == {"3": PROTECTED, "4": PROTECTED, "5": STAGED}
+    assert n0.ranks == {"0": [3, 4, 5], "1": [4, 5]}
+    assert not view.nodes[5].fresh
+    assert [(s.members, s.health, s.missing, s.protected_step) for s in view.sets] == [
+        ([0, 1, 2, 3], HEALTHY, [], 4), ([4, 5, 6, 7], DEGRADED, [5], 4)]
+    assert "silent" in view.sets[1].detail and "set 1 slots 4,5,6,7: degraded" in render(view)
+
+
+def test_two_losses_in_an_xor_set_or_a_partner_pair_are_lost(tmp_path):
+    (tmp_path / "x").mkdir()
+    _agents(tmp_path / "x", 4, failed=(1,), absent=(2,))
+    view = collect(tmp_path / "x")
+    assert view.sets[0].health == LOST and view.sets[0].missing == [1, 2]
+    assert "agent failed (boom)" in view.sets[0].detail and "no agent status" in view.sets[0].detail
+    (tmp_path / "p").mkdir()
+    _agents(tmp_path / "p", 4, scheme="partner", silent=(1,))
+    assert collect(tmp_path / "p").sets[0].health == DEGRADED
+    _agents(tmp_path / "p", 4, scheme="partner", silent=(1, 2))
+    assert collect(tmp_path / "p").sets[0].health == LOST
+
+
+def test_cli_json_and_a_clear_error_without_agents(tmp_path):
+    _agents(tmp_path, 4)
+    out = CliRunner().invoke(cli, ["status", str(tmp_path), "--json"])
+    assert out.exit_code == 0, out.output
+    got = json.loads(out.output)
+    assert got["scheme"]["name"] == "xor" and [s["health"] for s in got["sets"]] == [HEALTHY]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = CliRunner().invoke(cli, ["status", str(empty)])
+    assert out.exit_code != 0 and "no agent status files" in str(out.exception or out.output)
