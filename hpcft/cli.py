@@ -22,8 +22,9 @@ def _register() -> None:
     from hpcft.doctor import doctor
     from hpcft.launch.cli import clean, run, submit
     from hpcft.sandbox.cli import demo, sandbox
+    from hpcft.status import status
 
-    for command in (doctor, sandbox, bench, demo, run, submit, clean):
+    for command in (doctor, sandbox, bench, demo, run, submit, clean, status):
         cli.add_command(command)
 
 
