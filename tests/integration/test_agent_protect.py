@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcft import events
+from hpcft import events, status
 from hpcft.agent import secret as job_secret
 from hpcft.agent import status as agent_status
 from hpcft.agent.bundle import Bundle, complete_steps
@@ -113,6 +113,10 @@ def test_parity_on_every_node_is_exact_and_rebuilds_lost_nodes(cluster, scheme):
         assert got[i].tobytes() == bundles[i].tobytes()
     kinds = [e["event"] for e in events.read(shared / "events")]
     assert kinds.count("snapshot_protected") == NODES
+    view = status.collect(shared, tag=scheme.name)  # what `hpcft status` shows from the agents' status files
+    assert [(n.fresh, n.steps, sorted(n.ranks)) for n in view.nodes] == [
+        (True, {"1": status.STAGED, "2": status.PROTECTED}, [str(2 * i), str(2 * i + 1)]) for i in range(NODES)]
+    assert [(s.health, s.protected_step) for s in view.sets] == [(status.HEALTHY, 2)]
 
 
 def test_partner_holds_an_exact_copy_of_its_neighbours_bundle(cluster):
