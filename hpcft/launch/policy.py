@@ -99,6 +99,21 @@ def decide(event: Event, state: State, now: float) -> Decision:
     return Decision(Action.RELAUNCH, f"{why}: nodes healthy, relaunch on the same nodes", layout)
 
 
+def stale_signal(*, requeued_run: bool, progressed: bool, time_left: float | None, margin: float) -> str | None:
+    """Why a SIGUSR1 must not requeue this run, or None to act on it. Slurm signals a batch step by job id
+    alone, so a late or retried delivery of the signal a previous run already acted on lands in the requeued
+    run. Such a signal is recognised by what cannot be true of a real one: this run is a requeued one, has
+    not completed a step yet (a requeue now would save nothing the previous one did not), and has more than
+    `margin` seconds of walltime left (so it is not this run's walltime warning)."""
+    if not requeued_run or progressed:
+        return None
+    if time_left is not None and time_left <= margin:
+        return None
+    left = "unlimited" if time_left is None else f"{time_left:.0f} s"
+    return (f"requeued run has completed no step yet and has {left} of walltime left (> --requeue-margin "
+            f"{margin:g} s): a late delivery of the signal the previous run acted on")
+
+
 def record(decision: Decision, event: Event, state: State, job_dir: str) -> dict:
     """One greppable `event=decision action=…` line and its JSON record in the job directory's events.jsonl."""
     level = logging.INFO if decision.action in (Action.DONE, Action.RELAUNCH) else logging.WARNING

@@ -21,7 +21,7 @@ from hpcft.errors import ConfigError, SlurmError
 from hpcft.launch import profiles, progress, slurmstate
 from hpcft.launch.config import RunConfig
 from hpcft.launch.layout import Layout
-from hpcft.launch.policy import Action, Decision, Event, Kind, State, decide, record
+from hpcft.launch.policy import Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.srun import TRAIN_STEP_NAME, probe_argv, step_env, trainer_argv
 from hpcft.slurm.runner import Runner
 
@@ -73,6 +73,8 @@ class Supervisor:
         self.state_path = self.job_dir / "state.json"
         self._signal: int | None = None
         self._wake = threading.Event()
+        self._started = time.time()
+        self._requeued_run = False
 
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -85,6 +87,16 @@ class Supervisor:
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
         """Run the command until it succeeds, gives up or is requeued; returns `hpcft run`'s exit status."""
+        # Handlers first: SIGUSR1's default action would kill us while we still talk to Slurm.
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGUSR1, signal.SIGTERM)}
+        try:
+            return self._run()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _run(self) -> int:
+        self._started = time.time()
         saved = Persisted.load(self.state_path)
         info = slurmstate.job_info(self.runner, self.job_id)
         saved.requeues = max(saved.requeues, info.restarts)
@@ -94,30 +106,26 @@ class Supervisor:
         self.emit("start", slots=",".join(layout.slots), spares=",".join(layout.spares),
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
                   profile=self.profile.name, job_dir=str(self.job_dir))
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGUSR1, signal.SIGTERM)}
-        try:
-            while True:
-                event = self._run_step(layout, saved.restarts + saved.requeues)
-                if self._signal == signal.SIGTERM:
-                    self.emit("terminated", level=logging.WARNING, reason="SIGTERM (scancel, preemption or requeue)")
-                    return 128 + signal.SIGTERM
-                state = State(layout=layout, restarts=saved.restarts, max_restarts=self.cfg.max_restarts,
-                              requeue_allowed=self.cfg.requeue and info.batch and info.requeue,
-                              end_time=slurmstate.job_info(self.runner, self.job_id).end_time,
-                              requeue_margin=self.cfg.requeue_margin)
-                decision = decide(event, state, time.time())
-                record(decision, event, state, str(self.job_dir))
-                layout = decision.layout
-                saved.excluded = list(layout.excluded)
-                if decision.action in (Action.RELAUNCH, Action.REPLACE):
-                    saved.restarts += 1
-                    saved.save(self.state_path)
-                    continue
+        self._requeued_run = saved.requeues > 0
+        while True:
+            event = self._run_step(layout, saved.restarts + saved.requeues)
+            if self._signal == signal.SIGTERM:
+                self.emit("terminated", level=logging.WARNING, reason="SIGTERM (scancel, preemption or requeue)")
+                return 128 + signal.SIGTERM
+            state = State(layout=layout, restarts=saved.restarts, max_restarts=self.cfg.max_restarts,
+                          requeue_allowed=self.cfg.requeue and info.batch and info.requeue,
+                          end_time=slurmstate.job_info(self.runner, self.job_id).end_time,
+                          requeue_margin=self.cfg.requeue_margin)
+            decision = decide(event, state, time.time())
+            record(decision, event, state, str(self.job_dir))
+            layout = decision.layout
+            saved.excluded = list(layout.excluded)
+            if decision.action in (Action.RELAUNCH, Action.REPLACE):
+                saved.restarts += 1
                 saved.save(self.state_path)
-                return self._finish(decision, saved)
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+                continue
+            saved.save(self.state_path)
+            return self._finish(decision, saved)
 
     def _finish(self, decision: Decision, saved: Persisted) -> int:
         if decision.action is Action.REQUEUE:
@@ -174,9 +182,15 @@ class Supervisor:
                     return Event(Kind.NODE_FAILED, exit_code=code, bad_nodes=tuple(bad), detail=_why(bad))
                 return Event(Kind.TASK_FAILED, exit_code=code)
             if self._signal is not None:
-                if self._signal == signal.SIGUSR1:
+                if self._signal != signal.SIGUSR1:
+                    return Event(Kind.WALLTIME, detail=f"signal {self._signal}")
+                stale = self._stale_signal()
+                if stale is None:
                     self.emit("signal", level=logging.WARNING, signal="USR1", meaning="walltime warning")
-                return Event(Kind.WALLTIME, detail=f"signal {self._signal}")
+                    return Event(Kind.WALLTIME, detail=f"signal {self._signal}")
+                self.emit("signal", level=logging.WARNING, signal="USR1", meaning="stale", ignored=True, reason=stale)
+                self._signal = None
+                self._wake.clear()
             bad = self._bad_nodes(layout, probe=False)
             if bad:
                 return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
@@ -185,6 +199,18 @@ class Supervisor:
                 if quiet > self.cfg.hang_timeout:
                     return Event(Kind.HANG, detail=f"no completed step for {quiet:.0f} s")
             self._wake.wait(self.cfg.poll_interval)
+
+    def _stale_signal(self) -> str | None:
+        """Why the USR1 just received is not for this run (policy.stale_signal over fresh Slurm data), or None."""
+        try:
+            end = slurmstate.job_info(self.runner, self.job_id).end_time
+        except SlurmError as exc:
+            _log.warning("cannot read the job's end time, taking USR1 as a walltime warning: %s", exc)
+            return None
+        now = time.time()
+        return stale_signal(requeued_run=self._requeued_run,
+                            progressed=progress.last_change(self.job_dir, self._started) > self._started,
+                            time_left=None if end is None else end - now, margin=self.cfg.requeue_margin)
 
     def _bad_nodes(self, layout: Layout, *, probe: bool) -> dict[str, str]:
         """Bad nodes among the slots (scontrol); with probe, also those that fail to run a trivial task."""

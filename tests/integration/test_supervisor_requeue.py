@@ -1,4 +1,5 @@
-"""`hpcft submit` + Slurm's warning signal in the sandbox: USR1 → requeue → the job runs again and finishes;
+"""`hpcft submit` + Slurm's warning signal in the sandbox: USR1 → requeue → the job runs again and finishes (a USR1
+delivered again into the requeued run before its first step is recognised as stale and ignored);
 and `hpcft clean` / slurm/epilog.sh keep a job's store while a requeue is pending, remove it afterwards."""
 import os
 import subprocess
@@ -49,6 +50,10 @@ def test_warning_signal_requeues_and_the_job_finishes_in_its_next_run(healthy_sa
     job_id = job.stdout.strip()
     _wait(lambda: progress.read(job_dir).get(0, (-1, 0))[0] >= 4, "step 4", 90)
     runner.run(["scancel", "--signal=USR1", "--batch", job_id])
+    # Slurm signals a batch step by job id alone: a late or retried delivery of that signal lands in the requeued
+    # run (seen once under load). Deliver one on purpose as soon as the requeued run starts, before its first step.
+    _wait(lambda: len([e for e in events.read(job_dir) if e["event"] == "start"]) == 2, "the requeued run", 90)
+    runner.run(["scancel", "--signal=USR1", "--batch", job_id])
     _wait(lambda: _state(runner, job_id) in ("COMPLETED", "FAILED", "GONE"), "the requeued job to end", 150)
     assert _state(runner, job_id) == "COMPLETED", (out / "job.out").read_text()[-3000:]
     recs = events.read(job_dir)
@@ -56,6 +61,8 @@ def test_warning_signal_requeues_and_the_job_finishes_in_its_next_run(healthy_sa
     assert decisions == [("requeue", "walltime"), ("done", "success")], (out / "job.out").read_text()[-3000:]
     starts = [e for e in recs if e["event"] == "start"]
     assert [s["requeues"] for s in starts] == [0, 1]
+    signals = [(e["meaning"], e.get("ignored", False)) for e in recs if e["event"] == "signal"]
+    assert signals == [("walltime warning", False), ("stale", True)]
     assert any(e["event"] == "persist" and e["done"] is False for e in recs)  # no persistent flush yet (agents)
     assert (out / "final.pt").exists()
 

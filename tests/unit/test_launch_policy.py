@@ -4,7 +4,7 @@ import pytest
 from hpcft import events
 from hpcft.launch.layout import Layout
 from hpcft.launch.policy import (EXIT_GAVE_UP, EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUED, Action, Event, Kind, State,
-                                 decide, record)
+                                 decide, record, stale_signal)
 
 NOW = 1_000_000.0
 LAYOUT = Layout.plan(["n1", "n2", "n3", "n4", "n5"], spares=1)
@@ -61,6 +61,20 @@ def test_walltime_signal_and_lost_allocation_requeue():
     assert decide(Event(Kind.WALLTIME), state(), NOW).action is Action.REQUEUE
     assert decide(Event(Kind.ALLOCATION_LOST), state(), NOW).action is Action.REQUEUE
     assert decide(Event(Kind.WALLTIME), state(requeue_allowed=False), NOW).exit_code == EXIT_NO_REQUEUE
+
+
+@pytest.mark.parametrize("requeued_run,progressed,time_left,stale", [
+    (True, False, 3000.0, True),    # the previous run's signal, delivered late into the requeued run
+    (True, False, None, True),      # unlimited walltime: never a walltime warning
+    (True, False, 20.0, False),     # walltime really short: a genuine warning, even before the first step
+    (True, True, 3000.0, False),    # the requeued run has made progress: a new request to requeue
+    (False, False, 3000.0, False),  # a first run never receives a previous run's signal
+])
+def test_usr1_is_ignored_only_when_it_cannot_be_for_this_run(requeued_run, progressed, time_left, stale):
+    why = stale_signal(requeued_run=requeued_run, progressed=progressed, time_left=time_left, margin=30.0)
+    assert (why is not None) is stale
+    if stale:
+        assert "requeued run" in why and "--requeue-margin 30" in why
 
 
 def test_stop_after_max_restarts_with_a_summary():
