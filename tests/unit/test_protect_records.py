@@ -1,0 +1,29 @@
+"""Record files: retired data files are recycled (their faulted-in pages reused), never left torn; the pace."""
+import pytest
+
+from hpcft.agent.protect import SPARE, record_slot, retire
+from hpcft.agent.throttle import pace
+from hpcft.errors import ConfigError
+
+
+def test_a_retired_record_file_becomes_the_next_pass_data_file(tmp_path):
+    for step in (1, 2, 3):
+        (tmp_path / f"step-{step}.json").write_text("{}")
+        (tmp_path / f"step-{step}.data").write_bytes(bytes([step]) * 4096)
+        (tmp_path / f"step-{step}.data").chmod(0o600)  # as the store creates them
+    (tmp_path / "step-9.data").write_bytes(b"x")  # a dead pass's data without a record
+    retire(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        SPARE, "step-2.data", "step-2.json", "step-3.data", "step-3.json"]
+    slot = record_slot(tmp_path, 4)
+    try:
+        assert slot.size == 4096 and not (tmp_path / SPARE).exists()
+    finally:
+        slot.close()
+    assert (tmp_path / "step-4.data").exists()
+
+
+def test_pace_spreads_a_pass_over_most_of_the_interval():
+    assert pace(800e6, 2.0) == pytest.approx(500e6)
+    with pytest.raises(ConfigError, match="seconds > 0"):
+        pace(1e6, 0)
