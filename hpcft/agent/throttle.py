@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from hpcft.errors import ConfigError
+
 
 class Throttle:
     """Token bucket: `take(n)` sleeps until n bytes fit under `rate` bytes/s (burst `burst` bytes).
@@ -26,3 +28,11 @@ class Throttle:
         self._last = now
         if self._tokens < 0:
             self._sleep(-self._tokens / self.rate)
+
+
+def pace(nbytes: float, seconds: float, fill: float = 0.8) -> float:
+    """The cap that spreads `nbytes` of paced work (checksums + sends of one protect pass) over `fill` of an
+    interval of `seconds` (the snapshot interval): protection finishes before the next snapshot without bursts."""
+    if nbytes <= 0 or seconds <= 0 or not 0 < fill <= 1:
+        raise ConfigError(f"pace needs bytes > 0, seconds > 0, 0 < fill <= 1 (got {nbytes}, {seconds}, {fill})")
+    return nbytes / (fill * seconds)

@@ -91,12 +91,18 @@ def restore(params: int, warmup: int, threads: int, root: str | None, as_json: b
               help="Bytes of each node's snapshot for the encode/traffic/rebuild figures.")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True,
               help="Measured training steps per variant (with / without protection).")
-@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between protection rounds.")
+@click.option("--interval", type=float, default=None,
+              help="Seconds between protection rounds [default: the measured step time: a snapshot every step].")
+@click.option("--rate", type=float, default=None,
+              help="Agents' bytes/s cap [default: spread one pass over 80% of the interval]; 0 for none.")
+@click.option("--nice", type=click.IntRange(0, 19), default=10, show_default=True, help="Agents' CPU priority increment.")
+@click.option("--scheme", "schemes", multiple=True, type=click.Choice(["xor", "partner", "rs"]),
+              help="Schemes to measure (repeatable) [default: all].")
 def protect(params: int, warmup: int, threads: int, root: str | None, as_json: bool, state_bytes: int, steps: int,
-            interval: float) -> None:
+            interval: float | None, rate: float | None, nice: int, schemes: tuple[str, ...]) -> None:
     """Cross-node protection per scheme: encode vs memcpy, bytes sent/stored vs state, rebuild time, step overhead."""
     from hpcft.bench.protect import ProtectOptions, run
 
     opts = ProtectOptions(params=params, state_bytes=state_bytes, steps=steps, warmup=warmup, threads=threads,
-                          interval=interval, root=root)
+                          interval=interval, rate=rate, nice=nice, schemes=schemes, root=root)
     _run(as_json, lambda: run(opts))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -26,7 +27,8 @@ from hpcft.agent.bundle import Bundle, complete_steps
 from hpcft.agent.codec import codec_for
 from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.protect import records
-from hpcft.agent.stripes import encode_set, partner_copies
+from hpcft.agent.stripes import encode_set, parity_bytes, partner_copies, piece_bytes
+from hpcft.agent.throttle import pace
 from hpcft.bench.harness import Memcpy, Report, Variant, run_interleaved, scratch, set_threads
 from hpcft.errors import HpcftError
 from hpcft.store import RankStore, crc32c, job_dir
@@ -44,7 +46,10 @@ class ProtectOptions:
     steps: int
     warmup: int
     threads: int
-    interval: float
+    interval: float | None = None  # seconds between agent rounds; None: the measured step time (a snapshot a step)
+    rate: float | None = None      # bytes/s cap; None: `pace` over the interval; 0: no cap
+    nice: int = 10
+    schemes: tuple[str, ...] = ()  # names from SCHEMES; empty: all
     root: str | None = None
 
 
@@ -82,20 +87,27 @@ def _finish(procs: list[subprocess.Popen], what: str) -> None:
 
 
 class Encode(Variant):
-    """The encode work of one protect pass of the whole set (every holder's parity, or every partner copy)."""
+    """The encode work of one protect pass of the whole set (every holder's parity, or every partner copy), into
+    preallocated, pre-faulted buffers as the agent's record files are (no page faults, no allocation)."""
 
     name, label = "encode", "encode"
 
     def __init__(self, scheme: Scheme, payloads: list[np.ndarray]) -> None:
         self.scheme, self.payloads = scheme, payloads
         self.placement = plan(NODES, scheme)
+        if scheme.name == "partner":
+            self.out = [np.ones(max(p.size for p in payloads), dtype=np.uint8) for _ in payloads]
+        else:
+            pset = self.placement.sets[0]
+            self.codec = codec_for(scheme.name, pset.size, pset.losses)
+            nbytes = piece_bytes(max(p.size for p in payloads), pset)
+            self.out = [np.ones(parity_bytes(pset, pos, nbytes), dtype=np.uint8) for pos in range(pset.size)]
 
     def run_once(self, index: int) -> None:
         if self.scheme.name == "partner":
-            partner_copies(self.placement, self.payloads)
+            partner_copies(self.placement, self.payloads, self.out)
         else:
-            pset = self.placement.sets[0]
-            encode_set(pset, self.payloads, codec_for(self.scheme.name, pset.size, pset.losses))
+            encode_set(self.placement.sets[0], self.payloads, self.codec, self.out)
 
 
 class Train(Variant):
@@ -117,8 +129,33 @@ class Train(Variant):
         self.ckpt.wait()
 
 
-def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> tuple[float, int]:
-    """Median step time with protection running over the same without, minus 1; and steps protected."""
+@dataclass(frozen=True)
+class Overhead:
+    """What protection running next to a trainer cost it, and what one protect pass of its snapshot costs."""
+    overhead: float
+    mean_overhead: float
+    cpu_overhead: float
+    step_s: float
+    step_cpu_s: float
+    rate: float | None
+    interval: float
+    protect_s: float | None
+    agent_cpu_s: float | None
+    protected: int
+    stale: int
+    snapshot_bytes: int
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
+    """Median step time with protection running over the same with the agents stopped, minus 1; then, with the
+    agents running freely (at their cap and priority), the wall time of one protect pass of a training snapshot
+    and the CPU time one agent spends on it."""
     from hpcft.bench.model import Trainer, config_for_params
     from hpcft.checkpointer import Checkpointer
 
@@ -129,29 +166,70 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> tuple[float, 
     shared.mkdir(mode=0o700)
     job_secret.create(shared)
     trainer = Trainer(config_for_params(opts.params))
-    trainer.step()
     ckpt = Checkpointer(trainer.model, trainer.optimizer, every=1, keep=2, root=str(roots[0]), job_id=JOB, auto=False)
     agents: list[subprocess.Popen] = []
+    plain = Train("plain", trainer, ckpt, [], False)
     try:
-        ckpt.step(trainer.steps_done)
-        ckpt.wait()
+        for _ in range(3):  # fill every store slot (keep + 1): their pages are faulted in once, as in a real run
+            plain.run_once(0)
+            plain.drain()
+        t0 = time.perf_counter()
+        for _ in range(2):
+            plain.run_once(0)
+            plain.drain()
+        step_s = (time.perf_counter() - t0) / 2
         rank_dir = next(job_dir(roots[0], JOB).glob("rank-*"))
-        for r in roots[1:]:  # every node's agent protects this trainer's snapshots as its own
+        complete = complete_steps(job_dir(roots[0], JOB))
+        newest = Bundle(max(complete), complete[max(complete)])
+        snapshot_bytes = newest.size
+        newest.close()
+        for r in roots[1:]:  # the other nodes' agents protect this trainer's snapshots as their own
             j = job_dir(r, JOB)
             j.mkdir(mode=0o700)
             (j / rank_dir.name).symlink_to(rank_dir)
-        agents = _agents(roots, shared, scheme, "train", "--rounds", "0", "--interval", str(opts.interval))
+        interval = opts.interval if opts.interval is not None else step_s
+        # checksums + sends go through the throttle; a pass must end within one snapshot interval of the trainer
+        # whatever the agents' interval, or the store reuses the slot under it (keep=2: event protect_stale)
+        per_pass = snapshot_bytes * (1 + _sent_over_state(scheme))
+        rate = pace(per_pass, step_s) if opts.rate is None else (opts.rate or None)
+        extra = ["--rounds", "0", "--interval", str(interval), "--nice", str(opts.nice)]
+        agents = _agents(roots, shared, scheme, "train", *extra, *(["--rate", str(rate)] if rate else []))
         with_p, without = Train("with_protection", trainer, ckpt, agents, True), Train("without", trainer, ckpt, agents, False)
         timings = run_interleaved([without, with_p], opts.steps, opts.warmup, block=2)
         for p in agents:
             os.kill(p.pid, signal.SIGCONT)
-        protected = sum(1 for e in events.read(shared / "events") if e["event"] == "snapshot_protected")
-        return timings.median("with_protection") / timings.median("without") - 1.0, protected
+        seen = len(events.read(shared / "events"))
+        free = Train("free", trainer, ckpt, agents, True)
+        cpu0 = [_cpu_s(p.pid) for p in agents]
+        deadline = time.monotonic() + max(60.0, 20 * interval)
+        passes: list[dict] = []
+        slot0: list[float] = []
+        while len(slot0) < 2 and time.monotonic() < deadline:  # the first may have begun while stopped
+            free.run_once(0)
+            free.drain()
+            passes = [e for e in events.read(shared / "events")[seen:] if e["event"] == "snapshot_protected"]
+            slot0 = [e["seconds"] for e in passes if e.get("slot") == 0]
+        cpu = sum(_cpu_s(p.pid) for p in agents) - sum(cpu0)
+        every = events.read(shared / "events")
+        mean = {v: statistics.mean(timings.samples[v]) for v in ("with_protection", "without")}
+        return Overhead(overhead=timings.median("with_protection") / timings.median("without") - 1.0,
+                        mean_overhead=mean["with_protection"] / mean["without"] - 1.0,
+                        cpu_overhead=timings.cpu_median("with_protection") / timings.cpu_median("without") - 1.0,
+                        step_s=timings.median("without"), step_cpu_s=timings.cpu_median("without"), rate=rate, interval=interval,
+                        protect_s=slot0[-1] if len(slot0) >= 2 else None,
+                        agent_cpu_s=cpu / len(passes) if passes else None,  # per agent per pass (passes: all slots)
+                        protected=sum(1 for e in every if e["event"] == "snapshot_protected" and e.get("slot") == 0),
+                        stale=sum(1 for e in every if e["event"] == "protect_stale" and e.get("slot") == 0),
+                        snapshot_bytes=snapshot_bytes)
     finally:
         for p in agents:
             p.kill()
             p.wait()
         ckpt.close()
+
+
+def _sent_over_state(scheme: Scheme) -> float:
+    return {"partner": 1.0, "xor": 1.0}.get(scheme.name, float(scheme.losses))
 
 
 def _scheme_record(opts: ProtectOptions, scheme: Scheme, base: Path) -> dict:
@@ -176,7 +254,8 @@ def _scheme_record(opts: ProtectOptions, scheme: Scheme, base: Path) -> dict:
     spare.mkdir()
     _finish(_agents([roots[0], spare, *roots[2:]], shared, scheme, "r", "--rebuild"), "rebuild")
     done = [e for e in events.read(shared / "events") if e["event"] == "rebuild_done" and e.get("here")]
-    overhead, protected = _overhead(opts, scheme, base)
+    idle = [e["seconds"] for e in events.read(shared / "events") if e["event"] == "snapshot_protected"]
+    ov = _overhead(opts, scheme, base)
     return {
         "scheme": scheme.name, "group": scheme.group if scheme.name != "partner" else 2,
         "losses": scheme.tolerated, "state_bytes": int(state),
@@ -187,8 +266,20 @@ def _scheme_record(opts: ProtectOptions, scheme: Scheme, base: Path) -> dict:
         "expected_over_state": scheme.stored_over_state(),
         "expected_sent_over_state": {"partner": 1.0, "xor": 1.0}.get(scheme.name, float(scheme.losses)),
         "rebuild_s": done[0]["seconds"] if done else None,
-        "overhead_with_protection": overhead,
-        "protect_passes_during_training": protected,
+        "protect_pass_s_uncapped": max(idle) if idle else None,
+        "overhead_with_protection": ov.overhead,
+        "mean_overhead_with_protection": ov.mean_overhead,
+        "cpu_overhead_with_protection": ov.cpu_overhead,
+        "step_s": ov.step_s,
+        "snapshot_bytes": ov.snapshot_bytes,
+        "rate_bytes_per_s": ov.rate,
+        "interval_s": ov.interval,
+        "protect_s_per_snapshot": ov.protect_s,
+        "agent_cpu_s_per_snapshot": ov.agent_cpu_s,
+        "step_cpu_s": ov.step_cpu_s,
+        "agent_cpu_over_trainer_cpu": ov.agent_cpu_s / ov.step_cpu_s if ov.agent_cpu_s else None,
+        "protect_passes_during_training": ov.protected,
+        "protect_stale_during_training": ov.stale,
     }
 
 
@@ -197,7 +288,7 @@ def run(opts: ProtectOptions) -> Report:
     set_threads(opts.threads)
     report = Report("protect")
     out = []
-    for scheme in SCHEMES:
+    for scheme in [x for x in SCHEMES if not opts.schemes or x.name in opts.schemes]:
         with scratch(opts.root) as where:
             rec = _scheme_record(opts, scheme, where.shm)
         out.append(rec)
@@ -208,8 +299,17 @@ def run(opts: ProtectOptions) -> Report:
         report.add(f"{s}_sent_per_node_over_state", rec["sent_per_node_over_state"], "x", f"{s}: sent per node ÷ state")
         report.add(f"{s}_rebuild_s", rec["rebuild_s"], "s", f"{s}: rebuild of one node")
         report.add(f"{s}_overhead_with_protection", rec["overhead_with_protection"], "%",
-                   f"{s}: step time, protection running vs stopped")
+                   f"{s}: step time, protection running (capped, niced) vs stopped")
+        report.add(f"{s}_protect_s_per_snapshot", rec["protect_s_per_snapshot"], "s",
+                   f"{s}: one protect pass of a training snapshot (cap {_rate(rec['rate_bytes_per_s'])})")
+        report.add(f"{s}_agent_cpu_over_trainer_cpu", rec["agent_cpu_over_trainer_cpu"], "%",
+                   f"{s}: one node's agent CPU per snapshot ÷ trainer core-seconds per step")
     report.note("schemes", out)
     report.note("config", {"nodes": NODES, "state_bytes": opts.state_bytes, "params": opts.params, "steps": opts.steps,
-                           "interval_s": opts.interval, "threads": opts.threads})
+                           "interval_s": opts.interval, "rate": opts.rate, "nice": opts.nice, "threads": opts.threads,
+                           "agents_on_this_machine": NODES})
     return report
+
+
+def _rate(rate: float | None) -> str:
+    return "none" if not rate else f"{rate / 1e6:.0f} MB/s"
