@@ -75,6 +75,7 @@ class Supervisor:
         self._wake = threading.Event()
         self._started = time.time()
         self._requeued_run = False
+        self._background: list[subprocess.Popen] = []  # step kills still retrying (see _stop_step)
 
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -243,21 +244,28 @@ class Supervisor:
         return bad
 
     def _stop_step(self, proc: subprocess.Popen) -> None:
-        """SIGTERM to srun (forwarded to the tasks), then after --kill-grace SIGKILL the step and srun."""
+        """SIGTERM to srun (forwarded to the tasks), then after --kill-grace SIGKILL srun and the step's tasks.
+
+        The step's `scancel --signal=KILL` is not waited for: once srun has asked Slurm to end the step, the step
+        is "in a transitional state" and scancel retries every 5+ s — the relaunch must not wait on that."""
+        started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=self.cfg.kill_grace)
             return
         except subprocess.TimeoutExpired:
             pass
+        proc.kill()
         steps = self.runner.run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False).stdout
         for line in steps.splitlines():
             step_id, _, name = line.strip().partition(" ")
             if name == TRAIN_STEP_NAME:
-                self.runner.run(["scancel", "--signal=KILL", step_id], check=False)
-        proc.kill()
+                self._background.append(self.runner.popen(["scancel", "--signal=KILL", step_id],
+                                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         proc.wait()
-        self.emit("step_killed", level=logging.WARNING, grace=self.cfg.kill_grace)
+        self._background = [p for p in self._background if p.poll() is None]
+        self.emit("step_killed", level=logging.WARNING, grace=self.cfg.kill_grace,
+                  seconds=round(time.monotonic() - started, 3))
 
 
 def _tee(stream, lines: list[str]) -> None:
