@@ -1,0 +1,319 @@
+"""`hpcft bench recovery`: time from a fault to the first completed training step after it, in the sandbox.
+
+Three runs of the same 4-rank DP job (hpcft/bench/recovery_job.py, 4 active + 2 spare nodes):
+- rank kill: `hpcft run`, one trainer SIGKILLed mid-run → relaunch on the same nodes, restore from node memory;
+- node crash: `hpcft run`, a node's slurmd, steps and /dev/shm killed → a spare takes its slot; timed also from
+  the moment Slurm marks the node bad (polled with scontrol);
+- baseline: a plain batch job that `torch.save`s every step, one rank killed, the batch script `scontrol
+  requeue`s the job, and the next run `torch.load`s the checkpoint.
+Each total is split into consecutive phases: detection (fault → the supervisor's decision, or → the baseline's
+requeue), relaunch (→ every rank is ready to restore: srun, Python + torch import, process group, model,
+optimizer and Checkpointer built), restore (→ every rank has restored) and first step (→ every rank has completed its first step). Times come from the
+supervisor's events (<job dir>/events.jsonl) and the job's own timeline; all processes share one clock.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcft import events
+from hpcft.bench.harness import Report
+from hpcft.errors import ConfigError, HpcftError
+from hpcft.launch import slurmstate
+
+_log = logging.getLogger(__name__)
+JOB = Path(__file__).with_name("recovery_job.py")
+ACTIVE, SPARES, VICTIM_RANK = 4, 2, 2
+TARGETS = {"rank_kill_s": 10.0, "node_crash_s": 15.0, "restore_share": 0.10}
+
+
+@dataclass(frozen=True)
+class RecoveryOptions:
+    dir: str | None = None          # a running sandbox with >= 6 nodes; None: start one, stop it afterwards
+    steps: int = 30                 # training steps of each run
+    fault_at: int = 8               # the fault comes once every rank has completed this step
+    step_delay: float = 0.2         # seconds of sleep after each step (a steady, known step rate)
+    width: int = 1024               # model: `layers` square Linear layers of this width (+ AdamW state)
+    layers: int = 4
+    poll_interval: float = 0.5      # hpcft run's options for the faulted runs
+    probe_timeout: float = 5.0
+    kill_grace: float = 1.0
+    timeout: float = 300.0          # per run
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fault_at < self.steps - 1:
+            raise ConfigError(f"--fault-at must be between 1 and --steps - 2 (got {self.fault_at}, steps {self.steps})")
+        if self.width < 1 or self.layers < 1:
+            raise ConfigError(f"--width and --layers must be positive (got {self.width}, {self.layers})")
+
+
+# ---------------------------------------------------------------- the sandbox and the runs
+
+@contextlib.contextmanager
+def _sandbox(directory: str | None) -> Iterator[Any]:
+    """The sandbox at `directory` (must be up), or a fresh 6-node one in a temp dir, stopped afterwards."""
+    from hpcft.sandbox import Sandbox, SandboxConfig
+    from hpcft.sandbox.cluster import ensure_up
+
+    if directory:
+        sb = Sandbox.load(directory)
+        if not sb.is_up():
+            raise ConfigError(f"no sandbox running in {directory}; start one with `hpcft sandbox up` or omit --dir")
+        if len(sb.node_names) < ACTIVE + SPARES:
+            raise ConfigError(f"the sandbox in {directory} has {len(sb.node_names)} nodes; the bench needs "
+                              f"{ACTIVE + SPARES} (`hpcft sandbox up --nodes {ACTIVE + SPARES}`)")
+        yield sb
+        return
+    own = Path(tempfile.mkdtemp(prefix="hpcft-bench-sandbox-"))
+    sb, _ = ensure_up(SandboxConfig(dir=own, nodes=ACTIVE + SPARES), timeout=60)
+    try:
+        yield sb
+    finally:
+        sb.down()
+        shutil.rmtree(own, ignore_errors=True)
+
+
+def _job_env(opts: RecoveryOptions, out: Path, **extra: str) -> dict[str, str]:
+    return {"OUT": str(out), "STEPS": str(opts.steps), "STEP_DELAY": str(opts.step_delay), "WIDTH": str(opts.width),
+            "LAYERS": str(opts.layers), "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _timeline(out: Path) -> list[dict]:
+    path = out / "timeline.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _wait(predicate, what: str, timeout: float, proc: subprocess.Popen | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            raise HpcftError(f"the job ended (exit status {proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise HpcftError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _victim(out: Path, opts: RecoveryOptions, run: str) -> int | None:
+    """The pid of rank VICTIM_RANK in `run` once every rank has completed step `fault_at`."""
+    recs = [r for r in _timeline(out) if r["run"] == run]
+    done = {r["rank"] for r in recs if r["what"] == "step" and r["step"] >= opts.fault_at}
+    if len(done) < ACTIVE:
+        return None
+    return next((r["pid"] for r in recs if r["what"] == "start" and r["rank"] == VICTIM_RANK), None)
+
+
+def _supervised(sb, opts: RecoveryOptions, out: Path) -> subprocess.Popen:
+    """`salloc -N6 --no-kill hpcft run --spares 2 … -- python recovery_job.py` in the sandbox."""
+    out.mkdir(parents=True, exist_ok=True)
+    argv = ["salloc", f"-N{ACTIVE + SPARES}", "--no-kill", "-t", "15", sys.executable, "-m", "hpcft.cli", "run",
+            "--spares", str(SPARES), "--job-dir", str(out / "job"), "--poll-interval", str(opts.poll_interval),
+            "--kill-grace", str(opts.kill_grace), "--probe-timeout", str(opts.probe_timeout), "--requeue-margin", "30",
+            "--", sys.executable, str(JOB)]
+    return sb.runner().popen(argv, env=_job_env(opts, out), stdout=open(out / "run.log", "ab"),
+                             stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen, out: Path, timeout: float) -> None:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise HpcftError(f"the run in {out} did not finish within {timeout:g} s; see {out / 'run.log'}") from None
+    if code != 0:
+        tail = (out / "run.log").read_text(errors="replace")[-3000:]
+        raise HpcftError(f"the run in {out} ended with exit status {code}:\n{tail}")
+
+
+# ---------------------------------------------------------------- phases
+
+def phases(timeline: list[dict], run: str, fault: float, decided: float) -> dict[str, float]:
+    """Consecutive phases of one recovery (seconds), from the fault to the first step every rank of `run`
+    completed; plus the parts of the relaunch (srun start, imports, process group) and the step resumed from."""
+    recs = [r for r in timeline if r["run"] == run]
+
+    def per_rank(what: str) -> dict[int, dict]:
+        first: dict[int, dict] = {}
+        for r in recs:
+            if r["what"] == what and r["rank"] not in first:
+                first[r["rank"]] = r
+        if len(first) < ACTIVE:
+            raise HpcftError(f"run {run} recorded {what!r} for ranks {sorted(first)} only")
+        return first
+
+    start, imported, init, built, restored = (per_rank(w) for w in ("start", "imported", "init", "built", "restored"))
+    steps = [r for r in recs if r["what"] == "step"]
+    first_step = {}
+    for r in steps:
+        first_step.setdefault(r["rank"], r)
+    if len(first_step) < ACTIVE:
+        raise HpcftError(f"run {run} completed no step on ranks {sorted(set(range(ACTIVE)) - set(first_step))}")
+    t_built = max(r["t"] for r in built.values())
+    t_restored = max(r["t"] for r in restored.values())
+    t_step = max(r["t"] for r in first_step.values())
+    return {
+        "total_s": t_step - fault,
+        "detection_s": decided - fault,
+        "relaunch_s": t_built - decided,
+        "restore_s": t_restored - t_built,
+        "first_step_s": t_step - t_restored,
+        "relaunch_srun_s": min(r["t"] for r in start.values()) - decided,
+        "relaunch_import_s": max(imported[k]["t"] - start[k]["t"] for k in start),
+        "relaunch_init_s": max(init[k]["t"] - imported[k]["t"] for k in start),
+        "relaunch_build_s": max(built[k]["t"] - init[k]["t"] for k in start),
+        "restore_rank_max_s": max(restored[k]["t"] - built[k]["t"] for k in start),
+        "resumed_from": min(r["step"] for r in restored.values()),
+    }
+
+
+def _decided(job_dir: Path, after: float) -> float:
+    found = [e["time"] for e in events.read(job_dir) if e["event"] == "decision" and e["time"] >= after]
+    if not found:
+        raise HpcftError(f"no supervisor decision after the fault in {job_dir / 'events.jsonl'}")
+    return min(found)
+
+
+# ---------------------------------------------------------------- the three scenarios
+
+def rank_kill(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
+    proc = _supervised(sb, opts, out)
+    pid = _wait(lambda: _victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout, proc)
+    fault = time.time()
+    os.kill(pid, signal.SIGKILL)
+    _finish(proc, out, opts.timeout)
+    return phases(_timeline(out), "0.1", fault, _decided(out / "job", fault))
+
+
+def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
+    proc = _supervised(sb, opts, out)
+    _wait(lambda: _victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout, proc)
+    node = f"n{VICTIM_RANK + 1}"  # slot i of the 6-node allocation n1..n6 is node n{i+1}
+    down: dict[str, float] = {}
+    stop = threading.Event()
+
+    def watch_state() -> None:
+        runner = sb.runner(timeout=10)
+        while not stop.is_set():
+            try:
+                state = slurmstate.node_states(runner, [node]).get(node, "")
+            except HpcftError:
+                state = ""
+            if slurmstate.is_bad(state):
+                down.setdefault("t", time.time())
+                down.setdefault("state", state)
+                return
+            stop.wait(0.2)
+
+    fault = time.time()
+    sb.crash_node(node)
+    watcher = threading.Thread(target=watch_state, daemon=True)
+    watcher.start()
+    try:
+        _finish(proc, out, opts.timeout)
+        watcher.join(timeout=60)
+    finally:
+        stop.set()
+    result = phases(_timeline(out), "0.1", fault, _decided(out / "job", fault))
+    if "t" not in down:
+        raise HpcftError(f"Slurm did not mark {node} bad within 60 s of the job's end")
+    result["slurm_marked_down_s"] = down["t"] - fault
+    result["slurm_state"] = down["state"]
+    result["from_marked_down_s"] = result["total_s"] - result["slurm_marked_down_s"]
+    return result
+
+
+BASELINE_SCRIPT = """#!/bin/bash
+#SBATCH -N{nodes} --requeue -t 15 --open-mode=append -o {out}/slurm-%j.out
+srun --kill-on-bad-exit=1 {python} {job}
+rc=$?
+if [ $rc -ne 0 ]; then
+  printf '{{"what": "requeue", "t": %s, "run": "%s.0", "rank": -1, "pid": 0}}\\n' "$(date +%s.%N)" \\
+    "${{SLURM_RESTART_COUNT:-0}}" >> {out}/timeline.jsonl
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit $rc
+"""
+
+
+def baseline(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
+    """torch.save every step, a killed rank, `scontrol requeue` from the batch script, torch.load on restart."""
+    out.mkdir(parents=True, exist_ok=True)
+    runner = sb.runner()
+    script = BASELINE_SCRIPT.format(nodes=ACTIVE, out=out, python=sys.executable, job=JOB)
+    job = runner.run(["sbatch", "--parsable"], input=script, env=_job_env(opts, out, CKPT="disk")).stdout.strip()
+    job = job.split(";")[0]
+    try:
+        pid = _wait(lambda: _victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout)
+        fault = time.time()
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: slurm_done(runner, job), "the requeued baseline job to end", opts.timeout)
+    finally:
+        runner.run(["scancel", job], check=False)
+    tl = _timeline(out)
+    requeued = [r["t"] for r in tl if r["what"] == "requeue" and r["t"] >= fault]
+    if not requeued:
+        raise HpcftError(f"the baseline job did not requeue itself; see {out}")
+    return phases(tl, "1.0", fault, min(requeued))
+
+
+def slurm_done(runner, job: str) -> bool:
+    """True once the job has ended for good (not pending, running or requeued)."""
+    line = runner.run(["scontrol", "show", "job", "-o", job], check=False).stdout
+    state = slurmstate.fields(line).get("JobState", "GONE")
+    return state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "GONE")
+
+
+# ---------------------------------------------------------------- the report
+
+def run(opts: RecoveryOptions) -> Report:
+    """Run the three scenarios in one sandbox and report totals, phases and the targets."""
+    work = Path(tempfile.mkdtemp(prefix="hpcft-bench-recovery-"))
+    os.chmod(work, 0o755)
+    try:
+        with _sandbox(opts.dir) as sb:
+            sb.heal()
+            try:
+                kill = rank_kill(sb, opts, work / "rank-kill")
+                crash = node_crash(sb, opts, work / "node-crash")
+                base = baseline(sb, opts, work / "baseline")  # 4 of the 5 nodes left: no need to wait for the 6th
+            finally:
+                sb.heal()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report = Report("recovery")
+    share = kill["restore_s"] / kill["total_s"]
+    report.add("rank_kill_s", kill["total_s"], "s", "rank kill: fault -> first step after it")
+    report.add("node_crash_s", crash["from_marked_down_s"], "s", "node crash: Slurm marks node bad -> first step")
+    report.add("node_crash_from_fault_s", crash["total_s"], "s", "node crash: crash -> first step")
+    report.add("restore_share", share, "", "rank kill: restore / total")
+    report.add("baseline_s", base["total_s"], "s", "baseline (torch.save, requeue, torch.load)")
+    report.add("baseline_over_rank_kill", base["total_s"] / kill["total_s"], "x", "baseline / rank kill")
+    for name, ph in (("rank_kill", kill), ("node_crash", crash), ("baseline", base)):
+        for phase in ("detection_s", "relaunch_s", "restore_s", "first_step_s"):
+            report.add(f"{name}_{phase}", ph[phase], "s", f"  {name.replace('_', ' ')}: {phase[:-2].replace('_', ' ')}")
+    report.note("phases", {"rank_kill": kill, "node_crash": crash, "baseline": base})
+    report.note("targets", TARGETS)
+    report.note("met", {"rank_kill_s": kill["total_s"] <= TARGETS["rank_kill_s"],
+                        "node_crash_s": crash["from_marked_down_s"] <= TARGETS["node_crash_s"],
+                        "restore_share": share <= TARGETS["restore_share"]})
+    report.note("config", {**asdict(opts), "params": opts.layers * (opts.width * opts.width + opts.width),
+                           "ranks": ACTIVE, "spares": SPARES})
+    return report

@@ -1,0 +1,30 @@
+"""`hpcft bench recovery --json` in the sandbox with a tiny model: one JSON object on stdout with every figure,
+each recovery split into phases that add up to its total."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.sandbox
+
+KEYS = {"rank_kill_s", "node_crash_s", "node_crash_from_fault_s", "restore_share", "baseline_s", "phases", "targets",
+        "met", "config"}
+
+
+def test_recovery_bench_reports_every_figure_as_json(healthy_sandbox):
+    argv = [sys.executable, "-m", "hpcft.cli", "bench", "recovery", "--json", "--dir", str(healthy_sandbox.dir),
+            "--steps", "5", "--fault-at", "2", "--step-delay", "0.05", "--width", "32", "--layers", "1"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout)
+    assert KEYS <= report.keys() and report["bench"] == "recovery"
+    assert "rank kill" in done.stderr  # the human table goes to stderr with --json
+    for name in ("rank_kill", "node_crash", "baseline"):
+        ph = report["phases"][name]
+        parts = ph["detection_s"] + ph["relaunch_s"] + ph["restore_s"] + ph["first_step_s"]
+        assert parts == pytest.approx(ph["total_s"], abs=1e-6)
+        assert ph["detection_s"] > 0 and ph["first_step_s"] > 0
+    assert report["phases"]["rank_kill"]["resumed_from"] >= 2  # from node memory, after the fault step
+    assert report["phases"]["baseline"]["resumed_from"] >= 2    # from the torch.save checkpoint
+    assert 0 <= report["restore_share"] < 1
