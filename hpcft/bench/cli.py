@@ -106,3 +106,24 @@ def protect(params: int, warmup: int, threads: int, root: str | None, as_json: b
     opts = ProtectOptions(params=params, state_bytes=state_bytes, steps=steps, warmup=warmup, threads=threads,
                           interval=interval, rate=rate, nice=nice, schemes=schemes, root=root)
     _run(as_json, lambda: run(opts))
+
+
+@bench.command()
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="A running sandbox with 6 nodes (default: start one in a temp dir, stop it afterwards).")
+@click.option("--steps", type=click.IntRange(min=3), default=30, show_default=True, help="Training steps per run.")
+@click.option("--fault-at", type=click.IntRange(min=1), default=8, show_default=True,
+              help="The fault comes once every rank has completed this step.")
+@click.option("--step-delay", type=float, default=0.2, show_default=True, help="Seconds of sleep after each step.")
+@click.option("--width", type=click.IntRange(min=1), default=1024, show_default=True, help="Model width.")
+@click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True, help="Linear layers.")
+@click.option("--poll-interval", type=float, default=0.5, show_default=True, help="hpcft run --poll-interval.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout; the table goes to stderr.")
+def recovery(directory: str | None, steps: int, fault_at: int, step_delay: float, width: int, layers: int,
+             poll_interval: float, as_json: bool) -> None:
+    """Fault → first step after it, in the sandbox: rank kill, node crash, and a torch.save + requeue baseline."""
+    from hpcft.bench.recovery import RecoveryOptions, run
+
+    opts = RecoveryOptions(dir=directory, steps=steps, fault_at=fault_at, step_delay=step_delay, width=width,
+                           layers=layers, poll_interval=poll_interval)
+    _run(as_json, lambda: run(opts))
