@@ -94,7 +94,7 @@ def restore(params: int, warmup: int, threads: int, root: str | None, as_json: b
 @click.option("--interval", type=float, default=None,
               help="Seconds between protection rounds [default: the measured step time: a snapshot every step].")
 @click.option("--rate", type=float, default=None,
-              help="Agents' bytes/s cap [default: spread one pass over 80% of the interval]; 0 for none.")
+              help="Agents' bytes/s cap [default: spread one pass over 80% of a measured step]; 0 for none.")
 @click.option("--nice", type=click.IntRange(0, 19), default=10, show_default=True, help="Agents' CPU priority increment.")
 @click.option("--scheme", "schemes", multiple=True, type=click.Choice(["xor", "partner", "rs"]),
               help="Schemes to measure (repeatable) [default: all].")
