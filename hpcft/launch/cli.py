@@ -25,6 +25,14 @@ def _run_options(f):
         click.option("--job-dir", default=None, help="Events, decisions, progress (default ./hpcft-<job id>)."),
         click.option("--srun-args", default=None, help="Extra srun options for the trainer step (one string)."),
         click.option("--probe-timeout", type=float, default=None, help="Seconds a node health probe may take."),
+        click.option("--protect", type=click.Choice(list(config.PROTECT_SCHEMES)), default=None,
+                     help="Node agents' in-memory protection scheme (none: no agents; default none)."),
+        click.option("--group", type=int, default=None, help="Protection set size (xor, rs; default 4)."),
+        click.option("--losses", type=int, default=None, help="Node losses tolerated per set (rs; default 1)."),
+        click.option("--distance", type=int, default=None, help="Partner distance in slots (partner; default 1)."),
+        click.option("--protect-rate", type=float, default=None, help="Bytes/s cap on protection traffic."),
+        click.option("--protect-timeout", type=float, default=None,
+                     help="Seconds the agents may take to be ready (rebuild included) before the trainers start."),
     ]
     for option in reversed(options):
         f = option(f)

@@ -22,7 +22,11 @@ class RunConfig:
     kill_grace: seconds between SIGTERM and SIGKILL of a step; requeue_margin: with less walltime left than
     this, persist and requeue instead of relaunching; requeue: allow `scontrol requeue` (else stop);
     job_dir: where events, decisions and progress go (default ./hpcft-<job id>); srun_args: extra srun
-    options for the trainer step; probe_timeout: seconds a node health probe may take.
+    options for the trainer step; probe_timeout: seconds a node health probe may take; protect: none |
+    partner | xor | rs, the node agents' protection scheme (none: no agents step); group, losses, distance:
+    its set size, tolerated losses per set (rs) and partner distance; protect_rate: bytes/s cap on protection
+    traffic (default: the agents' own); protect_timeout: seconds the agents may take to be ready (rebuild
+    included) before the launch counts as failed.
     """
 
     nodes: int | None = None
@@ -38,8 +42,20 @@ class RunConfig:
     job_dir: str | None = None
     srun_args: str = ""
     probe_timeout: float = 15.0
+    protect: str = "none"
+    group: int = 4
+    losses: int = 1
+    distance: int = 1
+    protect_rate: float | None = None
+    protect_timeout: float = 300.0
+
+    @property
+    def protected(self) -> bool:
+        """Whether node agents run next to the trainers."""
+        return self.protect != "none"
 
 
+PROTECT_SCHEMES = ("none", "partner", "xor", "rs")
 KEYS = tuple(f.name for f in fields(RunConfig))
 _TYPES = {f.name: f.type for f in fields(RunConfig)}
 
@@ -57,7 +73,7 @@ def _coerce(key: str, value: Any, where: str) -> Any:
             if isinstance(value, bool):
                 raise ValueError
             return int(value)
-        if kind in (float, "float"):
+        if kind in (float, "float", float | None, "float | None"):
             return float(value)
         if kind in (bool, "bool"):
             if isinstance(value, bool):
@@ -128,7 +144,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"tasks_per_node must be at least 1 (got {cfg.tasks_per_node})")
     if cfg.max_restarts < 0:
         raise ConfigError(f"max_restarts must be 0 or more (got {cfg.max_restarts})")
-    for key in ("hang_timeout", "kill_grace", "requeue_margin"):
+    for key in ("hang_timeout", "kill_grace", "requeue_margin", "protect_timeout"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key} must be 0 or more (got {getattr(cfg, key)})")
     if cfg.poll_interval <= 0 or cfg.probe_timeout <= 0:
@@ -136,3 +152,16 @@ def validate(cfg: RunConfig) -> None:
     from hpcft.launch import profiles
 
     profiles.get(cfg.profile)
+    if cfg.protect not in PROTECT_SCHEMES:
+        raise ConfigError(f"protect={cfg.protect!r} is not a protection scheme; choose one of {', '.join(PROTECT_SCHEMES)}")
+    if cfg.protect_rate is not None and cfg.protect_rate <= 0:
+        raise ConfigError(f"protect_rate must be positive bytes/s (got {cfg.protect_rate})")
+    if cfg.protected:
+        scheme(cfg)  # the agents' own checks (group, losses, distance), before anything is launched
+
+
+def scheme(cfg: RunConfig):
+    """The node agents' hpcft.agent.placement.Scheme for `cfg.protect` (ConfigError naming a bad value)."""
+    from hpcft.agent.placement import Scheme
+
+    return Scheme(cfg.protect, cfg.group, cfg.losses, cfg.distance)

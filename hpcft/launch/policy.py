@@ -25,6 +25,7 @@ class Kind(enum.Enum):
     HANG = "hang"                        # no completed step within --hang-timeout
     WALLTIME = "walltime"                # Slurm's warning signal (SIGUSR1 from --signal=B:USR1@T)
     ALLOCATION_LOST = "allocation_lost"  # too few nodes left in the allocation to form the layout at all
+    AGENT_FAILED = "agent_failed"        # a node agent failed or was not ready in time; its node answers
 
 
 class Action(enum.Enum):

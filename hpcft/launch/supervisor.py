@@ -2,6 +2,8 @@
 
 Watching means: the step's exit (with srun's per-task errors), the nodes of the active slots (scontrol, read
 fresh), training progress (hpcft/launch/progress.py) for --hang-timeout, and Slurm's warning signal SIGUSR1.
+With --protect, each launch first starts the node agents' step (hpcft/agent), waits until every agent is ready
+(after a node replacement: has rebuilt the lost snapshots onto the spare), and only then the trainers.
 State that must outlive a requeue (relaunch count, excluded nodes) is kept in <job dir>/state.json."""
 import getpass
 import json
@@ -17,9 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcft import events
-from hpcft.errors import ConfigError, SlurmError
+from hpcft.agent import secret as job_secret
+from hpcft.agent import status as agent_status
+from hpcft.agent.launch import AGENT_STEP_NAME, agent_argv
+from hpcft.errors import CheckpointError, ConfigError, NoCheckpointError, SlurmError
 from hpcft.launch import profiles, progress, slurmstate
-from hpcft.launch.config import RunConfig
+from hpcft.launch.config import RunConfig, scheme
 from hpcft.launch.layout import Layout
 from hpcft.launch.policy import Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.srun import TRAIN_STEP_NAME, probe_argv, step_env, trainer_argv
@@ -75,7 +80,9 @@ class Supervisor:
         self._wake = threading.Event()
         self._started = time.time()
         self._requeued_run = False
-        self._background: list[subprocess.Popen] = []  # step kills still retrying (see _stop_step)
+        self._background: list[subprocess.Popen] = []  # step kills still retrying (see _stop_steps)
+        self.rendezvous = self.job_dir / "agents"  # the agents' addresses and status files (shared filesystem)
+        self._protected_slots: tuple[str, ...] | None = None  # slots whose agents were last ready
 
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -108,6 +115,9 @@ class Supervisor:
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
                   profile=self.profile.name, job_dir=str(self.job_dir))
         self._requeued_run = saved.requeues > 0
+        if self.cfg.protected:
+            self.rendezvous.mkdir(exist_ok=True)
+            job_secret.create(self.job_dir)  # 0600; kept across relaunches and requeues
         while True:
             event = self._run_step(layout, saved.restarts + saved.requeues)
             if self._signal == signal.SIGTERM:
@@ -151,26 +161,112 @@ class Supervisor:
 
     # -- one step -----------------------------------------------------------------------------------------
     def _run_step(self, layout: Layout, restart_count: int) -> Event:
+        """One launch: the agents' step when protecting (and the wait for it), then the trainers' step, watched
+        until it ends or must be stopped; both steps are stopped together."""
         user = self.environ.get("USER") or getpass.getuser()
         env = step_env(layout, job_id=self.job_id, restart_count=restart_count, job_dir=str(self.job_dir),
                        profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id))
-        argv = trainer_argv(layout, self.profile, self.command, python=self.python, extra=self.cfg.srun_args)
-        self.emit("launch", restart=restart_count, slots=",".join(layout.slots), world=layout.world_size,
-                  master=f"{layout.master}:{env['MASTER_PORT']}")
-        launched = time.time()
-        proc = self.runner.popen(argv, env={**self.environ, **env}, stderr=subprocess.PIPE, text=True)
-        lines: list[str] = []
-        reader = threading.Thread(target=_tee, args=(proc.stderr, lines), daemon=True)
-        reader.start()
+        env = {**self.environ, **env}
+        agents: subprocess.Popen | None = None
+        proc: subprocess.Popen | None = None
         try:
-            event = self._watch(proc, layout, launched)
+            if self.cfg.protected:
+                agents, failure = self._start_agents(layout, restart_count, env)
+                if failure is not None:
+                    return failure
+            argv = trainer_argv(layout, self.profile, self.command, python=self.python, extra=self.cfg.srun_args)
+            self.emit("launch", restart=restart_count, slots=",".join(layout.slots), world=layout.world_size,
+                      master=f"{layout.master}:{env['MASTER_PORT']}")
+            launched = time.time()
+            proc = self.runner.popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+            lines: list[str] = []
+            reader = threading.Thread(target=_tee, args=(proc.stderr, lines), daemon=True)
+            reader.start()
+            try:
+                event = self._watch(proc, layout, launched)
+            finally:
+                self._stop_steps({TRAIN_STEP_NAME: proc, AGENT_STEP_NAME: agents})
+                reader.join(timeout=5)
         finally:
-            if proc.poll() is None:
-                self._stop_step(proc)
-            reader.join(timeout=5)
+            if agents is not None:
+                self._stop_steps({AGENT_STEP_NAME: agents})
+                self.emit("agents_stopped", exit_code=agents.returncode)
         failed = tuple(slurmstate.task_errors(lines))
         return Event(event.kind, exit_code=proc.returncode, bad_nodes=event.bad_nodes, failed_tasks=failed,
                      detail=event.detail)
+
+    # -- the node agents' step ----------------------------------------------------------------------------
+    def _start_agents(self, layout: Layout, restart_count: int,
+                      env: Mapping[str, str]) -> tuple[subprocess.Popen, Event | None]:
+        """Launch the agents (rebuilding when the slots changed since agents were last ready) and wait until
+        every one is ready. Returns the step and None, or the step and the failure to hand to the policy.
+
+        No snapshot rebuildable on every node (NoCheckpointError) is not a failure of the launch: there is no
+        persistent tier yet, so the trainers start from what they can restore (the restore agreement gives
+        step 0 when a node holds nothing) and fresh agents, without a rebuild, protect the run from there."""
+        rebuild = restart_count > 0 and layout.slots != self._protected_slots
+        tag = str(restart_count)
+        proc = self._launch_agents(layout, tag, env, rebuild)
+        try:
+            try:
+                ready = self._wait_agents(proc, layout, tag)
+            except NoCheckpointError as exc:
+                self.emit("agents_no_checkpoint", level=logging.WARNING, tag=tag, reason=str(exc),
+                          action="trainers start from what they can restore; agents relaunched without rebuild")
+                self._stop_steps({AGENT_STEP_NAME: proc})
+                tag, rebuild = f"{restart_count}-fresh", False
+                proc = self._launch_agents(layout, tag, env, rebuild)
+                ready = self._wait_agents(proc, layout, tag)
+        except CheckpointError as exc:
+            return proc, self._agents_failed(layout, tag, exc)
+        self._protected_slots = layout.slots
+        self.emit("agents_ready", tag=tag, rebuild=rebuild, step=ready.step,
+                  rebuilt=",".join(layout.slots[i] for i in ready.rebuilt))
+        return proc, None
+
+    def _launch_agents(self, layout: Layout, tag: str, env: Mapping[str, str], rebuild: bool) -> subprocess.Popen:
+        """`srun … python -m hpcft.agent` on the active slots (hpcft.agent.launch), output to the job dir."""
+        for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
+            stale.unlink(missing_ok=True)
+        cfg = self.cfg
+        argv = agent_argv(list(layout.slots), rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
+                          scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate)
+        argv += ["--tag", tag]
+        self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
+                  group=cfg.group, losses=cfg.losses, distance=cfg.distance)
+        with open(self.job_dir / f"agents-{tag}.log", "ab") as log:
+            return self.runner.popen(argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
+
+    def _wait_agents(self, proc: subprocess.Popen, layout: Layout, tag: str) -> agent_status.Ready:
+        """hpcft.agent.status.wait_ready, in slices so that an agents' step that ended, a SIGTERM or
+        --protect-timeout end the wait. NoCheckpointError as wait_ready; CheckpointError for any other failure."""
+        deadline = time.monotonic() + self.cfg.protect_timeout
+        while True:
+            try:
+                return agent_status.wait_ready(self.rendezvous, tag, len(layout.slots), timeout=self.cfg.poll_interval)
+            except NoCheckpointError:
+                raise
+            except CheckpointError as exc:
+                reports = agent_status.read(self.rendezvous, tag).values()
+                if any(r.get("phase") == agent_status.FAILED for r in reports):
+                    raise
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"{exc} (--protect-timeout {self.cfg.protect_timeout:g} s)") from None
+            if proc.poll() is not None:
+                raise CheckpointError(f"the agents' step ended (exit status {proc.returncode}) before every agent "
+                                      f"was ready; see {self.job_dir / f'agents-{tag}.log'}")
+            if self._signal == signal.SIGTERM:
+                raise CheckpointError("interrupted by SIGTERM")
+
+    def _agents_failed(self, layout: Layout, tag: str, exc: CheckpointError) -> Event:
+        """The policy's view of agents that could not get ready: a bad node, or an agent failure on healthy nodes."""
+        self.emit("agents_failed", level=logging.WARNING, tag=tag, reason=str(exc))
+        if self._signal == signal.SIGTERM:
+            return Event(Kind.WALLTIME, detail="SIGTERM")
+        bad = self._bad_nodes(layout, probe=True)
+        if bad:
+            return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
+        return Event(Kind.AGENT_FAILED, detail=str(exc))
 
     def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float) -> Event:
         while True:
@@ -243,28 +339,38 @@ class Supervisor:
                 bad[node] = f"probe did not answer within {self.cfg.probe_timeout:g} s"
         return bad
 
-    def _stop_step(self, proc: subprocess.Popen) -> None:
-        """SIGTERM to srun (forwarded to the tasks), then after --kill-grace SIGKILL srun and the step's tasks.
+    def _stop_steps(self, steps: Mapping[str, subprocess.Popen | None]) -> None:
+        """Stop the running ones of {step name: srun} together: SIGTERM to each srun (forwarded to the tasks),
+        then after --kill-grace SIGKILL the sruns left and their steps' tasks.
 
-        The step's `scancel --signal=KILL` is not waited for: once srun has asked Slurm to end the step, the step
+        The steps' `scancel --signal=KILL` is not waited for: once srun has asked Slurm to end a step, the step
         is "in a transitional state" and scancel retries every 5+ s — the relaunch must not wait on that."""
-        started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=self.cfg.kill_grace)
+        running = {name: p for name, p in steps.items() if p is not None and p.poll() is None}
+        if not running:
             return
-        except subprocess.TimeoutExpired:
-            pass
-        proc.kill()
-        steps = self.runner.run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False).stdout
-        for line in steps.splitlines():
+        started = time.monotonic()
+        for p in running.values():
+            p.send_signal(signal.SIGTERM)
+        left = {}
+        for name, p in running.items():
+            try:
+                p.wait(timeout=max(0.0, started + self.cfg.kill_grace - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                left[name] = p
+        if not left:
+            return
+        for p in left.values():
+            p.kill()
+        listed = self.runner.run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False).stdout
+        for line in listed.splitlines():
             step_id, _, name = line.strip().partition(" ")
-            if name == TRAIN_STEP_NAME:
+            if name in left:
                 self._background.append(self.runner.popen(["scancel", "--signal=KILL", step_id],
                                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        proc.wait()
+        for p in left.values():
+            p.wait()
         self._background = [p for p in self._background if p.poll() is None]
-        self.emit("step_killed", level=logging.WARNING, grace=self.cfg.kill_grace,
+        self.emit("step_killed", level=logging.WARNING, steps=",".join(left), grace=self.cfg.kill_grace,
                   seconds=round(time.monotonic() - started, 3))
 
 

@@ -1,6 +1,7 @@
 """`hpcft run` for real in the 6-node sandbox (4 active + 2 spares) with the DP training job: a killed rank is
-relaunched on the same nodes and resumes from local memory; a crashed node's slot is taken by a spare.
-Both must end with parameters bit-identical to an uninterrupted run."""
+relaunched on the same nodes and resumes from local memory; a crashed node's slot is taken by a spare (with
+--protect xor the node agents rebuild its snapshot there and every rank resumes from memory).
+All must end with parameters bit-identical to an uninterrupted run."""
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from hpcft import events
+from hpcft.agent import status as agent_status
 from hpcft.launch import progress
 
 JOB = Path(__file__).parent / "jobs" / "train_dp.py"
@@ -123,6 +125,42 @@ def test_crashed_node_is_replaced_by_a_spare_in_its_slot(healthy_sandbox, refere
     assert {e["node"] for e in bad} == {"n3"}
     # Without protection (hpcft/agent) n3's share of the snapshot died with it: the relaunch starts from 0.
     assert (out / "final.pt").exists()
+    _assert_same_result(out, reference)
+
+
+def _wait_protected(rendezvous: Path, slots: int = 4, timeout: float = 90) -> int:
+    """The newest step every agent of the first launch has protected, once there is one (> 0)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = agent_status.read(rendezvous, "0")
+        done = [s.get("protected") for s in st.values()]
+        if len(done) == slots and all(d is not None and d > 0 for d in done):
+            return min(done)
+        time.sleep(0.1)
+    pytest.fail(f"the agents protected no step within {timeout} s: {agent_status.read(rendezvous)}")
+
+
+def test_crashed_node_is_rebuilt_on_the_spare_by_the_agents_and_every_rank_resumes_from_memory(
+        healthy_sandbox, reference, tmp_path):
+    out = tmp_path / "protect"
+    proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", delay=0.3)
+    protected = _wait_protected(out / "job" / "agents")
+    healthy_sandbox.crash_node("n3")
+    code, output = _finish(proc)
+    assert code == 0, output[-4000:]
+    decisions = _decisions(out)
+    assert [d["action"] for d in decisions] == ["replace", "done"], output[-4000:]
+    assert decisions[0]["replaced"] == "n3:n5" and decisions[0]["slots"] == "n1,n2,n5,n4"
+    log = events.read(out / "job")
+    ready = [e for e in log if e["event"] == "agents_ready"]
+    assert [(e["tag"], e["rebuild"]) for e in ready] == [("0", False), ("1", True)], output[-4000:]
+    assert ready[1]["rebuilt"] == "n5" and ready[1]["step"] >= protected
+    assert not [e for e in log if e["event"] in ("agents_failed", "agents_no_checkpoint")]
+    order = [e["event"] for e in log if e["event"] in ("agents_ready", "launch")]
+    assert order == ["agents_ready", "launch"] * 2, "the trainers start only once the agents are ready"
+    assert (out / "job" / "secret").stat().st_mode & 0o777 == 0o600
+    resumed = {p.name: int(p.read_text()) for p in out.glob("start.*") if int(p.read_text()) > 0}
+    assert len(resumed) == 4 and set(resumed.values()) == {ready[1]["step"]}, resumed
     _assert_same_result(out, reference)
 
 

@@ -97,3 +97,24 @@ def test_unknown_or_bad_option_is_named_with_the_valid_ones(tmp_path):
         config.load({}, {"HPCFT_SPARES": "two"})
     with pytest.raises(ConfigError, match="max_restarts must be 0 or more"):
         config.load({"max_restarts": -1}, {})
+
+
+def test_protection_options_from_file_environment_and_cli(tmp_path):
+    cfg_file = tmp_path / "hpcft.toml"
+    cfg_file.write_text("protect = 'rs'\ngroup = 4\nlosses = 2\n")
+    cfg = config.load({"protect_rate": None}, {"HPCFT_PROTECT_RATE": "5e8"}, cfg_file)
+    assert (cfg.protect, cfg.group, cfg.losses, cfg.protect_rate, cfg.protected) == ("rs", 4, 2, 5e8, True)
+    assert config.scheme(cfg).tolerated == 2
+    assert not config.load({}, {}).protected and config.load({}, {}).protect_rate is None
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"protect": "raid"}, "protect='raid' is not a protection scheme; choose one of none, partner, xor, rs"),
+    ({"protect": "xor", "losses": 2}, "xor tolerates exactly one loss"),
+    ({"protect": "rs", "group": 2, "losses": 2}, "rs needs 1 <= losses < group"),
+    ({"protect": "xor", "protect_rate": 0}, "protect_rate must be positive"),
+    ({"protect": "xor", "protect_timeout": -1}, "protect_timeout must be 0 or more"),
+])
+def test_bad_protection_options_are_named(options, message):
+    with pytest.raises(ConfigError, match=message):
+        config.load(options, {})

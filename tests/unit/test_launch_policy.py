@@ -28,6 +28,11 @@ def test_hang_relaunches_in_place():
     assert decide(Event(Kind.HANG), state(), NOW).action is Action.RELAUNCH
 
 
+def test_agents_not_ready_on_healthy_nodes_relaunch_in_place_and_count_as_a_restart():
+    assert decide(Event(Kind.AGENT_FAILED, detail="slot 2 failed"), state(), NOW).action is Action.RELAUNCH
+    assert decide(Event(Kind.AGENT_FAILED), state(restarts=3), NOW).exit_code == EXIT_GAVE_UP
+
+
 def test_failed_node_is_replaced_by_a_spare_in_its_slot():
     d = decide(Event(Kind.NODE_FAILED, bad_nodes=("n3",)), state(), NOW)
     assert d.action is Action.REPLACE and d.replaced == {"n3": "n5"}
