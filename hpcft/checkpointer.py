@@ -43,7 +43,7 @@ class Checkpointer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  extra: Callable[[], dict] | None = None, dp_group: Any = None, every: int = 1, keep: int = 2,
                  root: str | os.PathLike | None = None, job_id: str | None = None, *, backend: str | None = None,
-                 max_inflight_bytes: int = 256 << 20, chunk_bytes: int = 4 << 20, threads: int | None = None,
+                 max_inflight_bytes: int = 256 << 20, chunk_bytes: int | None = None, threads: int | None = None,
                  on_restore: Callable[[dict | None], None] | None = None, auto: bool = True,
                  delay_per_chunk: float = 0.0, overlap: bool | None = None):
         if every < 1:
@@ -64,7 +64,7 @@ class Checkpointer:
         self.store = RankStore(self.job_id, self.rank, keep=keep, root=root)
         copier = copiers.make(backend, device, max_inflight_bytes=max_inflight_bytes, threads=self.threads,
                               delay_per_chunk=delay_per_chunk, overlap=overlap)
-        self.engine = SnapshotEngine(self.store, copier, group=self.group, chunk_bytes=chunk_bytes)
+        self.engine = SnapshotEngine(self.store, copier, group=self.group, chunk_bytes=chunk_bytes or copier.chunk_bytes)
         self._loader = Loader(self.store, self.group, self.threads)
         self.backend = backend
         self.completed = 0  # optimizer steps applied to the live state

@@ -24,6 +24,7 @@ class Copier(Protocol):
     (device-side where the device allows it)."""
 
     name: str
+    chunk_bytes: int  # default checksum granularity for this backend (a Checkpointer may override it)
 
     def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> Transfer:
         """Begin copying: `sources` are flat uint8 views of the state, `chunks` say what goes where."""

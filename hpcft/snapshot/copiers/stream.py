@@ -38,6 +38,7 @@ class StreamCopier:
     """Base of the device backends; subclasses implement the primitives below."""
 
     name = "stream"
+    chunk_bytes = 4 << 20  # large DMA transfers; fewer copy calls on the stream
 
     def __init__(self, max_inflight_bytes: int = 256 << 20):
         self.cap = max_inflight_bytes
