@@ -34,7 +34,9 @@ def protect_newest(mesh: Mesh, placement: Placement, job: Path, keep: int = 2) -
     complete = complete_steps(job)
     held = mesh.allgather(sorted(complete))
     done = mesh.allgather(sorted(records(job)))
-    todo = sorted(_common(held) - _common(done))
+    # the newest `keep` steps held everywhere (the records kept): an older one would be retired right after its
+    # pass and protected again the next round, forever
+    todo = sorted(set(sorted(_common(held))[-keep:]) - _common(done))
     if not todo:
         return None
     step = todo[-1]

@@ -24,7 +24,6 @@ from hpcft.agent.placement import Placement
 from hpcft.agent.protect import (Record, commit_record, parity_meta, partner_meta, protect_dir, record_data, record_slot,
                                  records, retire)
 from hpcft.errors import IntegrityError, NoCheckpointError
-from hpcft.store import Slot
 
 
 @dataclass(frozen=True)

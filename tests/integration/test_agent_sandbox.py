@@ -119,6 +119,22 @@ def _settled(out: Path) -> int | None:
     return newest_common if protected == {newest_common} else None
 
 
+def _stable(out: Path) -> int | None:
+    """`_settled`, and still the same after every agent has reported again a second later: a trainer on another
+    node may commit one more step after srun returned, and the agents (niced) may not have seen it yet."""
+    first = _settled(out)
+    if first is None:
+        return None
+    since = time.time() + 1.0
+    deadline = since + 20.0
+    while time.time() < deadline:
+        st = agent_status.read(out / "agents", "0")
+        if time.time() > since and all(s.get("time", 0) > since for s in st.values()):
+            return first if _settled(out) == first else None
+        time.sleep(0.1)
+    return None
+
+
 @pytest.mark.parametrize("scheme,lost", [(Scheme("xor", group=4), ["n2"]), (Scheme("partner", distance=1), ["n3"]),
                                          (Scheme("rs", group=4, losses=2), ["n2", "n3"])], ids=["xor", "partner", "rs"])
 def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(healthy_sandbox, reference, tmp_path,
@@ -140,7 +156,7 @@ def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(
         assert trainers.poll() is None, (out / "train-0.log").read_text()[-3000:]
         runner.run(["scancel", "--signal=KILL", f"{job}.0"])  # the trainers stop at an arbitrary point
         trainers.wait(timeout=60)
-        step = _wait(lambda: _settled(out), "the agents never protected the newest step", 60, out / "agents-0.log")
+        step = _wait(lambda: _stable(out), "the agents never protected the newest step", 60, out / "agents-0.log")
         before = {n: _dump(runner, job, n, step) for n in lost}
         assert all(len(d) == 2 for d in before.values()), before
 
