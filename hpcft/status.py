@@ -66,7 +66,9 @@ def collect(rendezvous: str | Path, tag: str | None = None, stale_after: float |
 
     where = Path(rendezvous)
     if not where.is_dir():
-        raise ConfigError(f"{where} is not a directory; pass the job's agent rendezvous directory")
+        raise ConfigError(f"{where} is not a directory; pass the job directory or its agents/ rendezvous directory")
+    if not any(where.glob("agent-*.status")) and (where / "agents").is_dir():
+        where = where / "agents"  # the job directory of `hpcft run` (its agents' rendezvous is <job dir>/agents)
     reports = agent_status.read(where, tag)
     if not reports:
         raise ConfigError(f"no agent status files (agent-<tag>-<slot>.status) in {where}"
@@ -184,7 +186,7 @@ def _mark(state: str | None) -> str:
 
 
 @click.command("status")
-@click.argument("rendezvous", type=click.Path(file_okay=False))
+@click.argument("rendezvous", metavar="JOB_DIR|RENDEZVOUS", type=click.Path(file_okay=False))
 @click.option("--tag", default=None, help="Launch tag (restart count) to show [default: the newest per slot].")
 @click.option("--stale", type=float, default=None,
               help=f"Seconds without a heartbeat before an agent counts as missing [default: max({MIN_STALE_S:g}, "

@@ -51,7 +51,8 @@ def test_two_losses_in_an_xor_set_or_a_partner_pair_are_lost(tmp_path):
 
 
 def test_cli_json_and_a_clear_error_without_agents(tmp_path):
-    _agents(tmp_path, 4)
+    (tmp_path / "agents").mkdir()  # `hpcft run`'s job dir holds the rendezvous as agents/
+    _agents(tmp_path / "agents", 4)
     out = CliRunner().invoke(cli, ["status", str(tmp_path), "--json"])
     assert out.exit_code == 0, out.output
     got = json.loads(out.output)
