@@ -2,8 +2,9 @@
 
 Three runs of the same 4-rank DP job (hpcft/bench/recovery_job.py, 4 active + 2 spare nodes):
 - rank kill: `hpcft run`, one trainer SIGKILLed mid-run → relaunch on the same nodes, restore from node memory;
-- node crash: `hpcft run`, a node's slurmd, steps and /dev/shm killed → a spare takes its slot; timed also from
-  the moment Slurm marks the node bad (polled with scontrol);
+- node crash: `hpcft run --protect xor`, a node's slurmd, steps and /dev/shm killed once the agents have
+  protected a step → a spare takes its slot, the agents rebuild the lost snapshot onto it and every rank
+  resumes from memory; timed also from the moment Slurm marks the node bad (polled with scontrol);
 - baseline: a plain batch job that `torch.save`s every step, one rank killed, the batch script `scontrol
   requeue`s the job, and the next run `torch.load`s the checkpoint.
 Each total is split into consecutive phases: detection (fault → the supervisor's decision, or → the baseline's
@@ -120,14 +121,14 @@ def _victim(out: Path, opts: RecoveryOptions, run: str) -> int | None:
     return next((r["pid"] for r in recs if r["what"] == "start" and r["rank"] == VICTIM_RANK), None)
 
 
-def _supervised(sb, opts: RecoveryOptions, out: Path) -> subprocess.Popen:
-    """`salloc -N6 --no-kill hpcft run --spares 2 … -- python recovery_job.py` in the sandbox."""
+def _supervised(sb, opts: RecoveryOptions, out: Path, *options: str, **env: str) -> subprocess.Popen:
+    """`salloc -N6 --no-kill hpcft run --spares 2 … OPTIONS -- python recovery_job.py` in the sandbox."""
     out.mkdir(parents=True, exist_ok=True)
     argv = ["salloc", f"-N{ACTIVE + SPARES}", "--no-kill", "-t", "15", sys.executable, "-m", "hpcft.cli", "run",
             "--spares", str(SPARES), "--job-dir", str(out / "job"), "--poll-interval", str(opts.poll_interval),
             "--kill-grace", str(opts.kill_grace), "--probe-timeout", str(opts.probe_timeout), "--requeue-margin", "30",
-            "--", sys.executable, str(JOB)]
-    return sb.runner().popen(argv, env=_job_env(opts, out), stdout=open(out / "run.log", "ab"),
+            *options, "--", sys.executable, str(JOB)]
+    return sb.runner().popen(argv, env=_job_env(opts, out, **env), stdout=open(out / "run.log", "ab"),
                              stderr=subprocess.STDOUT)
 
 
@@ -184,6 +185,16 @@ def phases(timeline: list[dict], run: str, fault: float, decided: float) -> dict
     }
 
 
+def _protected(rendezvous: Path) -> bool:
+    """Whether every agent of the first launch has protected the newest step its node holds (so a node crash
+    resumes from memory: an older protected step may already be recycled by the trainers' store)."""
+    from hpcft.agent import status
+
+    st = list(status.read(rendezvous, "0").values())
+    return len(st) == ACTIVE and all(s.get("protected") is not None and s.get("protected") == s.get("staged")
+                                     for s in st)
+
+
 def _decided(job_dir: Path, after: float) -> float:
     found = [e["time"] for e in events.read(job_dir) if e["event"] == "decision" and e["time"] >= after]
     if not found:
@@ -203,8 +214,10 @@ def rank_kill(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
 
 
 def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
-    proc = _supervised(sb, opts, out)
+    hold = out / "protected"  # the job waits after step fault_at until this exists (recovery_job.py)
+    proc = _supervised(sb, opts, out, "--protect", "xor", HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))
     _wait(lambda: _victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout, proc)
+    _wait(lambda: _protected(out / "job" / "agents"), "the newest step protected by every agent", opts.timeout, proc)
     node = f"n{VICTIM_RANK + 1}"  # slot i of the 6-node allocation n1..n6 is node n{i+1}
     down: dict[str, float] = {}
     stop = threading.Event()
@@ -224,6 +237,7 @@ def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
 
     fault = time.time()
     sb.crash_node(node)
+    hold.touch()
     watcher = threading.Thread(target=watch_state, daemon=True)
     watcher.start()
     try:
@@ -231,7 +245,12 @@ def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
         watcher.join(timeout=60)
     finally:
         stop.set()
-    result = phases(_timeline(out), "0.1", fault, _decided(out / "job", fault))
+    decided = _decided(out / "job", fault)
+    result = phases(_timeline(out), "0.1", fault, decided)
+    ready = [e["time"] for e in events.read(out / "job") if e["event"] == "agents_ready" and e["time"] >= decided]
+    if not ready:
+        raise HpcftError(f"the agents never got ready after the crash; see {out / 'job'}")
+    result["relaunch_agents_s"] = min(ready) - decided  # part of relaunch: agents' step, mesh and rebuild
     if "t" not in down:
         raise HpcftError(f"Slurm did not mark {node} bad within 60 s of the job's end")
     result["slurm_marked_down_s"] = down["t"] - fault

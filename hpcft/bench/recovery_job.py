@@ -5,6 +5,8 @@ into process start, imports, process group, model construction, restore and firs
 CKPT=hpcft (default) snapshots every step with hpcft's Checkpointer and resumes from node memory;
 CKPT=disk is the baseline: rank 0 `torch.save`s model + optimizer to $OUT/ckpt.pt every step (written, then
 renamed) and every rank resumes with `torch.load`. WIDTH × LAYERS sets the model size (square Linear layers).
+HOLD_AT=S HOLD_FILE=F: the first run waits after step S until F exists (the bench's node crash waits there for
+the agents to protect a step, so the fault does not race a short job to its end).
 """
 import time
 
@@ -42,6 +44,9 @@ def main() -> int:
     delay = float(os.environ.get("STEP_DELAY", "0"))
     width, layers = int(os.environ.get("WIDTH", "256")), int(os.environ.get("LAYERS", "2"))
     mode = os.environ.get("CKPT", "hpcft")
+    hold_at = int(os.environ.get("HOLD_AT", "-1"))
+    hold_file = Path(os.environ["HOLD_FILE"]) if os.environ.get("HOLD_FILE") else None
+    first_run = os.environ.get("HPCFT_RESTART_COUNT", "0") == "0"
     torch.set_num_threads(1)
     # No torch.use_deterministic_algorithms(True) here (the DP test job's choice): its first call costs ~3.6 s
     # of lazy imports per process on this machine, which is training-script start-up, not recovery.
@@ -80,6 +85,9 @@ def main() -> int:
             os.replace(tmp, ckpt_file)
         _record(out, "step", rank=ctx.rank, step=step)
         time.sleep(delay)
+        if hold_file and step == hold_at and first_run:
+            while not hold_file.exists():
+                time.sleep(0.05)
     if ckpt is not None:
         ckpt.wait()
         ckpt.close()

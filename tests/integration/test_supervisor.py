@@ -129,12 +129,13 @@ def test_crashed_node_is_replaced_by_a_spare_in_its_slot(healthy_sandbox, refere
 
 
 def _wait_protected(rendezvous: Path, slots: int = 4, timeout: float = 90) -> int:
-    """The newest step every agent of the first launch has protected, once there is one (> 0)."""
+    """The step every agent of the first launch has protected, once it is the newest its node holds (> 0): the
+    trainers' store keeps two versions, so an older protected step may be recycled before the crash."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        st = agent_status.read(rendezvous, "0")
-        done = [s.get("protected") for s in st.values()]
-        if len(done) == slots and all(d is not None and d > 0 for d in done):
+        st = agent_status.read(rendezvous, "0").values()
+        done = [s.get("protected") for s in st]
+        if len(done) == slots and all(d is not None and d > 0 and d == s.get("staged") for d, s in zip(done, st)):
             return min(done)
         time.sleep(0.1)
     pytest.fail(f"the agents protected no step within {timeout} s: {agent_status.read(rendezvous)}")
