@@ -185,14 +185,14 @@ def phases(timeline: list[dict], run: str, fault: float, decided: float) -> dict
     }
 
 
-def _protected(rendezvous: Path) -> bool:
-    """Whether every agent of the first launch has protected the newest step its node holds (so a node crash
-    resumes from memory: an older protected step may already be recycled by the trainers' store)."""
+def _protected(rendezvous: Path, version: int) -> bool:
+    """Whether every agent of the first launch has protected snapshot `version` or a newer one. An agent's status
+    file is rewritten once per round, so "protected == staged" there can be a round old; an older protected
+    step may already be recycled by the trainers' store, and the crash would then resume from step 0."""
     from hpcft.agent import status
 
     st = list(status.read(rendezvous, "0").values())
-    return len(st) == ACTIVE and all(s.get("protected") is not None and s.get("protected") == s.get("staged")
-                                     for s in st)
+    return len(st) == ACTIVE and all((s.get("protected") or -1) >= version for s in st)
 
 
 def _decided(job_dir: Path, after: float) -> float:
@@ -217,7 +217,9 @@ def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     hold = out / "protected"  # the job waits after step fault_at until this exists (recovery_job.py)
     proc = _supervised(sb, opts, out, "--protect", "xor", HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))
     _wait(lambda: _victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout, proc)
-    _wait(lambda: _protected(out / "job" / "agents"), "the newest step protected by every agent", opts.timeout, proc)
+    held = opts.fault_at + 1  # the snapshot taken after step fault_at (versions count completed steps)
+    _wait(lambda: _protected(out / "job" / "agents", held), f"version {held} protected by every agent", opts.timeout,
+          proc)
     node = f"n{VICTIM_RANK + 1}"  # slot i of the 6-node allocation n1..n6 is node n{i+1}
     down: dict[str, float] = {}
     stop = threading.Event()

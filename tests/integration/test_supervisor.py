@@ -128,24 +128,25 @@ def test_crashed_node_is_replaced_by_a_spare_in_its_slot(healthy_sandbox, refere
     _assert_same_result(out, reference)
 
 
-def _wait_protected(rendezvous: Path, slots: int = 4, timeout: float = 90) -> int:
-    """The step every agent of the first launch has protected, once it is the newest its node holds (> 0): the
-    trainers' store keeps two versions, so an older protected step may be recycled before the crash."""
+def _wait_protected(out: Path, slots: int = 4, timeout: float = 90) -> int:
+    """The step every agent of the first launch has protected, once it is at most one snapshot behind the
+    newest the trainers completed (> 0): their store keeps two versions, so an older protected step may be
+    recycled before the crash. Progress first, then the agents' status (rewritten once per round)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        st = agent_status.read(rendezvous, "0").values()
-        done = [s.get("protected") for s in st]
-        if len(done) == slots and all(d is not None and d > 0 and d == s.get("staged") for d, s in zip(done, st)):
+        newest = max((int(p.read_text() or -1) for p in out.glob("progress.*")), default=-1)
+        done = [s.get("protected") for s in agent_status.read(out / "job" / "agents", "0").values()]
+        if len(done) == slots and all(d is not None and d > 0 and d >= newest for d in done):
             return min(done)
-        time.sleep(0.1)
-    pytest.fail(f"the agents protected no step within {timeout} s: {agent_status.read(rendezvous)}")
+        time.sleep(0.05)
+    pytest.fail(f"the agents did not keep up within {timeout} s: {agent_status.read(out / 'job' / 'agents')}")
 
 
 def test_crashed_node_is_rebuilt_on_the_spare_by_the_agents_and_every_rank_resumes_from_memory(
         healthy_sandbox, reference, tmp_path):
     out = tmp_path / "protect"
-    proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", delay=0.3)
-    protected = _wait_protected(out / "job" / "agents")
+    proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", delay=0.5)
+    protected = _wait_protected(out)
     healthy_sandbox.crash_node("n3")
     code, output = _finish(proc)
     assert code == 0, output[-4000:]
