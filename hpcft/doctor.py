@@ -36,11 +36,27 @@ def _slurm() -> list[Check]:
     checks = [Check("slurm", True, proc.stdout.strip(), True)]
     if in_allocation():
         env = job_env()
-        nodes = os.environ.get("SLURM_JOB_NODELIST", "?")
-        checks.append(Check("allocation", True, f"job {env.job_id}, nodes {nodes} ({env.num_nodes}), this node {env.node_name}"))
+        checks.append(Check("allocation", True, f"job {env.job_id}, nodes {_allocated_nodes(env.job_id)}, "
+                                                f"this node {env.node_name}"))
     else:
         checks.append(Check("allocation", True, "none (not inside a Slurm job; `hpcft run` needs one)"))
     return checks
+
+
+def _allocated_nodes(job_id: str) -> str:
+    """The job's nodes as slurmctld sees them (inside a step, SLURM_JOB_NODELIST may name the step's only)."""
+    from hpcft.errors import SlurmError
+    from hpcft.launch.slurmstate import job_info
+    from hpcft.slurm.nodelist import compress
+    from hpcft.slurm.runner import Runner
+
+    try:
+        nodes = job_info(Runner(timeout=10), job_id).nodes
+    except SlurmError:
+        nodes = []
+    if not nodes:
+        return os.environ.get("SLURM_JOB_NODELIST", "?") + " (from the environment)"
+    return f"{compress(nodes)} ({len(nodes)})"
 
 
 def _torch() -> list[Check]:
