@@ -46,7 +46,7 @@ def _slurm() -> list[Check]:
 def _allocated_nodes(job_id: str) -> str:
     """The job's nodes as slurmctld sees them (inside a step, SLURM_JOB_NODELIST may name the step's only)."""
     from hpcft.errors import SlurmError
-    from hpcft.launch.slurmstate import job_info
+    from hpcft.slurm.state import job_info
     from hpcft.slurm.nodelist import compress
     from hpcft.slurm.runner import Runner
 

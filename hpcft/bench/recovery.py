@@ -33,7 +33,7 @@ from typing import Any
 from hpcft import events
 from hpcft.bench.harness import Report
 from hpcft.errors import ConfigError, HpcftError
-from hpcft.launch import slurmstate
+from hpcft.slurm import state as slurmstate
 
 _log = logging.getLogger(__name__)
 JOB = Path(__file__).with_name("recovery_job.py")

@@ -5,7 +5,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from hpcft.launch.slurmstate import fields
+from hpcft.slurm.state import fields
 from hpcft.slurm.runner import Runner
 from hpcft.store.paths import job_dir, resolve_root
 

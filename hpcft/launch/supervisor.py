@@ -23,11 +23,12 @@ from hpcft.agent import secret as job_secret
 from hpcft.agent import status as agent_status
 from hpcft.agent.launch import AGENT_STEP_NAME, agent_argv
 from hpcft.errors import CheckpointError, ConfigError, NoCheckpointError, SlurmError
-from hpcft.launch import profiles, progress, slurmstate
+from hpcft.launch import profiles, progress
 from hpcft.launch.config import RunConfig, scheme
 from hpcft.launch.layout import Layout
 from hpcft.launch.policy import Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.srun import TRAIN_STEP_NAME, probe_argv, step_env, trainer_argv
+from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""What Slurm says about the allocation and its nodes, read fresh with scontrol each time (SLURM_JOB_NODELIST
+"""What Slurm says about an allocation and its nodes, read fresh with scontrol each time (SLURM_JOB_NODELIST
 goes stale when a node leaves a --no-kill job), and the requeue request. Every command goes through a Runner."""
 import logging
 import re
