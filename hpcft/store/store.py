@@ -8,6 +8,7 @@ from typing import Any
 from hpcft import events
 from hpcft.errors import StoreError
 from hpcft.store import manifest as mf
+from hpcft.store import pin as pins
 from hpcft.store.paths import job_dir, resolve_root, secure_dir
 from hpcft.store.slot import Slot
 
@@ -30,11 +31,13 @@ class RankStore:
     """Slots `slot-<k>.data` + manifests `slot-<k>.json` under `<root>/hpcft-<user>-<job>/rank-<r>/`.
 
     Invariants: a slot is written only after its manifest is withdrawn; the slot holding the newest
-    complete version is never chosen for writing; a crash at any point leaves that version loadable.
+    complete version is never chosen for writing; a crash at any point leaves that version loadable; a slot
+    whose version a live reader has pinned (`slot-<k>.pin`, see `hpcft.store.pin`) is not chosen either.
 
     `readonly=True` is for other processes (the node agent): nothing is created or cleaned, slots are
-    mapped read-only. The writer may withdraw and reuse a slot at any time, so a reader copies the data,
-    verifies the chunk checksums, and then checks that the manifest is still the one it read.
+    mapped read-only. The writer may withdraw and reuse an unpinned slot at any time, so a reader pins the
+    version (pin first, then check that the manifest is still the one it read: the writer withdraws first, then
+    checks the pin), or copies the data, verifies the chunk checksums and checks the manifest afterwards.
     """
 
     def __init__(self, job_id: str, rank: int, *, keep: int = 2, root: str | os.PathLike | None = None,
@@ -87,16 +90,24 @@ class RankStore:
         return sorted(self._index.values(), key=lambda v: v.step)
 
     def begin(self, nbytes: int) -> Slot:
-        """Pick a slot for a new version of `nbytes`, withdraw its manifest, size it; StoreError if none fits."""
+        """Pick a slot for a new version of `nbytes`, withdraw its manifest, size it; StoreError if none fits or
+        every reusable slot is pinned (event `slots_pinned`: this snapshot is skipped, training goes on)."""
         held = self._held()
         newest = held[-1].slot if held else None
         by_age = {v.slot: i for i, v in enumerate(held)}
         order = sorted((k for k in range(self.nslots) if k != newest), key=lambda k: by_age.get(k, -1))
         last_error: StoreError | None = None
+        pinned: dict[int, pins.Pin] = {}
         for k in order:
             if k in self._full and (k not in self._slots or self._slots[k].size < nbytes):
                 continue
+            version = self._index.get(k) if self._index is not None else None
+            if self._pinned(k, version, pinned):
+                continue
             self.withdraw(k)
+            if self._pinned(k, version, pinned):  # pinned between the check and the withdrawal: put it back
+                self.commit(self.slot(k), version.manifest)
+                continue
             try:
                 slot = self.slot(k)
                 slot.ensure(nbytes)
@@ -105,7 +116,31 @@ class RankStore:
                 self._full.add(k)
                 last_error = exc
                 events.emit("store_full", level=logging.ERROR, rank=self.rank, slot=k, bytes=nbytes, error=str(exc))
+        if pinned and last_error is None:
+            who = ", ".join(f"slot {k} step {p.step} by {p.owner or 'pid'} {p.pid}@{p.host}" for k, p in pinned.items())
+            events.emit("slots_pinned", level=logging.WARNING, rank=self.rank, slots=",".join(map(str, pinned)),
+                        pins=who)
+            raise StoreError(f"every reusable slot of rank {self.rank} is pinned by a reader ({who}); this snapshot "
+                             "is skipped and the next one tries again")
         raise last_error or StoreError(f"no slot available in {self.dir}")
+
+    def _pinned(self, k: int, version: Version | None, found: dict[int, "pins.Pin"]) -> bool:
+        """True if a live pin holds the version slot k holds (recorded in `found`); a pin whose lease ran out or
+        whose owner died is broken here, with an event. A pin of another step than the slot's binds nothing."""
+        path = pins.path_of(self._manifest_path(k))
+        pin = pins.read(path)
+        if pin is None or version is None:
+            return False
+        reason = pins.stale_reason(pin)
+        if reason is not None:
+            pins.remove(path, pin)
+            events.emit("pin_broken", level=logging.WARNING, rank=self.rank, slot=k, step=pin.step, owner=pin.owner,
+                        pid=pin.pid, host=pin.host, reason=reason)
+            return False
+        if pin.step != version.step:
+            return False
+        found[k] = pin
+        return True
 
     def preallocate(self, nbytes: int) -> None:
         """Size and pre-fault every slot now (fresh shm pages cost ~10x warm ones), so that later snapshots

@@ -1,0 +1,97 @@
+"""Pins: a reader's claim on one committed version of a store slot (`slot-<k>.pin` beside `slot-<k>.json`),
+so that the writer picks another slot while the reader (the node agent) protects or rebuilds from it.
+A pin names the step it holds, its owner (host, pid, process start time) and a lease; the writer honours it
+only while it names the version the slot holds, its lease runs and its owner lives, and breaks it otherwise."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hpcft.errors import StoreError
+
+SUFFIX = ".pin"
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One pin: `step` of the slot is held by process `pid` (started at `start`, /proc ticks) on `host` until
+    wall time `until`; `owner` is a label for people (e.g. `agent slot 2`)."""
+    step: int
+    host: str
+    pid: int
+    start: int
+    until: float
+    owner: str = ""
+
+
+def path_of(manifest_path: Path) -> Path:
+    """The pin file of the slot whose manifest is `manifest_path` (`slot-<k>.json` → `slot-<k>.pin`)."""
+    return manifest_path.with_suffix(SUFFIX)
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of process `pid` in clock ticks since boot (/proc), or None if there is no such process:
+    with the pid it names one process for good (a pid alone may be reused)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def mine(step: int, lease: float, owner: str = "") -> Pin:
+    """A pin of `step` by this process for `lease` seconds from now."""
+    pid = os.getpid()
+    return Pin(step, socket.gethostname(), pid, process_start(pid) or 0, time.time() + lease, owner)
+
+
+def write(path: Path, pin: Pin) -> None:
+    """Create or renew `path` atomically (a `.dirty` file of this process, 0600, renamed over it)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.dirty")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps(asdict(pin), sort_keys=True).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StoreError(f"cannot pin {path}: {exc.strerror or exc}") from exc
+
+
+def read(path: Path) -> Pin | None:
+    """The pin at `path`, or None if there is none; an unreadable pin file reads as one already expired."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return Pin(-1, "", 0, 0, 0.0, "unreadable")
+    try:
+        fields = json.loads(raw)
+        return Pin(int(fields["step"]), str(fields["host"]), int(fields["pid"]), int(fields["start"]),
+                   float(fields["until"]), str(fields.get("owner", "")))
+    except (ValueError, KeyError, TypeError):
+        return Pin(-1, "", 0, 0, 0.0, "unreadable")
+
+
+def remove(path: Path, pin: Pin | None = None) -> None:
+    """Remove `path`; with `pin`, only if the file still holds that pin (a renewal by its owner is not undone)."""
+    if pin is not None and read(path) != pin:
+        return
+    path.unlink(missing_ok=True)
+
+
+def stale_reason(pin: Pin, now: float | None = None) -> str | None:
+    """Why `pin` no longer binds anyone (its lease ran out, its owner on this host is gone), or None if it does."""
+    now = time.time() if now is None else now
+    if pin.until <= now:
+        return f"lease expired {now - pin.until:.1f} s ago"
+    if pin.host == socket.gethostname() and process_start(pin.pid) != pin.start:
+        return f"owner pid {pin.pid} is gone"
+    return None
