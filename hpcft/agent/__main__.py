@@ -10,6 +10,7 @@ import sys
 
 from hpcft.agent import secret as job_secret
 from hpcft.agent.agent import AgentConfig, run
+from hpcft.agent.pins import LEASE_S
 from hpcft.agent.placement import Scheme
 from hpcft.errors import ConfigError, HpcftError, NoCheckpointError
 
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                     "cores to the trainers (0: none)")
     ap.add_argument("--rounds", type=int, default=1, help="protection rounds before exiting (0: until stopped)")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between protection rounds")
+    ap.add_argument("--pin-lease", type=float, default=LEASE_S, help="seconds a pin on the step being protected "
+                    "outlives the agent's last renewal (a dead or stopped agent's pin is broken after this)")
     ap.add_argument("--rebuild", action="store_true", help="first rebuild what replaced nodes lost (after a relaunch)")
     ap.add_argument("--tag", default=os.environ.get("HPCFT_RESTART_COUNT", "0"),
                     help="launch tag (restart count) keeping relaunches apart")
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = AgentConfig(job_id=args.job_id, slot=slot, slots=slots, rendezvous=args.rendezvous,
                           secret=job_secret.load(args.secret), host=_host(args.host),
                           scheme=Scheme(args.scheme, args.group, args.losses, args.distance), rate=args.rate,
-                          rounds=args.rounds, interval=args.interval, nice=args.nice, rebuild=args.rebuild, tag=args.tag,
+                          rounds=args.rounds, interval=args.interval, nice=args.nice, pin_lease=args.pin_lease, rebuild=args.rebuild, tag=args.tag,
                           timeout=args.timeout)
         return run(cfg)
     except NoCheckpointError as exc:

@@ -14,6 +14,7 @@ from hpcft import events
 from hpcft.agent import status
 from hpcft.agent.bundle import Bundle, complete_steps, local_versions
 from hpcft.agent.mesh import Mesh
+from hpcft.agent.pins import LEASE_S, Pins
 from hpcft.agent.placement import Placement, Scheme, plan
 from hpcft.agent.protect import Record, StaleStep, protect_dir, protect_step, records, retire
 from hpcft.agent.rebuild import rebuild
@@ -27,9 +28,10 @@ def _common(lists: list[list[int]]) -> set[int]:
     return set.intersection(*(set(x) for x in lists)) if lists else set()
 
 
-def protect_newest(mesh: Mesh, placement: Placement, job: Path, keep: int = 2) -> Record | None:
+def protect_newest(mesh: Mesh, placement: Placement, job: Path, pins: Pins, keep: int = 2) -> Record | None:
     """One collective round: protect the newest step complete on every node and not yet protected
-    everywhere; None if there is none, or if a node found its copy damaged (with an event)."""
+    everywhere, its slots pinned for the pass; None if there is none, if a node's trainers reused the slot
+    before the pin (event `protect_missed`), or if a node found its copy damaged (event `protect_skipped`)."""
     started = time.perf_counter()
     complete = complete_steps(job)
     held = mesh.allgather(sorted(complete))
@@ -42,19 +44,30 @@ def protect_newest(mesh: Mesh, placement: Placement, job: Path, keep: int = 2) -
     step = todo[-1]
     bundle = Bundle(step, complete[step])
     try:
-        try:
-            bundle.verify(mesh.throttle)
-            ok = True
-        except IntegrityError as exc:
-            stale = not bundle.still_committed()
-            events.emit("protect_stale" if stale else "protect_skipped", level=logging.INFO if stale else logging.ERROR,
-                        step=step, slot=mesh.slot, reason="the trainers reused the slot" if stale else str(exc))
-            ok = False
-        if not all(mesh.allgather(ok)):
-            return None
-        return protect_step(mesh, placement, bundle, job, keep, started)
+        with pins.holding(bundle.pin_targets()):
+            ok = _readable(bundle, mesh)
+            if not all(mesh.allgather(ok)):
+                return None
+            return protect_step(mesh, placement, bundle, job, keep, started)
     finally:
         bundle.close()
+
+
+def _readable(bundle: Bundle, mesh: Mesh) -> bool:
+    """After pinning: is this node's copy of the step still committed (pin first, then check: the writer
+    withdraws first, then checks the pin) and intact? False with an event if not."""
+    if not bundle.still_committed():
+        events.emit("protect_missed", slot=mesh.slot, step=bundle.step,
+                    reason="the trainers reused the slot before the agent pinned it")
+        return False
+    try:
+        bundle.verify(mesh.throttle)
+        return True
+    except IntegrityError as exc:
+        stale = not bundle.still_committed()  # only if a pin was broken (the agent stopped past its lease)
+        events.emit("protect_stale" if stale else "protect_skipped", level=logging.WARNING if stale else logging.ERROR,
+                    step=bundle.step, slot=mesh.slot, reason="the trainers reused the slot" if stale else str(exc))
+        return False
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,7 @@ class AgentConfig:
     timeout: float = 120.0
     root: str | None = None
     nice: int = 10
+    pin_lease: float = LEASE_S
 
 
 def _progress(job: Path) -> dict[str, int]:
@@ -112,11 +126,12 @@ def run(cfg: AgentConfig) -> int:
     report(status.REBUILDING if cfg.rebuild else status.READY)
     mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, rate=cfg.rate, tag=cfg.tag,
                 timeout=cfg.timeout)
+    pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
     try:
         extra = {}
         if cfg.rebuild:
             try:
-                outcome = rebuild(mesh, placement, job, cfg.job_id, cfg.root)
+                outcome = rebuild(mesh, placement, job, pins, cfg.job_id, cfg.root)
             except NoCheckpointError as exc:
                 report(status.FAILED, reason="no_checkpoint", error=str(exc))
                 raise
@@ -126,7 +141,7 @@ def run(cfg: AgentConfig) -> int:
         done = 0
         while cfg.rounds <= 0 or done < cfg.rounds:
             try:
-                rec = protect_newest(mesh, placement, job)
+                rec = protect_newest(mesh, placement, job, pins)
             except StaleStep as exc:  # after the exchange, so the mesh is still in step
                 events.emit("protect_stale", slot=cfg.slot, reason=str(exc))
                 rec = None
@@ -140,5 +155,6 @@ def run(cfg: AgentConfig) -> int:
             report(status.FAILED, reason="error", error=str(exc))
         raise
     finally:
+        pins.close()
         mesh.close()
     return 0

@@ -21,6 +21,7 @@ from hpcft.agent.throttle import Throttle
 from hpcft.errors import IntegrityError, StoreError
 from hpcft.store import crc32c
 from hpcft.store import manifest as mf
+from hpcft.store import pin as store_pin
 
 _LEN = struct.Struct("!Q")
 _RANK = re.compile(r"rank-(\d{5})$")
@@ -127,6 +128,10 @@ class Bundle:
                     events.emit("chunk_lost", level=logging.ERROR, rank=r, step=self.step, offset=off,
                                 path=str(h.data_path))
                     raise IntegrityError(f"rank {r} step {self.step}: chunk at offset {off} fails its crc32c")
+
+    def pin_targets(self) -> list[tuple[Path, int]]:
+        """(pin file, step) of every rank's slot holding this step: what the agent pins while it reads them."""
+        return [(store_pin.path_of(h.manifest_path), self.step) for h in self.held.values()]
 
     def still_committed(self) -> bool:
         """True if every rank's manifest of this step is still the one read (the slot was not reused)."""

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from hpcft.agent import stripes
 from hpcft.agent.bundle import Bundle, complete_steps, parse, unpack
 from hpcft.agent.codec import Unrecoverable, codec_for
 from hpcft.agent.mesh import Mesh
+from hpcft.agent.pins import Pins
 from hpcft.agent.placement import Placement
 from hpcft.agent.protect import (Record, commit_record, parity_meta, partner_meta, protect_dir, record_data, record_slot,
                                  records, retire)
@@ -63,21 +65,27 @@ def _fits(meta: dict[str, Any], placement: Placement, slot: int) -> bool:
 
 
 class _Local:
-    """This node's copies of one step, verified: its bundle and its record, or None where missing or bad."""
+    """This node's copies of one step, verified: its bundle (pinned while held, so trainers running meanwhile
+    write elsewhere) and its record, or None where missing or bad."""
 
-    def __init__(self, step: int, complete: dict, recs: dict[int, Record], slot: int):
+    def __init__(self, step: int, complete: dict, recs: dict[int, Record], slot: int, pins: Pins):
         self.step = step
         self.bundle: Bundle | None = None
         self.record: Record | None = None
         self.record_bytes: np.ndarray | None = None
+        self._pinned = ExitStack()
         if step in complete:
             bundle = Bundle(step, complete[step])
+            self._pinned.enter_context(pins.holding(bundle.pin_targets()))
             try:
+                if not bundle.still_committed():
+                    raise IntegrityError(f"step {step} was reused by the trainers before it could be pinned")
                 bundle.verify()
                 self.bundle = bundle
             except IntegrityError as exc:
                 events.emit("rebuild_copy_bad", level=logging.ERROR, step=step, slot=slot, what="bundle", error=str(exc))
                 bundle.close()
+                self._pinned.close()
         if step in recs:
             try:
                 self.record_bytes = record_data(recs[step])
@@ -88,9 +96,10 @@ class _Local:
     def close(self) -> None:
         if self.bundle is not None:
             self.bundle.close()
+        self._pinned.close()
 
 
-def rebuild(mesh: Mesh, placement: Placement, job: Path, job_id: str, root: str | None = None) -> Outcome:
+def rebuild(mesh: Mesh, placement: Placement, job: Path, pins: Pins, job_id: str, root: str | None = None) -> Outcome:
     """Collective: make every slot hold the newest step it can, rebuilding lost bundles (see module doc)."""
     t0 = time.perf_counter()
     complete = complete_steps(job)
@@ -101,7 +110,7 @@ def rebuild(mesh: Mesh, placement: Placement, job: Path, job_id: str, root: str 
         return Outcome(None)
     reasons = []
     for step in steps:
-        local = _Local(step, complete, recs, mesh.slot)
+        local = _Local(step, complete, recs, mesh.slot, pins)
         try:
             flags = mesh.allgather([local.bundle is not None, local.record is not None])
             try:

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 from hpcft import events, status
 from hpcft.agent import secret as job_secret
 from hpcft.agent import status as agent_status
-from hpcft.agent.bundle import Bundle, complete_steps
+from hpcft.agent.bundle import Bundle, complete_steps, local_versions
 from hpcft.agent.codec import codec_for
 from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.protect import records
@@ -29,14 +30,30 @@ RANKS_PER_NODE = 2
 CHUNK = 64 << 10
 
 
-def _write_version(root: Path, rank: int, step: int, nbytes: int) -> None:
-    store = RankStore(JOB, rank, root=root)
+def _data(rank: int, step: int, nbytes: int) -> np.ndarray:
+    return np.random.default_rng(rank * 1000 + step).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def _commit_version(store: RankStore, step: int, nbytes: int) -> bytes:
+    """Commit `step` of the store's rank (deterministic bytes) as a trainer would; the manifest's bytes."""
     slot = store.begin(nbytes)
-    data = np.random.default_rng(rank * 1000 + step).integers(0, 256, nbytes, dtype=np.uint8)
+    data = _data(store.rank, step, nbytes)
     slot.array[:nbytes] = data
     chunks = [[lo, min(CHUNK, nbytes - lo), crc32c(data[lo:lo + CHUNK])] for lo in range(0, nbytes, CHUNK)]
-    store.commit(slot, {"step": step, "rank": rank, "data_bytes": nbytes, "chunk_bytes": CHUNK, "chunks": chunks})
-    store.close()
+    store.commit(slot, {"step": step, "rank": store.rank, "data_bytes": nbytes, "chunk_bytes": CHUNK, "chunks": chunks})
+    return (store.dir / f"slot-{slot.index}.json").read_bytes()
+
+
+def _size(rank: int) -> int:
+    return 300_000 + 17_000 * rank
+
+
+def _write_version(root: Path, rank: int, step: int, nbytes: int) -> None:
+    store = RankStore(JOB, rank, root=root)
+    try:
+        _commit_version(store, step, nbytes)
+    finally:
+        store.close()
 
 
 @pytest.fixture
@@ -48,7 +65,7 @@ def cluster(tmp_path):
         for r in range(RANKS_PER_NODE):
             rank = i * RANKS_PER_NODE + r
             for step in (1, 2):
-                _write_version(root, rank, step, 300_000 + 17_000 * rank)
+                _write_version(root, rank, step, _size(rank))
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o700)
     return roots, shared, job_secret.create(shared)
@@ -251,3 +268,77 @@ def test_an_agent_killed_mid_protection_loses_nothing_and_the_relaunch_completes
     for root, want in zip(roots, expected):
         assert _held(root, 2)[1].tobytes() == want.tobytes()
         assert [p.name for p in (job_dir(root, JOB) / "protect").glob("*.data")] == ["step-2.data"]
+
+
+# -- pins: a slow pass is never overtaken by trainers snapshotting every step -------------------------------
+
+def test_a_slow_agent_protects_a_consistent_step_while_trainers_snapshot_every_step(cluster, tmp_path):
+    roots, shared, secret = cluster
+    scheme = Scheme("xor", group=4)
+    stores = [RankStore(JOB, i * RANKS_PER_NODE + r, root=root) for i, root in enumerate(roots)
+              for r in range(RANKS_PER_NODE)]
+    manifests: dict[tuple[int, int], bytes] = {}
+    stop, errors = threading.Event(), []
+
+    def trainers() -> None:  # every rank snapshots a step every 0.1 s, like a fast training loop
+        step = 3
+        while not stop.wait(0.1):
+            for store in stores:
+                try:
+                    manifests[(store.rank, step)] = _commit_version(store, step, _size(store.rank))
+                except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                    errors.append(exc)
+            step += 1
+
+    writer = threading.Thread(target=trainers)
+    procs = _start_agents(roots, shared, secret, scheme, "slow", "--rounds", "0", "--interval", "0.1",
+                          "--rate", "300000")  # ~5 s a pass: the trainers commit ~50 steps meanwhile
+    writer.start()
+    try:
+        deadline = time.monotonic() + 90
+        while len(_protected_by(shared)) < NODES:  # every node committed its record of one step
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no pass completed"
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        writer.join()
+        for p in procs:
+            p.kill()
+            p.wait()
+        for store in stores:
+            store.close()
+    every = events.read(shared / "events")
+    (step,) = {_protected_by(shared)[i] for i in range(NODES)}
+    assert not errors and max(s for _, s in manifests) > step + 3, "the trainers did not keep snapshotting"
+    assert [e for e in every if e["event"] == "protect_stale"] == []
+    # the record is the parity of exactly the bytes that step held (rebuilt here from what the trainers wrote)
+    bundles = []
+    for i in range(NODES):
+        job = job_dir(tmp_path / f"copy{i}", JOB)
+        for r in range(i * RANKS_PER_NODE, (i + 1) * RANKS_PER_NODE):
+            rdir = job / f"rank-{r:05d}"
+            rdir.mkdir(parents=True)
+            (rdir / "slot-0.json").write_bytes(manifests.get((r, step)) or _committed_before(roots[i], r, step))
+            _data(r, step, _size(r)).tofile(rdir / "slot-0.data")
+        b = Bundle(step, complete_steps(job)[step])
+        bundles.append(np.concatenate(b.piece(0, b.size)))
+    pset = plan(NODES, scheme).sets[0]
+    expected = encode_set(pset, bundles, codec_for("xor", pset.size, 1))
+    for root, want in zip(roots, expected):
+        assert _held(root, step)[1].tobytes() == want.tobytes()
+    assert not list(job_dir(roots[0], JOB).glob("rank-*/*.pin"))  # released (or left to a lease)
+
+
+def _protected_by(shared: Path) -> dict[int, int]:
+    """Slot → the first step it recorded a protection pass of."""
+    out: dict[int, int] = {}
+    for e in events.read(shared / "events"):
+        if e["event"] == "snapshot_protected":
+            out.setdefault(e["slot"], e["step"])
+    return out
+
+
+def _committed_before(root: Path, rank: int, step: int) -> bytes:
+    """The manifest of a step the fixture committed (before the trainers' thread started)."""
+    (held,) = [h for h in local_versions(job_dir(root, JOB)).get(step, {}).values() if h.rank == rank]
+    return held.manifest_bytes
