@@ -12,6 +12,7 @@ from hpcft.agent import secret as job_secret
 from hpcft.agent.agent import AgentConfig, run
 from hpcft.agent.pins import LEASE_S
 from hpcft.agent.placement import Scheme
+from hpcft.agent.throttle import CPU_SHARE
 from hpcft.errors import ConfigError, HpcftError, NoCheckpointError
 
 EXIT_NO_CHECKPOINT = 3
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--losses", type=int, default=1)
     ap.add_argument("--distance", type=int, default=1)
-    ap.add_argument("--rate", type=float, default=None, help="bytes/s cap on protection traffic")
+    ap.add_argument("--rate", type=float, default=None, help="bytes/s cap on protection traffic (default: none)")
+    ap.add_argument("--cpu-share", type=float, default=CPU_SHARE, help="cap on the agent's CPU time: this fraction "
+                    "of the cores it may run on, on average (default %(default)s; 0: none)")
     ap.add_argument("--nice", type=int, default=10, help="CPU priority increment (os.nice), so the agent yields the "
                     "cores to the trainers (0: none)")
     ap.add_argument("--rounds", type=int, default=1, help="protection rounds before exiting (0: until stopped)")
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = AgentConfig(job_id=args.job_id, slot=slot, slots=slots, rendezvous=args.rendezvous,
                           secret=job_secret.load(args.secret), host=_host(args.host),
                           scheme=Scheme(args.scheme, args.group, args.losses, args.distance), rate=args.rate,
-                          rounds=args.rounds, interval=args.interval, nice=args.nice, pin_lease=args.pin_lease, rebuild=args.rebuild, tag=args.tag,
+                          rounds=args.rounds, interval=args.interval, nice=args.nice, pin_lease=args.pin_lease, cpu_share=args.cpu_share, rebuild=args.rebuild, tag=args.tag,
                           timeout=args.timeout)
         return run(cfg)
     except NoCheckpointError as exc:

@@ -18,6 +18,7 @@ from hpcft.agent.pins import LEASE_S, Pins
 from hpcft.agent.placement import Placement, Scheme, plan
 from hpcft.agent.protect import Record, StaleStep, protect_dir, protect_step, records, retire
 from hpcft.agent.rebuild import rebuild
+from hpcft.agent.throttle import CPU_SHARE, cpu_cores
 from hpcft.errors import HpcftError, IntegrityError, NoCheckpointError
 from hpcft.store import job_dir, resolve_root, secure_dir
 
@@ -89,6 +90,7 @@ class AgentConfig:
     root: str | None = None
     nice: int = 10
     pin_lease: float = LEASE_S
+    cpu_share: float = CPU_SHARE
 
 
 def _progress(job: Path) -> dict[str, int]:
@@ -124,8 +126,8 @@ def run(cfg: AgentConfig) -> int:
                      staged_steps=sorted(complete), protected_steps=sorted(recs), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
-    mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, rate=cfg.rate, tag=cfg.tag,
-                timeout=cfg.timeout)
+    mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, rate=cfg.rate,
+                cpu=cpu_cores(cfg.cpu_share), tag=cfg.tag, timeout=cfg.timeout)
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
     try:
         extra = {}

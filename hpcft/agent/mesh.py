@@ -21,9 +21,10 @@ class Mesh:
     """Channels to every other agent, keyed by slot; `allgather` for small JSON values."""
 
     def __init__(self, slot: int, size: int, secret: bytes, rendezvous: str | os.PathLike, *, host: str = "127.0.0.1",
-                 bind: str = "0.0.0.0", timeout: float = 60.0, rate: float | None = None, tag: str = "0"):
+                 bind: str = "0.0.0.0", timeout: float = 60.0, rate: float | None = None, cpu: float | None = None,
+                 tag: str = "0"):
         self.slot, self.size = slot, size
-        self.throttle = Throttle(rate)
+        self.throttle = Throttle(rate, cpu=cpu)
         self.listener = Listener(secret, host=bind, throttle=self.throttle)
         self.peers: dict[int, Channel] = {}
         base = Path(rendezvous)

@@ -1,33 +1,61 @@
-"""A bytes-per-second cap for protection traffic, so the agent never starves the trainers of bandwidth."""
+"""Caps on protection work: bytes per second (network share) and CPU cores (the node's cores are the trainers')."""
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 from hpcft.errors import ConfigError
 
+CPU_SHARE = 0.01  # the agent's default CPU cap: 1 % of the node's cores (see docs/protection.md, Cost)
+
 
 class Throttle:
-    """Token bucket: `take(n)` sleeps until n bytes fit under `rate` bytes/s (burst `burst` bytes).
-    A rate of 0 or None means no cap; the default burst is a tenth of a second's worth (64 KiB to 4 MiB)."""
+    """Token buckets: `take(n)` sleeps until n bytes fit under `rate` bytes/s (burst `burst` bytes) and until the
+    process's CPU time since the last call fits under `cpu` cores on average (burst: one second's worth), so the
+    agent's CPU use on a node stays a set share whatever a byte costs there. 0 or None: no cap of that kind.
+    The default byte burst is a tenth of a second's worth (64 KiB to 4 MiB)."""
 
     def __init__(self, rate: float | None, burst: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, cpu: float | None = None,
+                 cpu_clock: Callable[[], float] = time.process_time):
         self.rate = rate or 0.0
+        self.cpu = cpu or 0.0
         self.burst = burst if burst is not None else int(min(4 << 20, max(64 << 10, self.rate / 10)))
-        self._clock, self._sleep = clock, sleep
+        self._clock, self._sleep, self._cpu_clock = clock, sleep, cpu_clock
         self._tokens = float(self.burst)
+        self._cpu_tokens = self.cpu
         self._last = clock()
+        self._cpu_last = cpu_clock()
+        self.slept = 0.0  # seconds spent waiting on either cap (reported by the bench)
 
     def take(self, nbytes: int) -> None:
-        """Account for `nbytes` about to be sent or encoded; wait as long as the cap requires."""
-        if self.rate <= 0:
+        """Account for `nbytes` about to be sent or encoded; wait as long as the caps require."""
+        if self.rate <= 0 and self.cpu <= 0:
             return
         now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate) - nbytes
-        self._last = now
-        if self._tokens < 0:
-            self._sleep(-self._tokens / self.rate)
+        elapsed, self._last = now - self._last, now
+        wait = 0.0
+        if self.rate > 0:
+            self._tokens = min(self.burst, self._tokens + elapsed * self.rate) - nbytes
+            wait = max(wait, -self._tokens / self.rate)
+        if self.cpu > 0:
+            cpu_now = self._cpu_clock()
+            used, self._cpu_last = cpu_now - self._cpu_last, cpu_now
+            # net of the allowance accrued meanwhile: CPU spent between passes (rounds, status) is no debt if it
+            # stayed under the cap; unused allowance is kept only up to the burst
+            self._cpu_tokens = min(self.cpu, self._cpu_tokens + elapsed * self.cpu - used)
+            wait = max(wait, -self._cpu_tokens / self.cpu)
+        if wait > 0:
+            self.slept += wait
+            self._sleep(wait)
+
+
+def cpu_cores(share: float) -> float:
+    """`share` of the cores this process may run on, in cores (the agent's CPU cap from its `--cpu-share`)."""
+    if not 0 <= share <= 1:
+        raise ConfigError(f"a CPU share is a fraction of the node's cores between 0 and 1 (got {share})")
+    return share * len(os.sched_getaffinity(0))
 
 
 def pace(nbytes: float, seconds: float, fill: float = 0.8) -> float:

@@ -27,6 +27,7 @@ _FRAME = struct.Struct("!IQ")  # header length, payload length
 MAX_HEADER = 1 << 20
 SEND_PIECE = 4 << 20
 HANDSHAKE_S = 10.0
+SOCKET_BUFFER = 4 << 20  # send/receive buffers: fewer wake-ups and copies per byte than the defaults (measured)
 
 
 class TransportError(HpcftError):
@@ -64,6 +65,8 @@ class Channel:
         self.peer = peer
         self.throttle = throttle or Throttle(None)
         sock.settimeout(None)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
 
     def send(self, header: dict[str, Any], payload: Any = None) -> None:
         """Send a JSON-able `header` and an optional bytes-like `payload`."""

@@ -10,7 +10,7 @@ import pytest
 
 from hpcft import events
 from hpcft.agent import secret as job_secret
-from hpcft.agent.throttle import Throttle
+from hpcft.agent.throttle import Throttle, cpu_cores
 from hpcft.agent.transport import MAGIC, NONCE, AuthError, Listener, TransportError, connect
 from hpcft.errors import ConfigError
 
@@ -123,3 +123,23 @@ def test_throttle_waits_for_the_bytes_over_the_cap():
     throttle.take(50)
     assert sum(slept) == pytest.approx(1.0)
     Throttle(None).take(1 << 40)  # no cap, no wait
+
+
+def test_cpu_cap_waits_until_the_cpu_spent_fits_the_share():
+    now, cpu, slept = [0.0], [0.0], []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    throttle = Throttle(None, clock=lambda: now[0], sleep=sleep, cpu=0.5, cpu_clock=lambda: cpu[0])
+    cpu[0] += 1.5  # a pass spent 1.5 core-s at once: 0.5 of burst, then 1 core-s over the cap = 2 s at 0.5 cores
+    throttle.take(1)
+    assert slept == [pytest.approx(2.0)]
+    now[0] += 10.0  # ten idle seconds in which 2 core-s went elsewhere (rounds, status): under the cap, no debt
+    cpu[0] += 2.0
+    throttle.take(1)
+    assert len(slept) == 1
+    with pytest.raises(ConfigError, match="between 0 and 1"):
+        cpu_cores(1.5)
+    assert cpu_cores(0.5) == pytest.approx(len(os.sched_getaffinity(0)) / 2)
