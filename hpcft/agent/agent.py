@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hpcft import events
 from hpcft.agent import status
-from hpcft.agent.bundle import Bundle, complete_steps, local_versions
+from hpcft.agent.bundle import Bundle, complete_steps, local_versions, pin_targets
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.pins import LEASE_S, Pins
 from hpcft.agent.placement import Placement, Scheme, plan
@@ -21,6 +21,7 @@ from hpcft.agent.rebuild import rebuild
 from hpcft.agent.throttle import CPU_SHARE, cpu_cores
 from hpcft.errors import HpcftError, IntegrityError, NoCheckpointError
 from hpcft.store import job_dir, resolve_root, secure_dir
+from hpcft.store import pin as store_pin
 
 _log = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ def protect_newest(mesh: Mesh, placement: Placement, job: Path, pins: Pins, keep
             ok = _readable(bundle, mesh)
             if not all(mesh.allgather(ok)):
                 return None
-            return protect_step(mesh, placement, bundle, job, keep, started)
+            rec = protect_step(mesh, placement, bundle, job, keep, started)
+            pins.keep(bundle.pin_targets())  # held until a newer step is protected: a node loss finds this one
+            return rec
     finally:
         bundle.close()
 
@@ -69,6 +72,15 @@ def _readable(bundle: Bundle, mesh: Mesh) -> bool:
         events.emit("protect_stale" if stale else "protect_skipped", level=logging.WARNING if stale else logging.ERROR,
                     step=bundle.step, slot=mesh.slot, reason="the trainers reused the slot" if stale else str(exc))
         return False
+
+
+def keep_newest_protected(job: Path, pins: Pins) -> None:
+    """At start (or after a rebuild): keep pinned the newest step this node holds and has a record of, as a pass
+    would have left it, so that the trainers resuming from it do not recycle it before the next pass."""
+    complete, recs = complete_steps(job), records(job)
+    both = sorted(set(complete) & set(recs))
+    if both:
+        pins.keep(pin_targets(both[-1], complete[both[-1]]))
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,7 @@ def run(cfg: AgentConfig) -> int:
     if cfg.nice:
         os.nice(cfg.nice)  # yield the cores to the trainers: protection is background work
     job = secure_dir(job_dir(resolve_root(cfg.root), cfg.job_id))
+    store_pin.announce(job)  # trainers opening their stores from now on keep a spare slot for the pins
     retire(protect_dir(job), 2)  # data files a killed pass left without a record
     node = socket.gethostname()
 
@@ -139,9 +152,11 @@ def run(cfg: AgentConfig) -> int:
                 raise
             extra = {"rebuilt_step": outcome.step, "rebuilt": list(outcome.rebuilt)}
             print(f"slot={cfg.slot} rebuilt={outcome.step} here={cfg.slot in outcome.rebuilt}", flush=True)
+        keep_newest_protected(job, pins)
         report(status.READY, **extra)
         done = 0
         while cfg.rounds <= 0 or done < cfg.rounds:
+            mesh.throttle.take(0)  # the rounds' own CPU (all-gathers, status, manifest reads) counts against the cap
             try:
                 rec = protect_newest(mesh, placement, job, pins)
             except StaleStep as exc:  # after the exchange, so the mesh is still in step

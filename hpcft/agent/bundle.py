@@ -72,6 +72,11 @@ def complete_steps(job: Path) -> dict[int, dict[int, Held]]:
     return dict(sorted((s, v) for s, v in versions.items() if set(v) == ranks))
 
 
+def pin_targets(step: int, held: dict[int, Held]) -> list[tuple[Path, int]]:
+    """(pin file, step) of the slot holding `step` in every rank's store (see `hpcft.store.pin`)."""
+    return [(store_pin.path_of(h.manifest_path), step) for h in held.values()]
+
+
 def map_readonly(path: Path, nbytes: int) -> np.ndarray:
     if nbytes == 0:
         return np.empty(0, dtype=np.uint8)
@@ -131,7 +136,7 @@ class Bundle:
 
     def pin_targets(self) -> list[tuple[Path, int]]:
         """(pin file, step) of every rank's slot holding this step: what the agent pins while it reads them."""
-        return [(store_pin.path_of(h.manifest_path), self.step) for h in self.held.values()]
+        return pin_targets(self.step, self.held)
 
     def still_committed(self) -> bool:
         """True if every rank's manifest of this step is still the one read (the slot was not reused)."""

@@ -1,7 +1,9 @@
 """The agent's policy for store pins (`hpcft.store.pin`): while it protects a step, or rebuilds a peer from it,
 it pins that step's slot in every local rank's store, so the trainers write their next snapshots elsewhere
-instead of overtaking the pass. One step pinned at a time (keep >= 2 then always leaves the trainers a slot);
-a daemon thread renews the lease every third of it, so a pin outlives neither its agent nor a stopped one."""
+instead of overtaking the pass; and it keeps the newest step it has protected pinned until a newer one is, so
+a node loss always finds a protected step still held by the survivors however slowly protection runs. At most
+two steps pinned per rank: the store's spare slot (announced by the agent) leaves the trainers a slot always.
+A daemon thread renews the leases every third of one, so a pin outlives neither its agent nor a stopped one."""
 from __future__ import annotations
 
 import logging
@@ -23,6 +25,8 @@ class Pins:
     def __init__(self, owner: str, lease: float = LEASE_S):
         self.owner, self.lease = owner, lease
         self._held: dict[Path, store_pin.Pin] = {}
+        self._passes: list[Path] = []  # held for a pass in progress (one entry per holding, per slot)
+        self._kept: set[Path] = set()  # held as the newest protected step
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="hpcft-pins", daemon=True)
@@ -30,21 +34,40 @@ class Pins:
 
     @contextmanager
     def holding(self, targets: Iterable[tuple[Path, int]]) -> Iterator[None]:
-        """Pin each (pin path, step) for the duration of the block; released (if still ours) afterwards."""
+        """Pin each (pin path, step) for the duration of the block; released afterwards unless kept."""
         targets = list(targets)
         try:
             with self._lock:
                 for path, step in targets:
-                    pin = store_pin.mine(step, self.lease, self.owner)
-                    store_pin.write(path, pin)
-                    self._held[path] = pin
+                    self._passes.append(path)
+                    self._pin(path, step)
             yield
         finally:
             with self._lock:
                 for path, _ in targets:
-                    pin = self._held.pop(path, None)
-                    if pin is not None:
-                        store_pin.remove(path, pin)
+                    self._passes.remove(path)
+                self._release_unneeded([path for path, _ in targets])
+
+    def keep(self, targets: Iterable[tuple[Path, int]]) -> None:
+        """Keep these (pin path, step) pinned from now on, as the newest protected step; the previous one is
+        released (its slots go back to the trainers)."""
+        targets = list(targets)
+        with self._lock:
+            old, self._kept = self._kept, {path for path, _ in targets}
+            for path, step in targets:
+                if path not in self._held or self._held[path].step != step:
+                    self._pin(path, step)
+            self._release_unneeded(old - self._kept)
+
+    def _pin(self, path: Path, step: int) -> None:
+        pin = store_pin.mine(step, self.lease, self.owner)
+        store_pin.write(path, pin)
+        self._held[path] = pin
+
+    def _release_unneeded(self, paths: Iterable[Path]) -> None:
+        for path in paths:
+            if path not in self._passes and path not in self._kept and path in self._held:
+                store_pin.remove(path, self._held.pop(path))
 
     def _renew(self) -> None:
         while not self._stop.wait(self.lease / 3):

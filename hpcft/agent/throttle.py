@@ -57,10 +57,3 @@ def cpu_cores(share: float) -> float:
         raise ConfigError(f"a CPU share is a fraction of the node's cores between 0 and 1 (got {share})")
     return share * len(os.sched_getaffinity(0))
 
-
-def pace(nbytes: float, seconds: float, fill: float = 0.8) -> float:
-    """The cap that spreads `nbytes` of paced work (checksums + sends of one protect pass) over `fill` of an
-    interval of `seconds` (the snapshot interval): protection finishes before the next snapshot without bursts."""
-    if nbytes <= 0 or seconds <= 0 or not 0 < fill <= 1:
-        raise ConfigError(f"pace needs bytes > 0, seconds > 0, 0 < fill <= 1 (got {nbytes}, {seconds}, {fill})")
-    return nbytes / (fill * seconds)

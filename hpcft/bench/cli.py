@@ -93,18 +93,24 @@ def restore(params: int, warmup: int, threads: int, root: str | None, as_json: b
               help="Measured training steps per variant (with / without protection).")
 @click.option("--interval", type=float, default=None,
               help="Seconds between protection rounds [default: the measured step time: a snapshot every step].")
-@click.option("--rate", type=float, default=None,
-              help="Agents' bytes/s cap [default: spread one pass over 80% of a measured step]; 0 for none.")
+@click.option("--rate", type=float, default=None, help="Agents' bytes/s cap [default: none, as the agent's].")
+@click.option("--cpu-share", type=click.FloatRange(0, 1), default=None,
+              help="Agents' CPU cap as a fraction of this machine's cores [default: the agent's, 0.01]; 0 for none.")
 @click.option("--nice", type=click.IntRange(0, 19), default=10, show_default=True, help="Agents' CPU priority increment.")
+@click.option("--window", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="Seconds of training with the agents running freely (protection rate, CPU per GB, lag).")
 @click.option("--scheme", "schemes", multiple=True, type=click.Choice(["xor", "partner", "rs"]),
               help="Schemes to measure (repeatable) [default: all].")
 def protect(params: int, warmup: int, threads: int, root: str | None, as_json: bool, state_bytes: int, steps: int,
-            interval: float | None, rate: float | None, nice: int, schemes: tuple[str, ...]) -> None:
+            interval: float | None, rate: float | None, cpu_share: float | None, nice: int, window: float,
+            schemes: tuple[str, ...]) -> None:
     """Cross-node protection per scheme: encode vs memcpy, bytes sent/stored vs state, rebuild time, step overhead."""
+    from hpcft.agent.throttle import CPU_SHARE
     from hpcft.bench.protect import ProtectOptions, run
 
     opts = ProtectOptions(params=params, state_bytes=state_bytes, steps=steps, warmup=warmup, threads=threads,
-                          interval=interval, rate=rate, nice=nice, schemes=schemes, root=root)
+                          interval=interval, rate=rate, cpu_share=CPU_SHARE if cpu_share is None else cpu_share,
+                          nice=nice, window=window, schemes=schemes, root=root)
     _run(as_json, lambda: run(opts))
 
 

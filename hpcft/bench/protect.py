@@ -28,10 +28,11 @@ from hpcft.agent.codec import codec_for
 from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.protect import records
 from hpcft.agent.stripes import encode_set, parity_bytes, partner_copies, piece_bytes
-from hpcft.agent.throttle import pace
+from hpcft.agent.throttle import CPU_SHARE, cpu_cores
 from hpcft.bench.harness import Memcpy, Report, Variant, run_interleaved, scratch, set_threads
 from hpcft.errors import HpcftError
-from hpcft.store import RankStore, crc32c, job_dir
+from hpcft.store import RankStore, crc32c, job_dir, secure_dir
+from hpcft.store import pin as store_pin
 
 NODES = 4
 JOB = "bench-protect"
@@ -47,8 +48,10 @@ class ProtectOptions:
     warmup: int
     threads: int
     interval: float | None = None  # seconds between agent rounds; None: the measured step time (a snapshot a step)
-    rate: float | None = None      # bytes/s cap; None: `pace` over the interval; 0: no cap
+    rate: float | None = None      # agents' bytes/s cap; None or 0: none (the agent's default)
+    cpu_share: float = CPU_SHARE   # agents' CPU cap, a fraction of this machine's cores (the agent's default)
     nice: int = 10
+    window: float = 60.0           # seconds of training with the agents running freely, after the timed steps
     schemes: tuple[str, ...] = ()  # names from SCHEMES; empty: all
     root: str | None = None
 
@@ -111,11 +114,14 @@ class Encode(Variant):
 
 
 class Train(Variant):
-    """A training step plus an hpcft snapshot; the agents run (`protect=True`) or are stopped."""
+    """A training step plus an hpcft snapshot; the agents run (`protect=True`) or are stopped. Records when each
+    step's snapshot was committed (wall time), to tell how far protection lags behind."""
 
-    def __init__(self, name: str, trainer, ckpt, agents: list[subprocess.Popen], protect: bool) -> None:
+    def __init__(self, name: str, trainer, ckpt, agents: list[subprocess.Popen], protect: bool,
+                 committed: dict[int, float] | None = None) -> None:
         self.name = self.label = name
         self.trainer, self.ckpt, self.agents, self.protect = trainer, ckpt, agents, protect
+        self.committed = {} if committed is None else committed
 
     def prepare(self, index: int) -> None:
         for p in self.agents:
@@ -127,22 +133,34 @@ class Train(Variant):
 
     def drain(self) -> None:
         self.ckpt.wait()
+        self.committed[self.ckpt.completed] = time.time()
 
 
 @dataclass(frozen=True)
 class Overhead:
-    """What protection running next to a trainer cost it, and what one protect pass of its snapshot costs."""
+    """What one node's protection cost its trainer, and what protection it bought (see `_overhead`)."""
     overhead: float
     mean_overhead: float
+    all_agents: float
+    all_agents_mean: float
+    node_share: float
+    core_share: float
+    agent_over_trainer: float | None
     cpu_overhead: float
     step_s: float
     step_cpu_s: float
     rate: float | None
+    cpu_share: float
+    cpu_cores: float
     interval: float
     protect_s: float | None
     agent_cpu_s: float | None
+    peer_cpu_s: float | None
     protected: int
+    snapshots: int
     stale: int
+    behind_s: float | None
+    every_s: float | None
     snapshot_bytes: int
 
 
@@ -153,9 +171,14 @@ def _cpu_s(pid: int) -> float:
 
 
 def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
-    """Median step time with protection running over the same with the agents stopped, minus 1; then, with the
-    agents running freely (at their cap and priority), the wall time of one protect pass of a training snapshot
-    and the CPU time one agent spends on it."""
+    """One node's cost as a cluster would see it: its trainer (snapshot every step) and four agents at the policy
+    under test (`--rate`, `--cpu-share`, `--nice`), all on this machine. Step time with the agents running over the
+    same with them stopped (SIGSTOP), interleaved, is what four agents cost one trainer here; the per-node overhead
+    is that times node 0's share of the agents' CPU over the timed steps (the peers' work belongs to other nodes;
+    on a saturated machine a trainer loses what the others take). Then, agents running freely for `--window`
+    seconds of training: node 0's agent CPU per protected GB, its share of the machine's cores (a trainer that
+    owns every core slows by share / (1 - share), whatever else loads the machine), protected snapshots per
+    snapshot, a snapshot's age when its protection completes, and the time between passes."""
     from hpcft.bench.model import Trainer, config_for_params
     from hpcft.checkpointer import Checkpointer
 
@@ -166,9 +189,11 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
     shared.mkdir(mode=0o700)
     job_secret.create(shared)
     trainer = Trainer(config_for_params(opts.params))
+    store_pin.announce(secure_dir(job_dir(roots[0], JOB)))  # as this node's agent would before the trainers start
     ckpt = Checkpointer(trainer.model, trainer.optimizer, every=1, keep=2, root=str(roots[0]), job_id=JOB, auto=False)
     agents: list[subprocess.Popen] = []
-    plain = Train("plain", trainer, ckpt, [], False)
+    committed: dict[int, float] = {}
+    plain = Train("plain", trainer, ckpt, [], False, committed)
     try:
         for _ in range(3):  # fill every store slot (keep + 1): their pages are faulted in once, as in a real run
             plain.run_once(0)
@@ -188,38 +213,50 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
             j.mkdir(mode=0o700)
             (j / rank_dir.name).symlink_to(rank_dir)
         interval = opts.interval if opts.interval is not None else step_s
-        # checksums + sends go through the throttle; a pass must end within one snapshot interval of the trainer
-        # whatever the agents' interval, or the store reuses the slot under it (keep=2: event protect_stale)
-        per_pass = snapshot_bytes * (1 + _sent_over_state(scheme))
-        rate = pace(per_pass, step_s) if opts.rate is None else (opts.rate or None)
-        extra = ["--rounds", "0", "--interval", str(interval), "--nice", str(opts.nice)]
-        agents = _agents(roots, shared, scheme, "train", *extra, *(["--rate", str(rate)] if rate else []))
-        with_p, without = Train("with_protection", trainer, ckpt, agents, True), Train("without", trainer, ckpt, agents, False)
+        rate = opts.rate or None
+        extra = ["--rounds", "0", "--interval", str(interval), "--nice", str(opts.nice),
+                 "--cpu-share", str(opts.cpu_share), *(["--rate", str(rate)] if rate else [])]
+        agents = _agents(roots, shared, scheme, "train", *extra)
+        with_p = Train("with_protection", trainer, ckpt, agents, True, committed)
+        without = Train("without", trainer, ckpt, agents, False, committed)
+        timed0 = [_cpu_s(p.pid) for p in agents]
         timings = run_interleaved([without, with_p], opts.steps, opts.warmup, block=2)
+        timed = [_cpu_s(p.pid) - c for p, c in zip(agents, timed0)]  # stopped in the other blocks: all `with`
+        share = timed[0] / sum(timed) if sum(timed) > 0 else 0.0  # this node's part of what the agents took
         for p in agents:
             os.kill(p.pid, signal.SIGCONT)
         seen = len(events.read(shared / "events"))
-        free = Train("free", trainer, ckpt, agents, True)
+        free = Train("free", trainer, ckpt, agents, True, committed)
         cpu0 = [_cpu_s(p.pid) for p in agents]
-        deadline = time.monotonic() + max(60.0, 20 * interval)
-        passes: list[dict] = []
-        slot0: list[float] = []
-        while len(slot0) < 2 and time.monotonic() < deadline:  # the first may have begun while stopped
+        first, trainer_cpu0, wall0 = ckpt.completed, time.process_time(), time.monotonic()
+        t_end = time.monotonic() + opts.window
+        while time.monotonic() < t_end:
             free.run_once(0)
             free.drain()
-            passes = [e for e in events.read(shared / "events")[seen:] if e["event"] == "snapshot_protected"]
-            slot0 = [e["seconds"] for e in passes if e.get("slot") == 0]
-        cpu = sum(_cpu_s(p.pid) for p in agents) - sum(cpu0)
-        every = events.read(shared / "events")
+        cpu = [_cpu_s(p.pid) - c for p, c in zip(agents, cpu0)]
+        trainer_cpu = time.process_time() - trainer_cpu0
+        core_share = cpu[0] / ((time.monotonic() - wall0) * len(os.sched_getaffinity(0)))
+        snapshots = ckpt.completed - first
+        window = events.read(shared / "events")[seen:]
+        mine = [e for e in window if e["event"] == "snapshot_protected" and e.get("slot") == 0]
+        behind = [e["time"] - committed[e["step"]] for e in mine if e["step"] in committed]
+        gb = len(mine) * snapshot_bytes / 1e9
         mean = {v: statistics.mean(timings.samples[v]) for v in ("with_protection", "without")}
-        return Overhead(overhead=timings.median("with_protection") / timings.median("without") - 1.0,
-                        mean_overhead=mean["with_protection"] / mean["without"] - 1.0,
+        raw = timings.median("with_protection") / timings.median("without") - 1.0
+        raw_mean = mean["with_protection"] / mean["without"] - 1.0
+        return Overhead(overhead=raw * share, mean_overhead=raw_mean * share, all_agents=raw, all_agents_mean=raw_mean,
+                        node_share=share, core_share=core_share, agent_over_trainer=cpu[0] / trainer_cpu if trainer_cpu > 0 else None,
                         cpu_overhead=timings.cpu_median("with_protection") / timings.cpu_median("without") - 1.0,
-                        step_s=timings.median("without"), step_cpu_s=timings.cpu_median("without"), rate=rate, interval=interval,
-                        protect_s=slot0[-1] if len(slot0) >= 2 else None,
-                        agent_cpu_s=cpu / len(passes) if passes else None,  # per agent per pass (passes: all slots)
-                        protected=sum(1 for e in every if e["event"] == "snapshot_protected" and e.get("slot") == 0),
-                        stale=sum(1 for e in every if e["event"] == "protect_stale" and e.get("slot") == 0),
+                        step_s=timings.median("without"), step_cpu_s=timings.cpu_median("without"), rate=rate,
+                        cpu_share=opts.cpu_share, cpu_cores=cpu_cores(opts.cpu_share), interval=interval,
+                        protect_s=statistics.median(e["seconds"] for e in mine) if mine else None,
+                        agent_cpu_s=cpu[0] / gb if gb else None,
+                        peer_cpu_s=sum(cpu[1:]) / len(cpu[1:]) / gb if gb else None,
+                        protected=len(mine), snapshots=snapshots,
+                        stale=sum(1 for e in window if e["event"] == "protect_stale" and e.get("slot") == 0),
+                        behind_s=statistics.median(behind) if behind else None,
+                        every_s=statistics.median(b["time"] - a["time"] for a, b in zip(mine, mine[1:]))
+                        if len(mine) > 1 else None,
                         snapshot_bytes=snapshot_bytes)
     finally:
         for p in agents:
@@ -269,16 +306,30 @@ def _scheme_record(opts: ProtectOptions, scheme: Scheme, base: Path) -> dict:
         "protect_pass_s_uncapped": max(idle) if idle else None,
         "overhead_with_protection": ov.overhead,
         "mean_overhead_with_protection": ov.mean_overhead,
+        "overhead_all_agents_here": ov.all_agents,
+        "mean_overhead_all_agents_here": ov.all_agents_mean,
+        "node_share_of_agent_cpu": ov.node_share,
+        "agent_cpu_over_trainer_cpu_running": ov.agent_over_trainer,
+        "agent_share_of_cores": ov.core_share,
+        "overhead_from_agent_cpu": ov.core_share / (1 - ov.core_share),
         "cpu_overhead_with_protection": ov.cpu_overhead,
         "step_s": ov.step_s,
+        "step_cpu_s": ov.step_cpu_s,
         "snapshot_bytes": ov.snapshot_bytes,
         "rate_bytes_per_s": ov.rate,
+        "cpu_share": ov.cpu_share,
+        "cpu_cores_cap": ov.cpu_cores,
         "interval_s": ov.interval,
         "protect_s_per_snapshot": ov.protect_s,
-        "agent_cpu_s_per_snapshot": ov.agent_cpu_s,
-        "step_cpu_s": ov.step_cpu_s,
-        "agent_cpu_over_trainer_cpu": ov.agent_cpu_s / ov.step_cpu_s if ov.agent_cpu_s else None,
+        "agent_cpu_s_per_gb": ov.agent_cpu_s,
+        "peer_agent_cpu_s_per_gb": ov.peer_cpu_s,
+        "agent_cpu_s_per_snapshot": ov.agent_cpu_s * ov.snapshot_bytes / 1e9 if ov.agent_cpu_s else None,
+        "agent_cpu_over_trainer_cpu": ov.agent_cpu_s * ov.snapshot_bytes / 1e9 / ov.step_cpu_s if ov.agent_cpu_s else None,
+        "protected_per_snapshot": ov.protected / ov.snapshots if ov.snapshots else None,
+        "protect_every_s": ov.every_s,
+        "protected_behind_s": ov.behind_s,
         "protect_passes_during_training": ov.protected,
+        "snapshots_during_training": ov.snapshots,
         "protect_stale_during_training": ov.stale,
     }
 
@@ -299,15 +350,23 @@ def run(opts: ProtectOptions) -> Report:
         report.add(f"{s}_sent_per_node_over_state", rec["sent_per_node_over_state"], "x", f"{s}: sent per node ÷ state")
         report.add(f"{s}_rebuild_s", rec["rebuild_s"], "s", f"{s}: rebuild of one node")
         report.add(f"{s}_overhead_with_protection", rec["overhead_with_protection"], "%",
-                   f"{s}: step time, protection running (capped, niced) vs stopped")
-        report.add(f"{s}_protect_s_per_snapshot", rec["protect_s_per_snapshot"], "s",
-                   f"{s}: one protect pass of a training snapshot (cap {_rate(rec['rate_bytes_per_s'])})")
-        report.add(f"{s}_agent_cpu_over_trainer_cpu", rec["agent_cpu_over_trainer_cpu"], "%",
-                   f"{s}: one node's agent CPU per snapshot ÷ trainer core-seconds per step")
+                   f"{s}: step time (median), this node's protection running vs stopped")
+        report.add(f"{s}_mean_overhead_with_protection", rec["mean_overhead_with_protection"], "%",
+                   f"{s}: the same, means")
+        report.add(f"{s}_overhead_from_agent_cpu", rec["overhead_from_agent_cpu"], "%",
+                   f"{s}: this node's agent share of the cores / (1 - share), agents running freely")
+        report.add(f"{s}_agent_cpu_s_per_gb", rec["agent_cpu_s_per_gb"], "s",
+                   f"{s}: this node's agent, core-seconds per protected GB of snapshot")
+        report.add(f"{s}_protected_per_snapshot", rec["protected_per_snapshot"], "x",
+                   f"{s}: snapshots protected per snapshot taken (cap {rec['cpu_cores_cap']:.3f} cores, "
+                   f"{_rate(rec['rate_bytes_per_s'])})")
+        report.add(f"{s}_protected_behind_s", rec["protected_behind_s"], "s",
+                   f"{s}: a snapshot's age when its protection completes (median)")
     report.note("schemes", out)
     report.note("config", {"nodes": NODES, "state_bytes": opts.state_bytes, "params": opts.params, "steps": opts.steps,
-                           "interval_s": opts.interval, "rate": opts.rate, "nice": opts.nice, "threads": opts.threads,
-                           "agents_on_this_machine": NODES})
+                           "interval_s": opts.interval, "rate": opts.rate, "cpu_share": opts.cpu_share,
+                           "nice": opts.nice, "window_s": opts.window, "threads": opts.threads,
+                           "agents_on_this_machine": NODES, "peer_agents": "SCHED_IDLE"})
     return report
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from hpcft.errors import StoreError
 
 SUFFIX = ".pin"
+MARKER = "agent-pins"  # in the job directory: a reader here pins (the agent: up to two versions per rank)
 
 
 @dataclass(frozen=True)
@@ -95,3 +96,17 @@ def stale_reason(pin: Pin, now: float | None = None) -> str | None:
     if pin.host == socket.gethostname() and process_start(pin.pid) != pin.start:
         return f"owner pid {pin.pid} is gone"
     return None
+
+
+def announce(job: Path) -> None:
+    """Tell the job's writers that a reader pins here (the node agent, at start): stores opened afterwards keep a
+    spare slot, so that a pass in flight and the newest protected version can both be pinned without ever
+    leaving a writer no slot."""
+    path = job / MARKER
+    if not path.exists():
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+
+
+def announced(job: Path) -> bool:
+    """True if a reader announced pins for this job (see `announce`)."""
+    return (job / MARKER).exists()

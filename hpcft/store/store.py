@@ -49,7 +49,7 @@ class RankStore:
         self.readonly = readonly
         self.job = secure_dir(job_dir(resolve_root(root), job_id, user), create=not readonly)
         self.dir = secure_dir(rank_dir(self.job, rank), create=not readonly)
-        self.nslots = keep + 1
+        self.nslots = keep + 1 + (1 if pins.announced(self.job) else 0)  # a spare slot where an agent pins
         self._slots: dict[int, Slot] = {}
         self._full: set[int] = set()  # slots whose allocation ran out of space in this process
         self._index: dict[int, Version] | None = None  # slot -> complete version, as this writer knows it

@@ -23,6 +23,7 @@ from hpcft.agent.protect import records
 from hpcft.agent.stripes import encode_set, rebuild_partner, rebuild_set
 from hpcft.errors import NoCheckpointError
 from hpcft.store import RankStore, crc32c, job_dir
+from hpcft.store import pin as store_pin
 
 JOB = "4242"
 NODES = 4
@@ -275,8 +276,14 @@ def test_an_agent_killed_mid_protection_loses_nothing_and_the_relaunch_completes
 def test_a_slow_agent_protects_a_consistent_step_while_trainers_snapshot_every_step(cluster, tmp_path):
     roots, shared, secret = cluster
     scheme = Scheme("xor", group=4)
+    procs = _start_agents(roots, shared, secret, scheme, "slow", "--rounds", "0", "--interval", "0.1",
+                          "--rate", "300000")  # ~5 s a pass: the trainers commit ~50 steps meanwhile
+    while not all(store_pin.announced(job_dir(root, JOB)) for root in roots):  # trainers start after their agent
+        assert all(p.poll() is None for p in procs), "an agent died"
+        time.sleep(0.05)
     stores = [RankStore(JOB, i * RANKS_PER_NODE + r, root=root) for i, root in enumerate(roots)
               for r in range(RANKS_PER_NODE)]
+    assert {s.nslots for s in stores} == {4}  # keep + 1 + the spare slot for the agent's pins
     manifests: dict[tuple[int, int], bytes] = {}
     stop, errors = threading.Event(), []
 
@@ -291,14 +298,16 @@ def test_a_slow_agent_protects_a_consistent_step_while_trainers_snapshot_every_s
             step += 1
 
     writer = threading.Thread(target=trainers)
-    procs = _start_agents(roots, shared, secret, scheme, "slow", "--rounds", "0", "--interval", "0.1",
-                          "--rate", "300000")  # ~5 s a pass: the trainers commit ~50 steps meanwhile
     writer.start()
     try:
         deadline = time.monotonic() + 90
         while len(_protected_by(shared)) < NODES:  # every node committed its record of one step
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no pass completed"
             time.sleep(0.1)
+        time.sleep(1.0)  # ten more snapshots: the newest protected step stays held (kept pinned) on every node
+        for root in roots:
+            newest = max(records(job_dir(root, JOB)))
+            assert newest in complete_steps(job_dir(root, JOB)), "the newest protected step was recycled"
     finally:
         stop.set()
         writer.join()
@@ -326,7 +335,6 @@ def test_a_slow_agent_protects_a_consistent_step_while_trainers_snapshot_every_s
     expected = encode_set(pset, bundles, codec_for("xor", pset.size, 1))
     for root, want in zip(roots, expected):
         assert _held(root, step)[1].tobytes() == want.tobytes()
-    assert not list(job_dir(roots[0], JOB).glob("rank-*/*.pin"))  # released (or left to a lease)
 
 
 def _protected_by(shared: Path) -> dict[int, int]:

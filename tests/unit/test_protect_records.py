@@ -1,9 +1,6 @@
-"""Record files: retired data files are recycled (their faulted-in pages reused), never left torn; the pace."""
-import pytest
+"""Record files: retired data files are recycled (their faulted-in pages reused), never left torn."""
 
 from hpcft.agent.protect import SPARE, record_slot, retire
-from hpcft.agent.throttle import pace
-from hpcft.errors import ConfigError
 
 
 def test_a_retired_record_file_becomes_the_next_pass_data_file(tmp_path):
@@ -21,9 +18,3 @@ def test_a_retired_record_file_becomes_the_next_pass_data_file(tmp_path):
     finally:
         slot.close()
     assert (tmp_path / "step-4.data").exists()
-
-
-def test_pace_spreads_a_pass_over_most_of_the_interval():
-    assert pace(800e6, 2.0) == pytest.approx(500e6)
-    with pytest.raises(ConfigError, match="seconds > 0"):
-        pace(1e6, 0)

@@ -163,3 +163,18 @@ def test_training_goes_on_while_every_slot_is_pinned(tmp_path: Path, evdir: Path
         assert sorted(v.step for v in ckpt.store.versions()) == [2, 6]
     finally:
         ckpt.close()
+
+
+def test_where_an_agent_announced_pins_the_store_keeps_a_spare_slot(tmp_path: Path) -> None:
+    assert RankStore("1", 0, root=tmp_path).nslots == 3
+    pins.announce(RankStore("1", 0, root=tmp_path).job)
+    store = RankStore("1", 0, root=tmp_path)
+    assert store.nslots == 4
+    for step in (1, 2):
+        _commit(store, step)
+    _pin(store, 1)  # the newest protected step, kept
+    _commit(store, 3)
+    _pin(store, 3)  # a pass in flight on the then newest step
+    for step in range(4, 10):  # the writer always finds a slot: the newest and one more besides the two pins
+        _commit(store, step)
+        assert {1, 3, step} <= {v.step for v in store.versions()}
