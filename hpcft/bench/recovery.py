@@ -1,6 +1,6 @@
 """`hpcft bench recovery`: time from a fault to the first completed training step after it, in the sandbox.
 
-Three runs of the same 4-rank DP job (hpcft/bench/recovery_job.py, 4 active + 2 spare nodes):
+Three runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spare nodes):
 - rank kill: `hpcft run`, one trainer SIGKILLed mid-run → relaunch on the same nodes, restore from node memory;
 - node crash: `hpcft run --protect xor`, a node's slurmd, steps and /dev/shm killed once the agents have
   protected a step → a spare takes its slot, the agents rebuild the lost snapshot onto it and every rank
@@ -36,7 +36,7 @@ from hpcft.errors import ConfigError, HpcftError
 from hpcft.slurm import state as slurmstate
 
 _log = logging.getLogger(__name__)
-JOB = Path(__file__).with_name("recovery_job.py")
+JOB = Path(__file__).with_name("train_job.py")
 ACTIVE, SPARES, VICTIM_RANK = 4, 2, 2
 TARGETS = {"rank_kill_s": 10.0, "node_crash_s": 15.0, "restore_share": 0.10}
 
@@ -122,7 +122,7 @@ def _victim(out: Path, opts: RecoveryOptions, run: str) -> int | None:
 
 
 def _supervised(sb, opts: RecoveryOptions, out: Path, *options: str, **env: str) -> subprocess.Popen:
-    """`salloc -N6 --no-kill hpcft run --spares 2 … OPTIONS -- python recovery_job.py` in the sandbox."""
+    """`salloc -N6 --no-kill hpcft run --spares 2 … OPTIONS -- python train_job.py` in the sandbox."""
     out.mkdir(parents=True, exist_ok=True)
     argv = ["salloc", f"-N{ACTIVE + SPARES}", "--no-kill", "-t", "15", sys.executable, "-m", "hpcft.cli", "run",
             "--spares", str(SPARES), "--job-dir", str(out / "job"), "--poll-interval", str(opts.poll_interval),
@@ -214,7 +214,7 @@ def rank_kill(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
 
 
 def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
-    hold = out / "protected"  # the job waits after step fault_at until this exists (recovery_job.py)
+    hold = out / "protected"  # the job waits after step fault_at until this exists (train_job.py)
     proc = _supervised(sb, opts, out, "--protect", "xor", HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))
     _wait(lambda: _victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout, proc)
     held = opts.fault_at + 1  # the snapshot taken after step fault_at (versions count completed steps)

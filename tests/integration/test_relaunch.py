@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpcft.bench import train_job
+
 pytestmark = pytest.mark.sandbox
 
-JOB = Path(__file__).parent / "jobs" / "train_dp.py"
+JOB = Path(train_job.__file__)  # the DP job shared with `hpcft bench recovery`
 STEPS = 30
 
 

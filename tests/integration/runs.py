@@ -1,0 +1,68 @@
+"""What the sandbox tests of `hpcft run` share: the DP job, waiting on its progress and on the agents' protection,
+and comparing its final parameters with an uninterrupted run's."""
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcft import events
+from hpcft.agent import status as agent_status
+from hpcft.bench import train_job
+from hpcft.launch import progress
+
+JOB = Path(train_job.__file__)  # the DP job shared with `hpcft bench recovery`
+
+
+def wait(predicate, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def wait_progress(job_dir: Path, rank: int, step: int, timeout: float = 90) -> None:
+    """Until `rank` has reported `step` to the supervisor."""
+    wait(lambda: progress.read(job_dir).get(rank, (-1, 0))[0] >= step, f"rank {rank} to report step {step}", timeout)
+
+
+def wait_protected(out: Path, tag: str = "0", slots: int = 4, timeout: float = 90) -> int:
+    """The step every agent of launch `tag` has protected, once it is at most one snapshot behind the newest the
+    trainers completed (> 0): their store keeps two versions, so an older protected step may be recycled before
+    a crash. Progress first, then the agents' status (rewritten once per round)."""
+    found: list = []
+
+    def caught_up() -> bool:
+        newest = max((int(p.read_text() or -1) for p in out.glob("progress.*")), default=-1)
+        found[:] = [s.get("protected") for s in agent_status.read(out / "job" / "agents", tag).values()]
+        return len(found) == slots and all(d is not None and d > 0 and d >= newest for d in found)
+
+    wait(caught_up, f"the agents of launch {tag} to keep up", timeout)
+    return min(found)
+
+
+def agents_ready(job_dir: Path, tag: str) -> dict | None:
+    """The supervisor's `agents_ready` event of launch `tag`, once there is one."""
+    return next((e for e in events.read(job_dir) if e["event"] == "agents_ready" and e["tag"] == tag), None)
+
+
+def final(out: Path) -> dict:
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+def assert_same_result(out: Path, ref: Path) -> None:
+    got, want = final(out), final(ref)
+    assert got["seen"] == want["seen"]
+    assert got["params"].keys() == want["params"].keys()
+    differ = [name for name, tensor in want["params"].items() if not torch.equal(got["params"][name], tensor)]
+    assert not differ, f"parameters {differ} differ from the uninterrupted run"
+
+
+def decisions(job_dir: Path) -> list[dict]:
+    return [e for e in events.read(job_dir) if e["event"] == "decision"]
+
+
+def resumed_from(out: Path) -> dict[str, int]:
+    """{start file: step} of every launch that resumed from a snapshot (step > 0)."""
+    return {p.name: int(p.read_text()) for p in out.glob("start.*") if int(p.read_text()) > 0}
