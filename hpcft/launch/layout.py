@@ -21,10 +21,13 @@ class Layout:
 
     @classmethod
     def plan(cls, nodes: list[str], active: int | None = None, spares: int | None = None,
-             tasks_per_node: int = 1, excluded: list[str] | tuple[str, ...] = ()) -> "Layout":
+             tasks_per_node: int = 1, excluded: list[str] | tuple[str, ...] = (),
+             previous: list[str] | tuple[str, ...] = ()) -> "Layout":
         """Split an allocation's `nodes` (in allocation order) into active slots and spares, skipping `excluded`.
 
-        Give `active` or `spares` (or both); the other follows from the allocation size."""
+        Give `active` or `spares` (or both); the other follows from the allocation size. `previous` is the slot
+        list of an earlier allocation of the same job (a requeue): a node of it that is allocated again keeps
+        its slot, since its memory still holds that slot's snapshots; the other slots take the other nodes."""
         if tasks_per_node < 1:
             raise ConfigError(f"tasks per node must be at least 1 (got {tasks_per_node})")
         bad = set(excluded)
@@ -42,7 +45,10 @@ class Layout:
                               f"allocation has {len(usable)} usable ({compress(usable) or 'none'}"
                               f"{'; excluded: ' + compress(sorted(bad)) if bad else ''}); "
                               "ask for more nodes (-N) or fewer spares (--spares)")
-        return cls(slots=tuple(usable[:active]), spares=tuple(usable[active:active + spares]),
+        kept = [n if n in usable else None for n in previous] if len(previous) == active else [None] * active
+        rest = [n for n in usable if n not in kept]
+        slots = [node or rest.pop(0) for node in kept]
+        return cls(slots=tuple(slots), spares=tuple(rest[:spares]),
                    excluded=tuple(dict.fromkeys(excluded)), tasks_per_node=tasks_per_node)
 
     @property

@@ -4,7 +4,10 @@ Watching means: the step's exit (with srun's per-task errors), the nodes of the 
 fresh), training progress (hpcft/launch/progress.py) for --hang-timeout, and Slurm's warning signal SIGUSR1.
 With --protect, each launch first starts the node agents' step (hpcft/agent), waits until every agent is ready
 (after a node replacement: has rebuilt the lost snapshots onto the spare), and only then the trainers.
-State that must outlive a requeue (relaunch count, excluded nodes) is kept in <job dir>/state.json."""
+State that must outlive a requeue (relaunch count, excluded nodes, which node held which slot) is kept in
+<job dir>/state.json, so that a requeued run puts every node that comes back into the slot whose snapshots its
+memory holds. Before a requeue the agents are given the time to protect the newest snapshot (until the
+persistent tier exists, that is what "persist" means: the next run rebuilds from the nodes' memory)."""
 import getpass
 import json
 import logging
@@ -36,10 +39,12 @@ _log = logging.getLogger(__name__)
 
 @dataclass
 class Persisted:
-    """What the next allocation of a requeued job must know: relaunches so far and the nodes found bad."""
+    """What the next allocation of a requeued job must know: relaunches so far, the nodes found bad and the
+    node of each slot (whose memory holds that slot's snapshots)."""
     restarts: int = 0
     requeues: int = 0
     excluded: list[str] = field(default_factory=list)
+    slots: list[str] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: Path) -> "Persisted":
@@ -47,7 +52,8 @@ class Persisted:
             return cls()
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            return cls(int(data["restarts"]), int(data.get("requeues", 0)), list(data.get("excluded", [])))
+            return cls(int(data["restarts"]), int(data.get("requeues", 0)), list(data.get("excluded", [])),
+                       list(data.get("slots", [])))
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{path} is not a valid supervisor state ({exc}); move it away to start afresh") from None
 
@@ -58,8 +64,8 @@ class Persisted:
 
 
 class Supervisor:
-    """One `hpcft run`: everything it touches in Slurm goes through `runner`; `persist` is called before a
-    requeue (the node agents' persistent flush, once they exist)."""
+    """One `hpcft run`: everything it touches in Slurm goes through `runner`; `persist`, when given, replaces
+    the wait for protection before a requeue (the seam for a persistent flush)."""
 
     def __init__(self, cfg: RunConfig, command: Sequence[str], *, runner: Runner | None = None,
                  environ: Mapping[str, str] | None = None, python: str = sys.executable,
@@ -84,6 +90,8 @@ class Supervisor:
         self._background: list[subprocess.Popen] = []  # step kills still retrying (see _stop_steps)
         self.rendezvous = self.job_dir / "agents"  # the agents' addresses and status files (shared filesystem)
         self._protected_slots: tuple[str, ...] | None = None  # slots whose agents were last ready
+        self._agents: subprocess.Popen | None = None  # the agents' step, kept running until the decision
+        self._agent_tag = ""
 
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -111,10 +119,11 @@ class Supervisor:
         saved.requeues = max(saved.requeues, info.restarts)
         tasks = self.cfg.tasks_per_node or self.profile.tasks_per_node
         layout = Layout.plan(info.nodes, active=self.cfg.nodes, spares=self.cfg.spares, tasks_per_node=tasks,
-                             excluded=[n for n in saved.excluded if n in info.nodes])
+                             excluded=[n for n in saved.excluded if n in info.nodes], previous=saved.slots)
+        kept = [n for i, n in enumerate(layout.slots) if saved.slots[i:i + 1] == [n]]
         self.emit("start", slots=",".join(layout.slots), spares=",".join(layout.spares),
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
-                  profile=self.profile.name, job_dir=str(self.job_dir))
+                  kept=",".join(kept), profile=self.profile.name, job_dir=str(self.job_dir))
         self._requeued_run = saved.requeues > 0
         if self.cfg.protected:
             self.rendezvous.mkdir(exist_ok=True)
@@ -122,6 +131,7 @@ class Supervisor:
         while True:
             event = self._run_step(layout, saved.restarts + saved.requeues)
             if self._signal == signal.SIGTERM:
+                self._stop_agents()
                 self.emit("terminated", level=logging.WARNING, reason="SIGTERM (scancel, preemption or requeue)")
                 return 128 + signal.SIGTERM
             state = State(layout=layout, restarts=saved.restarts, max_restarts=self.cfg.max_restarts,
@@ -130,6 +140,10 @@ class Supervisor:
                           requeue_margin=self.cfg.requeue_margin)
             decision = decide(event, state, time.time())
             record(decision, event, state, str(self.job_dir))
+            if decision.action is Action.REQUEUE:
+                self._persist_before_requeue(event)
+            self._stop_agents()
+            saved.slots = list(layout.slots)  # the nodes that held the slots' snapshots in this run
             layout = decision.layout
             saved.excluded = list(layout.excluded)
             if decision.action in (Action.RELAUNCH, Action.REPLACE):
@@ -141,7 +155,6 @@ class Supervisor:
 
     def _finish(self, decision: Decision, saved: Persisted) -> int:
         if decision.action is Action.REQUEUE:
-            self._persist_before_requeue()
             saved.requeues += 1
             saved.save(self.state_path)
             self.emit("requeue", level=logging.WARNING, excluded=",".join(saved.excluded), reason=decision.reason)
@@ -151,29 +164,71 @@ class Supervisor:
                       requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=decision.exit_code)
         return int(decision.exit_code or 0)
 
-    def _persist_before_requeue(self) -> None:
-        if self.persist is None:
-            self.emit("persist", level=logging.WARNING, done=False,
-                      reason="no persistent flush configured: the next allocation resumes from what its nodes hold")
-            return
+    def _persist_before_requeue(self, event: Event) -> None:
+        """Before a requeue: the `persist` hook if given; else, with --protect, let the agents protect the newest
+        snapshot the trainers completed everywhere (bounded by --protect-timeout), so that the next allocation
+        can rebuild it from the nodes that come back. One `persist` event says what is safe, and why."""
         started = time.monotonic()
-        self.persist()
-        self.emit("persist", done=True, seconds=round(time.monotonic() - started, 3))
+        if self.persist is not None:
+            self.persist()
+            self.emit("persist", done=True, how="hook", seconds=round(time.monotonic() - started, 3))
+            return
+        if self._agents is None:
+            self.emit("persist", level=logging.WARNING, done=False, how="none",
+                      reason="no protection (--protect) and no persistent tier: the next allocation resumes from "
+                             "what its nodes hold")
+            return
+        why = self._await_protection(event, started)
+        reports = agent_status.read(self.rendezvous, self._agent_tag).values()
+        protected = [r.get("protected") for r in reports]
+        step = min(protected) if protected and None not in protected else None
+        self.emit("persist", level=logging.INFO if why is None else logging.WARNING, done=why is None, how="protect",
+                  protected=step, seconds=round(time.monotonic() - started, 3), **({"reason": why} if why else {}))
+
+    def _await_protection(self, event: Event, started: float) -> str | None:
+        """Wait until every agent reports, after the trainers stopped, the newest step held everywhere as protected.
+        None when it is, else why not (a node is lost, the agents' step ended, or the time ran out)."""
+        if event.bad_nodes:
+            return (f"node(s) {','.join(event.bad_nodes)} lost: the newest step their sets protected before is what "
+                    "the next allocation can rebuild")
+        stopped = time.time()
+        deadline = started + self.cfg.protect_timeout
+        while True:
+            reports = agent_status.read(self.rendezvous, self._agent_tag)
+            fresh = [r for r in reports.values() if r.get("time", 0) > stopped]
+            if len(fresh) == len(self._protected_slots or ()) and fresh:
+                held = set.intersection(*(set(r.get("staged_steps") or ()) for r in fresh))
+                newest = max(held, default=None)
+                if newest is None or all((r.get("protected") or -1) >= newest for r in fresh):
+                    return None
+            if self._agents is None or self._agents.poll() is not None:
+                return "the agents' step ended before protecting the newest step"
+            if time.monotonic() > deadline:
+                return f"the newest step was not protected within --protect-timeout {self.cfg.protect_timeout:g} s"
+            time.sleep(min(self.cfg.poll_interval, 0.5))
+
+    def _stop_agents(self) -> None:
+        """Stop the agents' step of the last launch, if it runs."""
+        if self._agents is not None:
+            self._stop_steps({AGENT_STEP_NAME: self._agents})
+            self.emit("agents_stopped", exit_code=self._agents.returncode)
+            self._agents = None
 
     # -- one step -----------------------------------------------------------------------------------------
     def _run_step(self, layout: Layout, restart_count: int) -> Event:
         """One launch: the agents' step when protecting (and the wait for it), then the trainers' step, watched
-        until it ends or must be stopped; both steps are stopped together."""
+        until it ends or must be stopped. The agents' step is left running (self._agents) for the decision: a
+        requeue first waits for their protection; every other path stops them (`_stop_agents`)."""
         user = self.environ.get("USER") or getpass.getuser()
         env = step_env(layout, job_id=self.job_id, restart_count=restart_count, job_dir=str(self.job_dir),
                        profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id))
         env = {**self.environ, **env}
-        agents: subprocess.Popen | None = None
         proc: subprocess.Popen | None = None
         try:
             if self.cfg.protected:
-                agents, failure = self._start_agents(layout, restart_count, env)
+                self._agents, failure = self._start_agents(layout, restart_count, env)
                 if failure is not None:
+                    self._stop_agents()
                     return failure
             argv = trainer_argv(layout, self.profile, self.command, python=self.python, extra=self.cfg.srun_args)
             self.emit("launch", restart=restart_count, slots=",".join(layout.slots), world=layout.world_size,
@@ -186,12 +241,11 @@ class Supervisor:
             try:
                 event = self._watch(proc, layout, launched)
             finally:
-                self._stop_steps({TRAIN_STEP_NAME: proc, AGENT_STEP_NAME: agents})
+                self._stop_steps({TRAIN_STEP_NAME: proc})
                 reader.join(timeout=5)
-        finally:
-            if agents is not None:
-                self._stop_steps({AGENT_STEP_NAME: agents})
-                self.emit("agents_stopped", exit_code=agents.returncode)
+        except BaseException:
+            self._stop_agents()
+            raise
         failed = tuple(slurmstate.task_errors(lines))
         return Event(event.kind, exit_code=proc.returncode, bad_nodes=event.bad_nodes, failed_tasks=failed,
                      detail=event.detail)
@@ -220,7 +274,7 @@ class Supervisor:
                 ready = self._wait_agents(proc, layout, tag)
         except CheckpointError as exc:
             return proc, self._agents_failed(layout, tag, exc)
-        self._protected_slots = layout.slots
+        self._protected_slots, self._agent_tag = layout.slots, tag
         self.emit("agents_ready", tag=tag, rebuild=rebuild, step=ready.step,
                   rebuilt=",".join(layout.slots[i] for i in ready.rebuilt))
         return proc, None

@@ -94,10 +94,13 @@ def task_errors(stderr_lines: list[str]) -> list[str]:
 
 
 def requeue(runner: Runner, job_id: str, exclude: list[str]) -> None:
-    """Ask Slurm to requeue the job, keeping `exclude` out of its next allocation where Slurm allows it."""
+    """Ask Slurm to requeue the job, then keep `exclude` out of its next allocation where Slurm allows it
+    (slurmctld takes ExcNodeList only from a pending job, so after the requeue; the batch shell outlives
+    the requeue's SIGTERM for KillWait seconds). A refused exclusion is logged: the supervisor's own
+    state file still keeps those nodes out of the next run's slots."""
+    runner.run(["scontrol", "requeue", job_id])
     if exclude:
         result = runner.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(exclude)}"], check=False)
         if result.returncode != 0:
             _log.warning("could not exclude %s from job %s's next allocation: %s", exclude, job_id,
                          (result.stderr or result.stdout).strip())
-    runner.run(["scontrol", "requeue", job_id])

@@ -40,6 +40,17 @@ def test_no_spare_left_is_an_error_and_leaves_the_layout_alone():
         lay.replace(["n2"])
 
 
+def test_a_requeued_job_keeps_each_node_that_comes_back_in_its_slot():
+    # before the requeue: n4 had taken n2's slot, then n3 failed with no spare left
+    previous = ("n1", "n4", "n3")
+    lay = Layout.plan(["n1", "n4", "n5", "n6"], active=3, spares=1, excluded=["n2", "n3"], previous=previous)
+    assert lay.slots == ("n1", "n4", "n5") and lay.spares == ("n6",)
+    shuffled = Layout.plan(["n5", "n6", "n4", "n1"], active=3, spares=1, previous=previous)
+    assert shuffled.slots == ("n1", "n4", "n5") and shuffled.spares == ("n6",)
+    # a different active count (the user changed -N): the old slots mean nothing
+    assert Layout.plan(NODES, active=4, previous=previous).slots == ("n1", "n2", "n3", "n4")
+
+
 def test_too_few_nodes_names_the_counts():
     with pytest.raises(ConfigError, match="4 active \\+ 3 spare node\\(s\\) need 7 nodes, but the allocation has 6"):
         Layout.plan(NODES, active=4, spares=3)
