@@ -47,6 +47,25 @@ def render_template(text: str, values: Mapping[str, str]) -> str:
     return _PLACEHOLDER.sub(fill, text)
 
 
+_WALLTIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def walltime_seconds(text: str) -> int | None:
+    """Seconds in a Slurm --time value ("M", "M:S", "H:M:S", "D-H", "D-H:M", "D-H:M:S"); None for
+    "UNLIMITED"/"infinite"; ConfigError for anything else."""
+    if text.strip().lower() in ("unlimited", "infinite"):
+        return None
+    m = _WALLTIME.fullmatch(text.strip())
+    if not m:
+        raise ConfigError(f"--time {text!r} is not a Slurm time (minutes, M:S, H:M:S, D-H, D-H:M or D-H:M:S)")
+    days, a, b, c = (int(g) if g is not None else None for g in m.groups())
+    if days is not None:  # D-H[:M[:S]]
+        return ((days * 24 + a) * 60 + (b or 0)) * 60 + (c or 0)
+    if c is not None:  # H:M:S
+        return (a * 60 + b) * 60 + c
+    return a * 60 + (b or 0)  # M or M:S
+
+
 def _flag(key: str, value: object) -> list[str]:
     name = "--" + key.replace("_", "-")
     if isinstance(value, bool):
@@ -62,6 +81,12 @@ def render(spec: SubmitSpec, template_dir: Path = TEMPLATE_DIR) -> str:
         raise ConfigError(f"need at least 1 node and 0 or more spares (got --nodes {spec.nodes} --spares {spec.spares})")
     if not re.fullmatch(r"[\w.-]+", spec.job_name):
         raise ConfigError(f"job name {spec.job_name!r} may use letters, digits, '_', '.' and '-' only")
+    limit = walltime_seconds(spec.time)
+    if not 0 < spec.warn_seconds <= 65535:
+        raise ConfigError(f"--warn {spec.warn_seconds} must be between 1 and 65535 seconds (Slurm's --signal limit)")
+    if limit is not None and spec.warn_seconds >= limit:
+        raise ConfigError(f"--warn {spec.warn_seconds} s is not shorter than the walltime --time {spec.time} ({limit} s): "
+                          "Slurm would send the requeue warning at once; give a smaller --warn or a longer --time")
     sbatch = [f"#SBATCH --{k}={v}\n" for k, v in (("account", spec.account), ("partition", spec.partition)) if v]
     run = ["--nodes", str(spec.nodes), "--spares", str(spec.spares), "--profile", spec.profile]
     for key, value in spec.run_options.items():

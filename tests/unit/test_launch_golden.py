@@ -13,7 +13,7 @@ import pytest
 
 from hpcft.errors import ConfigError
 from hpcft.launch import profiles
-from hpcft.launch.submit import SubmitSpec, render
+from hpcft.launch.submit import SubmitSpec, render, walltime_seconds
 from hpcft.launch.layout import Layout
 from hpcft.launch.srun import probe_argv, trainer_argv
 
@@ -63,3 +63,17 @@ def test_submit_refuses_a_bad_job_name_and_an_empty_command():
         render(SubmitSpec(command=("x",), nodes=1, job_name="a b"))
     with pytest.raises(ConfigError, match="no training command given"):
         render(SubmitSpec(command=(), nodes=1))
+
+
+@pytest.mark.parametrize("text, seconds", [("5", 300), ("5:30", 330), ("1:00:00", 3600), ("2-3", 183600),
+                                           ("1-0:30", 88200), ("0-1:2:3", 3723), ("UNLIMITED", None)])
+def test_walltime_is_read_in_every_slurm_form(text, seconds):
+    assert walltime_seconds(text) == seconds
+
+
+def test_submit_refuses_a_warning_not_shorter_than_the_walltime():
+    with pytest.raises(ConfigError, match="--warn 300 s is not shorter than the walltime --time 5 \\(300 s\\)"):
+        render(SubmitSpec(command=("x",), nodes=1, time="5"))
+    with pytest.raises(ConfigError, match="--time '5 min' is not a Slurm time"):
+        render(SubmitSpec(command=("x",), nodes=1, time="5 min"))
+    assert "--signal=B:USR1@60" in render(SubmitSpec(command=("x",), nodes=1, time="5", warn_seconds=60))
