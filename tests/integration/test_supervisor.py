@@ -1,32 +1,26 @@
 """`hpcft run` for real in the 6-node sandbox (4 active + 2 spares) with the DP training job: a killed rank is
 relaunched on the same nodes and resumes from local memory; a crashed node's slot is taken by a spare (with
---protect xor the node agents rebuild its snapshot there and every rank resumes from memory).
-All must end with parameters bit-identical to an uninterrupted run."""
+--protect xor the node agents rebuild its snapshot there and every rank resumes from memory); a hung rank is
+found by the watchdog, the step killed and relaunched; --max-restarts reached ends with a summary.
+All that finish must end with parameters bit-identical to an uninterrupted run."""
 import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
-import torch
+from runs import JOB, assert_same_result, decisions, resumed_from, wait_progress, wait_protected
 
 from hpcft import events
-from hpcft.agent import status as agent_status
-from hpcft.launch import progress
 
-JOB = Path(__file__).parent / "jobs" / "train_dp.py"
 STEPS = 16
-if not JOB.exists():
-    pytest.skip(f"{JOB} (the lead's DP job) is not in this checkout", allow_module_level=True)
 
 
-def _start(sandbox, out: Path, *args: str, delay: float = 0.0) -> subprocess.Popen:
-    """`salloc -N6 --no-kill hpcft run --spares 2 ARGS -- python train_dp.py` in the sandbox, at once."""
+def _start(sandbox, out: Path, *args: str, delay: float = 0.0, **env: str) -> subprocess.Popen:
+    """`salloc -N6 --no-kill hpcft run --spares 2 ARGS -- python train_job.py` in the sandbox, at once."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {"OUT": str(out), "STEPS": str(STEPS), "STEP_DELAY": str(delay), "PYTHONUNBUFFERED": "1"}
+    env = {"OUT": str(out), "STEPS": str(STEPS), "STEP_DELAY": str(delay), "PYTHONUNBUFFERED": "1", **env}
     argv = ["salloc", "-N6", "--no-kill", "-t", "5", sys.executable, "-m", "hpcft.cli", "-v", "run", "--spares", "2",
             "--job-dir", str(out / "job"), "--poll-interval", "0.5", "--kill-grace", "1", "--probe-timeout", "5",
             "--requeue-margin", "30",
@@ -44,15 +38,6 @@ def _finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
     return proc.returncode, output
 
 
-def _wait_progress(job_dir: Path, rank: int, step: int, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if progress.read(job_dir).get(rank, (-1, 0))[0] >= step:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"rank {rank} did not report step {step} within {timeout} s")
-
-
 def _trainer_pid(job_dir: Path, rank: int) -> int:
     """The training process of `rank` in this job (the sandbox shares the host's pid namespace)."""
     want = (f"HPCFT_JOB_DIR={job_dir}".encode(), f"HPCFT_RANK={rank}".encode())
@@ -67,92 +52,62 @@ def _trainer_pid(job_dir: Path, rank: int) -> int:
     pytest.fail(f"no training process of rank {rank} found")
 
 
-def _final(out: Path) -> dict:
-    return torch.load(out / "final.pt", weights_only=True)
-
-
-def _assert_same_result(out: Path, ref: Path) -> None:
-    got, want = _final(out), _final(ref)
-    assert got["seen"] == want["seen"]
-    assert got["params"].keys() == want["params"].keys()
-    differ = [name for name, tensor in want["params"].items() if not torch.equal(got["params"][name], tensor)]
-    assert not differ, f"parameters {differ} differ from the uninterrupted run"
-
-
-def _decisions(out: Path) -> list[dict]:
-    return [e for e in events.read(out / "job") if e["event"] == "decision"]
-
-
 @pytest.fixture(scope="module")
 def reference(sandbox, tmp_path_factory) -> Path:
     """The uninterrupted run every faulted run is compared with."""
     out = tmp_path_factory.mktemp("reference")
     code, output = _finish(_start(sandbox, out))
     assert code == 0, output[-4000:]
-    assert [d["action"] for d in _decisions(out)] == ["done"]
+    assert [d["action"] for d in decisions(out / "job")] == ["done"]
     return out
 
 
 def test_killed_rank_is_relaunched_on_the_same_nodes_and_resumes_from_memory(healthy_sandbox, reference, tmp_path):
     out = tmp_path / "kill"
     proc = _start(healthy_sandbox, out, delay=0.1)
-    _wait_progress(out / "job", 2, 6)
+    wait_progress(out / "job", 2, 6)
     os.kill(_trainer_pid(out / "job", 2), signal.SIGKILL)
     code, output = _finish(proc)
     assert code == 0, output[-4000:]
-    decisions = _decisions(out)
-    assert [d["action"] for d in decisions] == ["relaunch", "done"], output[-4000:]
-    assert decisions[0]["cause"] == "task_failed" and "n3: task 2" in decisions[0]["failed_tasks"]
+    made = decisions(out / "job")
+    assert [d["action"] for d in made] == ["relaunch", "done"], output[-4000:]
+    assert made[0]["cause"] == "task_failed" and "n3: task 2" in made[0]["failed_tasks"]
     launches = [e for e in events.read(out / "job") if e["event"] == "launch"]
     assert [e["slots"] for e in launches] == ["n1,n2,n3,n4"] * 2
-    resumed = {int(p.read_text()) for p in out.glob("start.*") if not p.name.endswith(".0")}
+    resumed = set(resumed_from(out).values())
     assert len(resumed) == 1 and resumed.pop() >= 6, "every rank resumes from the same step, from local memory"
-    _assert_same_result(out, reference)
+    assert_same_result(out, reference)
 
 
 def test_crashed_node_is_replaced_by_a_spare_in_its_slot(healthy_sandbox, reference, tmp_path):
     out = tmp_path / "crash"
     proc = _start(healthy_sandbox, out, delay=0.1)
-    _wait_progress(out / "job", 2, 6)
+    wait_progress(out / "job", 2, 6)
     healthy_sandbox.crash_node("n3")
     code, output = _finish(proc)
     assert code == 0, output[-4000:]
-    decisions = _decisions(out)
-    assert [d["action"] for d in decisions] == ["replace", "done"], output[-4000:]
-    assert decisions[0]["cause"] == "node_failed" and decisions[0]["replaced"] == "n3:n5"
-    assert decisions[0]["excluded"] == "n3" and decisions[0]["slots"] == "n1,n2,n5,n4"
+    made = decisions(out / "job")
+    assert [d["action"] for d in made] == ["replace", "done"], output[-4000:]
+    assert made[0]["cause"] == "node_failed" and made[0]["replaced"] == "n3:n5"
+    assert made[0]["excluded"] == "n3" and made[0]["slots"] == "n1,n2,n5,n4"
     bad = [e for e in events.read(out / "job") if e["event"] == "node_bad"]
     assert {e["node"] for e in bad} == {"n3"}
     # Without protection (hpcft/agent) n3's share of the snapshot died with it: the relaunch starts from 0.
     assert (out / "final.pt").exists()
-    _assert_same_result(out, reference)
-
-
-def _wait_protected(out: Path, slots: int = 4, timeout: float = 90) -> int:
-    """The step every agent of the first launch has protected, once it is at most one snapshot behind the
-    newest the trainers completed (> 0): their store keeps two versions, so an older protected step may be
-    recycled before the crash. Progress first, then the agents' status (rewritten once per round)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        newest = max((int(p.read_text() or -1) for p in out.glob("progress.*")), default=-1)
-        done = [s.get("protected") for s in agent_status.read(out / "job" / "agents", "0").values()]
-        if len(done) == slots and all(d is not None and d > 0 and d >= newest for d in done):
-            return min(done)
-        time.sleep(0.05)
-    pytest.fail(f"the agents did not keep up within {timeout} s: {agent_status.read(out / 'job' / 'agents')}")
+    assert_same_result(out, reference)
 
 
 def test_crashed_node_is_rebuilt_on_the_spare_by_the_agents_and_every_rank_resumes_from_memory(
         healthy_sandbox, reference, tmp_path):
     out = tmp_path / "protect"
     proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", delay=0.5)
-    protected = _wait_protected(out)
+    protected = wait_protected(out)
     healthy_sandbox.crash_node("n3")
     code, output = _finish(proc)
     assert code == 0, output[-4000:]
-    decisions = _decisions(out)
-    assert [d["action"] for d in decisions] == ["replace", "done"], output[-4000:]
-    assert decisions[0]["replaced"] == "n3:n5" and decisions[0]["slots"] == "n1,n2,n5,n4"
+    made = decisions(out / "job")
+    assert [d["action"] for d in made] == ["replace", "done"], output[-4000:]
+    assert made[0]["replaced"] == "n3:n5" and made[0]["slots"] == "n1,n2,n5,n4"
     log = events.read(out / "job")
     ready = [e for e in log if e["event"] == "agents_ready"]
     assert [(e["tag"], e["rebuild"]) for e in ready] == [("0", False), ("1", True)], output[-4000:]
@@ -161,9 +116,9 @@ def test_crashed_node_is_rebuilt_on_the_spare_by_the_agents_and_every_rank_resum
     order = [e["event"] for e in log if e["event"] in ("agents_ready", "launch")]
     assert order == ["agents_ready", "launch"] * 2, "the trainers start only once the agents are ready"
     assert (out / "job" / "secret").stat().st_mode & 0o777 == 0o600
-    resumed = {p.name: int(p.read_text()) for p in out.glob("start.*") if int(p.read_text()) > 0}
+    resumed = resumed_from(out)
     assert len(resumed) == 4 and set(resumed.values()) == {ready[1]["step"]}, resumed
-    _assert_same_result(out, reference)
+    assert_same_result(out, reference)
 
 
 def test_no_progress_within_the_hang_timeout_kills_relaunches_then_gives_up(sandbox, tmp_path):
@@ -173,6 +128,23 @@ def test_no_progress_within_the_hang_timeout_kills_relaunches_then_gives_up(sand
     proc = sandbox.runner().popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     code, output = _finish(proc, timeout=90)
     assert code == 3, output[-3000:]  # EXIT_GAVE_UP: do not requeue
-    decisions = [(d["action"], d["cause"]) for d in _decisions(tmp_path)]
-    assert decisions == [("relaunch", "hang"), ("stop", "hang")], output[-3000:]
-    assert [e["event"] for e in events.read(tmp_path / "job")].count("launch") == 2
+    made = [(d["action"], d["cause"]) for d in decisions(tmp_path / "job")]
+    assert made == [("relaunch", "hang"), ("stop", "hang")], output[-3000:]
+    log = events.read(tmp_path / "job")
+    assert [e["event"] for e in log].count("launch") == 2
+    summary = [e for e in log if e["event"] == "summary"]
+    assert len(summary) == 1 and summary[0]["restarts"] == 1 and "--max-restarts 1" in summary[0]["reason"]
+
+
+def test_a_hung_rank_is_detected_killed_and_the_job_resumes_from_memory(healthy_sandbox, reference, tmp_path):
+    out = tmp_path / "hang"
+    # rank 1 goes silent after step 6 of the first launch; the others then wait in its all-reduce. The timeout
+    # covers the trainers' start-up, which the watchdog counts too (~10 s on 2 loaded cores).
+    proc = _start(healthy_sandbox, out, "--hang-timeout", "20", HANG_AT="6", HANG_RANK="1")
+    code, output = _finish(proc, timeout=200)
+    assert code == 0, output[-4000:]
+    made = decisions(out / "job")
+    assert [(d["action"], d["cause"]) for d in made] == [("relaunch", "hang"), ("done", "success")], output[-4000:]
+    resumed = set(resumed_from(out).values())
+    assert len(resumed) == 1 and 0 < resumed.pop() <= 7, "every rank resumes from the snapshot of step 6 at the latest"
+    assert_same_result(out, reference)

@@ -1,70 +1,113 @@
-"""`hpcft submit` + Slurm's warning signal in the sandbox: USR1 → requeue → the job runs again and finishes (a USR1
-delivered again into the requeued run before its first step is recognised as stale and ignored);
-and `hpcft clean` / slurm/epilog.sh keep a job's store while a requeue is pending, remove it afterwards."""
+"""`hpcft submit` in the sandbox: Slurm's warning signal USR1 → requeue → the job runs again and finishes (a USR1
+delivered again into the requeued run before its first step is recognised as stale and ignored); spares exhausted
+→ the newest snapshot protected, requeue → the restarted job (SLURM_RESTART_COUNT=1) gets the nodes that came back
+in their slots, the agents rebuild the lost one and training resumes bit-identical; and `hpcft clean` /
+slurm/epilog.sh keep a job's store while a requeue is pending, remove it afterwards."""
+import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
+from runs import JOB, agents_ready, assert_same_result, wait, wait_progress, wait_protected
 
 from hpcft import events
-from hpcft.launch import progress
+from hpcft.slurm.state import fields
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB = Path(__file__).parent / "jobs" / "train_dp.py"
 
 
 def _env() -> dict[str, str]:
     return {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
 
 
-def _wait(predicate, what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.2)
+def _submit(sandbox, out: Path, *options: str, **env: str) -> str:
+    """`hpcft submit OPTIONS -- python train_job.py` into the sandbox; the job id."""
+    argv = [sys.executable, "-m", "hpcft.cli", "submit", "-t", "5", "--module", "", "--job-dir", str(out / "job"),
+            "--poll-interval", "0.5", "--requeue-margin", "30", "-o", str(out / "job.out"), *options,
+            "--", sys.executable, str(JOB)]
+    env = {**os.environ, **_env(), "OUT": str(out), "SLURM_CONF": sandbox.runner().env["SLURM_CONF"], **env}
+    job = subprocess.run(sandbox.client_prefix() + argv, env=env, capture_output=True, text=True, timeout=60)
+    assert job.returncode == 0, job.stderr
+    return job.stdout.strip()
 
 
 def _state(runner, job: str) -> str:
     out = runner.run(["scontrol", "show", "job", "-o", job], check=False).stdout
-    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "GONE")
+    return fields(out).get("JobState", "GONE")
 
 
-@pytest.mark.skipif(not JOB.exists(), reason="tests/integration/jobs/train_dp.py (the lead's DP job) is missing")
 def test_warning_signal_requeues_and_the_job_finishes_in_its_next_run(healthy_sandbox, tmp_path):
     runner = healthy_sandbox.runner()
     out = tmp_path / "out"
     out.mkdir()
     job_dir = out / "job"
-    submit = [sys.executable, "-m", "hpcft.cli", "submit", "--nodes", "4", "--spares", "2", "-t", "5", "--warn", "30",
-              "--module", "", "--job-dir", str(job_dir), "--poll-interval", "0.5", "--requeue-margin", "30", "-o", str(out / "job.out"),
-              "--", sys.executable, str(JOB)]
-    env = {**_env(), "OUT": str(out), "STEPS": "14", "STEP_DELAY": "0.1",
-           "SLURM_CONF": runner.env["SLURM_CONF"]}
-    job = subprocess.run(healthy_sandbox.client_prefix() + submit, env={**os.environ, **env}, capture_output=True,
-                         text=True, timeout=60)
-    assert job.returncode == 0, job.stderr
-    job_id = job.stdout.strip()
-    _wait(lambda: progress.read(job_dir).get(0, (-1, 0))[0] >= 4, "step 4", 90)
+    job_id = _submit(healthy_sandbox, out, "--nodes", "4", "--spares", "2", "--warn", "30", STEPS="14", STEP_DELAY="0.1")
+    wait_progress(job_dir, 0, 4)
     runner.run(["scancel", "--signal=USR1", "--batch", job_id])
     # Slurm signals a batch step by job id alone: a late or retried delivery of that signal lands in the requeued
     # run (seen once under load). Deliver one on purpose as soon as the requeued run starts, before its first step.
-    _wait(lambda: len([e for e in events.read(job_dir) if e["event"] == "start"]) == 2, "the requeued run", 90)
+    wait(lambda: len([e for e in events.read(job_dir) if e["event"] == "start"]) == 2, "the requeued run", 90)
     runner.run(["scancel", "--signal=USR1", "--batch", job_id])
-    _wait(lambda: _state(runner, job_id) in ("COMPLETED", "FAILED", "GONE"), "the requeued job to end", 150)
+    wait(lambda: _state(runner, job_id) in ("COMPLETED", "FAILED", "GONE"), "the requeued job to end", 150)
     assert _state(runner, job_id) == "COMPLETED", (out / "job.out").read_text()[-3000:]
     recs = events.read(job_dir)
-    decisions = [(e["action"], e["cause"]) for e in recs if e["event"] == "decision"]
-    assert decisions == [("requeue", "walltime"), ("done", "success")], (out / "job.out").read_text()[-3000:]
+    made = [(e["action"], e["cause"]) for e in recs if e["event"] == "decision"]
+    assert made == [("requeue", "walltime"), ("done", "success")], (out / "job.out").read_text()[-3000:]
     starts = [e for e in recs if e["event"] == "start"]
     assert [s["requeues"] for s in starts] == [0, 1]
     signals = [(e["meaning"], e.get("ignored", False)) for e in recs if e["event"] == "signal"]
     assert signals == [("walltime warning", False), ("stale", True)]
-    assert any(e["event"] == "persist" and e["done"] is False for e in recs)  # no persistent flush yet (agents)
+    assert any(e["event"] == "persist" and e["how"] == "none" and e["done"] is False for e in recs)  # no --protect
     assert (out / "final.pt").exists()
+
+
+def _ended(runner, job: str) -> bool:
+    return _state(runner, job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE")
+
+
+def test_spares_exhausted_requeues_and_the_restarted_job_resumes_from_its_nodes_memory(healthy_sandbox, tmp_path):
+    runner = healthy_sandbox.runner()
+    job_options = ("--nodes", "3", "--spares", "1", "--warn", "60", "--probe-timeout", "5", "--kill-grace", "1")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    ref_job = _submit(healthy_sandbox, ref, *job_options, STEPS="30")
+    wait(lambda: _ended(runner, ref_job), "the uninterrupted reference job", 150)
+    assert _state(runner, ref_job) == "COMPLETED", (ref / "job.out").read_text()[-3000:]
+
+    out = tmp_path / "out"
+    out.mkdir()
+    job_dir = out / "job"
+    job = _submit(healthy_sandbox, out, *job_options, "--protect", "xor", "--group", "3", STEPS="30", STEP_DELAY="0.4")
+    wait_protected(out, "0", slots=3, timeout=120)
+    first = next(e for e in events.read(job_dir) if e["event"] == "start")
+    slots, spare = first["slots"].split(","), first["spares"]
+    healthy_sandbox.crash_node(slots[1])  # the spare takes its slot and the agents rebuild it there
+    wait(lambda: agents_ready(job_dir, "1") is not None, "the agents' rebuild onto the spare", 120)
+    rebuilt = agents_ready(job_dir, "1")["step"]
+    wait_progress(job_dir, 0, rebuilt + 3)  # the relaunched run trains on, and its agents protect what it adds
+    second = wait_protected(out, "1", slots=3, timeout=120)
+    healthy_sandbox.crash_node(slots[2])  # no spare left: requeue
+    log = lambda: events.read(job_dir)  # noqa: E731
+    wait(lambda: sum(e["event"] == "start" for e in log()) == 2 and _ended(runner, job), "the restarted job to end", 240)
+    assert _state(runner, job) == "COMPLETED", (out / "job.out").read_text()[-3000:]
+
+    recs = log()
+    made = [(e["action"], e["cause"]) for e in recs if e["event"] == "decision"]
+    assert made == [("replace", "node_failed"), ("requeue", "node_failed"), ("done", "success")], \
+        (out / "job.out").read_text()[-3000:]
+    persist = [e for e in recs if e["event"] == "persist"]
+    assert len(persist) == 1 and persist[0]["how"] == "protect" and "lost" in persist[0]["reason"]
+    restart = [e for e in recs if e["event"] == "start"][1]
+    assert restart["requeues"] == 1 and restart["kept"] == f"{slots[0]},{spare}"
+    new_slots = restart["slots"].split(",")
+    assert new_slots[:2] == [slots[0], spare] and new_slots[2] not in slots + [spare]
+    ready = [e for e in recs if e["event"] == "agents_ready"][-1]
+    assert ready["rebuild"] is True and ready["rebuilt"] == new_slots[2] and ready["step"] >= second > rebuilt, ready
+    timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
+    restored = {r["step"] for r in timeline if r["what"] == "restored" and r["run"].startswith("1.")}
+    assert restored == {ready["step"]}, "in the restarted job (SLURM_RESTART_COUNT=1) every rank resumes from memory"
+    assert_same_result(out, ref)
 
 
 def test_clean_and_epilog_keep_the_store_while_a_requeue_is_pending(sandbox, tmp_path):
@@ -82,7 +125,7 @@ def test_clean_and_epilog_keep_the_store_while_a_requeue_is_pending(sandbox, tmp
         assert kept.returncode == 0 and "requeue is pending" in kept.stdout and store.exists()
         assert subprocess.run(epilog, env=env, timeout=60).returncode == 0 and store.exists()
         runner.run(["scancel", held])
-        _wait(lambda: _state(runner, held) != "PENDING", "the cancel", 30)
+        wait(lambda: _state(runner, held) != "PENDING", "the cancel", 30)
         assert subprocess.run(epilog, env=env, timeout=60).returncode == 0
         assert not store.exists()
         store.mkdir()
