@@ -54,17 +54,32 @@ class _Target:
             t.copy_(self.view.view(t.dtype).view(t.shape))
 
 
-def _writer(dst: torch.Tensor):
-    """A function (start, src) -> dst[start:start+len(src)] = src: numpy memcpy on the CPU, torch on a device."""
-    if dst.device.type == "cpu":
-        arr = dst.numpy()
+def _sink(dst: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """Where restored bytes go: a numpy view of a CPU byte view (plain memcpy), else the device tensor."""
+    return dst.numpy() if dst.device.type == "cpu" else dst
 
-        def put(start: int, src: np.ndarray) -> None:
-            np.copyto(arr[start:start + src.size], src)
-    else:
-        def put(start: int, src: np.ndarray) -> None:
-            dst[start:start + src.size].copy_(torch.from_numpy(src))
-    return put
+
+def _put(sink: np.ndarray | torch.Tensor, start: int, src: np.ndarray) -> Any:
+    """sink[start:start+len(src)] = src; returns the bytes to checksum: those that landed on the CPU
+    (read back while still in cache), the source bytes for a device copy."""
+    if isinstance(sink, np.ndarray):
+        out = sink[start:start + src.size]
+        np.copyto(out, src)
+        return out
+    sink[start:start + src.size].copy_(torch.from_numpy(src))
+    return src
+
+
+def _load_chunk(data: np.ndarray, chunk: plan.Chunk, sinks: Sequence[Any]) -> int:
+    """Copy one chunk's segments into their sinks and return the crc32c of the chunk as loaded: the
+    segments' bytes as they landed, the padding between them from the file."""
+    crc, pos, end = 0, chunk.offset, chunk.offset + chunk.nbytes
+    for s in chunk.segments:
+        if s.offset > pos:
+            crc = crc32c(data[pos:s.offset], crc)
+        crc = crc32c(_put(sinks[s.source], s.start, data[s.offset:s.offset + s.nbytes]), crc)
+        pos = s.offset + s.nbytes
+    return crc32c(data[pos:end], crc) if pos < end else crc
 
 
 def _check_structure(m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry], group: Group | None) -> None:
@@ -146,19 +161,10 @@ class Loader:
         data = self.store.slot(version.slot).array
         if data.size < m["data_bytes"]:
             raise IntegrityError(f"step {version.step}: data file is shorter than its manifest says")
-        puts = [_writer(t.view) for t in targets]
+        sinks = [_sink(t.view) for t in targets]
 
         def work(which: range) -> list[int]:
-            lost = []
-            for i in which:
-                c = chunks[i]
-                block = data[c.offset:c.offset + c.nbytes]
-                if crc32c(block) != recorded[i][2]:
-                    lost.append(i)  # never copied into the model
-                    continue
-                for s in c.segments:
-                    puts[s.source](s.start, data[s.offset:s.offset + s.nbytes])
-            return lost
+            return [i for i in which if _load_chunk(data, chunks[i], sinks) != recorded[i][2]]
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpcft-restore")
@@ -189,7 +195,7 @@ class Loader:
                 continue
             arr = buf.numpy()
             for p in plan.pieces_of_range(sizes, lo, hi, 0):
-                _writer(targets[p.source].view)(p.start, arr[p.offset:p.offset + p.nbytes])
+                _put(_sink(targets[p.source].view), p.start, arr[p.offset:p.offset + p.nbytes])
 
 
 def restore_newest(loader: Loader, entries_fn) -> Version | None:

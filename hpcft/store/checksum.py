@@ -6,6 +6,7 @@ from hpcft.deps import require
 _crc = require("crc32c", "snapshot checksums").crc32c
 
 
-def crc32c(buf: Any) -> int:
-    """crc32c of a bytes-like object (numpy array, memoryview, bytes)."""
-    return _crc(memoryview(buf).cast("B")) if not isinstance(buf, (bytes, bytearray)) else _crc(buf)
+def crc32c(buf: Any, crc: int = 0) -> int:
+    """crc32c of a bytes-like object (numpy array, memoryview, bytes); `crc` continues a running checksum
+    (crc32c(b, crc32c(a)) == crc32c(a + b))."""
+    return _crc(buf if isinstance(buf, (bytes, bytearray)) else memoryview(buf).cast("B"), crc)

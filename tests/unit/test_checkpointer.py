@@ -105,6 +105,36 @@ def test_flipped_byte_falls_back_with_event(root: Path, tmp_path: Path) -> None:
     assert {"chunk_lost", "restore_fallback", "restore_done"} <= set(_kinds(tmp_path))
 
 
+def test_flipped_padding_byte_is_a_lost_chunk(root: Path) -> None:
+    """The bytes between two entries (64-byte alignment) are part of their chunk's crc32c too, so restore,
+    which checksums the bytes as they land in the tensors, still covers every byte of the file."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)  # a 60-byte weight: 4 bytes of padding after it
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ckpt = Checkpointer(model, opt, root=root, job_id="j")
+    for it in range(2):
+        _step_small(model, opt, it)
+    refs = _state(model, opt)
+    ckpt.wait()
+    newest = ckpt.store.versions()[-1]
+    entry = next(e for e in newest.manifest["entries"] if e["nbytes"] % 64)
+    ckpt.store.slot(newest.slot).array[entry["offset"] + entry["nbytes"]] ^= 1
+    ckpt.close()
+    torch.manual_seed(5)
+    model2 = torch.nn.Linear(5, 3)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    with Checkpointer(model2, opt2, root=root, job_id="j") as again:
+        assert again.restore() == 1
+        _step_small(model2, opt2, 1)
+        assert all(torch.equal(refs[k], v) for k, v in _state(model2, opt2).items())
+
+
+def _step_small(model: torch.nn.Module, opt: torch.optim.Optimizer, it: int) -> None:
+    model(torch.randn(4, 5, generator=torch.Generator().manual_seed(it))).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def test_every_version_lost_raises(root: Path) -> None:
     model, opt = _model()
     ckpt = Checkpointer(model, opt, root=root, job_id="j", keep=1)

@@ -4,10 +4,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hpcft.errors import StoreError
-from hpcft.store import RankStore, job_dir, manifest
+from hpcft.store import RankStore, crc32c, job_dir, manifest
 
 
 @pytest.fixture
@@ -114,6 +115,13 @@ def tiny_tmpfs(tmp_path: Path):
         pytest.skip(f"cannot mount a tmpfs here: {rc.stderr.strip()}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_crc32c_continues_a_running_checksum() -> None:
+    data = np.arange(10_000, dtype=np.uint32).view(np.uint8)
+    whole = crc32c(data)
+    assert crc32c(data[4321:], crc32c(data[:4321])) == whole
+    assert crc32c(data[7:].tobytes(), crc32c(data[:7].tobytes())) == whole
 
 
 def test_enospc_is_an_error_not_a_crash(tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
