@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,15 @@ class AgentConfig:
     cpu_share: float = CPU_SHARE
 
 
+def _watch_drain(flag: Path, mesh: Mesh, drained: threading.Event, poll: float = 0.2) -> None:
+    """Until the supervisor asks for a drain (status.request_drain), then lift the caps and wake the round loop."""
+    while not flag.exists():
+        time.sleep(poll)
+    mesh.throttle.release()
+    events.emit("agent_drain", flag=str(flag))
+    drained.set()
+
+
 def _progress(job: Path) -> dict[str, int]:
     """Newest committed step of each local rank (what the trainers have staged)."""
     return {str(r): max(steps) for r, steps in _by_rank(job).items()}
@@ -142,6 +152,9 @@ def run(cfg: AgentConfig) -> int:
     mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, rate=cfg.rate,
                 cpu=cpu_cores(cfg.cpu_share), tag=cfg.tag, timeout=cfg.timeout)
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
+    drained = threading.Event()
+    threading.Thread(target=_watch_drain, args=(status.drain_path(cfg.rendezvous, cfg.tag), mesh, drained),
+                     daemon=True, name="hpcft-agent-drain").start()
     try:
         extra = {}
         if cfg.rebuild:
@@ -166,7 +179,10 @@ def run(cfg: AgentConfig) -> int:
             print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)
             report(status.PROTECTING, **extra)
             if cfg.rounds <= 0 or done < cfg.rounds:
-                time.sleep(cfg.interval)
+                if not drained.is_set():
+                    drained.wait(cfg.interval)  # woken by a drain request
+                elif rec is None:  # draining: rounds back to back while they protect something
+                    time.sleep(cfg.interval)
     except HpcftError as exc:
         if not isinstance(exc, NoCheckpointError):
             report(status.FAILED, reason="error", error=str(exc))

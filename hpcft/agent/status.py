@@ -30,6 +30,17 @@ def write(rendezvous: str | os.PathLike, tag: str, slot: int, **fields: Any) -> 
     os.replace(tmp, target)
 
 
+def drain_path(rendezvous: str | os.PathLike, tag: str) -> Path:
+    """The supervisor's request to the agents of launch `tag`: the trainers have stopped, protect the newest step
+    now without the CPU/byte caps (they exist to spare the trainers). Named so that a relaunch's cleanup of
+    `agent-<tag>-*` removes it."""
+    return Path(rendezvous) / f"agent-{tag}-drain"
+
+
+def request_drain(rendezvous: str | os.PathLike, tag: str) -> None:
+    drain_path(rendezvous, tag).touch()
+
+
 def read(rendezvous: str | os.PathLike, tag: str | None = None) -> dict[int, dict[str, Any]]:
     """{slot: status} of the agents of launch `tag`, or of the newest launch per slot when `tag` is None."""
     found: dict[int, dict[str, Any]] = {}

@@ -29,6 +29,10 @@ class Throttle:
         self._cpu_last = cpu_clock()
         self.slept = 0.0  # seconds spent waiting on either cap (reported by the bench)
 
+    def release(self) -> None:
+        """Lift both caps for good (nothing left to spare: the trainers have stopped)."""
+        self.rate = self.cpu = 0.0
+
     def take(self, nbytes: int) -> None:
         """Account for `nbytes` about to be sent or encoded; wait as long as the caps require."""
         if self.rate <= 0 and self.cpu <= 0:

@@ -192,6 +192,7 @@ class Supervisor:
             return (f"node(s) {','.join(event.bad_nodes)} lost: the newest step their sets protected before is what "
                     "the next allocation can rebuild")
         stopped = time.time()
+        agent_status.request_drain(self.rendezvous, self._agent_tag)  # the trainers are gone: no caps needed
         deadline = started + self.cfg.protect_timeout
         while True:
             reports = agent_status.read(self.rendezvous, self._agent_tag)

@@ -140,6 +140,10 @@ def test_cpu_cap_waits_until_the_cpu_spent_fits_the_share():
     cpu[0] += 2.0
     throttle.take(1)
     assert len(slept) == 1
+    throttle.release()  # a drain: the trainers stopped, the caps are lifted for good
+    cpu[0] += 100.0
+    throttle.take(1 << 40)
+    assert len(slept) == 1
     with pytest.raises(ConfigError, match="between 0 and 1"):
         cpu_cores(1.5)
     assert cpu_cores(0.5) == pytest.approx(len(os.sched_getaffinity(0)) / 2)
