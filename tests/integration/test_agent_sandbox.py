@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import JOB
 
 from hpcft.agent import secret as job_secret
 from hpcft.agent import status as agent_status
@@ -23,7 +24,6 @@ from hpcft.launch.srun import step_env, trainer_argv
 
 pytestmark = pytest.mark.sandbox
 
-JOB = Path(__file__).parent / "jobs" / "train_dp.py"
 STEPS = 16
 ACTIVE = ["n1", "n2", "n3", "n4"]
 # On one node: sha256 of every committed manifest and of the data it describes, for the step given.
