@@ -86,19 +86,18 @@ def chunks(pieces: Sequence[Piece], nbytes: int, chunk_bytes: int) -> list[Chunk
     Small pieces share a chunk (one checksum, one task); large ones span several."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive (got {chunk_bytes})")
-    ordered = sorted(pieces, key=lambda p: p.offset)
-    out, i = [], 0
+    spans = sorted((p.offset, p.offset + p.stop - p.start, p.source, p.start) for p in pieces)
+    out, i, n = [], 0, len(spans)
     for lo in range(0, nbytes, chunk_bytes):
         hi = min(nbytes, lo + chunk_bytes)
-        segs = []
-        while i < len(ordered) and ordered[i].offset + ordered[i].nbytes <= lo:
+        while i < n and spans[i][1] <= lo:
             i += 1
-        j = i
-        while j < len(ordered) and ordered[j].offset < hi:
-            p = ordered[j]
-            a, b = max(lo, p.offset), min(hi, p.offset + p.nbytes)
+        segs, j = [], i
+        while j < n and spans[j][0] < hi:
+            off, end, source, start = spans[j]
+            a, b = max(lo, off), min(hi, end)
             if a < b:
-                segs.append(Segment(p.source, p.start + (a - p.offset), a, b - a))
+                segs.append(Segment(source, start + (a - off), a, b - a))
             j += 1
         out.append(Chunk(lo, hi - lo, tuple(segs)))
     return out
