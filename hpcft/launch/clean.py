@@ -1,5 +1,7 @@
 """Removing a job's snapshot store from this node's memory, unless a requeue is pending (the work of
-slurm/epilog.sh, for `hpcft clean` by hand)."""
+slurm/epilog.sh, for `hpcft clean` by hand). A requeue is pending when Slurm says the job waits to run again, or
+when Slurm's restart count has moved past the run that wrote the store (hpcft.store.paths.mark_run): while a
+requeued run ends, Slurm shows COMPLETING, as for the end of the job."""
 import getpass
 import logging
 import shutil
@@ -7,18 +9,20 @@ from pathlib import Path
 
 from hpcft.slurm.state import fields
 from hpcft.slurm.runner import Runner
-from hpcft.store.paths import job_dir, resolve_root
+from hpcft.store.paths import job_dir, marked_run, resolve_root
 
 _log = logging.getLogger(__name__)
 KEEP_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RESIZING", "SUSPENDED")
 
 
-def job_state(runner: Runner, job_id: str) -> str | None:
-    """Slurm's JobState of the job, or None once Slurm has forgotten it."""
+def job_state(runner: Runner, job_id: str) -> tuple[str | None, int]:
+    """Slurm's JobState and restart count of the job; (None, 0) once Slurm has forgotten it."""
     proc = runner.run(["scontrol", "show", "job", "-o", job_id], check=False)
     if proc.returncode != 0:
-        return None
-    return fields(proc.stdout.strip()).get("JobState")
+        return None, 0
+    f = fields(proc.stdout.strip())
+    restarts = f.get("Restarts", "0")
+    return f.get("JobState"), int(restarts) if restarts.isdigit() else 0
 
 
 def clean(job_id: str, *, runner: Runner, user: str | None = None, root: str | None = None,
@@ -27,9 +31,13 @@ def clean(job_id: str, *, runner: Runner, user: str | None = None, root: str | N
     path = job_dir(resolve_root(root), job_id, user or getpass.getuser())
     if not path.exists():
         return path, False, "nothing to remove"
-    state = None if force else job_state(runner, job_id)
+    state, restarts = (None, 0) if force else job_state(runner, job_id)
     if state in KEEP_STATES:
         return path, False, f"job {job_id} is {state}: a requeue is pending, the store is kept (use --force)"
+    written = marked_run(path)
+    if state is not None and written is not None and restarts > written:
+        return path, False, (f"job {job_id} was requeued after run {written} wrote the store (restart count "
+                             f"{restarts}): its next run resumes from it, the store is kept (use --force)")
     shutil.rmtree(path)
     checked = "not checked (--force)" if force else (state or "unknown to Slurm")
     return path, True, f"removed (job state {checked})"

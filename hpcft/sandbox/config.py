@@ -16,6 +16,12 @@ def default_dir() -> Path:
     return Path(os.environ.get("TMPDIR", "/tmp")) / f"hpcft-sandbox-{os.getuid()}"
 
 
+def default_epilog() -> str | None:
+    """hpcft's own slurm/epilog.sh, as a cluster running hpcft would configure it, when this is a source tree."""
+    path = Path(__file__).resolve().parents[2] / "slurm" / "epilog.sh"
+    return str(path) if path.is_file() else None
+
+
 @dataclass(frozen=True)
 class SandboxConfig:
     """Everything that decides a sandbox's shape; every field has a working default."""
@@ -29,6 +35,7 @@ class SandboxConfig:
     cpus: int = 4
     memory_mb: int = 1000
     shm_size: str = "2g"
+    epilog: str | None = field(default_factory=default_epilog)  # slurm.conf Epilog= (None: none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", Path(self.dir).absolute())
@@ -166,6 +173,8 @@ def render_slurm_conf(layout: Layout) -> str:
         "SchedulerParameters=sched_interval=2,bf_interval=1",
     ]
     cfg = layout.config
+    if cfg.epilog:
+        lines.append(f"Epilog={cfg.epilog}")
     for node in layout.nodes:
         lines.append(
             f"NodeName={node.name} NodeHostname={node.hostname} NodeAddr={node.addr} Port={node.port} "

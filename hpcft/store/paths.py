@@ -28,6 +28,35 @@ def job_dir(base: Path, job_id: str, user: str | None = None) -> Path:
     return base / f"hpcft-{_SAFE.sub('_', user)}-{_SAFE.sub('_', str(job_id))}"
 
 
+RUN_MARKER = "slurm-run"  # in a job's store directory: SLURM_RESTART_COUNT of the run that last wrote it
+
+
+def mark_run(job: Path, environ: "os._Environ[str] | dict[str, str] | None" = None) -> None:
+    """Record which run of the Slurm job writes this store (SLURM_RESTART_COUNT, 0 before any requeue), so that
+    slurm/epilog.sh can tell the end of a requeued run (Slurm's count has moved past it: keep the snapshots for
+    the next run) from the end of the job (remove them). Slurm shows COMPLETING in both cases."""
+    env = os.environ if environ is None else environ
+    count = env.get("SLURM_RESTART_COUNT", "0").strip() or "0"
+    if not count.isdigit():
+        raise ConfigError(f"SLURM_RESTART_COUNT={count!r} is not a number")
+    tmp = job / f".{RUN_MARKER}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, f"{int(count)}\n".encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, job / RUN_MARKER)
+
+
+def marked_run(job: Path) -> int | None:
+    """The run count `mark_run` recorded in `job`, or None (no marker, or not a number)."""
+    try:
+        text = (job / RUN_MARKER).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def secure_dir(path: Path, *, create: bool = True) -> Path:
     """Create `path` 0700 if missing; refuse it if it is a symlink, not ours, or open to group/others."""
     if create:

@@ -9,7 +9,7 @@ from hpcft import events
 from hpcft.errors import StoreError
 from hpcft.store import manifest as mf
 from hpcft.store import pin as pins
-from hpcft.store.paths import job_dir, resolve_root, secure_dir
+from hpcft.store.paths import job_dir, mark_run, resolve_root, secure_dir
 from hpcft.store.slot import Slot
 
 _log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class RankStore:
         self._full: set[int] = set()  # slots whose allocation ran out of space in this process
         self._index: dict[int, Version] | None = None  # slot -> complete version, as this writer knows it
         if not readonly:
+            mark_run(self.job)  # for slurm/epilog.sh: which Slurm run's snapshots these are
             for stale in self.dir.glob("*.dirty"):
                 stale.unlink(missing_ok=True)
 

@@ -14,6 +14,7 @@ from runs import JOB, agents_ready, assert_same_result, wait, wait_progress, wai
 
 from hpcft import events
 from hpcft.slurm.state import fields
+from hpcft.store.paths import mark_run, marked_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,6 +52,12 @@ def _restored(out: Path, run: str) -> set[int]:
     """The steps the ranks of the job's runs `run…` (SLURM_RESTART_COUNT.HPCFT_RESTART_COUNT) resumed from."""
     timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     return {r["step"] for r in timeline if r["what"] == "restored" and r["run"].startswith(run)}
+
+
+def _stores(runner, node: str, job: str) -> list[str]:
+    """The job's hpcft stores in `node`'s /dev/shm (each sandbox node has its own)."""
+    out = runner.run(["srun", "-N1", "-w", node, "sh", "-c", f"ls -d /dev/shm/hpcft-*-{job} 2>/dev/null; true"])
+    return out.stdout.split()
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +133,11 @@ def test_spares_exhausted_requeues_and_the_restarted_job_resumes_from_its_nodes_
     assert new_slots[:2] == [slots[0], spare] and new_slots[2] not in slots + [spare]
     ready = [e for e in recs if e["event"] == "agents_ready"][-1]
     assert ready["rebuild"] is True and ready["rebuilt"] == new_slots[2] and ready["step"] >= second > rebuilt, ready
-    # in the restarted job (SLURM_RESTART_COUNT=1) every rank resumes from memory
+    # in the restarted job (SLURM_RESTART_COUNT=1) every rank resumes from memory: the epilog (slurm/epilog.sh, the
+    # sandbox's Epilog=) kept the stores while the requeue was pending; once the job is over it removes them
     assert _restored(out, "1.") == {ready["step"]}
     assert_same_result(out, reference)
+    assert {n: _stores(runner, n, job) for n in new_slots} == {n: [] for n in new_slots}
 
 
 def test_clean_and_epilog_keep_the_store_while_a_requeue_is_pending(sandbox, tmp_path):
@@ -147,7 +156,13 @@ def test_clean_and_epilog_keep_the_store_while_a_requeue_is_pending(sandbox, tmp
         assert subprocess.run(epilog, env=env, timeout=60).returncode == 0 and store.exists()
         runner.run(["scancel", held])
         wait(lambda: _state(runner, held) != "PENDING", "the cancel", 30)
-        assert subprocess.run(epilog, env=env, timeout=60).returncode == 0
+        # the end of a requeued run: Slurm's restart count (1) has moved past the run that wrote the store (0)
+        mark_run(store, {"SLURM_RESTART_COUNT": "0"})
+        assert marked_run(store) == 0
+        requeued = {**env, "SLURM_JOB_RESTART_COUNT": "1"}
+        assert subprocess.run(epilog, env=requeued, timeout=60).returncode == 0 and store.exists()
+        # the end of the job: the run that wrote the store is the last one
+        assert subprocess.run(epilog, env={**env, "SLURM_JOB_RESTART_COUNT": "0"}, timeout=60).returncode == 0
         assert not store.exists()
         store.mkdir()
         gone = subprocess.run(clean_cmd, env=env, capture_output=True, text=True, timeout=60)

@@ -9,7 +9,7 @@ from hpcft.sandbox.config import SandboxConfig, plan, render_hosts, render_mpi_c
 from hpcft.sandbox.procs import namespaced
 
 # When a change to the rendering is intended, print render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb",
-# nodes=2))) and paste it here.
+# nodes=2, epilog=None))) and paste it here.
 GOLDEN_NETNS = """\
 # Written by `hpcft sandbox up`; rewritten on every start.
 ClusterName=hpcft-sandbox
@@ -51,7 +51,13 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 
 def test_netns_slurm_conf_matches_golden_text():
-    assert render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb", nodes=2))) == GOLDEN_NETNS
+    assert render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb", nodes=2, epilog=None))) == GOLDEN_NETNS
+
+
+def test_the_sandbox_runs_hpcfts_own_epilog_as_a_cluster_with_hpcft_would():
+    epilog = Path(__file__).resolve().parents[2] / "slurm" / "epilog.sh"
+    assert SandboxConfig(dir="/tmp/sb").epilog == str(epilog)
+    assert f"\nEpilog={epilog}\nNodeName=n1 " in render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb", nodes=1)))
 
 
 def test_local_mode_shares_localhost_with_one_port_per_node():
