@@ -16,10 +16,18 @@ def default_dir() -> Path:
     return Path(os.environ.get("TMPDIR", "/tmp")) / f"hpcft-sandbox-{os.getuid()}"
 
 
-def default_epilog() -> str | None:
-    """hpcft's own slurm/epilog.sh, as a cluster running hpcft would configure it, when this is a source tree."""
-    path = Path(__file__).resolve().parents[2] / "slurm" / "epilog.sh"
+def _slurm_script(name: str) -> str | None:
+    """hpcft's own slurm/<name>, as a cluster running hpcft would configure it, when this is a source tree."""
+    path = Path(__file__).resolve().parents[2] / "slurm" / name
     return str(path) if path.is_file() else None
+
+
+def default_prolog() -> str | None:
+    return _slurm_script("prolog.sh")
+
+
+def default_epilog() -> str | None:
+    return _slurm_script("epilog.sh")
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,7 @@ class SandboxConfig:
     cpus: int = 4
     memory_mb: int = 1000
     shm_size: str = "2g"
+    prolog: str | None = field(default_factory=default_prolog)  # slurm.conf Prolog= (None: none)
     epilog: str | None = field(default_factory=default_epilog)  # slurm.conf Epilog= (None: none)
 
     def __post_init__(self) -> None:
@@ -173,8 +182,7 @@ def render_slurm_conf(layout: Layout) -> str:
         "SchedulerParameters=sched_interval=2,bf_interval=1",
     ]
     cfg = layout.config
-    if cfg.epilog:
-        lines.append(f"Epilog={cfg.epilog}")
+    lines += [f"{key}={path}" for key, path in (("Prolog", cfg.prolog), ("Epilog", cfg.epilog)) if path]
     for node in layout.nodes:
         lines.append(
             f"NodeName={node.name} NodeHostname={node.hostname} NodeAddr={node.addr} Port={node.port} "

@@ -1,8 +1,9 @@
 """`hpcft submit` in the sandbox: Slurm's warning signal USR1 → requeue → the job runs again and finishes (a USR1
 delivered again into the requeued run before its first step is recognised as stale and ignored); spares exhausted
 → the newest snapshot protected, requeue → the restarted job (SLURM_RESTART_COUNT=1) gets the nodes that came back
-in their slots, the agents rebuild the lost one and training resumes bit-identical; and `hpcft clean` /
-slurm/epilog.sh keep a job's store while a requeue is pending, remove it afterwards."""
+in their slots, the agents rebuild the lost one and training resumes bit-identical; `hpcft clean` /
+slurm/epilog.sh keep a job's store while a requeue is pending, remove it afterwards; slurm/prolog.sh sweeps the
+stores of jobs that ended."""
 import json
 import os
 import subprocess
@@ -169,3 +170,22 @@ def test_clean_and_epilog_keep_the_store_while_a_requeue_is_pending(sandbox, tmp
         assert gone.returncode == 0 and "removed" in gone.stdout and not store.exists()
     finally:
         runner.run(["scancel", held], check=False)
+
+
+def test_prolog_sweeps_the_stores_of_ended_or_forgotten_jobs_and_keeps_the_others(sandbox, tmp_path):
+    runner = sandbox.runner()
+    held = runner.run(["sbatch", "--parsable", "--hold", "--wrap", "true"]).stdout.strip()
+    ended = runner.run(["sbatch", "--parsable", "--wrap", "true"]).stdout.strip()
+    try:
+        wait(lambda: _state(runner, ended) == "COMPLETED", "a job to end", 60)
+        stores = {name: tmp_path / f"hpcft-some-one-{job}" for name, job in
+                  (("pending", held), ("ended", ended), ("forgotten", "999999"), ("running", "424242"))}
+        for path in stores.values():
+            path.mkdir()
+        env = {**sandbox.client_env(), "SLURM_JOB_ID": "424242", "HPCFT_STORE_ROOT": str(tmp_path)}
+        prolog = sandbox.client_prefix() + [str(ROOT / "slurm" / "prolog.sh")]
+        assert subprocess.run(prolog, env=env, timeout=60).returncode == 0
+        assert {name for name, path in stores.items() if path.exists()} == {"pending", "running"}
+    finally:
+        runner.run(["scancel", held], check=False)
+

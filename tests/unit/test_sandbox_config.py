@@ -9,7 +9,7 @@ from hpcft.sandbox.config import SandboxConfig, plan, render_hosts, render_mpi_c
 from hpcft.sandbox.procs import namespaced
 
 # When a change to the rendering is intended, print render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb",
-# nodes=2, epilog=None))) and paste it here.
+# nodes=2, prolog=None, epilog=None))) and paste it here.
 GOLDEN_NETNS = """\
 # Written by `hpcft sandbox up`; rewritten on every start.
 ClusterName=hpcft-sandbox
@@ -51,13 +51,14 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 
 def test_netns_slurm_conf_matches_golden_text():
-    assert render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb", nodes=2, epilog=None))) == GOLDEN_NETNS
+    assert render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb", nodes=2, prolog=None, epilog=None))) == GOLDEN_NETNS
 
 
-def test_the_sandbox_runs_hpcfts_own_epilog_as_a_cluster_with_hpcft_would():
-    epilog = Path(__file__).resolve().parents[2] / "slurm" / "epilog.sh"
-    assert SandboxConfig(dir="/tmp/sb").epilog == str(epilog)
-    assert f"\nEpilog={epilog}\nNodeName=n1 " in render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb", nodes=1)))
+def test_the_sandbox_runs_hpcfts_own_prolog_and_epilog_as_a_cluster_with_hpcft_would():
+    slurm = Path(__file__).resolve().parents[2] / "slurm"
+    cfg = SandboxConfig(dir="/tmp/sb", nodes=1)
+    assert (cfg.prolog, cfg.epilog) == (str(slurm / "prolog.sh"), str(slurm / "epilog.sh"))
+    assert f"\nProlog={cfg.prolog}\nEpilog={cfg.epilog}\nNodeName=n1 " in render_slurm_conf(plan(cfg))
 
 
 def test_local_mode_shares_localhost_with_one_port_per_node():
