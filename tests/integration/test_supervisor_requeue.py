@@ -175,7 +175,7 @@ def test_clean_and_epilog_keep_the_store_while_a_requeue_is_pending(sandbox, tmp
 def test_prolog_sweeps_the_stores_of_ended_or_forgotten_jobs_and_keeps_the_others(sandbox, tmp_path):
     runner = sandbox.runner()
     held = runner.run(["sbatch", "--parsable", "--hold", "--wrap", "true"]).stdout.strip()
-    ended = runner.run(["sbatch", "--parsable", "--wrap", "true"]).stdout.strip()
+    ended = runner.run(["sbatch", "--parsable", "-o", "/dev/null", "--wrap", "true"]).stdout.strip()
     try:
         wait(lambda: _state(runner, ended) == "COMPLETED", "a job to end", 60)
         stores = {name: tmp_path / f"hpcft-some-one-{job}" for name, job in
