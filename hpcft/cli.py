@@ -21,7 +21,8 @@ def _register() -> None:
     from hpcft.bench.cli import bench
     from hpcft.doctor import doctor
     from hpcft.launch.cli import clean, run, submit
-    from hpcft.sandbox.cli import demo, sandbox
+    from hpcft.demo import demo
+    from hpcft.sandbox.cli import sandbox
     from hpcft.status import status
 
     for command in (doctor, sandbox, bench, demo, run, submit, clean, status):

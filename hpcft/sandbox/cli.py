@@ -1,4 +1,4 @@
-"""`hpcft sandbox up|status|down|crash|restart` and `hpcft demo`."""
+"""`hpcft sandbox up|status|down|crash|restart`."""
 import time
 from pathlib import Path
 
@@ -8,13 +8,13 @@ from hpcft.errors import SandboxError
 from hpcft.sandbox.cluster import Sandbox, ensure_up
 from hpcft.sandbox.config import MODES, SandboxConfig, default_dir
 
-_dir_option = click.option(
+dir_option = click.option(
     "--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=None,
     help="Sandbox directory (conf, logs, state) [default: $TMPDIR/hpcft-sandbox-<uid>].",
 )
 
 
-def _dir(directory: Path | None) -> Path:
+def sandbox_dir(directory: Path | None) -> Path:
     return directory if directory is not None else default_dir()
 
 
@@ -31,11 +31,11 @@ def sandbox() -> None:
 @click.option("--slurmd-port", type=int, default=None, help="slurmd port (local: the first node's) [6818, ctld+1].")
 @click.option("--subnet", default="10.77.0", show_default=True, help="netns: /24 used only inside the sandbox.")
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for every node to be idle.")
-@_dir_option
+@dir_option
 def up(nodes: int, mode: str, ctld_port: int | None, slurmd_port: int | None, subnet: str, timeout: float,
        directory: Path | None) -> None:
     """Start the sandbox and wait until every node is idle (exit 0 if it is already up)."""
-    config = SandboxConfig(dir=_dir(directory), nodes=nodes, mode=mode, ctld_port=ctld_port,
+    config = SandboxConfig(dir=sandbox_dir(directory), nodes=nodes, mode=mode, ctld_port=ctld_port,
                            slurmd_port=slurmd_port, subnet=subnet)
     t0 = time.monotonic()
     sb, started = ensure_up(config, timeout=timeout)
@@ -52,10 +52,10 @@ def _print_usage(sb: Sandbox) -> None:
 
 
 @sandbox.command()
-@_dir_option
+@dir_option
 def status(directory: Path | None) -> None:
     """Show the sandbox's daemons and Slurm's state of every node (exit 3 if it is not up)."""
-    sb = Sandbox.load(_dir(directory))
+    sb = Sandbox.load(sandbox_dir(directory))
     if not sb.is_up():
         click.echo(f"sandbox in {sb.dir} is recorded but its slurmctld is not running; run `hpcft sandbox down` then `up`")
         raise click.exceptions.Exit(3)
@@ -70,10 +70,10 @@ def status(directory: Path | None) -> None:
 
 
 @sandbox.command()
-@_dir_option
+@dir_option
 def down(directory: Path | None) -> None:
     """Stop the sandbox's daemons and remove its namespaces (logs stay in its directory)."""
-    path = _dir(directory)
+    path = sandbox_dir(directory)
     try:
         sb = Sandbox.load(path)
     except SandboxError:  # nothing recorded: nothing to stop
@@ -85,27 +85,18 @@ def down(directory: Path | None) -> None:
 
 @sandbox.command()
 @click.argument("node")
-@_dir_option
+@dir_option
 def crash(node: str, directory: Path | None) -> None:
     """Crash NODE hard: SIGKILL its slurmd, slurmstepds and tasks (its /dev/shm is lost)."""
-    pids = Sandbox.load(_dir(directory)).crash_node(node)
+    pids = Sandbox.load(sandbox_dir(directory)).crash_node(node)
     click.echo(f"crashed {node}: killed {len(pids)} processes")
 
 
 @sandbox.command()
 @click.argument("node")
 @click.option("--timeout", default=30.0, show_default=True)
-@_dir_option
+@dir_option
 def restart(node: str, timeout: float, directory: Path | None) -> None:
     """Bring NODE back (a fresh slurmd, empty /dev/shm) and wait until Slurm uses it."""
-    Sandbox.load(_dir(directory)).restart_node(node, timeout=timeout)
+    Sandbox.load(sandbox_dir(directory)).restart_node(node, timeout=timeout)
     click.echo(f"{node} is back")
-
-
-@click.command()
-@_dir_option
-def demo(directory: Path | None) -> None:
-    """Bring the sandbox up, run `hpcft doctor` and a 4-node srun step."""
-    from hpcft.sandbox.demo import run_demo
-
-    raise click.exceptions.Exit(run_demo(SandboxConfig(dir=_dir(directory), nodes=4), click.echo))

@@ -148,3 +148,11 @@ def test_a_hung_rank_is_detected_killed_and_the_job_resumes_from_memory(healthy_
     resumed = set(resumed_from(out).values())
     assert len(resumed) == 1 and 0 < resumed.pop() <= 7, "every rank resumes from the snapshot of step 6 at the latest"
     assert_same_result(out, reference)
+
+
+def test_the_demo_trains_through_a_node_crash_from_memory(healthy_sandbox):
+    from hpcft.demo import train_through_a_crash
+
+    said: list[str] = []
+    assert train_through_a_crash(healthy_sandbox, said.append) == 0, "\n".join(said)
+    assert any("spare takes the slot" in line for line in said) and any("rebuilt step" in line for line in said)
