@@ -2,7 +2,7 @@
 
 Watching means: the step's exit (with srun's per-task errors), the nodes of the active slots (scontrol, read
 fresh), training progress (hpcft/launch/progress.py) for --hang-timeout, and Slurm's warning signal SIGUSR1.
-With --protect, each launch first starts the node agents' step (hpcft/agent), waits until every agent is ready
+With --protect, each launch first starts the node agents' step (hpcft/launch/agents.py), waits until every agent is ready
 (after a node replacement: has rebuilt the lost snapshots onto the spare), and only then the trainers.
 State that must outlive a requeue (relaunch count, excluded nodes, which node held which slot) is kept in
 <job dir>/state.json, so that a requeued run puts every node that comes back into the slot whose snapshots its
@@ -22,12 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcft import events
-from hpcft.agent import secret as job_secret
-from hpcft.agent import status as agent_status
-from hpcft.agent.launch import AGENT_STEP_NAME, agent_argv
-from hpcft.errors import CheckpointError, ConfigError, NoCheckpointError, SlurmError
+from hpcft.errors import CheckpointError, ConfigError, SlurmError
 from hpcft.launch import profiles, progress
-from hpcft.launch.config import RunConfig, scheme
+from hpcft.launch.agents import AgentSteps
+from hpcft.launch.config import RunConfig
 from hpcft.launch.layout import Layout
 from hpcft.launch.policy import Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.srun import TRAIN_STEP_NAME, probe_argv, step_env, trainer_argv
@@ -88,10 +86,8 @@ class Supervisor:
         self._started = time.time()
         self._requeued_run = False
         self._background: list[subprocess.Popen] = []  # step kills still retrying (see _stop_steps)
-        self.rendezvous = self.job_dir / "agents"  # the agents' addresses and status files (shared filesystem)
-        self._protected_slots: tuple[str, ...] | None = None  # slots whose agents were last ready
-        self._agents: subprocess.Popen | None = None  # the agents' step, kept running until the decision
-        self._agent_tag = ""
+        self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
+                                 interrupted=lambda: self._signal == signal.SIGTERM)
 
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -126,12 +122,11 @@ class Supervisor:
                   kept=",".join(kept), profile=self.profile.name, job_dir=str(self.job_dir))
         self._requeued_run = saved.requeues > 0
         if self.cfg.protected:
-            self.rendezvous.mkdir(exist_ok=True)
-            job_secret.create(self.job_dir)  # 0600; kept across relaunches and requeues
+            self.agents.prepare()
         while True:
             event = self._run_step(layout, saved.restarts + saved.requeues)
             if self._signal == signal.SIGTERM:
-                self._stop_agents()
+                self.agents.stop()
                 self.emit("terminated", level=logging.WARNING, reason="SIGTERM (scancel, preemption or requeue)")
                 return 128 + signal.SIGTERM
             state = State(layout=layout, restarts=saved.restarts, max_restarts=self.cfg.max_restarts,
@@ -142,7 +137,7 @@ class Supervisor:
             record(decision, event, state, str(self.job_dir))
             if decision.action is Action.REQUEUE:
                 self._persist_before_requeue(event)
-            self._stop_agents()
+            self.agents.stop()
             saved.slots = list(layout.slots)  # the nodes that held the slots' snapshots in this run
             layout = decision.layout
             saved.excluded = list(layout.excluded)
@@ -173,53 +168,25 @@ class Supervisor:
             self.persist()
             self.emit("persist", done=True, how="hook", seconds=round(time.monotonic() - started, 3))
             return
-        if self._agents is None:
+        if self.agents.proc is None:
             self.emit("persist", level=logging.WARNING, done=False, how="none",
                       reason="no protection (--protect) and no persistent tier: the next allocation resumes from "
                              "what its nodes hold")
             return
-        why = self._await_protection(event, started)
-        reports = agent_status.read(self.rendezvous, self._agent_tag).values()
-        protected = [r.get("protected") for r in reports]
-        step = min(protected) if protected and None not in protected else None
-        self.emit("persist", level=logging.INFO if why is None else logging.WARNING, done=why is None, how="protect",
-                  protected=step, seconds=round(time.monotonic() - started, 3), **({"reason": why} if why else {}))
-
-    def _await_protection(self, event: Event, started: float) -> str | None:
-        """Wait until every agent reports, after the trainers stopped, the newest step held everywhere as protected.
-        None when it is, else why not (a node is lost, the agents' step ended, or the time ran out)."""
         if event.bad_nodes:
-            return (f"node(s) {','.join(event.bad_nodes)} lost: the newest step their sets protected before is what "
-                    "the next allocation can rebuild")
-        stopped = time.time()
-        agent_status.request_drain(self.rendezvous, self._agent_tag)  # the trainers are gone: no caps needed
-        deadline = started + self.cfg.protect_timeout
-        while True:
-            reports = agent_status.read(self.rendezvous, self._agent_tag)
-            fresh = [r for r in reports.values() if r.get("time", 0) > stopped]
-            if len(fresh) == len(self._protected_slots or ()) and fresh:
-                held = set.intersection(*(set(r.get("staged_steps") or ()) for r in fresh))
-                newest = max(held, default=None)
-                if newest is None or all((r.get("protected") or -1) >= newest for r in fresh):
-                    return None
-            if self._agents is None or self._agents.poll() is not None:
-                return "the agents' step ended before protecting the newest step"
-            if time.monotonic() > deadline:
-                return f"the newest step was not protected within --protect-timeout {self.cfg.protect_timeout:g} s"
-            time.sleep(min(self.cfg.poll_interval, 0.5))
-
-    def _stop_agents(self) -> None:
-        """Stop the agents' step of the last launch, if it runs."""
-        if self._agents is not None:
-            self._stop_steps({AGENT_STEP_NAME: self._agents})
-            self.emit("agents_stopped", exit_code=self._agents.returncode)
-            self._agents = None
+            why = (f"node(s) {','.join(event.bad_nodes)} lost: the newest step their sets protected before is what "
+                   "the next allocation can rebuild")
+        else:
+            why = self.agents.drain(started + self.cfg.protect_timeout)
+        self.emit("persist", level=logging.INFO if why is None else logging.WARNING, done=why is None, how="protect",
+                  protected=self.agents.protected(), seconds=round(time.monotonic() - started, 3),
+                  **({"reason": why} if why else {}))
 
     # -- one step -----------------------------------------------------------------------------------------
     def _run_step(self, layout: Layout, restart_count: int) -> Event:
         """One launch: the agents' step when protecting (and the wait for it), then the trainers' step, watched
-        until it ends or must be stopped. The agents' step is left running (self._agents) for the decision: a
-        requeue first waits for their protection; every other path stops them (`_stop_agents`)."""
+        until it ends or must be stopped. The agents' step is left running (self.agents) for the decision: a
+        requeue first waits for their protection; every other path stops them (`AgentSteps.stop`)."""
         user = self.environ.get("USER") or getpass.getuser()
         env = step_env(layout, job_id=self.job_id, restart_count=restart_count, job_dir=str(self.job_dir),
                        profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id))
@@ -227,10 +194,11 @@ class Supervisor:
         proc: subprocess.Popen | None = None
         try:
             if self.cfg.protected:
-                self._agents, failure = self._start_agents(layout, restart_count, env)
+                failure = self.agents.start(layout, restart_count, env)
                 if failure is not None:
-                    self._stop_agents()
-                    return failure
+                    event = self._agents_failed(layout, failure)
+                    self.agents.stop()
+                    return event
             argv = trainer_argv(layout, self.profile, self.command, python=self.python, extra=self.cfg.srun_args)
             self.emit("launch", restart=restart_count, slots=",".join(layout.slots), world=layout.world_size,
                       master=f"{layout.master}:{env['MASTER_PORT']}")
@@ -245,78 +213,14 @@ class Supervisor:
                 self._stop_steps({TRAIN_STEP_NAME: proc})
                 reader.join(timeout=5)
         except BaseException:
-            self._stop_agents()
+            self.agents.stop()
             raise
         failed = tuple(slurmstate.task_errors(lines))
         return Event(event.kind, exit_code=proc.returncode, bad_nodes=event.bad_nodes, failed_tasks=failed,
                      detail=event.detail)
 
-    # -- the node agents' step ----------------------------------------------------------------------------
-    def _start_agents(self, layout: Layout, restart_count: int,
-                      env: Mapping[str, str]) -> tuple[subprocess.Popen, Event | None]:
-        """Launch the agents (rebuilding when the slots changed since agents were last ready) and wait until
-        every one is ready. Returns the step and None, or the step and the failure to hand to the policy.
-
-        No snapshot rebuildable on every node (NoCheckpointError) is not a failure of the launch: there is no
-        persistent tier yet, so the trainers start from what they can restore (the restore agreement gives
-        step 0 when a node holds nothing) and fresh agents, without a rebuild, protect the run from there."""
-        rebuild = restart_count > 0 and layout.slots != self._protected_slots
-        tag = str(restart_count)
-        proc = self._launch_agents(layout, tag, env, rebuild)
-        try:
-            try:
-                ready = self._wait_agents(proc, layout, tag)
-            except NoCheckpointError as exc:
-                self.emit("agents_no_checkpoint", level=logging.WARNING, tag=tag, reason=str(exc),
-                          action="trainers start from what they can restore; agents relaunched without rebuild")
-                self._stop_steps({AGENT_STEP_NAME: proc})
-                tag, rebuild = f"{restart_count}-fresh", False
-                proc = self._launch_agents(layout, tag, env, rebuild)
-                ready = self._wait_agents(proc, layout, tag)
-        except CheckpointError as exc:
-            return proc, self._agents_failed(layout, tag, exc)
-        self._protected_slots, self._agent_tag = layout.slots, tag
-        self.emit("agents_ready", tag=tag, rebuild=rebuild, step=ready.step,
-                  rebuilt=",".join(layout.slots[i] for i in ready.rebuilt))
-        return proc, None
-
-    def _launch_agents(self, layout: Layout, tag: str, env: Mapping[str, str], rebuild: bool) -> subprocess.Popen:
-        """`srun … python -m hpcft.agent` on the active slots (hpcft.agent.launch), output to the job dir."""
-        for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
-            stale.unlink(missing_ok=True)
-        cfg = self.cfg
-        argv = agent_argv(list(layout.slots), rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
-                          scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate)
-        argv += ["--tag", tag]
-        self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
-                  group=cfg.group, losses=cfg.losses, distance=cfg.distance)
-        with open(self.job_dir / f"agents-{tag}.log", "ab") as log:
-            return self.runner.popen(argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
-
-    def _wait_agents(self, proc: subprocess.Popen, layout: Layout, tag: str) -> agent_status.Ready:
-        """hpcft.agent.status.wait_ready, in slices so that an agents' step that ended, a SIGTERM or
-        --protect-timeout end the wait. NoCheckpointError as wait_ready; CheckpointError for any other failure."""
-        deadline = time.monotonic() + self.cfg.protect_timeout
-        while True:
-            try:
-                return agent_status.wait_ready(self.rendezvous, tag, len(layout.slots), timeout=self.cfg.poll_interval)
-            except NoCheckpointError:
-                raise
-            except CheckpointError as exc:
-                reports = agent_status.read(self.rendezvous, tag).values()
-                if any(r.get("phase") == agent_status.FAILED for r in reports):
-                    raise
-                if time.monotonic() > deadline:
-                    raise CheckpointError(f"{exc} (--protect-timeout {self.cfg.protect_timeout:g} s)") from None
-            if proc.poll() is not None:
-                raise CheckpointError(f"the agents' step ended (exit status {proc.returncode}) before every agent "
-                                      f"was ready; see {self.job_dir / f'agents-{tag}.log'}")
-            if self._signal == signal.SIGTERM:
-                raise CheckpointError("interrupted by SIGTERM")
-
-    def _agents_failed(self, layout: Layout, tag: str, exc: CheckpointError) -> Event:
+    def _agents_failed(self, layout: Layout, exc: CheckpointError) -> Event:
         """The policy's view of agents that could not get ready: a bad node, or an agent failure on healthy nodes."""
-        self.emit("agents_failed", level=logging.WARNING, tag=tag, reason=str(exc))
         if self._signal == signal.SIGTERM:
             return Event(Kind.WALLTIME, detail="SIGTERM")
         bad = self._bad_nodes(layout, probe=True)

@@ -1,0 +1,132 @@
+"""The node agents' srun step of each launch of `hpcft run --protect`: launched before the trainers (with a
+rebuild when the slots changed since agents were last ready), waited on until every agent is ready, drained
+before a requeue (the trainers are gone: the newest step is protected without caps), stopped.
+The supervisor (hpcft/launch/supervisor.py) owns the run loop and turns a failure here into a policy event."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from hpcft.agent import secret as job_secret
+from hpcft.agent import status as agent_status
+from hpcft.agent.launch import AGENT_STEP_NAME, agent_argv
+from hpcft.errors import CheckpointError, NoCheckpointError
+from hpcft.launch.config import RunConfig, scheme
+from hpcft.launch.layout import Layout
+from hpcft.slurm.runner import Runner
+
+
+class AgentSteps:
+    """One job's agents' steps. `emit` records events, `stop_steps` stops {step name: srun} (the supervisor's
+    SIGTERM-then-kill), `interrupted` says whether `hpcft run` got SIGTERM."""
+
+    def __init__(self, cfg: RunConfig, runner: Runner, job_dir: Path, python: str, *, emit: Callable[..., None],
+                 stop_steps: Callable[[Mapping[str, subprocess.Popen]], None], interrupted: Callable[[], bool]):
+        self.cfg, self.runner, self.job_dir, self.python = cfg, runner, job_dir, python
+        self.emit, self._stop_steps, self._interrupted = emit, stop_steps, interrupted
+        self.rendezvous = job_dir / "agents"  # the agents' addresses and status files (shared filesystem)
+        self.proc: subprocess.Popen | None = None  # the running step, kept until the supervisor's decision
+        self.tag = ""
+        self._ready_slots: tuple[str, ...] | None = None  # slots whose agents were last ready
+
+    def prepare(self) -> None:
+        """The rendezvous directory and the per-job secret (0600; kept across relaunches and requeues)."""
+        self.rendezvous.mkdir(exist_ok=True)
+        job_secret.create(self.job_dir)
+
+    def start(self, layout: Layout, restart_count: int, env: Mapping[str, str]) -> CheckpointError | None:
+        """Launch the agents and wait until every one is ready (after a rebuild when the slots changed since
+        agents were last ready); None, or why they could not get ready (the step is left for `stop`).
+
+        No snapshot rebuildable on every node (NoCheckpointError) is not a failure of the launch: there is no
+        persistent tier yet, so the trainers start from what they can restore (the restore agreement gives
+        step 0 when a node holds nothing) and fresh agents, without a rebuild, protect the run from there."""
+        rebuild = restart_count > 0 and layout.slots != self._ready_slots
+        self.tag = str(restart_count)
+        self.proc = self._launch(layout, rebuild, env)
+        try:
+            try:
+                ready = self._wait(layout)
+            except NoCheckpointError as exc:
+                self.emit("agents_no_checkpoint", level=logging.WARNING, tag=self.tag, reason=str(exc),
+                          action="trainers start from what they can restore; agents relaunched without rebuild")
+                self._stop_steps({AGENT_STEP_NAME: self.proc})
+                self.tag, rebuild = f"{restart_count}-fresh", False
+                self.proc = self._launch(layout, rebuild, env)
+                ready = self._wait(layout)
+        except CheckpointError as exc:
+            self.emit("agents_failed", level=logging.WARNING, tag=self.tag, reason=str(exc))
+            return exc
+        self._ready_slots = layout.slots
+        self.emit("agents_ready", tag=self.tag, rebuild=rebuild, step=ready.step,
+                  rebuilt=",".join(layout.slots[i] for i in ready.rebuilt))
+        return None
+
+    def _launch(self, layout: Layout, rebuild: bool, env: Mapping[str, str]) -> subprocess.Popen:
+        """`srun … python -m hpcft.agent` on the active slots (hpcft.agent.launch), output to the job dir."""
+        tag, cfg = self.tag, self.cfg
+        for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
+            stale.unlink(missing_ok=True)
+        argv = agent_argv(list(layout.slots), rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
+                          scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate)
+        argv += ["--tag", tag]
+        self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
+                  group=cfg.group, losses=cfg.losses, distance=cfg.distance)
+        with open(self.job_dir / f"agents-{tag}.log", "ab") as log:
+            return self.runner.popen(argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
+
+    def _wait(self, layout: Layout) -> agent_status.Ready:
+        """hpcft.agent.status.wait_ready, in slices so that an agents' step that ended, a SIGTERM or
+        --protect-timeout end the wait. NoCheckpointError as wait_ready; CheckpointError for any other failure."""
+        tag, proc = self.tag, self.proc
+        deadline = time.monotonic() + self.cfg.protect_timeout
+        while True:
+            try:
+                return agent_status.wait_ready(self.rendezvous, tag, len(layout.slots), timeout=self.cfg.poll_interval)
+            except NoCheckpointError:
+                raise
+            except CheckpointError as exc:
+                reports = agent_status.read(self.rendezvous, tag).values()
+                if any(r.get("phase") == agent_status.FAILED for r in reports):
+                    raise
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"{exc} (--protect-timeout {self.cfg.protect_timeout:g} s)") from None
+            if proc is None or proc.poll() is not None:
+                raise CheckpointError(f"the agents' step ended (exit status {proc and proc.returncode}) before every "
+                                      f"agent was ready; see {self.job_dir / f'agents-{tag}.log'}")
+            if self._interrupted():
+                raise CheckpointError("interrupted by SIGTERM")
+
+    def drain(self, deadline: float) -> str | None:
+        """Once the trainers have stopped: ask the agents to protect the newest step without caps, and wait until
+        every one reports it protected. None when it is, else why not (their step ended, or `deadline`, a
+        time.monotonic() value, passed)."""
+        stopped = time.time()
+        agent_status.request_drain(self.rendezvous, self.tag)
+        while True:
+            fresh = [r for r in agent_status.read(self.rendezvous, self.tag).values() if r.get("time", 0) > stopped]
+            if fresh and len(fresh) == len(self._ready_slots or ()):
+                held = set.intersection(*(set(r.get("staged_steps") or ()) for r in fresh))
+                newest = max(held, default=None)
+                if newest is None or all((r.get("protected") or -1) >= newest for r in fresh):
+                    return None
+            if self.proc is None or self.proc.poll() is not None:
+                return "the agents' step ended before protecting the newest step"
+            if time.monotonic() > deadline:
+                return f"the newest step was not protected within --protect-timeout {self.cfg.protect_timeout:g} s"
+            time.sleep(min(self.cfg.poll_interval, 0.5))
+
+    def protected(self) -> int | None:
+        """The newest step every agent of the last launch reports protected, if each reports one."""
+        steps = [r.get("protected") for r in agent_status.read(self.rendezvous, self.tag).values()]
+        return min(steps) if steps and None not in steps else None
+
+    def stop(self) -> None:
+        """Stop the agents' step of the last launch, if it runs."""
+        if self.proc is not None:
+            self._stop_steps({AGENT_STEP_NAME: self.proc})
+            self.emit("agents_stopped", exit_code=self.proc.returncode)
+            self.proc = None
