@@ -115,14 +115,10 @@ def _watch_drain(flag: Path, mesh: Mesh, drained: threading.Event, poll: float =
     drained.set()
 
 
-def _progress(job: Path) -> dict[str, int]:
-    """Newest committed step of each local rank (what the trainers have staged)."""
-    return {str(r): max(steps) for r, steps in _by_rank(job).items()}
-
-
-def _by_rank(job: Path) -> dict[int, list[int]]:
+def _by_rank(versions: dict[int, dict]) -> dict[int, list[int]]:
+    """rank → the steps it holds, from `local_versions`."""
     out: dict[int, list[int]] = {}
-    for step, held in local_versions(job).items():
+    for step, held in versions.items():
         for r in held:
             out.setdefault(r, []).append(step)
     return out
@@ -139,13 +135,13 @@ def run(cfg: AgentConfig) -> int:
     node = socket.gethostname()
 
     def report(phase: str, **fields) -> None:
-        complete = complete_steps(job)
-        recs = records(job)
+        versions = local_versions(job)
+        complete, recs, by_rank = complete_steps(job, versions), records(job), _by_rank(versions)
         status.write(cfg.rendezvous, cfg.tag, cfg.slot, node=node, phase=phase, scheme=cfg.scheme.name,
                      group=cfg.scheme.group, losses=cfg.scheme.losses, distance=cfg.scheme.distance, slots=cfg.slots,
                      interval=cfg.interval, staged=max(complete) if complete else None,
-                     protected=max(recs) if recs else None, persisted=None, ranks=_progress(job),
-                     versions={str(r): sorted(v) for r, v in _by_rank(job).items()},
+                     protected=max(recs) if recs else None, persisted=None, ranks={str(r): max(v) for r, v in by_rank.items()},
+                     versions={str(r): sorted(v) for r, v in by_rank.items()},
                      staged_steps=sorted(complete), protected_steps=sorted(recs), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
