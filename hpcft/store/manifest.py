@@ -1,11 +1,11 @@
 """Manifests: the JSON description of one snapshot (never pickle), self-checksummed, committed by rename."""
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from hpcft.errors import StoreError
 from hpcft.store.checksum import crc32c
+from hpcft.store.paths import replace_file
 
 FORMAT = "hpcft-snapshot/1"
 
@@ -36,19 +36,9 @@ def decode(data: bytes, path: Path | str = "<manifest>") -> dict[str, Any]:
 
 def write_atomic(path: Path, manifest: dict[str, Any]) -> None:
     """Write `<path>.dirty` (exclusive, 0600), then rename it to `path`: readers see all or nothing."""
-    dirty = path.with_name(path.name + ".dirty")
     try:
-        dirty.unlink(missing_ok=True)
-        fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            data = encode(manifest)
-            if os.write(fd, data) != len(data):
-                raise OSError(28, "short write")
-        finally:
-            os.close(fd)
-        os.rename(dirty, path)
+        replace_file(path, encode(manifest), path.with_name(path.name + ".dirty"))
     except OSError as exc:
-        dirty.unlink(missing_ok=True)
         raise StoreError(f"cannot commit manifest {path}: {exc.strerror or exc}") from exc
 
 

@@ -28,6 +28,22 @@ def job_dir(base: Path, job_id: str, user: str | None = None) -> Path:
     return base / f"hpcft-{_SAFE.sub('_', user)}-{_SAFE.sub('_', str(job_id))}"
 
 
+def replace_file(path: Path, data: bytes, tmp: Path) -> None:
+    """Write `data` to `tmp` (0600, never through a symlink), then rename it over `path`: a reader sees the old
+    file or the new one, never a part. On failure `tmp` is removed and the OSError raised."""
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(28, "short write")
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 RUN_MARKER = "slurm-run"  # in a job's store directory: SLURM_RESTART_COUNT of the run that last wrote it
 
 
@@ -39,13 +55,10 @@ def mark_run(job: Path, environ: "os._Environ[str] | dict[str, str] | None" = No
     count = env.get("SLURM_RESTART_COUNT", "0").strip() or "0"
     if not count.isdigit():
         raise ConfigError(f"SLURM_RESTART_COUNT={count!r} is not a number")
-    tmp = job / f".{RUN_MARKER}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, f"{int(count)}\n".encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, job / RUN_MARKER)
+        replace_file(job / RUN_MARKER, f"{int(count)}\n".encode(), job / f".{RUN_MARKER}.{os.getpid()}")
+    except OSError as exc:
+        raise StoreError(f"cannot write {job / RUN_MARKER}: {exc.strerror or exc}") from exc
 
 
 def marked_run(job: Path) -> int | None:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpcft.errors import StoreError
+from hpcft.store.paths import replace_file
 
 SUFFIX = ".pin"
 MARKER = "agent-pins"  # in the job directory: a reader here pins (the agent: up to two versions per rank)
@@ -52,16 +53,10 @@ def mine(step: int, lease: float, owner: str = "") -> Pin:
 
 def write(path: Path, pin: Pin) -> None:
     """Create or renew `path` atomically (a `.dirty` file of this process, 0600, renamed over it)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.dirty")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, json.dumps(asdict(pin), sort_keys=True).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        replace_file(path, json.dumps(asdict(pin), sort_keys=True).encode(),
+                     path.with_name(f"{path.name}.{os.getpid()}.dirty"))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise StoreError(f"cannot pin {path}: {exc.strerror or exc}") from exc
 
 
