@@ -64,12 +64,22 @@ def bench() -> None:
               help="Measured training steps per variant.")
 @click.option("--block", type=click.IntRange(min=1), default=2, show_default=True,
               help="Consecutive steps of one variant before switching to the next.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the model trains (cuda: a CUDA or ROCm GPU through torch.cuda).")
+@click.option("--batch", type=click.IntRange(min=1), default=None,
+              help="Sequences per step [default: the shape's, 4]; a GPU needs more for a realistic step.")
 def snapshot(params: int, warmup: int, threads: int, root: str | None, as_json: bool, steps: int,
-             block: int) -> None:
+             block: int, device: str, batch: int | None) -> None:
     """Step-time overhead of checkpointing every step: hpcft vs torch.save vs dcp.async_save."""
     from hpcft.bench.snapshot import SnapshotOptions, run
 
-    opts = SnapshotOptions(params=params, steps=steps, warmup=warmup, block=block, threads=threads, root=root)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError("--device cuda: torch sees no CUDA/ROCm GPU here; use --device cpu")
+    opts = SnapshotOptions(params=params, steps=steps, warmup=warmup, block=block, threads=threads, root=root,
+                           device=device, batch=batch)
     _run(as_json, lambda: run(opts))
 
 

@@ -139,6 +139,35 @@ class Memcpy(Variant):
         self.src = self.dst = np.empty(0, dtype=np.uint8)
 
 
+class DeviceToHost(Variant):
+    """The GPU reference: one copy of `nbytes` from device memory into pinned host memory, waited for
+    (cudaMemcpy/hipMemcpy through torch), the fastest way the bytes of a snapshot can leave the device."""
+
+    name, label = "memcpy", "device→pinned host copy"
+
+    def __init__(self, nbytes: int, device: str) -> None:
+        import torch
+
+        self.nbytes = nbytes
+        self.device = torch.device(device)
+        self.src = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
+        self.dst = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def run_once(self, index: int) -> None:
+        import torch
+
+        self.dst.copy_(self.src, non_blocking=True)
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.src = self.dst = None
+
+
+def memcpy_reference(nbytes: int, device: str = "cpu") -> Variant:
+    """The bandwidth reference for a state on `device`: host memcpy on a CPU, device→host on a GPU."""
+    return Memcpy(nbytes) if device == "cpu" else DeviceToHost(nbytes, device)
+
+
 # ---------------------------------------------------------------- environment
 
 def free_loopback_port() -> int:

@@ -40,19 +40,21 @@ def param_count(layers: int, d_model: int, seq: int, vocab: int) -> int:
     return layers * block + vocab * d + seq * d + 2 * d + vocab * d
 
 
-def config_for_params(params: int) -> ModelConfig:
-    """The shape whose parameter count is closest to `params`, with d_model a multiple of the head width."""
+def config_for_params(params: int, batch: int | None = None) -> ModelConfig:
+    """The shape whose parameter count is closest to `params`, with d_model a multiple of the head width;
+    `batch` (sequences per step) replaces the shape's default, e.g. to give a GPU a realistic step."""
     if params < 100_000:
         raise ConfigError(f"--params {params} is too small; use at least 100k (e.g. 1M for a smoke run)")
     if params < SMALL_MODEL_PARAMS:
-        layers, seq, batch, vocab, head_dim = 2, 64, 2, 1024, 32
+        layers, seq, default_batch, vocab, head_dim = 2, 64, 2, 1024, 32
     else:
-        layers, seq, batch, vocab, head_dim = 8, 256, 4, 8192, 64
+        layers, seq, default_batch, vocab, head_dim = 8, 256, 4, 8192, 64
     # Solve layers*12 d² + (13 layers + 2 vocab + seq + 2) d = params for d, then round to whole heads.
     a, b = 12 * layers, 13 * layers + 2 * vocab + seq + 2
     d_exact = (-b + math.sqrt(b * b + 4 * a * params)) / (2 * a)
     heads = max(1, round(d_exact / head_dim))
-    return ModelConfig(layers=layers, d_model=heads * head_dim, heads=heads, seq=seq, batch=batch, vocab=vocab)
+    return ModelConfig(layers=layers, d_model=heads * head_dim, heads=heads, seq=seq,
+                       batch=default_batch if batch is None else batch, vocab=vocab)
 
 
 class Block(nn.Module):
@@ -99,17 +101,20 @@ class GPT(nn.Module):
 class Trainer:
     """A model, its AdamW optimizer and a few fixed random batches; `step()` runs one training step."""
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0, n_batches: int = 4) -> None:
+    def __init__(self, cfg: ModelConfig, seed: int = 0, n_batches: int = 4, device: str = "cpu") -> None:
         gen = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)
         self.cfg = cfg
-        self.model = GPT(cfg)
+        self.device = torch.device(device)
+        self.model = GPT(cfg).to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.batches = [torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), generator=gen) for _ in range(n_batches)]
+        self.batches = [torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), generator=gen).to(self.device)
+                        for _ in range(n_batches)]
         self.steps_done = 0
 
     def step(self) -> float:
-        """Forward, backward and optimizer step on the next batch; returns the loss."""
+        """Forward, backward and optimizer step on the next batch; returns the loss (on a GPU, reading it
+        waits for the step's kernels, so a timed step is the whole step)."""
         tokens = self.batches[self.steps_done % len(self.batches)]
         logits = self.model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))

@@ -15,14 +15,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpcft.bench import baselines
-from hpcft.bench.harness import (GB, Memcpy, Report, Scratch, Timings, Variant, cpu_overhead, local_process_group,
-                                 overhead, run_interleaved, scratch, set_threads)
+from hpcft.bench.harness import (GB, Report, Scratch, Timings, Variant, cpu_overhead, local_process_group,
+                                 memcpy_reference, overhead, run_interleaved, scratch, set_threads)
 from hpcft.bench.model import Trainer, config_for_params
 
 
 @dataclass(frozen=True)
 class SnapshotOptions:
-    """What `hpcft bench snapshot` runs: model size, measured steps per variant, warmup, block, threads."""
+    """What `hpcft bench snapshot` runs: model size, measured steps per variant, warmup, block, threads,
+    the device the model trains on and (optionally) its batch."""
 
     params: int = 50_000_000
     steps: int = 12
@@ -30,6 +31,8 @@ class SnapshotOptions:
     block: int = 2
     threads: int = 2
     root: str | None = None
+    device: str = "cpu"
+    batch: int | None = None
 
 
 class Checkpointing(Variant):
@@ -162,7 +165,7 @@ class IdleSnapshot(Variant):
 
 
 def _build(opts: SnapshotOptions, where: Scratch) -> tuple[Trainer, list[Checkpointing]]:
-    trainer = Trainer(config_for_params(opts.params))
+    trainer = Trainer(config_for_params(opts.params, opts.batch), device=opts.device)
     trainer.step()  # Adam state exists from here on, so every variant copies the same bytes
     variants = [NoCheckpoint(trainer), Hpcft(trainer, where.shm), TorchSave(trainer, where.disk),
                 DcpAsync(trainer, where.disk)]
@@ -188,7 +191,7 @@ def run(opts: SnapshotOptions) -> Report:
         try:
             timings = run_interleaved(variants, opts.steps, opts.warmup, opts.block)
             training = hp.copy_bandwidth(first_step=hp.first_measured_step(opts.warmup))
-            idle, memcpy = IdleSnapshot(hp), Memcpy(trainer.state_bytes())
+            idle, memcpy = IdleSnapshot(hp), memcpy_reference(trainer.state_bytes(), opts.device)
             try:
                 reference = run_interleaved([idle, memcpy], steps=3, warmup=1, block=1)
             finally:
@@ -227,11 +230,13 @@ def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: 
           "torch.save blocked per call")
     r.add("blocked_s_dcp_async", by_name["dcp_async"].blocked_median(opts.warmup), "s",
           "dcp.async_save blocked per call (wait + stage)")
-    r.add("copy_vs_memcpy", copy.idle / copy.memcpy, "x", "hpcft copy+crc bandwidth ÷ 1-thread memcpy")
+    ref = "1-thread memcpy" if opts.device == "cpu" else "device→pinned host copy"
+    r.add("copy_vs_memcpy", copy.idle / copy.memcpy, "x", f"hpcft copy+crc bandwidth ÷ {ref}")
     r.add("copy_vs_memcpy_in_training", copy.training / copy.memcpy, "x", "same, copies overlapping training")
     r.add("copy_GBps", copy.idle / GB, "GB/s", "hpcft copy+crc bandwidth, no training running")
     r.add("copy_GBps_in_training", copy.training / GB, "GB/s", "hpcft copy+crc bandwidth during training")
-    r.add("memcpy_GBps", copy.memcpy / GB, "GB/s", "memcpy, 1 thread, same bytes")
+    r.add("memcpy_GBps", copy.memcpy / GB, "GB/s", f"{ref}, same bytes")
+    r.add("backend", hp.ckpt.backend, "", "hpcft copy backend")
     r.add("snapshot_bytes", copy.snapshot_bytes, "B", "bytes per hpcft snapshot")
     r.add("state_bytes", trainer.state_bytes(), "B", "bytes of model + optimizer state")
     r.add("params", trainer.n_params(), "", "model parameters")
