@@ -48,10 +48,10 @@ def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads
     if backend == "torch":
         from hpcft.snapshot.copiers.torch_stream import TorchCopier
 
-        return TorchCopier(device, max_inflight_bytes)
+        return TorchCopier(device, max_inflight_bytes, crc_threads=threads)
     from hpcft.snapshot.copiers.hip import HipCopier
 
-    return HipCopier(device, max_inflight_bytes)
+    return HipCopier(device, max_inflight_bytes, crc_threads=threads)
 
 
 __all__ = ["BACKENDS", "Copier", "CpuCopier", "Transfer", "choose", "cpu_overlap", "make"]

@@ -25,8 +25,8 @@ def _hip() -> Any:
 class HipCopier(StreamCopier):
     name = "hip"
 
-    def __init__(self, device: torch.device, max_inflight_bytes: int = 256 << 20):
-        super().__init__(max_inflight_bytes)
+    def __init__(self, device: torch.device, max_inflight_bytes: int = 256 << 20, crc_threads: int = 2):
+        super().__init__(max_inflight_bytes, crc_threads)
         self.hip = _hip()
         self.device = torch.device(device)
         _check(self.hip.hipSetDevice(self.device.index or 0))

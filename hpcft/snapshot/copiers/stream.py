@@ -1,5 +1,6 @@
 """The GPU copy level shared by the torch and hip backends: an issuer thread with a cap on bytes in
-flight, a per-chunk completion event, a checksum per chunk once it has landed in host memory.
+flight, a per-chunk completion event, a checksum per chunk once it has landed in host memory (on a
+small pool of threads: one thread's crc32c is slower than a device→host DMA, and must not throttle it).
 
 A backend supplies four primitives (`_record_ready`, `_copy`, `_record`, `_synchronize`) and the
 device-side wait used by `guard`; everything else lives here once.
@@ -40,9 +41,10 @@ class StreamCopier:
     name = "stream"
     chunk_bytes = 4 << 20  # large DMA transfers; fewer copy calls on the stream
 
-    def __init__(self, max_inflight_bytes: int = 256 << 20):
+    def __init__(self, max_inflight_bytes: int = 256 << 20, crc_threads: int = 2):
         self.cap = max_inflight_bytes
         self._issuer = ThreadPoolExecutor(1, thread_name_prefix="hpcft-issue")
+        self._crc = ThreadPoolExecutor(max(1, crc_threads), thread_name_prefix="hpcft-crc")
         self._pinned: dict[str, tuple[int, int, int]] = {}  # slot path -> (generation, ptr, size)
 
     # primitives -------------------------------------------------------------------------------------
@@ -78,15 +80,15 @@ class StreamCopier:
 
     def _issue(self, transfer: StreamTransfer, chunks: Sequence[Chunk], slot: Slot, host: torch.Tensor,
                ready: Any) -> list[int]:
-        crcs = [0] * len(chunks)
+        crcs: list[Future | None] = [None] * len(chunks)
         inflight: deque = deque()
         pending = 0
 
-        def land() -> int:
+        def land() -> int:  # the chunk is in host memory: its bytes no longer count as in flight
             i, event = inflight.popleft()
             self._synchronize(event)
             c = chunks[i]
-            crcs[i] = crc32c(slot.array[c.offset:c.offset + c.nbytes])
+            crcs[i] = self._crc.submit(crc32c, slot.array[c.offset:c.offset + c.nbytes])
             return c.nbytes
 
         try:
@@ -108,7 +110,7 @@ class StreamCopier:
             transfer.issued.set()
         while inflight:
             land()
-        return crcs
+        return [f.result() for f in crcs]
 
     def guard(self, transfer: StreamTransfer) -> None:
         """Device-side: the compute stream waits for the copy's last event; the host waits only while
@@ -121,6 +123,7 @@ class StreamCopier:
 
     def close(self) -> None:
         self._issuer.shutdown(wait=True)
+        self._crc.shutdown(wait=True)
         for _, ptr, _ in self._pinned.values():
             self._unregister(ptr)
         self._pinned.clear()

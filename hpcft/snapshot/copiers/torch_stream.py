@@ -11,8 +11,8 @@ from hpcft.snapshot.copiers.stream import StreamCopier
 class TorchCopier(StreamCopier):
     name = "torch"
 
-    def __init__(self, device: torch.device, max_inflight_bytes: int = 256 << 20):
-        super().__init__(max_inflight_bytes)
+    def __init__(self, device: torch.device, max_inflight_bytes: int = 256 << 20, crc_threads: int = 2):
+        super().__init__(max_inflight_bytes, crc_threads)
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
         self._cudart = torch.cuda.cudart()
