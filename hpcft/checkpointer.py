@@ -58,9 +58,9 @@ class Checkpointer:
         self.job_id = str(job_id or job_env().job_id)
         self.group = Group.of(dp_group)
         self._dp_ranks = frozenset(self.group.ranks) if self.group else None
-        self.threads = threads or max(1, min(4, torch.get_num_threads()))
         device = _device_of(model)
         backend = copiers.choose(backend, device)
+        self.threads = threads or copiers.default_threads(backend)
         self.store = RankStore(self.job_id, self.rank, keep=keep, root=root)
         copier = copiers.make(backend, device, max_inflight_bytes=max_inflight_bytes, threads=self.threads,
                               delay_per_chunk=delay_per_chunk, overlap=overlap)

@@ -18,15 +18,23 @@ class HostStream(StreamCopier):
 
     name = "host-stream"
 
-    def __init__(self, cap: int, fail_at: int | None = None):
+    def __init__(self, cap: int, fail_at: int | None = None, host_resident=(), device_busy=None):
         super().__init__(cap)
         self.batch, self.inflight, self.peak, self.fail_at, self.copies = [], 0, 0, fail_at, 0
         self.compute_waited = []
+        self.host_resident = {t.data_ptr() for t in host_resident}  # the rest plays device memory
+        self.device_busy = device_busy  # an Event: the 'device' starts copying once it is set
+
+    def _on_host(self, t):
+        return t.data_ptr() in self.host_resident
 
     def _register(self, ptr, size): pass
     def _unregister(self, ptr): pass
     def _record_ready(self): return "ready"
-    def _wait_ready(self, ready): assert ready == "ready"
+    def _wait_ready(self, ready):
+        assert ready == "ready"
+        if self.device_busy is not None:
+            self.device_busy.wait()
 
     def _copy(self, host, offset, src, start, nbytes):
         self.copies += 1
@@ -100,4 +108,25 @@ def test_guard_without_event_raises(slot) -> None:
     transfer = copier.start(sources, chunks, slot)
     with pytest.raises(RuntimeError, match="no events"):
         copier.guard(transfer)
+    copier.close()
+
+
+def test_host_resident_state_is_copied_at_start(slot) -> None:
+    """Seen on an H200: AdamW keeps the step counters of GPU parameters on the CPU, and the next optimizer
+    step bumped them before the issuer thread copied them (snapshot of step 1 said step 4). Bytes the
+    host updates are copied in `start`, so the snapshot holds their value at its step."""
+    sources, lay, chunks = _work()
+    counter = sources[3]
+    at_step = counter.clone()
+    busy = threading.Event()
+    copier = HostStream(cap=1 << 20, host_resident=[counter], device_busy=busy)
+    transfer = copier.start(sources, chunks, slot)
+    counter.add_(1)  # the next optimizer step, on the host, while the device is still busy
+    busy.set()
+    copier.guard(transfer)
+    crcs = transfer.result()
+    p = lay.pieces[3]
+    assert bytes(slot.array[p.offset:p.offset + p.nbytes]) == at_step.numpy().tobytes()
+    assert crcs == crc_chunks(slot.array, chunks)
+    assert copier.copies == sum(1 for c in chunks for s in c.segments if s.source != 3)
     copier.close()

@@ -39,6 +39,12 @@ def cpu_overlap(threads: int) -> bool:
     return cores >= torch.get_num_threads() + threads
 
 
+def default_threads(backend: str) -> int:
+    """Copy/checksum threads per rank: on a CPU no more than torch computes with (up to 4); next to a GPU
+    4, whatever torch's CPU thread count (host checksums must keep up with a ~50 GB/s device→host copy)."""
+    return max(1, min(4, torch.get_num_threads())) if backend == "cpu" else 4
+
+
 def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads: int,
          delay_per_chunk: float = 0.0, overlap: bool | None = None) -> Copier:
     """Build the copier named by `choose`; `overlap` (cpu backend) defaults to `cpu_overlap(threads)`."""
@@ -54,4 +60,4 @@ def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads
     return HipCopier(device, max_inflight_bytes, crc_threads=threads)
 
 
-__all__ = ["BACKENDS", "Copier", "CpuCopier", "Transfer", "choose", "cpu_overlap", "make"]
+__all__ = ["BACKENDS", "Copier", "CpuCopier", "Transfer", "choose", "cpu_overlap", "default_threads", "make"]

@@ -58,6 +58,11 @@ class StreamCopier:
     def _synchronize(self, event: Any) -> None: raise NotImplementedError
     def _compute_waits(self, event: Any) -> None: raise NotImplementedError
 
+    def _on_host(self, t: torch.Tensor) -> bool:
+        """State the host itself updates (e.g. the optimizer's step counters of GPU parameters live on the
+        CPU): no device event orders those updates, so such bytes are copied at once, in `start`."""
+        return t.device.type == "cpu"
+
     # shared logic -----------------------------------------------------------------------------------
     def _pin(self, slot: Slot) -> torch.Tensor:
         key = str(slot.path)
@@ -73,13 +78,18 @@ class StreamCopier:
 
     def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> StreamTransfer:
         host = self._pin(slot)
+        on_host = {i for i, t in enumerate(sources) if self._on_host(t)}
+        for chunk in chunks:
+            for s in chunk.segments:
+                if s.source in on_host:
+                    host[s.offset:s.offset + s.nbytes].copy_(sources[s.source][s.start:s.start + s.nbytes])
         ready = self._record_ready()
         transfer = StreamTransfer(sources)
-        transfer.future = self._issuer.submit(self._issue, transfer, chunks, slot, host, ready)
+        transfer.future = self._issuer.submit(self._issue, transfer, chunks, slot, host, ready, on_host)
         return transfer
 
     def _issue(self, transfer: StreamTransfer, chunks: Sequence[Chunk], slot: Slot, host: torch.Tensor,
-               ready: Any) -> list[int]:
+               ready: Any, on_host: set[int]) -> list[int]:
         crcs: list[Future | None] = [None] * len(chunks)
         inflight: deque = deque()
         pending = 0
@@ -95,7 +105,8 @@ class StreamCopier:
             self._wait_ready(ready)
             for i, chunk in enumerate(chunks):
                 for s in chunk.segments:
-                    self._copy(host, s.offset, transfer.sources[s.source], s.start, s.nbytes)
+                    if s.source not in on_host:
+                        self._copy(host, s.offset, transfer.sources[s.source], s.start, s.nbytes)
                 inflight.append((i, self._record()))
                 pending += chunk.nbytes
                 while pending > self.cap and len(inflight) > 1:
