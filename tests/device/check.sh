@@ -4,7 +4,7 @@
 # Wheels of crc32c and zfec for that machine's Python may be carried in .whl/ (docs/benchmarks.md).
 set -u
 OUT=${OUT:-device-out}; mkdir -p "$OUT"
-PARAMS=${PARAMS:-200M}; BATCH=${BATCH:-24}; STEPS=${STEPS:-8}
+PARAMS=${PARAMS:-200M}; BATCH=${BATCH:-24}; STEPS=${STEPS:-12}; BLOCK=${BLOCK:-4}
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD
@@ -23,6 +23,6 @@ timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_snapsho
     2>&1 | tee "$OUT/pytest.txt"
 timeout 90 bin/hpcft bench snapshot --device cuda --params 1M --steps 2 --root "$root" --json \
     >"$OUT/smoke.json" 2>"$OUT/smoke.err" && echo "smoke bench: ok" || { echo "smoke bench failed:"; tail -30 "$OUT/smoke.err"; }
-timeout 330 bin/hpcft bench snapshot --device cuda --params "$PARAMS" --batch "$BATCH" --steps "$STEPS" --root "$root" \
+timeout 330 bin/hpcft bench snapshot --device cuda --params "$PARAMS" --batch "$BATCH" --steps "$STEPS" --block "$BLOCK" --root "$root" \
     --json >"$OUT/snapshot-gpu.json" 2>"$OUT/snapshot-gpu.err"
 echo "bench rc=$?"; cat "$OUT/snapshot-gpu.err" | tail -40
