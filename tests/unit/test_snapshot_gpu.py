@@ -36,7 +36,8 @@ def test_device_snapshots_are_the_state_after_their_step(root: Path, backend: st
         model(x).pow(2).mean().backward()
         opt.step()  # the next iteration's forward/backward overlaps this snapshot's copy
         opt.zero_grad()
-        refs[it + 1] = {e.name: e.local.detach().cpu() for e in collect(model, opt, None)}
+        # a copy (.cpu() of a CPU tensor, e.g. AdamW's step counter, would alias the live value)
+        refs[it + 1] = {e.name: e.local.detach().to("cpu", copy=True) for e in collect(model, opt, None)}
     ckpt.wait()
     for v in ckpt.store.versions():
         data = ckpt.store.slot(v.slot).array

@@ -39,7 +39,8 @@ class StreamCopier:
     """Base of the device backends; subclasses implement the primitives below."""
 
     name = "stream"
-    chunk_bytes = 4 << 20  # large DMA transfers; fewer copy calls on the stream
+    chunk_bytes = 4 << 20  # checksum granularity; copies are merged across chunks regardless
+    event_bytes = 64 << 20  # one completion event per this many bytes (at most a quarter of the cap)
 
     def __init__(self, max_inflight_bytes: int = 256 << 20, crc_threads: int = 2):
         self.cap = max_inflight_bytes
@@ -90,27 +91,46 @@ class StreamCopier:
 
     def _issue(self, transfer: StreamTransfer, chunks: Sequence[Chunk], slot: Slot, host: torch.Tensor,
                ready: Any, on_host: set[int]) -> list[int]:
+        """Issue the device bytes as few, large copies (a tensor's consecutive segments merged across
+        chunks), one completion event per `event_bytes`; checksum chunks as their event completes."""
         crcs: list[Future | None] = [None] * len(chunks)
-        inflight: deque = deque()
-        pending = 0
+        inflight: deque = deque()  # (event, chunks [landed, upto) complete with it, bytes)
+        landed = 0
+        every = max(1, min(self.event_bytes, self.cap // 4))
 
-        def land() -> int:  # the chunk is in host memory: its bytes no longer count as in flight
-            i, event = inflight.popleft()
+        def land() -> int:  # those chunks are in host memory: their bytes no longer count as in flight
+            nonlocal landed
+            event, upto, nbytes = inflight.popleft()
             self._synchronize(event)
-            c = chunks[i]
-            crcs[i] = self._crc.submit(crc32c, slot.array[c.offset:c.offset + c.nbytes])
-            return c.nbytes
+            for j in range(landed, upto):
+                c = chunks[j]
+                crcs[j] = self._crc.submit(crc32c, slot.array[c.offset:c.offset + c.nbytes])
+            landed = upto
+            return nbytes
 
         try:
             self._wait_ready(ready)
+            run: list[int] | None = None  # [source, start, offset, nbytes] still being extended
+            pending = since = 0
             for i, chunk in enumerate(chunks):
                 for s in chunk.segments:
-                    if s.source not in on_host:
-                        self._copy(host, s.offset, transfer.sources[s.source], s.start, s.nbytes)
-                inflight.append((i, self._record()))
-                pending += chunk.nbytes
-                while pending > self.cap and len(inflight) > 1:
-                    pending -= land()
+                    if s.source in on_host:
+                        continue
+                    if run and run[0] == s.source and run[1] + run[3] == s.start and run[2] + run[3] == s.offset:
+                        run[3] += s.nbytes
+                        continue
+                    if run:
+                        self._copy(host, run[2], transfer.sources[run[0]], run[1], run[3])
+                    run = [s.source, s.start, s.offset, s.nbytes]
+                since += chunk.nbytes
+                if since >= every or i == len(chunks) - 1:
+                    if run:
+                        self._copy(host, run[2], transfer.sources[run[0]], run[1], run[3])
+                        run = None
+                    inflight.append((self._record(), i + 1, since))
+                    pending, since = pending + since, 0
+                    while pending > self.cap and len(inflight) > 1:
+                        pending -= land()
             transfer.done_event = self._record()
         finally:
             if transfer.done_event is None:  # failed mid-way: still order the next step after what was issued
