@@ -7,6 +7,7 @@ returns s, the number of completed steps, which is also the 0-based index of the
 run (nothing to restore). A failed restore raises (IntegrityError / CheckpointError), never returns 0.
 """
 import json
+import time
 import logging
 import os
 from typing import Any, Callable
@@ -111,6 +112,7 @@ class Checkpointer:
                 self.engine.guard()
 
     def _snapshot(self) -> None:
+        t0 = time.perf_counter()  # the training thread's time from here on is the snapshot's
         extra = self._extra_fn() if self._extra_fn else None
         try:
             json.dumps(extra)
@@ -119,7 +121,7 @@ class Checkpointer:
         meta = {"world": self.world, "job_id": self.job_id, "rng": rng.capture(), "extra": extra,
                 "optim": state.optimizer_meta(self.model, self.optimizer)}
         entries = state.collect(self.model, self.optimizer, self._dp_ranks)
-        self.engine.snapshot(self.completed, entries, meta)
+        self.engine.snapshot(self.completed, entries, meta, started=t0)
 
     def snapshot(self) -> None:
         """Take a snapshot of the current state now, as step `completed` (e.g. before a planned exit)."""

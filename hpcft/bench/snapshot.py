@@ -115,6 +115,7 @@ class Hpcft(Checkpointing):
                                  job_id="bench", auto=False)
         self.calls = 0  # ckpt.step numbering: this variant's own iterations
         self.training_blocked: dict[int, float] = {}  # stats.blocked_s delta per call: start + pre-step guard
+        self.training_start: dict[int, float] = {}  # stats.start_s delta per call: the start alone
         self.snapshot_and_wait(self.ckpt.store.nslots)  # allocate and fault in every slot once, untimed
 
     def snapshot_and_wait(self, count: int) -> None:
@@ -125,9 +126,10 @@ class Hpcft(Checkpointing):
             self.ckpt.wait()
 
     def run_once(self, index: int) -> None:
-        before = self.ckpt.stats.blocked_s
+        before, start = self.ckpt.stats.blocked_s, self.ckpt.stats.start_s
         super().run_once(index)
         self.training_blocked[index] = self.ckpt.stats.blocked_s - before
+        self.training_start[index] = self.ckpt.stats.start_s - start
 
     def checkpoint(self, index: int) -> None:
         self.ckpt.step(self.calls)
@@ -224,6 +226,8 @@ def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: 
     r.add("step_cpu_s_none", timings.cpu_median("none"), "s", "median step CPU time (all threads), no checkpointing")
     r.add("blocked_s_per_snapshot", statistics.median(measured), "s",
           "hpcft blocked per snapshot (start + pre-step wait)")
+    r.add("start_s_per_snapshot", statistics.median(v for i, v in hp.training_start.items() if i >= opts.warmup),
+          "s", "hpcft snapshot start alone (state walk, manifest, copy start; a CPU copy without overlap)")
     r.add("blocked_fraction_hpcft", statistics.median(measured) / timings.median("none"), "%",
           "hpcft blocked time ÷ step (overhead without CPU contention)")
     r.add("blocked_s_torch_save", by_name["torch_save"].blocked_median(opts.warmup), "s",

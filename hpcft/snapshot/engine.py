@@ -30,6 +30,7 @@ class Stats:
     skipped: int = 0             # not started (no slot: ENOSPC, ...)
     bytes: int = 0               # bytes copied into the store by this rank, committed snapshots
     blocked_s: float = 0.0       # training thread blocked: snapshot start + pre-step wait
+    start_s: float = 0.0         # the snapshot-start part of blocked_s (state walk, manifest, copy start)
     copy_s: float = 0.0          # copy + checksum wall time (off the training thread where possible)
     last_step: int = -1
     last_blocked_s: float = 0.0
@@ -138,10 +139,11 @@ class SnapshotEngine:
         self._checked_signature = sig
 
     # level (a): start, guard, commit -------------------------------------------------------------------
-    def snapshot(self, step: int, entries: Sequence[Entry], meta: dict[str, Any]) -> bool:
+    def snapshot(self, step: int, entries: Sequence[Entry], meta: dict[str, Any], started: float | None = None) -> bool:
         """Start a snapshot of `entries` as version `step`; False (with an event) if it could not start.
-        Call right after the optimizer step, on the training thread."""
-        t0 = time.perf_counter()
+        Call right after the optimizer step, on the training thread; `started` (perf_counter) is when the
+        caller began gathering `entries` and `meta`, time the training thread already spent on it."""
+        t0 = time.perf_counter() if started is None else started
         self._drain()
         prep = self.prepare(entries)
         try:
@@ -149,7 +151,7 @@ class SnapshotEngine:
         except StoreError as exc:
             self.stats.skipped += 1
             events.emit("snapshot_skipped", level=logging.ERROR, rank=self.store.rank, step=step, error=str(exc))
-            self.stats.blocked_s += time.perf_counter() - t0
+            self._count_start(t0)
             return False
         manifest = self._manifest(step, prep, meta)
         t_copy = time.perf_counter()
@@ -159,16 +161,20 @@ class SnapshotEngine:
             self.stats.failed += 1
             events.emit("snapshot_failed", level=logging.ERROR, rank=self.store.rank, step=step,
                         error=f"{type(exc).__name__}: {exc}")
-            self.stats.blocked_s += time.perf_counter() - t0
+            self._count_start(t0)
             return False
         self._pending = self._committer.submit(self._commit, self._transfer, slot, manifest, prep, t_copy)
         if prep.layout.nbytes > self._allocated:  # the other slots, off the training thread, once
             self._allocated = prep.layout.nbytes
             self._prealloc = self._committer.submit(self.store.preallocate, prep.layout.nbytes)
+        self.stats.last_blocked_s = self._count_start(t0)
+        return True
+
+    def _count_start(self, t0: float) -> float:
         blocked = time.perf_counter() - t0
         self.stats.blocked_s += blocked
-        self.stats.last_blocked_s = blocked
-        return True
+        self.stats.start_s += blocked
+        return blocked
 
     def guard(self) -> None:
         """Before the next optimizer step: that step must not change the state until the copy has read it."""
