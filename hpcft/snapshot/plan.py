@@ -2,6 +2,7 @@
 
 Nothing here touches tensors or files; every function maps plain numbers to plain numbers.
 """
+import bisect
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -81,23 +82,34 @@ class Chunk(NamedTuple):
     segments: tuple[Segment, ...]
 
 
-def chunks(pieces: Sequence[Piece], nbytes: int, chunk_bytes: int) -> list[Chunk]:
-    """Cut [0, nbytes) into chunks of `chunk_bytes` (last one shorter) with the segments each covers.
-    Small pieces share a chunk (one checksum, one task); large ones span several."""
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive (got {chunk_bytes})")
-    spans = sorted((p.offset, p.offset + p.stop - p.start, p.source, p.start) for p in pieces)
-    out, i, n = [], 0, len(spans)
-    for lo in range(0, nbytes, chunk_bytes):
-        hi = min(nbytes, lo + chunk_bytes)
-        while i < n and spans[i][1] <= lo:
-            i += 1
-        segs, j = [], i
-        while j < n and spans[j][0] < hi:
+class Grid:
+    """`nbytes` of a data file holding `pieces`, cut into chunks of `chunk_bytes` (the last one shorter);
+    `chunk(i)` lists the segments chunk i covers, so a worker can plan each chunk as it takes it."""
+
+    def __init__(self, pieces: Sequence[Piece], nbytes: int, chunk_bytes: int):
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive (got {chunk_bytes})")
+        self.nbytes, self.chunk_bytes = nbytes, chunk_bytes
+        self.count = -(-nbytes // chunk_bytes)
+        self._spans = sorted((p.offset, p.offset + p.stop - p.start, p.source, p.start) for p in pieces)
+        self._ends = [s[1] for s in self._spans]  # pieces are disjoint, so their ends are sorted too
+
+    def chunk(self, i: int) -> "Chunk":
+        lo = i * self.chunk_bytes
+        hi = min(self.nbytes, lo + self.chunk_bytes)
+        spans, segs = self._spans, []
+        for j in range(bisect.bisect_right(self._ends, lo), len(spans)):
             off, end, source, start = spans[j]
+            if off >= hi:
+                break
             a, b = max(lo, off), min(hi, end)
             if a < b:
                 segs.append(Segment(source, start + (a - off), a, b - a))
-            j += 1
-        out.append(Chunk(lo, hi - lo, tuple(segs)))
-    return out
+        return Chunk(lo, hi - lo, tuple(segs))
+
+
+def chunks(pieces: Sequence[Piece], nbytes: int, chunk_bytes: int) -> list[Chunk]:
+    """Cut [0, nbytes) into chunks of `chunk_bytes` (last one shorter) with the segments each covers.
+    Small pieces share a chunk (one checksum, one task); large ones span several."""
+    grid = Grid(pieces, nbytes, chunk_bytes)
+    return [grid.chunk(i) for i in range(grid.count)]

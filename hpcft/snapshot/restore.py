@@ -1,10 +1,10 @@
 """Restore (the paper's distributed in-memory loading): agree on the newest version every rank holds,
 verify each chunk while copying it back into the live tensors, and rebuild the replicated state from
 the data-parallel members' shares through the process group."""
+import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Sequence
 
 import numpy as np
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from hpcft import events
 from hpcft.errors import CheckpointError, IntegrityError
-from hpcft.snapshot import plan
+from hpcft.snapshot import ntcopy, plan
 from hpcft.snapshot.engine import Group, signature
 from hpcft.snapshot.state import Entry
 from hpcft.store import RankStore, Version, crc32c
@@ -36,50 +36,48 @@ def held_everywhere(store: RankStore, held: Sequence[Version]) -> tuple[list[int
     return sorted(set.intersection(*sets), reverse=True), any(sets)
 
 
-@dataclass
-class _Target:
-    """A live tensor's bytes as the restore writes them (a staging copy if the tensor is strided)."""
-    entry: Entry
-    view: torch.Tensor
+class _Sinks:
+    """Where each live tensor's restored bytes go, made by whichever worker first needs it: a numpy view of a
+    contiguous CPU tensor's bytes, a device tensor's byte view, or, for a strided tensor, a staging buffer
+    (made up front, since every chunk that writes the tensor must write the same one) that `finish` copies in."""
 
-    @staticmethod
-    def of(entry: Entry) -> "_Target":
-        t = entry.local
-        return _Target(entry, t.reshape(-1).view(torch.uint8) if t.is_contiguous()
-                       else torch.empty(entry.nbytes, dtype=torch.uint8, device=t.device))
+    def __init__(self, entries: Sequence[Entry]):
+        self.entries = entries
+        self.staging = {i: torch.empty(e.nbytes, dtype=torch.uint8, device=e.local.device)
+                        for i, e in enumerate(entries) if not e.local.is_contiguous()}
+        self._made: list[np.ndarray | torch.Tensor | None] = [None] * len(entries)
+
+    def __getitem__(self, i: int) -> np.ndarray | torch.Tensor:
+        sink = self._made[i]
+        if sink is None:  # two workers may both make it: equal views of the same bytes
+            view = self.staging.get(i)
+            if view is None:
+                view = self.entries[i].local.reshape(-1).view(torch.uint8)
+            sink = self._made[i] = view.numpy() if view.device.type == "cpu" else view
+        return sink
 
     def finish(self) -> None:
-        t = self.entry.local
-        if not t.is_contiguous():
-            t.copy_(self.view.view(t.dtype).view(t.shape))
+        for i, buf in self.staging.items():
+            t = self.entries[i].local
+            t.copy_(buf.view(t.dtype).view(t.shape))
 
 
-def _sink(dst: torch.Tensor) -> np.ndarray | torch.Tensor:
-    """Where restored bytes go: a numpy view of a CPU byte view (plain memcpy), else the device tensor."""
-    return dst.numpy() if dst.device.type == "cpu" else dst
-
-
-def _put(sink: np.ndarray | torch.Tensor, start: int, src: np.ndarray) -> Any:
-    """sink[start:start+len(src)] = src; returns the bytes to checksum: those that landed on the CPU
-    (read back while still in cache), the source bytes for a device copy."""
+def _put(sink: np.ndarray | torch.Tensor, start: int, src: np.ndarray) -> None:
+    """sink[start:start+len(src)] = src: streaming stores into a CPU sink (nothing reads it back soon), a
+    host-to-device copy into a device tensor."""
     if isinstance(sink, np.ndarray):
-        out = sink[start:start + src.size]
-        np.copyto(out, src)
-        return out
-    sink[start:start + src.size].copy_(torch.from_numpy(src))
-    return src
+        ntcopy.copy(sink[start:start + src.size], src)
+    else:
+        sink[start:start + src.size].copy_(torch.from_numpy(src))
 
 
-def _load_chunk(data: np.ndarray, chunk: plan.Chunk, sinks: Sequence[Any]) -> int:
-    """Copy one chunk's segments into their sinks and return the crc32c of the chunk as loaded: the
-    segments' bytes as they landed, the padding between them from the file."""
-    crc, pos, end = 0, chunk.offset, chunk.offset + chunk.nbytes
+def _load_chunk(data: np.ndarray, chunk: plan.Chunk, sinks: _Sinks) -> int:
+    """Copy one chunk's segments into their sinks and return the crc32c of the chunk's bytes in the file
+    (padding included), read right after the copy read them, so from cache: a chunk costs one read from
+    memory and one write."""
     for s in chunk.segments:
-        if s.offset > pos:
-            crc = crc32c(data[pos:s.offset], crc)
-        crc = crc32c(_put(sinks[s.source], s.start, data[s.offset:s.offset + s.nbytes]), crc)
-        pos = s.offset + s.nbytes
-    return crc32c(data[pos:end], crc) if pos < end else crc
+        _put(sinks[s.source], s.start, data[s.offset:s.offset + s.nbytes])
+    return crc32c(data[chunk.offset:chunk.offset + chunk.nbytes])
 
 
 def _check_structure(m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry], group: Group | None) -> None:
@@ -120,10 +118,10 @@ class Loader:
         own, rep = self.split(entries)
         m = version.manifest
         code, reason, nbytes = OK, "", 0
-        targets = [_Target.of(e) for e in own + rep]
+        sinks = _Sinks([*own, *rep])
         try:
             _check_structure(m, own, rep, self.group)
-            nbytes = self._local(version, own, rep, targets)
+            nbytes = self._local(version, own, rep, sinks)
         except IntegrityError as exc:
             code, reason = LOST, str(exc)
         except CheckpointError as exc:
@@ -134,9 +132,8 @@ class Loader:
                              else "another rank's snapshot does not match its live state")
             raise (IntegrityError if worst == LOST else CheckpointError)(f"step {version.step}: {why}")
         if rep:
-            self._exchange(version, rep, targets[len(own):])
-        for t in targets:
-            t.finish()
+            self._exchange(version, rep, sinks, len(own))
+        sinks.finish()
         return nbytes
 
     def _agree(self, code: int) -> int:
@@ -146,38 +143,51 @@ class Loader:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t)
 
-    def _local(self, version: Version, own: Sequence[Entry], rep: Sequence[Entry], targets: list[_Target]) -> int:
-        """Verify every chunk of this rank's data file and copy the good ones into the live tensors."""
+    def _local(self, version: Version, own: Sequence[Entry], rep: Sequence[Entry], sinks: _Sinks) -> int:
+        """Copy every chunk of this rank's data file into the live tensors and verify its crc32c. The workers
+        (this thread and `threads - 1` pool threads) take chunks from one counter and plan each as they take
+        it: no plan is built before the copy starts, and a worker slowed by other load takes fewer chunks."""
         m = version.manifest
         pieces = [plan.Piece(i, 0, e.nbytes, d["offset"]) for i, (e, d) in enumerate(zip(own, m["entries"]))]
         if rep:
             lo, hi = m["share"]["range"]
             pieces += [plan.Piece(p.source + len(own), p.start, p.stop, p.offset) for p in
                        plan.pieces_of_range([e.nbytes for e in rep], lo, hi, m["share"]["offset"])]
-        chunks = plan.chunks(pieces, m["data_bytes"], m["chunk_bytes"])
+        grid = plan.Grid(pieces, m["data_bytes"], m["chunk_bytes"])
         recorded = m["chunks"]
-        if len(chunks) != len(recorded) or any(c.offset != r[0] or c.nbytes != r[1] for c, r in zip(chunks, recorded)):
+        size, total = grid.chunk_bytes, grid.nbytes
+        if len(recorded) != grid.count or any(r[0] != i * size or r[1] != min(size, total - i * size)
+                                              for i, r in enumerate(recorded)):
             raise CheckpointError(f"step {version.step}: the manifest's chunk table does not match its layout")
         data = self.store.slot(version.slot).array
-        if data.size < m["data_bytes"]:
+        if data.size < total:
             raise IntegrityError(f"step {version.step}: data file is shorter than its manifest says")
-        sinks = [_sink(t.view) for t in targets]
+        take = itertools.count().__next__  # atomic under the GIL: each chunk goes to exactly one worker
 
-        def work(which: range) -> list[int]:
-            return [i for i in which if _load_chunk(data, chunks[i], sinks) != recorded[i][2]]
+        def work() -> list[int]:
+            lost = []
+            while (i := take()) < grid.count:
+                if _load_chunk(data, grid.chunk(i), sinks) != recorded[i][2]:
+                    lost.append(i)
+            return lost
 
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpcft-restore")
-        futures = [self._pool.submit(work, range(t, len(chunks), self.threads)) for t in range(self.threads)]
-        lost = sorted(i for f in futures for i in f.result())
+        if self._pool is None and self.threads > 1:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="hpcft-restore")
+        futures = [self._pool.submit(work) for _ in range(self.threads - 1)]
+        try:
+            lost = work()
+        finally:
+            wait(futures)
+        lost = sorted(lost + [i for f in futures for i in f.result()])
         if lost:
             events.emit("chunk_lost", level=logging.ERROR, rank=self.store.rank, step=version.step,
-                        chunks=len(lost), first_offset=chunks[lost[0]].offset, path=str(self.store.dir))
+                        chunks=len(lost), first_offset=lost[0] * size, path=str(self.store.dir))
             raise IntegrityError(f"{len(lost)} chunk(s) of rank {self.store.rank}'s data fail their crc32c")
-        return m["data_bytes"]
+        return total
 
-    def _exchange(self, version: Version, rep: Sequence[Entry], targets: Sequence[_Target]) -> None:
-        """Each member broadcasts its verified share; the others scatter it into their replicas."""
+    def _exchange(self, version: Version, rep: Sequence[Entry], sinks: _Sinks, first: int) -> None:
+        """Each member broadcasts its verified share; the others scatter it into their replicas (the
+        replicated entries are sinks `first`, `first + 1`, ...)."""
         sizes = [e.nbytes for e in rep]
         cuts = plan.share_cuts(sum(sizes), self.group.size)
         share = version.manifest["share"]
@@ -195,7 +205,7 @@ class Loader:
                 continue
             arr = buf.numpy()
             for p in plan.pieces_of_range(sizes, lo, hi, 0):
-                _put(_sink(targets[p.source].view), p.start, arr[p.offset:p.offset + p.nbytes])
+                _put(sinks[first + p.source], p.start, arr[p.offset:p.offset + p.nbytes])
 
 
 def restore_newest(loader: Loader, entries_fn) -> Version | None:
