@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcft.errors import CheckpointError, NoCheckpointError
+from hpcft.store.paths import replace_file
 
 REBUILDING, READY, PROTECTING, FAILED = "rebuilding", "ready", "protecting", "failed"
 _NAME = re.compile(r"agent-(.+)-(\d+)\.status$")
@@ -24,10 +25,8 @@ def path(rendezvous: str | os.PathLike, tag: str, slot: int) -> Path:
 def write(rendezvous: str | os.PathLike, tag: str, slot: int, **fields: Any) -> None:
     """Publish this agent's status atomically (write, then rename); `time` is the heartbeat."""
     target = path(rendezvous, tag, slot)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({"slot": slot, "tag": tag, "pid": os.getpid(), "time": time.time(), **fields},
-                              sort_keys=True), encoding="utf-8")
-    os.replace(tmp, target)
+    data = json.dumps({"slot": slot, "tag": tag, "pid": os.getpid(), "time": time.time(), **fields}, sort_keys=True)
+    replace_file(target, data.encode(), target.with_name(f".{target.name}.{os.getpid()}"))
 
 
 def drain_path(rendezvous: str | os.PathLike, tag: str) -> Path:

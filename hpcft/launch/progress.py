@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from hpcft.errors import HpcftError
-from hpcft.store.paths import job_dir as store_job_dir, resolve_root
+from hpcft.store.paths import job_dir as store_job_dir, replace_file, resolve_root
 from hpcft.store.store import rank_dir
 
 _log = logging.getLogger(__name__)
@@ -37,9 +37,7 @@ def newest_step(directory: Path) -> int | None:
 def write(path: Path, step: int) -> None:
     """Publish `step` atomically (write, then rename), so a reader never sees half a number."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(str(step), encoding="utf-8")
-    os.replace(tmp, path)
+    replace_file(path, str(step).encode(), path.with_name(f".{path.name}.{os.getpid()}"))
 
 
 def read(job_dir: str | os.PathLike) -> dict[int, tuple[int, float]]:
