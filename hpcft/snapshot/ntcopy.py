@@ -5,7 +5,7 @@ costs one read of the source and one write, and its source stays in cache for th
 
 The kernel is a few lines of C (AVX2 streaming stores on x86-64; memcpy on other CPUs), compiled with the
 system C compiler on first use into a per-user cache directory and loaded with ctypes (the call releases
-the GIL). Without a compiler, or with HPCFT_NTCOPY=0, `copy` is numpy's copy: same bytes, same results.
+the GIL). Without a compiler, or with HPCFT_NTCOPY=0, copies are libc's memcpy: same bytes, same results.
 """
 import ctypes
 import hashlib
@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -129,7 +130,15 @@ def available() -> bool:
     return _load() is not None
 
 
-def _address(a: np.ndarray) -> int:
+def raw_copier() -> Callable[[int, int, int], None]:
+    """`f(dst, src, nbytes)` copying between raw addresses (the caller keeps both buffers alive and in
+    bounds): the streaming-store kernel, else libc memcpy through ctypes. Both release the GIL."""
+    lib = _load()
+    return ctypes.memmove if lib is None else lib.hpcft_stream_copy
+
+
+def address(a: np.ndarray) -> int:
+    """The address of an array's first byte."""
     return a.__array_interface__["data"][0]
 
 
@@ -138,11 +147,10 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
     the kernel is available."""
     if dst.nbytes != src.nbytes:
         raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
-    lib = _lib if _tried else _load()
-    if lib is None or not (dst.flags.c_contiguous and src.flags.c_contiguous):
-        np.copyto(dst, src)
+    if dst.flags.c_contiguous and src.flags.c_contiguous:
+        raw_copier()(address(dst), address(src), src.nbytes)
     else:
-        lib.hpcft_stream_copy(_address(dst), _address(src), src.nbytes)
+        np.copyto(dst, src)
 
 
 def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:

@@ -5,7 +5,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ def held_everywhere(store: RankStore, held: Sequence[Version]) -> tuple[list[int
 
 
 class _Sinks:
-    """Where each live tensor's restored bytes go, made by whichever worker first needs it: a numpy view of a
+    """Where each live tensor's restored bytes go, made by whichever worker first needs it: the address of a
     contiguous CPU tensor's bytes, a device tensor's byte view, or, for a strided tensor, a staging buffer
     (made up front, since every chunk that writes the tensor must write the same one) that `finish` copies in."""
 
@@ -45,15 +45,15 @@ class _Sinks:
         self.entries = entries
         self.staging = {i: torch.empty(e.nbytes, dtype=torch.uint8, device=e.local.device)
                         for i, e in enumerate(entries) if not e.local.is_contiguous()}
-        self._made: list[np.ndarray | torch.Tensor | None] = [None] * len(entries)
+        self._made: list[int | torch.Tensor | None] = [None] * len(entries)
 
-    def __getitem__(self, i: int) -> np.ndarray | torch.Tensor:
+    def __getitem__(self, i: int) -> int | torch.Tensor:
         sink = self._made[i]
         if sink is None:  # two workers may both make it: equal views of the same bytes
             view = self.staging.get(i)
             if view is None:
                 view = self.entries[i].local.reshape(-1).view(torch.uint8)
-            sink = self._made[i] = view.numpy() if view.device.type == "cpu" else view
+            sink = self._made[i] = view.data_ptr() if view.device.type == "cpu" else view
         return sink
 
     def finish(self) -> None:
@@ -62,21 +62,23 @@ class _Sinks:
             t.copy_(buf.view(t.dtype).view(t.shape))
 
 
-def _put(sink: np.ndarray | torch.Tensor, start: int, src: np.ndarray) -> None:
-    """sink[start:start+len(src)] = src: streaming stores into a CPU sink (nothing reads it back soon), a
-    host-to-device copy into a device tensor."""
-    if isinstance(sink, np.ndarray):
-        ntcopy.copy(sink[start:start + src.size], src)
+def _put(copy: Callable[[int, int, int], None], sink: int | torch.Tensor, start: int, src: np.ndarray,
+         offset: int, nbytes: int, base: int) -> None:
+    """sink[start:start+nbytes] = src[offset:offset+nbytes] (`base`: the address of src): `copy` (streaming
+    stores, see ntcopy) into a CPU sink, which nothing reads back soon; a host-to-device copy into a device one."""
+    if isinstance(sink, int):
+        copy(sink + start, base + offset, nbytes)
     else:
-        sink[start:start + src.size].copy_(torch.from_numpy(src))
+        sink[start:start + nbytes].copy_(torch.from_numpy(src[offset:offset + nbytes]))
 
 
-def _load_chunk(data: np.ndarray, chunk: plan.Chunk, sinks: _Sinks) -> int:
+def _load_chunk(copy: Callable[[int, int, int], None], data: np.ndarray, base: int, chunk: plan.Chunk,
+                sinks: _Sinks) -> int:
     """Copy one chunk's segments into their sinks and return the crc32c of the chunk's bytes in the file
     (padding included), read right after the copy read them, so from cache: a chunk costs one read from
     memory and one write."""
     for s in chunk.segments:
-        _put(sinks[s.source], s.start, data[s.offset:s.offset + s.nbytes])
+        _put(copy, sinks[s.source], s.start, data, s.offset, s.nbytes, base)
     return crc32c(data[chunk.offset:chunk.offset + chunk.nbytes])
 
 
@@ -163,11 +165,12 @@ class Loader:
         if data.size < total:
             raise IntegrityError(f"step {version.step}: data file is shorter than its manifest says")
         take = itertools.count().__next__  # atomic under the GIL: each chunk goes to exactly one worker
+        copy, base = ntcopy.raw_copier(), ntcopy.address(data)
 
         def work() -> list[int]:
             lost = []
             while (i := take()) < grid.count:
-                if _load_chunk(data, grid.chunk(i), sinks) != recorded[i][2]:
+                if _load_chunk(copy, data, base, grid.chunk(i), sinks) != recorded[i][2]:
                     lost.append(i)
             return lost
 
@@ -193,6 +196,7 @@ class Loader:
         share = version.manifest["share"]
         data = self.store.slot(version.slot).array
         scratch = torch.empty(max(b - a for a, b in zip(cuts, cuts[1:])), dtype=torch.uint8)
+        copy = ntcopy.raw_copier()
         for j, src in enumerate(self.group.ranks):
             lo, hi = cuts[j], cuts[j + 1]
             if j == self.group.member:
@@ -205,7 +209,7 @@ class Loader:
                 continue
             arr = buf.numpy()
             for p in plan.pieces_of_range(sizes, lo, hi, 0):
-                _put(sinks[first + p.source], p.start, arr[p.offset:p.offset + p.nbytes])
+                _put(copy, sinks[first + p.source], p.start, arr, p.offset, p.nbytes, ntcopy.address(arr))
 
 
 def restore_newest(loader: Loader, entries_fn) -> Version | None:
