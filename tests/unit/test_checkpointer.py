@@ -106,8 +106,8 @@ def test_flipped_byte_falls_back_with_event(root: Path, tmp_path: Path) -> None:
 
 
 def test_flipped_padding_byte_is_a_lost_chunk(root: Path) -> None:
-    """The bytes between two entries (64-byte alignment) are part of their chunk's crc32c too, so restore,
-    which checksums the bytes as they land in the tensors, still covers every byte of the file."""
+    """The bytes between two entries (64-byte alignment) are part of their chunk's crc32c too, so restore
+    covers every byte of the file, not only the entries' bytes."""
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3)  # a 60-byte weight: 4 bytes of padding after it
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
