@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -71,6 +72,7 @@ void hpcft_stream_copy(void *dst, const void *src, size_t n) {
 
 _lib: ctypes.CDLL | None = None
 _tried = False
+_lock = threading.Lock()
 reason = "not loaded yet"  # why the kernel is unavailable (for logs and the bench), "" when it is loaded
 
 
@@ -102,10 +104,17 @@ def _trusted(path: Path) -> bool:
 
 def _load() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None (with `reason` set) where it cannot be had."""
-    global _lib, _tried, reason
-    if _tried:
-        return _lib
-    _tried = True
+    global _lib, _tried
+    with _lock:
+        if not _tried:
+            _lib = _open()
+            _tried = True
+    return _lib
+
+
+def _open() -> ctypes.CDLL | None:
+    """Load the cached library, building it first if missing or not trustworthy."""
+    global reason
     if os.environ.get("HPCFT_NTCOPY", "1") == "0":
         reason = "disabled by HPCFT_NTCOPY=0"
         return None
@@ -118,10 +127,10 @@ def _load() -> ctypes.CDLL | None:
         lib.hpcft_stream_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         lib.hpcft_stream_copy.restype = None
     except (OSError, subprocess.SubprocessError) as exc:
-        reason = f"streaming-store copy unavailable, using numpy copies ({exc})"
+        reason = f"streaming-store copy unavailable, using memcpy ({exc})"
         _log.info(reason)
         return None
-    _lib, reason = lib, ""
+    reason = ""
     return lib
 
 
