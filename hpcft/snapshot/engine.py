@@ -66,7 +66,7 @@ class Group:
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a tensor's bytes (a contiguous copy if it is strided)."""
+    """A flat uint8 view of a tensor's bytes (a contiguous copy if it is strided: see `Prepared.stage`)."""
     t = t if t.is_contiguous() else t.contiguous()
     return t.reshape(-1).view(torch.uint8)
 
@@ -88,6 +88,13 @@ class Prepared:
     chunks: list[plan.Chunk]
     rep_signature: int
     described: dict[str, Any] | None = None
+
+    def stage(self) -> None:
+        """Refresh the contiguous copies that stand in for strided tensors: `sources` is cached across
+        snapshots, and such a copy holds the values of the step it was made at, not the current one."""
+        for i, e in enumerate(self.own + self.rep):
+            if not e.local.is_contiguous():
+                self.sources[i].view(e.local.dtype).view(e.local.shape).copy_(e.local)
 
 
 class SnapshotEngine:
@@ -146,6 +153,7 @@ class SnapshotEngine:
         t0 = time.perf_counter() if started is None else started
         self._drain()
         prep = self.prepare(entries)
+        prep.stage()
         try:
             slot = self.store.begin(prep.layout.nbytes)
         except StoreError as exc:
