@@ -1,4 +1,5 @@
 """CPU backend: worker threads copy chunks into the slot mapping and checksum each while it is warm."""
+import itertools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Sequence
@@ -6,6 +7,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from hpcft.snapshot import ntcopy
 from hpcft.snapshot.plan import Chunk
 from hpcft.store import Slot, crc32c
 
@@ -28,10 +30,42 @@ class CpuTransfer:
         return crcs
 
 
+class _Job:
+    """One snapshot's chunks, taken one at a time by whichever worker is free (a worker slowed by other load
+    takes fewer). Each segment is copied with streaming stores (ntcopy: the slot is not read back soon), and
+    the chunk's crc32c is taken over the bytes just read, still in cache: the sources' segments and the
+    padding between them from the slot, which together are the chunk's bytes in the slot."""
+
+    def __init__(self, arrays: list[np.ndarray], chunks: Sequence[Chunk], dst: np.ndarray, delay: float):
+        self.arrays, self.chunks, self.dst, self.delay = arrays, chunks, dst, delay
+        self.addrs = [ntcopy.address(a) for a in arrays]
+        self._next = itertools.count().__next__  # atomic under the GIL
+
+    def run(self) -> list[tuple[int, int]]:
+        copy, base, dst, out = ntcopy.raw_copier(), ntcopy.address(self.dst), self.dst, []
+        while (i := self._next()) < len(self.chunks):
+            chunk = self.chunks[i]
+            crc, pos = 0, chunk.offset
+            for s in chunk.segments:
+                copy(base + s.offset, self.addrs[s.source] + s.start, s.nbytes)
+                if s.offset > pos:
+                    crc = crc32c(dst[pos:s.offset], crc)
+                crc = crc32c(self.arrays[s.source][s.start:s.start + s.nbytes], crc)
+                pos = s.offset + s.nbytes
+            end = chunk.offset + chunk.nbytes
+            if pos < end:
+                crc = crc32c(dst[pos:end], crc)
+            if self.delay:
+                time.sleep(self.delay)
+            out.append((i, crc))
+        return out
+
+
 class CpuCopier:
-    """`threads` workers, each taking every threads-th chunk. With `overlap` the copy runs while training
-    continues and the pre-step hook joins it; without, `start` returns once the bytes are copied (on a CPU
-    whose cores all compute, overlapping only makes the copy and the step fight for the same cores).
+    """`threads` workers taking chunks as they are free. With `overlap` the copy runs while training
+    continues and the pre-step hook joins it; without, `start` returns once the bytes are copied, the
+    training thread being one of the workers (on a CPU whose cores all compute, overlapping only makes the
+    copy and the step fight for the same cores).
     `delay_per_chunk` (seconds) slows each chunk down, for tests that need a wide copy window."""
 
     name = "cpu"
@@ -48,25 +82,19 @@ class CpuCopier:
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpcft-copy")
 
     def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> CpuTransfer:
-        arrays = [s.numpy() for s in sources]
-        dst = slot.array
-        futures = [self._pool.submit(self._work, arrays, chunks, dst, range(t, len(chunks), self.threads))
-                   for t in range(min(self.threads, len(chunks)) or 1)]
-        if not self.overlap:
-            wait(futures)  # errors stay in the futures: the commit thread reports them
-        return CpuTransfer(futures, len(chunks))
-
-    def _work(self, arrays: list[np.ndarray], chunks: Sequence[Chunk], dst: np.ndarray,
-              which: range) -> list[tuple[int, int]]:
-        out = []
-        for i in which:
-            chunk = chunks[i]
-            for s in chunk.segments:
-                np.copyto(dst[s.offset:s.offset + s.nbytes], arrays[s.source][s.start:s.start + s.nbytes])
-            if self.delay_per_chunk:
-                time.sleep(self.delay_per_chunk)
-            out.append((i, crc32c(dst[chunk.offset:chunk.offset + chunk.nbytes])))
-        return out
+        job = _Job([s.numpy() for s in sources], chunks, slot.array, self.delay_per_chunk)
+        if self.overlap:
+            return CpuTransfer([self._pool.submit(job.run) for _ in range(min(self.threads, len(chunks)) or 1)],
+                               len(chunks))
+        # the training thread waits anyway: it copies too, next to threads - 1 pool threads
+        futures = [self._pool.submit(job.run) for _ in range(min(self.threads, len(chunks)) - 1)]
+        mine: Future = Future()
+        try:
+            mine.set_result(job.run())
+        except Exception as exc:  # reported by the commit thread, as a pool thread's would be
+            mine.set_exception(exc)
+        wait(futures)
+        return CpuTransfer(futures + [mine], len(chunks))
 
     def guard(self, transfer: CpuTransfer) -> None:
         transfer.result()
