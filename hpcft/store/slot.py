@@ -32,10 +32,11 @@ class Slot:
             os.close(self._fd)
             raise
         self._mm: mmap.mmap | None = None
+        self._populated = False
         self.array = np.empty(0, dtype=np.uint8)
         size = os.fstat(self._fd).st_size
-        if size:
-            self._map(size)
+        if size:  # an existing file: its reader (a restore, an agent) maps pages as it reads them
+            self._map(size, populate=False)
 
     @property
     def size(self) -> int:
@@ -56,13 +57,25 @@ class Slot:
             raise StoreError(f"cannot allocate {size} bytes for {self.path}: {exc.strerror} ({code}); "
                              "free space on the store root or point HPCFT_STORE_ROOT elsewhere") from exc
         self._unmap()
-        self._map(size)
+        self._map(size, populate=True)
 
-    def _map(self, size: int) -> None:
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    def prefault(self) -> None:
+        """Map every page of a slot opened lazily before a snapshot is written into it, so that the copy never
+        takes page faults (done in the background by `RankStore.preallocate`)."""
+        if self._populated or not self.size or self.readonly:
+            return
+        size = self.size
+        self._unmap()
+        self._map(size, populate=True)
+
+    def _map(self, size: int, populate: bool) -> None:
+        # MAP_POPULATE maps every page in this one call, on this thread: right for a writer, which will write
+        # them all; a reader does better without (read faults map 16 pages at once, on the threads reading)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         prot = mmap.PROT_READ | (0 if self.readonly else mmap.PROT_WRITE)
         self._mm = mmap.mmap(self._fd, size, flags=flags, prot=prot)
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self._populated = populate
         self.generation += 1
 
     def _unmap(self) -> None:

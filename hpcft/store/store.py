@@ -151,6 +151,7 @@ class RankStore:
                 continue
             try:
                 self.slot(k).ensure(nbytes)
+                self.slot(k).prefault()
             except StoreError as exc:
                 self._full.add(k)
                 events.emit("store_full", level=logging.ERROR, rank=self.rank, slot=k, bytes=nbytes, error=str(exc))
