@@ -192,8 +192,8 @@ def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes:
     else:
         for s in mine:
             t = pset.parity_positions(s).index(pos)
-            codec.encode_some([arrived[(s, d)] for d in pset.data_positions(s)],
-                              {t: stripes.parity_block(slot.array, pset, pos, s, nbytes)})
+            stripes.encode_paced(codec, [arrived[(s, d)] for d in pset.data_positions(s)], t,
+                                 stripes.parity_block(slot.array, pset, pos, s, nbytes), lambda: mesh.throttle.take(0))
     return held, parity_meta(pset, pos, set_sizes, nbytes, sent_bytes)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from hpcft.agent.codec import RsCodec, Unrecoverable, XorCodec, XorFold, codec_for, xor_into
 from hpcft.agent.placement import Scheme, plan
-from hpcft.agent.stripes import encode_set, partner_copies, rebuild_partner, rebuild_set
+from hpcft.agent.stripes import encode_paced, encode_set, partner_copies, rebuild_partner, rebuild_set
 from hpcft.errors import ConfigError
 
 RNG = np.random.default_rng(7)
@@ -122,3 +122,17 @@ def test_fold_builds_the_parity_from_pieces_arriving_in_any_order_and_length():
     assert out.tobytes() == want.tobytes()
     with pytest.raises(ConfigError, match="grid"):
         fold.add(100, pieces[0][:10])
+
+
+def test_paced_rs_encode_equals_one_call_and_paces_every_slice():
+    """The agent encodes RS parity in column slices with its CPU cap checked before each: same bytes as one
+    call, short data blocks still zero-padded, one pace per slice."""
+    rng = np.random.default_rng(5)
+    codec = RsCodec(4, 2)
+    data = [rng.integers(0, 256, n, dtype=np.uint8) for n in (10_000, 6_001)]  # the second is short
+    for t in (0, 1):
+        want = np.empty(10_000, dtype=np.uint8)
+        codec.encode_some(data, {t: want})
+        got, paced = np.empty(10_000, dtype=np.uint8), []
+        encode_paced(codec, data, t, got, lambda: paced.append(1), slice_bytes=1024)
+        assert np.array_equal(got, want) and len(paced) == 10
