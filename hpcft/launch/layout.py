@@ -1,6 +1,6 @@
 """Ordered node slots: N active slots hold the trainers, S spares wait; a spare takes a failed node's slot,
 so every rank keeps its role (slot i always runs ranks i*T .. i*T+T-1). A node once bad stays excluded."""
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from hpcft.errors import ConfigError
 from hpcft.slurm.nodelist import compress

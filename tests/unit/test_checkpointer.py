@@ -1,9 +1,7 @@
 """The Checkpointer in one process on the real /dev/shm: fresh start, consistency under a slow copy
 (and the racy copy it guards against), a flipped byte, ENOSPC, `every`, stats."""
-import shutil
 import subprocess
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,11 +15,9 @@ from hpcft.snapshot.state import collect
 
 
 @pytest.fixture
-def root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    monkeypatch.setenv("HPCFT_EVENT_DIR", str(tmp_path / "events"))
-    path = Path(tempfile.mkdtemp(prefix="hpcft-test-", dir="/dev/shm"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def root(shm_root: Path) -> Path:
+    """The store root of these tests: tests/unit/conftest.py's shm_root."""
+    return shm_root
 
 
 def _model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

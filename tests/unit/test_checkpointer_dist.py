@@ -9,14 +9,9 @@ from multiproc import launch  # tests/ is on sys.path (tests/conftest.py, pytest
 
 
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
-    """A store root on the real /dev/shm, removed afterwards."""
-    import shutil
-    import tempfile
-
-    path = Path(tempfile.mkdtemp(prefix="hpcft-test-", dir="/dev/shm"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def root(shm_root: Path) -> Path:
+    """The store root of these tests: tests/unit/conftest.py's shm_root."""
+    return shm_root
 
 
 def _reports(out: Path, name: str) -> list[dict]:

@@ -1,6 +1,4 @@
 """The device backends (torch streams on CUDA/ROCm, hip-python) on a real GPU; skipped without one."""
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,10 +14,9 @@ BACKENDS = ["torch", pytest.param("hip", marks=pytest.mark.skipif(
 
 
 @pytest.fixture
-def root() -> Path:
-    path = Path(tempfile.mkdtemp(prefix="hpcft-test-", dir="/dev/shm"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def root(shm_root: Path) -> Path:
+    """The store root of these tests: tests/unit/conftest.py's shm_root."""
+    return shm_root
 
 
 @gpu
