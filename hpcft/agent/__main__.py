@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=None, help="bytes/s cap on protection traffic (default: none)")
     ap.add_argument("--cpu-share", type=float, default=CPU_SHARE, help="cap on the agent's CPU time: this fraction "
                     "of the cores it may run on, on average (default %(default)s; 0: none)")
+    ap.add_argument("--cpu-cores", type=float, default=None, help="cap on the agent's CPU time in cores, instead of "
+                    "--cpu-share (for trainers computing on the CPU: see hpcft/launch/profiles.py)")
     ap.add_argument("--nice", type=int, default=10, help="CPU priority increment (os.nice), so the agent yields the "
                     "cores to the trainers (0: none)")
     ap.add_argument("--rounds", type=int, default=1, help="protection rounds before exiting (0: until stopped)")
@@ -70,10 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.job_id:
             raise ConfigError("no job id: pass --job-id or run under Slurm")
         slot, slots = _slot(args)
+        if args.cpu_cores is not None and args.cpu_cores < 0:
+            raise ConfigError(f"--cpu-cores is a number of cores, 0 or more (got {args.cpu_cores})")
         cfg = AgentConfig(job_id=args.job_id, slot=slot, slots=slots, rendezvous=args.rendezvous,
                           secret=job_secret.load(args.secret), host=_host(args.host),
                           scheme=Scheme(args.scheme, args.group, args.losses, args.distance), rate=args.rate,
-                          rounds=args.rounds, interval=args.interval, nice=args.nice, pin_lease=args.pin_lease, cpu_share=args.cpu_share, rebuild=args.rebuild, tag=args.tag,
+                          rounds=args.rounds, interval=args.interval, nice=args.nice, pin_lease=args.pin_lease, cpu_share=args.cpu_share, cpu_cores=args.cpu_cores, rebuild=args.rebuild, tag=args.tag,
                           timeout=args.timeout)
         return run(cfg)
     except NoCheckpointError as exc:

@@ -106,21 +106,29 @@ def restore(params: int, warmup: int, threads: int, root: str | None, as_json: b
 @click.option("--rate", type=float, default=None, help="Agents' bytes/s cap [default: none, as the agent's].")
 @click.option("--cpu-share", type=click.FloatRange(0, 1), default=None,
               help="Agents' CPU cap as a fraction of this machine's cores [default: the agent's, 0.01]; 0 for none.")
+@click.option("--cpu-cores", type=click.FloatRange(0), default=None,
+              help="Agents' CPU cap in cores instead [default, without --cpu-share: the cpu profile's, 0.01, as "
+                   "hpcft run gives agents of CPU trainers]; 0 for none.")
 @click.option("--nice", type=click.IntRange(0, 19), default=10, show_default=True, help="Agents' CPU priority increment.")
 @click.option("--window", type=click.FloatRange(min=1), default=60.0, show_default=True,
               help="Seconds of training with the agents running freely (protection rate, CPU per GB, lag).")
 @click.option("--scheme", "schemes", multiple=True, type=click.Choice(["xor", "partner", "rs"]),
               help="Schemes to measure (repeatable) [default: all].")
 def protect(params: int, warmup: int, threads: int, root: str | None, as_json: bool, state_bytes: int, steps: int,
-            interval: float | None, rate: float | None, cpu_share: float | None, nice: int, window: float,
-            schemes: tuple[str, ...]) -> None:
+            interval: float | None, rate: float | None, cpu_share: float | None, cpu_cores: float | None, nice: int,
+            window: float, schemes: tuple[str, ...]) -> None:
     """Cross-node protection per scheme: encode vs memcpy, bytes sent/stored vs state, rebuild time, step overhead."""
     from hpcft.agent.throttle import CPU_SHARE
     from hpcft.bench.protect import ProtectOptions, run
+    from hpcft.launch import profiles
 
+    if cpu_share is not None and cpu_cores is not None:
+        raise click.UsageError("give --cpu-share or --cpu-cores, not both")
+    if cpu_share is None and cpu_cores is None:  # the bench trains on the CPU: the cap hpcft run gives such agents
+        cpu_cores = profiles.CPU.agent_cpu_cores
     opts = ProtectOptions(params=params, state_bytes=state_bytes, steps=steps, warmup=warmup, threads=threads,
                           interval=interval, rate=rate, cpu_share=CPU_SHARE if cpu_share is None else cpu_share,
-                          nice=nice, window=window, schemes=schemes, root=root)
+                          cpu_cores=cpu_cores, nice=nice, window=window, schemes=schemes, root=root)
     _run(as_json, lambda: run(opts))
 
 

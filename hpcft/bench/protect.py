@@ -50,6 +50,7 @@ class ProtectOptions:
     interval: float | None = None  # seconds between agent rounds; None: the measured step time (a snapshot a step)
     rate: float | None = None      # agents' bytes/s cap; None or 0: none (the agent's default)
     cpu_share: float = CPU_SHARE   # agents' CPU cap, a fraction of this machine's cores (the agent's default)
+    cpu_cores: float | None = None # agents' CPU cap in cores instead (what `hpcft run` gives them for CPU trainers)
     nice: int = 10
     window: float = 60.0           # seconds of training with the agents running freely, after the timed steps
     schemes: tuple[str, ...] = ()  # names from SCHEMES; empty: all
@@ -150,7 +151,7 @@ class Overhead:
     step_s: float
     step_cpu_s: float
     rate: float | None
-    cpu_share: float
+    cpu_share: float | None
     cpu_cores: float
     interval: float
     protect_s: float | None
@@ -215,7 +216,8 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
         interval = opts.interval if opts.interval is not None else step_s
         rate = opts.rate or None
         extra = ["--rounds", "0", "--interval", str(interval), "--nice", str(opts.nice),
-                 "--cpu-share", str(opts.cpu_share), *(["--rate", str(rate)] if rate else [])]
+                 *(["--cpu-share", str(opts.cpu_share)] if opts.cpu_cores is None else ["--cpu-cores", str(opts.cpu_cores)]),
+                 *(["--rate", str(rate)] if rate else [])]
         agents = _agents(roots, shared, scheme, "train", *extra)
         with_p = Train("with_protection", trainer, ckpt, agents, True, committed)
         without = Train("without", trainer, ckpt, agents, False, committed)
@@ -248,7 +250,8 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
                         node_share=share, core_share=core_share, agent_over_trainer=cpu[0] / trainer_cpu if trainer_cpu > 0 else None,
                         cpu_overhead=timings.cpu_median("with_protection") / timings.cpu_median("without") - 1.0,
                         step_s=timings.median("without"), step_cpu_s=timings.cpu_median("without"), rate=rate,
-                        cpu_share=opts.cpu_share, cpu_cores=cpu_cores(opts.cpu_share), interval=interval,
+                        cpu_share=opts.cpu_share if opts.cpu_cores is None else None,
+                        cpu_cores=cpu_cores(opts.cpu_share) if opts.cpu_cores is None else opts.cpu_cores, interval=interval,
                         protect_s=statistics.median(e["seconds"] for e in mine) if mine else None,
                         agent_cpu_s=cpu[0] / gb if gb else None,
                         peer_cpu_s=sum(cpu[1:]) / len(cpu[1:]) / gb if gb else None,
@@ -364,9 +367,9 @@ def run(opts: ProtectOptions) -> Report:
                    f"{s}: a snapshot's age when its protection completes (median)")
     report.note("schemes", out)
     report.note("config", {"nodes": NODES, "state_bytes": opts.state_bytes, "params": opts.params, "steps": opts.steps,
-                           "interval_s": opts.interval, "rate": opts.rate, "cpu_share": opts.cpu_share,
-                           "nice": opts.nice, "window_s": opts.window, "threads": opts.threads,
-                           "agents_on_this_machine": NODES, "peer_agents": "SCHED_IDLE"})
+                           "interval_s": opts.interval, "rate": opts.rate,
+                           "cpu_share": opts.cpu_share if opts.cpu_cores is None else None, "cpu_cores": opts.cpu_cores, "nice": opts.nice, "window_s": opts.window,
+                           "threads": opts.threads, "agents_on_this_machine": NODES})
     return report
 
 

@@ -14,6 +14,7 @@ from hpcft.agent import secret as job_secret
 from hpcft.agent import status as agent_status
 from hpcft.agent.launch import AGENT_STEP_NAME, agent_argv
 from hpcft.errors import CheckpointError, NoCheckpointError
+from hpcft.launch import profiles
 from hpcft.launch.config import RunConfig, scheme
 from hpcft.launch.layout import Layout
 from hpcft.slurm.runner import Runner
@@ -71,7 +72,8 @@ class AgentSteps:
         for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
             stale.unlink(missing_ok=True)
         argv = agent_argv(list(layout.slots), rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
-                          scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate)
+                          scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
+                          cpu_cores=profiles.get(cfg.profile).agent_cpu_cores)
         argv += ["--tag", tag]
         self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
                   group=cfg.group, losses=cfg.losses, distance=cfg.distance)

@@ -17,6 +17,10 @@ class Profile:
     srun_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     description: str = ""
+    # The node agent's CPU cap in cores, where a share of the node's cores is the wrong unit (None: the agent's
+    # default share). Trainers computing on the CPU meet at barriers on every core: each ms an agent takes on
+    # any core delays the whole step by about that ms, however many cores the node has.
+    agent_cpu_cores: float | None = None
 
 
 # OLCF's PyTorch-on-Frontier guidance: srun -c7 --gpus-per-task=1 --gpu-bind=closest, 8 GCDs per node;
@@ -47,7 +51,8 @@ CUDA = Profile(
     description="a generic NVIDIA node: one task per GPU (set tasks_per_node to the GPU count)",
 )
 
-CPU = Profile(name="cpu", tasks_per_node=1, description="one task per node, gloo on CPUs (tests, the sandbox)")
+CPU = Profile(name="cpu", tasks_per_node=1, description="one task per node, gloo on CPUs (tests, the sandbox)",
+              agent_cpu_cores=0.01)
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (FRONTIER, CUDA, CPU)}
 
