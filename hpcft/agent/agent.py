@@ -166,7 +166,7 @@ def run(cfg: AgentConfig) -> int:
         report(status.READY, **extra)
         done = 0
         while cfg.rounds <= 0 or done < cfg.rounds:
-            mesh.throttle.take(0)  # the rounds' own CPU (all-gathers, status, manifest reads) counts against the cap
+            mesh.pace()  # the rounds' own CPU (all-gathers, status, manifest reads) counts against the cap
             try:
                 rec = protect_newest(mesh, placement, job, pins)
             except StaleStep as exc:  # after the exchange, so the mesh is still in step

@@ -45,6 +45,11 @@ class Mesh:
             self.close()
             raise
 
+    def pace(self) -> None:
+        """Wait as long as the CPU cap requires before more local work (allocating, encoding): the CPU the agent
+        spent since the last payment, on any thread, is paid here."""
+        self.throttle.take(0)
+
     def send(self, peer: int, header: dict[str, Any], parts: Sequence[Any] = ()) -> None:
         self.peers[peer].send_parts(header, parts)
 

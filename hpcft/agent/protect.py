@@ -9,6 +9,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from hpcft.agent.placement import Placement, ProtectionSet
 from hpcft.agent.transport import Channel
 from hpcft.errors import HpcftError, IntegrityError
 from hpcft.store import Slot, crc32c, secure_dir
+from hpcft.store.slot import GROW_PIECE
 from hpcft.store import manifest as mf
 
 CHUNK = 4 << 20
@@ -120,7 +122,7 @@ def partner_meta(source: int, source_bytes: int, sent: int) -> dict[str, Any]:
 
 def _partner(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes: list[int]):
     dst, src = placement.partner_of(mesh.slot), placement.partnered_by(mesh.slot)
-    slot.ensure(max(1, sizes[src]))
+    slot.ensure(max(1, sizes[src]), pace=mesh.pace)
     with ThreadPoolExecutor(1) as pool, mesh.all_or_nothing():  # abort before the pool waits
         sent = pool.submit(mesh.send, dst, {"step": bundle.step, "kind": "bundle"}, bundle.piece(0, bundle.size))
         mesh.recv(src, into=slot.array[:sizes[src]])
@@ -135,7 +137,7 @@ def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes:
     nbytes = stripes.piece_bytes(max(set_sizes), pset)
     codec = codec_for(placement.scheme.name, pset.size, pset.losses)
     held = stripes.parity_bytes(pset, pos, nbytes)
-    slot.ensure(max(1, held))
+    slot.ensure(max(1, held), pace=mesh.pace)
     mine = pset.stripes_holding(pos)
     senders = sorted({d for s in mine for d in pset.data_positions(s)})
     if placement.scheme.name == "xor":  # fold each piece into the parity block as it arrives
@@ -150,7 +152,7 @@ def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes:
                 for lo in range(0, n, FOLD):
                     folds[s].add(off + lo, buf[lo:min(n, lo + FOLD)])
     else:  # RS needs every data block of a stripe at once: keep them, in buffers reused pass after pass
-        inbox_all = _inbox(len(mine) * pset.data_pieces * nbytes)
+        inbox_all = _inbox(len(mine) * pset.data_pieces * nbytes, mesh.pace)
         inbox = {(s, d): inbox_all[(i * pset.data_pieces + j) * nbytes:(i * pset.data_pieces + j + 1) * nbytes]
                  for i, s in enumerate(mine) for j, d in enumerate(pset.data_positions(s))}
         arrived: dict[tuple[int, int], np.ndarray] = {}
@@ -193,17 +195,22 @@ def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes:
         for s in mine:
             t = pset.parity_positions(s).index(pos)
             stripes.encode_paced(codec, [arrived[(s, d)] for d in pset.data_positions(s)], t,
-                                 stripes.parity_block(slot.array, pset, pos, s, nbytes), lambda: mesh.throttle.take(0))
+                                 stripes.parity_block(slot.array, pset, pos, s, nbytes), mesh.pace)
     return held, parity_meta(pset, pos, set_sizes, nbytes, sent_bytes)
 
 
 _INBOX: list[np.ndarray] = []
 
 
-def _inbox(nbytes: int) -> np.ndarray:
-    """A buffer of at least `nbytes`, kept for the agent's life so its pages are faulted in once, not per pass."""
+def _inbox(nbytes: int, pace: Callable[[], None]) -> np.ndarray:
+    """A buffer of at least `nbytes`, kept for the agent's life so its pages are faulted in once, not per pass:
+    here, a piece at a time under the CPU cap (`pace`), rather than while receiving."""
     if not _INBOX or _INBOX[0].size < nbytes:
-        _INBOX[:] = [np.ones(nbytes, dtype=np.uint8)]  # written now: faulted in here, not while receiving
+        buf = np.empty(nbytes, dtype=np.uint8)
+        for lo in range(0, nbytes, GROW_PIECE):
+            pace()
+            buf[lo:lo + GROW_PIECE] = 1
+        _INBOX[:] = [buf]
     return _INBOX[0][:nbytes]
 
 

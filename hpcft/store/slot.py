@@ -2,6 +2,7 @@
 import errno
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ from hpcft.errors import StoreError
 from hpcft.store.paths import check_file
 
 GRAIN = 1 << 20  # sizes are rounded up to this, so small layout changes do not regrow the file
+GROW_PIECE = 64 << 20  # allocated between two calls of `ensure`'s pace
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -42,15 +44,20 @@ class Slot:
     def size(self) -> int:
         return self.array.size
 
-    def ensure(self, nbytes: int) -> None:
-        """Make the file at least `nbytes` long with every page allocated (ENOSPC here, never SIGBUS later)."""
+    def ensure(self, nbytes: int, pace: Callable[[], None] | None = None) -> None:
+        """Make the file at least `nbytes` long with every page allocated (ENOSPC here, never SIGBUS later).
+        `pace` (an agent's CPU cap) is called before each 64 MiB allocated: fresh pages cost CPU to clear."""
         if nbytes <= self.size:
             return
         if self.readonly:
             raise StoreError(f"{self.path} is open read-only and holds {self.size} bytes, not {nbytes}")
         size = _round_up(nbytes)
         try:
-            os.posix_fallocate(self._fd, 0, size)
+            step = GROW_PIECE if pace else size
+            for off in range(0, size, step):  # from 0: allocated ranges cost nothing, holes get pages
+                if pace:
+                    pace()
+                os.posix_fallocate(self._fd, off, min(step, size - off))
         except OSError as exc:
             os.ftruncate(self._fd, self.size)  # give back what a failed allocation took
             code = errno.errorcode.get(exc.errno, str(exc.errno))

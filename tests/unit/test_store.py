@@ -137,6 +137,31 @@ def test_enospc_is_an_error_not_a_crash(tiny_tmpfs: Path, monkeypatch: pytest.Mo
     assert "store_full" in [e["event"] for e in events.read(tiny_tmpfs.parent / "ev")]
 
 
+def test_paced_growth_allocates_every_page_and_paces_each_piece(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent grows its record files under its CPU cap: `pace` before each piece, the whole file allocated."""
+    from hpcft.store import slot as slot_mod
+
+    monkeypatch.setattr(slot_mod, "GROW_PIECE", 1 << 20)
+    s = slot_mod.Slot(0, root / "grown.data")
+    paced = []
+    s.ensure(5 << 20, pace=lambda: paced.append(1))
+    assert len(paced) == 5 and s.size == 5 << 20
+    assert os.stat(root / "grown.data").st_blocks * 512 >= 5 << 20  # allocated, not a sparse file
+    s.array[:] = 7  # mapped writable over the whole length
+    s.close()
+
+
+def test_enospc_while_paced_growth_gives_back_what_it_took(tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcft.store import slot as slot_mod
+
+    monkeypatch.setattr(slot_mod, "GROW_PIECE", 256 << 10)
+    s = slot_mod.Slot(0, tiny_tmpfs / "grown.data")
+    with pytest.raises(StoreError, match="No space left"):
+        s.ensure(4 << 20, pace=lambda: None)
+    assert os.stat(tiny_tmpfs / "grown.data").st_size == 0
+    s.close()
+
+
 def test_readonly_reader_sees_versions_and_changes_nothing(root: Path) -> None:
     writer = RankStore("j", 0, root=root)
     _commit(writer, 1)
