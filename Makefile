@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.hpcft-installed
-DEBS    := slurm-wlm slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix2 lmod iproute2
+DEBS    := slurm-wlm slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix2 lmod iproute2 gcc
 TORCH   ?= torch==2.13.0
 
 .PHONY: setup debs venv test unit demo clean-venv
