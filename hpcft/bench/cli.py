@@ -60,7 +60,7 @@ def bench() -> None:
 
 @bench.command()
 @common_options
-@click.option("--steps", type=click.IntRange(min=1), default=12, show_default=True,
+@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
               help="Measured training steps per variant.")
 @click.option("--block", type=click.IntRange(min=1), default=2, show_default=True,
               help="Consecutive steps of one variant before switching to the next.")

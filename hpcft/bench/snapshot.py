@@ -26,7 +26,7 @@ class SnapshotOptions:
     the device the model trains on and (optionally) its batch."""
 
     params: int = 50_000_000
-    steps: int = 12
+    steps: int = 20
     warmup: int = 1
     block: int = 2
     threads: int = 2
