@@ -47,6 +47,7 @@ class StreamCopier:
         self._issuer = ThreadPoolExecutor(1, thread_name_prefix="hpcft-issue")
         self._crc = ThreadPoolExecutor(max(1, crc_threads), thread_name_prefix="hpcft-crc")
         self._pinned: dict[str, tuple[int, int, int]] = {}  # slot path -> (generation, ptr, size)
+        self._host_plan: tuple[Sequence[Chunk], set[int], list] | None = None
 
     # primitives -------------------------------------------------------------------------------------
     def _register(self, ptr: int, size: int) -> None: raise NotImplementedError
@@ -79,15 +80,21 @@ class StreamCopier:
 
     def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> StreamTransfer:
         host = self._pin(slot)
-        on_host = {i for i, t in enumerate(sources) if self._on_host(t)}
-        for chunk in chunks:
-            for s in chunk.segments:
-                if s.source in on_host:
-                    host[s.offset:s.offset + s.nbytes].copy_(sources[s.source][s.start:s.start + s.nbytes])
+        on_host, segments = self._host_segments(sources, chunks)
+        for s in segments:
+            host[s.offset:s.offset + s.nbytes].copy_(sources[s.source][s.start:s.start + s.nbytes])
         ready = self._record_ready()
         transfer = StreamTransfer(sources)
         transfer.future = self._issuer.submit(self._issue, transfer, chunks, slot, host, ready, on_host)
         return transfer
+
+    def _host_segments(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk]) -> tuple[set[int], list]:
+        """The host-resident sources and their segments, kept while the engine passes the same chunk list (it
+        caches one per layout), so the training thread does not walk every chunk at every snapshot."""
+        if self._host_plan is None or self._host_plan[0] is not chunks:
+            on_host = {i for i, t in enumerate(sources) if self._on_host(t)}
+            self._host_plan = (chunks, on_host, [s for c in chunks for s in c.segments if s.source in on_host])
+        return self._host_plan[1], self._host_plan[2]
 
     def _issue(self, transfer: StreamTransfer, chunks: Sequence[Chunk], slot: Slot, host: torch.Tensor,
                ready: Any, on_host: set[int]) -> list[int]:
