@@ -72,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         if not args.job_id:
             raise ConfigError("no job id: pass --job-id or run under Slurm")
         slot, slots = _slot(args)
-        if args.cpu_cores is not None and args.cpu_cores < 0:
-            raise ConfigError(f"--cpu-cores is a number of cores, 0 or more (got {args.cpu_cores})")
         cfg = AgentConfig(job_id=args.job_id, slot=slot, slots=slots, rendezvous=args.rendezvous,
                           secret=job_secret.load(args.secret), host=_host(args.host),
                           scheme=Scheme(args.scheme, args.group, args.losses, args.distance), rate=args.rate,

@@ -147,7 +147,7 @@ def run(cfg: AgentConfig) -> int:
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
     mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, rate=cfg.rate,
-                cpu=cpu_cores(cfg.cpu_share) if cfg.cpu_cores is None else cfg.cpu_cores, tag=cfg.tag, timeout=cfg.timeout)
+                cpu=cpu_cores(cfg.cpu_share, cfg.cpu_cores), tag=cfg.tag, timeout=cfg.timeout)
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
     drained = threading.Event()
     threading.Thread(target=_watch_drain, args=(status.drain_path(cfg.rendezvous, cfg.tag), mesh, drained),

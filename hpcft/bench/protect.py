@@ -251,7 +251,7 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
                         cpu_overhead=timings.cpu_median("with_protection") / timings.cpu_median("without") - 1.0,
                         step_s=timings.median("without"), step_cpu_s=timings.cpu_median("without"), rate=rate,
                         cpu_share=opts.cpu_share if opts.cpu_cores is None else None,
-                        cpu_cores=cpu_cores(opts.cpu_share) if opts.cpu_cores is None else opts.cpu_cores, interval=interval,
+                        cpu_cores=cpu_cores(opts.cpu_share, opts.cpu_cores), interval=interval,
                         protect_s=statistics.median(e["seconds"] for e in mine) if mine else None,
                         agent_cpu_s=cpu[0] / gb if gb else None,
                         peer_cpu_s=sum(cpu[1:]) / len(cpu[1:]) / gb if gb else None,

@@ -147,3 +147,6 @@ def test_cpu_cap_waits_until_the_cpu_spent_fits_the_share():
     with pytest.raises(ConfigError, match="between 0 and 1"):
         cpu_cores(1.5)
     assert cpu_cores(0.5) == pytest.approx(len(os.sched_getaffinity(0)) / 2)
+    assert cpu_cores(0.5, 0.01) == 0.01  # --cpu-cores wins over the share
+    with pytest.raises(ConfigError, match="number of cores"):
+        cpu_cores(0.5, -1)
