@@ -88,13 +88,16 @@ class Prepared:
     chunks: list[plan.Chunk]
     rep_signature: int
     described: dict[str, Any] | None = None
+    strided: list[tuple[Entry, torch.Tensor]] = field(init=False)  # with their sources: the entries `stage` refreshes
+
+    def __post_init__(self) -> None:
+        self.strided = [(e, src) for e, src in zip(self.own + self.rep, self.sources) if not e.local.is_contiguous()]
 
     def stage(self) -> None:
         """Refresh the contiguous copies that stand in for strided tensors: `sources` is cached across
         snapshots, and such a copy holds the values of the step it was made at, not the current one."""
-        for i, e in enumerate(self.own + self.rep):
-            if not e.local.is_contiguous():
-                self.sources[i].view(e.local.dtype).view(e.local.shape).copy_(e.local)
+        for e, src in self.strided:
+            src.view(e.local.dtype).view(e.local.shape).copy_(e.local)
 
 
 class SnapshotEngine:
