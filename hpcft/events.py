@@ -25,7 +25,7 @@ def format_line(kind: str, fields: dict[str, Any]) -> str:
 
 def emit(kind: str, *, level: int = logging.INFO, log_dir: str | os.PathLike | None = None, **fields: Any) -> dict:
     """Record one event: a log line always, and a JSON line in `log_dir`/events.jsonl (or $HPCFT_EVENT_DIR)."""
-    record = {"event": kind, "time": time.time(), **fields}
+    record = {"event": kind, "time": time.time(), "level": logging.getLevelName(level), **fields}
     _log.log(level, format_line(kind, fields))
     target = log_dir or os.environ.get("HPCFT_EVENT_DIR")
     if target:

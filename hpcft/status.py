@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from hpcft.agent.placement import Placement
 
 STAGED, PROTECTED, PERSISTED = "staged", "protected", "persisted"
-HEALTHY, DEGRADED, LOST, UNPROTECTED = "healthy", "degraded", "lost", "unprotected"
+HEALTHY, DEGRADED, AT_RISK, STOPPED, UNPROTECTED = "healthy", "degraded", "at risk", "stopped", "unprotected"
 MIN_STALE_S = 30.0
 
 
@@ -94,7 +94,7 @@ def _node(slot: int, rep: dict[str, Any] | None, now: float, stale: float) -> No
     age = max(0.0, now - float(rep.get("time", 0)))
     phase = rep.get("phase", "?")
     return NodeView(slot, rep.get("node"), phase, round(age, 3),
-                    fresh=phase != agent_status.FAILED and age <= stale, staged=rep.get("staged"),
+                    fresh=phase not in (agent_status.FAILED, agent_status.STOPPED) and age <= stale, staged=rep.get("staged"),
                     protected=rep.get("protected"), persisted=rep.get("persisted"),
                     ranks={str(r): list(v) for r, v in (rep.get("versions") or {}).items()}, error=rep.get("error"))
 
@@ -128,8 +128,13 @@ def _set_view(placement: Placement, index: int, members: list[int], nodes: list[
               reports: dict[int, dict[str, Any]]) -> SetView:
     common = set.intersection(*(_records(reports, m) for m in members))
     step = max(common) if common else None
-    missing = [m for m in members if not nodes[m].fresh]
+    stopped = [m for m in members if nodes[m].phase == agent_status.STOPPED]
+    missing = [m for m in members if not nodes[m].fresh and m not in stopped]
     if not missing:
+        if stopped:
+            return SetView(index, members, STOPPED, [], step, "the agents were asked to stop (the job ended or is "
+                           "between launches); the data they reported is in their nodes' memory unless a node was "
+                           "lost since")
         return SetView(index, members, HEALTHY, [], step, "every member fresh")
     from hpcft.agent.codec import Unrecoverable
     from hpcft.agent.rebuild import lost_slots
@@ -138,8 +143,9 @@ def _set_view(placement: Placement, index: int, members: list[int], nodes: list[
     why = ", ".join(f"slot {m} {_why(nodes[m])}" for m in missing)
     try:
         lost_slots(placement, alive, alive)
-    except Unrecoverable as exc:
-        return SetView(index, members, LOST, missing, step, f"{why}; {exc}")
+    except Unrecoverable as exc:  # status files cannot tell a lost node from a dead agent on a live one
+        return SetView(index, members, AT_RISK, missing, step, f"{why}; {exc}: were those nodes lost, the set "
+                       "could not be rebuilt; if only their agents died, their data is still in memory")
     return SetView(index, members, DEGRADED, missing, step, f"{why}; still rebuildable from the others")
 
 

@@ -5,17 +5,23 @@ other agents reach it at (its hostname's address) come from the environment; loc
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 
 from hpcft.agent import secret as job_secret
-from hpcft.agent.agent import AgentConfig, run
+from hpcft.agent.agent import AgentConfig, Stopped, run
 from hpcft.agent.pins import LEASE_S
 from hpcft.agent.placement import Scheme
 from hpcft.agent.throttle import CPU_SHARE
 from hpcft.errors import ConfigError, HpcftError, NoCheckpointError
 
 EXIT_NO_CHECKPOINT = 3
+
+
+def _on_sigterm(_signum, _frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop is enough: let the cleanup finish
+    raise Stopped
 
 
 def _slot(args: argparse.Namespace) -> tuple[int, int]:
@@ -68,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the other agents")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         if not args.job_id:
             raise ConfigError("no job id: pass --job-id or run under Slurm")
@@ -78,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                           rounds=args.rounds, interval=args.interval, nice=args.nice, pin_lease=args.pin_lease, cpu_share=args.cpu_share, cpu_cores=args.cpu_cores, rebuild=args.rebuild, tag=args.tag,
                           timeout=args.timeout)
         return run(cfg)
+    except Stopped:
+        print("hpcft agent: stopped (SIGTERM)", file=sys.stderr)
+        return 0
     except NoCheckpointError as exc:
         print(f"hpcft agent: {exc}", file=sys.stderr)
         return EXIT_NO_CHECKPOINT

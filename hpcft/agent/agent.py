@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -107,13 +108,17 @@ class AgentConfig:
     cpu_cores: float | None = None  # the CPU cap in cores, instead of cpu_share (see launch/profiles.py)
 
 
-def _watch_drain(flag: Path, mesh: Mesh, drained: threading.Event, poll: float = 0.2) -> None:
-    """Until the supervisor asks for a drain (status.request_drain), then lift the caps and wake the round loop."""
-    while not flag.exists():
+def _watch_requests(flag: Path, stop: Path, mesh: Mesh, drained: threading.Event, poll: float = 0.2) -> None:
+    """Until the supervisor asks for a stop (status.request_stop: SIGTERM to this process, whose handler unwinds the
+    agent cleanly, see Stopped); meanwhile, once it asks for a drain (status.request_drain), lift the caps and
+    wake the round loop."""
+    while not stop.exists():
+        if not drained.is_set() and flag.exists():
+            mesh.throttle.release()
+            events.emit("agent_drain", flag=str(flag))
+            drained.set()
         time.sleep(poll)
-    mesh.throttle.release()
-    events.emit("agent_drain", flag=str(flag))
-    drained.set()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _by_rank(versions: dict[int, dict]) -> dict[int, list[int]]:
@@ -123,6 +128,11 @@ def _by_rank(versions: dict[int, dict]) -> dict[int, list[int]]:
         for r in held:
             out.setdefault(r, []).append(step)
     return out
+
+
+class Stopped(BaseException):
+    """SIGTERM (python -m hpcft.agent installs the handler): the supervisor or Slurm stops the agents. Not an
+    HpcftError: it unwinds the agent through its cleanup, and being asked to stop is not a failure."""
 
 
 def run(cfg: AgentConfig) -> int:
@@ -150,8 +160,9 @@ def run(cfg: AgentConfig) -> int:
                 cpu=cpu_cores(cfg.cpu_share, cfg.cpu_cores), tag=cfg.tag, timeout=cfg.timeout)
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
     drained = threading.Event()
-    threading.Thread(target=_watch_drain, args=(status.drain_path(cfg.rendezvous, cfg.tag), mesh, drained),
-                     daemon=True, name="hpcft-agent-drain").start()
+    threading.Thread(target=_watch_requests, args=(status.drain_path(cfg.rendezvous, cfg.tag),
+                                                  status.stop_path(cfg.rendezvous, cfg.tag), mesh, drained),
+                     daemon=True, name="hpcft-agent-requests").start()
     try:
         extra = {}
         if cfg.rebuild:
@@ -180,6 +191,9 @@ def run(cfg: AgentConfig) -> int:
                     drained.wait(cfg.interval)  # woken by a drain request
                 elif rec is None:  # draining: rounds back to back while they protect something
                     time.sleep(cfg.interval)
+    except Stopped:
+        report(status.STOPPED)
+        raise
     except HpcftError as exc:
         if not isinstance(exc, NoCheckpointError):
             report(status.FAILED, reason="error", error=str(exc))

@@ -113,6 +113,13 @@ def rebuild(mesh: Mesh, placement: Placement, job: Path, pins: Pins, job_id: str
         local = _Local(step, complete, recs, mesh.slot, pins)
         try:
             flags = mesh.allgather([local.bundle is not None, local.record is not None])
+            gone = [slot for slot, f in enumerate(flags) if not f[0]]
+            if gone and not any(f[1] for f in flags):  # the usual case for the newest step or two: say so
+                reasons.append(f"step {step}: not protected yet")
+                events.emit("rebuild_fallback", slot=mesh.slot, step=step,
+                            reason=f"step {step} was not protected yet (no slot holds protection data of it) and "
+                                   f"slot(s) {gone} lost their copy: trying an older step")
+                continue
             try:
                 targets = lost_slots(placement, [f[0] for f in flags], [f[1] for f in flags])
             except Unrecoverable as exc:

@@ -15,6 +15,7 @@ from hpcft.errors import CheckpointError, NoCheckpointError
 from hpcft.store.paths import replace_file
 
 REBUILDING, READY, PROTECTING, FAILED = "rebuilding", "ready", "protecting", "failed"
+STOPPED = "stopped"  # asked to stop (SIGTERM): the node's data was intact when the agent left
 _NAME = re.compile(r"agent-(.+)-(\d+)\.status$")
 
 
@@ -38,6 +39,16 @@ def drain_path(rendezvous: str | os.PathLike, tag: str) -> Path:
 
 def request_drain(rendezvous: str | os.PathLike, tag: str) -> None:
     drain_path(rendezvous, tag).touch()
+
+
+def stop_path(rendezvous: str | os.PathLike, tag: str) -> Path:
+    """The supervisor's request to the agents of launch `tag` to stop (srun answers a SIGTERM by killing the
+    step's tasks, so a clean stop is asked for here): each exits 0, its status `stopped`."""
+    return Path(rendezvous) / f"agent-{tag}-stop"
+
+
+def request_stop(rendezvous: str | os.PathLike, tag: str) -> None:
+    stop_path(rendezvous, tag).touch()
 
 
 def read(rendezvous: str | os.PathLike, tag: str | None = None) -> dict[int, dict[str, Any]]:

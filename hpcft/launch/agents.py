@@ -32,6 +32,7 @@ class AgentSteps:
         self.proc: subprocess.Popen | None = None  # the running step, kept until the supervisor's decision
         self.tag = ""
         self._ready_slots: tuple[str, ...] | None = None  # slots whose agents were last ready
+        self.no_checkpoint: str | None = None  # why the last launch's agents could rebuild nothing, if so
 
     def prepare(self) -> None:
         """The rendezvous directory and the per-job secret (0600; kept across relaunches and requeues)."""
@@ -46,12 +47,13 @@ class AgentSteps:
         persistent tier yet, so the trainers start from what they can restore (the restore agreement gives
         step 0 when a node holds nothing) and fresh agents, without a rebuild, protect the run from there."""
         rebuild = restart_count > 0 and layout.slots != self._ready_slots
-        self.tag = str(restart_count)
+        self.tag, self.no_checkpoint = str(restart_count), None
         self.proc = self._launch(layout, rebuild, env)
         try:
             try:
                 ready = self._wait(layout)
             except NoCheckpointError as exc:
+                self.no_checkpoint = str(exc)
                 self.emit("agents_no_checkpoint", level=logging.WARNING, tag=self.tag, reason=str(exc),
                           action="trainers start from what they can restore; agents relaunched without rebuild")
                 self._stop_steps({AGENT_STEP_NAME: self.proc})
@@ -126,9 +128,19 @@ class AgentSteps:
         steps = [r.get("protected") for r in agent_status.read(self.rendezvous, self.tag).values()]
         return min(steps) if steps and None not in steps else None
 
-    def stop(self) -> None:
-        """Stop the agents' step of the last launch, if it runs."""
-        if self.proc is not None:
-            self._stop_steps({AGENT_STEP_NAME: self.proc})
-            self.emit("agents_stopped", exit_code=self.proc.returncode)
-            self.proc = None
+    def stop(self, ask: bool = True) -> None:
+        """Stop the agents' step of the last launch, if it runs: asked to (each agent exits 0 within a poll), for
+        up to --kill-grace, then killed with the step. `ask=False` kills at once (a node was lost: the mesh is
+        broken, and recovery must not wait)."""
+        if self.proc is None:
+            return
+        how = "exited" if self.proc.poll() is not None else "asked" if ask else "killed"
+        if how == "asked":
+            agent_status.request_stop(self.rendezvous, self.tag)
+            try:
+                self.proc.wait(timeout=self.cfg.kill_grace)
+            except subprocess.TimeoutExpired:
+                how = "killed"
+        self._stop_steps({AGENT_STEP_NAME: self.proc})
+        self.emit("agents_stopped", exit_code=self.proc.returncode, how=how)
+        self.proc = None

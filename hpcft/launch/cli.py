@@ -26,7 +26,8 @@ def _run_options(f):
         click.option("--srun-args", default=None, help="Extra srun options for the trainer step (one string)."),
         click.option("--probe-timeout", type=float, default=None, help="Seconds a node health probe may take."),
         click.option("--protect", type=click.Choice(list(config.PROTECT_SCHEMES)), default=None,
-                     help="Node agents' in-memory protection scheme (none: no agents; default none)."),
+                     help="Node agents' in-memory protection scheme (default auto: xor from 3 nodes, partner on 2, "
+                          "none on 1; none: no agents)."),
         click.option("--group", type=int, default=None, help="Protection set size (xor, rs; default 4)."),
         click.option("--losses", type=int, default=None, help="Node losses tolerated per set (rs; default 1)."),
         click.option("--distance", type=int, default=None, help="Partner distance in slots (partner; default 1)."),
@@ -50,8 +51,13 @@ def run(config_file, command, **kwargs) -> None:
     """Run CMD on the allocation's nodes and keep it running: relaunch, replace nodes by spares, requeue.
 
     Use inside an allocation: `hpcft run --spares 2 --profile frontier -- python train.py`."""
+    import logging
+
     from hpcft.launch.supervisor import Supervisor
 
+    # the run's story (start, launch, decision, summary) is in the job output without -v
+    story = logging.getLogger("hpcft.events")
+    story.setLevel(min(story.getEffectiveLevel(), logging.INFO))
     cfg = config.load(_cli_values(kwargs), config_file=config_file)
     click.get_current_context().exit(Supervisor(cfg, command).run())
 

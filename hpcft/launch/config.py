@@ -22,8 +22,9 @@ class RunConfig:
     kill_grace: seconds between SIGTERM and SIGKILL of a step; requeue_margin: with less walltime left than
     this, persist and requeue instead of relaunching; requeue: allow `scontrol requeue` (else stop);
     job_dir: where events, decisions and progress go (default ./hpcft-<job id>); srun_args: extra srun
-    options for the trainer step; probe_timeout: seconds a node health probe may take; protect: none |
-    partner | xor | rs, the node agents' protection scheme (none: no agents step); group, losses, distance:
+    options for the trainer step; probe_timeout: seconds a node health probe may take; protect: auto | none |
+    partner | xor | rs, the node agents' protection scheme (none: no agents step; auto: xor over sets of `group`
+    where 3 or more nodes train, partner on 2, none on 1 — see `resolve_protect`); group, losses, distance:
     its set size, tolerated losses per set (rs) and partner distance; protect_rate: bytes/s cap on protection
     traffic (default: the agents' own); protect_timeout: seconds the agents may take to be ready (rebuild
     included) before the launch counts as failed.
@@ -42,7 +43,7 @@ class RunConfig:
     job_dir: str | None = None
     srun_args: str = ""
     probe_timeout: float = 15.0
-    protect: str = "none"
+    protect: str = "auto"
     group: int = 4
     losses: int = 1
     distance: int = 1
@@ -55,7 +56,7 @@ class RunConfig:
         return self.protect != "none"
 
 
-PROTECT_SCHEMES = ("none", "partner", "xor", "rs")
+PROTECT_SCHEMES = ("auto", "none", "partner", "xor", "rs")
 KEYS = tuple(f.name for f in fields(RunConfig))
 _TYPES = {f.name: f.type for f in fields(RunConfig)}
 
@@ -156,8 +157,19 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"protect={cfg.protect!r} is not a protection scheme; choose one of {', '.join(PROTECT_SCHEMES)}")
     if cfg.protect_rate is not None and cfg.protect_rate <= 0:
         raise ConfigError(f"protect_rate must be positive bytes/s (got {cfg.protect_rate})")
-    if cfg.protected:
+    if cfg.protected and cfg.protect != "auto":
         scheme(cfg)  # the agents' own checks (group, losses, distance), before anything is launched
+
+
+def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:
+    """`cfg` with protect=auto made concrete for `active` training nodes: the default protects wherever the
+    allocation allows it — xor over sets of `group` (fewer when fewer nodes train) from 3 nodes on, a partner
+    copy on 2, nothing on 1 (no other node to hold anything). Any other value is returned as given."""
+    if cfg.protect != "auto":
+        return cfg
+    if active >= 3:
+        return replace(cfg, protect="xor", group=min(cfg.group, active), losses=1)
+    return replace(cfg, protect="partner" if active == 2 else "none", distance=1)
 
 
 def scheme(cfg: RunConfig):

@@ -26,6 +26,7 @@ class Kind(enum.Enum):
     WALLTIME = "walltime"                # Slurm's warning signal (SIGUSR1 from --signal=B:USR1@T)
     ALLOCATION_LOST = "allocation_lost"  # too few nodes left in the allocation to form the layout at all
     AGENT_FAILED = "agent_failed"        # a node agent failed or was not ready in time; its node answers
+    STEP_REFUSED = "step_refused"        # Slurm would not create the step (its options do not fit the nodes)
 
 
 class Action(enum.Enum):
@@ -78,6 +79,9 @@ def decide(event: Event, state: State, now: float) -> Decision:
         return _requeue(state, "walltime warning signal")
     if event.kind is Kind.ALLOCATION_LOST:
         return _requeue(state, f"allocation lost ({event.detail or 'too few nodes'})")
+    if event.kind is Kind.STEP_REFUSED:  # the same options would be refused again: a relaunch cannot help
+        return Decision(Action.STOP, f"Slurm refused to create the step: {event.detail}; fix the options "
+                        "(--tasks-per-node, --profile, --srun-args) and resubmit", state.layout, EXIT_ERROR)
     if state.restarts >= state.max_restarts:
         return Decision(Action.STOP, f"{event.kind.value} after {state.restarts} restart(s), the limit "
                         f"(--max-restarts {state.max_restarts})", state.layout, EXIT_GAVE_UP)
@@ -116,7 +120,8 @@ def stale_signal(*, requeued_run: bool, progressed: bool, time_left: float | Non
 
 
 def record(decision: Decision, event: Event, state: State, job_dir: str) -> dict:
-    """One greppable `event=decision action=…` line and its JSON record in the job directory's events.jsonl."""
+    """One greppable `event=decision action=…` line and its JSON record in the job directory's events.jsonl
+    (`hpcft run` shows INFO events, so a done or relaunch decision is in the job output too)."""
     level = logging.INFO if decision.action in (Action.DONE, Action.RELAUNCH) else logging.WARNING
     return events.emit(
         "decision", level=level, log_dir=job_dir, action=decision.action.value, cause=event.kind.value,

@@ -9,7 +9,6 @@ State that must outlive a requeue (relaunch count, excluded nodes, which node he
 memory holds. Before a requeue the agents are given the time to protect the newest snapshot (until the
 persistent tier exists, that is what "persist" means: the next run rebuilds from the nodes' memory)."""
 import getpass
-import json
 import logging
 import os
 import signal
@@ -18,47 +17,21 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcft import events
-from hpcft.errors import CheckpointError, ConfigError, SlurmError
-from hpcft.launch import profiles, progress
+from hpcft.errors import CheckpointError, ConfigError, HpcftError, SlurmError
+from hpcft.launch import losses, profiles, progress
 from hpcft.launch.agents import AgentSteps
-from hpcft.launch.config import RunConfig
+from hpcft.launch.config import RunConfig, resolve_protect
 from hpcft.launch.layout import Layout
-from hpcft.launch.policy import Action, Decision, Event, Kind, State, decide, record, stale_signal
+from hpcft.launch.persisted import Persisted
+from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.srun import TRAIN_STEP_NAME, probe_argv, step_env, trainer_argv
 from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass
-class Persisted:
-    """What the next allocation of a requeued job must know: relaunches so far, the nodes found bad and the
-    node of each slot (whose memory holds that slot's snapshots)."""
-    restarts: int = 0
-    requeues: int = 0
-    excluded: list[str] = field(default_factory=list)
-    slots: list[str] = field(default_factory=list)
-
-    @classmethod
-    def load(cls, path: Path) -> "Persisted":
-        if not path.exists():
-            return cls()
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            return cls(int(data["restarts"]), int(data.get("requeues", 0)), list(data.get("excluded", [])),
-                       list(data.get("slots", [])))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{path} is not a valid supervisor state ({exc}); move it away to start afresh") from None
-
-    def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.__dict__), encoding="utf-8")
-        os.replace(tmp, path)
 
 
 class Supervisor:
@@ -86,6 +59,8 @@ class Supervisor:
         self._started = time.time()
         self._requeued_run = False
         self._background: list[subprocess.Popen] = []  # step kills still retrying (see _stop_steps)
+        self._why_launch = "first launch"  # why the next launch happens: the reason of a loss it may cause
+        self.lost: list[losses.Loss] = []  # progress lost in this run, for its summary
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
                                  interrupted=lambda: self._signal == signal.SIGTERM)
 
@@ -104,6 +79,11 @@ class Supervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGUSR1, signal.SIGTERM)}
         try:
             return self._run()
+        except HpcftError as exc:  # every run's decisions are recorded, the one that gives up included
+            self.emit("decision", level=logging.ERROR, action=Action.STOP.value, cause="error", reason=str(exc),
+                      result=EXIT_ERROR)
+            self._summary(Action.STOP, str(exc), Persisted.load(self.state_path), EXIT_ERROR)
+            raise
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -114,13 +94,26 @@ class Supervisor:
         info = slurmstate.job_info(self.runner, self.job_id)
         saved.requeues = max(saved.requeues, info.restarts)
         tasks = self.cfg.tasks_per_node or self.profile.tasks_per_node
+        # A node found bad in an earlier allocation that Slurm allocates again has returned to service: healthy by
+        # Slurm's judgement, and the only way the job may start at all (a reservation of its exact size). Its memory
+        # is empty; with protection the agents rebuild its slot's snapshots like a spare's.
+        returned = [n for n in saved.excluded if n in info.nodes]
+        if returned:
+            saved.excluded = [n for n in saved.excluded if n not in returned]
+            self.emit("node_returned", level=logging.WARNING, nodes=",".join(returned),
+                      reason="excluded by an earlier run, allocated again by Slurm: used as a healthy node whose "
+                             "memory is empty")
         layout = Layout.plan(info.nodes, active=self.cfg.nodes, spares=self.cfg.spares, tasks_per_node=tasks,
-                             excluded=[n for n in saved.excluded if n in info.nodes], previous=saved.slots)
+                             excluded=saved.excluded, previous=saved.slots)
         kept = [n for i, n in enumerate(layout.slots) if saved.slots[i:i + 1] == [n]]
+        self.cfg = self.agents.cfg = resolve_protect(self.cfg, len(layout.slots))
         self.emit("start", slots=",".join(layout.slots), spares=",".join(layout.spares),
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
-                  kept=",".join(kept), profile=self.profile.name, job_dir=str(self.job_dir))
+                  kept=",".join(kept), profile=self.profile.name, protect=self.cfg.protect, group=self.cfg.group,
+                  job_dir=str(self.job_dir))
         self._requeued_run = saved.requeues > 0
+        if self._requeued_run:
+            self._why_launch = f"requeued run {saved.requeues}"
         if self.cfg.protected:
             self.agents.prepare()
         while True:
@@ -137,7 +130,8 @@ class Supervisor:
             record(decision, event, state, str(self.job_dir))
             if decision.action is Action.REQUEUE:
                 self._persist_before_requeue(event)
-            self.agents.stop()
+            self.agents.stop(ask=not event.bad_nodes)
+            self._why_launch = self._launch_reason(decision, event)
             saved.slots = list(layout.slots)  # the nodes that held the slots' snapshots in this run
             layout = decision.layout
             saved.excluded = list(layout.excluded)
@@ -152,12 +146,42 @@ class Supervisor:
         if decision.action is Action.REQUEUE:
             saved.requeues += 1
             saved.save(self.state_path)
+        self._summary(decision.action, decision.reason, saved, decision.exit_code)
+        if decision.action is Action.REQUEUE:
+            # in this order: what the next run needs is on disk before the requeue's SIGTERM reaches this process
             self.emit("requeue", level=logging.WARNING, excluded=",".join(saved.excluded), reason=decision.reason)
-            slurmstate.requeue(self.runner, self.job_id, saved.excluded)
-        elif decision.action is Action.STOP:
-            self.emit("summary", level=logging.ERROR, reason=decision.reason, restarts=saved.restarts,
-                      requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=decision.exit_code)
+            saved.slurm_excluded = slurmstate.requeue(self.runner, self.job_id, saved.excluded)
+            saved.save(self.state_path)
+            self.emit("requeued", slurm_excluded=",".join(saved.slurm_excluded),
+                      reason="nodes Slurm itself marked bad are not put into ExcNodeList: Slurm allocates them only "
+                             "once back in service")
         return int(decision.exit_code or 0)
+
+    def _summary(self, action: Action, reason: str, saved: Persisted, exit_code: int | None) -> None:
+        """The run's last word: how it ended, and every loss of progress (ERROR when it gave up or restarted from
+        step 0 after progress existed)."""
+        from_zero = any(loss.resumed_from == 0 for loss in self.lost)
+        level = (logging.ERROR if action is Action.STOP or from_zero
+                 else logging.WARNING if self.lost or action is Action.REQUEUE else logging.INFO)
+        lost = "; ".join(loss.line() for loss in self.lost)
+        self.emit("summary", level=level, action=action.value, reason=reason, restarts=saved.restarts,
+                  requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=exit_code, lost=lost)
+
+    def _launch_reason(self, decision: Decision, event: Event) -> str:
+        """Why the next launch happens, and what it could lose: the reason carried by a loss it causes."""
+        why = decision.reason
+        if event.bad_nodes and not self.cfg.protected:
+            why += f"; nothing protected the lost node's snapshots (--protect {self.cfg.protect})"
+        return why
+
+    def _check_restore(self, watch: losses.RestoreWatch) -> None:
+        """Say it loudly, once, when the launch's ranks resumed from an older step than the one they had reached."""
+        loss = watch.poll()
+        if loss is None:
+            return
+        self.lost.append(loss)
+        self.emit("progress_lost", level=logging.ERROR if loss.resumed_from == 0 else logging.WARNING,
+                  reached=loss.reached, resumed_from=loss.resumed_from, steps_lost=loss.steps_lost, reason=loss.reason)
 
     def _persist_before_requeue(self, event: Event) -> None:
         """Before a requeue: the `persist` hook if given; else, with --protect, let the agents protect the newest
@@ -200,6 +224,10 @@ class Supervisor:
                     self.agents.stop()
                     return event
             argv = trainer_argv(layout, self.profile, self.command, python=self.python, extra=self.cfg.srun_args)
+            why = self._why_launch + (f"; the agents could not rebuild: {self.agents.no_checkpoint}"
+                                      if self.agents.no_checkpoint else "")
+            watch = losses.RestoreWatch(self.job_dir, layout.world_size, since=time.time(), reason=why,
+                                        before=losses.reached(self.job_dir, layout.world_size))
             self.emit("launch", restart=restart_count, slots=",".join(layout.slots), world=layout.world_size,
                       master=f"{layout.master}:{env['MASTER_PORT']}")
             launched = time.time()
@@ -208,14 +236,18 @@ class Supervisor:
             reader = threading.Thread(target=_tee, args=(proc.stderr, lines), daemon=True)
             reader.start()
             try:
-                event = self._watch(proc, layout, launched)
+                event = self._watch(proc, layout, launched, watch)
             finally:
                 self._stop_steps({TRAIN_STEP_NAME: proc})
                 reader.join(timeout=5)
+            self._check_restore(watch)
         except BaseException:
             self.agents.stop()
             raise
         failed = tuple(slurmstate.task_errors(lines))
+        refused = slurmstate.step_refusal(lines) if event.kind is Kind.TASK_FAILED else None
+        if refused:
+            return Event(Kind.STEP_REFUSED, exit_code=proc.returncode, failed_tasks=failed, detail=refused)
         return Event(event.kind, exit_code=proc.returncode, bad_nodes=event.bad_nodes, failed_tasks=failed,
                      detail=event.detail)
 
@@ -228,8 +260,9 @@ class Supervisor:
             return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
         return Event(Kind.AGENT_FAILED, detail=str(exc))
 
-    def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float) -> Event:
+    def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float, watch: losses.RestoreWatch) -> Event:
         while True:
+            self._check_restore(watch)
             code = proc.poll()
             if code is not None:
                 if code == 0:

@@ -2,6 +2,8 @@
 goes stale when a node leaves a --no-kill job), and the requeue request. Every command goes through a Runner."""
 import logging
 import re
+import signal
+import subprocess
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -13,6 +15,10 @@ _log = logging.getLogger(__name__)
 BAD_STATE_WORDS = ("DOWN", "DRAIN", "NOT_RESPONDING", "FAIL", "POWER", "REBOOT")
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z/:]+)=(\S*)")
 _TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
+_STEP_REFUSED = re.compile(r"^srun: error: Unable to create step for job \S+: (.+)$")
+# step-creation refusals that another try may not meet (the controller or the nodes, not the step's options)
+TRANSIENT_REFUSALS = ("timed out", "not responding", "try again", "unable to contact", "required node not available",
+                      "busy", "completing", "communication", "socket")
 
 
 def fields(line: str) -> dict[str, str]:
@@ -93,14 +99,45 @@ def task_errors(stderr_lines: list[str]) -> list[str]:
     return [f"{m.group(1)}: task {m.group(2)}: {m.group(3)}" for m in map(_TASK_ERROR.match, stderr_lines) if m]
 
 
-def requeue(runner: Runner, job_id: str, exclude: list[str]) -> None:
-    """Ask Slurm to requeue the job, then keep `exclude` out of its next allocation where Slurm allows it
-    (slurmctld takes ExcNodeList only from a pending job, so after the requeue; the batch shell outlives
-    the requeue's SIGTERM for KillWait seconds). A refused exclusion is logged: the supervisor's own
-    state file still keeps those nodes out of the next run's slots."""
-    runner.run(["scontrol", "requeue", job_id])
-    if exclude:
-        result = runner.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(exclude)}"], check=False)
-        if result.returncode != 0:
-            _log.warning("could not exclude %s from job %s's next allocation: %s", exclude, job_id,
-                         (result.stderr or result.stdout).strip())
+def step_refusal(stderr_lines: list[str]) -> str | None:
+    """Slurm's reason when srun could not create the step because of its options ('More processors requested
+    than permitted'), or None: no refusal, or one another try may not meet (TRANSIENT_REFUSALS)."""
+    for m in map(_STEP_REFUSED.match, stderr_lines):
+        if m and not any(word in m.group(1).lower() for word in TRANSIENT_REFUSALS):
+            return m.group(1).strip()
+    return None
+
+
+def _ignore_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # kept across exec: the command outlives the requeue's SIGTERM
+
+
+def _unkillable(runner: Runner, argv: list[str]) -> tuple[int, str]:
+    """Run a Slurm command with SIGTERM ignored: (exit status, output)."""
+    proc = runner.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_ignore_sigterm)
+    out, _ = proc.communicate(timeout=runner.timeout)
+    return proc.returncode, (out or "").strip()
+
+
+def requeue(runner: Runner, job_id: str, exclude: list[str]) -> list[str]:
+    """Ask Slurm to requeue the job, then keep out of its next allocation those of `exclude` that Slurm itself
+    still takes for healthy (found bad by hpcft's probe); returns the nodes Slurm took into ExcNodeList.
+
+    A node Slurm marked DOWN/DRAIN/NOT_RESPONDING is not allocated while so; if it comes back to service it
+    is healthy by Slurm's judgement, and excluding it could leave the job unable ever to start (a reservation
+    of exactly its size). slurmctld takes ExcNodeList only from a pending job, so after the requeue, whose
+    SIGTERM reaches every process of the batch step at once (the scontrol processes included): both commands
+    run with SIGTERM ignored, within the KillWait seconds before the SIGKILL."""
+    states = node_states(runner, exclude)  # before the requeue: its SIGTERM would cut this short
+    keep_out = [n for n in exclude if not is_bad(states.get(n, "DOWN"))]
+    code, out = _unkillable(runner, ["scontrol", "requeue", job_id])
+    if code != 0:
+        raise SlurmError(f"'scontrol requeue {job_id}' failed with exit status {code}: {out[-2000:]}")
+    if not keep_out:
+        return []
+    code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(keep_out)}"])
+    if code != 0:
+        _log.warning("could not exclude %s from job %s's next allocation (exit status %s): %s", keep_out, job_id,
+                     code, out)
+        return []
+    return keep_out

@@ -1,5 +1,7 @@
 """What the sandbox tests of `hpcft run` share: the DP job, waiting on its progress and on the agents' protection,
 and comparing its final parameters with an uninterrupted run's."""
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from hpcft.bench import train_job
 from hpcft.launch import progress
 
 JOB = Path(train_job.__file__)  # the DP job shared with `hpcft bench recovery`
+STEPS = 16
 
 
 def wait(predicate, what: str, timeout: float) -> None:
@@ -66,3 +69,24 @@ def decisions(job_dir: Path) -> list[dict]:
 def resumed_from(out: Path) -> dict[str, int]:
     """{start file: step} of every launch that resumed from a snapshot (step > 0)."""
     return {p.name: int(p.read_text()) for p in out.glob("start.*") if int(p.read_text()) > 0}
+
+
+def start_run(sandbox, out: Path, *args: str, delay: float = 0.0, verbose: bool = True, **env: str) -> subprocess.Popen:
+    """`salloc -N6 --no-kill hpcft [-v] run --spares 2 ARGS -- python train_job.py` in the sandbox, at once."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"OUT": str(out), "STEPS": str(STEPS), "STEP_DELAY": str(delay), "PYTHONUNBUFFERED": "1", **env}
+    argv = ["salloc", "-N6", "--no-kill", "-t", "5", sys.executable, "-m", "hpcft.cli", *(["-v"] if verbose else []), "run", "--spares", "2",
+            "--job-dir", str(out / "job"), "--poll-interval", "0.5", "--kill-grace", "1", "--probe-timeout", "5",
+            "--requeue-margin", "30",
+            *args, "--", sys.executable, str(JOB)]
+    return sandbox.runner().popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish_run(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"hpcft run did not finish within {timeout} s:\n{output[-4000:]}")
+    return proc.returncode, output

@@ -10,33 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from runs import JOB, assert_same_result, decisions, resumed_from, wait_progress, wait_protected
+from runs import JOB, assert_same_result, decisions, finish_run as _finish, resumed_from, start_run as _start, \
+    wait_progress, wait_protected
 
 from hpcft import events
-
-STEPS = 16
-
-
-def _start(sandbox, out: Path, *args: str, delay: float = 0.0, **env: str) -> subprocess.Popen:
-    """`salloc -N6 --no-kill hpcft run --spares 2 ARGS -- python train_job.py` in the sandbox, at once."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {"OUT": str(out), "STEPS": str(STEPS), "STEP_DELAY": str(delay), "PYTHONUNBUFFERED": "1", **env}
-    argv = ["salloc", "-N6", "--no-kill", "-t", "5", sys.executable, "-m", "hpcft.cli", "-v", "run", "--spares", "2",
-            "--job-dir", str(out / "job"), "--poll-interval", "0.5", "--kill-grace", "1", "--probe-timeout", "5",
-            "--requeue-margin", "30",
-            *args, "--", sys.executable, str(JOB)]
-    return sandbox.runner().popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        pytest.fail(f"hpcft run did not finish within {timeout} s:\n{output[-4000:]}")
-    return proc.returncode, output
-
 
 def _trainer_pid(job_dir: Path, rank: int) -> int:
     """The training process of `rank` in this job (the sandbox shares the host's pid namespace)."""

@@ -116,11 +116,20 @@ def test_protection_options_from_file_environment_and_cli(tmp_path):
     cfg = config.load({"protect_rate": None}, {"HPCFT_PROTECT_RATE": "5e8"}, cfg_file)
     assert (cfg.protect, cfg.group, cfg.losses, cfg.protect_rate, cfg.protected) == ("rs", 4, 2, 5e8, True)
     assert config.scheme(cfg).tolerated == 2
-    assert not config.load({}, {}).protected and config.load({}, {}).protect_rate is None
+    assert config.load({}, {}).protect == "auto" and config.load({}, {}).protect_rate is None
+    assert not config.load({"protect": "none"}, {}).protected
+
+
+@pytest.mark.parametrize("active,want", [(1, ("none", 4)), (2, ("partner", 4)), (3, ("xor", 3)), (4, ("xor", 4)),
+                                         (9, ("xor", 4))])
+def test_the_default_protects_wherever_the_allocation_allows_it(active, want):
+    cfg = config.resolve_protect(config.load({}, {}), active)
+    assert (cfg.protect, cfg.group) == want
+    assert config.resolve_protect(config.load({"protect": "rs", "losses": 2}, {}), active).protect == "rs"
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"protect": "raid"}, "protect='raid' is not a protection scheme; choose one of none, partner, xor, rs"),
+    ({"protect": "raid"}, "protect='raid' is not a protection scheme; choose one of auto, none, partner, xor, rs"),
     ({"protect": "xor", "losses": 2}, "xor tolerates exactly one loss"),
     ({"protect": "rs", "group": 2, "losses": 2}, "rs needs 1 <= losses < group"),
     ({"protect": "xor", "protect_rate": 0}, "protect_rate must be positive"),

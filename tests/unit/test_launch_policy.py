@@ -3,7 +3,8 @@ import pytest
 
 from hpcft import events
 from hpcft.launch.layout import Layout
-from hpcft.launch.policy import (EXIT_GAVE_UP, EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUED, Action, Event, Kind, State,
+from hpcft.slurm import state as slurm_state
+from hpcft.launch.policy import (EXIT_ERROR, EXIT_GAVE_UP, EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUED, Action, Event, Kind, State,
                                  decide, record, stale_signal)
 
 NOW = 1_000_000.0
@@ -86,6 +87,18 @@ def test_stop_after_max_restarts_with_a_summary():
     d = decide(Event(Kind.TASK_FAILED, exit_code=1), state(restarts=3, max_restarts=3), NOW)
     assert (d.action, d.exit_code) == (Action.STOP, EXIT_GAVE_UP)
     assert "after 3 restart(s), the limit (--max-restarts 3)" in d.reason
+
+
+def test_a_step_slurm_refuses_stops_at_once_with_slurms_words():
+    lines = ["srun: error: Unable to create step for job 7: More processors requested than permitted"]
+    detail = slurm_state.step_refusal(lines)
+    assert detail == "More processors requested than permitted"
+    d = decide(Event(Kind.STEP_REFUSED, exit_code=1, detail=detail), state(restarts=0), NOW)
+    assert (d.action, d.exit_code) == (Action.STOP, EXIT_ERROR) and detail in d.reason
+    # a refusal another try may not meet is a plain task failure (relaunched)
+    assert slurm_state.step_refusal(["srun: error: Unable to create step for job 7: Required node not available "
+                                     "(down, drained or reserved)"]) is None
+    assert slurm_state.step_refusal(["srun: error: n2: task 1: Exited with exit code 3"]) is None
 
 
 def test_every_decision_is_one_line_and_one_json_record(tmp_path, caplog):

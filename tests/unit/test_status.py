@@ -6,14 +6,15 @@ from click.testing import CliRunner
 
 from hpcft.agent import status as agent_status
 from hpcft.cli import cli
-from hpcft.status import DEGRADED, HEALTHY, LOST, PROTECTED, STAGED, collect, render
+from hpcft.status import AT_RISK, DEGRADED, HEALTHY, PROTECTED, STAGED, STOPPED, collect, render
 
 
-def _agents(where, slots, scheme="xor", group=4, losses=1, silent=(), failed=(), absent=(), records=(3, 4)):
+def _agents(where, slots, scheme="xor", group=4, losses=1, silent=(), failed=(), absent=(), records=(3, 4), stopped=()):
     for s in range(slots):
         if s in absent:
             continue
-        agent_status.write(where, "0", s, node=f"n{s}", phase="failed" if s in failed else "protecting",
+        phase = "failed" if s in failed else "stopped" if s in stopped else "protecting"
+        agent_status.write(where, "0", s, node=f"n{s}", phase=phase,
                            scheme=scheme, group=group, losses=losses, distance=1, slots=slots, interval=1.0,
                            staged=5, protected=max(records), persisted=None, versions={"0": [3, 4, 5], "1": [4, 5]},
                            protected_steps=list(records), error="boom" if s in failed else None)
@@ -37,17 +38,21 @@ def test_versions_states_and_a_degraded_set(tmp_path):
     assert "silent" in view.sets[1].detail and "set 1 slots 4,5,6,7: degraded" in render(view)
 
 
-def test_two_losses_in_an_xor_set_or_a_partner_pair_are_lost(tmp_path):
+def test_two_losses_in_an_xor_set_or_a_partner_pair_are_at_risk_and_stopped_agents_are_not_losses(tmp_path):
     (tmp_path / "x").mkdir()
     _agents(tmp_path / "x", 4, failed=(1,), absent=(2,))
     view = collect(tmp_path / "x")
-    assert view.sets[0].health == LOST and view.sets[0].missing == [1, 2]
+    assert view.sets[0].health == AT_RISK and view.sets[0].missing == [1, 2]
+    assert "if only their agents died, their data is still in memory" in view.sets[0].detail
     assert "agent failed (boom)" in view.sets[0].detail and "no agent status" in view.sets[0].detail
     (tmp_path / "p").mkdir()
     _agents(tmp_path / "p", 4, scheme="partner", silent=(1,))
     assert collect(tmp_path / "p").sets[0].health == DEGRADED
     _agents(tmp_path / "p", 4, scheme="partner", silent=(1, 2))
-    assert collect(tmp_path / "p").sets[0].health == LOST
+    assert collect(tmp_path / "p").sets[0].health == AT_RISK
+    (tmp_path / "s").mkdir()  # agents stopped at the end of a launch, an hour ago: their data stays in memory
+    _agents(tmp_path / "s", 4, stopped=(0, 1, 2, 3), silent=(0, 1, 2, 3))
+    assert [(s.health, s.missing) for s in collect(tmp_path / "s").sets] == [(STOPPED, [])]
 
 
 def test_cli_json_and_a_clear_error_without_agents(tmp_path):

@@ -1,0 +1,35 @@
+"""What `hpcft run` keeps in <job dir>/state.json for the job's next run (a relaunch counts, a requeued run reads
+it back): relaunches and requeues so far, the nodes found bad, the node of each slot, what Slurm excluded."""
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcft.errors import ConfigError
+
+
+@dataclass
+class Persisted:
+    """What the next allocation of a requeued job must know: relaunches so far, the nodes found bad and the
+    node of each slot (whose memory holds that slot's snapshots)."""
+    restarts: int = 0
+    requeues: int = 0
+    excluded: list[str] = field(default_factory=list)
+    slots: list[str] = field(default_factory=list)
+    slurm_excluded: list[str] = field(default_factory=list)  # what Slurm took into the job's ExcNodeList
+
+    @classmethod
+    def load(cls, path: Path) -> "Persisted":
+        if not path.exists():
+            return cls()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return cls(int(data["restarts"]), int(data.get("requeues", 0)), list(data.get("excluded", [])),
+                       list(data.get("slots", [])), list(data.get("slurm_excluded", [])))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path} is not a valid supervisor state ({exc}); move it away to start afresh") from None
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.__dict__), encoding="utf-8")
+        os.replace(tmp, path)

@@ -1,0 +1,58 @@
+"""Supervisor faults found on a foreign cluster (issue 11), each reproduced in the sandbox: a restart from step 0
+that looked like success, what the job output says without -v, a step Slurm refuses to create (a configuration
+error: the run ends at once with Slurm's words, not after --max-restarts relaunches)."""
+import subprocess
+import sys
+
+from runs import assert_same_result, decisions, finish_run, start_run, wait_progress
+
+from hpcft import events
+
+
+def test_a_restart_from_step_0_after_a_node_loss_is_an_error_and_a_summary_line(healthy_sandbox, tmp_path):
+    out = tmp_path / "lost"
+    proc = start_run(healthy_sandbox, out, "--protect", "none", delay=0.1, verbose=False)
+    wait_progress(out / "job", 2, 6)
+    healthy_sandbox.crash_node("n3")
+    code, output = finish_run(proc)
+    assert code == 0, output[-4000:]
+    log = events.read(out / "job")
+    lost = [e for e in log if e["event"] == "progress_lost"]
+    assert len(lost) == 1, output[-4000:]
+    assert lost[0]["resumed_from"] == 0 and lost[0]["steps_lost"] >= 6 and lost[0]["level"] == "ERROR", lost
+    assert "n3" in lost[0]["reason"] and "--protect none" in lost[0]["reason"], lost
+    summary = [e for e in log if e["event"] == "summary"]
+    assert len(summary) == 1 and summary[0]["action"] == "done" and "from step 0" in summary[0]["lost"], summary
+    # what a person reads without -v: every decision, the loss and the summary
+    for line in ("event=decision action=replace", "event=decision action=done", "event=progress_lost",
+                 "event=summary"):
+        assert line in output, f"{line!r} not in the job output:\n{output[-4000:]}"
+
+
+def test_a_run_on_the_default_options_protects_and_its_summary_says_nothing_was_lost(sandbox, tmp_path):
+    out = tmp_path / "default"
+    code, output = finish_run(start_run(sandbox, out, verbose=False))
+    assert code == 0, output[-4000:]
+    log = events.read(out / "job")
+    start = next(e for e in log if e["event"] == "start")
+    assert start["protect"] == "xor" and start["group"] == 4, start  # 4 active nodes: xor over one set of 4
+    assert [e["event"] for e in log].count("agents_ready") == 1
+    summary = [e for e in log if e["event"] == "summary"]
+    assert len(summary) == 1 and summary[0]["lost"] == "" and summary[0]["level"] == "INFO", summary
+    stopped = [e for e in log if e["event"] == "agents_stopped"]
+    assert stopped and [e["exit_code"] for e in stopped] == [0] * len(stopped), stopped  # asked to stop, not killed
+
+
+def test_a_step_slurm_refuses_to_create_ends_the_run_at_once_with_slurms_message(sandbox, tmp_path):
+    # the sandbox's nodes have 4 CPUs: 8 tasks per node is a configuration error, not a failure to retry
+    argv = ["salloc", "-N2", "--no-kill", "-t", "5", sys.executable, "-m", "hpcft.cli", "run", "--job-dir",
+            str(tmp_path / "job"), "--tasks-per-node", "8", "--protect", "none", "--poll-interval", "0.2", "--",
+            "true"]
+    proc = sandbox.runner().popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    code, output = finish_run(proc, timeout=90)
+    assert code == 1, output[-3000:]  # EXIT_ERROR: fix the options and resubmit
+    made = [(d["action"], d["cause"]) for d in decisions(tmp_path / "job")]
+    assert made == [("stop", "step_refused")], output[-3000:]
+    summary = [e for e in events.read(tmp_path / "job") if e["event"] == "summary"]
+    assert len(summary) == 1 and "More processors requested than permitted" in summary[0]["reason"], summary
+    assert [e["event"] for e in events.read(tmp_path / "job")].count("launch") == 1

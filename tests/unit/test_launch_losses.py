@@ -1,0 +1,36 @@
+"""Lost progress as the supervisor sees it (hpcft/launch/losses.py): progress files before a launch against the
+restore events its ranks record, read from a real job directory."""
+import time
+
+from hpcft import events
+from hpcft.launch import losses, progress
+
+
+def _progress(job_dir, steps: dict[int, int]) -> None:
+    for rank, step in steps.items():
+        progress.write(progress.progress_file(job_dir, rank), step)
+
+
+def test_a_restart_from_step_0_after_progress_is_a_loss_of_every_step(tmp_path):
+    _progress(tmp_path, {0: 9, 1: 8, 2: 9})
+    assert losses.reached(tmp_path, 3) == 8 and losses.reached(tmp_path, 4) is None
+    events.emit("restore_none", log_dir=tmp_path, rank=2)  # recorded before the launch: ignored
+    watch = losses.RestoreWatch(tmp_path, 3, since=time.time(), before=8, reason="node n3 lost")
+    assert watch.poll() is None
+    events.emit("restore_none", log_dir=tmp_path, rank=1, reason="no version is complete on every rank")
+    loss = watch.poll()
+    assert (loss.reached, loss.resumed_from, loss.steps_lost) == (8, 0, 8) and "node n3 lost" in loss.line()
+    assert watch.poll() is None  # said once
+
+
+def test_resuming_from_the_newest_step_loses_nothing_and_an_older_one_the_steps_between(tmp_path):
+    watch = losses.RestoreWatch(tmp_path, 2, since=time.time(), before=8, reason="relaunch")
+    events.emit("restore_done", log_dir=tmp_path, rank=0, step=8)
+    assert watch.poll() is None and not watch.done  # rank 1 has not restored yet
+    events.emit("restore_done", log_dir=tmp_path, rank=1, step=8)
+    assert watch.poll() is None and watch.done
+    older = losses.RestoreWatch(tmp_path, 2, since=time.time(), before=8, reason="relaunch")
+    for rank in (0, 1):
+        events.emit("restore_done", log_dir=tmp_path, rank=rank, step=6)
+    assert older.poll().steps_lost == 2
+    assert losses.RestoreWatch(tmp_path, 2, since=time.time(), before=None, reason="first launch").done
