@@ -1,7 +1,8 @@
 """Shared fixtures: `sandbox` (a real 6-node Slurm cluster, one per session) and `healthy_sandbox`.
 
-`sandbox` starts once per pytest session (netns mode, nodes n1..n6: 4 active + 2 spares) in its own
-directory, so it never touches a user's `hpcft sandbox up`. It is stopped at the end; if any test
+`sandbox` starts once per pytest session (netns mode, nodes n1..n6: 4 active + 2 spares, no hpcft epilog or
+prolog, as on a cluster whose users cannot install one) in its own directory, so it never touches a user's
+`hpcft sandbox up`. It is stopped at the end; if any test
 failed, its logs are first copied to a directory named in the output. Tests that crash nodes or
 leave jobs behind use `healthy_sandbox`, which puts the cluster back (all nodes idle, no jobs) after
 the test. Tests using either fixture are marked `sandbox` automatically (`-m "not sandbox"` skips them).
@@ -59,7 +60,9 @@ def sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     directory = root / f"{_PREFIX}{os.getpid()}"
     if (directory / "state.json").exists():  # left by an earlier session that had our pid
         Sandbox.load(directory).down()
-    sb = Sandbox(plan(SandboxConfig(dir=directory, nodes=SANDBOX_NODES, mode="netns")))
+    # No hpcft epilog or prolog (slurm/): Frontier users cannot install one, so hpcft must clean up by itself;
+    # the tests of those scripts run them by hand.
+    sb = Sandbox(plan(SandboxConfig(dir=directory, nodes=SANDBOX_NODES, mode="netns", prolog=None, epilog=None)))
     started = time.monotonic()
     sb.up(timeout=60)  # on failure it stops what it started and the error carries the log tails
     _log.info("sandbox up in %.2f s at %s", time.monotonic() - started, sb.dir)

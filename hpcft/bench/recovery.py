@@ -1,10 +1,13 @@
 """`hpcft bench recovery`: time from a fault to the first completed training step after it, in the sandbox.
 
-Three runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spare nodes):
+Four runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spare nodes):
 - rank kill: `hpcft run`, one trainer SIGKILLed mid-run → relaunch on the same nodes, restore from node memory;
 - node crash: `hpcft run --protect xor`, a node's slurmd, steps and /dev/shm killed once the agents have
   protected a step → a spare takes its slot, the agents rebuild the lost snapshot onto it and every rank
   resumes from memory; timed also from the moment Slurm marks the node bad (polled with scontrol);
+- batch host: `hpcft submit --protect xor` (4 nodes, no spare), the batch script's node (slot 0) crashed once a
+  step is protected → the janitors requeue the job, which resumes from the survivors' memory; `batch_host_s` is
+  the time from Slurm marking the node bad to the requeue;
 - baseline: a plain batch job that `torch.save`s every step, one rank killed, the batch script `scontrol
   requeue`s the job, and the next run `torch.load`s the checkpoint.
 Each total is split into consecutive phases: detection (fault → the supervisor's decision, or → the baseline's
@@ -221,44 +224,86 @@ def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     _wait(lambda: _protected(out / "job" / "agents", held), f"version {held} protected by every agent", opts.timeout,
           proc)
     node = f"n{VICTIM_RANK + 1}"  # slot i of the 6-node allocation n1..n6 is node n{i+1}
-    down: dict[str, float] = {}
-    stop = threading.Event()
-
-    def watch_state() -> None:
-        runner = sb.runner(timeout=10)
-        while not stop.is_set():
-            try:
-                state = slurmstate.node_states(runner, [node]).get(node, "")
-            except HpcftError:
-                state = ""
-            if slurmstate.is_bad(state):
-                down.setdefault("t", time.time())
-                down.setdefault("state", state)
-                return
-            stop.wait(0.2)
-
-    fault = time.time()
-    sb.crash_node(node)
+    fault, down = _crash(sb, node)
     hold.touch()
-    watcher = threading.Thread(target=watch_state, daemon=True)
-    watcher.start()
-    try:
-        _finish(proc, out, opts.timeout)
-        watcher.join(timeout=60)
-    finally:
-        stop.set()
+    _finish(proc, out, opts.timeout)
+    marked = _marked(down, node, fault)
     decided = _decided(out / "job", fault)
     result = phases(_timeline(out), "0.1", fault, decided)
     ready = [e["time"] for e in events.read(out / "job") if e["event"] == "agents_ready" and e["time"] >= decided]
     if not ready:
         raise HpcftError(f"the agents never got ready after the crash; see {out / 'job'}")
     result["relaunch_agents_s"] = min(ready) - decided  # part of relaunch: agents' step, mesh and rebuild
-    if "t" not in down:
-        raise HpcftError(f"Slurm did not mark {node} bad within 60 s of the job's end")
-    result["slurm_marked_down_s"] = down["t"] - fault
-    result["slurm_state"] = down["state"]
+    result.update(marked)
     result["from_marked_down_s"] = result["total_s"] - result["slurm_marked_down_s"]
     return result
+
+
+def _crash(sb, node: str) -> tuple[float, dict[str, Any]]:
+    """Crash `node` now; (the time, a dict that a thread fills with when and how Slurm marks it bad)."""
+    down: dict[str, Any] = {}
+
+    def watch_state() -> None:
+        runner = sb.runner(timeout=10)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                state = slurmstate.node_states(runner, [node]).get(node, "")
+            except HpcftError:
+                state = ""
+            if slurmstate.is_bad(state):
+                down.update(t=time.time(), state=state)
+                return
+            time.sleep(0.2)
+
+    fault = time.time()
+    sb.crash_node(node)
+    threading.Thread(target=watch_state, daemon=True).start()
+    return fault, down
+
+
+def _marked(down: dict[str, Any], node: str, fault: float) -> dict[str, Any]:
+    """When (after the fault) and as what Slurm marked `node` bad, waiting up to 60 s more for it."""
+    _wait(lambda: "t" in down, f"Slurm to mark {node} bad", 60)
+    return {"slurm_marked_down_s": down["t"] - fault, "slurm_state": down["state"]}
+
+
+def batch_host(sb, opts: RecoveryOptions, out: Path) -> dict[str, Any]:
+    """`hpcft submit` (the supervisor lives in the batch script on the first node, which also trains); that node
+    crashed once a step is protected → the janitors on the other nodes requeue the job (`batch_host_lost`), whose
+    next run resumes from the survivors' memory, the lost slot rebuilt on another node."""
+    out.mkdir(parents=True, exist_ok=True)
+    hold = out / "protected"
+    argv = [sys.executable, "-m", "hpcft.cli", "submit", "--nodes", str(ACTIVE), "--spares", "0", "-t", "15",
+            "--warn", "60", "--module", "", "-o", str(out / "job.out"), "--job-dir", str(out / "job"),
+            "--poll-interval", str(opts.poll_interval), "--probe-timeout", str(opts.probe_timeout),
+            "--kill-grace", str(opts.kill_grace), "--requeue-margin", "30", "--protect", "xor",
+            "--", sys.executable, str(JOB)]
+    env = {**sb.client_env(), **_job_env(opts, out, HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))}
+    job = subprocess.run(sb.client_prefix() + argv, env=env, capture_output=True, text=True, timeout=60)
+    if job.returncode != 0:
+        raise HpcftError(f"hpcft submit failed: {job.stderr.strip()}")
+    runner, job_id = sb.runner(), job.stdout.strip()
+    try:
+        _wait(lambda: _victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout)
+        _wait(lambda: _protected(out / "job" / "agents", opts.fault_at + 1), "the step protected", opts.timeout)
+        host = slurmstate.job_info(runner, job_id).batch_host
+        fault, down = _crash(sb, host)
+        hold.touch()
+        _wait(lambda: slurm_done(runner, job_id), "the requeued job to end", opts.timeout)
+    finally:
+        runner.run(["scancel", job_id], check=False)
+    result = phases(_timeline(out), "1.1", fault, _requeued(out / "job", fault))  # Slurm run 1, launch 1
+    result.update(_marked(down, host, fault))
+    result["batch_host_s"] = result["detection_s"] - result["slurm_marked_down_s"]  # Slurm noticed → requeue
+    return result
+
+
+def _requeued(job_dir: Path, after: float) -> float:
+    found = [e["time"] for e in events.read(job_dir) if e["event"] == "batch_host_lost" and e["time"] >= after]
+    if not found:
+        raise HpcftError(f"no batch_host_lost event after the crash in {job_dir / 'events.jsonl'}")
+    return min(found)
 
 
 BASELINE_SCRIPT = """#!/bin/bash
@@ -314,7 +359,10 @@ def run(opts: RecoveryOptions) -> Report:
             try:
                 kill = rank_kill(sb, opts, work / "rank-kill")
                 crash = node_crash(sb, opts, work / "node-crash")
-                base = baseline(sb, opts, work / "baseline")  # 4 of the 5 nodes left: no need to wait for the 6th
+                sb.heal()
+                host = batch_host(sb, opts, work / "batch-host")
+                sb.heal()
+                base = baseline(sb, opts, work / "baseline")
             finally:
                 sb.heal()
     finally:
@@ -325,12 +373,14 @@ def run(opts: RecoveryOptions) -> Report:
     report.add("node_crash_s", crash["from_marked_down_s"], "s", "node crash: Slurm marks node bad -> first step")
     report.add("node_crash_from_fault_s", crash["total_s"], "s", "node crash: crash -> first step")
     report.add("restore_share", share, "", "rank kill: restore / total")
+    report.add("batch_host_s", host["batch_host_s"], "s", "batch host crash: Slurm marks it bad -> janitors requeue")
+    report.add("batch_host_total_s", host["total_s"], "s", "batch host crash: crash -> first step of the requeued run")
     report.add("baseline_s", base["total_s"], "s", "baseline (torch.save, requeue, torch.load)")
     report.add("baseline_over_rank_kill", base["total_s"] / kill["total_s"], "x", "baseline / rank kill")
     for name, ph in (("rank_kill", kill), ("node_crash", crash), ("baseline", base)):
         for phase in ("detection_s", "relaunch_s", "restore_s", "first_step_s"):
             report.add(f"{name}_{phase}", ph[phase], "s", f"  {name.replace('_', ' ')}: {phase[:-2].replace('_', ' ')}")
-    report.note("phases", {"rank_kill": kill, "node_crash": crash, "baseline": base})
+    report.note("phases", {"rank_kill": kill, "node_crash": crash, "batch_host": host, "baseline": base})
     report.note("targets", TARGETS)
     report.note("met", {"rank_kill_s": kill["total_s"] <= TARGETS["rank_kill_s"],
                         "node_crash_s": crash["from_marked_down_s"] <= TARGETS["node_crash_s"],

@@ -20,14 +20,20 @@ from hpcft.launch.layout import Layout
 from hpcft.slurm.runner import Runner
 
 
+PROBE_EVERY_S = 5.0  # while the agents get ready: a probe of the slots' nodes this often (scontrol every poll)
+
+
 class AgentSteps:
     """One job's agents' steps. `emit` records events, `stop_steps` stops {step name: srun} (the supervisor's
-    SIGTERM-then-kill), `interrupted` says whether `hpcft run` got SIGTERM."""
+    SIGTERM-then-kill), `interrupted` says whether `hpcft run` got SIGTERM, `check_nodes(layout, probe)` returns
+    the bad nodes among the slots (the supervisor's scontrol check, and its probe when `probe`)."""
 
     def __init__(self, cfg: RunConfig, runner: Runner, job_dir: Path, python: str, *, emit: Callable[..., None],
-                 stop_steps: Callable[[Mapping[str, subprocess.Popen]], None], interrupted: Callable[[], bool]):
+                 stop_steps: Callable[[Mapping[str, subprocess.Popen]], None], interrupted: Callable[[], bool],
+                 check_nodes: Callable[[Layout, bool], dict[str, str]]):
         self.cfg, self.runner, self.job_dir, self.python = cfg, runner, job_dir, python
-        self.emit, self._stop_steps, self._interrupted = emit, stop_steps, interrupted
+        self.emit, self._stop_steps, self._interrupted, self._check_nodes = emit, stop_steps, interrupted, check_nodes
+        self.bad_nodes: dict[str, str] = {}  # found while the last launch's agents got ready
         self.rendezvous = job_dir / "agents"  # the agents' addresses and status files (shared filesystem)
         self.proc: subprocess.Popen | None = None  # the running step, kept until the supervisor's decision
         self.tag = ""
@@ -47,7 +53,7 @@ class AgentSteps:
         persistent tier yet, so the trainers start from what they can restore (the restore agreement gives
         step 0 when a node holds nothing) and fresh agents, without a rebuild, protect the run from there."""
         rebuild = restart_count > 0 and layout.slots != self._ready_slots
-        self.tag, self.no_checkpoint = str(restart_count), None
+        self.tag, self.no_checkpoint, self.bad_nodes = str(restart_count), None, {}
         self.proc = self._launch(layout, rebuild, env)
         try:
             try:
@@ -83,10 +89,12 @@ class AgentSteps:
             return self.runner.popen(argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
 
     def _wait(self, layout: Layout) -> agent_status.Ready:
-        """hpcft.agent.status.wait_ready, in slices so that an agents' step that ended, a SIGTERM or
-        --protect-timeout end the wait. NoCheckpointError as wait_ready; CheckpointError for any other failure."""
+        """hpcft.agent.status.wait_ready, in slices so that an agents' step that ended, a node lost (a node the
+        agents wait for would hold them until their mesh timeout), a SIGTERM or --protect-timeout end the wait.
+        NoCheckpointError as wait_ready; CheckpointError for any other failure."""
         tag, proc = self.tag, self.proc
         deadline = time.monotonic() + self.cfg.protect_timeout
+        probe_at = time.monotonic() + PROBE_EVERY_S
         while True:
             try:
                 return agent_status.wait_ready(self.rendezvous, tag, len(layout.slots), timeout=self.cfg.poll_interval)
@@ -103,6 +111,13 @@ class AgentSteps:
                                       f"agent was ready; see {self.job_dir / f'agents-{tag}.log'}")
             if self._interrupted():
                 raise CheckpointError("interrupted by SIGTERM")
+            probe = time.monotonic() >= probe_at
+            self.bad_nodes = self._check_nodes(layout, probe)
+            if self.bad_nodes:
+                raise CheckpointError("node(s) lost while the agents got ready: " +
+                                      "; ".join(f"{n}: {why}" for n, why in self.bad_nodes.items()))
+            if probe:
+                probe_at = time.monotonic() + PROBE_EVERY_S
 
     def drain(self, deadline: float) -> str | None:
         """Once the trainers have stopped: ask the agents to protect the newest step without caps, and wait until

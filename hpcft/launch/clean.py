@@ -13,6 +13,9 @@ from hpcft.store.paths import job_dir, marked_run, resolve_root
 
 _log = logging.getLogger(__name__)
 KEEP_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RESIZING", "SUSPENDED")
+# the job is over: no run of it will read the store again, whichever run wrote it
+ENDED_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+                "PREEMPTED")
 
 
 def job_state(runner: Runner, job_id: str) -> tuple[str | None, int]:
@@ -26,16 +29,20 @@ def job_state(runner: Runner, job_id: str) -> tuple[str | None, int]:
 
 
 def clean(job_id: str, *, runner: Runner, user: str | None = None, root: str | None = None,
-          force: bool = False) -> tuple[Path, bool, str]:
-    """Remove `<root>/hpcft-<user>-<job>` unless the job may still resume from it; returns (path, removed, why)."""
+          force: bool = False, keep_unknown: bool = False) -> tuple[Path, bool, str]:
+    """Remove `<root>/hpcft-<user>-<job>` unless the job may still resume from it; returns (path, removed, why).
+    `keep_unknown`: keep it too when Slurm does not answer (while the job may still run: never drop it on a
+    guess); by default a job Slurm does not know is over (purged after MinJobAge)."""
     path = job_dir(resolve_root(root), job_id, user or getpass.getuser())
     if not path.exists():
         return path, False, "nothing to remove"
     state, restarts = (None, 0) if force else job_state(runner, job_id)
+    if state is None and keep_unknown and not force:
+        return path, False, f"Slurm did not answer about job {job_id}: the store is kept"
     if state in KEEP_STATES:
         return path, False, f"job {job_id} is {state}: a requeue is pending, the store is kept (use --force)"
     written = marked_run(path)
-    if state is not None and written is not None and restarts > written:
+    if state not in ENDED_STATES and state is not None and written is not None and restarts > written:
         return path, False, (f"job {job_id} was requeued after run {written} wrote the store (restart count "
                              f"{restarts}): its next run resumes from it, the store is kept (use --force)")
     shutil.rmtree(path)

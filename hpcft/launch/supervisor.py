@@ -24,6 +24,7 @@ from hpcft.errors import CheckpointError, ConfigError, HpcftError, SlurmError
 from hpcft.launch import losses, profiles, progress
 from hpcft.launch.agents import AgentSteps
 from hpcft.launch.config import RunConfig, resolve_protect
+from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
 from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
@@ -61,8 +62,11 @@ class Supervisor:
         self._background: list[subprocess.Popen] = []  # step kills still retrying (see _stop_steps)
         self._why_launch = "first launch"  # why the next launch happens: the reason of a loss it may cause
         self.lost: list[losses.Loss] = []  # progress lost in this run, for its summary
+        self.janitor = Janitor(self.runner, self.job_dir, python, self._stop_steps)
+        self._slurm_run = 0  # Slurm's restart count of this run
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
-                                 interrupted=lambda: self._signal == signal.SIGTERM)
+                                 interrupted=lambda: self._signal == signal.SIGTERM,
+                                 check_nodes=lambda layout, probe: self._bad_nodes(layout, probe=probe))
 
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -90,9 +94,11 @@ class Supervisor:
 
     def _run(self) -> int:
         self._started = time.time()
+        start_heartbeat(self.job_dir)  # the janitors requeue the job when it stops with the batch host
         saved = Persisted.load(self.state_path)
         info = slurmstate.job_info(self.runner, self.job_id)
         saved.requeues = max(saved.requeues, info.restarts)
+        self._slurm_run = info.restarts
         tasks = self.cfg.tasks_per_node or self.profile.tasks_per_node
         # A node found bad in an earlier allocation that Slurm allocates again has returned to service: healthy by
         # Slurm's judgement, and the only way the job may start at all (a reservation of its exact size). Its memory
@@ -111,6 +117,8 @@ class Supervisor:
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
                   kept=",".join(kept), profile=self.profile.name, protect=self.cfg.protect, group=self.cfg.group,
                   job_dir=str(self.job_dir))
+        saved.slots = list(layout.slots)  # now: a run that dies with its batch host has said where its data is
+        saved.save(self.state_path)
         self._requeued_run = saved.requeues > 0
         if self._requeued_run:
             self._why_launch = f"requeued run {saved.requeues}"
@@ -140,6 +148,8 @@ class Supervisor:
                 saved.save(self.state_path)
                 continue
             saved.save(self.state_path)
+            if decision.action is not Action.REQUEUE:  # the job is over: nothing of it stays in node memory
+                self._clean_up([*layout.slots, *layout.spares])
             return self._finish(decision, saved)
 
     def _finish(self, decision: Decision, saved: Persisted) -> int:
@@ -150,12 +160,20 @@ class Supervisor:
         if decision.action is Action.REQUEUE:
             # in this order: what the next run needs is on disk before the requeue's SIGTERM reaches this process
             self.emit("requeue", level=logging.WARNING, excluded=",".join(saved.excluded), reason=decision.reason)
+            requeue_flag(self.job_dir, self._slurm_run).touch()  # the janitors keep the stores for the next run
             saved.slurm_excluded = slurmstate.requeue(self.runner, self.job_id, saved.excluded)
             saved.save(self.state_path)
             self.emit("requeued", slurm_excluded=",".join(saved.slurm_excluded),
                       reason="nodes Slurm itself marked bad are not put into ExcNodeList: Slurm allocates them only "
                              "once back in service")
         return int(decision.exit_code or 0)
+
+    def _clean_up(self, nodes: list[str]) -> None:
+        """Remove the job's stores from every node's memory (hpcft/launch/janitor.py): no site epilog needed."""
+        started = time.monotonic()
+        code = self.janitor.finish(nodes, self.environ)
+        self.emit("cleaned", level=logging.INFO if code == 0 else logging.WARNING, nodes=",".join(nodes),
+                  exit_code=code, seconds=round(time.monotonic() - started, 3))
 
     def _summary(self, action: Action, reason: str, saved: Persisted, exit_code: int | None) -> None:
         """The run's last word: how it ended, and every loss of progress (ERROR when it gave up or restarted from
@@ -217,6 +235,7 @@ class Supervisor:
         env = {**self.environ, **env}
         proc: subprocess.Popen | None = None
         try:
+            self.janitor.ensure([*layout.slots, *layout.spares], env)
             if self.cfg.protected:
                 failure = self.agents.start(layout, restart_count, env)
                 if failure is not None:
@@ -255,7 +274,7 @@ class Supervisor:
         """The policy's view of agents that could not get ready: a bad node, or an agent failure on healthy nodes."""
         if self._signal == signal.SIGTERM:
             return Event(Kind.WALLTIME, detail="SIGTERM")
-        bad = self._bad_nodes(layout, probe=True)
+        bad = self.agents.bad_nodes or self._bad_nodes(layout, probe=True)
         if bad:
             return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
         return Event(Kind.AGENT_FAILED, detail=str(exc))

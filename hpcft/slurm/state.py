@@ -34,6 +34,7 @@ class JobInfo:
     batch: bool
     requeue: bool
     restarts: int
+    batch_host: str = ""  # the node running the batch script (`hpcft run` under sbatch)
 
 
 def _time(text: str) -> float | None:
@@ -54,7 +55,8 @@ def job_info(runner: Runner, job_id: str) -> JobInfo:
     unlimited = f.get("TimeLimit", "") in ("UNLIMITED", "Partition_Limit")
     return JobInfo(job_id=job_id, nodes=expand(f.get("NodeList", "") if f.get("NodeList") != "(null)" else ""),
                    end_time=None if unlimited else _time(f.get("EndTime", "")), batch=f.get("BatchFlag") == "1",
-                   requeue=f.get("Requeue") == "1", restarts=int(f.get("Restarts", "0") or 0))
+                   requeue=f.get("Requeue") == "1", restarts=int(f.get("Restarts", "0") or 0),
+                   batch_host=f.get("BatchHost", "") if f.get("BatchHost") != "(null)" else "")
 
 
 def node_states(runner: Runner, nodes: list[str]) -> dict[str, str]:

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from runs import JOB, assert_same_result, decisions, finish_run as _finish, resumed_from, start_run as _start, \
-    wait_progress, wait_protected
+from runs import JOB, agents_ready, assert_same_result, decisions, resumed_from, wait, wait_progress, wait_protected
+from runs import finish_run as _finish
+from runs import start_run as _start
 
 from hpcft import events
 
@@ -133,3 +134,26 @@ def test_the_demo_trains_through_a_node_crash_from_memory(healthy_sandbox):
     said: list[str] = []
     assert train_through_a_crash(healthy_sandbox, said.append) == 0, "\n".join(said)
     assert any("spare takes the slot" in line for line in said) and any("rebuilt step" in line for line in said)
+
+
+def test_a_node_lost_while_the_agents_rebuild_is_found_by_the_supervisor_not_by_slurm(healthy_sandbox, reference,
+                                                                                      tmp_path):
+    out = tmp_path / "startup"
+    proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", delay=0.5)
+    protected = wait_protected(out)
+    healthy_sandbox.crash_node("n3")  # n5 takes the slot; the agents rebuild it there before the trainers start
+    wait(lambda: any(e["event"] == "agents_launch" and e["tag"] == "1" for e in events.read(out / "job")),
+         "the agents' launch that rebuilds onto n5", 90)
+    healthy_sandbox.crash_node("n5")  # lost while the agents get ready: the others would wait for it
+    code, output = _finish(proc, timeout=240)
+    assert code == 0, output[-4000:]
+    made = decisions(out / "job")
+    assert [(d["action"], d["replaced"]) for d in made] == [("replace", "n3:n5"), ("replace", "n5:n6"),
+                                                            ("done", "")], output[-4000:]
+    # found by the supervisor's probe or its scontrol check (NOT_RESPONDING), not once Slurm declared it DOWN
+    bad = [e for e in events.read(out / "job") if e["event"] == "node_bad" and e["node"] == "n5"]
+    assert bad and not any("DOWN" in e["state"] for e in bad), bad
+    ready = agents_ready(out / "job", "2")
+    assert ready["rebuilt"] == "n6" and ready["step"] >= protected, ready
+    assert set(resumed_from(out).values()) == {ready["step"]}
+    assert_same_result(out, reference)

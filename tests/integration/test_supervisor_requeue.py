@@ -189,3 +189,96 @@ def test_prolog_sweeps_the_stores_of_ended_or_forgotten_jobs_and_keeps_the_other
     finally:
         runner.run(["scancel", held], check=False)
 
+
+
+def test_a_node_slurm_gives_back_to_the_requeued_job_is_used_and_the_job_resumes_from_memory(healthy_sandbox,
+                                                                                             reference, tmp_path):
+    runner = healthy_sandbox.runner()
+    out = tmp_path / "out"
+    out.mkdir()
+    job_dir = out / "job"
+    # no spare: a node loss requeues. The probe waits long enough for Slurm to have flagged the crashed node, as
+    # it would on any cluster, so the node is Slurm's to hand back once it returns to service.
+    job = _submit(healthy_sandbox, out, "--nodes", "3", "--spares", "0", "--warn", "60", "--probe-timeout", "20",
+                  "--kill-grace", "1", "--protect", "xor", "--group", "3", STEPS=STEPS, STEP_DELAY="0.4")
+    wait(lambda: any(e["event"] == "start" for e in events.read(job_dir)), "the job to start", 90)
+    slots = next(e for e in events.read(job_dir) if e["event"] == "start")["slots"].split(",")
+    others = [n for n in healthy_sandbox.node_names if n not in slots]  # the requeued job can only get its own
+    runner.run(["scontrol", "update", f"NodeName={','.join(others)}", "State=DRAIN", "Reason=hpcft-test"])
+    protected = wait_protected(out, "0", slots=3, timeout=120)
+    healthy_sandbox.crash_node(slots[1])
+    wait(lambda: any(e["event"] == "requeue" for e in events.read(job_dir)), "the requeue", 120)
+    healthy_sandbox.wait_for([slots[1]], lambda s: s.startswith("down"), "down", 60)
+    healthy_sandbox.restart_node(slots[1])  # back in service before the requeued run starts
+    wait(lambda: sum(e["event"] == "start" for e in events.read(job_dir)) == 2 and _ended(runner, job),
+         "the requeued job to end", 240)
+    assert _state(runner, job) == "COMPLETED", (out / "job.out").read_text()[-3000:]
+    recs = events.read(job_dir)
+    made = [(e["action"], e["cause"]) for e in recs if e["event"] == "decision"]
+    assert made == [("requeue", "node_failed"), ("done", "success")], (out / "job.out").read_text()[-3000:]
+    assert [e["slurm_excluded"] for e in recs if e["event"] == "requeued"] == [""]  # Slurm had flagged it itself
+    assert [e["nodes"] for e in recs if e["event"] == "node_returned"] == [slots[1]]
+    assert [e for e in recs if e["event"] == "start"][1]["slots"].split(",") == slots
+    ready = [e for e in recs if e["event"] == "agents_ready"][-1]
+    assert ready["rebuild"] is True and ready["rebuilt"] == slots[1] and ready["step"] >= protected, ready
+    assert _restored(out, "1.") == {ready["step"]}
+    assert_same_result(out, reference)
+    assert json.loads((job_dir / "state.json").read_text())["excluded"] == []
+
+
+def _shm(runner, node: str) -> list[str]:
+    """Everything of hpcft's in `node`'s /dev/shm."""
+    out = runner.run(["srun", "-N1", "-w", node, "sh", "-c", "ls -d /dev/shm/hpcft-* 2>/dev/null; true"])
+    return out.stdout.split()
+
+
+def test_a_job_that_ends_completed_failed_or_cancelled_leaves_nothing_in_node_memory_without_an_epilog(
+        healthy_sandbox, tmp_path):
+    assert "Epilog=" not in healthy_sandbox.layout.slurm_conf.read_text()  # as on Frontier: no site epilog of ours
+    runner = healthy_sandbox.runner()
+    common = ("--nodes", "2", "--spares", "0", "--warn", "60", "--probe-timeout", "5", "--kill-grace", "1")
+    kinds = {"completed": ((), {}),
+             "failed": (("--hang-timeout", "20", "--max-restarts", "0"), {"HANG_AT": "3", "HANG_RANK": "1"}),
+             "cancelled": ((), {"HOLD_AT": "3", "HOLD_FILE": str(tmp_path / "never")})}
+    jobs = {}
+    for name, (options, env) in kinds.items():  # three 2-node jobs side by side on the 6 nodes
+        out = tmp_path / name
+        out.mkdir()
+        jobs[name] = (out, _submit(healthy_sandbox, out, *common, *options, STEPS="8", **env))
+    wait_progress(jobs["cancelled"][0] / "job", 0, 3)
+    runner.run(["scancel", jobs["cancelled"][1]])
+    wait(lambda: all(_ended(runner, job) for _, job in jobs.values()), "the three jobs to end", 240)
+    assert {name: _state(runner, job) for name, (_, job) in jobs.items()} == {
+        "completed": "COMPLETED", "failed": "FAILED", "cancelled": "CANCELLED"}
+    nodes = healthy_sandbox.node_names
+    assert {n: _shm(runner, n) for n in nodes} == {n: [] for n in nodes}
+    for name in ("completed", "failed"):
+        cleaned = [e for e in events.read(jobs[name][0] / "job") if e["event"] == "cleaned"]
+        assert len(cleaned) == 1 and cleaned[0]["exit_code"] == 0, (name, cleaned)
+
+
+def test_a_lost_batch_host_is_requeued_by_the_janitors_and_the_job_resumes_from_what_survives(healthy_sandbox,
+                                                                                             reference, tmp_path):
+    runner = healthy_sandbox.runner()
+    out = tmp_path / "out"
+    out.mkdir()
+    job_dir = out / "job"
+    job = _submit(healthy_sandbox, out, *JOB_OPTIONS, "--protect", "xor", "--group", "3", STEPS=STEPS, STEP_DELAY="0.4")
+    protected = wait_protected(out, "0", slots=3, timeout=120)
+    slots = next(e for e in events.read(job_dir) if e["event"] == "start")["slots"].split(",")
+    host = fields(runner.run(["scontrol", "show", "job", "-o", job]).stdout)["BatchHost"]
+    assert host == slots[0]  # hpcft run lives on the first node, which also trains
+    healthy_sandbox.crash_node(host)
+    wait(lambda: sum(e["event"] == "start" for e in events.read(job_dir)) == 2 and _ended(runner, job),
+         "the requeued job to end", 300)
+    assert _state(runner, job) == "COMPLETED", (out / "job.out").read_text()[-3000:]
+    recs = events.read(job_dir)
+    lost = [e for e in recs if e["event"] == "batch_host_lost"]
+    assert [(e["node"], e["action"]) for e in lost] == [(host, "requeue")], lost
+    restart = [e for e in recs if e["event"] == "start"][1]
+    assert restart["requeues"] == 1 and restart["slots"].split(",")[1:] == slots[1:], restart
+    ready = [e for e in recs if e["event"] == "agents_ready"][-1]
+    assert ready["rebuild"] is True and ready["rebuilt"] == restart["slots"].split(",")[0], ready
+    assert ready["step"] >= protected
+    assert _restored(out, "1.") == {ready["step"]}
+    assert_same_result(out, reference)
