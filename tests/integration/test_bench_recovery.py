@@ -8,23 +8,25 @@ import pytest
 
 pytestmark = pytest.mark.sandbox
 
-KEYS = {"rank_kill_s", "node_crash_s", "node_crash_from_fault_s", "restore_share", "baseline_s", "phases", "targets",
-        "met", "config"}
+KEYS = {"rank_kill_s", "node_crash_s", "node_crash_from_fault_s", "restore_share", "baseline_s", "batch_host_s",
+        "batch_host_total_s", "phases", "targets", "met", "config"}
 
 
 def test_recovery_bench_reports_every_figure_as_json(healthy_sandbox):
     argv = [sys.executable, "-m", "hpcft.cli", "bench", "recovery", "--json", "--dir", str(healthy_sandbox.dir),
             "--steps", "5", "--fault-at", "2", "--step-delay", "0.05", "--width", "32", "--layers", "1"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout)
     assert KEYS <= report.keys() and report["bench"] == "recovery"
     assert "rank kill" in done.stderr  # the human table goes to stderr with --json
-    for name in ("rank_kill", "node_crash", "baseline"):
+    for name in ("rank_kill", "node_crash", "batch_host", "baseline"):
         ph = report["phases"][name]
         parts = ph["detection_s"] + ph["relaunch_s"] + ph["restore_s"] + ph["first_step_s"]
         assert parts == pytest.approx(ph["total_s"], abs=1e-6)
         assert ph["detection_s"] > 0 and ph["first_step_s"] > 0
     assert report["phases"]["rank_kill"]["resumed_from"] >= 2  # from node memory, after the fault step
     assert report["phases"]["baseline"]["resumed_from"] >= 2    # from the torch.save checkpoint
+    assert report["phases"]["batch_host"]["resumed_from"] >= 2  # the survivors' memory, the lost slot rebuilt
+    assert report["batch_host_s"] > 0
     assert 0 <= report["restore_share"] < 1

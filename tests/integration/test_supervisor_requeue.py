@@ -55,6 +55,13 @@ def _restored(out: Path, run: str) -> set[int]:
     return {r["step"] for r in timeline if r["what"] == "restored" and r["run"].startswith(run)}
 
 
+def _fresh(sandbox, tmp_path: Path) -> tuple:
+    """(runner, output directory, job directory) of one test's job."""
+    out = tmp_path / "out"
+    out.mkdir()
+    return sandbox.runner(), out, out / "job"
+
+
 def _stores(runner, node: str, job: str) -> list[str]:
     """The job's hpcft stores in `node`'s /dev/shm (each sandbox node has its own)."""
     out = runner.run(["srun", "-N1", "-w", node, "sh", "-c", f"ls -d /dev/shm/hpcft-*-{job} 2>/dev/null; true"])
@@ -73,10 +80,7 @@ def reference(sandbox, tmp_path_factory) -> Path:
 
 
 def test_warning_signal_persists_requeues_and_the_next_run_resumes_from_memory(healthy_sandbox, reference, tmp_path):
-    runner = healthy_sandbox.runner()
-    out = tmp_path / "out"
-    out.mkdir()
-    job_dir = out / "job"
+    runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
     job_id = _submit(healthy_sandbox, out, *JOB_OPTIONS, "--protect", "xor", "--group", "3", STEPS=STEPS,
                      STEP_DELAY="0.2")
     wait_progress(job_dir, 0, 6)
@@ -104,10 +108,7 @@ def test_warning_signal_persists_requeues_and_the_next_run_resumes_from_memory(h
 
 def test_spares_exhausted_requeues_and_the_restarted_job_resumes_from_its_nodes_memory(healthy_sandbox, reference,
                                                                                       tmp_path):
-    runner = healthy_sandbox.runner()
-    out = tmp_path / "out"
-    out.mkdir()
-    job_dir = out / "job"
+    runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
     job = _submit(healthy_sandbox, out, *JOB_OPTIONS, "--protect", "xor", "--group", "3", STEPS=STEPS, STEP_DELAY="0.4")
     wait_protected(out, "0", slots=3, timeout=120)
     first = next(e for e in events.read(job_dir) if e["event"] == "start")
@@ -190,13 +191,9 @@ def test_prolog_sweeps_the_stores_of_ended_or_forgotten_jobs_and_keeps_the_other
         runner.run(["scancel", held], check=False)
 
 
-
 def test_a_node_slurm_gives_back_to_the_requeued_job_is_used_and_the_job_resumes_from_memory(healthy_sandbox,
                                                                                              reference, tmp_path):
-    runner = healthy_sandbox.runner()
-    out = tmp_path / "out"
-    out.mkdir()
-    job_dir = out / "job"
+    runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
     # no spare: a node loss requeues. The probe waits long enough for Slurm to have flagged the crashed node, as
     # it would on any cluster, so the node is Slurm's to hand back once it returns to service.
     job = _submit(healthy_sandbox, out, "--nodes", "3", "--spares", "0", "--warn", "60", "--probe-timeout", "20",
@@ -259,10 +256,7 @@ def test_a_job_that_ends_completed_failed_or_cancelled_leaves_nothing_in_node_me
 
 def test_a_lost_batch_host_is_requeued_by_the_janitors_and_the_job_resumes_from_what_survives(healthy_sandbox,
                                                                                              reference, tmp_path):
-    runner = healthy_sandbox.runner()
-    out = tmp_path / "out"
-    out.mkdir()
-    job_dir = out / "job"
+    runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
     job = _submit(healthy_sandbox, out, *JOB_OPTIONS, "--protect", "xor", "--group", "3", STEPS=STEPS, STEP_DELAY="0.4")
     protected = wait_protected(out, "0", slots=3, timeout=120)
     slots = next(e for e in events.read(job_dir) if e["event"] == "start")["slots"].split(",")
