@@ -15,6 +15,7 @@ from runs import finish_run as _finish
 from runs import start_run as _start
 
 from hpcft import events
+from hpcft.agent import status as agent_status
 
 def _trainer_pid(job_dir: Path, rank: int) -> int:
     """The training process of `rank` in this job (the sandbox shares the host's pid namespace)."""
@@ -54,24 +55,6 @@ def test_killed_rank_is_relaunched_on_the_same_nodes_and_resumes_from_memory(hea
     assert [e["slots"] for e in launches] == ["n1,n2,n3,n4"] * 2
     resumed = set(resumed_from(out).values())
     assert len(resumed) == 1 and resumed.pop() >= 6, "every rank resumes from the same step, from local memory"
-    assert_same_result(out, reference)
-
-
-def test_crashed_node_is_replaced_by_a_spare_in_its_slot(healthy_sandbox, reference, tmp_path):
-    out = tmp_path / "crash"
-    proc = _start(healthy_sandbox, out, delay=0.1)
-    wait_progress(out / "job", 2, 6)
-    healthy_sandbox.crash_node("n3")
-    code, output = _finish(proc)
-    assert code == 0, output[-4000:]
-    made = decisions(out / "job")
-    assert [d["action"] for d in made] == ["replace", "done"], output[-4000:]
-    assert made[0]["cause"] == "node_failed" and made[0]["replaced"] == "n3:n5"
-    assert made[0]["excluded"] == "n3" and made[0]["slots"] == "n1,n2,n5,n4"
-    bad = [e for e in events.read(out / "job") if e["event"] == "node_bad"]
-    assert {e["node"] for e in bad} == {"n3"}
-    # Without protection (hpcft/agent) n3's share of the snapshot died with it: the relaunch starts from 0.
-    assert (out / "final.pt").exists()
     assert_same_result(out, reference)
 
 
@@ -117,9 +100,10 @@ def test_no_progress_within_the_hang_timeout_kills_relaunches_then_gives_up(sand
 def test_a_hung_rank_is_detected_killed_and_the_job_resumes_from_memory(healthy_sandbox, reference, tmp_path):
     out = tmp_path / "hang"
     # rank 1 goes silent after step 6 of the first launch; the others then wait in its all-reduce. The timeout
-    # covers the trainers' start-up, which the watchdog counts too (~10 s on 2 loaded cores).
-    proc = _start(healthy_sandbox, out, "--hang-timeout", "20", HANG_AT="6", HANG_RANK="1")
-    code, output = _finish(proc, timeout=200)
+    # covers the trainers' start-up, which the watchdog counts too (~10 s on 2 loaded cores; 25 s and more seen
+    # with other sessions' jobs on the same cores: importing torch alone took 16 s).
+    proc = _start(healthy_sandbox, out, "--hang-timeout", "45", HANG_AT="6", HANG_RANK="1")
+    code, output = _finish(proc, timeout=300)
     assert code == 0, output[-4000:]
     made = decisions(out / "job")
     assert [(d["action"], d["cause"]) for d in made] == [("relaunch", "hang"), ("done", "success")], output[-4000:]
@@ -139,13 +123,19 @@ def test_the_demo_trains_through_a_node_crash_from_memory(healthy_sandbox):
 def test_a_node_lost_while_the_agents_rebuild_is_found_by_the_supervisor_not_by_slurm(healthy_sandbox, reference,
                                                                                       tmp_path):
     out = tmp_path / "startup"
-    proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", delay=0.5)
-    protected = wait_protected(out)
+    hold = out / "go"
+    # a byte cap that makes the rebuild take seconds; the first launch holds after step 6 until the agents have
+    # protected it (at that cap they could not keep up with the steps)
+    proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", "--protect-rate", "3000",
+                  HOLD_AT="6", HOLD_FILE=str(hold))
+    protected = wait_protected(out, timeout=180)
     healthy_sandbox.crash_node("n3")  # n5 takes the slot; the agents rebuild it there before the trainers start
-    wait(lambda: any(e["event"] == "agents_launch" and e["tag"] == "1" for e in events.read(out / "job")),
-         "the agents' launch that rebuilds onto n5", 90)
-    healthy_sandbox.crash_node("n5")  # lost while the agents get ready: the others would wait for it
-    code, output = _finish(proc, timeout=240)
+    hold.touch()
+    rendezvous = out / "job" / "agents"
+    wait(lambda: len(agent_status.read(rendezvous, "1")) == 4, "every agent of the rebuild to start", 120)
+    assert agents_ready(out / "job", "1") is None, "the rebuild was over before the second crash"
+    healthy_sandbox.crash_node("n5")  # lost while the agents get ready: the others wait for it in their mesh
+    code, output = _finish(proc, timeout=300)
     assert code == 0, output[-4000:]
     made = decisions(out / "job")
     assert [(d["action"], d["replaced"]) for d in made] == [("replace", "n3:n5"), ("replace", "n5:n6"),

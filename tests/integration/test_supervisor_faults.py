@@ -3,20 +3,37 @@ that looked like success, what the job output says without -v, a step Slurm refu
 error: the run ends at once with Slurm's words, not after --max-restarts relaunches)."""
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from runs import assert_same_result, decisions, finish_run, start_run, wait_progress
 
 from hpcft import events
 
 
-def test_a_restart_from_step_0_after_a_node_loss_is_an_error_and_a_summary_line(healthy_sandbox, tmp_path):
+@pytest.fixture(scope="module")
+def reference(sandbox, tmp_path_factory) -> Path:
+    """The uninterrupted run (4 nodes, default options) the faulted ones are compared with; it is also the test of
+    the defaults (below)."""
+    out = tmp_path_factory.mktemp("reference")
+    code, output = finish_run(start_run(sandbox, out, verbose=False))
+    assert code == 0, output[-4000:]
+    return out
+
+
+def test_a_restart_from_step_0_after_a_node_loss_is_an_error_and_a_summary_line(healthy_sandbox, reference, tmp_path):
     out = tmp_path / "lost"
     proc = start_run(healthy_sandbox, out, "--protect", "none", delay=0.1, verbose=False)
     wait_progress(out / "job", 2, 6)
     healthy_sandbox.crash_node("n3")
     code, output = finish_run(proc)
     assert code == 0, output[-4000:]
+    made = decisions(out / "job")  # the spare takes the crashed node's slot, every rank keeps its role
+    assert [d["action"] for d in made] == ["replace", "done"], output[-4000:]
+    assert made[0]["cause"] == "node_failed" and made[0]["replaced"] == "n3:n5"
+    assert made[0]["excluded"] == "n3" and made[0]["slots"] == "n1,n2,n5,n4"
     log = events.read(out / "job")
+    assert {e["node"] for e in log if e["event"] == "node_bad"} == {"n3"}
     lost = [e for e in log if e["event"] == "progress_lost"]
     assert len(lost) == 1, output[-4000:]
     assert lost[0]["resumed_from"] == 0 and lost[0]["steps_lost"] >= 6 and lost[0]["level"] == "ERROR", lost
@@ -27,13 +44,11 @@ def test_a_restart_from_step_0_after_a_node_loss_is_an_error_and_a_summary_line(
     for line in ("event=decision action=replace", "event=decision action=done", "event=progress_lost",
                  "event=summary"):
         assert line in output, f"{line!r} not in the job output:\n{output[-4000:]}"
+    assert_same_result(out, reference)  # from step 0, but right
 
 
-def test_a_run_on_the_default_options_protects_and_its_summary_says_nothing_was_lost(sandbox, tmp_path):
-    out = tmp_path / "default"
-    code, output = finish_run(start_run(sandbox, out, verbose=False))
-    assert code == 0, output[-4000:]
-    log = events.read(out / "job")
+def test_a_run_on_the_default_options_protects_and_its_summary_says_nothing_was_lost(reference):
+    log = events.read(reference / "job")
     start = next(e for e in log if e["event"] == "start")
     assert start["protect"] == "xor" and start["group"] == 4, start  # 4 active nodes: xor over one set of 4
     assert [e["event"] for e in log].count("agents_ready") == 1
@@ -56,3 +71,15 @@ def test_a_step_slurm_refuses_to_create_ends_the_run_at_once_with_slurms_message
     summary = [e for e in events.read(tmp_path / "job") if e["event"] == "summary"]
     assert len(summary) == 1 and "More processors requested than permitted" in summary[0]["reason"], summary
     assert [e["event"] for e in events.read(tmp_path / "job")].count("launch") == 1
+
+
+def test_a_run_that_cannot_start_records_its_decision_and_summary(sandbox, tmp_path):
+    argv = ["salloc", "-N2", "-t", "5", sys.executable, "-m", "hpcft.cli", "run", "--job-dir", str(tmp_path / "job"),
+            "--nodes", "4", "--", "true"]
+    proc = sandbox.runner().popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    code, output = finish_run(proc, timeout=90)
+    assert code == 1, output[-3000:]
+    log = events.read(tmp_path / "job")
+    assert [(e["event"], e.get("action"), e.get("cause")) for e in log] == [
+        ("decision", "stop", "error"), ("summary", "stop", None)], log
+    assert "need 4 nodes" in log[1]["reason"] and log[1]["level"] == "ERROR"
