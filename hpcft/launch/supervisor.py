@@ -29,6 +29,7 @@ from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
 from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.srun import TRAIN_STEP_NAME, probe_argv, step_env, trainer_argv
+from hpcft.launch.steps import StepStopper
 from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
 
@@ -59,7 +60,8 @@ class Supervisor:
         self._wake = threading.Event()
         self._started = time.time()
         self._requeued_run = False
-        self._background: list[subprocess.Popen] = []  # step kills still retrying (see _stop_steps)
+        self._stopper = StepStopper(self.runner, self.job_id, cfg.kill_grace, self.emit)
+        self._stop_steps = self._stopper.stop
         self._why_launch = "first launch"  # why the next launch happens: the reason of a loss it may cause
         self.lost: list[losses.Loss] = []  # progress lost in this run, for its summary
         self.janitor = Janitor(self.runner, self.job_dir, python, self._stop_steps)
@@ -87,6 +89,10 @@ class Supervisor:
             self.emit("decision", level=logging.ERROR, action=Action.STOP.value, cause="error", reason=str(exc),
                       result=EXIT_ERROR)
             self._summary(Action.STOP, str(exc), Persisted.load(self.state_path), EXIT_ERROR)
+            try:  # the job ends here: nothing of it stays in node memory
+                self._clean_up(slurmstate.job_info(self.runner, self.job_id).nodes)
+            except HpcftError as again:
+                _log.warning("could not clean the job's stores up: %s", again)
             raise
         finally:
             for s, handler in previous.items():
@@ -350,40 +356,6 @@ class Supervisor:
                 p.communicate()
                 bad[node] = f"probe did not answer within {self.cfg.probe_timeout:g} s"
         return bad
-
-    def _stop_steps(self, steps: Mapping[str, subprocess.Popen | None]) -> None:
-        """Stop the running ones of {step name: srun} together: SIGTERM to each srun (forwarded to the tasks),
-        then after --kill-grace SIGKILL the sruns left and their steps' tasks.
-
-        The steps' `scancel --signal=KILL` is not waited for: once srun has asked Slurm to end a step, the step
-        is "in a transitional state" and scancel retries every 5+ s — the relaunch must not wait on that."""
-        running = {name: p for name, p in steps.items() if p is not None and p.poll() is None}
-        if not running:
-            return
-        started = time.monotonic()
-        for p in running.values():
-            p.send_signal(signal.SIGTERM)
-        left = {}
-        for name, p in running.items():
-            try:
-                p.wait(timeout=max(0.0, started + self.cfg.kill_grace - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                left[name] = p
-        if not left:
-            return
-        for p in left.values():
-            p.kill()
-        listed = self.runner.run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False).stdout
-        for line in listed.splitlines():
-            step_id, _, name = line.strip().partition(" ")
-            if name in left:
-                self._background.append(self.runner.popen(["scancel", "--signal=KILL", step_id],
-                                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for p in left.values():
-            p.wait()
-        self._background = [p for p in self._background if p.poll() is None]
-        self.emit("step_killed", level=logging.WARNING, steps=",".join(left), grace=self.cfg.kill_grace,
-                  seconds=round(time.monotonic() - started, 3))
 
 
 def _tee(stream, lines: list[str]) -> None:

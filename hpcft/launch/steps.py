@@ -1,0 +1,53 @@
+"""Stopping the srun steps `hpcft run` started (the trainers', the agents', the janitors'): SIGTERM to each srun,
+`--kill-grace`, then SIGKILL for the sruns left and `scancel --signal=KILL` for their steps' tasks."""
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+
+from hpcft.slurm.runner import Runner
+
+
+class StepStopper:
+    """Stops steps of job `job_id`; `emit` records a `step_killed` event when a step had to be killed."""
+
+    def __init__(self, runner: Runner, job_id: str, kill_grace: float, emit: Callable[..., None]):
+        self.runner, self.job_id, self.kill_grace, self.emit = runner, job_id, kill_grace, emit
+        self._background: list[subprocess.Popen] = []  # step kills still retrying
+
+    def stop(self, steps: Mapping[str, subprocess.Popen | None]) -> None:
+        """Stop the running ones of {step name: srun} together: SIGTERM to each srun (which then kills its
+        tasks), then after the grace SIGKILL the sruns left and their steps' tasks.
+
+        The steps' `scancel --signal=KILL` is not waited for: once srun has asked Slurm to end a step, the step
+        is "in a transitional state" and scancel retries every 5+ s — the relaunch must not wait on that."""
+        running = {name: p for name, p in steps.items() if p is not None and p.poll() is None}
+        if not running:
+            return
+        started = time.monotonic()
+        for p in running.values():
+            p.send_signal(signal.SIGTERM)
+        left = {}
+        for name, p in running.items():
+            try:
+                p.wait(timeout=max(0.0, started + self.kill_grace - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                left[name] = p
+        if not left:
+            return
+        for p in left.values():
+            p.kill()
+        listed = self.runner.run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False).stdout
+        for line in listed.splitlines():
+            step_id, _, name = line.strip().partition(" ")
+            if name in left:
+                self._background.append(self.runner.popen(["scancel", "--signal=KILL", step_id],
+                                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for p in left.values():
+            p.wait()
+        self._background = [p for p in self._background if p.poll() is None]
+        self.emit("step_killed", level=logging.WARNING, steps=",".join(left), grace=self.kill_grace,
+                  seconds=round(time.monotonic() - started, 3))
