@@ -133,15 +133,25 @@ def test_a_node_lost_while_the_agents_rebuild_is_found_by_the_supervisor_not_by_
     rendezvous = out / "job" / "agents"
     wait(lambda: len(agent_status.read(rendezvous, "1")) == 4, "every agent of the rebuild to start", 120)
     assert agents_ready(out / "job", "1") is None, "the rebuild was over before the second crash"
-    healthy_sandbox.crash_node("n5")  # lost while the agents get ready: the others wait for it in their mesh
-    code, output = _finish(proc, timeout=300)
+    # n5 hangs while the agents get ready: stopped, not killed, so that no connection is reset (a crashed node
+    # sends nothing either) and the other agents wait for it in their mesh, as on the foreign cluster
+    for pid in healthy_sandbox.node_pids("n5"):
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        code, output = _finish(proc, timeout=300)
+    finally:
+        healthy_sandbox.crash_node("n5")  # the healthy_sandbox fixture then restarts it
     assert code == 0, output[-4000:]
     made = decisions(out / "job")
     assert [(d["action"], d["replaced"]) for d in made] == [("replace", "n3:n5"), ("replace", "n5:n6"),
                                                             ("done", "")], output[-4000:]
     # found by the supervisor's probe or its scontrol check (NOT_RESPONDING), not once Slurm declared it DOWN
+    # (which ends the agents' step, as a fixed wait for the mesh would)
     bad = [e for e in events.read(out / "job") if e["event"] == "node_bad" and e["node"] == "n5"]
     assert bad and not any("DOWN" in e["state"] for e in bad), bad
     ready = agents_ready(out / "job", "2")
     assert ready["rebuilt"] == "n6" and ready["step"] >= protected, ready
     assert set(resumed_from(out).values()) == {ready["step"]}
+    # a newer step the agents had not protected yet is said to be that, not "lost members at positions [0, 1]"
+    fallbacks = [e["reason"] for e in events.read(out / "job") if e["event"] == "rebuild_fallback"]
+    assert all("not protected yet" in why for why in fallbacks), fallbacks
