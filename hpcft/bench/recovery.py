@@ -280,7 +280,8 @@ def batch_host(sb, opts: RecoveryOptions, out: Path) -> dict[str, Any]:
             "--kill-grace", str(opts.kill_grace), "--requeue-margin", "30", "--protect", "xor",
             "--", sys.executable, str(JOB)]
     env = {**sb.client_env(), **_job_env(opts, out, HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))}
-    job = subprocess.run(sb.client_prefix() + argv, env=env, capture_output=True, text=True, timeout=60)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the script runs `hpcft run`
+    job = subprocess.run(sb.client_prefix() + argv, env=env, capture_output=True, text=True, timeout=60, cwd=out)
     if job.returncode != 0:
         raise HpcftError(f"hpcft submit failed: {job.stderr.strip()}")
     runner, job_id = sb.runner(), job.stdout.strip()

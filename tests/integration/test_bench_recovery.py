@@ -12,10 +12,11 @@ KEYS = {"rank_kill_s", "node_crash_s", "node_crash_from_fault_s", "restore_share
         "batch_host_total_s", "phases", "targets", "met", "config"}
 
 
+@pytest.mark.timeout(900)  # four recoveries in a row, one of them a requeue
 def test_recovery_bench_reports_every_figure_as_json(healthy_sandbox):
     argv = [sys.executable, "-m", "hpcft.cli", "bench", "recovery", "--json", "--dir", str(healthy_sandbox.dir),
             "--steps", "5", "--fault-at", "2", "--step-delay", "0.05", "--width", "32", "--layers", "1"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=850)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout)
     assert KEYS <= report.keys() and report["bench"] == "recovery"
