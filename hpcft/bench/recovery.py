@@ -366,8 +366,9 @@ def run(opts: RecoveryOptions) -> Report:
                 base = baseline(sb, opts, work / "baseline")
             finally:
                 sb.heal()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    except HpcftError as exc:  # the runs' job output and events are what tells why: keep them
+        raise HpcftError(f"{exc} (the runs' output is kept in {work})") from exc
+    shutil.rmtree(work, ignore_errors=True)
     report = Report("recovery")
     share = kill["restore_s"] / kill["total_s"]
     report.add("rank_kill_s", kill["total_s"], "s", "rank kill: fault -> first step after it")

@@ -81,5 +81,5 @@ def test_a_run_that_cannot_start_records_its_decision_and_summary(sandbox, tmp_p
     assert code == 1, output[-3000:]
     log = events.read(tmp_path / "job")
     assert [(e["event"], e.get("action"), e.get("cause")) for e in log] == [
-        ("decision", "stop", "error"), ("summary", "stop", None)], log
+        ("decision", "stop", "error"), ("summary", "stop", None), ("cleaned", None, None)], log
     assert "need 4 nodes" in log[1]["reason"] and log[1]["level"] == "ERROR"
