@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from hpcft.env import job_env
 from hpcft.errors import CheckpointError, ConfigError
-from hpcft.snapshot import copiers, rng, state
-from hpcft.snapshot.engine import Group, SnapshotEngine, Stats
+from hpcft.snapshot import copiers, groups, rng, state
+from hpcft.snapshot.engine import SnapshotEngine, Stats
 from hpcft.snapshot.restore import Loader, restore_newest
 from hpcft.store import RankStore
 
@@ -36,7 +36,10 @@ class Checkpointer:
 
     extra: a callable returning a JSON-able dict (e.g. data-loader position), recorded with each snapshot;
            after restore() the saved dict is in `ckpt.extra` and is passed to `on_restore` if given.
-    dp_group: the data-parallel group; replicated state is split across its members (each copies 1/DP).
+    dp_group: the data-parallel group; replicated state is split across its members (each copies 1/DP). Any
+              group works, NCCL/RCCL ones included: hpcft pairs it (and the default group) with a gloo group of
+              the same ranks for its own CPU-tensor collectives, made once here (collective: every rank constructs
+              its Checkpointer together, each passing the one data-parallel group it belongs to, or all None).
     every / keep: snapshot every n-th optimizer step; keep this many complete versions (plus one slot).
     auto: snapshot from the optimizer's post-step hook (default); with auto=False call `step(it)` yourself.
     """
@@ -57,7 +60,8 @@ class Checkpointer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.job_id = str(job_id or job_env().job_id)
-        self.group = Group.of(dp_group)
+        self.comm = groups.comm(dp_group)
+        self.group = self.comm.dp
         self._dp_ranks = frozenset(self.group.ranks) if self.group else None
         device = _device_of(model)
         backend = copiers.choose(backend, device)
@@ -66,7 +70,7 @@ class Checkpointer:
         copier = copiers.make(backend, device, max_inflight_bytes=max_inflight_bytes, threads=self.threads,
                               delay_per_chunk=delay_per_chunk, overlap=overlap)
         self.engine = SnapshotEngine(self.store, copier, group=self.group, chunk_bytes=chunk_bytes or copier.chunk_bytes)
-        self._loader = Loader(self.store, self.group, self.threads)
+        self._loader = Loader(self.store, self.group, self.threads, world=self.comm.world)
         self.backend = backend
         self.completed = 0  # optimizer steps applied to the live state
         self.extra: dict | None = None

@@ -16,6 +16,7 @@ from hpcft import events
 from hpcft.errors import CheckpointError, StoreError
 from hpcft.snapshot import plan
 from hpcft.snapshot.copiers import Copier, Transfer
+from hpcft.snapshot.groups import Group
 from hpcft.snapshot.state import Entry
 from hpcft.store import RankStore, Slot, crc32c
 
@@ -42,27 +43,6 @@ class Stats:
         d = {k: v for k, v in self.__dict__.items() if k != "history"}
         d["history"] = list(self.history)
         return d
-
-
-@dataclass(frozen=True)
-class Group:
-    """The data-parallel group as the engine needs it: the process group, its ranks, my index."""
-    pg: Any
-    ranks: tuple[int, ...]
-    member: int
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @staticmethod
-    def of(pg: Any) -> "Group | None":
-        if pg is None or not dist.is_initialized():
-            return None
-        if hasattr(pg, "get_group"):  # a 1-D DeviceMesh such as ctx.mesh["dp"]
-            pg = pg.get_group()
-        ranks = tuple(dist.get_process_group_ranks(pg))
-        return Group(pg, ranks, ranks.index(dist.get_rank()))
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

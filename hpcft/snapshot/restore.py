@@ -14,7 +14,8 @@ import torch.distributed as dist
 from hpcft import events
 from hpcft.errors import CheckpointError, IntegrityError
 from hpcft.snapshot import ntcopy, plan
-from hpcft.snapshot.engine import Group, signature
+from hpcft.snapshot.engine import signature
+from hpcft.snapshot.groups import Group
 from hpcft.snapshot.state import Entry
 from hpcft.store import RankStore, Version, crc32c
 
@@ -22,8 +23,9 @@ _log = logging.getLogger(__name__)
 OK, LOST, MISMATCH = 0, 1, 2
 
 
-def held_everywhere(store: RankStore, held: Sequence[Version]) -> tuple[list[int], bool]:
-    """Steps complete on every rank (each holding `held`), newest first, and whether any rank holds any."""
+def held_everywhere(store: RankStore, held: Sequence[Version], world: Any = None) -> tuple[list[int], bool]:
+    """Steps complete on every rank (each holding `held`), newest first, and whether any rank holds any
+    (`world`: a group of every rank that carries CPU tensors, None for the default group)."""
     mine = sorted({v.step for v in held}, reverse=True)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine, bool(mine)
@@ -31,7 +33,7 @@ def held_everywhere(store: RankStore, held: Sequence[Version]) -> tuple[list[int
     row = torch.full((width,), -1, dtype=torch.int64)
     row[:len(mine[:width])] = torch.tensor(mine[:width], dtype=torch.int64)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, row)
+    dist.all_gather(rows, row, group=world)
     sets = [set(r.tolist()) - {-1} for r in rows]
     return sorted(set.intersection(*sets), reverse=True), any(sets)
 
@@ -97,11 +99,13 @@ def _check_structure(m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entr
 
 
 class Loader:
-    """Loads one version into live entries; `threads` workers verify and copy chunks."""
+    """Loads one version into live entries; `threads` workers verify and copy chunks. `world` and `group.pg`
+    carry the verdicts (CPU tensors); the replicated shares travel on `group.for_bytes(their device)`."""
 
-    def __init__(self, store: RankStore, group: Group | None, threads: int = 2):
+    def __init__(self, store: RankStore, group: Group | None, threads: int = 2, world: Any = None):
         self.store = store
         self.group = group
+        self.world = world
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
 
@@ -142,7 +146,7 @@ class Loader:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return code
         t = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world)
         return int(t)
 
     def _local(self, version: Version, own: Sequence[Entry], rep: Sequence[Entry], sinks: _Sinks) -> int:
@@ -190,26 +194,42 @@ class Loader:
 
     def _exchange(self, version: Version, rep: Sequence[Entry], sinks: _Sinks, first: int) -> None:
         """Each member broadcasts its verified share; the others scatter it into their replicas (the
-        replicated entries are sinks `first`, `first + 1`, ...)."""
+        replicated entries are sinks `first`, `first + 1`, ...). The shares travel on the user's group, staged on
+        the device, where that group carries the replicas' device; else through the host on hpcft's CPU group."""
         sizes = [e.nbytes for e in rep]
         cuts = plan.share_cuts(sum(sizes), self.group.size)
-        share = version.manifest["share"]
+        offset = version.manifest["share"]["offset"]
         data = self.store.slot(version.slot).array
-        scratch = torch.empty(max(b - a for a, b in zip(cuts, cuts[1:])), dtype=torch.uint8)
+        device = next((e.local.device for e in rep if e.local.device.type != "cpu"), torch.device("cpu"))
+        pg, where = self.group.for_bytes(device)
+        scratch = torch.empty(max(b - a for a, b in zip(cuts, cuts[1:])), dtype=torch.uint8, device=where)
         copy = ntcopy.raw_copier()
         for j, src in enumerate(self.group.ranks):
             lo, hi = cuts[j], cuts[j + 1]
+            if hi == lo:
+                continue
             if j == self.group.member:
-                buf = torch.from_numpy(data[share["offset"]:share["offset"] + hi - lo])
+                mine = torch.from_numpy(data[offset:offset + hi - lo])
+                buf = mine if where.type == "cpu" else scratch[:hi - lo].copy_(mine)
             else:
                 buf = scratch[:hi - lo]
-            if hi > lo:
-                dist.broadcast(buf, src=src, group=self.group.pg)
-            if j == self.group.member:
-                continue
-            arr = buf.numpy()
-            for p in plan.pieces_of_range(sizes, lo, hi, 0):
-                _put(copy, sinks[first + p.source], p.start, arr, p.offset, p.nbytes, ntcopy.address(arr))
+            dist.broadcast(buf, src=src, group=pg)
+            if j != self.group.member:
+                _scatter(copy, buf, plan.pieces_of_range(sizes, lo, hi, 0), sinks, first)
+
+
+def _scatter(copy: Callable[[int, int, int], None], buf: torch.Tensor, pieces: Sequence[plan.Piece], sinks: _Sinks,
+             first: int) -> None:
+    """Copy the pieces of a received share `buf` (on the host or the device) into their sinks `first + source`."""
+    host: np.ndarray | None = buf.numpy() if buf.device.type == "cpu" else None
+    for p in pieces:
+        sink = sinks[first + p.source]
+        if isinstance(sink, torch.Tensor):
+            sink[p.start:p.start + p.nbytes].copy_(buf[p.offset:p.offset + p.nbytes])
+            continue
+        if host is None:
+            host = buf.cpu().numpy()
+        copy(sink + p.start, ntcopy.address(host) + p.offset, p.nbytes)
 
 
 def restore_newest(loader: Loader, entries_fn) -> Version | None:
@@ -218,7 +238,7 @@ def restore_newest(loader: Loader, entries_fn) -> Version | None:
     store = loader.store
     t0 = time.perf_counter()
     held = store.versions()
-    candidates, anything = held_everywhere(store, held)
+    candidates, anything = held_everywhere(store, held, loader.world)
     if not candidates:
         if anything:
             events.emit("restore_none", level=logging.WARNING, rank=store.rank,
