@@ -20,6 +20,7 @@ from hpcft.errors import CheckpointError, ConfigError
 from hpcft.snapshot import copiers, groups, rng, state
 from hpcft.snapshot.engine import SnapshotEngine, Stats
 from hpcft.snapshot.restore import Loader, restore_newest
+from hpcft.snapshot.view import StateView
 from hpcft.store import RankStore
 
 _log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class Checkpointer:
         self.job_id = str(job_id or job_env().job_id)
         self.comm = groups.comm(dp_group)
         self.group = self.comm.dp
-        self._dp_ranks = frozenset(self.group.ranks) if self.group else None
+        self._view = StateView(model, optimizer, frozenset(self.group.ranks) if self.group else None)
         device = _device_of(model)
         backend = copiers.choose(backend, device)
         self.threads = threads or copiers.default_threads(backend)
@@ -122,10 +123,11 @@ class Checkpointer:
             json.dumps(extra)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"extra() must return a JSON-able dict ({exc})") from exc
-        meta = {"world": self.world, "job_id": self.job_id, "rng": rng.capture(), "extra": extra,
-                "optim": state.optimizer_meta(self.model, self.optimizer)}
-        entries = state.collect(self.model, self.optimizer, self._dp_ranks)
-        self.engine.snapshot(self.completed, entries, meta, started=t0)
+        generators = rng.grab()
+        entries = self._view.entries()
+        meta = {"world": self.world, "job_id": self.job_id, "extra": extra,
+                "optim": state.optimizer_meta(self.model, self.optimizer, self._view.names)}
+        self.engine.snapshot(self.completed, entries, meta, started=t0, late=lambda: {"rng": rng.encode(generators)})
 
     def snapshot(self) -> None:
         """Take a snapshot of the current state now, as step `completed` (e.g. before a planned exit)."""
@@ -148,7 +150,7 @@ class Checkpointer:
                 state.ensure_optimizer_state(self.optimizer)
             finally:
                 self._quiet = False
-            return state.collect(self.model, self.optimizer, self._dp_ranks)
+            return self._view.entries()
 
         version = restore_newest(self._loader, live)
         if version is None:

@@ -134,11 +134,13 @@ def _unjson(v: Any, like: Any) -> Any:
     return v
 
 
-def optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Hyperparameters of each param group and the non-tensor per-parameter state, as JSON."""
+def optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                   names: dict[int, str] | None = None) -> dict[str, Any]:
+    """Hyperparameters of each param group and the non-tensor per-parameter state, as JSON (`names`: the model's
+    `param_names`, if the caller has them)."""
     if optimizer is None:
         return {}
-    names = param_names(model)
+    names = names or param_names(model)
     groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     scalars = {}
     for p, state in optimizer.state.items():
