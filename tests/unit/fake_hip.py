@@ -35,7 +35,7 @@ class FakeHip:
 
     def __init__(self, devices: int = 1):
         self.devices = devices
-        self.streams: set[int] = set()
+        self.streams: dict[int, bool] = {}  # live stream -> True
         self.events: dict[int, bool] = {}  # live event -> recorded
         self.registered: dict[int, int] = {}  # ptr -> size
         self.created: Counter = Counter()
@@ -50,6 +50,17 @@ class FakeHip:
         self.calls[name] += 1
         return self.fail.pop(name, None)
 
+    def _destroy(self, name: str, live: dict, handle, kind: str, missing: hipError_t):
+        """The destroy/unregister calls: `missing` for a handle that is not (or no longer) live."""
+        if err := self._enter(name):
+            return (err,)
+        with self._lock:
+            if handle not in live:
+                return (missing,)
+            del live[handle]
+            self.destroyed[kind] += 1
+        return (hipError_t.hipSuccess,)
+
     def _stream_ok(self, stream) -> bool:
         return stream in (0, None) or stream in self.streams
 
@@ -58,43 +69,28 @@ class FakeHip:
             return (err,)
         return (hipError_t.hipSuccess if 0 <= device < self.devices else hipError_t.hipErrorInvalidDevice,)
 
-    def hipStreamCreateWithFlags(self, flags: int):
-        if err := self._enter("hipStreamCreateWithFlags"):
+    def _create(self, name: str, live: dict, kind: str, value: bool):
+        """The create calls: (hipSuccess, a new handle), now live."""
+        if err := self._enter(name):
             return (err, None)
         with self._lock:
-            stream = next(self._handles)
-            self.streams.add(stream)
-            self.created["stream"] += 1
-        return (hipError_t.hipSuccess, stream)
+            handle = next(self._handles)
+            live[handle] = value
+            self.created[kind] += 1
+            self.peak_events = max(self.peak_events, len(self.events))
+        return (hipError_t.hipSuccess, handle)
+
+    def hipStreamCreateWithFlags(self, flags: int):
+        return self._create("hipStreamCreateWithFlags", self.streams, "stream", True)
 
     def hipStreamDestroy(self, stream):
-        if err := self._enter("hipStreamDestroy"):
-            return (err,)
-        with self._lock:
-            if stream not in self.streams:
-                return (hipError_t.hipErrorInvalidResourceHandle,)
-            self.streams.remove(stream)
-            self.destroyed["stream"] += 1
-        return (hipError_t.hipSuccess,)
+        return self._destroy("hipStreamDestroy", self.streams, stream, "stream", hipError_t.hipErrorInvalidResourceHandle)
 
     def hipEventCreateWithFlags(self, flags: int):
-        if err := self._enter("hipEventCreateWithFlags"):
-            return (err, None)
-        with self._lock:
-            event = next(self._handles)
-            self.events[event] = False
-            self.created["event"] += 1
-            self.peak_events = max(self.peak_events, len(self.events))
-        return (hipError_t.hipSuccess, event)
+        return self._create("hipEventCreateWithFlags", self.events, "event", False)  # not recorded yet
 
     def hipEventDestroy(self, event):
-        if err := self._enter("hipEventDestroy"):
-            return (err,)
-        with self._lock:
-            if self.events.pop(event, None) is None:
-                return (hipError_t.hipErrorInvalidResourceHandle,)
-            self.destroyed["event"] += 1
-        return (hipError_t.hipSuccess,)
+        return self._destroy("hipEventDestroy", self.events, event, "event", hipError_t.hipErrorInvalidResourceHandle)
 
     def hipEventRecord(self, event, stream):
         if err := self._enter("hipEventRecord"):
@@ -128,13 +124,8 @@ class FakeHip:
         return (hipError_t.hipSuccess,)
 
     def hipHostUnregister(self, ptr: int):
-        if err := self._enter("hipHostUnregister"):
-            return (err,)
-        with self._lock:
-            if self.registered.pop(ptr, None) is None:
-                return (hipError_t.hipErrorHostMemoryNotRegistered,)
-            self.destroyed["registration"] += 1
-        return (hipError_t.hipSuccess,)
+        return self._destroy("hipHostUnregister", self.registered, ptr, "registration",
+                             hipError_t.hipErrorHostMemoryNotRegistered)
 
     def hipMemcpyAsync(self, dst: int, src: int, nbytes: int, kind, stream):
         if err := self._enter("hipMemcpyAsync"):

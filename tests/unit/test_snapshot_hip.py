@@ -3,7 +3,6 @@ against the fake runtime of fake_hip.py: snapshots land bit-exact, every event, 
 it creates is destroyed (none accumulates over 100 snapshots), and every HIP error code is raised as a
 CheckpointError naming the call, on success and failure paths alike."""
 import sys
-import tempfile
 import types
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from hpcft.snapshot import copiers, plan
 from hpcft.snapshot.copiers.base import crc_chunks
 from hpcft.snapshot.copiers.hip import HipCopier
 from hpcft.snapshot.state import collect
-from hpcft.store import RankStore
 
 
 class OnFakeDevice(HipCopier):
@@ -86,14 +84,6 @@ def test_hundred_snapshots_leave_no_event_stream_or_registration(fake: FakeHip, 
         assert again.restore() == 100
         got = _state(net2, opt2)
     assert want.keys() == got.keys() and [k for k in want if not torch.equal(want[k], got[k])] == []
-
-
-@pytest.fixture
-def slot():
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        store = RankStore("s", 0, root=Path(d))
-        yield store.begin(1 << 20)
-        store.close()
 
 
 def _attempt(sources, chunks, slot) -> list[CheckpointError]:
