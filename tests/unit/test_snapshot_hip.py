@@ -40,8 +40,8 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeHip:
 
 def _hip_checkpointer(monkeypatch: pytest.MonkeyPatch, net, opt, root: Path) -> Checkpointer:
     monkeypatch.setattr(copiers, "choose", lambda backend, device: "hip")
-    monkeypatch.setattr(copiers, "make", lambda backend, device, **kw: OnFakeDevice(device, kw["max_inflight_bytes"],
-                                                                                   kw["threads"]))
+    monkeypatch.setattr(copiers, "make", lambda backend, device, **kw: OnFakeDevice(
+        device, kw.get("max_inflight_bytes", 64 << 10), kw.get("threads", 2)))
     # small chunks and cap: many events per snapshot, and the cap makes the issuer land events mid-issue
     return Checkpointer(net, opt, root=root, job_id="hip", keep=2, chunk_bytes=4096, max_inflight_bytes=64 << 10)
 

@@ -38,7 +38,7 @@ class HipCopier(StreamCopier):
         event = self._call("hipEventCreateWithFlags", self.hip.hipEventDisableTiming)
         try:
             self._call("hipEventRecord", event, stream)
-        except CheckpointError:
+        except Exception:
             self._release(event)
             raise
         return event
