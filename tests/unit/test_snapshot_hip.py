@@ -56,6 +56,7 @@ def _state(net, opt) -> dict[str, torch.Tensor]:
     return {e.name: e.local.clone() for e in collect(net, opt, None)}
 
 
+@pytest.mark.slow
 def test_hundred_snapshots_leave_no_event_stream_or_registration(fake: FakeHip, shm_root: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     net, opt = _model(0)
