@@ -19,7 +19,7 @@ import numpy as np
 from hpcft import events
 from hpcft.agent.throttle import Throttle
 from hpcft.errors import IntegrityError, StoreError
-from hpcft.store import crc32c
+from hpcft.store import crc32c, seal
 from hpcft.store import manifest as mf
 from hpcft.store import pin as store_pin
 
@@ -147,7 +147,7 @@ class Bundle:
             for off, n, crc in h.manifest["chunks"]:
                 if throttle is not None:
                     throttle.take(n)
-                if crc32c(data[off:off + n]) != crc:
+                if seal(crc32c(data[off:off + n]), self.step) != crc:
                     events.emit("chunk_lost", level=logging.ERROR, rank=r, step=self.step, offset=off,
                                 path=str(h.data_path))
                     raise IntegrityError(f"rank {r} step {self.step}: chunk at offset {off} fails its crc32c")
@@ -203,8 +203,9 @@ def parse(payload: np.ndarray, step: int) -> list[Part]:
             raise IntegrityError(f"bundle of step {step}: rank {entry['rank']}'s manifest is for rank "
                                  f"{manifest.get('rank')} step {manifest['step']}")
         for lo, n, crc in manifest["chunks"]:
-            if crc32c(data[lo:lo + n]) != crc:
-                raise IntegrityError(f"bundle of step {step}: rank {entry['rank']} chunk at offset {lo} fails its crc32c")
+            if seal(crc32c(data[lo:lo + n]), step) != crc:
+                raise IntegrityError(f"bundle of step {step}: rank {entry['rank']} chunk at offset {lo} fails its "
+                                     "crc32c")
         parts.append(Part(int(entry["rank"]), raw, manifest, data))
     return parts
 

@@ -17,7 +17,7 @@ from hpcft.errors import CheckpointError, StoreError
 from hpcft.snapshot import plan
 from hpcft.snapshot.copiers import Copier, Transfer
 from hpcft.snapshot.state import Entry
-from hpcft.store import RankStore, Slot, crc32c
+from hpcft.store import RankStore, Slot, crc32c, seal
 
 _log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class SnapshotEngine:
         try:
             crcs = transfer.result()
             copy_s = time.perf_counter() - t0
-            manifest["chunks"] = [[c.offset, c.nbytes, crc] for c, crc in zip(prep.chunks, crcs)]
+            manifest["chunks"] = [[c.offset, c.nbytes, seal(crc, step)] for c, crc in zip(prep.chunks, crcs)]
             self.store.commit(slot, manifest)
         except Exception as exc:
             self.stats.failed += 1

@@ -1,13 +1,14 @@
 """Manifests: the JSON description of one snapshot (never pickle), self-checksummed, committed by rename."""
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from hpcft.errors import StoreError
 from hpcft.store.checksum import crc32c
-from hpcft.store.paths import replace_file
+from hpcft.store.paths import open_file, replace_file
 
-FORMAT = "hpcft-snapshot/1"
+FORMAT = "hpcft-snapshot/2"  # /2: chunk checksums are sealed with the step (checksum.seal)
 
 
 def _body(manifest: dict[str, Any]) -> bytes:
@@ -42,10 +43,37 @@ def write_atomic(path: Path, manifest: dict[str, Any]) -> None:
         raise StoreError(f"cannot commit manifest {path}: {exc.strerror or exc}") from exc
 
 
+def read_bytes(path: Path) -> bytes:
+    """The bytes of a committed manifest file, opened as every store file is (`paths.open_file`: no symlink, no
+    FIFO, ours, 0600); StoreError otherwise."""
+    fd = open_file(path, os.O_RDONLY)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read()
+    except OSError as exc:
+        raise StoreError(f"cannot read manifest {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
 def read(path: Path) -> dict[str, Any]:
     """Read and verify one committed manifest."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise StoreError(f"cannot read manifest {path}: {exc.strerror}") from exc
-    return decode(data, path)
+    return decode(read_bytes(path), path)
+
+
+def is_int(v: Any) -> bool:
+    """An integer as the schema means it (JSON's `true` is not one)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_own(m: dict[str, Any], slot: int, rank: int, path: Path | str) -> int:
+    """The manifest's step, once its `step`, `slot` and `rank` say it belongs where its file is (a manifest copied
+    from another slot or rank, or with a step that is not a non-negative integer, is a StoreError)."""
+    step = m.get("step")
+    if not is_int(step) or step < 0:
+        raise StoreError(f"manifest {path}: step {step!r} is not a non-negative integer")
+    for key, own in (("slot", slot), ("rank", rank)):
+        if m.get(key) != own or not is_int(m.get(key)):
+            raise StoreError(f"manifest {path} says {key} {m.get(key)!r}, but its file is {key} {own}'s; "
+                             "it was copied or edited")
+    return step
