@@ -22,6 +22,7 @@ from hpcft.errors import IntegrityError, StoreError
 from hpcft.store import crc32c, seal
 from hpcft.store import manifest as mf
 from hpcft.store import pin as store_pin
+from hpcft.store.paths import open_file, read_file
 
 _LEN = struct.Struct("!Q")
 _RANK = re.compile(r"rank-(\d{5})$")
@@ -64,7 +65,7 @@ def local_versions(job: Path) -> dict[int, dict[int, Held]]:
                 if seen is not None and seen[0] == key:
                     held = seen[1]
                 else:
-                    raw = mpath.read_bytes()
+                    raw = read_file(mpath)
                     parsed = mf.decode(raw, mpath)
                     held = Held(int(m.group(1)), int(parsed["step"]), mpath, raw, parsed, mpath.with_suffix(".data"))
                     _SEEN[mpath] = (key, held)
@@ -98,7 +99,7 @@ def pin_targets(step: int, held: dict[int, Held]) -> list[tuple[Path, int]]:
 def map_readonly(path: Path, nbytes: int) -> np.ndarray:
     if nbytes == 0:
         return np.empty(0, dtype=np.uint8)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = open_file(path, os.O_RDONLY)  # StoreError, not a hang, if a FIFO or anything but our file sits there
     try:
         # MAP_POPULATE: map every page table entry now, in one call, instead of one fault per 4 KiB page later
         mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)

@@ -1,12 +1,11 @@
 """Manifests: the JSON description of one snapshot (never pickle), self-checksummed, committed by rename."""
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from hpcft.errors import StoreError
 from hpcft.store.checksum import crc32c
-from hpcft.store.paths import open_file, replace_file
+from hpcft.store.paths import read_file, replace_file
 
 FORMAT = "hpcft-snapshot/2"  # /2: chunk checksums are sealed with the step (checksum.seal)
 
@@ -43,22 +42,9 @@ def write_atomic(path: Path, manifest: dict[str, Any]) -> None:
         raise StoreError(f"cannot commit manifest {path}: {exc.strerror or exc}") from exc
 
 
-def read_bytes(path: Path) -> bytes:
-    """The bytes of a committed manifest file, opened as every store file is (`paths.open_file`: no symlink, no
-    FIFO, ours, 0600); StoreError otherwise."""
-    fd = open_file(path, os.O_RDONLY)
-    try:
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            return fh.read()
-    except OSError as exc:
-        raise StoreError(f"cannot read manifest {path}: {exc.strerror or exc}") from exc
-    finally:
-        os.close(fd)
-
-
 def read(path: Path) -> dict[str, Any]:
     """Read and verify one committed manifest."""
-    return decode(read_bytes(path), path)
+    return decode(read_file(path), path)
 
 
 def is_int(v: Any) -> bool:

@@ -156,3 +156,15 @@ def remove_file(path: Path) -> None:
         except OSError:
             kind = ""
         raise StoreError(f"cannot remove store file {path}: {exc.strerror or exc}{kind}; remove it by hand") from exc
+
+
+def read_file(path: Path) -> bytes:
+    """All bytes of a store file (a manifest, a pin), opened by `open_file`; StoreError if it cannot be read."""
+    fd = open_file(path, os.O_RDONLY)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read()
+    except OSError as exc:
+        raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)

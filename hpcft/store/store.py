@@ -196,7 +196,11 @@ class RankStore:
             return False
         reason = pins.stale_reason(pin)
         if reason is not None:
-            pins.remove(path, pin)
+            try:
+                pins.remove(path, pin)
+            except StoreError as exc:  # e.g. a directory where the pin goes: it binds nobody, and stays
+                self._refuse(k, exc)
+                return False
             events.emit("pin_broken", level=logging.WARNING, rank=self.rank, slot=k, step=pin.step, owner=pin.owner,
                         pid=pin.pid, host=pin.host, reason=reason)
             return False

@@ -11,7 +11,7 @@ import pytest
 from hpcft import events
 from hpcft.agent import secret as job_secret
 from hpcft.agent.throttle import Throttle, cpu_cores
-from hpcft.agent.transport import MAGIC, NONCE, AuthError, Listener, TransportError, connect
+from hpcft.agent.transport import ACCEPTED, MAGIC, NONCE, AuthError, Listener, TransportError, connect
 from hpcft.errors import ConfigError
 
 SECRET = b"s" * 64
@@ -53,8 +53,8 @@ def test_payload_arrives_byte_identical_into_the_callers_buffer(listener):
 def test_stranger_with_another_secret_is_refused_and_logged(listener, event_dir):
     with ThreadPoolExecutor(1) as pool:
         server = pool.submit(listener.accept, 10)
-        with pytest.raises(TransportError):
-            connect(b"x" * 64, "127.0.0.1", listener.port)
+        with pytest.raises(AuthError, match="refused this agent: it does not accept our job secret"):
+            connect(b"x" * 64, "127.0.0.1", listener.port)  # told so, not left with a closed connection
         good = connect(SECRET, "127.0.0.1", listener.port)
         peer = server.result()  # the stranger was skipped, the job's peer accepted
     assert listener.refused == 1
@@ -89,7 +89,7 @@ def test_client_refuses_a_server_without_the_secret(event_dir):
         conn, _ = fake.accept()
         conn.sendall(MAGIC + os.urandom(NONCE))
         conn.recv(1024)
-        conn.sendall(b"\0" * 32)
+        conn.sendall(ACCEPTED + b"\0" * 32)
         conn.close()
 
     t = threading.Thread(target=serve)
