@@ -167,6 +167,7 @@ class RankStore:
                 continue
             try:
                 self.withdraw(k)
+                remove_file(self._manifest_path(k).with_name(f"slot-{k}.json.dirty"))  # where its commit writes
             except StoreError as exc:  # e.g. a directory where its manifest goes
                 self._refuse(k, exc)
                 last_error = exc
