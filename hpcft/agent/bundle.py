@@ -19,7 +19,7 @@ import numpy as np
 from hpcft import events
 from hpcft.agent.throttle import Throttle
 from hpcft.errors import IntegrityError, StoreError
-from hpcft.store import crc32c, seal
+from hpcft.store import crc32c, seal, seal_key
 from hpcft.store import manifest as mf
 from hpcft.store import pin as store_pin
 from hpcft.store.paths import open_file, read_file
@@ -145,10 +145,11 @@ class Bundle:
         With a `throttle`, the checksums are paced like the protection traffic."""
         for r, h in sorted(self.held.items()):
             data = self.parts[2 + 2 * sorted(self.held).index(r)]
+            key = seal_key(h.manifest)
             for off, n, crc in h.manifest["chunks"]:
                 if throttle is not None:
                     throttle.take(n)
-                if seal(crc32c(data[off:off + n]), self.step) != crc:
+                if seal(crc32c(data[off:off + n]), key) != crc:
                     events.emit("chunk_lost", level=logging.ERROR, rank=r, step=self.step, offset=off,
                                 path=str(h.data_path))
                     raise IntegrityError(f"rank {r} step {self.step}: chunk at offset {off} fails its crc32c")
@@ -203,8 +204,9 @@ def parse(payload: np.ndarray, step: int) -> list[Part]:
         if manifest["step"] != step or manifest.get("rank", entry["rank"]) != entry["rank"]:
             raise IntegrityError(f"bundle of step {step}: rank {entry['rank']}'s manifest is for rank "
                                  f"{manifest.get('rank')} step {manifest['step']}")
+        key = seal_key(manifest)
         for lo, n, crc in manifest["chunks"]:
-            if seal(crc32c(data[lo:lo + n]), step) != crc:
+            if seal(crc32c(data[lo:lo + n]), key) != crc:
                 raise IntegrityError(f"bundle of step {step}: rank {entry['rank']} chunk at offset {lo} fails its "
                                      "crc32c")
         parts.append(Part(int(entry["rank"]), raw, manifest, data))

@@ -17,7 +17,7 @@ from hpcft.errors import CheckpointError, StoreError
 from hpcft.snapshot import plan
 from hpcft.snapshot.copiers import Copier, Transfer
 from hpcft.snapshot.state import Entry
-from hpcft.store import RankStore, Slot, crc32c, seal
+from hpcft.store import RankStore, Slot, crc32c, seal, seal_key
 
 _log = logging.getLogger(__name__)
 
@@ -220,7 +220,8 @@ class SnapshotEngine:
         try:
             crcs = transfer.result()
             copy_s = time.perf_counter() - t0
-            manifest["chunks"] = [[c.offset, c.nbytes, seal(crc, step)] for c, crc in zip(prep.chunks, crcs)]
+            key = seal_key(manifest)
+            manifest["chunks"] = [[c.offset, c.nbytes, seal(crc, key)] for c, crc in zip(prep.chunks, crcs)]
             self.store.commit(slot, manifest)
         except Exception as exc:
             self.stats.failed += 1

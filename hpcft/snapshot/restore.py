@@ -16,7 +16,7 @@ from hpcft.errors import CheckpointError, IntegrityError, ManifestError, StoreEr
 from hpcft.snapshot import ntcopy, plan, schema
 from hpcft.snapshot.engine import Group
 from hpcft.snapshot.state import Entry
-from hpcft.store import RankStore, Version, crc32c, seal
+from hpcft.store import RankStore, Version, crc32c, seal, seal_key
 
 _log = logging.getLogger(__name__)
 OK, LOST, MISMATCH = 0, 1, 2
@@ -100,16 +100,37 @@ class Loader:
         on = self.group is not None and self.group.size > 1
         return [e for e in entries if not (on and e.replicated)], [e for e in entries if on and e.replicated]
 
-    def load(self, version: Version, entries: Sequence[Entry],
-             check_meta: Callable[[dict[str, Any]], None] | None = None) -> int:
-        """Load `version` into `entries` on every rank (collective). Returns bytes read from the local store.
-        The manifest is checked first (`schema`; `check_meta`, the caller's check of what it will apply after the
-        load, may raise ManifestError). IntegrityError / CheckpointError on every rank if any rank failed (a lying
-        manifest, an unusable data file and a lost chunk count as lost), so all fall back together."""
+    def load(self, versions: Sequence[Version], entries: Sequence[Entry],
+             check_meta: Callable[[dict[str, Any]], None] | None = None) -> tuple[Version, int]:
+        """Load one of `versions` (this rank's copies of one step, the one to prefer first: a rank may hold a stale
+        second copy) into `entries` on every rank (collective); the version loaded and the bytes read from the
+        local store. Each manifest is checked first (`schema`; `check_meta`, the caller's check of what it will
+        apply after the load, may raise ManifestError). IntegrityError / CheckpointError on every rank if any rank
+        failed (a lying manifest, an unusable data file and a lost chunk count as lost), so all fall back together."""
         own, rep = self.split(entries)
-        m = version.manifest
-        code, reason, nbytes = OK, "", 0
         sinks = _Sinks([*own, *rep])
+        codes, reasons, nbytes, loaded = [], [], 0, versions[0]
+        for version in versions:
+            code, reason, nbytes = self._local_load(version, own, rep, sinks, check_meta)
+            codes.append(code)
+            reasons.append(reason)
+            if code == OK:
+                loaded = version
+                break
+        worst = self._agree(OK if OK in codes else max(codes))
+        if worst != OK:
+            why = "; ".join(r for r in reasons if r) or ("another rank lost a chunk of this version" if worst == LOST
+                                                         else "another rank's snapshot does not match its live state")
+            raise (IntegrityError if worst == LOST else CheckpointError)(f"step {loaded.step}: {why}")
+        if rep:
+            self._exchange(loaded, rep, sinks, len(own))
+        sinks.finish()
+        return loaded, nbytes
+
+    def _local_load(self, version: Version, own: Sequence[Entry], rep: Sequence[Entry], sinks: _Sinks,
+                    check_meta: Callable[[dict[str, Any]], None] | None) -> tuple[int, str, int]:
+        """Check and load `version` on this rank alone: (OK / LOST / MISMATCH, why not, bytes read)."""
+        m = version.manifest
         where = str(self.store.dir / f"slot-{version.slot}")
         try:
             schema.check_types(m)
@@ -117,28 +138,19 @@ class Loader:
             grid = schema.check_layout(m, own, rep, self.group)
             if check_meta is not None:
                 check_meta(m)
-            nbytes = self._local(version, grid, sinks)
+            return OK, "", self._local(version, grid, sinks)
         except ManifestError as exc:
-            code, reason = LOST, str(exc)
             events.emit("manifest_bad", level=logging.ERROR, rank=self.store.rank, step=version.step, path=where,
-                        error=reason)
+                        error=str(exc))
+            return LOST, str(exc), 0
         except StoreError as exc:  # the data file is a symlink, FIFO, directory, another user's, ...
-            code, reason = LOST, str(exc)
             events.emit("store_file_refused", level=logging.ERROR, rank=self.store.rank, step=version.step,
-                        path=where, error=reason)
+                        path=where, error=str(exc))
+            return LOST, str(exc), 0
         except IntegrityError as exc:
-            code, reason = LOST, str(exc)
+            return LOST, str(exc), 0
         except CheckpointError as exc:
-            code, reason = MISMATCH, str(exc)
-        worst = self._agree(code)
-        if worst != OK:
-            why = reason or ("another rank lost a chunk of this version" if worst == LOST
-                             else "another rank's snapshot does not match its live state")
-            raise (IntegrityError if worst == LOST else CheckpointError)(f"step {version.step}: {why}")
-        if rep:
-            self._exchange(version, rep, sinks, len(own))
-        sinks.finish()
-        return nbytes
+            return MISMATCH, str(exc), 0
 
     def _agree(self, code: int) -> int:
         if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -152,7 +164,7 @@ class Loader:
         live tensors and verify its sealed crc32c. The workers (this thread and `threads - 1` pool threads) take
         chunks from one counter and plan each as they take it: no plan is built before the copy starts, and a
         worker slowed by other load takes fewer chunks."""
-        recorded, step = version.manifest["chunks"], version.step
+        recorded, step, key = version.manifest["chunks"], version.step, seal_key(version.manifest)
         size, total = grid.chunk_bytes, grid.nbytes
         data = self.store.slot(version.slot, create=False).array
         if data.size < total:
@@ -163,7 +175,7 @@ class Loader:
         def work() -> list[int]:
             lost = []
             while (i := take()) < grid.count:
-                if seal(_load_chunk(copy, data, base, grid.chunk(i), sinks), step) != recorded[i][2]:
+                if seal(_load_chunk(copy, data, base, grid.chunk(i), sinks), key) != recorded[i][2]:
                     lost.append(i)
             return lost
 
@@ -222,16 +234,16 @@ def restore_newest(loader: Loader, entries_fn: Callable[[], list[Entry]],
                         reason="no version is complete on every rank; starting from step 0")
         return None
     entries = entries_fn()
-    by_step = {v.step: v for v in held}  # `held` is oldest first: of two versions of one step, the later written
     failures = []
     for step in candidates:
+        copies = [v for v in reversed(held) if v.step == step]  # the later written first
         try:
-            nbytes = loader.load(by_step[step], entries, check_meta)
+            chosen, nbytes = loader.load(copies, entries, check_meta)
         except CheckpointError as exc:
             failures.append(str(exc))
             events.emit("restore_fallback", level=logging.ERROR, rank=store.rank, step=step, error=str(exc))
             continue
-        stale = [v for v in held if v.step > step or (v.step == step and v is not by_step[step])]
+        stale = [v for v in held if v.step > step or (v.step == step and v is not chosen)]
         if not store.readonly:
             for v in stale:
                 store.retire(v, f"restore loaded step {step}, an older one" if v.step > step else
@@ -239,5 +251,5 @@ def restore_newest(loader: Loader, entries_fn: Callable[[], list[Entry]],
         events.emit("restore_done", level=logging.WARNING if failures or stale or store.rejected else logging.INFO,
                     rank=store.rank, step=step, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6),
                     skipped=len(stale) + len(store.rejected), fallbacks=len(failures))
-        return by_step[step]
+        return chosen
     raise IntegrityError("restore failed: no version held by every rank could be loaded: " + "; ".join(failures))

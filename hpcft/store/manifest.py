@@ -7,7 +7,7 @@ from hpcft.errors import StoreError
 from hpcft.store.checksum import crc32c
 from hpcft.store.paths import read_file, replace_file
 
-FORMAT = "hpcft-snapshot/2"  # /2: chunk checksums are sealed with the step (checksum.seal)
+FORMAT = "hpcft-snapshot/2"  # /2: chunk checksums are sealed (checksum.seal) with the step, RNG, optim, extra
 
 
 def _body(manifest: dict[str, Any]) -> bytes:

@@ -22,7 +22,7 @@ from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.protect import records
 from hpcft.agent.stripes import encode_set, rebuild_partner, rebuild_set
 from hpcft.errors import NoCheckpointError
-from hpcft.store import RankStore, chunk_table, job_dir
+from hpcft.store import RankStore, chunk_table, job_dir, seal_key
 from hpcft.store import pin as store_pin
 
 JOB = "4242"
@@ -41,7 +41,7 @@ def _commit_version(store: RankStore, step: int, nbytes: int) -> bytes:
     data = _data(store.rank, step, nbytes)
     slot.array[:nbytes] = data
     store.commit(slot, {"step": step, "rank": store.rank, "data_bytes": nbytes, "chunk_bytes": CHUNK,
-                        "chunks": chunk_table(data, CHUNK, step)})
+                        "chunks": chunk_table(data, CHUNK, seal_key({"step": step}))})
     return (store.dir / f"slot-{slot.index}.json").read_bytes()
 
 
