@@ -22,7 +22,7 @@ from hpcft.snapshot import copiers, rng, state
 from hpcft.snapshot.engine import Group, SnapshotEngine, Stats
 from hpcft.snapshot.restore import Loader, restore_newest
 from hpcft.store import RankStore
-from hpcft.store.store import writer_id
+from hpcft.store.writer import writer_id
 
 _log = logging.getLogger(__name__)
 

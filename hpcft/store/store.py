@@ -1,29 +1,22 @@
 """A rank's versioned snapshots: fixed slots reused round-robin, a manifest per complete version."""
-import fcntl
 import logging
 import os
 import re
-import socket
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from hpcft import events
 from hpcft.errors import StoreError, StoreFullError
 from hpcft.store import manifest as mf
 from hpcft.store import pin as pins
-from hpcft.store.paths import job_dir, mark_run, open_file, remove_file, resolve_root, secure_dir
+from hpcft.store import writer
+from hpcft.store.paths import job_dir, mark_run, remove_file, resolve_root, secure_dir
 from hpcft.store.slot import GRAIN, Slot
 
 _log = logging.getLogger(__name__)
 _MANIFEST = re.compile(r"slot-(\d{1,6})\.json$")
-WRITER_LOCK = "writer.lock"  # in a rank directory: flock'ed by the one process that writes it, naming it
-
-
-def writer_id() -> str:
-    """This process as a writer: `host:pid:start` (the start time makes a reused pid another writer)."""
-    pid = os.getpid()
-    return f"{socket.gethostname()}:{pid}:{pins.process_start(pid) or 0}"
 
 
 @dataclass(frozen=True)
@@ -72,9 +65,9 @@ class RankStore:
         self._refused: dict[int, str] = {}  # slots skipped for an unusable file, with the reason (reported once)
         self._index: dict[int, Version] | None = None  # slot -> complete version, as this writer knows it
         self.rejected: list[str] = []  # manifests the last `versions()` skipped, and why
-        self._lock = None
+        self._release = weakref.finalize(self, lambda: None)
         if not readonly:
-            self._lock = self._lock_writer()
+            self._release = weakref.finalize(self, writer.claim(self.dir))  # released on close, or when dropped
             try:
                 mark_run(self.job)  # for slurm/epilog.sh: which Slurm run's snapshots these are
             except StoreError as exc:  # e.g. a full store: restoring what it holds needs no write
@@ -87,29 +80,6 @@ class RankStore:
 
     def _event(self, kind: str, level: int = logging.ERROR, **fields) -> None:
         events.emit(kind, level=level, rank=self.rank, **fields)
-
-    def _lock_writer(self) -> BinaryIO:
-        """Hold `writer.lock` (flock, released by the kernel when this process dies) for as long as the store is
-        open; StoreError naming the other writer if one holds it: two writers of one rank store (two runs with
-        the same job id) would withdraw and overwrite each other's versions."""
-        path = self.dir / WRITER_LOCK
-        fd = open_file(path, os.O_RDWR, create=True)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            other = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise StoreError(
-                f"rank store {self.dir} is already being written by {other} (host:pid:start); two runs with the "
-                "same job id would overwrite each other's snapshots: give this run its own job id (job_id= or "
-                "HPCFT_JOB_ID) or stop the other one") from None
-        try:  # who holds it, for the message above; best effort (a full store may refuse the page)
-            me = writer_id().encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, me, 0)
-        except OSError:
-            pass
-        return os.fdopen(fd, "r+b", buffering=0)  # a file object: closed (lock released) when the store is dropped
 
     def _manifest_path(self, k: int) -> Path:
         return self.dir / f"slot-{k}.json"
@@ -314,6 +284,4 @@ class RankStore:
         for slot in self._slots.values():
             slot.close()
         self._slots.clear()
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
+        self._release()

@@ -187,11 +187,20 @@ def test_a_smaller_keep_still_sees_the_newest_version(root: Path) -> None:
 
 
 def test_a_second_writer_of_a_rank_store_is_refused(root: Path) -> None:
-    model, opt = _model()
-    with Checkpointer(model, opt, root=root, job_id="j"):
-        with pytest.raises(StoreError, match=rf"already being written by .*:{os.getpid()}:.*own job id"):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from hpcft.store import RankStore
+        store = RankStore("j", 0, root={str(root)!r})
+        print("open", flush=True)
+        sys.stdin.read()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        with pytest.raises(StoreError, match=rf"already being written by .*:{holder.pid}:.*own job id"):
             Checkpointer(*_model(), root=root, job_id="j")
-    Checkpointer(*_model(), root=root, job_id="j").close()  # the first one closed: free again
+    finally:
+        holder.communicate("", timeout=60)
+    Checkpointer(*_model(), root=root, job_id="j").close()  # the other writer is gone: free again
 
 
 def test_default_job_id_warns_when_it_resumes_another_process_state(root: Path, tmp_path: Path,
