@@ -17,6 +17,8 @@ from hpcft.snapshot import rng as hrng
 from hpcft.snapshot.state import collect
 from hpcft.store import manifest
 
+from live_state import state_of  # tests/unit is on sys.path (pytest's rootdir insertion)
+
 BATCHES, CASES = 10, 100
 ODD = [None, True, False, -1, 0, 1, 3, 2 ** 40, 0.5, "", "x", "2", [], {}, [1, 2, 3], {"a": 1}]
 
@@ -25,10 +27,6 @@ def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 24), torch.nn.Linear(24, 3))
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
-
-
-def _state(model, opt) -> dict[str, torch.Tensor]:
-    return {e.name: e.local.clone() for e in collect(model, opt, None)}
 
 
 class Pristine:
@@ -45,7 +43,7 @@ class Pristine:
                 model(torch.randn(5, 4)).pow(2).sum().backward()
                 opt.step()
                 opt.zero_grad()
-                self.expect[it + 1] = (_state(model, opt), hrng.capture(), {"seed": seed, "n": it + 1})
+                self.expect[it + 1] = (state_of(model, opt), hrng.capture(), {"seed": seed, "n": it + 1})
             c.wait()
             self.dir = c.store.dir
             self.files = {}
@@ -187,7 +185,7 @@ def test_random_mutations_restore_the_newest_intact_version_bit_exact(shm_root: 
             try:
                 with Checkpointer(model, opt, root=pristine.root, job_id="j") as c:
                     step = c.restore()
-                    tensors, rng_now, extra = _state(model, opt), hrng.capture(), c.extra
+                    tensors, rng_now, extra = state_of(model, opt), hrng.capture(), c.extra
             except HpcftError as exc:
                 pytest.fail(f"batch {batch} case {case} ({what}): the intact step 1 was not restored: {exc}")
             except Exception as exc:  # the property: nothing but an hpcft error, ever

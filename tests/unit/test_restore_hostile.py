@@ -11,8 +11,9 @@ import torch
 from hpcft import events
 from hpcft.checkpointer import Checkpointer
 from hpcft.errors import CheckpointError
-from hpcft.snapshot.state import collect
 from hpcft.store import manifest
+
+from live_state import same, state_of  # tests/unit is on sys.path (pytest's rootdir insertion)
 
 
 def _model(seed: int = 0, swapped: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -32,14 +33,6 @@ def _step(model, opt, it: int) -> None:
     opt.zero_grad()
 
 
-def _state(model, opt) -> dict[str, torch.Tensor]:
-    return {e.name: e.local.clone() for e in collect(model, opt, None)}
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def _train(root: Path, steps: range, refs: dict, **kw) -> None:
     model, opt = _model()
     with Checkpointer(model, opt, root=root, job_id="j", chunk_bytes=256, extra=lambda: {"n": len(refs)}, **kw) as c:
@@ -47,14 +40,14 @@ def _train(root: Path, steps: range, refs: dict, **kw) -> None:
             assert c.restore() == steps.start
         for it in steps:
             _step(model, opt, it)
-            refs[it + 1] = _state(model, opt)
+            refs[it + 1] = state_of(model, opt)
         c.wait()
 
 
 def _restore(root: Path) -> tuple[int, dict]:
     model, opt = _model(9)
     with Checkpointer(model, opt, root=root, job_id="j", chunk_bytes=256) as c:
-        return c.restore(), _state(model, opt)
+        return c.restore(), state_of(model, opt)
 
 
 def _newest(root: Path) -> Path:
@@ -111,7 +104,7 @@ def test_a_manifest_that_lies_is_manifest_bad_and_falls_back(shm_root: Path, tmp
     _train(shm_root, range(2), refs)
     _edit(_newest(shm_root), LIES[lie])
     step, got = _restore(shm_root)
-    assert step == 1 and _same(got, refs[1])  # never step 2's bytes read at a lie's offsets, never a raw error
+    assert step == 1 and same(got, refs[1])  # never step 2's bytes read at a lie's offsets, never a raw error
     assert {"manifest_bad", "restore_fallback"} & set(_kinds(tmp_path))  # refused when read, or when loaded
 
 
@@ -126,7 +119,7 @@ def test_a_version_fallen_back_past_is_never_picked_again(shm_root: Path, tmp_pa
     resumed: dict = {}
     _train(shm_root, range(2, 3), resumed)  # restores step 2, writes a new step 3
     step, got = _restore(shm_root)
-    assert step == 3 and _same(got, resumed[3])  # the new step 3, not the corrupt one nor step 2
+    assert step == 3 and same(got, resumed[3])  # the new step 3, not the corrupt one nor step 2
     withdrawn = [e for e in events.read(tmp_path / "events") if e["event"] == "version_withdrawn"]
     assert [e["step"] for e in withdrawn] == [3]
 

@@ -14,7 +14,8 @@ import torch
 from hpcft import events
 from hpcft.checkpointer import Checkpointer
 from hpcft.errors import StoreError
-from hpcft.snapshot.state import collect
+
+from live_state import same, state_of  # tests/unit is on sys.path (pytest's rootdir insertion)
 
 
 def _model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -29,14 +30,6 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, it: int) -> None:
     opt.zero_grad()
 
 
-def _state(model, opt) -> dict[str, torch.Tensor]:
-    return {e.name: e.local.clone() for e in collect(model, opt, None)}
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def _kinds(tmp: Path) -> list[str]:
     return [e["event"] for e in events.read(tmp / "events")]
 
@@ -48,7 +41,7 @@ def _train(root: Path, steps: int, **kw) -> dict[int, dict]:
     with Checkpointer(model, opt, root=root, job_id="j", **kw) as ckpt:
         for it in range(steps):
             _step(model, opt, it)
-            refs[it + 1] = _state(model, opt)
+            refs[it + 1] = state_of(model, opt)
         ckpt.wait()
     return refs
 
@@ -92,7 +85,7 @@ def test_irregular_file_at_snapshot_time_skips_the_slot_with_an_event(root: Path
     _plant(rdir / target, kind, tmp_path / "elsewhere")
     model, opt = _model(5)
     with Checkpointer(model, opt, root=root, job_id="j") as ckpt:  # never an OSError out of the constructor
-        assert ckpt.restore() == 2 and _same(_state(model, opt), refs[2])
+        assert ckpt.restore() == 2 and same(state_of(model, opt), refs[2])
         for it in range(2, 6):
             _step(model, opt, it)  # never an OSError out of optimizer.step()
         ckpt.wait()
@@ -119,23 +112,14 @@ def test_irregular_file_at_restore_time_loses_that_version_only(root: Path, tmp_
     model, opt = _model(5)
     with Checkpointer(model, opt, root=root, job_id="j") as ckpt:
         assert ckpt.restore() == 1
-        assert _same(_state(model, opt), refs[1])
+        assert same(state_of(model, opt), refs[1])
 
 
 @pytest.fixture
-def tiny_tmpfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def tiny_tmpfs(mount_tmpfs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A 2600 KiB tmpfs: room for two 1 MiB slots and their manifests, not for three."""
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("mounting a tmpfs needs root")
     monkeypatch.setenv("HPCFT_EVENT_DIR", str(tmp_path / "events"))
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k,mode=0700", "tmpfs", str(mnt)],
-                        capture_output=True, text=True)
-    if rc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {rc.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return mount_tmpfs("2600k")
 
 
 def _fill(path: Path) -> None:
@@ -171,14 +155,14 @@ def test_a_full_store_still_restores(tiny_tmpfs: Path) -> None:
     _fill(tiny_tmpfs / "filler")
     model, opt = _model(5)
     with Checkpointer(model, opt, root=tiny_tmpfs, job_id="j") as ckpt:  # nothing to write before a restore
-        assert ckpt.restore() == 1 and _same(_state(model, opt), refs[1])
+        assert ckpt.restore() == 1 and same(state_of(model, opt), refs[1])
 
 
 def test_a_smaller_keep_still_sees_the_newest_version(root: Path) -> None:
     refs = _train(root, 4, keep=3)  # steps 1..4 in slots 0..3
     model, opt = _model(5)
     with Checkpointer(model, opt, root=root, job_id="j", keep=1) as ckpt:
-        assert ckpt.restore() == 4 and _same(_state(model, opt), refs[4])
+        assert ckpt.restore() == 4 and same(state_of(model, opt), refs[4])
         for it in range(4, 7):
             _step(model, opt, it)
         ckpt.wait()
@@ -203,7 +187,7 @@ def test_a_second_writer_of_a_rank_store_is_refused(root: Path) -> None:
     Checkpointer(*_model(), root=root, job_id="j").close()  # the other writer is gone: free again
 
 
-def test_default_job_id_warns_when_it_resumes_another_process_state(root: Path, tmp_path: Path,
+def test_default_job_id_warns_when_it_resumes_another_processstate_of(root: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HPCFT_JOB_ID", "HPCFT_RANK", "RANK", "SLURM_PROCID", "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
