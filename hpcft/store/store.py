@@ -71,7 +71,7 @@ class RankStore:
             try:
                 mark_run(self.job)  # for slurm/epilog.sh: which Slurm run's snapshots these are
             except StoreError as exc:  # e.g. a full store: restoring what it holds needs no write
-                self._event("store_file_refused", path=str(self.job), error=str(exc))
+                self._event("run_marker_failed", level=logging.WARNING, path=str(self.job), error=str(exc))
             for stale in self.dir.glob("*.dirty"):
                 try:
                     remove_file(stale)
