@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -226,8 +226,8 @@ class Handshakes:
 
     REPLY = len(MAGIC) + NONCE + MAC
 
-    def __init__(self, listen: socket.socket, secret: bytes, admit, handshake_s: float = HANDSHAKE_S,
-                 max_pending: int = MAX_PENDING):
+    def __init__(self, listen: socket.socket, secret: bytes, admit: Callable[[socket.socket, str], None],
+                 handshake_s: float = HANDSHAKE_S, max_pending: int = MAX_PENDING):
         self.listen, self.secret, self.admit = listen, secret, admit
         self.handshake_s, self.max_pending = handshake_s, max_pending
         self.refused = 0
@@ -238,6 +238,7 @@ class Handshakes:
         self._pending: dict[socket.socket, _Pending] = {}
 
     def run(self) -> None:
+        """The thread's loop, until `stop`: accept, read replies, refuse whoever's deadline passed."""
         self.listen.setblocking(False)
         self._sel.register(self.listen, selectors.EVENT_READ)
         self._sel.register(self._wake_r, selectors.EVENT_READ)
@@ -261,6 +262,7 @@ class Handshakes:
             self._wake_w.close()
 
     def stop(self) -> None:
+        """End `run` (from another thread); connections still in their handshake are closed."""
         self._stopped = True
         try:
             self._wake_w.send(b"x")
