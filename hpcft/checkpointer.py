@@ -15,13 +15,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hpcft.env import job_env
+from hpcft import events
+from hpcft.env import DEFAULT_JOB_ID, job_env
 from hpcft.errors import CheckpointError, ConfigError
 from hpcft.snapshot import copiers, groups, rng, state
 from hpcft.snapshot.engine import SnapshotEngine, Stats
 from hpcft.snapshot.restore import Loader, restore_newest
 from hpcft.snapshot.view import StateView
 from hpcft.store import RankStore
+from hpcft.store.writer import writer_id
 
 _log = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class Checkpointer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.job_id = str(job_id or job_env().job_id)
+        self._shared_id = not job_id and self.job_id == DEFAULT_JOB_ID  # any local run may have written this store
+        self._writer = writer_id()
         self.comm = groups.comm(dp_group)
         self.group = self.comm.dp
         self._view = StateView(model, optimizer, frozenset(self.group.ranks) if self.group else None)
@@ -125,7 +129,7 @@ class Checkpointer:
             raise CheckpointError(f"extra() must return a JSON-able dict ({exc})") from exc
         generators = rng.grab()
         entries = self._view.entries()
-        meta = {"world": self.world, "job_id": self.job_id, "extra": extra,
+        meta = {"world": self.world, "job_id": self.job_id, "writer": self._writer, "extra": extra,
                 "optim": state.optimizer_meta(self.model, self.optimizer, self._view.names)}
         self.engine.snapshot(self.completed, entries, meta, started=t0, late=lambda: {"rng": rng.encode(generators)})
 
@@ -152,17 +156,29 @@ class Checkpointer:
                 self._quiet = False
             return self._view.entries()
 
-        version = restore_newest(self._loader, live)
+        version = restore_newest(self._loader, live, self._check_meta)
         if version is None:
             self.completed, self.extra = 0, None
             return 0
         m = version.manifest
+        if self._shared_id and m.get("writer") != self._writer:
+            events.emit("restore_foreign", level=logging.WARNING, rank=self.rank, step=version.step,
+                        writer=str(m.get("writer")), store=str(self.store.dir),
+                        advice=f"this run has the default job id {DEFAULT_JOB_ID!r} and resumes step {version.step}, "
+                               "written by another process; if that was another run, pass job_id= or set "
+                               "HPCFT_JOB_ID")
         rng.restore(m["rng"])
         state.apply_optimizer_meta(self.model, self.optimizer, m.get("optim") or {})
         self.completed, self.extra = version.step, m.get("extra")
         if self._on_restore:
             self._on_restore(self.extra)
         return version.step
+
+    def _check_meta(self, m: dict[str, Any]) -> None:
+        """What restore() applies after the load (RNG, optimizer settings) must be applicable: checked with the load,
+        so that a bad manifest fails its version on every rank together instead of raising on one after it."""
+        rng.check(m["rng"])
+        state.check_optimizer_meta(self.optimizer, m.get("optim"))
 
     @property
     def stats(self) -> Stats:

@@ -31,7 +31,7 @@ from hpcft.agent.stripes import encode_set, parity_bytes, partner_copies, piece_
 from hpcft.agent.throttle import CPU_SHARE, cpu_cores
 from hpcft.bench.harness import Memcpy, Report, Variant, run_interleaved, scratch, set_threads
 from hpcft.errors import HpcftError
-from hpcft.store import RankStore, crc32c, job_dir, secure_dir
+from hpcft.store import RankStore, chunk_table, job_dir, seal_key, secure_dir
 from hpcft.store import pin as store_pin
 
 NODES = 4
@@ -62,8 +62,8 @@ def _commit(root: Path, rank: int, step: int, data: np.ndarray) -> None:
     try:
         slot = store.begin(data.size)
         slot.array[:data.size] = data
-        chunks = [[lo, min(CHUNK, data.size - lo), crc32c(data[lo:lo + CHUNK])] for lo in range(0, data.size, CHUNK)]
-        store.commit(slot, {"step": step, "rank": rank, "data_bytes": int(data.size), "chunks": chunks})
+        store.commit(slot, {"step": step, "rank": rank, "data_bytes": int(data.size),
+                            "chunks": chunk_table(data, CHUNK, seal_key({"step": step}))})
     finally:
         store.close()
 

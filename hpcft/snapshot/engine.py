@@ -18,7 +18,7 @@ from hpcft.snapshot import plan
 from hpcft.snapshot.copiers import Copier, Transfer
 from hpcft.snapshot.groups import Group
 from hpcft.snapshot.state import Entry
-from hpcft.store import RankStore, Slot, crc32c
+from hpcft.store import RankStore, Slot, crc32c, seal, seal_key
 
 _log = logging.getLogger(__name__)
 
@@ -210,7 +210,8 @@ class SnapshotEngine:
                 manifest.update(late())
             crcs = transfer.result()
             copy_s = time.perf_counter() - t0
-            manifest["chunks"] = [[c.offset, c.nbytes, crc] for c, crc in zip(prep.chunks, crcs)]
+            key = seal_key(manifest)
+            manifest["chunks"] = [[c.offset, c.nbytes, seal(crc, key)] for c, crc in zip(prep.chunks, crcs)]
             self.store.commit(slot, manifest)
         except Exception as exc:
             self.stats.failed += 1

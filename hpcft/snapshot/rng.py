@@ -6,6 +6,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpcft.errors import ManifestError
+
 
 def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.numpy().tobytes()).decode()
@@ -40,8 +42,23 @@ def capture() -> dict[str, Any]:
     return encode(grab())
 
 
+def check(saved: Any) -> None:
+    """ManifestError unless `saved` is a state `restore` can apply: each part is set on a scratch generator of its
+    kind, which validates it the way the global one would (checked before a restore loads anything)."""
+    try:
+        torch.Generator().set_state(_tensor(saved["torch"]))
+        version, state, gauss = saved["python"]
+        random.Random().setstate((version, tuple(state), gauss))
+        kind, keys, pos, has_gauss, cached = saved["numpy"]
+        np.random.RandomState().set_state((kind, _tensor(keys).numpy().view(np.uint32).copy(), pos, has_gauss, cached))
+        if "device" in saved:
+            [_tensor(s) for s in saved["device"]]
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError, IndexError) as exc:
+        raise ManifestError(f"the manifest's RNG state cannot be restored ({type(exc).__name__}: {exc})") from exc
+
+
 def restore(saved: dict[str, Any]) -> None:
-    """Set every generator to the captured state."""
+    """Set every generator to the captured state (checked by `check` first)."""
     torch.set_rng_state(_tensor(saved["torch"]))
     version, state, gauss = saved["python"]
     random.setstate((version, tuple(state), gauss))

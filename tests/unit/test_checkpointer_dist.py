@@ -69,3 +69,11 @@ def test_kill_and_relaunch_is_bit_identical(root: Path, tmp_path: Path) -> None:
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), k
+
+
+def test_one_ranks_damaged_store_makes_every_rank_fall_back_together(root: Path, tmp_path: Path) -> None:
+    """Rank 1 alone holds an unusable data file (step 3) and a lying manifest (step 2): its StoreError and its
+    manifest_bad are agreed on, so both ranks restore step 1 instead of one waiting in a collective for the other."""
+    launch.check(launch.run(2, "damaged", root=root, out=tmp_path, timeout=120))
+    reports = _reports(tmp_path, "damaged-run")
+    assert [r["start"] for r in reports] == [1, 1] and all(r["ok"] for r in reports), reports
