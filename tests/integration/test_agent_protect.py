@@ -329,6 +329,8 @@ def test_a_slow_agent_protects_a_consistent_step_while_trainers_snapshot_every_s
             rdir.mkdir(parents=True)
             (rdir / "slot-0.json").write_bytes(manifests.get((r, step)) or _committed_before(roots[i], r, step))
             _data(r, step, _size(r)).tofile(rdir / "slot-0.data")
+            for f in rdir.iterdir():
+                f.chmod(0o600)  # as the store writes them: the agent reads no store file open to others
         b = Bundle(step, complete_steps(job)[step])
         bundles.append(np.concatenate(b.piece(0, b.size)))
     pset = plan(NODES, scheme).sets[0]
