@@ -15,12 +15,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hpcft.env import job_env
+from hpcft import events
+from hpcft.env import DEFAULT_JOB_ID, job_env
 from hpcft.errors import CheckpointError, ConfigError
-from hpcft.snapshot import copiers, rng, state
-from hpcft.snapshot.engine import Group, SnapshotEngine, Stats
+from hpcft.snapshot import copiers, groups, rng, state
+from hpcft.snapshot.engine import SnapshotEngine, Stats
 from hpcft.snapshot.restore import Loader, restore_newest
+from hpcft.snapshot.view import StateView
 from hpcft.store import RankStore
+from hpcft.store.writer import writer_id
 
 _log = logging.getLogger(__name__)
 
@@ -36,7 +39,10 @@ class Checkpointer:
 
     extra: a callable returning a JSON-able dict (e.g. data-loader position), recorded with each snapshot;
            after restore() the saved dict is in `ckpt.extra` and is passed to `on_restore` if given.
-    dp_group: the data-parallel group; replicated state is split across its members (each copies 1/DP).
+    dp_group: the data-parallel group; replicated state is split across its members (each copies 1/DP). Any
+              group works, NCCL/RCCL ones included: hpcft pairs it (and the default group) with a gloo group of
+              the same ranks for its own CPU-tensor collectives, made once here (collective: every rank constructs
+              its Checkpointer together, each passing the one data-parallel group it belongs to, or all None).
     every / keep: snapshot every n-th optimizer step; keep this many complete versions (plus one slot).
     auto: snapshot from the optimizer's post-step hook (default); with auto=False call `step(it)` yourself.
     """
@@ -57,8 +63,11 @@ class Checkpointer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.job_id = str(job_id or job_env().job_id)
-        self.group = Group.of(dp_group)
-        self._dp_ranks = frozenset(self.group.ranks) if self.group else None
+        self._shared_id = not job_id and self.job_id == DEFAULT_JOB_ID  # any local run may have written this store
+        self._writer = writer_id()
+        self.comm = groups.comm(dp_group)
+        self.group = self.comm.dp
+        self._view = StateView(model, optimizer, frozenset(self.group.ranks) if self.group else None)
         device = _device_of(model)
         backend = copiers.choose(backend, device)
         self.threads = threads or copiers.default_threads(backend)
@@ -66,7 +75,7 @@ class Checkpointer:
         copier = copiers.make(backend, device, max_inflight_bytes=max_inflight_bytes, threads=self.threads,
                               delay_per_chunk=delay_per_chunk, overlap=overlap)
         self.engine = SnapshotEngine(self.store, copier, group=self.group, chunk_bytes=chunk_bytes or copier.chunk_bytes)
-        self._loader = Loader(self.store, self.group, self.threads)
+        self._loader = Loader(self.store, self.group, self.threads, world=self.comm.world)
         self.backend = backend
         self.completed = 0  # optimizer steps applied to the live state
         self.extra: dict | None = None
@@ -118,10 +127,11 @@ class Checkpointer:
             json.dumps(extra)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"extra() must return a JSON-able dict ({exc})") from exc
-        meta = {"world": self.world, "job_id": self.job_id, "rng": rng.capture(), "extra": extra,
-                "optim": state.optimizer_meta(self.model, self.optimizer)}
-        entries = state.collect(self.model, self.optimizer, self._dp_ranks)
-        self.engine.snapshot(self.completed, entries, meta, started=t0)
+        generators = rng.grab()
+        entries = self._view.entries()
+        meta = {"world": self.world, "job_id": self.job_id, "writer": self._writer, "extra": extra,
+                "optim": state.optimizer_meta(self.model, self.optimizer, self._view.names)}
+        self.engine.snapshot(self.completed, entries, meta, started=t0, late=lambda: {"rng": rng.encode(generators)})
 
     def snapshot(self) -> None:
         """Take a snapshot of the current state now, as step `completed` (e.g. before a planned exit)."""
@@ -144,19 +154,31 @@ class Checkpointer:
                 state.ensure_optimizer_state(self.optimizer)
             finally:
                 self._quiet = False
-            return state.collect(self.model, self.optimizer, self._dp_ranks)
+            return self._view.entries()
 
-        version = restore_newest(self._loader, live)
+        version = restore_newest(self._loader, live, self._check_meta)
         if version is None:
             self.completed, self.extra = 0, None
             return 0
         m = version.manifest
+        if self._shared_id and m.get("writer") != self._writer:
+            events.emit("restore_foreign", level=logging.WARNING, rank=self.rank, step=version.step,
+                        writer=str(m.get("writer")), store=str(self.store.dir),
+                        advice=f"this run has the default job id {DEFAULT_JOB_ID!r} and resumes step {version.step}, "
+                               "written by another process; if that was another run, pass job_id= or set "
+                               "HPCFT_JOB_ID")
         rng.restore(m["rng"])
         state.apply_optimizer_meta(self.model, self.optimizer, m.get("optim") or {})
         self.completed, self.extra = version.step, m.get("extra")
         if self._on_restore:
             self._on_restore(self.extra)
         return version.step
+
+    def _check_meta(self, m: dict[str, Any]) -> None:
+        """What restore() applies after the load (RNG, optimizer settings) must be applicable: checked with the load,
+        so that a bad manifest fails its version on every rank together instead of raising on one after it."""
+        rng.check(m["rng"])
+        state.check_optimizer_meta(self.optimizer, m.get("optim"))
 
     @property
     def stats(self) -> Stats:

@@ -23,6 +23,7 @@ from hpcft.sandbox.cluster import Sandbox, ensure_up
 from hpcft.sandbox.config import SandboxConfig
 
 STEPS, DELAY = 30, 0.3
+TP = 2  # ranks per node, tensor parallel inside a node as on a GPU node (Frontier runs 8)
 
 
 def run_demo(config: SandboxConfig, say: Callable[[str], None]) -> int:
@@ -70,14 +71,15 @@ def train_through_a_crash(sb: Sandbox, say: Callable[[str], None]) -> int:
     out.mkdir(parents=True)
     job_dir = out / "job"
     active = nodes - 1
-    argv = ["salloc", f"-N{nodes}", "--no-kill", "-t", "10", "--job-name=hpcft-demo-train", sys.executable, "-m",
-            "hpcft.cli", "run", "--spares", "1", "--protect", "xor", "--group", str(active), "--job-dir",
+    argv = ["salloc", f"-N{nodes}", f"--ntasks-per-node={TP}", "--no-kill", "-t", "10", "--job-name=hpcft-demo-train",
+            sys.executable, "-m", "hpcft.cli", "run", "--spares", "1", "--tasks-per-node", str(TP),
+            "--protect", "xor", "--group", str(active), "--job-dir",
             str(job_dir), "--poll-interval", "0.5", "--kill-grace", "1", "--probe-timeout", "5", "--",
             sys.executable, train_job.__file__]
-    say(f"[4/4] `hpcft run --spares 1 --protect xor --group {active} -- python train_job.py` in a {nodes}-node "
-        f"allocation: {active} nodes train ({STEPS} steps, a snapshot in /dev/shm every step), 1 is a spare; "
-        f"output in {out}")
-    env = {"OUT": str(out), "STEPS": str(STEPS), "STEP_DELAY": str(DELAY), "PYTHONUNBUFFERED": "1"}
+    say(f"[4/4] `hpcft run --spares 1 --tasks-per-node {TP} --protect xor --group {active} -- python train_job.py` "
+        f"in a {nodes}-node allocation: {active} nodes train, {TP} ranks each (tensor parallel inside a node, data "
+        f"parallel across nodes; {STEPS} steps, a snapshot in /dev/shm every step), 1 is a spare; output in {out}")
+    env = {"OUT": str(out), "STEPS": str(STEPS), "STEP_DELAY": str(DELAY), "PYTHONUNBUFFERED": "1", "TP": str(TP)}
     with open(out / "run.log", "wb") as log:
         proc = sb.runner().popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     crashed = None
@@ -86,7 +88,7 @@ def train_through_a_crash(sb: Sandbox, say: Callable[[str], None]) -> int:
         first = next(e for e in events.read(job_dir) if e["event"] == "start")
         crashed = first["slots"].split(",")[1]
         say(f"    the agents have protected step {protected} on every node; crashing {crashed} "
-            "(its slurmd, its processes and its /dev/shm)")
+            f"(its slurmd, its {TP} ranks and its /dev/shm)")
         sb.crash_node(crashed)
         code = proc.wait(timeout=300)
     except (HpcftError, subprocess.TimeoutExpired) as exc:
@@ -122,8 +124,8 @@ def _report(job_dir: Path, out: Path, code: int, crashed: str, say: Callable[[st
                 "trainers")
     timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     resumed = sorted({r["step"] for r in timeline if r["what"] == "restored" and r["run"] != "0.0"})
-    say(f"    every rank resumed from step {', '.join(map(str, resumed)) or '?'} (from memory, {crashed}'s share "
-        f"rebuilt on the spare) and the job finished: exit status {code}, parameters in {out / 'final.pt'}; "
+    say(f"    every rank resumed from step {', '.join(map(str, resumed)) or '?'} (from memory, {crashed}'s ranks' "
+        f"snapshots rebuilt on the spare) and the job finished: exit status {code}, parameters in {out / 'final.pt'}; "
         f"{crashed} is back in the sandbox")
     return 0 if code == 0 and resumed and min(resumed) > 0 else 1
 

@@ -96,6 +96,10 @@ def _optional() -> list[Check]:
         checks.append(Check("crc32c", True, f"{crc32c.__version__}, {hw}", True))
     except ImportError:
         checks.append(Check("crc32c", False, "pip install crc32c (chunk checksums)", True))
+    from hpcft.snapshot import ntcopy
+
+    built, detail = ntcopy.probe()
+    checks.append(Check("copy kernel", built, detail if built else f"not built: {detail}"))
     try:
         from hip import hip  # noqa: F401
         import hip as hip_pkg
@@ -143,7 +147,7 @@ def run_checks() -> list[Check]:
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def doctor(as_json: bool) -> None:
-    """Report Slurm, torch device backend, RCCL/NCCL, hip-python, mpi4py, /dev/shm and NVMe; exit 1 if an essential is missing."""
+    """Report Slurm, torch device backend, RCCL/NCCL, the copy kernel, hip-python, mpi4py, /dev/shm and NVMe; exit 1 if an essential is missing."""
     checks = run_checks()
     failed = [c for c in checks if c.essential and not c.ok]
     if as_json:

@@ -37,6 +37,8 @@ class JobEnv:
     def num_nodes(self) -> int:
         return max(1, len(self.nodelist))
 
+DEFAULT_JOB_ID = "local"  # a run that names no job: every such run on a node shares one store
+
 
 def port_for_job(job_id: str) -> int:
     """A rendezvous port derived from the job id, so every task of a job agrees without talking."""
@@ -68,7 +70,7 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
 
 
 def _from_hpcft(env: Mapping[str, str]) -> JobEnv:
-    job_id = env.get("HPCFT_JOB_ID", "local")
+    job_id = env.get("HPCFT_JOB_ID", DEFAULT_JOB_ID)
     nodes = expand(env.get("HPCFT_NODELIST", ""))
     return JobEnv(
         source="hpcft",
@@ -87,7 +89,7 @@ def _from_hpcft(env: Mapping[str, str]) -> JobEnv:
 
 
 def _from_torchrun(env: Mapping[str, str]) -> JobEnv:
-    job_id = env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "local"
+    job_id = env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or DEFAULT_JOB_ID
     return JobEnv(
         source="torchrun",
         job_id=job_id,
@@ -130,7 +132,7 @@ def _local(env: Mapping[str, str]) -> JobEnv:
     host = socket.gethostname()
     return JobEnv(
         source="local",
-        job_id=env.get("HPCFT_JOB_ID", "local"),
+        job_id=env.get("HPCFT_JOB_ID", DEFAULT_JOB_ID),
         node_name=host,
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_int(env, "MASTER_PORT", 29500),

@@ -21,6 +21,10 @@ class StoreError(HpcftError):
     """The node-local snapshot store is unusable (permissions, owner, space)."""
 
 
+class StoreFullError(StoreError):
+    """The store root has no space (ENOSPC, EDQUOT) for a slot: the only StoreError that space can cure."""
+
+
 class CheckpointError(HpcftError):
     """A snapshot could not be taken or restored."""
 
@@ -31,6 +35,11 @@ class NoCheckpointError(CheckpointError):
 
 class IntegrityError(CheckpointError):
     """A chunk's checksum does not match: the data is treated as lost, never loaded."""
+
+
+class ManifestError(IntegrityError):
+    """A manifest passes its own checksum but does not describe what restore would load (wrong types, offsets,
+    sizes, chunk table, slot or rank): its version is treated as lost, never loaded."""
 
 
 class MissingDependencyError(HpcftError):

@@ -73,14 +73,21 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def default_backend(device: torch.device) -> str:
+    """gloo on CPUs; on GPUs NCCL (RCCL on ROCm) for the device and gloo for CPU tensors in the same groups, so that
+    CPU collectives (hpcft's metadata, a script's own) work on every group made from the default one."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def init(*, dp: int | None = None, tp: int = 1, pp: int = 1, backend: str | None = None,
          timeout_s: float = 600.0, environ: dict[str, str] | None = None) -> Context:
     """Join the job: read the launcher's (or torchrun's, Slurm's, a local run's) variables, pick the device,
-    initialise torch.distributed (nccl/rccl on GPUs, gloo on CPUs) and build a (pp, dp, tp) DeviceMesh."""
+    initialise torch.distributed (`default_backend`: nccl/rccl plus gloo on GPUs, gloo on CPUs; `backend` overrides)
+    and build a (pp, dp, tp) DeviceMesh."""
     env = job_env(environ)
     dp, tp, pp = resolve_layout(env.world_size, dp, tp, pp)
     device = pick_device(env.local_rank)
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    backend = backend or default_backend(device)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
                                 rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))

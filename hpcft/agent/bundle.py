@@ -19,9 +19,10 @@ import numpy as np
 from hpcft import events
 from hpcft.agent.throttle import Throttle
 from hpcft.errors import IntegrityError, StoreError
-from hpcft.store import crc32c
+from hpcft.store import crc32c, seal, seal_key
 from hpcft.store import manifest as mf
 from hpcft.store import pin as store_pin
+from hpcft.store.paths import open_file, read_file
 
 _LEN = struct.Struct("!Q")
 _RANK = re.compile(r"rank-(\d{5})$")
@@ -64,7 +65,7 @@ def local_versions(job: Path) -> dict[int, dict[int, Held]]:
                 if seen is not None and seen[0] == key:
                     held = seen[1]
                 else:
-                    raw = mpath.read_bytes()
+                    raw = read_file(mpath)
                     parsed = mf.decode(raw, mpath)
                     held = Held(int(m.group(1)), int(parsed["step"]), mpath, raw, parsed, mpath.with_suffix(".data"))
                     _SEEN[mpath] = (key, held)
@@ -98,7 +99,7 @@ def pin_targets(step: int, held: dict[int, Held]) -> list[tuple[Path, int]]:
 def map_readonly(path: Path, nbytes: int) -> np.ndarray:
     if nbytes == 0:
         return np.empty(0, dtype=np.uint8)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = open_file(path, os.O_RDONLY)  # StoreError, not a hang, if a FIFO or anything but our file sits there
     try:
         # MAP_POPULATE: map every page table entry now, in one call, instead of one fault per 4 KiB page later
         mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
@@ -144,10 +145,11 @@ class Bundle:
         With a `throttle`, the checksums are paced like the protection traffic."""
         for r, h in sorted(self.held.items()):
             data = self.parts[2 + 2 * sorted(self.held).index(r)]
+            key = seal_key(h.manifest)
             for off, n, crc in h.manifest["chunks"]:
                 if throttle is not None:
                     throttle.take(n)
-                if crc32c(data[off:off + n]) != crc:
+                if seal(crc32c(data[off:off + n]), key) != crc:
                     events.emit("chunk_lost", level=logging.ERROR, rank=r, step=self.step, offset=off,
                                 path=str(h.data_path))
                     raise IntegrityError(f"rank {r} step {self.step}: chunk at offset {off} fails its crc32c")
@@ -202,9 +204,11 @@ def parse(payload: np.ndarray, step: int) -> list[Part]:
         if manifest["step"] != step or manifest.get("rank", entry["rank"]) != entry["rank"]:
             raise IntegrityError(f"bundle of step {step}: rank {entry['rank']}'s manifest is for rank "
                                  f"{manifest.get('rank')} step {manifest['step']}")
+        key = seal_key(manifest)
         for lo, n, crc in manifest["chunks"]:
-            if crc32c(data[lo:lo + n]) != crc:
-                raise IntegrityError(f"bundle of step {step}: rank {entry['rank']} chunk at offset {lo} fails its crc32c")
+            if seal(crc32c(data[lo:lo + n]), key) != crc:
+                raise IntegrityError(f"bundle of step {step}: rank {entry['rank']} chunk at offset {lo} fails its "
+                                     "crc32c")
         parts.append(Part(int(entry["rank"]), raw, manifest, data))
     return parts
 

@@ -39,18 +39,26 @@ def common_options(func: Callable) -> Callable:
                      help="Parent dir of the temporary hpcft store (default /dev/shm); removed afterwards."),
         click.option("--json", "as_json", is_flag=True,
                      help="One JSON object on stdout; the table goes to stderr."),
+        RUNS,
     ]):
         func = option(func)
     return func
 
 
-def _run(as_json: bool, bench: Callable[[], Any]) -> None:
-    """Run a bench with everything libraries print sent to stderr, then print its report."""
+RUNS = click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True,
+                    help="Run the whole bench this many times: each figure is then the median, with its spread.")
+
+
+def _run(as_json: bool, bench: Callable[[], Any], runs: int = 1, threads: int = 2) -> None:
+    """Run a bench `runs` times with everything libraries print sent to stderr, then print its report with the
+    machine it ran on (CPU, cores, memory, memcpy bandwidth with 1 and `threads` threads, load)."""
+    from hpcft.bench import machine
     from hpcft.bench.harness import emit, stdout_to_stderr
 
     with stdout_to_stderr():
-        report = bench()
-    emit(report, as_json)
+        where = machine.describe(threads)
+        reports = [bench() for _ in range(runs)]
+    emit(reports, as_json, where)
 
 
 @click.group()
@@ -68,7 +76,7 @@ def bench() -> None:
               help="Where the model trains (cuda: a CUDA or ROCm GPU through torch.cuda).")
 @click.option("--batch", type=click.IntRange(min=1), default=None,
               help="Sequences per step [default: the shape's, 4]; a GPU needs more for a realistic step.")
-def snapshot(params: int, warmup: int, threads: int, root: str | None, as_json: bool, steps: int,
+def snapshot(params: int, warmup: int, threads: int, root: str | None, as_json: bool, runs: int, steps: int,
              block: int, device: str, batch: int | None) -> None:
     """Step-time overhead of checkpointing every step: hpcft vs torch.save vs dcp.async_save."""
     from hpcft.bench.snapshot import SnapshotOptions, run
@@ -80,19 +88,19 @@ def snapshot(params: int, warmup: int, threads: int, root: str | None, as_json: 
             raise click.UsageError("--device cuda: torch sees no CUDA/ROCm GPU here; use --device cpu")
     opts = SnapshotOptions(params=params, steps=steps, warmup=warmup, block=block, threads=threads, root=root,
                            device=device, batch=batch)
-    _run(as_json, lambda: run(opts))
+    _run(as_json, lambda: run(opts), runs, threads)
 
 
 @bench.command()
 @common_options
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
               help="Measured restores per path.")
-def restore(params: int, warmup: int, threads: int, root: str | None, as_json: bool, repeats: int) -> None:
+def restore(params: int, warmup: int, threads: int, root: str | None, as_json: bool, runs: int, repeats: int) -> None:
     """Restore bandwidth of hpcft from shm vs dcp.load and torch.load from local disk."""
     from hpcft.bench.restore import RestoreOptions, run
 
     opts = RestoreOptions(params=params, repeats=repeats, warmup=warmup, threads=threads, root=root)
-    _run(as_json, lambda: run(opts))
+    _run(as_json, lambda: run(opts), runs, threads)
 
 
 @bench.command()
@@ -114,7 +122,8 @@ def restore(params: int, warmup: int, threads: int, root: str | None, as_json: b
               help="Seconds of training with the agents running freely (protection rate, CPU per GB, lag).")
 @click.option("--scheme", "schemes", multiple=True, type=click.Choice(["xor", "partner", "rs"]),
               help="Schemes to measure (repeatable) [default: all].")
-def protect(params: int, warmup: int, threads: int, root: str | None, as_json: bool, state_bytes: int, steps: int,
+def protect(params: int, warmup: int, threads: int, root: str | None, as_json: bool, runs: int, state_bytes: int,
+            steps: int,
             interval: float | None, rate: float | None, cpu_share: float | None, cpu_cores: float | None, nice: int,
             window: float, schemes: tuple[str, ...]) -> None:
     """Cross-node protection per scheme: encode vs memcpy, bytes sent/stored vs state, rebuild time, step overhead."""
@@ -129,7 +138,7 @@ def protect(params: int, warmup: int, threads: int, root: str | None, as_json: b
     opts = ProtectOptions(params=params, state_bytes=state_bytes, steps=steps, warmup=warmup, threads=threads,
                           interval=interval, rate=rate, cpu_share=CPU_SHARE if cpu_share is None else cpu_share,
                           cpu_cores=cpu_cores, nice=nice, window=window, schemes=schemes, root=root)
-    _run(as_json, lambda: run(opts))
+    _run(as_json, lambda: run(opts), runs, threads)
 
 
 @bench.command()
@@ -143,11 +152,12 @@ def protect(params: int, warmup: int, threads: int, root: str | None, as_json: b
 @click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True, help="Linear layers.")
 @click.option("--poll-interval", type=float, default=0.5, show_default=True, help="hpcft run --poll-interval.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout; the table goes to stderr.")
+@RUNS
 def recovery(directory: str | None, steps: int, fault_at: int, step_delay: float, width: int, layers: int,
-             poll_interval: float, as_json: bool) -> None:
+             poll_interval: float, as_json: bool, runs: int) -> None:
     """Fault → first step after it, in the sandbox: rank kill, node crash, and a torch.save + requeue baseline."""
     from hpcft.bench.recovery import RecoveryOptions, run
 
     opts = RecoveryOptions(dir=directory, steps=steps, fault_at=fault_at, step_delay=step_delay, width=width,
                            layers=layers, poll_interval=poll_interval)
-    _run(as_json, lambda: run(opts))
+    _run(as_json, lambda: run(opts), runs)

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,20 +123,33 @@ def cpu_overhead(timings: Timings, name: str, baseline: str) -> float:
 
 
 class Memcpy(Variant):
-    """A plain single-thread memcpy (numpy.copyto) of `nbytes` between pre-faulted buffers: the reference
-    a bench interleaves with what it measures, so load from other processes hits both alike."""
+    """A plain memcpy (numpy.copyto, which releases the GIL) of `nbytes` between pre-faulted buffers, split over
+    `threads` threads as hpcft splits its copy: the reference a bench interleaves with what it measures, so load
+    from other processes hits both alike."""
 
-    name, label = "memcpy", "memcpy, 1 thread"
+    name = "memcpy"
 
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
+    def __init__(self, nbytes: int, threads: int = 1) -> None:
+        self.nbytes, self.threads = nbytes, max(1, threads)
+        self.label = f"memcpy, {self.threads} thread{'s' if self.threads > 1 else ''}"
         self.src = np.ones(nbytes, dtype=np.uint8)
         self.dst = np.ones(nbytes, dtype=np.uint8)  # written now, so no page faults in the timed copies
+        self._cuts = np.linspace(0, nbytes, self.threads + 1, dtype=np.int64)
+        self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+
+    def _part(self, i: int) -> None:
+        lo, hi = self._cuts[i], self._cuts[i + 1]
+        np.copyto(self.dst[lo:hi], self.src[lo:hi])
 
     def run_once(self, index: int) -> None:
-        np.copyto(self.dst, self.src)
+        others = [self._pool.submit(self._part, i) for i in range(1, self.threads)] if self._pool else []
+        self._part(0)
+        for f in others:
+            f.result()
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
         self.src = self.dst = np.empty(0, dtype=np.uint8)
 
 
@@ -163,9 +177,10 @@ class DeviceToHost(Variant):
         self.src = self.dst = None
 
 
-def memcpy_reference(nbytes: int, device: str = "cpu") -> Variant:
-    """The bandwidth reference for a state on `device`: host memcpy on a CPU, device→host on a GPU."""
-    return Memcpy(nbytes) if device == "cpu" else DeviceToHost(nbytes, device)
+def memcpy_reference(nbytes: int, device: str = "cpu", threads: int = 1) -> Variant:
+    """The bandwidth reference for a state on `device`: host memcpy with `threads` threads on a CPU, device→host
+    on a GPU."""
+    return Memcpy(nbytes, threads) if device == "cpu" else DeviceToHost(nbytes, device)
 
 
 # ---------------------------------------------------------------- environment
@@ -287,11 +302,22 @@ def _fmt(value: Any, unit: str) -> str:
     return f"{value} {unit}".rstrip()
 
 
-def emit(report: Report, as_json: bool) -> None:
-    """--json: one JSON object on stdout and the table on stderr; else the table on stdout."""
+def emit(report: Report | Sequence[Report], as_json: bool, machine: dict[str, Any] | None = None) -> None:
+    """--json: one JSON object on stdout and the tables on stderr; else the tables on stdout. Several reports
+    (repeated runs) become one object of medians with their spread (machine.combine); `machine` is recorded
+    under its own key."""
+    from hpcft.bench.machine import combine
+
+    reports = [report] if isinstance(report, Report) else list(report)
+    tables = "\n".join(r.table() for r in reports)
+    if machine:
+        tables += "\n  machine: " + ", ".join(f"{k} {v}" for k, v in machine.items())
     if as_json:
-        print(report.table(), file=sys.stderr)
-        sys.stdout.write(json.dumps(report.as_dict(), sort_keys=False) + "\n")
+        print(tables, file=sys.stderr)
+        out = reports[0].as_dict() if len(reports) == 1 else combine([r.as_dict() for r in reports])
+        if machine:
+            out["machine"] = machine
+        sys.stdout.write(json.dumps(out, sort_keys=False) + "\n")
         sys.stdout.flush()
     else:
-        print(report.table())
+        print(tables)

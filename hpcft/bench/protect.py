@@ -31,7 +31,7 @@ from hpcft.agent.stripes import encode_set, parity_bytes, partner_copies, piece_
 from hpcft.agent.throttle import CPU_SHARE, cpu_cores
 from hpcft.bench.harness import Memcpy, Report, Variant, run_interleaved, scratch, set_threads
 from hpcft.errors import HpcftError
-from hpcft.store import RankStore, crc32c, job_dir, secure_dir
+from hpcft.store import RankStore, chunk_table, job_dir, seal_key, secure_dir
 from hpcft.store import pin as store_pin
 
 NODES = 4
@@ -62,8 +62,8 @@ def _commit(root: Path, rank: int, step: int, data: np.ndarray) -> None:
     try:
         slot = store.begin(data.size)
         slot.array[:data.size] = data
-        chunks = [[lo, min(CHUNK, data.size - lo), crc32c(data[lo:lo + CHUNK])] for lo in range(0, data.size, CHUNK)]
-        store.commit(slot, {"step": step, "rank": rank, "data_bytes": int(data.size), "chunks": chunks})
+        store.commit(slot, {"step": step, "rank": rank, "data_bytes": int(data.size),
+                            "chunks": chunk_table(data, CHUNK, seal_key({"step": step}))})
     finally:
         store.close()
 
@@ -331,6 +331,12 @@ def _scheme_record(opts: ProtectOptions, scheme: Scheme, base: Path) -> dict:
         "protected_per_snapshot": ov.protected / ov.snapshots if ov.snapshots else None,
         "protect_every_s": ov.every_s,
         "protected_behind_s": ov.behind_s,
+        # a node loss rolls back this many snapshot intervals (measured), and a model of the CPU cap that would
+        # bound it to 3: a pass costs agent_cpu_s_per_snapshot core-seconds, lasts that over the cap, and a
+        # snapshot waits on average half a pass for the next one to start: lag ≈ 1.5 passes
+        "steps_at_risk": ov.behind_s / ov.interval if ov.behind_s is not None and ov.interval else None,
+        "cores_for_3_steps_at_risk_model": (ov.agent_cpu_s * ov.snapshot_bytes / 1e9) / (3 * ov.interval / 1.5)
+        if ov.agent_cpu_s and ov.interval else None,
         "protect_passes_during_training": ov.protected,
         "snapshots_during_training": ov.snapshots,
         "protect_stale_during_training": ov.stale,
@@ -365,6 +371,10 @@ def run(opts: ProtectOptions) -> Report:
                    f"{_rate(rec['rate_bytes_per_s'])})")
         report.add(f"{s}_protected_behind_s", rec["protected_behind_s"], "s",
                    f"{s}: a snapshot's age when its protection completes (median)")
+        report.add(f"{s}_steps_at_risk", rec["steps_at_risk"], "",
+                   f"{s}: that age in snapshot intervals: what a node loss rolls back (measured)")
+        report.add(f"{s}_cores_for_3_steps_at_risk_model", rec["cores_for_3_steps_at_risk_model"], "",
+                   f"{s}: agent CPU cap (cores) for at most 3 intervals at risk (model: 1.5 passes of measured CPU)")
     report.note("schemes", out)
     report.note("config", {"nodes": NODES, "state_bytes": opts.state_bytes, "params": opts.params, "steps": opts.steps,
                            "interval_s": opts.interval, "rate": opts.rate,

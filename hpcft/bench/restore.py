@@ -131,7 +131,7 @@ def run(opts: RestoreOptions) -> Report:
             variants = [HpcftRestore(source, reference, ckpt), HpcftColdRestore(_trained(opts), reference, where.shm),
                         DcpLoad(_trained(opts), reference, where.disk / "dcp"),
                         TorchLoad(_trained(opts), reference, where.disk / "ckpt.pt"),
-                        Memcpy(state_bytes)]
+                        Memcpy(state_bytes, ckpt.threads)]
             try:
                 timings = run_interleaved(variants, opts.repeats, opts.warmup, block=1)
             finally:
@@ -145,13 +145,13 @@ def run(opts: RestoreOptions) -> Report:
 def _report(opts: RestoreOptions, trainer: Trainer, timings: Timings, state_bytes: int) -> Report:
     hp, dcp, tl, mc, cold = (timings.median(n) for n in ("hpcft", "dcp_load", "torch_load", "memcpy", "hpcft_cold"))
     r = Report("restore")
-    r.add("restore_vs_memcpy", mc / hp, "x", "hpcft restore bandwidth ÷ 1-thread memcpy")
+    r.add("restore_vs_memcpy", mc / hp, "x", "hpcft restore bandwidth ÷ memcpy with as many threads")
     r.add("speedup_vs_dcp", dcp / hp, "x", "hpcft restore speedup over dcp.load")
     r.add("speedup_vs_torch_load", tl / hp, "x", "hpcft restore speedup over torch.load")
     r.add("restore_vs_memcpy_cold", mc / cold, "x", "the same for a relaunch: open the store (map the slot) + restore")
     r.add("speedup_vs_dcp_cold", dcp / cold, "x", "a relaunch's open + restore against dcp.load")
     r.add("restore_GBps", state_bytes / hp / GB, "GB/s", "hpcft restore bandwidth")
-    r.add("memcpy_GBps", state_bytes / mc / GB, "GB/s", "memcpy, 1 thread, same bytes (interleaved)")
+    r.add("memcpy_GBps", state_bytes / mc / GB, "GB/s", "memcpy with hpcft's threads, same bytes (interleaved)")
     r.add("restore_s_hpcft", hp, "s", "hpcft restore, median")
     r.add("restore_s_hpcft_cold", cold, "s", "hpcft open the store + restore, median")
     r.add("restore_s_dcp", dcp, "s", "dcp.load + set_state_dict, median")

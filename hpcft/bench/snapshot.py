@@ -176,12 +176,15 @@ def _build(opts: SnapshotOptions, where: Scratch) -> tuple[Trainer, list[Checkpo
 
 @dataclass(frozen=True)
 class CopyFigures:
-    """hpcft copy+checksum bandwidth with no training running and during training, and memcpy's."""
+    """hpcft copy+checksum bandwidth with no training running and during training, and memcpy's with hpcft's copy
+    threads and with one."""
 
     idle: float
     training: float
     memcpy: float
     snapshot_bytes: int
+    memcpy1: float
+    threads: int
 
 
 def run(opts: SnapshotOptions) -> Report:
@@ -193,17 +196,22 @@ def run(opts: SnapshotOptions) -> Report:
         try:
             timings = run_interleaved(variants, opts.steps, opts.warmup, opts.block)
             training = hp.copy_bandwidth(first_step=hp.first_measured_step(opts.warmup))
-            idle, memcpy = IdleSnapshot(hp), memcpy_reference(trainer.state_bytes(), opts.device)
+            idle = IdleSnapshot(hp)
+            memcpy = memcpy_reference(trainer.state_bytes(), opts.device, hp.ckpt.threads)
+            memcpy1 = memcpy_reference(trainer.state_bytes(), opts.device)
+            memcpy1.name = "memcpy1"
             try:
-                reference = run_interleaved([idle, memcpy], steps=3, warmup=1, block=1)
+                reference = run_interleaved([idle, memcpy, memcpy1], steps=3, warmup=1, block=1)
             finally:
                 memcpy.close()
+                memcpy1.close()
             stats = hp.ckpt.stats.as_dict()
         finally:
             for v in variants:
                 v.close()
         copy = CopyFigures(idle=hp.copy_bandwidth(first_step=idle.first_step + 1), training=training,
-                           memcpy=memcpy.nbytes / reference.median("memcpy"), snapshot_bytes=stats["last_bytes"])
+                           memcpy=memcpy.nbytes / reference.median("memcpy"), snapshot_bytes=stats["last_bytes"],
+                           memcpy1=memcpy1.nbytes / reference.median("memcpy1"), threads=hp.ckpt.threads)
         r = _report(opts, trainer, timings, {v.name: v for v in variants}, copy)
         r.note("hpcft_stats", {k: v for k, v in stats.items() if k != "history"})
         return r
@@ -234,8 +242,9 @@ def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: 
           "torch.save blocked per call")
     r.add("blocked_s_dcp_async", by_name["dcp_async"].blocked_median(opts.warmup), "s",
           "dcp.async_save blocked per call (wait + stage)")
-    ref = "1-thread memcpy" if opts.device == "cpu" else "device→pinned host copy"
+    ref = f"{copy.threads}-thread memcpy (hpcft's copy threads)" if opts.device == "cpu" else "device→pinned host copy"
     r.add("copy_vs_memcpy", copy.idle / copy.memcpy, "x", f"hpcft copy+crc bandwidth ÷ {ref}")
+    r.add("copy_vs_memcpy_1_thread", copy.idle / copy.memcpy1, "x", "the same ÷ 1-thread memcpy (earlier figures)")
     r.add("copy_vs_memcpy_in_training", copy.training / copy.memcpy, "x", "same, copies overlapping training")
     r.add("copy_GBps", copy.idle / GB, "GB/s", "hpcft copy+crc bandwidth, no training running")
     r.add("copy_GBps_in_training", copy.training / GB, "GB/s", "hpcft copy+crc bandwidth during training")

@@ -10,6 +10,11 @@ Environment (all optional but OUT):
   STEPS=40 STEP_DELAY=0   steps to run, seconds of sleep after each
   WIDTH=32 LAYERS=2 DROPOUT=0.1   `LAYERS` × (Linear(WIDTH, WIDTH), Dropout, Tanh) + Linear(WIDTH, 1), AdamW
   SYNC=manual|ddp  `ddp` wraps the model in DDP (resumes equal to a few ulps only: docs/checkpointing.md)
+  TP=1           tensor parallel inside a node, as Megatron does it by hand: each hidden layer is a column-parallel
+                 Linear and a row-parallel one whose outputs are summed over the tp group; data parallel across
+                 nodes (`hpcft run --tasks-per-node TP`). Every rank also writes final.<rank>.pt
+  BACKEND=       hpcft.init()'s backend, e.g. `cuda:gloo`: groups that refuse CPU tensors, as NCCL/RCCL ones do;
+                 the job's own gradient traffic then goes on gloo groups of the same ranks (its "device" groups)
   CKPT=hpcft|disk  `disk` is the bench's baseline: rank 0 `torch.save`s model + optimizer to OUT/ckpt.pt every
                  step (written, then renamed) and every rank resumes with `torch.load`
   HOLD_AT=S HOLD_FILE=F   the first launch waits after step S until F exists (a fault must not race the job's end)
@@ -40,6 +45,64 @@ def _int(name: str, default: int) -> int:
     return int(os.environ.get(name, str(default)))
 
 
+def _sum_over(group):
+    """Megatron's reduce-from-tensor-parallel region on `group`: forward all-reduces the partial sums, backward is
+    the identity (every tp rank already holds the whole gradient of the summed output)."""
+    import torch
+    import torch.distributed as dist
+
+    class Sum(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            y = y.clone()
+            dist.all_reduce(y, group=group)
+            return y
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    return Sum.apply
+
+
+def _tp_model(width: int, layers: int, dropout: float, ctx, tp_group):
+    """`layers` × (column-parallel Linear(width, width/tp), Tanh, row-parallel Linear(width/tp, width), summed over
+    tp, + bias, Dropout, Tanh) + Linear(width, 1): shards differ per tp rank, replicas agree across dp."""
+    import torch
+
+    total = _sum_over(tp_group)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(100 + ctx.tp_rank)  # this rank's shards; equal on every replica
+            self.col = torch.nn.Linear(width, width // ctx.tp)
+            self.row = torch.nn.Linear(width // ctx.tp, width, bias=False)
+            torch.manual_seed(0)
+            self.bias = torch.nn.Parameter(torch.zeros(width))
+            self.tail = torch.nn.Sequential(torch.nn.Dropout(dropout), torch.nn.Tanh())
+
+        def forward(self, x):
+            return self.tail(total(self.row(torch.tanh(self.col(x)))) + self.bias)
+
+    blocks = [Block() for _ in range(layers)]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(width, 1))
+
+
+def _grad_groups(ctx):
+    """(dp, tp) groups for the job's own gradient traffic: ctx's where they carry CPU tensors, else gloo groups of
+    the same ranks, every group made by every rank in the same order (what a GPU job's NCCL groups would be)."""
+    import torch.distributed as dist
+
+    if "cpu:" in dist.get_backend_config(ctx.dp_group):
+        return ctx.dp_group, ctx.tp_group
+    dp_sets = [list(range(t, ctx.world, ctx.tp)) for t in range(ctx.tp)]
+    tp_sets = [list(range(d * ctx.tp, (d + 1) * ctx.tp)) for d in range(ctx.world // ctx.tp)]
+    made = {tuple(r): dist.new_group(r, backend="gloo") for r in dp_sets + tp_sets}
+    mine = [made[tuple(r)] for r in dp_sets + tp_sets if ctx.rank in r]
+    return mine[0], mine[1]
+
+
 def main() -> int:
     out = Path(os.environ["OUT"])
     rank_hint = int(os.environ.get("HPCFT_RANK", os.environ.get("SLURM_PROCID", "0")))
@@ -62,10 +125,15 @@ def main() -> int:
     torch.set_num_threads(1)  # several ranks share this machine's cores
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
-    ctx = hpcft.init()
+    tp = _int("TP", 1)
+    ctx = hpcft.init(tp=tp, backend=os.environ.get("BACKEND") or None)
     _record(out, "init", rank=ctx.rank)
-    body = [m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.Dropout(dropout), torch.nn.Tanh())]
-    model = torch.nn.Sequential(*body, torch.nn.Linear(width, 1))  # dropout draws from the RNG hpcft must restore
+    dp_group, tp_group = _grad_groups(ctx)
+    if tp > 1:
+        model = _tp_model(width, layers, dropout, ctx, tp_group)
+    else:
+        body = [m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.Dropout(dropout), torch.nn.Tanh())]
+        model = torch.nn.Sequential(*body, torch.nn.Linear(width, 1))  # dropout draws from the RNG hpcft must restore
     ddp = DDP(model) if os.environ.get("SYNC", "manual") == "ddp" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     seen = {"samples": 0}
@@ -87,15 +155,15 @@ def main() -> int:
     _record(out, "restored", rank=ctx.rank, step=start)
     (out / f"start.{ctx.rank}.{os.environ.get('SLURM_STEP_ID', 'x')}").write_text(str(start))
     for step in range(start, total):
-        g = torch.Generator().manual_seed(1000 * step + ctx.rank)
+        g = torch.Generator().manual_seed(1000 * step + ctx.dp_rank)  # a replica's tp ranks share its batch
         x = torch.randn(16, width, generator=g)
         loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).tanh())
         opt.zero_grad()
         loss.backward()
         if ddp is model:
             for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= ctx.world
+                dist.all_reduce(p.grad, group=dp_group)
+                p.grad /= ctx.dp
         seen["samples"] += len(x)  # before opt.step(): the snapshot taken in its post-step hook records it
         opt.step()
         if mode == "disk" and ctx.rank == 0:
@@ -113,11 +181,15 @@ def main() -> int:
                 time.sleep(3600)
     if ckpt is not None:
         ckpt.wait()
+    final = {"params": {k: v.clone() for k, v in model.state_dict().items()}, "seen": seen}
     if ctx.rank == 0:
-        torch.save({"params": {k: v.clone() for k, v in model.state_dict().items()}, "seen": seen}, out / "final.pt")
+        torch.save(final, out / "final.pt")
+    if tp > 1:
+        final["optim"] = {f"{i}.{k}": v for i, s in opt.state_dict()["state"].items() for k, v in s.items()}
+        torch.save(final, out / f"final.{ctx.rank}.pt")
     if ckpt is not None:
         ckpt.close()
-    dist.barrier()
+    dist.barrier(group=None if "cpu:" in dist.get_backend_config() else dist.new_group(backend="gloo"))
     dist.destroy_process_group()
     _record(out, "done", rank=ctx.rank)
     return 0

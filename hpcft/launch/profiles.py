@@ -26,7 +26,10 @@ class Profile:
 # OLCF's PyTorch-on-Frontier guidance: srun -c7 --gpus-per-task=1 --gpu-bind=closest, 8 GCDs per node;
 # NCCL_SOCKET_IFNAME=hsn0; MIOPEN_USER_DB_PATH / MIOPEN_CUSTOM_CACHE_DIR on node-local /tmp (avoids MIOpen
 # disk I/O errors on the shared file system); NCCL_NET_GDR_LEVEL=3 and NCCL_CROSS_NIC=1 as performance
-# settings; FI_CXI_ATS=0 for RCCL over the aws-ofi-rccl libfabric plugin on Slingshot.
+# settings; FI_CXI_ATS=0 for RCCL over the aws-ofi-rccl libfabric plugin on Slingshot. TORCH_GLOO_LAZY_INIT=1:
+# the gloo half of the `cpu:gloo,cuda:nccl` groups (and hpcft's own gloo groups) connects a pair of ranks when a
+# collective first uses it, not every pair at creation (a full mesh of 75,000 ranks would not fit in file descriptors).
+GPU_ENV = {"TORCH_GLOO_LAZY_INIT": "1"}
 FRONTIER = Profile(
     name="frontier",
     tasks_per_node=8,
@@ -40,6 +43,7 @@ FRONTIER = Profile(
         "MIOPEN_USER_DB_PATH": "/tmp/hpcft-miopen-{user}-{job}",
         "MIOPEN_CUSTOM_CACHE_DIR": "/tmp/hpcft-miopen-{user}-{job}",
         "OMP_NUM_THREADS": "7",
+        **GPU_ENV,
     },
     description="OLCF Frontier: 8 MI250X GCDs per node, one task per GCD, 7 cores each, RCCL over Slingshot",
 )
@@ -48,6 +52,7 @@ CUDA = Profile(
     name="cuda",
     tasks_per_node=4,
     srun_args=("--gpus-per-task=1", "--gpu-bind=closest"),
+    env=GPU_ENV,
     description="a generic NVIDIA node: one task per GPU (set tasks_per_node to the GPU count)",
 )
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcft.errors import ConfigError, SlurmError
+from hpcft.launch import profiles
 from hpcft.slurm.runner import Runner
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "slurm"
@@ -87,7 +88,11 @@ def render(spec: SubmitSpec, template_dir: Path = TEMPLATE_DIR) -> str:
     if limit is not None and spec.warn_seconds >= limit:
         raise ConfigError(f"--warn {spec.warn_seconds} s is not shorter than the walltime --time {spec.time} ({limit} s): "
                           "Slurm would send the requeue warning at once; give a smaller --warn or a longer --time")
-    sbatch = [f"#SBATCH --{k}={v}\n" for k, v in (("account", spec.account), ("partition", spec.partition)) if v]
+    # every node's CPUs for its tasks: without it a cluster that shares nodes allocates one task (one CPU) per node,
+    # and the trainer step fails "More processors requested than permitted"
+    tasks = spec.run_options.get("tasks_per_node") or profiles.get(spec.profile).tasks_per_node
+    sbatch = [f"#SBATCH --{k}={v}\n" for k, v in (("account", spec.account), ("partition", spec.partition),
+                                                  ("ntasks-per-node", tasks)) if v]
     run = ["--nodes", str(spec.nodes), "--spares", str(spec.spares), "--profile", spec.profile]
     for key, value in spec.run_options.items():
         if value is not None and key not in ("nodes", "spares", "profile"):

@@ -7,7 +7,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,8 +16,9 @@ from hpcft import events
 from hpcft.errors import CheckpointError, StoreError
 from hpcft.snapshot import plan
 from hpcft.snapshot.copiers import Copier, Transfer
+from hpcft.snapshot.groups import Group
 from hpcft.snapshot.state import Entry
-from hpcft.store import RankStore, Slot, crc32c
+from hpcft.store import RankStore, Slot, crc32c, seal, seal_key
 
 _log = logging.getLogger(__name__)
 
@@ -44,27 +45,6 @@ class Stats:
         return d
 
 
-@dataclass(frozen=True)
-class Group:
-    """The data-parallel group as the engine needs it: the process group, its ranks, my index."""
-    pg: Any
-    ranks: tuple[int, ...]
-    member: int
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @staticmethod
-    def of(pg: Any) -> "Group | None":
-        if pg is None or not dist.is_initialized():
-            return None
-        if hasattr(pg, "get_group"):  # a 1-D DeviceMesh such as ctx.mesh["dp"]
-            pg = pg.get_group()
-        ranks = tuple(dist.get_process_group_ranks(pg))
-        return Group(pg, ranks, ranks.index(dist.get_rank()))
-
-
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a tensor's bytes (a contiguous copy if it is strided: see `Prepared.stage`)."""
     t = t if t.is_contiguous() else t.contiguous()
@@ -88,6 +68,7 @@ class Prepared:
     chunks: list[plan.Chunk]
     rep_signature: int
     described: dict[str, Any] | None = None
+    entries: Sequence[Entry] | None = None  # the list it was prepared from
     strided: list[tuple[Entry, torch.Tensor]] = field(init=False)  # with their sources: the entries `stage` refreshes
 
     def __post_init__(self) -> None:
@@ -120,9 +101,13 @@ class SnapshotEngine:
 
     # level (b): who copies what ------------------------------------------------------------------------
     def prepare(self, entries: Sequence[Entry]) -> Prepared:
-        """Split entries into own and replicated, lay out this member's bytes, cut chunks (cached)."""
+        """Split entries into own and replicated, lay out this member's bytes, cut chunks (cached: the same list
+        object as last time is the same layout, see snapshot.view; another list is compared entry by entry)."""
+        if self._prepared is not None and self._prepared.entries is entries:
+            return self._prepared
         key = tuple((e.name, e.local.data_ptr(), e.nbytes, e.local.dtype, e.replicated) for e in entries)
         if self._prepared is not None and self._prepared.key == key:
+            self._prepared.entries = entries
             return self._prepared
         split = self.group is not None and self.group.size > 1
         rep = [e for e in entries if split and e.replicated]
@@ -134,7 +119,7 @@ class SnapshotEngine:
         if rep and sig != self._checked_signature:
             self._check_group_agrees(sig)
         self._prepared = Prepared(key, own, rep, lay, sources, plan.chunks(lay.pieces, lay.nbytes, self.chunk_bytes),
-                                  sig)
+                                  sig, entries=entries)
         return self._prepared
 
     def _check_group_agrees(self, sig: int) -> None:
@@ -149,10 +134,12 @@ class SnapshotEngine:
         self._checked_signature = sig
 
     # level (a): start, guard, commit -------------------------------------------------------------------
-    def snapshot(self, step: int, entries: Sequence[Entry], meta: dict[str, Any], started: float | None = None) -> bool:
+    def snapshot(self, step: int, entries: Sequence[Entry], meta: dict[str, Any], started: float | None = None,
+                 late: Callable[[], dict[str, Any]] | None = None) -> bool:
         """Start a snapshot of `entries` as version `step`; False (with an event) if it could not start.
         Call right after the optimizer step, on the training thread; `started` (perf_counter) is when the
-        caller began gathering `entries` and `meta`, time the training thread already spent on it."""
+        caller began gathering `entries` and `meta`, time the training thread already spent on it. `late()`
+        adds to the manifest on the commit thread what is slow to encode (state captured raw at the boundary)."""
         t0 = time.perf_counter() if started is None else started
         self._drain()
         prep = self.prepare(entries)
@@ -174,7 +161,7 @@ class SnapshotEngine:
                         error=f"{type(exc).__name__}: {exc}")
             self._count_start(t0)
             return False
-        self._pending = self._committer.submit(self._commit, self._transfer, slot, manifest, prep, t_copy)
+        self._pending = self._committer.submit(self._commit, self._transfer, slot, manifest, prep, t_copy, late)
         if prep.layout.nbytes > self._allocated:  # the other slots, off the training thread, once
             self._allocated = prep.layout.nbytes
             self._prealloc = self._committer.submit(self.store.preallocate, prep.layout.nbytes)
@@ -215,12 +202,16 @@ class SnapshotEngine:
         return {"step": step, "rank": self.store.rank, "time": time.time(), "backend": self.copier.name,
                 **prep.described, **meta}
 
-    def _commit(self, transfer: Transfer, slot: Slot, manifest: dict[str, Any], prep: Prepared, t0: float) -> None:
+    def _commit(self, transfer: Transfer, slot: Slot, manifest: dict[str, Any], prep: Prepared, t0: float,
+                late: Callable[[], dict[str, Any]] | None = None) -> None:
         step = manifest["step"]
         try:
+            if late is not None:
+                manifest.update(late())
             crcs = transfer.result()
             copy_s = time.perf_counter() - t0
-            manifest["chunks"] = [[c.offset, c.nbytes, crc] for c, crc in zip(prep.chunks, crcs)]
+            key = seal_key(manifest)
+            manifest["chunks"] = [[c.offset, c.nbytes, seal(crc, key)] for c, crc in zip(prep.chunks, crcs)]
             self.store.commit(slot, manifest)
         except Exception as exc:
             self.stats.failed += 1

@@ -12,26 +12,27 @@ import torch
 import torch.distributed as dist
 
 from hpcft import events
-from hpcft.errors import CheckpointError, IntegrityError
-from hpcft.snapshot import ntcopy, plan
-from hpcft.snapshot.engine import Group, signature
+from hpcft.errors import CheckpointError, IntegrityError, ManifestError, StoreError
+from hpcft.snapshot import ntcopy, plan, schema
+from hpcft.snapshot.groups import Group
 from hpcft.snapshot.state import Entry
-from hpcft.store import RankStore, Version, crc32c
+from hpcft.store import RankStore, Version, crc32c, seal, seal_key
 
 _log = logging.getLogger(__name__)
 OK, LOST, MISMATCH = 0, 1, 2
+WIDTH = 16  # steps per rank compared by `held_everywhere`: the same on every rank, whatever each one's `keep`
 
 
-def held_everywhere(store: RankStore, held: Sequence[Version]) -> tuple[list[int], bool]:
-    """Steps complete on every rank (each holding `held`), newest first, and whether any rank holds any."""
+def held_everywhere(store: RankStore, held: Sequence[Version], world: Any = None) -> tuple[list[int], bool]:
+    """Steps complete on every rank (each holding `held`), newest first, and whether any rank holds any
+    (`world`: a group of every rank that carries CPU tensors, None for the default group)."""
     mine = sorted({v.step for v in held}, reverse=True)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine, bool(mine)
-    width = store.nslots
-    row = torch.full((width,), -1, dtype=torch.int64)
-    row[:len(mine[:width])] = torch.tensor(mine[:width], dtype=torch.int64)
+    row = torch.full((WIDTH,), -1, dtype=torch.int64)
+    row[:len(mine[:WIDTH])] = torch.tensor(mine[:WIDTH], dtype=torch.int64)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, row)
+    dist.all_gather(rows, row, group=world)
     sets = [set(r.tolist()) - {-1} for r in rows]
     return sorted(set.intersection(*sets), reverse=True), any(sets)
 
@@ -82,26 +83,14 @@ def _load_chunk(copy: Callable[[int, int, int], None], data: np.ndarray, base: i
     return crc32c(data[chunk.offset:chunk.offset + chunk.nbytes])
 
 
-def _check_structure(m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry], group: Group | None) -> None:
-    saved = [(e["name"], e["dtype"], e["shape"], e.get("placement")) for e in m["entries"]]
-    live = [(e.name, d["dtype"], d["shape"], d.get("placement")) for e, d in ((e, e.describe()) for e in own)]
-    if saved != live:
-        diff = sorted(set(map(str, saved)) ^ set(map(str, live)))[:3]
-        raise CheckpointError(f"snapshot of step {m['step']} does not match the live model/optimizer "
-                              f"(first differences: {diff}); restore into the same model, layout and optimizer")
-    share = m.get("share")
-    if bool(share) != bool(rep) or (share and (share["members"] != group.size or share["member"] != group.member
-                                              or share["signature"] != signature(rep))):
-        raise CheckpointError(f"snapshot of step {m['step']} was split over a different data-parallel group "
-                              "(or different replicated state) than the live one")
-
-
 class Loader:
-    """Loads one version into live entries; `threads` workers verify and copy chunks."""
+    """Loads one version into live entries; `threads` workers verify and copy chunks. `world` and `group.pg`
+    carry the verdicts (CPU tensors); the replicated shares travel on `group.for_bytes(their device)`."""
 
-    def __init__(self, store: RankStore, group: Group | None, threads: int = 2):
+    def __init__(self, store: RankStore, group: Group | None, threads: int = 2, world: Any = None):
         self.store = store
         self.group = group
+        self.world = world
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
 
@@ -114,63 +103,82 @@ class Loader:
         on = self.group is not None and self.group.size > 1
         return [e for e in entries if not (on and e.replicated)], [e for e in entries if on and e.replicated]
 
-    def load(self, version: Version, entries: Sequence[Entry]) -> int:
-        """Load `version` into `entries` on every rank (collective). Returns bytes read from the local store.
-        IntegrityError / CheckpointError on every rank if any rank failed, so all fall back together."""
+    def load(self, versions: Sequence[Version], entries: Sequence[Entry],
+             check_meta: Callable[[dict[str, Any]], None] | None = None) -> tuple[Version, int]:
+        """Load one of `versions` (this rank's copies of one step, the one to prefer first: a rank may hold a stale
+        second copy) into `entries` on every rank (collective); the version loaded and the bytes read from the
+        local store. Each manifest is checked first (`schema`; `check_meta`, the caller's check of what it will
+        apply after the load, may raise ManifestError). IntegrityError / CheckpointError on every rank if any rank
+        failed (a lying manifest, an unusable data file and a lost chunk count as lost), so all fall back together."""
         own, rep = self.split(entries)
-        m = version.manifest
-        code, reason, nbytes = OK, "", 0
         sinks = _Sinks([*own, *rep])
-        try:
-            _check_structure(m, own, rep, self.group)
-            nbytes = self._local(version, own, rep, sinks)
-        except IntegrityError as exc:
-            code, reason = LOST, str(exc)
-        except CheckpointError as exc:
-            code, reason = MISMATCH, str(exc)
-        worst = self._agree(code)
+        codes, reasons, nbytes, loaded = [], [], 0, versions[0]
+        for version in versions:
+            code, reason, nbytes = self._local_load(version, own, rep, sinks, check_meta)
+            codes.append(code)
+            reasons.append(reason)
+            if code == OK:
+                loaded = version
+                break
+        worst = self._agree(OK if OK in codes else max(codes))
         if worst != OK:
-            why = reason or ("another rank lost a chunk of this version" if worst == LOST
-                             else "another rank's snapshot does not match its live state")
-            raise (IntegrityError if worst == LOST else CheckpointError)(f"step {version.step}: {why}")
+            why = "; ".join(r for r in reasons if r) or ("another rank lost a chunk of this version" if worst == LOST
+                                                         else "another rank's snapshot does not match its live state")
+            raise (IntegrityError if worst == LOST else CheckpointError)(f"step {loaded.step}: {why}")
         if rep:
-            self._exchange(version, rep, sinks, len(own))
+            self._exchange(loaded, rep, sinks, len(own))
         sinks.finish()
-        return nbytes
+        return loaded, nbytes
+
+    def _local_load(self, version: Version, own: Sequence[Entry], rep: Sequence[Entry], sinks: _Sinks,
+                    check_meta: Callable[[dict[str, Any]], None] | None) -> tuple[int, str, int]:
+        """Check and load `version` on this rank alone: (OK / LOST / MISMATCH, why not, bytes read)."""
+        m = version.manifest
+        where = str(self.store.dir / f"slot-{version.slot}")
+        try:
+            schema.check_types(m)
+            schema.check_structure(m, own, rep, self.group)
+            grid = schema.check_layout(m, own, rep, self.group)
+            if check_meta is not None:
+                check_meta(m)
+            return OK, "", self._local(version, grid, sinks)
+        except ManifestError as exc:
+            events.emit("manifest_bad", level=logging.ERROR, rank=self.store.rank, step=version.step, path=where,
+                        error=str(exc))
+            return LOST, str(exc), 0
+        except StoreError as exc:  # the data file is a symlink, FIFO, directory, another user's, ...
+            events.emit("store_file_refused", level=logging.ERROR, rank=self.store.rank, step=version.step,
+                        path=where, error=str(exc))
+            return LOST, str(exc), 0
+        except IntegrityError as exc:
+            return LOST, str(exc), 0
+        except CheckpointError as exc:
+            return MISMATCH, str(exc), 0
 
     def _agree(self, code: int) -> int:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return code
         t = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world)
         return int(t)
 
-    def _local(self, version: Version, own: Sequence[Entry], rep: Sequence[Entry], sinks: _Sinks) -> int:
-        """Copy every chunk of this rank's data file into the live tensors and verify its crc32c. The workers
-        (this thread and `threads - 1` pool threads) take chunks from one counter and plan each as they take
-        it: no plan is built before the copy starts, and a worker slowed by other load takes fewer chunks."""
-        m = version.manifest
-        pieces = [plan.Piece(i, 0, e.nbytes, d["offset"]) for i, (e, d) in enumerate(zip(own, m["entries"]))]
-        if rep:
-            lo, hi = m["share"]["range"]
-            pieces += [plan.Piece(p.source + len(own), p.start, p.stop, p.offset) for p in
-                       plan.pieces_of_range([e.nbytes for e in rep], lo, hi, m["share"]["offset"])]
-        grid = plan.Grid(pieces, m["data_bytes"], m["chunk_bytes"])
-        recorded = m["chunks"]
+    def _local(self, version: Version, grid: plan.Grid, sinks: _Sinks) -> int:
+        """Copy every chunk of this rank's data file (laid out as `grid`, checked against the manifest) into the
+        live tensors and verify its sealed crc32c. The workers (this thread and `threads - 1` pool threads) take
+        chunks from one counter and plan each as they take it: no plan is built before the copy starts, and a
+        worker slowed by other load takes fewer chunks."""
+        recorded, step, key = version.manifest["chunks"], version.step, seal_key(version.manifest)
         size, total = grid.chunk_bytes, grid.nbytes
-        if len(recorded) != grid.count or any(r[0] != i * size or r[1] != min(size, total - i * size)
-                                              for i, r in enumerate(recorded)):
-            raise CheckpointError(f"step {version.step}: the manifest's chunk table does not match its layout")
-        data = self.store.slot(version.slot).array
+        data = self.store.slot(version.slot, create=False).array
         if data.size < total:
-            raise IntegrityError(f"step {version.step}: data file is shorter than its manifest says")
+            raise IntegrityError(f"data file of rank {self.store.rank} holds {data.size} bytes, its manifest {total}")
         take = itertools.count().__next__  # atomic under the GIL: each chunk goes to exactly one worker
         copy, base = ntcopy.raw_copier(), ntcopy.address(data)
 
         def work() -> list[int]:
             lost = []
             while (i := take()) < grid.count:
-                if _load_chunk(copy, data, base, grid.chunk(i), sinks) != recorded[i][2]:
+                if seal(_load_chunk(copy, data, base, grid.chunk(i), sinks), key) != recorded[i][2]:
                     lost.append(i)
             return lost
 
@@ -183,58 +191,84 @@ class Loader:
             wait(futures)
         lost = sorted(lost + [i for f in futures for i in f.result()])
         if lost:
-            events.emit("chunk_lost", level=logging.ERROR, rank=self.store.rank, step=version.step,
+            events.emit("chunk_lost", level=logging.ERROR, rank=self.store.rank, step=step,
                         chunks=len(lost), first_offset=lost[0] * size, path=str(self.store.dir))
             raise IntegrityError(f"{len(lost)} chunk(s) of rank {self.store.rank}'s data fail their crc32c")
         return total
 
     def _exchange(self, version: Version, rep: Sequence[Entry], sinks: _Sinks, first: int) -> None:
         """Each member broadcasts its verified share; the others scatter it into their replicas (the
-        replicated entries are sinks `first`, `first + 1`, ...)."""
+        replicated entries are sinks `first`, `first + 1`, ...). The shares travel on the user's group, staged on
+        the device, where that group carries the replicas' device; else through the host on hpcft's CPU group."""
         sizes = [e.nbytes for e in rep]
         cuts = plan.share_cuts(sum(sizes), self.group.size)
-        share = version.manifest["share"]
-        data = self.store.slot(version.slot).array
-        scratch = torch.empty(max(b - a for a, b in zip(cuts, cuts[1:])), dtype=torch.uint8)
+        offset = version.manifest["share"]["offset"]
+        data = self.store.slot(version.slot, create=False).array
+        device = next((e.local.device for e in rep if e.local.device.type != "cpu"), torch.device("cpu"))
+        pg, where = self.group.for_bytes(device)
+        scratch = torch.empty(max(b - a for a, b in zip(cuts, cuts[1:])), dtype=torch.uint8, device=where)
         copy = ntcopy.raw_copier()
         for j, src in enumerate(self.group.ranks):
             lo, hi = cuts[j], cuts[j + 1]
+            if hi == lo:
+                continue
             if j == self.group.member:
-                buf = torch.from_numpy(data[share["offset"]:share["offset"] + hi - lo])
+                mine = torch.from_numpy(data[offset:offset + hi - lo])
+                buf = mine if where.type == "cpu" else scratch[:hi - lo].copy_(mine)
             else:
                 buf = scratch[:hi - lo]
-            if hi > lo:
-                dist.broadcast(buf, src=src, group=self.group.pg)
-            if j == self.group.member:
-                continue
-            arr = buf.numpy()
-            for p in plan.pieces_of_range(sizes, lo, hi, 0):
-                _put(copy, sinks[first + p.source], p.start, arr, p.offset, p.nbytes, ntcopy.address(arr))
+            dist.broadcast(buf, src=src, group=pg)
+            if j != self.group.member:
+                _scatter(copy, buf, plan.pieces_of_range(sizes, lo, hi, 0), sinks, first)
 
 
-def restore_newest(loader: Loader, entries_fn) -> Version | None:
+def _scatter(copy: Callable[[int, int, int], None], buf: torch.Tensor, pieces: Sequence[plan.Piece], sinks: _Sinks,
+             first: int) -> None:
+    """Copy the pieces of a received share `buf` (on the host or the device) into their sinks `first + source`."""
+    host: np.ndarray | None = buf.numpy() if buf.device.type == "cpu" else None
+    for p in pieces:
+        sink = sinks[first + p.source]
+        if isinstance(sink, torch.Tensor):
+            sink[p.start:p.start + p.nbytes].copy_(buf[p.offset:p.offset + p.nbytes])
+            continue
+        if host is None:
+            host = buf.cpu().numpy()
+        copy(sink + p.start, ntcopy.address(host) + p.offset, p.nbytes)
+
+
+def restore_newest(loader: Loader, entries_fn: Callable[[], list[Entry]],
+                   check_meta: Callable[[dict[str, Any]], None] | None = None) -> Version | None:
     """Load the newest version complete on every rank, falling back on loss; None on a fresh run.
-    `entries_fn()` returns the live entries (called once, after the caller created optimizer state)."""
+    `entries_fn()` returns the live entries (called once, after the caller created optimizer state); `check_meta`
+    goes to `Loader.load`. After a load, every version this rank holds that is newer than the one loaded (fallen
+    back past, or not complete everywhere) is withdrawn: training writes those steps anew, and a stale copy must
+    never be picked again (event `version_withdrawn`)."""
     store = loader.store
     t0 = time.perf_counter()
     held = store.versions()
-    candidates, anything = held_everywhere(store, held)
+    candidates, anything = held_everywhere(store, held, loader.world)
     if not candidates:
         if anything:
             events.emit("restore_none", level=logging.WARNING, rank=store.rank,
                         reason="no version is complete on every rank; starting from step 0")
         return None
     entries = entries_fn()
-    by_step = {v.step: v for v in held}
     failures = []
     for step in candidates:
+        copies = [v for v in reversed(held) if v.step == step]  # the later written first
         try:
-            nbytes = loader.load(by_step[step], entries)
+            chosen, nbytes = loader.load(copies, entries, check_meta)
         except CheckpointError as exc:
             failures.append(str(exc))
             events.emit("restore_fallback", level=logging.ERROR, rank=store.rank, step=step, error=str(exc))
             continue
-        events.emit("restore_done", rank=store.rank, step=step, bytes=nbytes,
-                    seconds=round(time.perf_counter() - t0, 6), skipped=len(failures))
-        return by_step[step]
+        stale = [v for v in held if v.step > step or (v.step == step and v is not chosen)]
+        if not store.readonly:
+            for v in stale:
+                store.retire(v, f"restore loaded step {step}, an older one" if v.step > step else
+                             f"a second version of step {step}")
+        events.emit("restore_done", level=logging.WARNING if failures or stale or store.rejected else logging.INFO,
+                    rank=store.rank, step=step, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6),
+                    skipped=len(stale) + len(store.rejected), fallbacks=len(failures))
+        return chosen
     raise IntegrityError("restore failed: no version held by every rank could be loaded: " + "; ".join(failures))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcft.errors import CheckpointError, ConfigError
+from hpcft.errors import CheckpointError, ConfigError, ManifestError
 
 _log = logging.getLogger(__name__)
 
@@ -134,11 +134,13 @@ def _unjson(v: Any, like: Any) -> Any:
     return v
 
 
-def optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Hyperparameters of each param group and the non-tensor per-parameter state, as JSON."""
+def optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                   names: dict[int, str] | None = None) -> dict[str, Any]:
+    """Hyperparameters of each param group and the non-tensor per-parameter state, as JSON (`names`: the model's
+    `param_names`, if the caller has them)."""
     if optimizer is None:
         return {}
-    names = param_names(model)
+    names = names or param_names(model)
     groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     scalars = {}
     for p, state in optimizer.state.items():
@@ -146,6 +148,41 @@ def optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
             if not isinstance(v, torch.Tensor) and id(p) in names:
                 scalars[f"{names[id(p)]}/{key}"] = _jsonable(v)
     return {"param_groups": groups, "scalars": scalars}
+
+
+def _kind(v: Any) -> Any:
+    """What a hyperparameter is (saved as JSON or live), as far as a saved value must agree with the live one:
+    a tuple is the kinds of its items (Adam's betas must stay two numbers)."""
+    if isinstance(v, dict) and isinstance(v.get("tuple"), list):
+        v = tuple(v["tuple"])
+    if isinstance(v, tuple):
+        return tuple(_kind(x) for x in v)
+    if isinstance(v, dict):
+        return "number" if isinstance(v.get("tensor"), (int, float)) and not isinstance(v["tensor"], bool) \
+            else "object"
+    if isinstance(v, torch.Tensor) and v.numel() == 1 or isinstance(v, (int, float)) and not isinstance(v, bool):
+        return "number"
+    return {bool: "bool", str: "str", type(None): "none", list: "list"}.get(type(v), "other")
+
+
+def check_optimizer_meta(optimizer: torch.optim.Optimizer | None, meta: Any) -> None:
+    """Before a restore loads anything: `meta` (a manifest's `optim`) fits the live optimizer. The same number of
+    param groups (else CheckpointError: another optimizer), and (else ManifestError: the manifest lies) values of
+    the live kind for every key the live groups have, and per-parameter scalars as an object."""
+    if optimizer is None or not meta:
+        return
+    groups, scalars = meta.get("param_groups"), meta.get("scalars")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups) or not isinstance(scalars, dict):
+        raise ManifestError("the manifest's optimizer settings are not a list of param groups and a scalars object")
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"the snapshot has {len(groups)} optimizer param groups, the live optimizer "
+                              f"{len(optimizer.param_groups)}; restore into the same optimizer")
+    for i, (group, saved) in enumerate(zip(optimizer.param_groups, groups)):
+        for k, v in saved.items():
+            live = group.get(k)
+            if k == "params" or (k in group and live is not None and v is not None and _kind(v) != _kind(live)):
+                raise ManifestError(f"the manifest's optimizer param group {i} sets {k} to {v!r}, "
+                                    f"live {type(live).__name__}")
 
 
 def apply_optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -1,4 +1,5 @@
 """crc32c of byte ranges (hardware accelerated, releases the GIL on large buffers)."""
+import json
 from typing import Any
 
 from hpcft.deps import require
@@ -10,3 +11,29 @@ def crc32c(buf: Any, crc: int = 0) -> int:
     """crc32c of a bytes-like object (numpy array, memoryview, bytes); `crc` continues a running checksum
     (crc32c(b, crc32c(a)) == crc32c(a + b))."""
     return _crc(buf if isinstance(buf, (bytes, bytearray)) else memoryview(buf).cast("B"), crc)
+
+
+SEALED = ("step", "rng", "optim", "extra")  # what a snapshot restores besides its tensors
+
+
+def seal_key(manifest: dict[str, Any]) -> int:
+    """crc32c of the manifest's step, RNG state, optimizer settings and `extra` (canonical JSON): what restore
+    applies besides the tensors' bytes, which nothing else checks."""
+    text = json.dumps([manifest.get(k) for k in SEALED], sort_keys=True, separators=(",", ":"))
+    return crc32c(text.encode())
+
+
+def seal(crc: int, key: int) -> int:
+    """A chunk's recorded checksum: its crc32c continued over `key` (`seal_key` of its manifest), so that a manifest
+    whose step, RNG state, optimizer settings or `extra` were edited (and its own checksum recomputed) no longer
+    matches its data: those fields are bound to the bytes they came with."""
+    return crc32c(key.to_bytes(4, "little"), crc)
+
+
+def chunk_table(data: Any, chunk_bytes: int, key: int) -> list[list[int]]:
+    """A manifest's `chunks` for raw bytes `data` cut every `chunk_bytes`: `[offset, nbytes, sealed crc32c]` with
+    `key` = `seal_key(manifest)` (for writers that hold plain bytes, such as the protect bench and tests, rather
+    than a snapshot engine)."""
+    n = len(data)
+    return [[lo, min(chunk_bytes, n - lo), seal(crc32c(data[lo:lo + chunk_bytes]), key)]
+            for lo in range(0, n, chunk_bytes)]

@@ -5,9 +5,9 @@ from typing import Any
 
 from hpcft.errors import StoreError
 from hpcft.store.checksum import crc32c
-from hpcft.store.paths import replace_file
+from hpcft.store.paths import read_file, replace_file
 
-FORMAT = "hpcft-snapshot/1"
+FORMAT = "hpcft-snapshot/2"  # /2: chunk checksums are sealed (checksum.seal) with the step, RNG, optim, extra
 
 
 def _body(manifest: dict[str, Any]) -> bytes:
@@ -44,8 +44,22 @@ def write_atomic(path: Path, manifest: dict[str, Any]) -> None:
 
 def read(path: Path) -> dict[str, Any]:
     """Read and verify one committed manifest."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise StoreError(f"cannot read manifest {path}: {exc.strerror}") from exc
-    return decode(data, path)
+    return decode(read_file(path), path)
+
+
+def is_int(v: Any) -> bool:
+    """An integer as the schema means it (JSON's `true` is not one)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_own(m: dict[str, Any], slot: int, rank: int, path: Path | str) -> int:
+    """The manifest's step, once its `step`, `slot` and `rank` say it belongs where its file is (a manifest copied
+    from another slot or rank, or with a step that is not a non-negative integer, is a StoreError)."""
+    step = m.get("step")
+    if not is_int(step) or step < 0:
+        raise StoreError(f"manifest {path}: step {step!r} is not a non-negative integer")
+    for key, own in (("slot", slot), ("rank", rank)):
+        if m.get(key) != own or not is_int(m.get(key)):
+            raise StoreError(f"manifest {path} says {key} {m.get(key)!r}, but its file is {key} {own}'s; "
+                             "it was copied or edited")
+    return step

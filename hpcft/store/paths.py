@@ -1,4 +1,5 @@
 """Where a job's snapshots live, and the checks that keep other users out of them."""
+import errno
 import getpass
 import os
 import re
@@ -29,13 +30,18 @@ def job_dir(base: Path, job_id: str, user: str | None = None) -> Path:
 
 
 def replace_file(path: Path, data: bytes, tmp: Path) -> None:
-    """Write `data` to `tmp` (0600, never through a symlink), then rename it over `path`: a reader sees the old
-    file or the new one, never a part. On failure `tmp` is removed and the OSError raised."""
+    """Write `data` to `tmp` (0600, never through a symlink, never blocking on a FIFO), then rename it over `path`:
+    a reader sees the old file or the new one, never a part. On failure the OSError is raised and `tmp` removed once
+    opened (a directory, FIFO or symlink already at `tmp` is not opened, and left for the caller to report)."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            check_file(fd, tmp)
+        except StoreError as exc:
+            raise OSError(errno.EPERM, str(exc)) from exc
         try:
             if os.write(fd, data) != len(data):
-                raise OSError(28, "short write")
+                raise OSError(errno.ENOSPC, "short write")
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -104,4 +110,61 @@ def check_file(fd: int, path: Path) -> None:
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise StoreError(
             f"refusing store file {path}: it must be a regular file owned by you with mode 0600 "
-            f"(found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); remove it and rerun")
+            f"(found {_kind(st.st_mode)}, uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); remove it and rerun")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return "an unknown kind of file"
+
+
+def open_file(path: Path, flags: int, *, create: bool = False) -> int:
+    """Open a store file for `flags` (os.O_RDONLY / O_RDWR) and return its descriptor: never through a symlink, never
+    blocking on a FIFO, and only a regular file of ours with mode 0600; anything else, and any OSError, is a
+    StoreError naming the path and what sits there (every store file is opened here, so no caller sees an OSError)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
+    except OSError as exc:
+        what = exc.strerror or str(exc)
+        try:
+            what = f"{what}; it is {_kind(os.lstat(path).st_mode)}"
+        except OSError:
+            pass
+        raise StoreError(f"cannot open store file {path}: {what}; remove or fix it and rerun") from exc
+    try:
+        check_file(fd, path)
+        os.set_blocking(fd, True)
+    except (StoreError, OSError) as exc:
+        os.close(fd)
+        if isinstance(exc, StoreError):
+            raise
+        raise StoreError(f"cannot use store file {path}: {exc.strerror or exc}") from exc
+    return fd
+
+
+def remove_file(path: Path) -> None:
+    """Unlink a store file if present; StoreError (not OSError) if it cannot be (e.g. a directory sits there)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        try:
+            kind = f"; it is {_kind(os.lstat(path).st_mode)}"
+        except OSError:
+            kind = ""
+        raise StoreError(f"cannot remove store file {path}: {exc.strerror or exc}{kind}; remove it by hand") from exc
+
+
+def read_file(path: Path) -> bytes:
+    """All bytes of a store file (a manifest, a pin), opened by `open_file`; StoreError if it cannot be read."""
+    fd = open_file(path, os.O_RDONLY)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read()
+    except OSError as exc:
+        raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpcft.errors import StoreError
-from hpcft.store.paths import replace_file
+from hpcft.store.paths import open_file, read_file, remove_file, replace_file
 
 SUFFIX = ".pin"
 MARKER = "agent-pins"  # in the job directory: a reader here pins (the agent: up to two versions per rank)
@@ -62,11 +62,11 @@ def write(path: Path, pin: Pin) -> None:
 
 def read(path: Path) -> Pin | None:
     """The pin at `path`, or None if there is none; an unreadable pin file reads as one already expired."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None
-    except OSError:
+    try:
+        raw = read_file(path)
+    except StoreError:  # a symlink, FIFO, directory, another user's file: binds nobody
         return Pin(-1, "", 0, 0, 0.0, "unreadable")
     try:
         fields = json.loads(raw)
@@ -80,7 +80,7 @@ def remove(path: Path, pin: Pin | None = None) -> None:
     """Remove `path`; with `pin`, only if the file still holds that pin (a renewal by its owner is not undone)."""
     if pin is not None and read(path) != pin:
         return
-    path.unlink(missing_ok=True)
+    remove_file(path)
 
 
 def stale_reason(pin: Pin, now: float | None = None) -> str | None:
@@ -99,7 +99,7 @@ def announce(job: Path) -> None:
     leaving a writer no slot."""
     path = job / MARKER
     if not path.exists():
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        os.close(open_file(path, os.O_WRONLY, create=True))
 
 
 def announced(job: Path) -> bool:

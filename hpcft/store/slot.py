@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcft.errors import StoreError
-from hpcft.store.paths import check_file
+from hpcft.errors import StoreError, StoreFullError
+from hpcft.store.paths import open_file
 
 GRAIN = 1 << 20  # sizes are rounded up to this, so small layout changes do not regrow the file
 GROW_PIECE = 64 << 20  # allocated between two calls of `ensure`'s pace
-_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _round_up(n: int, grain: int = GRAIN) -> int:
@@ -22,17 +22,13 @@ def _round_up(n: int, grain: int = GRAIN) -> int:
 class Slot:
     """A data file `slot-<k>.data` and its shared mapping; `array` is a uint8 view of all of it."""
 
-    def __init__(self, index: int, path: Path, *, readonly: bool = False):
+    def __init__(self, index: int, path: Path, *, readonly: bool = False, create: bool = True):
+        """Open (with `create`, create if missing) the data file; StoreError if it is not a regular file of ours."""
         self.index = index
         self.path = path
         self.readonly = readonly
         self.generation = 0  # bumped whenever the mapping moves (copiers re-register pinned memory)
-        self._fd = os.open(path, _FLAGS | (os.O_RDONLY if readonly else os.O_RDWR | os.O_CREAT), 0o600)
-        try:
-            check_file(self._fd, path)
-        except StoreError:
-            os.close(self._fd)
-            raise
+        self._fd = open_file(path, os.O_RDONLY if readonly else os.O_RDWR, create=create and not readonly)
         self._mm: mmap.mmap | None = None
         self._populated = False
         self.array = np.empty(0, dtype=np.uint8)
@@ -61,8 +57,9 @@ class Slot:
         except OSError as exc:
             os.ftruncate(self._fd, self.size)  # give back what a failed allocation took
             code = errno.errorcode.get(exc.errno, str(exc.errno))
-            raise StoreError(f"cannot allocate {size} bytes for {self.path}: {exc.strerror} ({code}); "
-                             "free space on the store root or point HPCFT_STORE_ROOT elsewhere") from exc
+            kind = StoreFullError if exc.errno in _NO_SPACE else StoreError
+            raise kind(f"cannot allocate {size} bytes for {self.path}: {exc.strerror} ({code}); "
+                       "free space on the store root or point HPCFT_STORE_ROOT elsewhere") from exc
         self._unmap()
         self._map(size, populate=True)
 

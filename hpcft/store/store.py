@@ -1,18 +1,22 @@
 """A rank's versioned snapshots: fixed slots reused round-robin, a manifest per complete version."""
 import logging
 import os
+import re
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpcft import events
-from hpcft.errors import StoreError
+from hpcft.errors import StoreError, StoreFullError
 from hpcft.store import manifest as mf
 from hpcft.store import pin as pins
-from hpcft.store.paths import job_dir, mark_run, resolve_root, secure_dir
-from hpcft.store.slot import Slot
+from hpcft.store import writer
+from hpcft.store.paths import job_dir, mark_run, remove_file, resolve_root, secure_dir
+from hpcft.store.slot import GRAIN, Slot
 
 _log = logging.getLogger(__name__)
+_MANIFEST = re.compile(r"slot-(\d{1,6})\.json$")
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,12 @@ class Version:
     step: int
     slot: int
     manifest: dict[str, Any]
+
+
+def _age(v: Version) -> tuple[int, float]:
+    """Versions in the order they were written: by step, then (two of one step, left by older code) by time."""
+    t = v.manifest.get("time")
+    return v.step, float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0
 
 
 def rank_dir(job: Path, rank: int) -> Path:
@@ -51,44 +61,64 @@ class RankStore:
         self.dir = secure_dir(rank_dir(self.job, rank), create=not readonly)
         self.nslots = keep + 1 + (1 if pins.announced(self.job) else 0)  # a spare slot where an agent pins
         self._slots: dict[int, Slot] = {}
-        self._full: set[int] = set()  # slots whose allocation ran out of space in this process
+        self._full: set[int] = set()  # slots whose allocation ran out of space (retried once the space is back)
+        self._refused: dict[int, str] = {}  # slots skipped for an unusable file, with the reason (reported once)
         self._index: dict[int, Version] | None = None  # slot -> complete version, as this writer knows it
+        self.rejected: list[str] = []  # manifests the last `versions()` skipped, and why
+        self._release = weakref.finalize(self, lambda: None)
         if not readonly:
-            mark_run(self.job)  # for slurm/epilog.sh: which Slurm run's snapshots these are
+            self._release = weakref.finalize(self, writer.claim(self.dir))  # released on close, or when dropped
+            try:
+                mark_run(self.job)  # for slurm/epilog.sh: which Slurm run's snapshots these are
+            except StoreError as exc:  # e.g. a full store: restoring what it holds needs no write
+                self._event("run_marker_failed", level=logging.WARNING, path=str(self.job), error=str(exc))
             for stale in self.dir.glob("*.dirty"):
-                stale.unlink(missing_ok=True)
+                try:
+                    remove_file(stale)
+                except StoreError as exc:
+                    self._event("store_file_refused", path=str(stale), error=str(exc))
+
+    def _event(self, kind: str, level: int = logging.ERROR, **fields) -> None:
+        events.emit(kind, level=level, rank=self.rank, **fields)
 
     def _manifest_path(self, k: int) -> Path:
         return self.dir / f"slot-{k}.json"
 
-    def slot(self, k: int) -> Slot:
-        """Open (create if missing) slot k."""
-        if k not in self._slots:
-            self._slots[k] = Slot(k, self.dir / f"slot-{k}.data", readonly=self.readonly)
-        return self._slots[k]
+    def slot_indices(self) -> list[int]:
+        """Every slot with a manifest file on disk, found by scanning (not by this store's `keep`: a relaunch with
+        a smaller `keep` still sees the versions a larger one left)."""
+        try:
+            names = os.listdir(self.dir)
+        except OSError as exc:
+            raise StoreError(f"cannot list {self.dir}: {exc.strerror or exc}") from exc
+        return sorted(int(m.group(1)) for m in map(_MANIFEST.match, names) if m)
 
     def versions(self) -> list[Version]:
-        """Complete versions held here, oldest first, read from disk (an unreadable manifest is reported
-        and skipped). Also refreshes the writer's in-memory index."""
-        found = {}
-        for k in range(self.nslots):
+        """Complete versions held here, oldest first, read from disk (a manifest that is unreadable, not a regular
+        file of ours, or not this slot's and rank's is reported as `manifest_bad` and skipped; `rejected` lists
+        them). Also refreshes the writer's in-memory index."""
+        found, self.rejected = {}, []
+        try:
+            indices = self.slot_indices()
+        except StoreError as exc:  # nothing here can be read: no version (the same outcome on every rank)
+            indices, self.rejected = [], [str(exc)]
+            self._event("manifest_bad", level=logging.WARNING, path=str(self.dir), error=str(exc))
+        for k in indices:
             path = self._manifest_path(k)
-            if not path.exists():
-                continue
             try:
                 m = mf.read(path)
+                found[k] = Version(mf.check_own(m, k, self.rank, path), k, m)
             except StoreError as exc:
-                events.emit("manifest_bad", level=logging.WARNING, rank=self.rank, path=str(path), error=str(exc))
-                continue
-            found[k] = Version(int(m["step"]), k, m)
+                self.rejected.append(str(exc))
+                self._event("manifest_bad", level=logging.WARNING, path=str(path), error=str(exc))
         self._index = found
-        return sorted(found.values(), key=lambda v: v.step)
+        return sorted(found.values(), key=_age)
 
     def _held(self) -> list[Version]:
         """The writer's view without touching the disk (only this process writes this rank's manifests)."""
         if self._index is None:
             return self.versions()
-        return sorted(self._index.values(), key=lambda v: v.step)
+        return sorted(self._index.values(), key=_age)
 
     def begin(self, nbytes: int) -> Slot:
         """Pick a slot for a new version of `nbytes`, withdraw its manifest, size it; StoreError if none fits or
@@ -100,23 +130,26 @@ class RankStore:
         last_error: StoreError | None = None
         pinned: dict[int, pins.Pin] = {}
         for k in order:
-            if k in self._full and (k not in self._slots or self._slots[k].size < nbytes):
+            if k in self._full and not self._room_for(k, nbytes):
                 continue
             version = self._index.get(k) if self._index is not None else None
             if self._pinned(k, version, pinned):
                 continue
-            self.withdraw(k)
+            try:
+                self.withdraw(k)
+                remove_file(self._manifest_path(k).with_name(f"slot-{k}.json.dirty"))  # where its commit writes
+            except StoreError as exc:  # e.g. a directory where its manifest goes
+                self._refuse(k, exc)
+                last_error = exc
+                continue
             if self._pinned(k, version, pinned):  # pinned between the check and the withdrawal: put it back
                 self.commit(self.slot(k), version.manifest)
                 continue
             try:
-                slot = self.slot(k)
-                slot.ensure(nbytes)
-                return slot
+                self._allocate(k, nbytes)
+                return self._slots[k]
             except StoreError as exc:
-                self._full.add(k)
                 last_error = exc
-                events.emit("store_full", level=logging.ERROR, rank=self.rank, slot=k, bytes=nbytes, error=str(exc))
         if pinned and last_error is None:
             who = ", ".join(f"slot {k} step {p.step} by {p.owner or 'pid'} {p.pid}@{p.host}" for k, p in pinned.items())
             events.emit("slots_pinned", level=logging.WARNING, rank=self.rank, slots=",".join(map(str, pinned)),
@@ -134,7 +167,11 @@ class RankStore:
             return False
         reason = pins.stale_reason(pin)
         if reason is not None:
-            pins.remove(path, pin)
+            try:
+                pins.remove(path, pin)
+            except StoreError as exc:  # e.g. a directory where the pin goes: it binds nobody, and stays
+                self._refuse(k, exc)
+                return False
             events.emit("pin_broken", level=logging.WARNING, rank=self.rank, slot=k, step=pin.step, owner=pin.owner,
                         pid=pin.pid, host=pin.host, reason=reason)
             return False
@@ -147,30 +184,104 @@ class RankStore:
         """Size and pre-fault every slot now (fresh shm pages cost ~10x warm ones), so that later snapshots
         only ever write warm pages. A slot that does not fit is reported and left for `begin` to skip."""
         for k in range(self.nslots):
-            if k in self._full:
+            if k in self._full and not self._room_for(k, nbytes):
                 continue
             try:
-                self.slot(k).ensure(nbytes)
-                self.slot(k).prefault()
-            except StoreError as exc:
-                self._full.add(k)
-                events.emit("store_full", level=logging.ERROR, rank=self.rank, slot=k, bytes=nbytes, error=str(exc))
+                self._allocate(k, nbytes)
+                self._slots[k].prefault()
+            except StoreError:
+                pass  # reported by _allocate; `begin` skips the slot
+
+    def _allocate(self, k: int, nbytes: int) -> None:
+        """Open slot k and make it `nbytes` long; StoreError with an event that says what happened: `store_full`
+        (no space: retried once the file system has room again, `store_resumed`) or `store_file_refused` (the
+        slot's file is a symlink, FIFO, directory, another user's, ...: retried each time, reported once)."""
+        try:
+            slot = self.slot(k)
+            slot.ensure(nbytes)
+        except StoreFullError as exc:
+            self._full.add(k)
+            self._event("store_full", slot=k, bytes=nbytes, error=str(exc))
+            raise
+        except StoreError as exc:
+            self._refuse(k, exc)
+            raise
+        if k in self._full or k in self._refused:
+            self._full.discard(k)
+            self._refused.pop(k, None)
+            self._event("store_resumed", level=logging.WARNING, slot=k, bytes=nbytes)
+
+    def _refuse(self, k: int, exc: StoreError) -> None:
+        """Report (once per reason) that slot k is skipped because one of its files is unusable."""
+        if self._refused.get(k) != str(exc):
+            self._refused[k] = str(exc)
+            self._event("store_file_refused", slot=k, path=str(self.dir), error=str(exc))
+
+    def _room_for(self, k: int, nbytes: int) -> bool:
+        """True if slot k already holds `nbytes` or the file system now has the space it lacks (statvfs)."""
+        have = self._slots[k].size if k in self._slots else 0
+        if have >= nbytes:
+            return True
+        try:
+            st = os.statvfs(self.dir)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize >= -(-(nbytes - have) // GRAIN) * GRAIN
 
     def withdraw(self, k: int) -> None:
         """Remove slot k's manifest: from now on its data is not a version and may be overwritten."""
-        self._manifest_path(k).unlink(missing_ok=True)
+        remove_file(self._manifest_path(k))
         if self._index is not None:
             self._index.pop(k, None)
 
+    def slot(self, k: int, *, create: bool = True) -> Slot:
+        """Open slot k (with `create`, create its file if missing: a restore opens only what exists)."""
+        if k not in self._slots:
+            self._slots[k] = Slot(k, self.dir / f"slot-{k}.data", readonly=self.readonly, create=create)
+        return self._slots[k]
+
     def commit(self, slot: Slot, manifest: dict[str, Any]) -> None:
-        """Publish `slot` as a complete version described by `manifest` (atomic rename)."""
-        manifest = {**manifest, "slot": slot.index}
+        """Publish `slot` as a complete version described by `manifest` (atomic rename). Another slot holding the
+        same step (a leftover of a timeline a restore went back from) is withdrawn: one version per step."""
+        manifest = {**manifest, "slot": slot.index, "rank": self.rank}
         mf.write_atomic(self._manifest_path(slot.index), manifest)
+        step = int(manifest["step"])
         if self._index is not None:
-            self._index[slot.index] = Version(int(manifest["step"]), slot.index, manifest)
+            self._index[slot.index] = Version(step, slot.index, manifest)
+            for v in [v for v in self._index.values() if v.step == step and v.slot != slot.index]:
+                self.retire(v, "superseded by a newer version of the same step")
+            self._prune()
+
+    def retire(self, version: Version, reason: str) -> None:
+        """Withdraw `version` for good (event `version_withdrawn`): a version restore fell back past, or one that a
+        newer write of its step superseded, must never be picked again. A pinned one is left to its reader."""
+        if self._pinned(version.slot, version, {}):
+            return
+        try:
+            self.withdraw(version.slot)
+        except StoreError as exc:
+            self._event("store_file_refused", slot=version.slot, error=str(exc))
+            return
+        self._event("version_withdrawn", level=logging.WARNING, step=version.step, slot=version.slot, reason=reason)
+
+    def _prune(self) -> None:
+        """Free the slots beyond this store's `nslots` (left by a run with a larger `keep`) once `keep` newer
+        versions exist: their versions are withdrawn and their data files removed."""
+        held = self._held()
+        newest = held[-self.keep:]
+        for v in held:
+            if v.slot >= self.nslots and v not in newest and not self._pinned(v.slot, v, {}):
+                try:
+                    self.withdraw(v.slot)
+                    if v.slot in self._slots:
+                        self._slots.pop(v.slot).close()
+                    remove_file(self.dir / f"slot-{v.slot}.data")
+                except StoreError as exc:
+                    self._event("store_file_refused", slot=v.slot, error=str(exc))
 
     def close(self) -> None:
-        """Unmap every slot; the snapshots stay on the store root."""
+        """Unmap every slot and release the writer lock; the snapshots stay on the store root."""
         for slot in self._slots.values():
             slot.close()
         self._slots.clear()
+        self._release()

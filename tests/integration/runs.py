@@ -71,18 +71,20 @@ def resumed_from(out: Path) -> dict[str, int]:
     return {p.name: int(p.read_text()) for p in out.glob("start.*") if int(p.read_text()) > 0}
 
 
-def start_run(sandbox, out: Path, *args: str, delay: float = 0.0, verbose: bool = True, **env: str) -> subprocess.Popen:
-    """`salloc -N6 --no-kill hpcft [-v] run --spares 2 ARGS -- python train_job.py` in the sandbox, at once."""
+def start(sandbox, out: Path, allocate: int, *args: str, per_node: int = 1, steps: int = STEPS, delay: float = 0.0,
+          verbose: bool = True, **env: str) -> subprocess.Popen:
+    """`salloc -N<allocate> --ntasks-per-node=<per_node> --no-kill hpcft [-v] run ARGS -- python train_job.py` in
+    the sandbox, at once (without -v, the job output is what a person reads by default)."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {"OUT": str(out), "STEPS": str(STEPS), "STEP_DELAY": str(delay), "PYTHONUNBUFFERED": "1", **env}
-    argv = ["salloc", "-N6", "--no-kill", "-t", "5", sys.executable, "-m", "hpcft.cli", *(["-v"] if verbose else []), "run", "--spares", "2",
-            "--job-dir", str(out / "job"), "--poll-interval", "0.5", "--kill-grace", "1", "--probe-timeout", "5",
-            "--requeue-margin", "30",
-            *args, "--", sys.executable, str(JOB)]
+    env = {"OUT": str(out), "STEPS": str(steps), "STEP_DELAY": str(delay), "PYTHONUNBUFFERED": "1", **env}
+    argv = ["salloc", f"-N{allocate}", f"--ntasks-per-node={per_node}", "--no-kill", "-t", "5", sys.executable, "-m",
+            "hpcft.cli", *(["-v"] if verbose else []), "run", "--job-dir", str(out / "job"), "--poll-interval", "0.5", "--kill-grace", "1", "--probe-timeout", "5",
+            "--requeue-margin", "30", *args, "--", sys.executable, str(JOB)]
     return sandbox.runner().popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def finish_run(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
+def finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
+    """`hpcft run`'s exit code and output; the test fails if it runs past `timeout`."""
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -90,3 +92,20 @@ def finish_run(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
         output, _ = proc.communicate()
         pytest.fail(f"hpcft run did not finish within {timeout} s:\n{output[-4000:]}")
     return proc.returncode, output
+
+
+def assert_same_ranks(out: Path, ref: Path, ranks: int) -> None:
+    """Every rank's final parameters and optimizer state (final.<rank>.pt, TP jobs) equal the reference run's."""
+    for rank in range(ranks):
+        got = torch.load(out / f"final.{rank}.pt", weights_only=True)
+        want = torch.load(ref / f"final.{rank}.pt", weights_only=True)
+        assert got["seen"] == want["seen"], rank
+        for part in ("params", "optim"):
+            assert got[part].keys() == want[part].keys(), (rank, part)
+            differ = [k for k, t in want[part].items() if not torch.equal(got[part][k], t)]
+            assert not differ, f"rank {rank}: {part} {differ} differ from the uninterrupted run"
+
+
+def start_spared(sandbox, out: Path, *args: str, **kw) -> subprocess.Popen:
+    """`start` on the whole 6-node sandbox: 4 active nodes n1..n4, spares n5 and n6."""
+    return start(sandbox, out, 6, "--spares", "2", *args, **kw)

@@ -22,7 +22,7 @@ from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.protect import records
 from hpcft.agent.stripes import encode_set, rebuild_partner, rebuild_set
 from hpcft.errors import NoCheckpointError
-from hpcft.store import RankStore, crc32c, job_dir
+from hpcft.store import RankStore, chunk_table, job_dir, seal_key
 from hpcft.store import pin as store_pin
 
 JOB = "4242"
@@ -40,8 +40,8 @@ def _commit_version(store: RankStore, step: int, nbytes: int) -> bytes:
     slot = store.begin(nbytes)
     data = _data(store.rank, step, nbytes)
     slot.array[:nbytes] = data
-    chunks = [[lo, min(CHUNK, nbytes - lo), crc32c(data[lo:lo + CHUNK])] for lo in range(0, nbytes, CHUNK)]
-    store.commit(slot, {"step": step, "rank": store.rank, "data_bytes": nbytes, "chunk_bytes": CHUNK, "chunks": chunks})
+    store.commit(slot, {"step": step, "rank": store.rank, "data_bytes": nbytes, "chunk_bytes": CHUNK,
+                        "chunks": chunk_table(data, CHUNK, seal_key({"step": step}))})
     return (store.dir / f"slot-{slot.index}.json").read_bytes()
 
 
@@ -329,6 +329,8 @@ def test_a_slow_agent_protects_a_consistent_step_while_trainers_snapshot_every_s
             rdir.mkdir(parents=True)
             (rdir / "slot-0.json").write_bytes(manifests.get((r, step)) or _committed_before(roots[i], r, step))
             _data(r, step, _size(r)).tofile(rdir / "slot-0.data")
+            for f in rdir.iterdir():
+                f.chmod(0o600)  # as the store writes them: the agent reads no store file open to others
         b = Bundle(step, complete_steps(job)[step])
         bundles.append(np.concatenate(b.piece(0, b.size)))
     pset = plan(NODES, scheme).sets[0]

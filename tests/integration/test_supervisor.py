@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from runs import JOB, agents_ready, assert_same_result, decisions, resumed_from, wait, wait_progress, wait_protected
-from runs import finish_run as _finish
-from runs import start_run as _start
+from runs import finish as _finish
+from runs import start_spared as _start
 
 from hpcft import events
 from hpcft.agent import status as agent_status

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from runs import assert_same_result, decisions, finish_run, start_run, wait_progress
+from runs import assert_same_result, decisions, finish, start_spared, wait_progress
 
 from hpcft import events
 
@@ -16,17 +16,17 @@ def reference(sandbox, tmp_path_factory) -> Path:
     """The uninterrupted run (4 nodes, default options) the faulted ones are compared with; it is also the test of
     the defaults (below)."""
     out = tmp_path_factory.mktemp("reference")
-    code, output = finish_run(start_run(sandbox, out, verbose=False))
+    code, output = finish(start_spared(sandbox, out, verbose=False))
     assert code == 0, output[-4000:]
     return out
 
 
 def test_a_restart_from_step_0_after_a_node_loss_is_an_error_and_a_summary_line(healthy_sandbox, reference, tmp_path):
     out = tmp_path / "lost"
-    proc = start_run(healthy_sandbox, out, "--protect", "none", delay=0.1, verbose=False)
+    proc = start_spared(healthy_sandbox, out, "--protect", "none", delay=0.1, verbose=False)
     wait_progress(out / "job", 2, 6)
     healthy_sandbox.crash_node("n3")
-    code, output = finish_run(proc)
+    code, output = finish(proc)
     assert code == 0, output[-4000:]
     made = decisions(out / "job")  # the spare takes the crashed node's slot, every rank keeps its role
     assert [d["action"] for d in made] == ["replace", "done"], output[-4000:]
@@ -64,7 +64,7 @@ def test_a_step_slurm_refuses_to_create_ends_the_run_at_once_with_slurms_message
             str(tmp_path / "job"), "--tasks-per-node", "8", "--protect", "none", "--poll-interval", "0.2", "--",
             "true"]
     proc = sandbox.runner().popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    code, output = finish_run(proc, timeout=90)
+    code, output = finish(proc, timeout=90)
     assert code == 1, output[-3000:]  # EXIT_ERROR: fix the options and resubmit
     made = [(d["action"], d["cause"]) for d in decisions(tmp_path / "job")]
     assert made == [("stop", "step_refused")], output[-3000:]
@@ -77,7 +77,7 @@ def test_a_run_that_cannot_start_records_its_decision_and_summary(sandbox, tmp_p
     argv = ["salloc", "-N2", "-t", "5", sys.executable, "-m", "hpcft.cli", "run", "--job-dir", str(tmp_path / "job"),
             "--nodes", "4", "--", "true"]
     proc = sandbox.runner().popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    code, output = finish_run(proc, timeout=90)
+    code, output = finish(proc, timeout=90)
     assert code == 1, output[-3000:]
     log = events.read(tmp_path / "job")
     assert [(e["event"], e.get("action"), e.get("cause")) for e in log] == [

@@ -1,9 +1,16 @@
 """Training scenarios run as real ranks by launch.py (one process per rank, gloo, CPU).
 
   roundtrip --kind ddp|tp|fsdp   snapshot, clobber, restore into a fresh model+optimizer: bitwise equal?
+  damaged                        3 snapshots; rank 1 alone damages two (a FIFO for step 3's data file, a lying
+                                 manifest for step 2): every rank must restore step 1, bit for bit, none hang
   train --steps N [--kill-at K] [--delay S] [--tag T]
                                  train with snapshots every step; SIGKILL itself right after step K
                                  (mid-snapshot with --delay); restore on start; save reference states
+
+  --backend B          the default group's backend for hpcft.init() (e.g. `cuda:gloo`: like NCCL/RCCL, it
+                       refuses CPU tensors); DDP then syncs gradients on a gloo group of its own (the device traffic)
+  --user-groups        the script makes its own groups, as torchtitan or Megatron do: init_process_group(B) and
+                       a data-parallel new_group of every rank, no hpcft.init()
 """
 import argparse
 import json
@@ -12,6 +19,7 @@ import random
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -23,13 +31,18 @@ from hpcft.snapshot import state as hstate
 D = 16
 
 
+def carries_cpu(pg) -> bool:
+    return "cpu:" in dist.get_backend_config(pg)
+
+
 def build(kind: str, ctx, dropout: float = 0.0) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(D, 4 * D), torch.nn.ReLU(), torch.nn.Linear(4 * D, D),
                                 torch.nn.Dropout(dropout))
     model.register_buffer("seen", torch.zeros(3))
-    if kind == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model)
+    if kind == "ddp":  # gradients on a CPU group here, where a GPU job's would travel on its NCCL group
+        pg = None if carries_cpu(dist.group.WORLD) else dist.new_group(backend="gloo")
+        return torch.nn.parallel.DistributedDataParallel(model, process_group=pg)
     if kind == "tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -117,6 +130,44 @@ def roundtrip(args, ctx) -> dict:
             "bytes_copied": stats["bytes"], "rng_equal": same_rng(ref_rng, rng_now())}
 
 
+def _damage(store_dir: Path) -> None:
+    """Rank 1's own damage: step 3's data file becomes a FIFO, step 2's manifest lies about an offset (its own
+    checksum recomputed)."""
+    from hpcft.store import manifest
+
+    by_step = {json.loads(p.read_bytes())["step"]: p for p in store_dir.glob("slot-*.json")}
+    data = by_step[3].with_suffix(".data")
+    data.unlink()
+    os.mkfifo(data, 0o600)
+    m = json.loads(by_step[2].read_bytes())
+    m["entries"][0]["offset"] += 64
+    by_step[2].write_bytes(manifest.encode(m))
+
+
+def damaged(args, ctx) -> dict:
+    model = build("ddp", ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    pos, refs = {"pos": 0}, {}
+    with hpcft.Checkpointer(model, opt, extra=lambda: dict(pos), dp_group=ctx.dp_group, chunk_bytes=1024,
+                            keep=3) as ckpt:
+        for it in range(3):
+            train_step("ddp", ctx, model, opt, it, pos)
+            ckpt.wait()
+            refs[it + 1] = (snapshot_of(model, opt), rng_now())
+        store_dir = ckpt.store.dir
+    if ctx.rank == 1:
+        _damage(store_dir)
+    dist.barrier()
+    torch.manual_seed(123)
+    model2 = build("ddp", ctx)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5, weight_decay=0.1)
+    with hpcft.Checkpointer(model2, opt2, dp_group=ctx.dp_group) as again:
+        start = again.restore()
+        bad = diff(refs[1][0], snapshot_of(model2, opt2))
+        ok = start == 1 and not bad and same_rng(refs[1][1], rng_now()) and again.extra == {"pos": 1}
+    return {"ok": ok, "start": start, "mismatch": bad}
+
+
 def train(args, ctx) -> dict:
     torch.use_deterministic_algorithms(True)
     model = build("ddp", ctx, dropout=0.1)
@@ -146,6 +197,15 @@ def train(args, ctx) -> dict:
     return {**report, "ok": True}
 
 
+def user_groups(backend: str) -> SimpleNamespace:
+    """What a script that makes its own groups hands hpcft: its default group and a data-parallel group."""
+    rank, world = int(os.environ["HPCFT_RANK"]), int(os.environ["HPCFT_WORLD_SIZE"])
+    dist.init_process_group(backend, init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                            rank=rank, world_size=world)
+    return SimpleNamespace(rank=rank, world=world, dp=world, dp_rank=rank, dp_group=dist.new_group(list(range(world))),
+                           close=dist.destroy_process_group)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario")
@@ -157,13 +217,15 @@ def main() -> int:
     ap.add_argument("--delay", type=float, default=0.0)
     ap.add_argument("--tag", default="run")
     ap.add_argument("--save-refs", action="store_true")
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--user-groups", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    ctx = hpcft.init(tp=args.tp)
-    fn = {"roundtrip": roundtrip, "train": train}[args.scenario]
+    ctx = user_groups(args.backend) if args.user_groups else hpcft.init(tp=args.tp, backend=args.backend)
+    fn = {"roundtrip": roundtrip, "train": train, "damaged": damaged}[args.scenario]
     report = fn(args, ctx)
     Path(args.out, f"{args.scenario}-{args.tag}-rank{ctx.rank}.json").write_text(json.dumps(report, default=str))
-    dist.barrier()
+    dist.barrier(group=None if carries_cpu(dist.group.WORLD) else dist.new_group(backend="gloo"))
     ctx.close()
     return 0 if report.get("ok") else 1
 

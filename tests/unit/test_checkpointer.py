@@ -1,7 +1,5 @@
 """The Checkpointer in one process on the real /dev/shm: fresh start, consistency under a slow copy
 (and the racy copy it guards against), a flipped byte, ENOSPC, `every`, stats."""
-import subprocess
-import os
 from pathlib import Path
 
 import pytest
@@ -155,28 +153,18 @@ def test_every_and_stats(root: Path) -> None:
         assert s.blocked_s > 0 and s.copy_s > 0 and len(s.history) == 2
 
 
-def test_enospc_training_continues(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
+def test_enospc_training_continues(mount_tmpfs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HPCFT_EVENT_DIR", str(tmp_path / "events"))
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k,mode=0700", "tmpfs", str(mnt)],
-                        capture_output=True, text=True)
-    if rc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {rc.stderr.strip()}")
-    try:
-        model, opt = _model()
-        ckpt = Checkpointer(model, opt, root=mnt, job_id="j")
-        _step(model, opt, 0)
-        ref = _state(model, opt)
-        for it in range(1, 4):  # the second slot does not fit: these snapshots are skipped
-            _step(model, opt, it)
-        ckpt.close()
-        assert "snapshot_skipped" in _kinds(tmp_path) and "store_full" in _kinds(tmp_path)
-        model2, opt2 = _model(seed=3)
-        with Checkpointer(model2, opt2, root=mnt, job_id="j") as again:
-            assert again.restore() == 1
-            assert all(torch.equal(ref[k], v) for k, v in _state(model2, opt2).items())
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    mnt = mount_tmpfs("1600k")
+    model, opt = _model()
+    ckpt = Checkpointer(model, opt, root=mnt, job_id="j")
+    _step(model, opt, 0)
+    ref = _state(model, opt)
+    for it in range(1, 4):  # the second slot does not fit: these snapshots are skipped
+        _step(model, opt, it)
+    ckpt.close()
+    assert "snapshot_skipped" in _kinds(tmp_path) and "store_full" in _kinds(tmp_path)
+    model2, opt2 = _model(seed=3)
+    with Checkpointer(model2, opt2, root=mnt, job_id="j") as again:
+        assert again.restore() == 1
+        assert all(torch.equal(ref[k], v) for k, v in _state(model2, opt2).items())

@@ -39,6 +39,23 @@ def test_sigkill_mid_snapshot_restores_previous(root: Path, tmp_path: Path) -> N
         assert r["start"] == 2 and r["restored_equal"] and r["extra"] == {"pos": 2}
 
 
+@pytest.mark.parametrize("world,groups", [(2, "hpcft"), (4, "hpcft"), (2, "user"), (4, "user")])
+def test_groups_that_refuse_cpu_tensors(world: int, groups: str, root: Path, tmp_path: Path) -> None:
+    """The documented flow (init, Checkpointer, restore, steps, relaunch, restore) on a default group that, like
+    NCCL/RCCL, refuses CPU tensors: made by hpcft.init() or by the script itself with its own data-parallel group."""
+    how = ["--backend", "cuda:gloo"] + (["--user-groups"] if groups == "user" else [])
+    env = {"TORCH_GLOO_LAZY_INIT": "1"} if world == 4 else None  # as the GPU profiles set it (hpcft/launch/profiles.py)
+    first = launch.run(world, "train", "--steps", "5", "--kill-at", "3", "--delay", "0.05", "--save-refs", *how,
+                       root=root, out=tmp_path, extra_env=env)
+    assert all(r.returncode == -9 for r in first), [r.output[-2000:] for r in first]
+    launch.check(launch.run(world, "train", "--steps", "5", "--tag", "relaunch", *how, root=root, out=tmp_path,
+                            extra_env=env))
+    reports = _reports(tmp_path, "train-relaunch")
+    assert len(reports) == world
+    for r in reports:  # step 3's snapshot was in flight at the kill
+        assert r["start"] == 2 and r["restored_equal"] and r["extra"] == {"pos": 2}
+
+
 def test_kill_and_relaunch_is_bit_identical(root: Path, tmp_path: Path) -> None:
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     launch.check(launch.run(2, "train", "--steps", "6", "--tag", "final", root=root, out=whole, job_id="a"))
@@ -52,3 +69,11 @@ def test_kill_and_relaunch_is_bit_identical(root: Path, tmp_path: Path) -> None:
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), k
+
+
+def test_one_ranks_damaged_store_makes_every_rank_fall_back_together(root: Path, tmp_path: Path) -> None:
+    """Rank 1 alone holds an unusable data file (step 3) and a lying manifest (step 2): its StoreError and its
+    manifest_bad are agreed on, so both ranks restore step 1 instead of one waiting in a collective for the other."""
+    launch.check(launch.run(2, "damaged", root=root, out=tmp_path, timeout=120))
+    reports = _reports(tmp_path, "damaged-run")
+    assert [r["start"] for r in reports] == [1, 1] and all(r["ok"] for r in reports), reports

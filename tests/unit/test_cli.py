@@ -35,3 +35,5 @@ def test_doctor_json_and_missing_essential(tmp_path):
     assert out.returncode == 1 and report["ok"] is False
     torch_check = next(c for c in report["checks"] if c["name"] == "torch")
     assert torch_check["ok"]
+    kernel = next(c for c in report["checks"] if c["name"] == "copy kernel")  # make setup built it
+    assert kernel["ok"] and "_ntcopy" in kernel["detail"] and not kernel["essential"]

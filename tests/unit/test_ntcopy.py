@@ -1,5 +1,6 @@
-"""The streaming-store copy kernel: the same bytes as numpy for any size and alignment, the source's crc32c,
-and numpy copies where no kernel can be built or it is switched off."""
+"""The streaming-store copy kernel: the same bytes as numpy for any size and alignment, the source's crc32c;
+built by the install (never at run time), and memcpy with one warning where it was not built."""
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -10,9 +11,8 @@ from hpcft.store import crc32c
 
 
 @pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """ntcopy as on first use in a new process, building into an empty per-test cache."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+def fresh(monkeypatch: pytest.MonkeyPatch):
+    """ntcopy as on first use in a new process."""
     monkeypatch.setattr(ntcopy, "_tried", False)
     monkeypatch.setattr(ntcopy, "_lib", None)
     return ntcopy
@@ -29,24 +29,42 @@ def _copies_exactly() -> None:
             assert (dst[:b] == 0xAB).all() and (dst[b + n:] == 0xAB).all()  # nothing outside written
 
 
-def test_kernel_builds_and_copies_exactly(fresh) -> None:
-    if not fresh.available():
-        pytest.skip(f"no streaming-store kernel here: {fresh.reason}")
-    built = list((fresh._cache_dir()).glob("ntcopy-*.so"))
-    assert len(built) == 1 and not built[0].stat().st_mode & 0o022
+def test_installed_kernel_loads_and_copies_exactly(fresh, caplog: pytest.LogCaptureFixture) -> None:
+    """`make setup` (pip install -e) builds the kernel into the package, where the copies find it."""
+    assert fresh.available(), fresh.reason
+    assert fresh.kernel_path().parent == Path(ntcopy.__file__).parent
+    assert fresh.probe() == (True, f"built: {fresh.kernel_path()}")
     _copies_exactly()
+    assert not caplog.records
 
 
-def test_without_a_compiler_numpy_copies(fresh, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CC", "/bin/false")
-    assert not fresh.available() and "false" in fresh.reason
-    _copies_exactly()
+def test_not_built_copies_with_memcpy_and_warns_once(fresh, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(ntcopy, "kernel_path", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="hpcft.snapshot.ntcopy"):
+        assert not fresh.available()
+        _copies_exactly()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not built" in warnings[0].message and "C compiler" in warnings[0].message
+    assert fresh.probe()[0] is False and "reinstall" in fresh.probe()[1]
 
 
-def test_switched_off(fresh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unloadable_kernel_falls_back(fresh, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    bogus = tmp_path / "_ntcopy.so"
+    bogus.write_bytes(b"not an ELF file")
+    monkeypatch.setattr(ntcopy, "kernel_path", lambda: bogus)
+    with caplog.at_level(logging.WARNING, logger="hpcft.snapshot.ntcopy"):
+        assert not fresh.available() and "cannot be loaded" in fresh.reason
+        _copies_exactly()
+    assert len(caplog.records) == 1
+
+
+def test_switched_off(fresh, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("HPCFT_NTCOPY", "0")
     assert not fresh.available() and "HPCFT_NTCOPY" in fresh.reason
     _copies_exactly()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # chosen on purpose: no warning
 
 
 def test_strided_and_mismatched() -> None:

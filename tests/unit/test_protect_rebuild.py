@@ -9,7 +9,7 @@ from hpcft.agent.codec import Unrecoverable
 from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.rebuild import lost_slots
 from hpcft.errors import CheckpointError, IntegrityError, NoCheckpointError
-from hpcft.store import RankStore, crc32c, job_dir
+from hpcft.store import RankStore, chunk_table, job_dir, seal_key
 
 
 def _mask(n, lost):
@@ -44,7 +44,7 @@ def _commit(root, rank, step, nbytes):
     data = np.random.default_rng(rank + step).integers(0, 256, nbytes, dtype=np.uint8)
     slot.array[:nbytes] = data
     store.commit(slot, {"step": step, "rank": rank, "data_bytes": nbytes, "time": 1.5e9 + 0.1,
-                        "chunks": [[lo, min(1000, nbytes - lo), crc32c(data[lo:lo + 1000])] for lo in range(0, nbytes, 1000)]})
+                        "chunks": chunk_table(data, 1000, seal_key({"step": step}))})
     store.close()
 
 

@@ -35,3 +35,26 @@ def test_init_single_rank_from_launcher_variables() -> None:
         assert torch.equal(t, torch.ones(2))
     finally:
         ctx.close()
+
+
+def test_gpu_groups_carry_cpu_tensors_too() -> None:
+    """On GPUs the default group maps cuda to NCCL/RCCL and cpu to gloo: NCCL alone refuses CPU tensors."""
+    from hpcft.runtime import default_backend
+
+    assert default_backend(torch.device("cuda", 3)) == "cpu:gloo,cuda:nccl"
+    assert default_backend(torch.device("cpu")) == "gloo"
+
+
+def test_which_groups_carry_cpu_tensors() -> None:
+    """hpcft pairs a group with a gloo one exactly when the group's backends leave out the CPU."""
+    import torch.distributed as dist
+
+    from hpcft.snapshot.groups import carries
+
+    store = dist.HashStore()
+    dist.init_process_group("cuda:gloo", store=store, rank=0, world_size=1)
+    try:
+        assert not carries(dist.group.WORLD, "cpu") and carries(dist.group.WORLD, "cuda")
+        assert carries(dist.new_group(backend="gloo"), "cpu")
+    finally:
+        dist.destroy_process_group()

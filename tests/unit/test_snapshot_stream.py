@@ -1,8 +1,6 @@
 """The device backends' shared issuing logic (cap on bytes in flight, per-chunk checksums, failure
 ordering), driven on the CPU by a backend whose 'device' primitives are host copies and host events."""
-import tempfile
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +8,6 @@ import torch
 from hpcft.snapshot import plan
 from hpcft.snapshot.copiers.base import crc_chunks
 from hpcft.snapshot.copiers.stream import StreamCopier
-from hpcft.store import RankStore
 
 
 class HostStream(StreamCopier):
@@ -57,14 +54,6 @@ class HostStream(StreamCopier):
 
     def _compute_waits(self, event):
         self.compute_waited.append(event)
-
-
-@pytest.fixture
-def slot():
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        store = RankStore("s", 0, root=Path(d))
-        yield store.begin(1 << 20)
-        store.close()
 
 
 def _work(n_tensors: int = 12, size: int = 5000):

@@ -1,7 +1,5 @@
 """The snapshot store on real files: permissions and ownership, slot rotation, atomic commit, ENOSPC."""
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -103,18 +101,9 @@ def test_manifest_roundtrip_and_checksum() -> None:
 
 
 @pytest.fixture
-def tiny_tmpfs(tmp_path: Path):
+def tiny_tmpfs(mount_tmpfs) -> Path:
     """A 1600 KiB tmpfs: room for one 1 MiB slot and its manifests, not for a second slot."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("mounting a tmpfs needs root")
-    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k,mode=0700", "tmpfs", str(mnt)],
-                        capture_output=True, text=True)
-    if rc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {rc.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return mount_tmpfs("1600k")
 
 
 def test_crc32c_continues_a_running_checksum() -> None:

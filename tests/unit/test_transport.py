@@ -11,7 +11,7 @@ import pytest
 from hpcft import events
 from hpcft.agent import secret as job_secret
 from hpcft.agent.throttle import Throttle, cpu_cores
-from hpcft.agent.transport import MAGIC, NONCE, AuthError, Listener, TransportError, connect
+from hpcft.agent.transport import ACCEPTED, MAGIC, NONCE, AuthError, Listener, TransportError, connect
 from hpcft.errors import ConfigError
 
 SECRET = b"s" * 64
@@ -53,8 +53,8 @@ def test_payload_arrives_byte_identical_into_the_callers_buffer(listener):
 def test_stranger_with_another_secret_is_refused_and_logged(listener, event_dir):
     with ThreadPoolExecutor(1) as pool:
         server = pool.submit(listener.accept, 10)
-        with pytest.raises(TransportError):
-            connect(b"x" * 64, "127.0.0.1", listener.port)
+        with pytest.raises(AuthError, match="refused this agent: it does not accept our job secret"):
+            connect(b"x" * 64, "127.0.0.1", listener.port)  # told so, not left with a closed connection
         good = connect(SECRET, "127.0.0.1", listener.port)
         peer = server.result()  # the stranger was skipped, the job's peer accepted
     assert listener.refused == 1
@@ -89,7 +89,7 @@ def test_client_refuses_a_server_without_the_secret(event_dir):
         conn, _ = fake.accept()
         conn.sendall(MAGIC + os.urandom(NONCE))
         conn.recv(1024)
-        conn.sendall(b"\0" * 32)
+        conn.sendall(ACCEPTED + b"\0" * 32)
         conn.close()
 
     t = threading.Thread(target=serve)
@@ -150,3 +150,88 @@ def test_cpu_cap_waits_until_the_cpu_spent_fits_the_share():
     assert cpu_cores(0.5, 0.01) == 0.01  # --cpu-cores wins over the share
     with pytest.raises(ConfigError, match="number of cores"):
         cpu_cores(0.5, -1)
+
+
+def test_idle_and_slow_drip_clients_delay_no_peer(listener, event_dir):
+    """50 clients that connect and send nothing and 50 that send a byte now and then stay open while 8 peers of the
+    job connect one after another: each handshake completes within 1 s (before, each stalled client held the accept
+    path for up to 10 s per byte)."""
+    idle = [socket.create_connection(("127.0.0.1", listener.port)) for _ in range(50)]
+    drip = [socket.create_connection(("127.0.0.1", listener.port)) for _ in range(50)]
+    stop = threading.Event()
+
+    def dripping() -> None:
+        while not stop.wait(0.5):
+            for s in drip:
+                try:
+                    s.send(b"H")
+                except OSError:
+                    pass
+
+    dripper = threading.Thread(target=dripping)
+    dripper.start()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            for _ in range(8):
+                server = pool.submit(listener.accept, 1.0)
+                client = connect(SECRET, "127.0.0.1", listener.port, timeout=1.0)
+                peer = server.result()  # accept(1.0) raises TransportError if the handshake took longer
+                client.send({"n": 1})
+                assert peer.recv()[0] == {"n": 1}
+                client.close()
+                peer.close()
+    finally:
+        stop.set()
+        dripper.join()
+        for s in idle + drip:
+            s.close()
+
+
+def test_a_stalled_handshake_is_refused_at_its_deadline(event_dir):
+    lst = Listener(SECRET, host="127.0.0.1", handshake_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", lst.port)) as raw:
+            raw.settimeout(10)
+            assert raw.recv(len(MAGIC) + NONCE).startswith(MAGIC)
+            for _ in range(3):  # a byte now and then never buys more time than the one deadline
+                raw.send(b"H")
+                threading.Event().wait(0.2)
+            try:
+                assert raw.recv(10) == b""  # closed on us
+            except ConnectionResetError:
+                pass
+    finally:
+        lst.close()
+    assert [e["reason"] for e in events.read(event_dir) if e["event"] == "peer_refused"] == \
+        ["no complete handshake within 0.5 s"]
+
+
+def _pair(listener):
+    with ThreadPoolExecutor(1) as pool:
+        server = pool.submit(listener.accept, 10)
+        client = connect(SECRET, "127.0.0.1", listener.port)
+        return client, server.result()
+
+
+def test_an_authenticated_peers_oversized_length_is_a_transport_error(listener):
+    import struct
+
+    client, peer = _pair(listener)
+    head = b"{}"
+    client.sock.sendall(struct.pack("!IQ", len(head), 1 << 62) + head)  # a payload no node could hold
+    with pytest.raises(TransportError, match="more than this node's free memory"):
+        peer.recv()
+    client.close()
+    peer.close()
+
+
+def test_a_deeply_nested_header_is_a_transport_error(listener):
+    import struct
+
+    client, peer = _pair(listener)
+    head = b"[" * 200_000 + b"]" * 200_000
+    client.sock.sendall(struct.pack("!IQ", len(head), 0) + head)
+    with pytest.raises(TransportError, match="nested too deeply"):
+        peer.recv()
+    client.close()
+    peer.close()

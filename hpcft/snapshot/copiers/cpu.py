@@ -36,9 +36,9 @@ class _Job:
     the chunk's crc32c is taken over the bytes just read, still in cache: the sources' segments and the
     padding between them from the slot, which together are the chunk's bytes in the slot."""
 
-    def __init__(self, arrays: list[np.ndarray], chunks: Sequence[Chunk], dst: np.ndarray, delay: float):
-        self.arrays, self.chunks, self.dst, self.delay = arrays, chunks, dst, delay
-        self.addrs = [ntcopy.address(a) for a in arrays]
+    def __init__(self, arrays: list[np.ndarray], addrs: list[int], chunks: Sequence[Chunk], dst: np.ndarray,
+                 delay: float):
+        self.arrays, self.addrs, self.chunks, self.dst, self.delay = arrays, addrs, chunks, dst, delay
         self._next = itertools.count().__next__  # atomic under the GIL
 
     def run(self) -> list[tuple[int, int]]:
@@ -80,9 +80,18 @@ class CpuCopier:
         self.delay_per_chunk = delay_per_chunk
         self.overlap = overlap
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpcft-copy")
+        self._sources: Sequence[torch.Tensor] | None = None
+        self._views: tuple[list[np.ndarray], list[int]] = ([], [])
+
+    def _arrays(self, sources: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], list[int]]:
+        """NumPy views of the sources and their addresses, made once per sources list (one per layout)."""
+        if sources is not self._sources:
+            arrays = [s.numpy() for s in sources]
+            self._sources, self._views = sources, (arrays, [ntcopy.address(a) for a in arrays])
+        return self._views
 
     def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> CpuTransfer:
-        job = _Job([s.numpy() for s in sources], chunks, slot.array, self.delay_per_chunk)
+        job = _Job(*self._arrays(sources), chunks, slot.array, self.delay_per_chunk)
         if self.overlap:
             return CpuTransfer([self._pool.submit(job.run) for _ in range(min(self.threads, len(chunks)) or 1)],
                                len(chunks))

@@ -1,5 +1,6 @@
 """hip backend: hip-python `hipMemcpyAsync` on a `hipStreamNonBlocking` stream into `hipHostRegister`ed
-shm pages. Thin on purpose: ordering against torch's compute stream goes through HIP events."""
+shm pages, ordered against torch's compute stream with HIP events. Thin on purpose: every HIP call goes
+through `_call`, which checks its return code; the events' lifetimes are the shared logic's (stream.py)."""
 from typing import Any
 
 import torch
@@ -9,66 +10,70 @@ from hpcft.errors import CheckpointError
 from hpcft.snapshot.copiers.stream import StreamCopier
 
 
-def _check(result: Any) -> Any:
-    """hip-python returns (hipError_t, *values); raise on an error, return the value(s)."""
-    hip = _hip()
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != hip.hipError_t.hipSuccess:
-        raise CheckpointError(f"HIP call failed: {err}")
-    return values[0] if len(values) == 1 else values
-
-
-def _hip() -> Any:
-    return require("hip.hip", "the hip snapshot backend")
-
-
 class HipCopier(StreamCopier):
     name = "hip"
 
     def __init__(self, device: torch.device, max_inflight_bytes: int = 256 << 20, crc_threads: int = 2):
-        super().__init__(max_inflight_bytes, crc_threads)
-        self.hip = _hip()
+        self.hip = require("hip.hip", "the hip snapshot backend")
         self.device = torch.device(device)
-        _check(self.hip.hipSetDevice(self.device.index or 0))
-        self.stream = _check(self.hip.hipStreamCreateWithFlags(self.hip.hipStreamNonBlocking))
+        self._call("hipSetDevice", self.device.index or 0)
+        self.stream = self._call("hipStreamCreateWithFlags", self.hip.hipStreamNonBlocking)
+        super().__init__(max_inflight_bytes, crc_threads)
 
-    def _event(self) -> Any:
-        return _check(self.hip.hipEventCreateWithFlags(self.hip.hipEventDisableTiming))
+    def _call(self, name: str, *args: Any) -> Any:
+        """`hip.<name>(*args)`: hip-python returns (hipError_t, *values); the value(s), or a CheckpointError
+        naming the call and its code."""
+        err, *values = getattr(self.hip, name)(*args)
+        if err != self.hip.hipError_t.hipSuccess:
+            raise CheckpointError(f"HIP call {name} failed on {self.device}: {getattr(err, 'name', err)} "
+                                  f"(code {int(err)})")
+        return values[0] if len(values) == 1 else (tuple(values) or None)
+
+    def _compute_stream(self) -> int:
+        """torch's current stream on this device, where the training step runs."""
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _recorded(self, stream: Any) -> Any:
+        """A new event recorded on `stream` (destroyed again if the record fails)."""
+        event = self._call("hipEventCreateWithFlags", self.hip.hipEventDisableTiming)
+        try:
+            self._call("hipEventRecord", event, stream)
+        except Exception:
+            self._release(event)
+            raise
+        return event
 
     def _register(self, ptr: int, size: int) -> None:
-        _check(self.hip.hipHostRegister(ptr, size, self.hip.hipHostRegisterDefault))
+        self._call("hipHostRegister", ptr, size, self.hip.hipHostRegisterDefault)
 
     def _unregister(self, ptr: int) -> None:
-        self.hip.hipHostUnregister(ptr)
+        self._call("hipHostUnregister", ptr)
 
     def _record_ready(self) -> Any:
-        event = self._event()
-        _check(self.hip.hipEventRecord(event, torch.cuda.current_stream(self.device).cuda_stream))
-        return event
+        return self._recorded(self._compute_stream())
 
     def _wait_ready(self, ready: Any) -> None:
-        _check(self.hip.hipSetDevice(self.device.index or 0))
-        _check(self.hip.hipStreamWaitEvent(self.stream, ready, 0))
+        self._call("hipSetDevice", self.device.index or 0)  # the current device is per thread: the issuer's
+        self._call("hipStreamWaitEvent", self.stream, ready, 0)
 
     def _copy(self, host: torch.Tensor, offset: int, src: torch.Tensor, start: int, nbytes: int) -> None:
-        if src.device.type != "cuda":  # a host-side scalar (e.g. Adam's step): plain copy
-            host[offset:offset + nbytes].copy_(src[start:start + nbytes])
-            return
-        _check(self.hip.hipMemcpyAsync(host.data_ptr() + offset, src.data_ptr() + start, nbytes,
-                                       self.hip.hipMemcpyKind.hipMemcpyDeviceToHost, self.stream))
+        self._call("hipMemcpyAsync", host.data_ptr() + offset, src.data_ptr() + start, nbytes,
+                   self.hip.hipMemcpyKind.hipMemcpyDeviceToHost, self.stream)
 
     def _record(self) -> Any:
-        event = self._event()
-        _check(self.hip.hipEventRecord(event, self.stream))
-        return event
+        return self._recorded(self.stream)
 
     def _synchronize(self, event: Any) -> None:
-        _check(self.hip.hipEventSynchronize(event))
-        self.hip.hipEventDestroy(event)
+        self._call("hipEventSynchronize", event)
+
+    def _release(self, event: Any) -> None:
+        self._call("hipEventDestroy", event)
 
     def _compute_waits(self, event: Any) -> None:
-        _check(self.hip.hipStreamWaitEvent(torch.cuda.current_stream(self.device).cuda_stream, event, 0))
+        self._call("hipStreamWaitEvent", self._compute_stream(), event, 0)
 
     def close(self) -> None:
-        super().close()
-        self.hip.hipStreamDestroy(self.stream)
+        try:
+            super().close()
+        finally:
+            self._call("hipStreamDestroy", self.stream)

@@ -3,12 +3,14 @@ flight, a per-chunk completion event, a checksum per chunk once it has landed in
 small pool of threads: one thread's crc32c is slower than a device→host DMA, and must not throttle it).
 
 A backend supplies four primitives (`_record_ready`, `_copy`, `_record`, `_synchronize`) and the
-device-side wait used by `guard`; everything else lives here once.
+device-side wait used by `guard`; everything else lives here once, including every event's lifetime: each
+event a snapshot creates is released (`_release`) once its last user is done with it, on success and on
+failure alike, so a long run holds no more events than one snapshot needs.
 """
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -59,6 +61,7 @@ class StreamCopier:
     def _record(self) -> Any: raise NotImplementedError                 # an event on the copy stream
     def _synchronize(self, event: Any) -> None: raise NotImplementedError
     def _compute_waits(self, event: Any) -> None: raise NotImplementedError
+    def _release(self, event: Any) -> None: pass  # free an event nothing uses any more (torch's free themselves)
 
     def _on_host(self, t: torch.Tensor) -> bool:
         """State the host itself updates (e.g. the optimizer's step counters of GPU parameters live on the
@@ -73,6 +76,7 @@ class StreamCopier:
         held = self._pinned.get(key)
         if held is None or held[0] != slot.generation:
             if held is not None:
+                del self._pinned[key]  # forgotten first: an unregistration that fails is not tried twice
                 self._unregister(held[1])
             self._register(ptr, slot.size)
             self._pinned[key] = (slot.generation, ptr, slot.size)
@@ -103,12 +107,14 @@ class StreamCopier:
         crcs: list[Future | None] = [None] * len(chunks)
         inflight: deque = deque()  # (event, chunks [landed, upto) complete with it, bytes)
         landed = 0
-        every = max(1, min(self.event_bytes, self.cap // 4))
 
         def land() -> int:  # those chunks are in host memory: their bytes no longer count as in flight
             nonlocal landed
             event, upto, nbytes = inflight.popleft()
-            self._synchronize(event)
+            try:
+                self._synchronize(event)
+            finally:
+                self._release(event)
             for j in range(landed, upto):
                 c = chunks[j]
                 crcs[j] = self._crc.submit(crc32c, slot.array[c.offset:c.offset + c.nbytes])
@@ -116,7 +122,24 @@ class StreamCopier:
             return nbytes
 
         try:
-            self._wait_ready(ready)
+            self._issue_all(transfer, chunks, host, ready, on_host, inflight, land)
+            while inflight:
+                land()
+        finally:  # what a failure left in flight: nothing will wait on those events
+            while inflight:
+                self._release(inflight.popleft()[0])
+        return [f.result() for f in crcs]
+
+    def _issue_all(self, transfer: StreamTransfer, chunks: Sequence[Chunk], host: torch.Tensor, ready: Any,
+                   on_host: set[int], inflight: deque, land: Callable[[], int]) -> None:
+        """Issue every copy after `ready`, an event per `event_bytes` into `inflight`, then the transfer's
+        done event (recorded even after a failure, so that the next step still waits for what was issued)."""
+        every = max(1, min(self.event_bytes, self.cap // 4))
+        try:
+            try:
+                self._wait_ready(ready)
+            finally:
+                self._release(ready)
             run: list[int] | None = None  # [source, start, offset, nbytes] still being extended
             pending = since = 0
             for i, chunk in enumerate(chunks):
@@ -146,9 +169,6 @@ class StreamCopier:
                 except Exception:  # the device is gone; guard falls back to a host wait
                     pass
             transfer.issued.set()
-        while inflight:
-            land()
-        return [f.result() for f in crcs]
 
     def guard(self, transfer: StreamTransfer) -> None:
         """Device-side: the compute stream waits for the copy's last event; the host waits only while
@@ -157,11 +177,20 @@ class StreamCopier:
         if transfer.done_event is None:
             transfer.result()  # no event to wait on: wait on the host and raise the copy's error here
             raise CheckpointError("snapshot copy ended without a completion event")
-        self._compute_waits(transfer.done_event)
+        try:
+            self._compute_waits(transfer.done_event)
+        finally:  # its last user: the issuer is done with it once `issued` is set
+            self._release(transfer.done_event)
 
     def close(self) -> None:
         self._issuer.shutdown(wait=True)
         self._crc.shutdown(wait=True)
-        for _, ptr, _ in self._pinned.values():
-            self._unregister(ptr)
-        self._pinned.clear()
+        pinned, self._pinned = list(self._pinned.values()), {}
+        failed = []
+        for _, ptr, _ in pinned:  # every one, even after one failed
+            try:
+                self._unregister(ptr)
+            except Exception as exc:
+                failed.append(exc)
+        if failed:
+            raise failed[0]

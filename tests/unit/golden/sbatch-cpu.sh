@@ -5,6 +5,7 @@
 #SBATCH --time=06:00:00
 #SBATCH --account=ABC123
 #SBATCH --partition=batch
+#SBATCH --ntasks-per-node=1
 #SBATCH --requeue
 #SBATCH --no-kill
 #SBATCH --signal=B:USR1@600

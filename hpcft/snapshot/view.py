@@ -1,0 +1,89 @@
+"""The state's entries, collected once per layout. `state.collect` walks `model.state_dict()` and the optimizer and
+makes a view per tensor (tens of microseconds a tensor): too slow for the training thread at every snapshot of a
+model with hundreds of tensors. `StateView` collects once, remembers where each tensor lives (the module's or the
+optimizer's dict, the key, the object, its data pointer), and at each snapshot only checks those (a pointer walk);
+anything moved, added or removed makes it collect anew. A model whose state_dict names do not map to its modules'
+attributes (custom state_dict hooks) is collected anew every time."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hpcft.snapshot import state
+from hpcft.snapshot.state import Entry
+
+
+def _ptr(t: Any) -> int:
+    local = getattr(t, "_local_tensor", None)  # a DTensor's shard: its storage is what the entry views
+    return (t if local is None else local).data_ptr()
+
+
+class StateView:
+    """`entries()`: the same list object for as long as the live tensors are the ones it was collected from."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 dp_ranks: frozenset[int] | None):
+        self.model, self.optimizer, self.dp_ranks = model, optimizer, dp_ranks
+        self.names: dict[int, str] = {}
+        self._entries: list[Entry] | None = None
+        self._probes: list[tuple[dict, str, Any, int]] = []  # (owner dict, key, tensor object, data pointer)
+        self._params: list[int] = []
+        self._opt_state: Any = None  # the optimizer's state dict, its per-parameter dicts and their sizes
+        self._state_dicts: list[dict] = []
+        self._state_sizes: list[int] = []
+        self._cacheable = True
+        self.collections = 0  # how often the state was collected (tests, benches)
+
+    def entries(self) -> list[Entry]:
+        if self._entries is None or not self._cacheable or self._moved():
+            self._collect()
+        return self._entries
+
+    def invalidate(self) -> None:
+        """Collect anew at the next call (after a restore created optimizer state, for instance)."""
+        self._entries = None
+
+    def _opt_params(self) -> list[Any]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer is not None else []
+
+    def _moved(self) -> bool:
+        for owner, key, obj, ptr in self._probes:
+            if owner.get(key) is not obj or _ptr(obj) != ptr:
+                return True
+        if [id(p) for p in self._opt_params()] != self._params:
+            return True
+        # by iteration, not by lookup: a lookup hashes a parameter through Tensor.__hash__, a Python call
+        opt_state = self.optimizer.state if self.optimizer is not None else None
+        if opt_state is not self._opt_state or (opt_state is not None and len(opt_state) != len(self._state_dicts)):
+            return True
+        return opt_state is not None and (any(a is not b for a, b in zip(opt_state.values(), self._state_dicts))
+                                          or [len(d) for d in self._state_dicts] != self._state_sizes)
+
+    def _collect(self) -> None:
+        self.collections += 1
+        self.names = state.param_names(self.model)
+        self._entries = state.collect(self.model, self.optimizer, self.dp_ranks)
+        owners = {f"{prefix}.{k}" if prefix else k: d for prefix, m in self.model.named_modules(remove_duplicate=False)
+                  for d in (m._parameters, m._buffers) for k in d}
+        probes: list[tuple[dict, str, Any, int]] = []
+        self._cacheable = True
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            owner = owners.get(name)
+            key = name.rsplit(".", 1)[-1]
+            if owner is None or owner.get(key) is not t:
+                self._cacheable = False  # renamed or made by a hook: nothing stable to check against
+                break
+            probes.append((owner, key, t, _ptr(t)))
+        params = self._opt_params()
+        opt_state = self.optimizer.state if self.optimizer is not None else {}
+        for p in params:
+            st = opt_state.get(p, {})
+            probes.extend((st, k, v, _ptr(v)) for k, v in st.items() if isinstance(v, torch.Tensor))
+        self._probes = probes
+        self._params = [id(p) for p in params]
+        self._opt_state = self.optimizer.state if self.optimizer is not None else None
+        self._state_dicts = list(opt_state.values())
+        self._state_sizes = [len(d) for d in self._state_dicts]

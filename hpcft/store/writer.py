@@ -1,0 +1,63 @@
+"""One writer per rank store: the process writing a rank directory holds `writer.lock` there (flock, released by the
+kernel when the process dies, so a relaunch after a crash is never refused), and the file names it. Another process
+that opens the same rank store for writing (a second run with the same job id) is refused with a StoreError naming
+the holder; stores of one rank opened twice in one process (a bench's warm and cold restore) share the claim."""
+import fcntl
+import os
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from hpcft.errors import StoreError
+from hpcft.store.paths import open_file
+from hpcft.store.pin import process_start
+
+LOCK = "writer.lock"
+_held: dict[Path, list] = {}  # rank directory -> [its lock file, stores of this process using it]
+_guard = threading.Lock()
+
+
+def writer_id() -> str:
+    """This process as a writer: `host:pid:start` (the start time makes a reused pid another writer)."""
+    pid = os.getpid()
+    return f"{socket.gethostname()}:{pid}:{process_start(pid) or 0}"
+
+
+def claim(rank_dir: Path) -> Callable[[], None]:
+    """Claim `rank_dir` for this process (StoreError if another process holds it); returns the release, to call
+    once (the last release of a directory by this process frees it for others)."""
+    with _guard:
+        entry = _held.get(rank_dir)
+        if entry is None:
+            entry = _held[rank_dir] = [_lock(rank_dir / LOCK), 0]
+        entry[1] += 1
+
+    def release() -> None:
+        with _guard:
+            entry[1] -= 1
+            if entry[1] == 0 and _held.get(rank_dir) is entry:
+                del _held[rank_dir]
+                entry[0].close()
+
+    return release
+
+
+def _lock(path: Path) -> BinaryIO:
+    fd = open_file(path, os.O_RDWR, create=True)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        other = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise StoreError(
+            f"rank store {path.parent} is already being written by {other} (host:pid:start); two runs with the "
+            "same job id would overwrite each other's snapshots: give this run its own job id (job_id= or "
+            "HPCFT_JOB_ID) or stop the other one") from None
+    try:  # who holds it, for the message above; best effort (a full store may refuse the page)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, writer_id().encode(), 0)
+    except OSError:
+        pass
+    return os.fdopen(fd, "r+b", buffering=0)
