@@ -30,14 +30,18 @@ def wait_progress(job_dir: Path, rank: int, step: int, timeout: float = 90) -> N
     wait(lambda: progress.read(job_dir).get(rank, (-1, 0))[0] >= step, f"rank {rank} to report step {step}", timeout)
 
 
-def wait_protected(out: Path, tag: str = "0", slots: int = 4, timeout: float = 90) -> int:
+def wait_protected(out: Path, tag: str = "0", slots: int = 4, timeout: float = 90, above: int | None = None) -> int:
     """The step every agent of launch `tag` has protected, once it is at most one snapshot behind the newest the
     trainers completed (> 0): their store keeps two versions, so an older protected step may be recycled before
-    a crash. Progress first, then the agents' status (rewritten once per round)."""
+    a crash. Progress first, then the agents' status (rewritten once per round). With `above`: once every agent
+    has protected a step newer than `above`, however far the trainers are ahead (an agent keeps its newest
+    protected step pinned, so a crash still finds it; catching up with trainers faster than a protection round
+    may never happen)."""
     found: list = []
 
     def caught_up() -> bool:
-        newest = max((int(p.read_text() or -1) for p in out.glob("progress.*")), default=-1)
+        newest = max((int(p.read_text() or -1) for p in out.glob("progress.*")), default=-1) if above is None \
+            else above + 1
         found[:] = [s.get("protected") for s in agent_status.read(out / "job" / "agents", tag).values()]
         return len(found) == slots and all(d is not None and d > 0 and d >= newest for d in found)
 
