@@ -17,7 +17,7 @@ from hpcft.errors import CheckpointError, StoreError
 from hpcft.snapshot import plan
 from hpcft.snapshot.copiers import Copier, Transfer
 from hpcft.snapshot.groups import Group
-from hpcft.snapshot.state import Entry
+from hpcft.snapshot.state import Entry, grains
 from hpcft.store import RankStore, Slot, crc32c, seal, seal_key
 
 _log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class SnapshotEngine:
         rep = [e for e in entries if split and e.replicated]
         own = [e for e in entries if not (split and e.replicated)]
         member, members = (self.group.member, self.group.size) if rep else (0, 1)
-        lay = plan.layout([e.nbytes for e in own], [e.nbytes for e in rep], member, members)
+        lay = plan.layout([e.nbytes for e in own], [e.nbytes for e in rep], member, members, grains(rep))
         sources = [byte_view(e.local) for e in own + rep]
         sig = signature(rep)
         if rep and sig != self._checked_signature:

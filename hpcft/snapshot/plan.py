@@ -21,6 +21,24 @@ def share_cuts(total: int, members: int, align: int = ALIGN) -> list[int]:
     return [0, *inner, total]
 
 
+def rep_cuts(sizes: Sequence[int], members: int, grains: Sequence[int] | None = None) -> list[int]:
+    """`share_cuts` of the concatenation of `sizes`, each inner cut moved down to an element boundary of the
+    tensor it falls in (`grains`: element sizes; None: bytes). Every share then holds whole elements, so that a
+    share's piece of a tensor is a run of elements the durable tier can describe (see hpcft.durable.items)."""
+    cuts = share_cuts(sum(sizes), members)
+    if not grains:
+        return cuts
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    out = [cuts[0]]
+    for c in cuts[1:-1]:
+        i = max(0, bisect.bisect_right(starts, c) - 1)  # the tensor [starts[i], starts[i+1]) holding byte c
+        g = grains[i] if i < len(grains) else 1
+        out.append(max(out[-1], c - (c - starts[i]) % g))
+    return [*out, cuts[-1]]
+
+
 class Piece(NamedTuple):
     """Bytes [start, stop) of source `source` live at `offset` in the data file."""
     source: int
@@ -53,14 +71,16 @@ class Layout:
     nbytes: int
 
 
-def layout(own_sizes: Sequence[int], rep_sizes: Sequence[int], member: int, members: int) -> Layout:
+def layout(own_sizes: Sequence[int], rep_sizes: Sequence[int], member: int, members: int,
+           rep_grains: Sequence[int] | None = None) -> Layout:
     """Lay out own sources (indices 0..len(own)-1) and this member's share of the replicated ones
-    (indices len(own)..); the replicated stream is the concatenation of `rep_sizes` in order."""
+    (indices len(own)..); the replicated stream is the concatenation of `rep_sizes` in order, cut at element
+    boundaries (`rep_grains`, see `rep_cuts`)."""
     pieces, off = [], 0
     for i, n in enumerate(own_sizes):
         pieces.append(Piece(i, 0, n, off))
         off = align_up(off + n)
-    cuts = share_cuts(sum(rep_sizes), members)
+    cuts = rep_cuts(rep_sizes, members, rep_grains)
     lo, hi = cuts[member], cuts[member + 1]
     share = pieces_of_range(rep_sizes, lo, hi, off)
     pieces += [Piece(p.source + len(own_sizes), p.start, p.stop, p.offset) for p in share]

@@ -15,7 +15,7 @@ from hpcft import events
 from hpcft.errors import CheckpointError, IntegrityError, ManifestError, StoreError
 from hpcft.snapshot import ntcopy, plan, schema
 from hpcft.snapshot.groups import Group
-from hpcft.snapshot.state import Entry
+from hpcft.snapshot.state import Entry, grains
 from hpcft.store import RankStore, Version, crc32c, seal, seal_key
 
 _log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class Loader:
         replicated entries are sinks `first`, `first + 1`, ...). The shares travel on the user's group, staged on
         the device, where that group carries the replicas' device; else through the host on hpcft's CPU group."""
         sizes = [e.nbytes for e in rep]
-        cuts = plan.share_cuts(sum(sizes), self.group.size)
+        cuts = plan.rep_cuts(sizes, self.group.size, grains(rep))
         offset = version.manifest["share"]["offset"]
         data = self.store.slot(version.slot, create=False).array
         device = next((e.local.device for e in rep if e.local.device.type != "cpu"), torch.device("cpu"))

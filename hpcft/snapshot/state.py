@@ -35,6 +35,11 @@ class Entry:
         return d
 
 
+def grains(entries: "list[Entry] | tuple[Entry, ...]") -> list[int]:
+    """Element sizes of `entries`: where a data-parallel share may be cut (see plan.rep_cuts)."""
+    return [e.local.element_size() for e in entries]
+
+
 def _dtensor_class() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
@@ -51,9 +56,15 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def _placement(t: Any) -> dict[str, Any]:
+    """How a DTensor's local shard sits in the global tensor: what the durable tier's DCP chunks need
+    (`global_offset`: the shard's first index in every dimension)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     mesh = t.device_mesh
+    _, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
     return {"placements": [str(p) for p in t.placements], "mesh_shape": list(mesh.mesh.shape),
-            "mesh_dims": list(mesh.mesh_dim_names or ()), "global_shape": list(t.shape)}
+            "mesh_dims": list(mesh.mesh_dim_names or ()), "global_shape": list(t.shape),
+            "global_offset": [int(x) for x in offset]}
 
 
 def _replicated(t: Any, dp_ranks: frozenset[int] | None) -> bool:
@@ -147,7 +158,14 @@ def optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         for key, v in state.items():
             if not isinstance(v, torch.Tensor) and id(p) in names:
                 scalars[f"{names[id(p)]}/{key}"] = _jsonable(v)
-    return {"param_groups": groups, "scalars": scalars}
+    # each group's parameters by name: what a DCP optimizer state dict lists as the group's `params`
+    params = [[names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups]
+    return {"param_groups": groups, "scalars": scalars, "group_params": params}
+
+
+def unjson(v: Any) -> Any:
+    """A value `optimizer_meta` recorded, as Python (tuples and tensors back)."""
+    return _unjson(v, None)
 
 
 def _kind(v: Any) -> Any:

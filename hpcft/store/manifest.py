@@ -15,20 +15,20 @@ def _body(manifest: dict[str, Any]) -> bytes:
     return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
-def encode(manifest: dict[str, Any]) -> bytes:
-    """The committed bytes: the manifest plus `format` and a crc32c of its canonical JSON."""
-    manifest = {**manifest, "format": FORMAT}
+def encode(manifest: dict[str, Any], fmt: str = FORMAT) -> bytes:
+    """The committed bytes: the manifest plus `format` (`fmt`) and a crc32c of its canonical JSON."""
+    manifest = {**manifest, "format": fmt}
     return json.dumps({**manifest, "checksum": crc32c(_body(manifest))}, sort_keys=True).encode()
 
 
-def decode(data: bytes, path: Path | str = "<manifest>") -> dict[str, Any]:
-    """Parse and verify a manifest; StoreError if it is torn, foreign or corrupt."""
+def decode(data: bytes, path: Path | str = "<manifest>", fmt: str = FORMAT) -> dict[str, Any]:
+    """Parse and verify a manifest (of format `fmt`); StoreError if it is torn, foreign or corrupt."""
     try:
         manifest = json.loads(data)
     except ValueError as exc:
         raise StoreError(f"manifest {path} is not valid JSON ({exc})") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise StoreError(f"manifest {path} is not an {FORMAT} manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise StoreError(f"manifest {path} is not an {fmt} manifest")
     if manifest.get("checksum") != crc32c(_body(manifest)):
         raise StoreError(f"manifest {path} fails its checksum")
     return manifest

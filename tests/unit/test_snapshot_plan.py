@@ -53,3 +53,19 @@ def test_offsets_aligned_and_disjoint() -> None:
     lay = plan.layout([1, 2, 3, 100], [], 0, 1)
     offs = [p.offset for p in lay.pieces]
     assert all(o % plan.ALIGN == 0 for o in offs) and offs == sorted(set(offs))
+
+
+def test_rep_cuts_fall_on_element_boundaries() -> None:
+    """Mixed element sizes (bf16 weights, fp32 step counters) put tensors at odd stream offsets; every cut still
+    lands on an element boundary of the tensor it falls in, and the shares still partition the stream."""
+    rng = random.Random(5)
+    for _ in range(200):
+        grains = [rng.choice([1, 2, 4, 8]) for _ in range(rng.randint(1, 12))]
+        sizes = [g * rng.randint(0, 300) for g in grains]
+        members = rng.randint(1, 6)
+        cuts = plan.rep_cuts(sizes, members, grains)
+        assert cuts[0] == 0 and cuts[-1] == sum(sizes) and cuts == sorted(cuts) and len(cuts) == members + 1
+        starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        for c in cuts:
+            i = next((i for i in range(len(sizes)) if starts[i] <= c < starts[i + 1]), None)
+            assert i is None or (c - starts[i]) % grains[i] == 0

@@ -1,0 +1,86 @@
+"""The durable checkpoints under a persist directory: `step-<s>/` is complete (renamed from its temporary
+`.step-<s>.<id>.tmp/` only after every rank's data, the sidecars and DCP's `.metadata` were written and synced);
+anything else is a flush in progress or a failed one, never read."""
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcft import events
+from hpcft.errors import StoreError
+from hpcft.store import manifest as mf
+from hpcft.store.paths import read_file
+
+CKPT_FORMAT = "hpcft-durable/1"
+INDEX = "checkpoint.json"  # in .hpcft/: the checkpoint's own description, written before .metadata
+_DONE = re.compile(r"step-(\d{1,12})$")
+_TMP = re.compile(r"\.step-(\d{1,12})\.([A-Za-z0-9_.-]+)\.tmp$")
+
+
+@dataclass(frozen=True)
+class Durable:
+    """A complete durable checkpoint: its step, directory and index (`.hpcft/checkpoint.json`)."""
+    step: int
+    path: Path
+    index: dict[str, Any]
+
+
+def tmp_name(step: int, flush_id: str) -> str:
+    return f".step-{step}.{flush_id}.tmp"
+
+
+def final_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def read_index(path: Path) -> dict[str, Any]:
+    """A checkpoint's index, verified (StoreError if missing, torn or foreign)."""
+    return mf.decode(read_file(path / ".hpcft" / INDEX), path / ".hpcft" / INDEX, CKPT_FORMAT)
+
+
+def checkpoints(root: Path | None) -> list[Durable]:
+    """The complete checkpoints under `root`, oldest first (a directory without a valid index or `.metadata` is
+    reported once per call as `durable_bad` and skipped)."""
+    if root is None or not root.is_dir():
+        return []
+    out = []
+    for d in root.iterdir():
+        m = _DONE.match(d.name)
+        if not m or d.is_symlink() or not d.is_dir():
+            continue
+        try:
+            index = read_index(d)
+            if not (d / ".metadata").is_file() or index.get("step") != int(m.group(1)):
+                raise StoreError(f"{d} has no .metadata or its index is for step {index.get('step')}")
+        except StoreError as exc:
+            events.emit("durable_bad", level=logging.WARNING, path=str(d), error=str(exc))
+            continue
+        out.append(Durable(int(m.group(1)), d, index))
+    return sorted(out, key=lambda c: c.step)
+
+
+def newest(root: Path | None) -> Durable | None:
+    found = checkpoints(root)
+    return found[-1] if found else None
+
+
+def prune(root: Path, keep: int, job: str, current: str | None = None) -> list[Path]:
+    """Remove complete checkpoints beyond the newest `keep`, and this job's temporary directories other than
+    `current` (flushes that failed or were killed); the paths removed (event `durable_pruned`)."""
+    gone = []
+    done = checkpoints(root)
+    for c in done[:max(0, len(done) - keep)]:
+        gone.append(c.path)
+    for d in root.iterdir():
+        m = _TMP.match(d.name)
+        if m and m.group(2).startswith(f"{job}-") and m.group(2) != current and not d.is_symlink():
+            gone.append(d)
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    if gone:
+        events.emit("durable_pruned", paths=",".join(p.name for p in gone))
+    return gone

@@ -1,0 +1,83 @@
+"""File mechanics of the durable tier: exclusive creation (never through a symlink), full writes, fsync, an atomic
+replace; every OSError becomes a StoreError that names the path."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from hpcft.errors import StoreError
+
+PIECE = 16 << 20  # a large item is written (and paced) in pieces of this size
+
+
+def create(path: Path) -> int:
+    """A new file of ours (0600); StoreError if anything already sits at `path`."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StoreError(f"cannot create {path}: {exc.strerror or exc}") from exc
+
+
+def write_all(fd: int, buf: Any, path: Path, pace: Callable[[int], None] | None = None) -> int:
+    """Write every byte of `buf` (bytes or a uint8 array) in pieces of at most PIECE, each paced by `pace(n)`."""
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        n = min(PIECE, len(view) - done)
+        if pace is not None:
+            pace(n)
+        try:
+            done += os.write(fd, view[done:done + n])
+        except OSError as exc:
+            raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    return done
+
+
+def finish(fd: int, path: Path, sync: bool = True) -> None:
+    """fsync (when `sync`) and close a file written with `write_all`."""
+    try:
+        if sync:
+            os.fsync(fd)
+    except OSError as exc:
+        raise StoreError(f"cannot fsync {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def put(path: Path, data: bytes, sync: bool = True) -> None:
+    """Write `data` to `path` atomically: a new temporary file, fsync, rename (a reader sees all or nothing)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    fd = create(tmp)
+    try:
+        write_all(fd, data, tmp)
+        finish(fd, tmp, sync)
+        os.replace(tmp, path)
+    except (OSError, StoreError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise exc if isinstance(exc, StoreError) else StoreError(f"cannot write {path}: {exc}") from exc
+
+
+def sync_dir(path: Path) -> None:
+    """fsync a directory, so that the names created or renamed in it survive a crash."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def make_dir(path: Path) -> Path:
+    """`path` as a directory of ours (0700 when created); StoreError if a file or a symlink sits there."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create {path}: {exc.strerror or exc}") from exc
+    if path.is_symlink() or not path.is_dir():
+        raise StoreError(f"{path} is not a directory")
+    return path
