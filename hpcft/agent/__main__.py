@@ -11,6 +11,7 @@ import sys
 
 from hpcft.agent import secret as job_secret
 from hpcft.agent.agent import AgentConfig, Stopped, run
+from hpcft.agent.persist import PersistConfig
 from hpcft.agent.pins import LEASE_S
 from hpcft.agent.placement import Scheme
 from hpcft.agent.throttle import CPU_SHARE
@@ -68,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between protection rounds")
     ap.add_argument("--pin-lease", type=float, default=LEASE_S, help="seconds a pin on the step being protected "
                     "outlives the agent's last renewal (a dead or stopped agent's pin is broken after this)")
+    ap.add_argument("--persist-dir", default=None, help="flush protected steps to this directory in "
+                    "torch.distributed.checkpoint's layout (default: no flushing)")
+    ap.add_argument("--persist-every", type=int, default=PersistConfig.every, help="flush once the newest protected "
+                    "step is this many steps past the newest durable one (default %(default)s)")
+    ap.add_argument("--persist-keep", type=int, default=PersistConfig.keep, help="complete durable checkpoints kept")
+    ap.add_argument("--persist-rate", type=float, default=None, help="bytes/s cap on this node's flush writes")
     ap.add_argument("--rebuild", action="store_true", help="first rebuild what replaced nodes lost (after a relaunch)")
     ap.add_argument("--tag", default=os.environ.get("HPCFT_RESTART_COUNT", "0"),
                     help="launch tag (restart count) keeping relaunches apart")
@@ -83,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                           secret=job_secret.load(args.secret), host=_host(args.host),
                           scheme=Scheme(args.scheme, args.group, args.losses, args.distance), rate=args.rate,
                           rounds=args.rounds, interval=args.interval, nice=args.nice, pin_lease=args.pin_lease, cpu_share=args.cpu_share, cpu_cores=args.cpu_cores, rebuild=args.rebuild, tag=args.tag,
-                          timeout=args.timeout)
+                          timeout=args.timeout,
+                          persist=PersistConfig(args.persist_dir, args.persist_every, args.persist_keep,
+                                                args.persist_rate))
         return run(cfg)
     except Stopped:
         print("hpcft agent: stopped (SIGTERM)", file=sys.stderr)

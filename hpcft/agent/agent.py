@@ -16,6 +16,7 @@ from hpcft import events
 from hpcft.agent import status
 from hpcft.agent.bundle import Bundle, complete_steps, local_versions, pin_targets
 from hpcft.agent.mesh import Mesh
+from hpcft.agent.persist import Flusher, PersistConfig
 from hpcft.agent.pins import LEASE_S, Pins
 from hpcft.agent.placement import Placement, Scheme, plan
 from hpcft.agent.protect import Record, StaleStep, protect_dir, protect_step, records, retire
@@ -106,6 +107,7 @@ class AgentConfig:
     pin_lease: float = LEASE_S
     cpu_share: float = CPU_SHARE
     cpu_cores: float | None = None  # the CPU cap in cores, instead of cpu_share (see launch/profiles.py)
+    persist: PersistConfig = PersistConfig()  # the durable tier (no flushing without a directory)
 
 
 def _watch_requests(flag: Path, stop: Path, mesh: Mesh, drained: threading.Event, poll: float = 0.2) -> None:
@@ -145,13 +147,17 @@ def run(cfg: AgentConfig) -> int:
     retire(protect_dir(job), 2)  # data files a killed pass left without a record
     node = socket.gethostname()
 
+    flusher: Flusher | None = None
+
     def report(phase: str, **fields) -> None:
         versions = local_versions(job)
         complete, recs, by_rank = complete_steps(job, versions), records(job), _by_rank(versions)
         status.write(cfg.rendezvous, cfg.tag, cfg.slot, node=node, phase=phase, scheme=cfg.scheme.name,
                      group=cfg.scheme.group, losses=cfg.scheme.losses, distance=cfg.scheme.distance, slots=cfg.slots,
                      interval=cfg.interval, staged=max(complete) if complete else None,
-                     protected=max(recs) if recs else None, persisted=None, ranks={str(r): max(v) for r, v in by_rank.items()},
+                     protected=max(recs) if recs else None, persisted=flusher.durable if flusher else None,
+                     flushed_request=flusher.served if flusher else None, flushing=flusher.busy if flusher else False,
+                     ranks={str(r): max(v) for r, v in by_rank.items()},
                      versions={str(r): sorted(v) for r, v in by_rank.items()},
                      staged_steps=sorted(complete), protected_steps=sorted(recs), **fields)
 
@@ -159,6 +165,7 @@ def run(cfg: AgentConfig) -> int:
     mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, rate=cfg.rate,
                 cpu=cpu_cores(cfg.cpu_share, cfg.cpu_cores), tag=cfg.tag, timeout=cfg.timeout)
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
+    flusher = Flusher(cfg.persist, job, cfg.job_id, cfg.slot, pins, cfg.rendezvous, cfg.tag)
     drained = threading.Event()
     threading.Thread(target=_watch_requests, args=(status.drain_path(cfg.rendezvous, cfg.tag),
                                                   status.stop_path(cfg.rendezvous, cfg.tag), mesh, drained),
@@ -178,11 +185,13 @@ def run(cfg: AgentConfig) -> int:
         done = 0
         while cfg.rounds <= 0 or done < cfg.rounds:
             mesh.pace()  # the rounds' own CPU (all-gathers, status, manifest reads) counts against the cap
-            try:
-                rec = protect_newest(mesh, placement, job, pins)
-            except StaleStep as exc:  # after the exchange, so the mesh is still in step
-                events.emit("protect_stale", slot=cfg.slot, reason=str(exc))
-                rec = None
+            rec = None
+            if not flusher.busy:  # the same on every agent: a flush starts and ends in a collective round
+                try:
+                    rec = protect_newest(mesh, placement, job, pins)
+                except StaleStep as exc:  # after the exchange, so the mesh is still in step
+                    events.emit("protect_stale", slot=cfg.slot, reason=str(exc))
+            flusher.round(mesh, complete_steps(job), sorted(records(job)))
             done += 1
             print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)
             report(status.PROTECTING, **extra)

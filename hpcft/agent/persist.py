@@ -1,0 +1,186 @@
+"""The agents' flush to the durable tier (hpcft.durable): every `every` steps of protection progress, and on
+request (`hpcft flush`, before a requeue), the newest protected step is written from each node's store to the
+persist directory by a thread per agent while the rounds go on, and committed by slot 0 once every node has
+written its ranks. The trainers take no part. While a flush runs no new protection pass starts, so that a rank's
+store never has more than two slots pinned (the flushed step and one pass: see hpcft.agent.pins)."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcft import events
+from hpcft.agent.bundle import Held, map_readonly, pin_targets
+from hpcft.agent.mesh import Mesh
+from hpcft.agent.pins import Pins
+from hpcft.agent.throttle import Throttle
+from hpcft.durable import catalog, commit, files, flush
+from hpcft.errors import HpcftError
+
+IDLE, RUNNING, DONE, FAILED = "idle", "running", "done", "failed"
+
+
+@dataclass(frozen=True)
+class PersistConfig:
+    """Where and how often the agents flush (see `python -m hpcft.agent --help`)."""
+    root: str | None = None  # the persist directory; None: no flushing
+    every: int = 100  # flush once the newest protected step is this many steps past the newest durable one
+    keep: int = 2  # complete durable checkpoints kept
+    rate: float | None = None  # bytes/s cap on one node's flush writes
+    sync: bool = True  # fsync what is written (off only for benches of the page cache)
+
+
+def request_path(rendezvous: str | Path, tag: str) -> Path:
+    """The supervisor's (or `hpcft flush`'s) request to the agents of launch `tag`: flush the newest protected step
+    now. JSON {"id": ...}; served ids are reported in the agents' status (`flushed_request`)."""
+    return Path(rendezvous) / f"agent-{tag}-flush"
+
+
+def request(rendezvous: str | Path, tag: str) -> str:
+    """Ask the agents of launch `tag` for a flush; the request id to wait for in their status."""
+    rid = uuid.uuid4().hex[:12]
+    target = request_path(rendezvous, tag)
+    files.put(target, json.dumps({"id": rid, "time": time.time()}).encode(), sync=False)
+    return rid
+
+
+def _read_request(rendezvous: str | Path, tag: str) -> str | None:
+    try:
+        return str(json.loads(request_path(rendezvous, tag).read_text())["id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class Flusher:
+    """One agent's side of the flush, driven by `round` (collective: every agent calls it once per round)."""
+
+    def __init__(self, cfg: PersistConfig, job: Path, job_id: str, slot: int, pins: Pins, rendezvous: str, tag: str):
+        self.cfg, self.job, self.job_id, self.slot = cfg, job, job_id, slot
+        self.root = Path(cfg.root) if cfg.root else None
+        self.pins, self.rendezvous, self.tag = pins, rendezvous, tag
+        self.throttle = Throttle(cfg.rate)
+        newest = catalog.newest(self.root) if self.root else None
+        self.durable: int | None = newest.step if newest else None
+        self.served: str | None = None  # the newest request id served (the same on every agent)
+        self._state, self._error = IDLE, ""
+        self._step: int | None = None
+        self._id = ""
+        self._thread: threading.Thread | None = None
+        self._started = 0.0
+        self._bytes = 0
+        self._world = 0
+        self._failed_at: int | None = None  # the step of the last failed flush: no automatic retry before `every` more
+        self._cancel = threading.Event()
+
+    @property
+    def busy(self) -> bool:
+        return self._step is not None
+
+    def round(self, mesh: Mesh, complete: dict[int, dict[int, Held]], protected: list[int]) -> None:
+        """One collective step of the flush: start one when due or asked (every agent the same decision, from the
+        all-gathered states), or, when every node has written its part, let slot 0 commit it."""
+        if self.root is None:
+            return
+        asked = _read_request(self.rendezvous, self.tag)
+        mine = {"state": self._state, "error": self._error, "asked": asked, "id": uuid.uuid4().hex[:8],
+                "durable": self.durable, "protected": [s for s in protected if s in complete][-4:],
+                "complete": sorted(complete)[-4:], "bytes": self._bytes, "world": _world(complete)}
+        states = mesh.allgather(mine)
+        if self._step is not None:
+            self._progress(mesh, states)
+            return
+        self.durable = max([s["durable"] for s in states if s["durable"] is not None], default=self.durable)
+        asks = {s["asked"] for s in states} - {None, self.served}
+        both = _common([s["protected"] for s in states])
+        target = max(both, default=None)
+        if target is None and asks:
+            target = max(_common([s["complete"] for s in states]), default=None)
+        due = target is not None and (self.durable is None or target - self.durable >= self.cfg.every) \
+            and (self._failed_at is None or target - self._failed_at >= self.cfg.every)
+        if target is not None and self.durable is not None and target <= self.durable:
+            due = False
+            if asks:  # the newest step is durable already: the request is served
+                self.served = max(asks)
+                events.emit("flush_done", step=self.durable, slot=self.slot, reason="already durable")
+            return
+        if not (due or asks) or target is None:
+            return
+        if asks:
+            self.served = max(asks)
+        world = max(s["world"] for s in states)
+        self._start(target, complete[target], f"{self.job_id}-{states[0]['id']}", world,
+                    "requested" if asks else f"every {self.cfg.every} steps")
+
+    def _start(self, step: int, held: dict[int, Held], flush_id: str, world: int, why: str) -> None:
+        self._step, self._id, self._state, self._error, self._bytes = step, flush_id, RUNNING, "", 0
+        self._world, self._started = world, time.perf_counter()
+        self._cancel.clear()
+        tmp = self.root / catalog.tmp_name(step, flush_id)
+        events.emit("flush_start", step=step, slot=self.slot, path=str(tmp), reason=why)
+        self._thread = threading.Thread(target=self._write, args=(step, held, tmp), daemon=True,
+                                        name="hpcft-flush")
+        self._thread.start()
+
+    def _write(self, step: int, held: dict[int, Held], tmp: Path) -> None:
+        """This node's ranks of `step` into `tmp`, the slots pinned meanwhile (pin first, then check the version
+        is still the one read: the writer withdraws first, then checks the pin)."""
+        try:
+            with self.pins.holding(pin_targets(step, held)):
+                if not all(h.manifest_path.read_bytes() == h.manifest_bytes for h in held.values()):
+                    raise HpcftError(f"the trainers reused a slot of step {step} before the flush pinned it")
+                files.make_dir(flush.sidecar_dir(files.make_dir(tmp)))
+                for rank, h in sorted(held.items()):
+                    data = map_readonly(h.data_path, int(h.manifest["data_bytes"]))
+                    side = flush.write_rank(h.manifest, data, tmp, pace=self._pace, sync=self.cfg.sync)
+                    self._bytes += side["file_bytes"]
+            self._state = DONE
+        except (HpcftError, OSError) as exc:
+            self._error = str(exc)
+            self._state = FAILED
+
+    def _pace(self, nbytes: int) -> None:
+        if self._cancel.is_set():
+            raise HpcftError("cancelled: another node's part of this flush failed")
+        self.throttle.take(nbytes)
+
+    def _progress(self, mesh: Mesh, states: list[dict[str, Any]]) -> None:
+        failed = [f"slot {i}: {s['error']}" for i, s in enumerate(states) if s["state"] == FAILED]
+        if not failed and any(s["state"] == RUNNING for s in states):
+            return
+        step, tmp = self._step, self.root / catalog.tmp_name(self._step, self._id)
+        error = "; ".join(failed)
+        if not failed and self.slot == 0:
+            try:
+                commit.commit(tmp, self.root, step, self._world, self.job_id, self.cfg.keep)
+            except HpcftError as exc:
+                error = f"commit: {exc}"
+        error = next((e for e in mesh.allgather(error) if e), "")  # slot 0's commit outcome reaches everyone
+        seconds = time.perf_counter() - self._started
+        nbytes = sum(s["bytes"] for s in states)
+        if self._thread is not None:  # another node failed: stop writing here before the state is reset
+            self._cancel.set()
+            self._thread.join()
+        if error:
+            self._failed_at = step
+            events.emit("flush_failed", level=logging.ERROR, step=step, slot=self.slot, error=error,
+                        durable=self.durable, action="the previous durable checkpoint stays; the next flush retries")
+        else:
+            self.durable = step
+            events.emit("flush_done", step=step, slot=self.slot, bytes=nbytes, seconds=round(seconds, 3),
+                        bandwidth=round(nbytes / seconds) if seconds > 0 else None)
+        self._step, self._state, self._error, self._thread = None, IDLE, "", None
+
+
+def _world(complete: dict[int, dict[int, Held]]) -> int:
+    """The job's world size, as the newest complete step's manifests record it (0 if there is none)."""
+    held = complete[max(complete)] if complete else {}
+    return max((int(h.manifest.get("world") or 0) for h in held.values()), default=0)
+
+
+def _common(lists: list[list[int]]) -> set[int]:
+    return set.intersection(*(set(x) for x in lists)) if lists else set()

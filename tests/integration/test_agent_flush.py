@@ -1,0 +1,111 @@
+"""The agents' flush to the durable tier, with real agent processes on this machine: two "nodes" (each its own
+store root, two data-parallel ranks each, snapshots written by real Checkpointers). A flushed checkpoint loads with
+plain torch.distributed.checkpoint.load and equals the trained state bit for bit; an agent killed in the middle of
+a flush leaves the previous checkpoint intact and loadable, and the next agents' flush succeeds and cleans up."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hpcft.agent import secret as job_secret
+from hpcft.agent import status as agent_status
+from hpcft.durable import catalog
+from hpcft.snapshot.state import ensure_optimizer_state
+from tests.multiproc import durable_job, launch
+
+JOB = "5151"
+NODES = 2
+DURABLE_JOB = Path(durable_job.__file__)
+
+
+def _train(base: Path, out: Path, steps: int) -> None:
+    launch.check(launch.run(4, "train", "--steps", str(steps), "--per-node", "2", root=base, out=out, job_id=JOB,
+                            script=DURABLE_JOB))
+
+
+def _agents(base: Path, shared: Path, persist: Path, tag: str, *extra: str) -> list[subprocess.Popen]:
+    procs = []
+    for i in range(NODES):
+        env = {**os.environ, "HPCFT_STORE_ROOT": str(base / f"node{i}"), "HPCFT_EVENT_DIR": str(shared / "events")}
+        argv = [sys.executable, "-m", "hpcft.agent", "--job-id", JOB, "--slot", str(i), "--slots", str(NODES),
+                "--rendezvous", str(shared), "--secret", str(shared / job_secret.NAME), "--scheme", "partner",
+                "--rounds", "0", "--interval", "0.2", "--cpu-share", "0", "--tag", tag, "--persist-dir", str(persist),
+                "--persist-every", "1", *extra]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _wait(shared: Path, tag: str, procs: list[subprocess.Popen], ok, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = agent_status.read(shared, tag)
+        if len(st) == NODES and all(ok(s) for s in st.values()):
+            return
+        dead = [p for p in procs if p.poll() is not None]
+        assert not dead, f"an agent ended before {what}: " + dead[0].stdout.read()[-3000:]
+        time.sleep(0.1)
+    raise AssertionError(f"agents did not reach {what}: {agent_status.read(shared, tag)}")
+
+
+def _stop(shared: Path, tag: str, procs: list[subprocess.Popen]) -> None:
+    agent_status.request_stop(shared, tag)
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+
+
+def _assert_loads(ckpt: Path, ref: Path) -> None:
+    """Plain DCP load (one process, no hpcft) into a fresh model and optimizer equals the trained state."""
+    model, opt = durable_job.model_and_optimizer()
+    ensure_optimizer_state(opt)
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=str(ckpt))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    want = torch.load(ref, weights_only=True)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, want["model"][name]), name
+    got = opt.state_dict()
+    for i, st in want["optim"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["state"][i][k], v), (i, k)
+
+
+@pytest.mark.slow
+def test_flush_loads_with_plain_dcp_and_survives_an_agent_killed_mid_flush(tmp_path):
+    base, out, shared, persist = (tmp_path / d for d in ("stores", "out", "shared", "persist"))
+    base.mkdir()
+    shared.mkdir(mode=0o700)
+    job_secret.create(shared)
+    _train(base, out, 3)
+    procs = _agents(base, shared, persist, "a")
+    _wait(shared, "a", procs, lambda s: s.get("persisted") == 3, "step 3 durable")
+    _stop(shared, "a", procs)
+    assert [c.step for c in catalog.checkpoints(persist)] == [3]
+    _assert_loads(persist / "step-3", out / "ref-3.pt")
+
+    _train(base, out, 6)  # resumes from memory at 3
+    procs = _agents(base, shared, persist, "b", "--persist-rate", "20000")  # ~5 s to write a node's part
+    _wait(shared, "b", procs, lambda s: s.get("flushing"), "a flush in progress")
+    procs[1].send_signal(signal.SIGKILL)
+    procs[0].wait(timeout=60)  # its mesh is broken: it ends too
+    assert [c.step for c in catalog.checkpoints(persist)] == [3]
+    assert list(persist.glob(".step-6.*.tmp")), "the killed flush left its temporary directory"
+    _assert_loads(persist / "step-3", out / "ref-3.pt")
+
+    procs = _agents(base, shared, persist, "c")
+    _wait(shared, "c", procs, lambda s: s.get("persisted") == 6, "step 6 durable")
+    _stop(shared, "c", procs)
+    assert [c.step for c in catalog.checkpoints(persist)] == [3, 6]
+    assert not list(persist.glob(".step-*.tmp")), "the next commit prunes the killed flush's directory"
+    _assert_loads(persist / "step-6", out / "ref-6.pt")
