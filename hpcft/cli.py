@@ -20,12 +20,12 @@ def cli(verbose: int) -> None:
 def _register() -> None:
     from hpcft.bench.cli import bench
     from hpcft.doctor import doctor
-    from hpcft.launch.cli import clean, run, submit
+    from hpcft.launch.cli import clean, flush, run, submit
     from hpcft.demo import demo
     from hpcft.sandbox.cli import sandbox
     from hpcft.status import status
 
-    for command in (doctor, sandbox, bench, demo, run, submit, clean, status):
+    for command in (doctor, sandbox, bench, demo, run, submit, clean, flush, status):
         cli.add_command(command)
 
 

@@ -11,7 +11,7 @@ import sys
 
 from hpcft.agent import secret as job_secret
 from hpcft.agent.agent import AgentConfig, Stopped, run
-from hpcft.agent.persist import PersistConfig
+from hpcft.durable.settings import PersistConfig
 from hpcft.agent.pins import LEASE_S
 from hpcft.agent.placement import Scheme
 from hpcft.agent.throttle import CPU_SHARE

@@ -16,7 +16,8 @@ from hpcft import events
 from hpcft.agent import status
 from hpcft.agent.bundle import Bundle, complete_steps, local_versions, pin_targets
 from hpcft.agent.mesh import Mesh
-from hpcft.agent.persist import Flusher, PersistConfig
+from hpcft.agent.persist import Flusher
+from hpcft.durable.settings import PersistConfig
 from hpcft.agent.pins import LEASE_S, Pins
 from hpcft.agent.placement import Placement, Scheme, plan
 from hpcft.agent.protect import Record, StaleStep, protect_dir, protect_step, records, retire
@@ -157,6 +158,7 @@ def run(cfg: AgentConfig) -> int:
                      interval=cfg.interval, staged=max(complete) if complete else None,
                      protected=max(recs) if recs else None, persisted=flusher.durable if flusher else None,
                      flushed_request=flusher.served if flusher else None, flushing=flusher.busy if flusher else False,
+                     flush_error=flusher.last_error if flusher else None,
                      ranks={str(r): max(v) for r, v in by_rank.items()},
                      versions={str(r): sorted(v) for r, v in by_rank.items()},
                      staged_steps=sorted(complete), protected_steps=sorted(recs), **fields)
@@ -186,12 +188,13 @@ def run(cfg: AgentConfig) -> int:
         while cfg.rounds <= 0 or done < cfg.rounds:
             mesh.pace()  # the rounds' own CPU (all-gathers, status, manifest reads) counts against the cap
             rec = None
-            if not flusher.busy:  # the same on every agent: a flush starts and ends in a collective round
+            if not flusher.busy and cfg.scheme.name != "none":  # the same on every agent (collective rounds)
                 try:
                     rec = protect_newest(mesh, placement, job, pins)
                 except StaleStep as exc:  # after the exchange, so the mesh is still in step
                     events.emit("protect_stale", slot=cfg.slot, reason=str(exc))
-            flusher.round(mesh, complete_steps(job), sorted(records(job)))
+            complete = complete_steps(job)
+            flusher.round(mesh, complete, sorted(records(job) if cfg.scheme.name != "none" else complete))
             done += 1
             print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)
             report(status.PROTECTING, **extra)

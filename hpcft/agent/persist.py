@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,19 +19,10 @@ from hpcft.agent.mesh import Mesh
 from hpcft.agent.pins import Pins
 from hpcft.agent.throttle import Throttle
 from hpcft.durable import catalog, commit, files, flush
+from hpcft.durable.settings import PersistConfig
 from hpcft.errors import HpcftError
 
 IDLE, RUNNING, DONE, FAILED = "idle", "running", "done", "failed"
-
-
-@dataclass(frozen=True)
-class PersistConfig:
-    """Where and how often the agents flush (see `python -m hpcft.agent --help`)."""
-    root: str | None = None  # the persist directory; None: no flushing
-    every: int = 100  # flush once the newest protected step is this many steps past the newest durable one
-    keep: int = 2  # complete durable checkpoints kept
-    rate: float | None = None  # bytes/s cap on one node's flush writes
-    sync: bool = True  # fsync what is written (off only for benches of the page cache)
 
 
 def request_path(rendezvous: str | Path, tag: str) -> Path:
@@ -47,6 +37,14 @@ def request(rendezvous: str | Path, tag: str) -> str:
     target = request_path(rendezvous, tag)
     files.put(target, json.dumps({"id": rid, "time": time.time()}).encode(), sync=False)
     return rid
+
+
+def outcome(reports: list[dict[str, Any]], rid: str, slots: int) -> tuple[bool, int | None, str | None]:
+    """From the agents' status reports: (has every one of `slots` agents served request `rid` and finished its
+    flush, the newest step durable for all of them, why the flush failed if it did)."""
+    durable = min((r["persisted"] for r in reports if r.get("persisted") is not None), default=None)
+    served = len(reports) == slots and all(r.get("flushed_request") == rid and not r.get("flushing") for r in reports)
+    return served, durable, next((r["flush_error"] for r in reports if r.get("flush_error")), None) if served else None
 
 
 def _read_request(rendezvous: str | Path, tag: str) -> str | None:
@@ -67,6 +65,7 @@ class Flusher:
         newest = catalog.newest(self.root) if self.root else None
         self.durable: int | None = newest.step if newest else None
         self.served: str | None = None  # the newest request id served (the same on every agent)
+        self.last_error: str | None = None  # why the last flush failed (None after a success)
         self._state, self._error = IDLE, ""
         self._step: int | None = None
         self._id = ""
@@ -100,7 +99,8 @@ class Flusher:
         target = max(both, default=None)
         if target is None and asks:
             target = max(_common([s["complete"] for s in states]), default=None)
-        due = target is not None and (self.durable is None or target - self.durable >= self.cfg.every) \
+        # the first one too only after `every` steps: a short run (or test) writes nothing but what a requeue asks for
+        due = target is not None and target - (self.durable or 0) >= self.cfg.every \
             and (self._failed_at is None or target - self._failed_at >= self.cfg.every)
         if target is not None and self.durable is not None and target <= self.durable:
             due = False
@@ -165,6 +165,7 @@ class Flusher:
         if self._thread is not None:  # another node failed: stop writing here before the state is reset
             self._cancel.set()
             self._thread.join()
+        self.last_error = error or None
         if error:
             self._failed_at = step
             events.emit("flush_failed", level=logging.ERROR, step=step, slot=self.slot, error=error,

@@ -76,8 +76,10 @@ def bench() -> None:
               help="Where the model trains (cuda: a CUDA or ROCm GPU through torch.cuda).")
 @click.option("--batch", type=click.IntRange(min=1), default=None,
               help="Sequences per step [default: the shape's, 4]; a GPU needs more for a realistic step.")
+@click.option("--flush-every", type=click.IntRange(min=0), default=5, show_default=True,
+              help="Steps between the durable flushes of the hpcft_flush variant (0: leave that variant out).")
 def snapshot(params: int, warmup: int, threads: int, root: str | None, as_json: bool, runs: int, steps: int,
-             block: int, device: str, batch: int | None) -> None:
+             block: int, device: str, batch: int | None, flush_every: int) -> None:
     """Step-time overhead of checkpointing every step: hpcft vs torch.save vs dcp.async_save."""
     from hpcft.bench.snapshot import SnapshotOptions, run
 
@@ -87,7 +89,7 @@ def snapshot(params: int, warmup: int, threads: int, root: str | None, as_json: 
         if not torch.cuda.is_available():
             raise click.UsageError("--device cuda: torch sees no CUDA/ROCm GPU here; use --device cpu")
     opts = SnapshotOptions(params=params, steps=steps, warmup=warmup, block=block, threads=threads, root=root,
-                           device=device, batch=batch)
+                           device=device, batch=batch, flush_every=flush_every)
     _run(as_json, lambda: run(opts), runs, threads)
 
 

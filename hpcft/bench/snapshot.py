@@ -9,15 +9,14 @@ hpcft's copy bandwidth against a single-thread memcpy of the same bytes.
 from __future__ import annotations
 
 import statistics
-import time
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from hpcft.bench import baselines
-from hpcft.bench.harness import (GB, Report, Scratch, Timings, Variant, cpu_overhead, local_process_group,
-                                 memcpy_reference, overhead, run_interleaved, scratch, set_threads)
+from hpcft.bench.flush import HpcftFlush, flush_vs_write
+from hpcft.bench.harness import (GB, Report, Scratch, Timings, cpu_overhead, local_process_group, memcpy_reference,
+                                 overhead, run_interleaved, scratch, set_threads)
 from hpcft.bench.model import Trainer, config_for_params
+from hpcft.bench.snapshot_variants import Checkpointing, DcpAsync, Hpcft, IdleSnapshot, NoCheckpoint, TorchSave
 
 
 @dataclass(frozen=True)
@@ -33,137 +32,7 @@ class SnapshotOptions:
     root: str | None = None
     device: str = "cpu"
     batch: int | None = None
-
-
-class Checkpointing(Variant):
-    """A training step followed by one checkpoint call; the call's time (and drain's) is 'blocked'."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.blocked: dict[int, float] = {}
-        self._last = -1
-
-    def run_once(self, index: int) -> None:
-        self.trainer.step()
-        t0 = time.perf_counter()
-        self.checkpoint(index)
-        self.blocked[index] = time.perf_counter() - t0
-        self._last = index
-
-    def drain(self) -> None:
-        t0 = time.perf_counter()
-        self.finish()
-        self.blocked[self._last] = self.blocked.get(self._last, 0.0) + time.perf_counter() - t0
-
-    def checkpoint(self, index: int) -> None:
-        """Take one checkpoint after the optimizer step of call `index`."""
-
-    def finish(self) -> None:
-        """Wait for background work (the next call would have waited for it)."""
-
-    def blocked_median(self, warmup: int) -> float:
-        return statistics.median(v for i, v in self.blocked.items() if i >= warmup)
-
-
-class NoCheckpoint(Checkpointing):
-    name, label = "none", "no checkpointing"
-
-
-class TorchSave(Checkpointing):
-    name, label = "torch_save", "torch.save every step"
-
-    def __init__(self, trainer: Trainer, directory: Path) -> None:
-        super().__init__(trainer)
-        self.directory = directory
-
-    def checkpoint(self, index: int) -> None:
-        baselines.torch_save(self.trainer, self.directory / f"ckpt-{index % 2}.pt")
-
-
-class DcpAsync(Checkpointing):
-    name, label = "dcp_async", "dcp.async_save every step"
-
-    def __init__(self, trainer: Trainer, directory: Path) -> None:
-        import torch.distributed as dist
-
-        super().__init__(trainer)
-        self.directory = directory
-        self.group = dist.new_group(backend="gloo")
-        self.future: Future | None = None
-
-    def checkpoint(self, index: int) -> None:
-        self.finish()
-        self.future = baselines.dcp_async_save(self.trainer, self.directory / f"dcp-{index % 2}", self.group)
-
-    def finish(self) -> None:
-        if self.future is not None:
-            self.future.result()
-            self.future = None
-
-
-class Hpcft(Checkpointing):
-    """hpcft every step. `auto=False` with explicit `step(it)` so that the shared trainer's steps in the
-    other variants take no snapshot; the pre-step hook (the guard) is installed either way."""
-
-    name, label = "hpcft", "hpcft every step"
-
-    def __init__(self, trainer: Trainer, root: Path) -> None:
-        from hpcft.checkpointer import Checkpointer
-
-        super().__init__(trainer)
-        self.ckpt = Checkpointer(trainer.model, trainer.optimizer, every=1, keep=2, root=str(root),
-                                 job_id="bench", auto=False)
-        self.calls = 0  # ckpt.step numbering: this variant's own iterations
-        self.training_blocked: dict[int, float] = {}  # stats.blocked_s delta per call: start + pre-step guard
-        self.training_start: dict[int, float] = {}  # stats.start_s delta per call: the start alone
-        self.snapshot_and_wait(self.ckpt.store.nslots)  # allocate and fault in every slot once, untimed
-
-    def snapshot_and_wait(self, count: int) -> None:
-        """Take `count` snapshots, each waited for (no training in between)."""
-        for _ in range(count):
-            self.ckpt.step(self.calls)
-            self.calls += 1
-            self.ckpt.wait()
-
-    def run_once(self, index: int) -> None:
-        before, start = self.ckpt.stats.blocked_s, self.ckpt.stats.start_s
-        super().run_once(index)
-        self.training_blocked[index] = self.ckpt.stats.blocked_s - before
-        self.training_start[index] = self.ckpt.stats.start_s - start
-
-    def checkpoint(self, index: int) -> None:
-        self.ckpt.step(self.calls)
-        self.calls += 1
-
-    def finish(self) -> None:
-        before = self.ckpt.stats.blocked_s
-        self.ckpt.wait()
-        self.training_blocked[self._last] += self.ckpt.stats.blocked_s - before
-
-    def first_measured_step(self, warmup: int) -> int:
-        """The snapshot step number of this variant's first measured call."""
-        return self.ckpt.store.nslots + warmup + 1
-
-    def copy_bandwidth(self, first_step: int) -> float:
-        """Median bytes/s (copy + checksum wall time) of the committed snapshots numbered >= `first_step`."""
-        bw = [h["bytes"] / h["copy_s"] for h in self.ckpt.stats.history if h["step"] >= first_step and h["copy_s"]]
-        return statistics.median(bw) if bw else float("nan")
-
-    def close(self) -> None:
-        self.ckpt.close()
-
-
-class IdleSnapshot(Variant):
-    """An hpcft snapshot and its wait with no training running: the copier's own bandwidth."""
-
-    name, label = "hpcft_idle", "hpcft snapshot + wait, no training"
-
-    def __init__(self, hp: Hpcft) -> None:
-        self.hp = hp
-        self.first_step = hp.calls + 1
-
-    def run_once(self, index: int) -> None:
-        self.hp.snapshot_and_wait(1)
+    flush_every: int = 5  # the hpcft_flush variant's agent flushes every this many steps (0: no such variant)
 
 
 def _build(opts: SnapshotOptions, where: Scratch) -> tuple[Trainer, list[Checkpointing]]:
@@ -171,6 +40,8 @@ def _build(opts: SnapshotOptions, where: Scratch) -> tuple[Trainer, list[Checkpo
     trainer.step()  # Adam state exists from here on, so every variant copies the same bytes
     variants = [NoCheckpoint(trainer), Hpcft(trainer, where.shm), TorchSave(trainer, where.disk),
                 DcpAsync(trainer, where.disk)]
+    if opts.flush_every:
+        variants.append(HpcftFlush(trainer, where.shm, where.disk / "persist", opts.flush_every))
     return trainer, variants
 
 
@@ -206,6 +77,8 @@ def run(opts: SnapshotOptions) -> Report:
                 memcpy.close()
                 memcpy1.close()
             stats = hp.ckpt.stats.as_dict()
+            flushing = next((v for v in variants if isinstance(v, HpcftFlush)), None)
+            flushes = (flushing.durable(), *flush_vs_write(flushing, where.disk)) if flushing else None
         finally:
             for v in variants:
                 v.close()
@@ -213,8 +86,22 @@ def run(opts: SnapshotOptions) -> Report:
                            memcpy=memcpy.nbytes / reference.median("memcpy"), snapshot_bytes=stats["last_bytes"],
                            memcpy1=memcpy1.nbytes / reference.median("memcpy1"), threads=hp.ckpt.threads)
         r = _report(opts, trainer, timings, {v.name: v for v in variants}, copy)
+        if flushes is not None:
+            _flush_report(r, opts, timings, *flushes)
         r.note("hpcft_stats", {k: v for k, v in stats.items() if k != "history"})
         return r
+
+
+def _flush_report(r: Report, opts: SnapshotOptions, timings: Timings, durable: int | None, flush_bw: float,
+                  write_bw: float) -> None:
+    r.add("overhead_hpcft_flush", overhead(timings, "hpcft_flush", "none"), "%",
+          f"hpcft every step + an agent flushing every {opts.flush_every} steps, step-time overhead")
+    r.add("flush_every", opts.flush_every, "steps", "flush interval of that variant")
+    r.add("flush_durable_step", durable, "", "the newest step the agent had flushed at the end (its own numbering)")
+    r.add("flush_vs_write", flush_bw / write_bw, "x", "one flush's bandwidth ÷ a plain write of the same bytes to "
+          "the same directory (both fsynced)")
+    r.add("flush_GBps", flush_bw / GB, "GB/s", "flush bandwidth (verify, DCP records, fsync)")
+    r.add("write_GBps", write_bw / GB, "GB/s", "plain sequential write + fsync")
 
 
 def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: dict[str, Checkpointing],

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -30,14 +30,14 @@ def data_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def item_crcs(data: np.ndarray, chunks: Sequence[Sequence[int]], its: Sequence[items.Item], key: int,
-              rank: int = -1, step: int = -1) -> list[int]:
-    """crc32c of every item's bytes, derived from the sub-range crcs that reproduce each store chunk's sealed
-    checksum; IntegrityError (event `chunk_lost`) at the first chunk whose bytes do not match the store's record."""
-    out = [0] * len(its)
+def _chunks_verified(data: np.ndarray, chunks: Sequence[Sequence[int]], its: Sequence[items.Item], key: int,
+                     rank: int, step: int) -> Iterator[tuple[int, int, int | None, int]]:
+    """Walk the store's chunks in order, cut at every item boundary: yield (start, end, item index or None, crc32c of
+    the bytes) per sub-range, each chunk's sub-range crcs combined and checked against the store's sealed checksum
+    before the next chunk is read; IntegrityError (event `chunk_lost`) at the first chunk that does not match."""
     j = 0
     for lo, n, recorded in chunks:
-        hi, pos, run = lo + n, lo, 0
+        hi, pos, run, parts = lo + n, lo, 0, []
         while pos < hi:
             while j < len(its) and its[j].src + its[j].nbytes <= pos:
                 j += 1
@@ -45,40 +45,57 @@ def item_crcs(data: np.ndarray, chunks: Sequence[Sequence[int]], its: Sequence[i
             end = min(hi, its[j].src + its[j].nbytes) if inside else min(hi, its[j].src if j < len(its) else hi)
             c = crc32c(data[pos:end])
             run = c if pos == lo else crc.combine(run, c, end - pos)
-            if inside:
-                out[j] = crc.combine(out[j], c, end - pos)
+            parts.append((pos, end, j if inside else None, c))
             pos = end
         if seal(run, key) != recorded:
             events.emit("chunk_lost", level=logging.ERROR, rank=rank, step=step, offset=lo, reason="durable flush")
             raise IntegrityError(f"rank {rank} step {step}: the store's chunk at offset {lo} fails its crc32c; "
                                  "this step is not flushed")
-    return out
+        yield from parts  # verified: now written, while the chunk is still in the cache
 
 
 def write_rank(manifest: dict[str, Any], data: np.ndarray, ckpt: Path, *, pace: Callable[[int], None] | None = None,
                sync: bool = True) -> dict[str, Any]:
-    """Write the rank's chunks and sidecar into `ckpt` (which exists); the sidecar's content. Every store chunk is
-    verified before anything of it is trusted; an IntegrityError or StoreError leaves a partial file that the
-    checkpoint's commit never sees (it commits only when every rank's sidecar is there)."""
+    """Write the rank's chunks and sidecar into `ckpt` (which exists); the sidecar's content. One pass over the
+    data: each store chunk is verified against its checksum, then its bytes are written; each item's crc32c is
+    combined from the verified sub-ranges' (carried over, never computed from bytes read again). An IntegrityError
+    or StoreError leaves a partial file that the checkpoint's commit never sees (it needs every rank's sidecar)."""
     rank, step = int(manifest["rank"]), int(manifest["step"])
     its = items.of_manifest(manifest)
-    crcs = item_crcs(data, manifest["chunks"], its, seal_key(manifest), rank, step)
     name = data_name(rank)
     path = ckpt / name
+    crcs = [0] * len(its)
+    starts = [0] * len(its)
     fd = files.create(path)
-    rows, pos = [], 0
+    pos = 0
+
+    def put(*bufs: Any) -> None:
+        nonlocal pos
+        pos += files.write_all(fd, bufs[0], path, pace) if len(bufs) == 1 else files.write_many(fd, bufs, path, pace)
+
     try:
-        for it, c in zip(its, crcs):
+        for i, it in enumerate(its):
+            if it.nbytes == 0:  # no sub-range reaches it
+                starts[i] = pos
+                put(b"".join(envelope(it.dtype, it.sizes)))
+        for a, b, i, c in _chunks_verified(data, manifest["chunks"], its, seal_key(manifest), rank, step):
+            if i is None:
+                continue
+            it = its[i]
             prefix, suffix = envelope(it.dtype, it.sizes)
-            files.write_all(fd, prefix, path)
-            files.write_all(fd, data[it.src:it.src + it.nbytes], path, pace)
-            files.write_all(fd, suffix, path)
-            length = len(prefix) + it.nbytes + len(suffix)
-            rows.append([it.fqn, it.entry, it.dtype, list(it.shape), list(it.offsets), list(it.sizes),
-                         pos + len(prefix), it.nbytes, c, pos, length])
-            pos += length
+            head = prefix if a == it.src else b""
+            tail = suffix if b == it.src + it.nbytes else b""
+            if head:
+                starts[i] = pos
+            crcs[i] = crc.combine(crcs[i], c, b - a)
+            put(*(x for x in (head, data[a:b], tail) if len(x)))
     finally:
         files.finish(fd, path, sync)
+    rows = []
+    for it, c, start in zip(its, crcs, starts):
+        prefix, suffix = envelope(it.dtype, it.sizes)
+        rows.append([it.fqn, it.entry, it.dtype, list(it.shape), list(it.offsets), list(it.sizes),
+                     start + len(prefix), it.nbytes, c, start, len(prefix) + it.nbytes + len(suffix)])
     side = {"rank": rank, "step": step, "file": name, "file_bytes": pos, "items": rows,
             "meta": {k: manifest.get(k) for k in META}}
     files.put(sidecar_dir(ckpt) / f"rank-{rank:05d}.json", mf.encode(side, RANK_FORMAT), sync)

@@ -15,7 +15,9 @@ from hpcft.agent import status as agent_status
 from hpcft.agent.launch import AGENT_STEP_NAME, agent_argv
 from hpcft.errors import CheckpointError, NoCheckpointError
 from hpcft.launch import profiles
-from hpcft.launch.config import RunConfig, scheme
+from hpcft.agent import persist as agent_persist
+from hpcft.durable.settings import PersistConfig
+from hpcft.launch.config import RunConfig, persist_root, scheme
 from hpcft.launch.layout import Layout
 from hpcft.slurm.runner import Runner
 
@@ -79,9 +81,11 @@ class AgentSteps:
         tag, cfg = self.tag, self.cfg
         for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
             stale.unlink(missing_ok=True)
+        root = persist_root(cfg, self.job_dir)
+        persist = PersistConfig(str(root), cfg.persist_every, cfg.persist_keep, cfg.persist_rate) if root else None
         argv = agent_argv(list(layout.slots), rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
                           scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
-                          cpu_cores=profiles.get(cfg.profile).agent_cpu_cores)
+                          cpu_cores=profiles.get(cfg.profile).agent_cpu_cores, persist=persist)
         argv += ["--tag", tag]
         self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
                   group=cfg.group, losses=cfg.losses, distance=cfg.distance)
@@ -136,6 +140,22 @@ class AgentSteps:
                 return "the agents' step ended before protecting the newest step"
             if time.monotonic() > deadline:
                 return f"the newest step was not protected within --protect-timeout {self.cfg.protect_timeout:g} s"
+            time.sleep(min(self.cfg.poll_interval, 0.5))
+
+    def flush(self, deadline: float) -> tuple[int | None, str | None]:
+        """Ask the agents to flush the newest protected step to the durable tier and wait until every one reports
+        the request served: (the newest durable step, None), or (the newest durable step the agents know of, why
+        the flush did not happen) when their step ended or `deadline` (time.monotonic()) passed."""
+        rid = agent_persist.request(self.rendezvous, self.tag)
+        while True:
+            reports = list(agent_status.read(self.rendezvous, self.tag).values())
+            served, durable, error = agent_persist.outcome(reports, rid, len(self._ready_slots or ()))
+            if served:
+                return durable, error
+            if self.proc is None or self.proc.poll() is not None:
+                return durable, "the agents' step ended before the flush"
+            if time.monotonic() > deadline:
+                return durable, f"the flush did not finish within --protect-timeout {self.cfg.protect_timeout:g} s"
             time.sleep(min(self.cfg.poll_interval, 0.5))
 
     def protected(self) -> int | None:

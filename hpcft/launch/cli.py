@@ -34,6 +34,13 @@ def _run_options(f):
         click.option("--protect-rate", type=float, default=None, help="Bytes/s cap on protection traffic."),
         click.option("--protect-timeout", type=float, default=None,
                      help="Seconds the agents may take to be ready (rebuild included) before the trainers start."),
+        click.option("--persist-dir", default=None,
+                     help="Durable tier (torch.distributed.checkpoint layout) on a shared file system (default "
+                          "<job dir>/checkpoints; none: no flushing)."),
+        click.option("--persist-every", type=int, default=None,
+                     help="Flush every this many steps of protection progress (default 100; always before a requeue)."),
+        click.option("--persist-keep", type=int, default=None, help="Durable checkpoints kept (default 2)."),
+        click.option("--persist-rate", type=float, default=None, help="Bytes/s cap on each node's flush writes."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -108,3 +115,36 @@ def clean(job_id, user, root, force) -> None:
 
     path, removed, why = clean_store(job_id, runner=default_runner(), user=user, root=root, force=force)
     click.echo(f"{path}: {why}")
+
+
+@click.command()
+@click.argument("job_dir", metavar="JOB_DIR", type=click.Path(file_okay=False, exists=True))
+@click.option("--wait", "wait_s", type=float, default=0.0, show_default=True,
+              help="Seconds to wait for the agents to report the flush done (0: ask and return).")
+def flush(job_dir, wait_s) -> None:
+    """Ask a running job's node agents to flush the newest protected step to its durable tier now."""
+    import time
+    from pathlib import Path
+
+    from hpcft.agent import persist
+    from hpcft.agent import status as agent_status
+
+    rendezvous = Path(job_dir) / "agents"
+    reports = agent_status.read(rendezvous if rendezvous.is_dir() else job_dir)
+    if not reports:
+        raise click.ClickException(f"no node agent reports in {rendezvous}: is the job running with agents?")
+    rendezvous = rendezvous if rendezvous.is_dir() else Path(job_dir)
+    tag = max(reports.values(), key=lambda r: r.get("time", 0))["tag"]
+    rid = persist.request(rendezvous, tag)
+    click.echo(f"flush requested ({rid}) from the agents of launch {tag}")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        served, durable, error = persist.outcome(list(agent_status.read(rendezvous, tag).values()), rid, len(reports))
+        if served and error:
+            raise click.ClickException(f"the flush failed: {error}")
+        if served:
+            click.echo(f"durable step {durable}")
+            return
+        time.sleep(0.5)
+    if wait_s:
+        raise click.ClickException(f"the agents did not report the flush done within {wait_s:g} s")

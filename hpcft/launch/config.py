@@ -27,7 +27,10 @@ class RunConfig:
     where 3 or more nodes train, partner on 2, none on 1 — see `resolve_protect`); group, losses, distance:
     its set size, tolerated losses per set (rs) and partner distance; protect_rate: bytes/s cap on protection
     traffic (default: the agents' own); protect_timeout: seconds the agents may take to be ready (rebuild
-    included) before the launch counts as failed.
+    included) before the launch counts as failed; persist_dir: the durable tier's directory on a file system
+    every node and the next allocation see (default `<job_dir>/checkpoints`; `none`: no flushing); persist_every:
+    flush once the newest protected step is this many steps past the newest durable one (and always before a
+    requeue); persist_keep: durable checkpoints kept; persist_rate: bytes/s cap on each node's flush writes.
     """
 
     nodes: int | None = None
@@ -49,11 +52,25 @@ class RunConfig:
     distance: int = 1
     protect_rate: float | None = None
     protect_timeout: float = 300.0
+    persist_dir: str | None = None
+    persist_every: int = 100
+    persist_keep: int = 2
+    persist_rate: float | None = None
 
     @property
     def protected(self) -> bool:
-        """Whether node agents run next to the trainers."""
+        """Whether the node agents protect snapshots across nodes."""
         return self.protect != "none"
+
+    @property
+    def persisting(self) -> bool:
+        """Whether the node agents flush to the durable tier (on unless persist_dir is `none`)."""
+        return (self.persist_dir or "").lower() != "none"
+
+    @property
+    def with_agents(self) -> bool:
+        """Whether node agents run next to the trainers: to protect, to flush, or both."""
+        return self.protected or self.persisting
 
 
 PROTECT_SCHEMES = ("auto", "none", "partner", "xor", "rs")
@@ -155,8 +172,12 @@ def validate(cfg: RunConfig) -> None:
     profiles.get(cfg.profile)
     if cfg.protect not in PROTECT_SCHEMES:
         raise ConfigError(f"protect={cfg.protect!r} is not a protection scheme; choose one of {', '.join(PROTECT_SCHEMES)}")
-    if cfg.protect_rate is not None and cfg.protect_rate <= 0:
-        raise ConfigError(f"protect_rate must be positive bytes/s (got {cfg.protect_rate})")
+    for key in ("protect_rate", "persist_rate"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be positive bytes/s (got {getattr(cfg, key)})")
+    if cfg.persist_every < 1 or cfg.persist_keep < 1:
+        raise ConfigError(f"persist_every and persist_keep must be at least 1 (got {cfg.persist_every}, "
+                          f"{cfg.persist_keep})")
     if cfg.protected and cfg.protect != "auto":
         scheme(cfg)  # the agents' own checks (group, losses, distance), before anything is launched
 
@@ -170,6 +191,13 @@ def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:
     if active >= 3:
         return replace(cfg, protect="xor", group=min(cfg.group, active), losses=1)
     return replace(cfg, protect="partner" if active == 2 else "none", distance=1)
+
+
+def persist_root(cfg: RunConfig, job_dir: Path) -> Path | None:
+    """The durable tier's directory: `persist_dir`, else `<job_dir>/checkpoints`; None when flushing is off."""
+    if not cfg.persisting:
+        return None
+    return Path(cfg.persist_dir).resolve() if cfg.persist_dir else job_dir / "checkpoints"
 
 
 def scheme(cfg: RunConfig):

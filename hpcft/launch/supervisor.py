@@ -23,7 +23,8 @@ from hpcft import events
 from hpcft.errors import CheckpointError, ConfigError, HpcftError, SlurmError
 from hpcft.launch import losses, profiles, progress
 from hpcft.launch.agents import AgentSteps
-from hpcft.launch.config import RunConfig, resolve_protect
+from hpcft.durable.settings import PERSIST_ENV
+from hpcft.launch.config import RunConfig, persist_root, resolve_protect
 from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
@@ -128,7 +129,7 @@ class Supervisor:
         self._requeued_run = saved.requeues > 0
         if self._requeued_run:
             self._why_launch = f"requeued run {saved.requeues}"
-        if self.cfg.protected:
+        if self.cfg.with_agents:
             self.agents.prepare()
         while True:
             event = self._run_step(layout, saved.restarts + saved.requeues)
@@ -208,9 +209,10 @@ class Supervisor:
                   reached=loss.reached, resumed_from=loss.resumed_from, steps_lost=loss.steps_lost, reason=loss.reason)
 
     def _persist_before_requeue(self, event: Event) -> None:
-        """Before a requeue: the `persist` hook if given; else, with --protect, let the agents protect the newest
-        snapshot the trainers completed everywhere (bounded by --protect-timeout), so that the next allocation
-        can rebuild it from the nodes that come back. One `persist` event says what is safe, and why."""
+        """Before a requeue: the `persist` hook if given; else let the agents protect the newest snapshot the trainers
+        completed everywhere and flush it to the durable tier (bounded by --protect-timeout), so that the next
+        allocation can rebuild it from the nodes that come back, or read it on entirely new nodes. One `persist`
+        event says what is safe, and why."""
         started = time.monotonic()
         if self.persist is not None:
             self.persist()
@@ -218,17 +220,28 @@ class Supervisor:
             return
         if self.agents.proc is None:
             self.emit("persist", level=logging.WARNING, done=False, how="none",
-                      reason="no protection (--protect) and no persistent tier: the next allocation resumes from "
+                      reason="no agents (--protect none, --persist-dir none): the next allocation resumes from "
                              "what its nodes hold")
             return
+        deadline = started + self.cfg.protect_timeout
         if event.bad_nodes:
             why = (f"node(s) {','.join(event.bad_nodes)} lost: the newest step their sets protected before is what "
-                   "the next allocation can rebuild")
+                   "the next allocation can rebuild, or the newest durable one")
+        elif self.cfg.protected:
+            why = self.agents.drain(deadline)
         else:
-            why = self.agents.drain(started + self.cfg.protect_timeout)
-        self.emit("persist", level=logging.INFO if why is None else logging.WARNING, done=why is None, how="protect",
-                  protected=self.agents.protected(), seconds=round(time.monotonic() - started, 3),
-                  **({"reason": why} if why else {}))
+            why = None
+        durable, flush_why = None, "no durable tier (--persist-dir none)"
+        if self.cfg.persisting and not event.bad_nodes:  # a lost node's agent broke the mesh: no flush is possible
+            durable, flush_why = self.agents.flush(deadline)
+        elif self.cfg.persisting:
+            flush_why = "a node was lost: the agents cannot flush together; the newest durable step stays"
+        done = why is None or flush_why is None
+        self.emit("persist", level=logging.INFO if done else logging.WARNING, done=done,
+                  how="protect+flush" if self.cfg.protected and self.cfg.persisting else
+                  "flush" if self.cfg.persisting else "protect",
+                  protected=self.agents.protected(), durable=durable, seconds=round(time.monotonic() - started, 3),
+                  **({"reason": why} if why else {}), **({"flush_reason": flush_why} if flush_why else {}))
 
     # -- one step -----------------------------------------------------------------------------------------
     def _run_step(self, layout: Layout, restart_count: int) -> Event:
@@ -239,10 +252,13 @@ class Supervisor:
         env = step_env(layout, job_id=self.job_id, restart_count=restart_count, job_dir=str(self.job_dir),
                        profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id))
         env = {**self.environ, **env}
+        durable = persist_root(self.cfg, self.job_dir)
+        if durable is not None:
+            env[PERSIST_ENV] = str(durable)  # where the trainers' restore finds the durable tier
         proc: subprocess.Popen | None = None
         try:
             self.janitor.ensure([*layout.slots, *layout.spares], env)
-            if self.cfg.protected:
+            if self.cfg.with_agents:
                 failure = self.agents.start(layout, restart_count, env)
                 if failure is not None:
                     event = self._agents_failed(layout, failure)

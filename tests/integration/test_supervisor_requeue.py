@@ -100,8 +100,8 @@ def test_warning_signal_persists_requeues_and_the_next_run_resumes_from_memory(h
     assert signals == [("walltime warning", False), ("stale", True)]
     # the trainers stopped, the agents protected the newest step they had completed: the next run resumes there
     persist = [e for e in recs if e["event"] == "persist"]
-    assert len(persist) == 1 and persist[0]["how"] == "protect" and persist[0]["done"] is True, persist
-    assert persist[0]["protected"] >= 6
+    assert len(persist) == 1 and persist[0]["how"] == "protect+flush" and persist[0]["done"] is True, persist
+    assert persist[0]["protected"] >= 6 and persist[0]["durable"] == persist[0]["protected"]
     assert _restored(out, "1.") == {persist[0]["protected"]}
     assert_same_result(out, reference)
 
@@ -272,4 +272,27 @@ def test_a_lost_batch_host_is_requeued_by_the_janitors_and_the_job_resumes_from_
     assert ready["rebuild"] is True and ready["rebuilt"] == restart["slots"].split(",")[0], ready
     assert ready["step"] >= protected
     assert _restored(out, "1.") == {ready["step"]}
+    assert_same_result(out, reference)
+
+
+def test_a_job_requeued_onto_other_nodes_resumes_from_the_durable_tier(healthy_sandbox, reference, tmp_path):
+    """Frontier's case: the requeued job gets entirely other nodes (here its first nodes are drained), whose memory
+    holds nothing; the checkpoint the agents flushed before the requeue is where it resumes, bit-identical."""
+    runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
+    job_id = _submit(healthy_sandbox, out, "--nodes", "3", "--warn", "60", "--probe-timeout", "5", "--kill-grace",
+                     "1", "--protect", "xor", "--group", "3", STEPS=STEPS, STEP_DELAY="0.2")
+    wait_progress(job_dir, 0, 6)
+    first = fields(runner.run(["scontrol", "show", "job", "-o", job_id]).stdout)["NodeList"]
+    runner.run(["scontrol", "update", f"NodeName={first}", "State=DRAIN", "Reason=hpcft-test"])
+    runner.run(["scancel", "--signal=USR1", "--batch", job_id])
+    wait(lambda: _ended(runner, job_id), "the requeued job to end", 200)
+    assert _state(runner, job_id) == "COMPLETED", (out / "job.out").read_text()[-3000:]
+    recs = events.read(job_dir)
+    starts = [e for e in recs if e["event"] == "start"]
+    assert len(starts) == 2 and not set(starts[0]["slots"].split(",")) & set(starts[1]["slots"].split(","))
+    persist = next(e for e in recs if e["event"] == "persist")
+    assert persist["done"] is True and persist["durable"] >= 6, persist
+    assert _restored(out, "1.") == {persist["durable"]}
+    source = [e for e in recs if e["event"] == "restore_source" and e.get("rank") == 0]
+    assert source and source[-1]["source"] == "durable", source
     assert_same_result(out, reference)
