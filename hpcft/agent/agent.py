@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,22 @@ def keep_newest_protected(job: Path, pins: Pins) -> None:
         pins.keep(pin_targets(both[-1], complete[both[-1]]))
 
 
+def protection_lag(complete: dict[int, dict], protected: Iterable[int]) -> tuple[int | None, float | None]:
+    """How far protection trails the trainers on this node: (newest complete step − newest protected step, seconds
+    between their snapshots), None where nothing is protected (or a snapshot's time is unknown)."""
+    done = [s for s in protected if s in complete]
+    if not complete or not done:
+        return None, None
+    newest, guarded = max(complete), max(done)
+
+    def when(step: int) -> float | None:
+        t = next(iter(complete[step].values())).manifest.get("time")
+        return float(t) if isinstance(t, (int, float)) else None
+
+    a, b = when(newest), when(guarded)
+    return newest - guarded, None if a is None or b is None else round(max(0.0, a - b), 3)
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """Everything one agent needs (see `python -m hpcft.agent --help`)."""
@@ -153,6 +170,7 @@ def run(cfg: AgentConfig) -> int:
     def report(phase: str, **fields) -> None:
         versions = local_versions(job)
         complete, recs, by_rank = complete_steps(job, versions), records(job), _by_rank(versions)
+        lag_steps, lag_s = protection_lag(complete, recs)
         status.write(cfg.rendezvous, cfg.tag, cfg.slot, node=node, phase=phase, scheme=cfg.scheme.name,
                      group=cfg.scheme.group, losses=cfg.scheme.losses, distance=cfg.scheme.distance, slots=cfg.slots,
                      interval=cfg.interval, staged=max(complete) if complete else None,
@@ -161,7 +179,8 @@ def run(cfg: AgentConfig) -> int:
                      flush_error=flusher.last_error if flusher else None,
                      ranks={str(r): max(v) for r, v in by_rank.items()},
                      versions={str(r): sorted(v) for r, v in by_rank.items()},
-                     staged_steps=sorted(complete), protected_steps=sorted(recs), **fields)
+                     staged_steps=sorted(complete), protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s,
+                     **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
     mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, rate=cfg.rate,

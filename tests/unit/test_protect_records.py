@@ -18,3 +18,17 @@ def test_a_retired_record_file_becomes_the_next_pass_data_file(tmp_path):
     finally:
         slot.close()
     assert (tmp_path / "step-4.data").exists()
+
+
+def test_protection_lag_in_steps_and_seconds() -> None:
+    from types import SimpleNamespace
+
+    from hpcft.agent.agent import protection_lag
+
+    def held(t):
+        return {0: SimpleNamespace(manifest={"time": t}), 1: SimpleNamespace(manifest={"time": t + 0.1})}
+
+    complete = {3: held(100.0), 4: held(101.5), 7: held(106.25)}
+    assert protection_lag(complete, [1, 4]) == (3, 4.75)
+    assert protection_lag(complete, []) == (None, None)
+    assert protection_lag({}, [4]) == (None, None)

@@ -17,7 +17,8 @@ def _agents(where, slots, scheme="xor", group=4, losses=1, silent=(), failed=(),
         agent_status.write(where, "0", s, node=f"n{s}", phase=phase,
                            scheme=scheme, group=group, losses=losses, distance=1, slots=slots, interval=1.0,
                            staged=5, protected=max(records), persisted=None, versions={"0": [3, 4, 5], "1": [4, 5]},
-                           protected_steps=list(records), error="boom" if s in failed else None)
+                           protected_steps=list(records), error="boom" if s in failed else None,
+                           lag_steps=5 - max(records), lag_s=2.5)
     if silent:  # heartbeats from long ago
         for s in silent:
             path = agent_status.path(where, "0", s)
@@ -36,6 +37,7 @@ def test_versions_states_and_a_degraded_set(tmp_path):
     assert [(s.members, s.health, s.missing, s.protected_step) for s in view.sets] == [
         ([0, 1, 2, 3], HEALTHY, [], 4), ([4, 5, 6, 7], DEGRADED, [5], 4)]
     assert "silent" in view.sets[1].detail and "set 1 slots 4,5,6,7: degraded" in render(view)
+    assert (n0.lag_steps, n0.lag_s) == (1, 2.5) and "1 (2.5 s)" in render(view)
 
 
 def test_two_losses_in_an_xor_set_or_a_partner_pair_are_at_risk_and_stopped_agents_are_not_losses(tmp_path):
