@@ -79,7 +79,9 @@ def write_rank(manifest: dict[str, Any], data: np.ndarray, ckpt: Path, *, pace: 
             pos += length
     finally:
         files.finish(fd, path, sync)
-    side = {"rank": rank, "step": step, "file": name, "file_bytes": pos, "items": rows,
+    # the data-parallel group whose shares tile the replicated tensors: where hpcft's reader finds the rest of them
+    group = (manifest.get("share") or {}).get("group") or [rank]
+    side = {"rank": rank, "step": step, "file": name, "file_bytes": pos, "items": rows, "group": list(group),
             "meta": {k: manifest.get(k) for k in META}}
     files.put(sidecar_dir(ckpt) / f"rank-{rank:05d}.json", mf.encode(side, RANK_FORMAT), sync)
     return side

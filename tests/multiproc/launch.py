@@ -23,9 +23,9 @@ class Result:
 
 
 def run(world: int, scenario: str, *args: str, root: Path, out: Path, job_id: str = "t",
-        timeout: float = 180, extra_env: dict[str, str] | None = None) -> list[Result]:
-    """Run `scenarios.py <scenario> --out <out> args...` on `world` ranks; wait for all; return each rank's
-    exit status and output (a rank killed by a signal has a negative status)."""
+        timeout: float = 180, extra_env: dict[str, str] | None = None, script: Path = SCENARIOS) -> list[Result]:
+    """Run `<script> <scenario> --out <out> args...` (default scenarios.py) on `world` ranks; wait for all; return
+    each rank's exit status and output (a rank killed by a signal has a negative status)."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
@@ -34,7 +34,7 @@ def run(world: int, scenario: str, *args: str, root: Path, out: Path, job_id: st
                "HPCFT_LOCAL_WORLD_SIZE": str(world), "HPCFT_JOB_ID": job_id, "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(out),
                "OMP_NUM_THREADS": "1", **(extra_env or {})}
-        procs.append(subprocess.Popen([sys.executable, str(SCENARIOS), scenario, "--out", str(out), *args],
+        procs.append(subprocess.Popen([sys.executable, str(script), scenario, "--out", str(out), *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     results = []
     try:
