@@ -198,6 +198,10 @@ def restore(durable: catalog.Durable, entries: Sequence[Entry], rank: int, world
         ckpt = Checkpoint(durable)
         src = meta_rank(ckpt, rank)
         meta = ckpt.side(src)["meta"]
+        if not isinstance(meta.get("rng"), dict) or not all(isinstance(meta.get(k), (dict, type(None)))
+                                                            for k in ("extra", "optim")):
+            raise ManifestError(f"rank {src}'s sidecar of durable step {durable.step} has no RNG state object, or "
+                                "its extra or optimizer settings are not objects")
         if check_meta is not None:
             check_meta(meta)
         used = load(ckpt, entries, rank)
@@ -207,6 +211,10 @@ def restore(durable: catalog.Durable, entries: Sequence[Entry], rank: int, world
                     error=why)
     except CheckpointError as exc:
         code, why = MISMATCH, str(exc)
+    except Exception as exc:  # anything unforeseen loses this checkpoint here: no rank may wait in `agree` alone
+        code, why = LOST, f"{type(exc).__name__}: {exc}"
+        events.emit("durable_lost", level=logging.ERROR, rank=rank, step=durable.step, path=str(durable.path),
+                    error=why)
     finally:
         if ckpt is not None:
             ckpt.close()

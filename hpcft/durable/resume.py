@@ -113,7 +113,7 @@ def _none(rank: int, in_memory: bool, on_disk: bool, persist: Path | None) -> No
         events.emit("restore_none", rank=rank, reason="fresh run: nothing in memory" +
                     (f" or in the durable tier {persist}" if persist else " and no durable tier configured"))
         return
-    where = [w for w, has in (("memory", in_memory), (f"the durable tier {persist}", on_disk)) if has]
-    events.emit("restore_none", level=logging.ERROR, rank=rank,
-                reason=f"progress exists in {' and '.join(where)} but no step is complete on every rank: "
+    where = " and ".join(w for w, has in (("memory", in_memory), ("the durable tier", on_disk)) if has)
+    events.emit("restore_none", level=logging.ERROR, rank=rank, persist=str(persist),
+                reason=f"progress exists (in {where}, on some ranks) but no step is complete on every rank: "
                        "starting from step 0, every step so far is lost")

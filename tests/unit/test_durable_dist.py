@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from hpcft import events
 from multiproc import durable_read, launch  # tests/ is on sys.path (tests/conftest.py)
 
 SCRIPT = Path(durable_read.__file__)
@@ -21,6 +22,8 @@ def test_flushed_dp_and_fsdp2_load_with_dcp_and_hpcft_at_4_2_1(shm_root: Path, t
     launch.check(launch.run(2, "load", root=shm_root, out=tmp_path, script=SCRIPT, timeout=300))
     four, two = _reports(tmp_path, "save-w4"), _reports(tmp_path, "load-w2")
     assert len(four) == 4 and len(two) == 2 and all(r["ok"] for r in four + two), four + two
+    none = [e for e in events.read(tmp_path) if e["event"] == "restore_none" and e["level"] == "ERROR"]
+    assert sorted(e["rank"] for e in none) == [0, 1] and "durable tier" in none[0]["reason"]  # progress existed
     # world 1, in this process without a process group: DCP into a plain model, and hpcft's reader
     for kind in durable_read.KINDS:
         ref = torch.load(tmp_path / f"ref-{kind}.pt", weights_only=True)
