@@ -19,7 +19,7 @@ from hpcft.durable.boxes import Box
 from hpcft.durable.commit import (CRC, DATA, DTYPE, FQN, LENGTH, NBYTES, OFFSETS, RECORD, SHAPE, SIZES,
                                   chunks_by_fqn)
 from hpcft.durable.flush import data_name, read_sidecar, sidecar_dir
-from hpcft.errors import CheckpointError, IntegrityError, ManifestError, StoreError
+from hpcft.errors import CheckpointError, HpcftError, IntegrityError, ManifestError
 from hpcft.snapshot.restore import LOST, MISMATCH, OK, agree
 from hpcft.snapshot.state import Entry
 from hpcft.store import crc32c
@@ -205,16 +205,13 @@ def restore(durable: catalog.Durable, entries: Sequence[Entry], rank: int, world
         if check_meta is not None:
             check_meta(meta)
         used = load(ckpt, entries, rank)
-    except (IntegrityError, StoreError) as exc:  # ManifestError is an IntegrityError
-        code, why = LOST, str(exc)
-        events.emit("durable_lost", level=logging.ERROR, rank=rank, step=durable.step, path=str(durable.path),
-                    error=why)
-    except CheckpointError as exc:
-        code, why = MISMATCH, str(exc)
-    except Exception as exc:  # anything unforeseen loses this checkpoint here: no rank may wait in `agree` alone
-        code, why = LOST, f"{type(exc).__name__}: {exc}"
-        events.emit("durable_lost", level=logging.ERROR, rank=rank, step=durable.step, path=str(durable.path),
-                    error=why)
+    except Exception as exc:  # anything unforeseen loses the checkpoint here too: no rank may wait in `agree` alone
+        mismatch = isinstance(exc, CheckpointError) and not isinstance(exc, IntegrityError)  # ManifestError: lost
+        code, why = (MISMATCH if mismatch else LOST), (str(exc) if isinstance(exc, HpcftError)
+                                                        else f"{type(exc).__name__}: {exc}")
+        if not mismatch:
+            events.emit("durable_lost", level=logging.ERROR, rank=rank, step=durable.step, path=str(durable.path),
+                        error=why)
     finally:
         if ckpt is not None:
             ckpt.close()

@@ -94,15 +94,16 @@ def dcp_load(kind: str, ctx, path: Path, fsdp: bool = True) -> tuple[torch.nn.Mo
     return model, opt
 
 
-def hpcft_load(kind: str, ctx, persist: Path, job: str, fsdp: bool = True):
-    """A fresh model (other values, other RNG) restored by hpcft from the durable tier (its memory is empty)."""
+def hpcft_load(kind: str, ctx, persist: Path, job: str, fsdp: bool = True, root: Path | None = None):
+    """A fresh model (other values, other RNG) restored by hpcft from the durable tier (its memory is empty; store
+    root `root`, default $HPCFT_STORE_ROOT)."""
     model, opt = build(kind, ctx, fsdp)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     torch.manual_seed(5)
     dp = getattr(ctx, "dp_group", None) if kind == "dp" else None
-    with hpcft.Checkpointer(model, opt, dp_group=dp, job_id=job, persist_dir=persist) as ck:
+    with hpcft.Checkpointer(model, opt, dp_group=dp, job_id=job, persist_dir=persist, root=root) as ck:
         step, extra = ck.restore(), ck.extra
     return model, opt, step, extra
 

@@ -30,5 +30,6 @@ def test_flushed_dp_and_fsdp2_load_with_dcp_and_hpcft_at_4_2_1(shm_root: Path, t
         persist = tmp_path / f"persist-{kind}"
         assert not durable_read.diff(ref, durable_read.full(*durable_read.dcp_load(kind, None, persist / "step-3",
                                                                                     fsdp=False)))
-        model, opt, step, extra = durable_read.hpcft_load(kind, None, persist, f"r1-{kind}", fsdp=False)
+        model, opt, step, extra = durable_read.hpcft_load(kind, None, persist, f"r1-{kind}", fsdp=False,
+                                                          root=shm_root)
         assert step == 3 and extra == {"rank": 0} and not durable_read.diff(ref, durable_read.full(model, opt))
