@@ -3,11 +3,11 @@
   save   4 ranks train a bf16 model (fp32 buffer and AdamW step counters: mixed dtypes) 3 steps, as DP with
          dp_group (shares cut tensors mid-row) and as FSDP2 on the 4-rank mesh (uneven shards); each rank flushes its
          snapshot to <out>/persist-<kind>, rank 0 commits; rank 0 saves the full state (`ref-<kind>.pt`), every rank
-         its RNG state; then a plain dcp.load into fresh models, and hpcft's reader (Checkpointer.restore with empty
-         memory), must equal the reference bit for bit
-  load   on another world size: dcp.load equals the reference; Checkpointer.restore (resharded from the durable
-         tier) equals the DCP load bit for bit, with saved rank r's RNG state and extra; a checkpoint only rank 0
-         sees restores step 0 on both ranks
+         its RNG state
+  load   fresh processes, at any world size: a plain dcp.load into fresh models equals the reference bit for bit;
+         hpcft's reader (Checkpointer.restore, memory empty; resharded where the world size differs) equals the DCP
+         load bit for bit, with saved rank r's RNG state and extra; a checkpoint only rank 0 sees restores step 0 on
+         every rank
 """
 import argparse
 import json
@@ -132,13 +132,8 @@ def save(args, ctx) -> dict:
         if ctx.rank == 0:
             torch.save(ref, out / f"ref-{kind}.pt")
         torch.save(rng, out / f"rng-{kind}-rank{ctx.rank}.pt")
-        bad_dcp = diff(ref, full(*dcp_load(kind, ctx, persist / "step-3")))
-        model2, opt2, step, extra = hpcft_load(kind, ctx, persist, f"r4-{kind}")
-        report[kind] = {"dcp_mismatch": bad_dcp, "hpcft_mismatch": diff(ref, full(model2, opt2)), "step": step,
-                        "extra": extra, "rng_equal": torch.equal(torch.get_rng_state(), rng)}
-    report["ok"] = all(not r["dcp_mismatch"] and not r["hpcft_mismatch"] and r["step"] == 3 and r["rng_equal"]
-                       and r["extra"] == {"rank": ctx.rank} for r in (report[k] for k in KINDS))
-    return report
+        report[kind] = {"entries": len(ref)}
+    return {**report, "ok": True}
 
 
 def load(args, ctx) -> dict:
