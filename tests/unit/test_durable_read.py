@@ -91,7 +91,7 @@ def _kinds(tmp_path: Path) -> list[str]:
     return [e["event"] for e in events.read(tmp_path / "events")]
 
 
-def test_durable_restore_when_memory_is_empty_or_older(shm_root: Path, tmp_path: Path, saved) -> None:
+def test_the_durable_tier_wins_when_memory_holds_only_an_older_step(shm_root: Path, tmp_path: Path, saved) -> None:
     persist, refs = saved
     model, opt = _model()
     with Checkpointer(model, opt, root=shm_root, job_id="b", persist_dir=persist) as ck:
@@ -105,6 +105,17 @@ def test_durable_restore_when_memory_is_empty_or_older(shm_root: Path, tmp_path:
     assert torch.equal(torch.get_rng_state(), refs[3][1])
     (source,) = [e for e in events.read(tmp_path / "events") if e["event"] == "restore_source"]
     assert source["source"] == "durable" and source["step"] == 3 and "newer than memory's best 1" in source["reason"]
+
+
+def test_memory_wins_at_an_equal_step(shm_root: Path, tmp_path: Path, saved) -> None:
+    persist, refs = saved  # job a's memory holds steps 2 and 3, its durable tier 2 and 3
+    model, opt = _model()
+    with Checkpointer(model, opt, root=shm_root, job_id="a", persist_dir=persist) as ck:
+        assert ck.restore() == 3
+    now = _state(model, opt)
+    assert all(same(refs[3][0][k], now[k]) for k in now)
+    (source,) = [e for e in events.read(tmp_path / "events") if e["event"] == "restore_source"]
+    assert source["source"] == "memory" and source["reason"].endswith("(durable newest 3)")
 
 
 def test_a_chunk_failing_its_crc_falls_back_to_the_older_checkpoint(shm_root: Path, tmp_path: Path, saved) -> None:
