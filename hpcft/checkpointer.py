@@ -10,6 +10,7 @@ import json
 import time
 import logging
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -20,7 +21,8 @@ from hpcft.env import DEFAULT_JOB_ID, job_env
 from hpcft.errors import CheckpointError, ConfigError
 from hpcft.snapshot import copiers, groups, rng, state
 from hpcft.snapshot.engine import SnapshotEngine, Stats
-from hpcft.snapshot.restore import Loader, restore_newest
+from hpcft.durable import catalog, resume
+from hpcft.snapshot.restore import Loader
 from hpcft.snapshot.view import StateView
 from hpcft.store import RankStore
 from hpcft.store.writer import writer_id
@@ -45,6 +47,8 @@ class Checkpointer:
               its Checkpointer together, each passing the one data-parallel group it belongs to, or all None).
     every / keep: snapshot every n-th optimizer step; keep this many complete versions (plus one slot).
     auto: snapshot from the optimizer's post-step hook (default); with auto=False call `step(it)` yourself.
+    persist_dir: the durable tier's directory, read by restore() (default: $HPCFT_PERSIST_DIR, which `hpcft run`
+                 exports; see docs/durable.md).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -52,7 +56,8 @@ class Checkpointer:
                  root: str | os.PathLike | None = None, job_id: str | None = None, *, backend: str | None = None,
                  max_inflight_bytes: int = 256 << 20, chunk_bytes: int | None = None, threads: int | None = None,
                  on_restore: Callable[[dict | None], None] | None = None, auto: bool = True,
-                 delay_per_chunk: float = 0.0, overlap: bool | None = None):
+                 delay_per_chunk: float = 0.0, overlap: bool | None = None,
+                 persist_dir: str | os.PathLike | None = None):
         if every < 1:
             raise ConfigError(f"every must be at least 1 (got {every})")
         if extra is not None and not callable(extra):
@@ -72,6 +77,7 @@ class Checkpointer:
         backend = copiers.choose(backend, device)
         self.threads = threads or copiers.default_threads(backend)
         self.store = RankStore(self.job_id, self.rank, keep=keep, root=root)
+        self.persist_dir: Path | None = catalog.persist_root(persist_dir)
         copier = copiers.make(backend, device, max_inflight_bytes=max_inflight_bytes, threads=self.threads,
                               delay_per_chunk=delay_per_chunk, overlap=overlap)
         self.engine = SnapshotEngine(self.store, copier, group=self.group, chunk_bytes=chunk_bytes or copier.chunk_bytes)
@@ -143,9 +149,10 @@ class Checkpointer:
         self.engine.wait()
 
     def restore(self) -> int:
-        """Load the newest snapshot complete on every rank (collective) and return its step: the number of
-        optimizer steps it holds = the next loop index. 0 on a fresh run. Raises if snapshots exist but
-        none could be loaded (every candidate lost a chunk or does not match the model)."""
+        """Load the newest step complete on every rank (collective), from memory or the durable tier (`persist_dir`;
+        see hpcft.durable.resume for the order), and return it: the number of optimizer steps it holds = the next
+        loop index. 0 on a fresh run. Raises if checkpoints exist but none could be loaded (every candidate lost a
+        chunk or does not match the model)."""
         self.engine.wait()
 
         def live() -> list[state.Entry]:
@@ -156,23 +163,23 @@ class Checkpointer:
                 self._quiet = False
             return self._view.entries()
 
-        version = restore_newest(self._loader, live, self._check_meta)
-        if version is None:
+        got = resume.restore(self._loader, live, self.persist_dir, self._check_meta, self.world)
+        if got is None:
             self.completed, self.extra = 0, None
             return 0
-        m = version.manifest
+        m = got.meta
         if self._shared_id and m.get("writer") != self._writer:
-            events.emit("restore_foreign", level=logging.WARNING, rank=self.rank, step=version.step,
+            events.emit("restore_foreign", level=logging.WARNING, rank=self.rank, step=got.step,
                         writer=str(m.get("writer")), store=str(self.store.dir),
-                        advice=f"this run has the default job id {DEFAULT_JOB_ID!r} and resumes step {version.step}, "
+                        advice=f"this run has the default job id {DEFAULT_JOB_ID!r} and resumes step {got.step}, "
                                "written by another process; if that was another run, pass job_id= or set "
                                "HPCFT_JOB_ID")
         rng.restore(m["rng"])
         state.apply_optimizer_meta(self.model, self.optimizer, m.get("optim") or {})
-        self.completed, self.extra = version.step, m.get("extra")
+        self.completed, self.extra = got.step, m.get("extra")
         if self._on_restore:
             self._on_restore(self.extra)
-        return version.step
+        return got.step
 
     def _check_meta(self, m: dict[str, Any]) -> None:
         """What restore() applies after the load (RNG, optimizer settings) must be applicable: checked with the load,

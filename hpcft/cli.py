@@ -22,10 +22,11 @@ def _register() -> None:
     from hpcft.doctor import doctor
     from hpcft.launch.cli import clean, flush, run, submit
     from hpcft.demo import demo
+    from hpcft.durable.cli import export
     from hpcft.sandbox.cli import sandbox
     from hpcft.status import status
 
-    for command in (doctor, sandbox, bench, demo, run, submit, clean, flush, status):
+    for command in (doctor, sandbox, bench, demo, run, submit, clean, flush, status, export):
         cli.add_command(command)
 
 

@@ -4,6 +4,7 @@ anything else is a flush in progress or a failed one, never read."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from hpcft.store.paths import read_file
 
 CKPT_FORMAT = "hpcft-durable/1"
 INDEX = "checkpoint.json"  # in .hpcft/: the checkpoint's own description, written before .metadata
+ENV_PERSIST = "HPCFT_PERSIST_DIR"  # the durable tier's directory, as `hpcft run` exports it to the trainers
 _DONE = re.compile(r"step-(\d{1,12})$")
 _TMP = re.compile(r"\.step-(\d{1,12})\.([A-Za-z0-9_.-]+)\.tmp$")
 
@@ -27,6 +29,12 @@ class Durable:
     step: int
     path: Path
     index: dict[str, Any]
+
+
+def persist_root(given: str | os.PathLike | None = None) -> Path | None:
+    """The durable tier's directory: `given`, else $HPCFT_PERSIST_DIR, else None (no durable tier)."""
+    value = given if given is not None else os.environ.get(ENV_PERSIST) or None
+    return Path(value) if value is not None else None
 
 
 def tmp_name(step: int, flush_id: str) -> str:

@@ -96,7 +96,9 @@ def write_rank(manifest: dict[str, Any], data: np.ndarray, ckpt: Path, *, pace: 
         prefix, suffix = envelope(it.dtype, it.sizes)
         rows.append([it.fqn, it.entry, it.dtype, list(it.shape), list(it.offsets), list(it.sizes),
                      start + len(prefix), it.nbytes, c, start, len(prefix) + it.nbytes + len(suffix)])
-    side = {"rank": rank, "step": step, "file": name, "file_bytes": pos, "items": rows,
+    # the data-parallel group whose shares tile the replicated tensors: where hpcft's reader finds the rest of them
+    group = (manifest.get("share") or {}).get("group") or [rank]
+    side = {"rank": rank, "step": step, "file": name, "file_bytes": pos, "items": rows, "group": list(group),
             "meta": {k: manifest.get(k) for k in META}}
     files.put(sidecar_dir(ckpt) / f"rank-{rank:05d}.json", mf.encode(side, RANK_FORMAT), sync)
     return side

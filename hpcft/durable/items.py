@@ -69,8 +69,8 @@ def boxes(shape: Sequence[int], a: int, b: int) -> list[tuple[tuple[int, ...], t
     return out
 
 
-def _global(e: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global shape, offset of the local tensor in it) of a manifest entry."""
+def place(e: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global shape, offset of the local tensor in it) of a manifest entry (or a live entry's `describe()`)."""
     p = e.get("placement") or {}
     local = tuple(e["shape"])
     return tuple(p.get("global_shape", local)), tuple(p.get("global_offset", (0,) * len(local)))
@@ -80,7 +80,7 @@ def of_manifest(m: dict[str, Any]) -> list[Item]:
     """Every chunk a rank's snapshot holds, in data-file order."""
     out = []
     for e in m["entries"]:
-        shape, off = _global(e)
+        shape, off = place(e)
         out.append(Item(fqn(e["name"]), e["name"], e["dtype"], shape, off, tuple(e["shape"]), e["offset"], e["nbytes"]))
     share = m.get("share")
     if share:
@@ -92,7 +92,7 @@ def of_manifest(m: dict[str, Any]) -> list[Item]:
             if p.start % size or p.stop % size:
                 raise ValueError(f"the share cuts {e['name']} inside an element (bytes {p.start}..{p.stop}); "
                                  "it was written by an hpcft older than the durable tier")
-            shape, shift = _global(e)
+            shape, shift = place(e)
             for o, s, first in boxes(e["shape"], p.start // size, p.stop // size):
                 out.append(Item(fqn(e["name"]), e["name"], e["dtype"], shape, tuple(x + y for x, y in zip(o, shift)),
                                 s, p.offset + first * size - p.start, math.prod(s) * size))

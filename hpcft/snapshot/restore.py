@@ -1,9 +1,9 @@
 """Restore (the paper's distributed in-memory loading): agree on the newest version every rank holds,
 verify each chunk while copying it back into the live tensors, and rebuild the replicated state from
-the data-parallel members' shares through the process group."""
+the data-parallel members' shares through the process group. Which step and which source (memory or the
+durable tier) a restore tries in which order is hpcft.durable.resume's."""
 import itertools
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 
@@ -23,9 +23,10 @@ OK, LOST, MISMATCH = 0, 1, 2
 WIDTH = 16  # steps per rank compared by `held_everywhere`: the same on every rank, whatever each one's `keep`
 
 
-def held_everywhere(store: RankStore, held: Sequence[Version], world: Any = None) -> tuple[list[int], bool]:
-    """Steps complete on every rank (each holding `held`), newest first, and whether any rank holds any
-    (`world`: a group of every rank that carries CPU tensors, None for the default group)."""
+def held_everywhere(held: Sequence[Any], world: Any = None) -> tuple[list[int], bool]:
+    """Steps complete on every rank (each holding `held`: versions or anything else with a `.step`), newest first,
+    and whether any rank holds any (`world`: a group of every rank that carries CPU tensors, None for the default
+    group). Collective."""
     mine = sorted({v.step for v in held}, reverse=True)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine, bool(mine)
@@ -35,6 +36,15 @@ def held_everywhere(store: RankStore, held: Sequence[Version], world: Any = None
     dist.all_gather(rows, row, group=world)
     sets = [set(r.tolist()) - {-1} for r in rows]
     return sorted(set.intersection(*sets), reverse=True), any(sets)
+
+
+def agree(code: int, world: Any = None) -> int:
+    """The worst of every rank's verdict (OK < LOST < MISMATCH), on every rank (collective over `world`)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return code
+    t = torch.tensor([code], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world)
+    return int(t)
 
 
 class _Sinks:
@@ -120,7 +130,7 @@ class Loader:
             if code == OK:
                 loaded = version
                 break
-        worst = self._agree(OK if OK in codes else max(codes))
+        worst = agree(OK if OK in codes else max(codes), self.world)
         if worst != OK:
             why = "; ".join(r for r in reasons if r) or ("another rank lost a chunk of this version" if worst == LOST
                                                          else "another rank's snapshot does not match its live state")
@@ -154,13 +164,6 @@ class Loader:
             return LOST, str(exc), 0
         except CheckpointError as exc:
             return MISMATCH, str(exc), 0
-
-    def _agree(self, code: int) -> int:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return code
-        t = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world)
-        return int(t)
 
     def _local(self, version: Version, grid: plan.Grid, sinks: _Sinks) -> int:
         """Copy every chunk of this rank's data file (laid out as `grid`, checked against the manifest) into the
@@ -234,41 +237,3 @@ def _scatter(copy: Callable[[int, int, int], None], buf: torch.Tensor, pieces: S
         if host is None:
             host = buf.cpu().numpy()
         copy(sink + p.start, ntcopy.address(host) + p.offset, p.nbytes)
-
-
-def restore_newest(loader: Loader, entries_fn: Callable[[], list[Entry]],
-                   check_meta: Callable[[dict[str, Any]], None] | None = None) -> Version | None:
-    """Load the newest version complete on every rank, falling back on loss; None on a fresh run.
-    `entries_fn()` returns the live entries (called once, after the caller created optimizer state); `check_meta`
-    goes to `Loader.load`. After a load, every version this rank holds that is newer than the one loaded (fallen
-    back past, or not complete everywhere) is withdrawn: training writes those steps anew, and a stale copy must
-    never be picked again (event `version_withdrawn`)."""
-    store = loader.store
-    t0 = time.perf_counter()
-    held = store.versions()
-    candidates, anything = held_everywhere(store, held, loader.world)
-    if not candidates:
-        if anything:
-            events.emit("restore_none", level=logging.WARNING, rank=store.rank,
-                        reason="no version is complete on every rank; starting from step 0")
-        return None
-    entries = entries_fn()
-    failures = []
-    for step in candidates:
-        copies = [v for v in reversed(held) if v.step == step]  # the later written first
-        try:
-            chosen, nbytes = loader.load(copies, entries, check_meta)
-        except CheckpointError as exc:
-            failures.append(str(exc))
-            events.emit("restore_fallback", level=logging.ERROR, rank=store.rank, step=step, error=str(exc))
-            continue
-        stale = [v for v in held if v.step > step or (v.step == step and v is not chosen)]
-        if not store.readonly:
-            for v in stale:
-                store.retire(v, f"restore loaded step {step}, an older one" if v.step > step else
-                             f"a second version of step {step}")
-        events.emit("restore_done", level=logging.WARNING if failures or stale or store.rejected else logging.INFO,
-                    rank=store.rank, step=step, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6),
-                    skipped=len(stale) + len(store.rejected), fallbacks=len(failures))
-        return chosen
-    raise IntegrityError("restore failed: no version held by every rank could be loaded: " + "; ".join(failures))
