@@ -5,6 +5,8 @@ import io
 import math
 import os
 import random
+import struct
+import zlib
 
 import pytest
 import torch
@@ -44,13 +46,29 @@ def test_crc_combine_equals_the_crc_of_the_concatenation() -> None:
         assert crc.combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
 
 
-@pytest.mark.parametrize("dtype,shape", [("float32", (3, 4)), ("bfloat16", ()), ("int64", (0,)), ("float64", (7,))])
-def test_envelope_around_raw_bytes_is_a_torch_save(dtype, shape) -> None:
-    x = torch.randn(shape).to(getattr(torch, dtype))
-    prefix, suffix = envelope.envelope(dtype, shape)
-    y = torch.load(io.BytesIO(prefix + x.reshape(-1).view(torch.uint8).numpy().tobytes() + suffix), weights_only=True)
-    assert y.dtype == x.dtype and y.shape == x.shape
-    assert torch.equal(y.reshape(-1).view(torch.uint8), x.reshape(-1).view(torch.uint8))
+@pytest.mark.parametrize("dtype", sorted(envelope.STORAGE))
+def test_envelope_is_torch_saves_own_and_loads(dtype) -> None:
+    """hpcft builds the record around a tensor's bytes without torch: byte for byte what torch.save writes under
+    skip_data (but the random serialization id), and torch.load reads it with the bytes put in place."""
+    for shape in [(), (3,), (3, 4), (2, 3, 5), (300, 233), (1, 2, 3, 4), (0,), (5, 0, 2), (3, 70000)]:
+        prefix, suffix = envelope.envelope(dtype, shape)
+        theirs, their_suffix = envelope._torch_envelope(dtype, shape)
+        # torch's random serialization id (the last record's 40 digits), and its crc32 twice, made ours
+        digits = _their_id(their_suffix)
+        their_suffix = their_suffix.replace(digits, envelope._SERIAL_ID).replace(
+            struct.pack("<I", zlib.crc32(digits)), struct.pack("<I", zlib.crc32(envelope._SERIAL_ID)))
+        assert (prefix, suffix) == (theirs, their_suffix), shape
+        x = (torch.randn(shape) * 100).to(getattr(torch, dtype))
+        y = torch.load(io.BytesIO(prefix + x.reshape(-1).view(torch.uint8).numpy().tobytes() + suffix),
+                       weights_only=True)
+        assert y.dtype == x.dtype and y.shape == x.shape and y.stride() == x.stride() and torch.equal(y, x), shape
+
+
+def _their_id(suffix: bytes) -> bytes:
+    """The 40-digit serialization id torch.save wrote: the data of the record named .data/serialization_id."""
+    at = suffix.index(b"archive/.data/serialization_id") + len(b"archive/.data/serialization_id")
+    pad = struct.unpack("<H", suffix[at + 2:at + 4])[0]
+    return suffix[at + 4 + pad:at + 4 + pad + 40]
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
