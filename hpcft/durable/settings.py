@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PERSIST_ENV = "HPCFT_PERSIST_DIR"  # exported to the trainers: where their restore finds the durable tier
-
 
 @dataclass(frozen=True)
 class PersistConfig:

@@ -17,7 +17,7 @@ from hpcft.errors import CheckpointError, NoCheckpointError
 from hpcft.launch import profiles
 from hpcft.agent import persist as agent_persist
 from hpcft.durable.settings import PersistConfig
-from hpcft.launch.config import RunConfig, persist_root, scheme
+from hpcft.launch.config import RunConfig, durable_dir, scheme
 from hpcft.launch.layout import Layout
 from hpcft.slurm.runner import Runner
 
@@ -81,7 +81,7 @@ class AgentSteps:
         tag, cfg = self.tag, self.cfg
         for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
             stale.unlink(missing_ok=True)
-        root = persist_root(cfg, self.job_dir)
+        root = durable_dir(cfg, self.job_dir)
         persist = PersistConfig(str(root), cfg.persist_every, cfg.persist_keep, cfg.persist_rate) if root else None
         argv = agent_argv(list(layout.slots), rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
                           scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,

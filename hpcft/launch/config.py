@@ -193,7 +193,7 @@ def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:
     return replace(cfg, protect="partner" if active == 2 else "none", distance=1)
 
 
-def persist_root(cfg: RunConfig, job_dir: Path) -> Path | None:
+def durable_dir(cfg: RunConfig, job_dir: Path) -> Path | None:
     """The durable tier's directory: `persist_dir`, else `<job_dir>/checkpoints`; None when flushing is off."""
     if not cfg.persisting:
         return None

@@ -23,8 +23,8 @@ from hpcft import events
 from hpcft.errors import CheckpointError, ConfigError, HpcftError, SlurmError
 from hpcft.launch import losses, profiles, progress
 from hpcft.launch.agents import AgentSteps
-from hpcft.durable.settings import PERSIST_ENV
-from hpcft.launch.config import RunConfig, persist_root, resolve_protect
+from hpcft.durable.catalog import ENV_PERSIST
+from hpcft.launch.config import RunConfig, durable_dir, resolve_protect
 from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
@@ -252,9 +252,9 @@ class Supervisor:
         env = step_env(layout, job_id=self.job_id, restart_count=restart_count, job_dir=str(self.job_dir),
                        profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id))
         env = {**self.environ, **env}
-        durable = persist_root(self.cfg, self.job_dir)
+        durable = durable_dir(self.cfg, self.job_dir)
         if durable is not None:
-            env[PERSIST_ENV] = str(durable)  # where the trainers' restore finds the durable tier
+            env[ENV_PERSIST] = str(durable)  # where the trainers' restore finds the durable tier
         proc: subprocess.Popen | None = None
         try:
             self.janitor.ensure([*layout.slots, *layout.spares], env)
