@@ -24,6 +24,7 @@ from hpcft.sandbox.config import SandboxConfig
 
 STEPS, DELAY = 30, 0.3
 TP = 2  # ranks per node, tensor parallel inside a node as on a GPU node (Frontier runs 8)
+NODES = 4  # the training's allocation, whatever the sandbox's size: 3 nodes train, 1 is the spare
 
 
 def run_demo(config: SandboxConfig, say: Callable[[str], None]) -> int:
@@ -65,8 +66,9 @@ def _cluster_side(sb: Sandbox, say: Callable[[str], None]) -> int:
 
 
 def train_through_a_crash(sb: Sandbox, say: Callable[[str], None]) -> int:
-    """`hpcft run` with a spare and XOR protection; one node crashed once the agents have protected a step."""
-    nodes = len(sb.node_names)
+    """`hpcft run` with a spare and XOR protection on `NODES` nodes of the sandbox (fewer if it has fewer); one node
+    crashed once the agents have protected a step."""
+    nodes = min(NODES, len(sb.node_names))
     out = sb.dir / "demo" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     job_dir = out / "job"

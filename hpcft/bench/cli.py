@@ -153,13 +153,19 @@ def protect(params: int, warmup: int, threads: int, root: str | None, as_json: b
 @click.option("--width", type=click.IntRange(min=1), default=1024, show_default=True, help="Model width.")
 @click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True, help="Linear layers.")
 @click.option("--poll-interval", type=float, default=0.5, show_default=True, help="hpcft run --poll-interval.")
+@click.option("--keep", type=click.Path(file_okay=False), default=None,
+              help="Keep every run's output (job dirs, events, timelines, final.pt) in this new or empty directory, "
+                   "one subdirectory per scenario (default: removed unless a run fails).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout; the table goes to stderr.")
 @RUNS
 def recovery(directory: str | None, steps: int, fault_at: int, step_delay: float, width: int, layers: int,
-             poll_interval: float, as_json: bool, runs: int) -> None:
-    """Fault → first step after it, in the sandbox: rank kill, node crash, and a torch.save + requeue baseline."""
+             poll_interval: float, keep: str | None, as_json: bool, runs: int) -> None:
+    """Fault → first step after it, in the sandbox: rank kill, node crash, batch host and a torch.save + requeue
+    baseline."""
     from hpcft.bench.recovery import RecoveryOptions, run
 
+    if keep and runs > 1:
+        raise click.UsageError("--keep keeps one run's output: give it with --runs 1")
     opts = RecoveryOptions(dir=directory, steps=steps, fault_at=fault_at, step_delay=step_delay, width=width,
-                           layers=layers, poll_interval=poll_interval)
+                           layers=layers, poll_interval=poll_interval, keep=keep)
     _run(as_json, lambda: run(opts), runs)

@@ -56,12 +56,15 @@ class RecoveryOptions:
     probe_timeout: float = 5.0
     kill_grace: float = 1.0
     timeout: float = 300.0          # per run
+    keep: str | None = None         # keep the runs' output here (else a temp dir, removed unless a run fails)
 
     def __post_init__(self) -> None:
         if not 0 < self.fault_at < self.steps - 1:
             raise ConfigError(f"--fault-at must be between 1 and --steps - 2 (got {self.fault_at}, steps {self.steps})")
         if self.width < 1 or self.layers < 1:
             raise ConfigError(f"--width and --layers must be positive (got {self.width}, {self.layers})")
+        if self.keep and Path(self.keep).exists() and any(Path(self.keep).iterdir()):
+            raise ConfigError(f"--keep {self.keep} is not empty: name a new or empty directory (nothing is overwritten)")
 
 
 # ---------------------------------------------------------------- the sandbox and the runs
@@ -351,8 +354,9 @@ def slurm_done(runner, job: str) -> bool:
 # ---------------------------------------------------------------- the report
 
 def run(opts: RecoveryOptions) -> Report:
-    """Run the three scenarios in one sandbox and report totals, phases and the targets."""
-    work = Path(tempfile.mkdtemp(prefix="hpcft-bench-recovery-"))
+    """Run the four scenarios in one sandbox and report totals, phases and the targets."""
+    work = Path(opts.keep) if opts.keep else Path(tempfile.mkdtemp(prefix="hpcft-bench-recovery-"))
+    work.mkdir(parents=True, exist_ok=True)
     os.chmod(work, 0o755)
     try:
         with _sandbox(opts.dir) as sb:
@@ -368,7 +372,8 @@ def run(opts: RecoveryOptions) -> Report:
                 sb.heal()
     except HpcftError as exc:  # the runs' job output and events are what tells why: keep them
         raise HpcftError(f"{exc} (the runs' output is kept in {work})") from exc
-    shutil.rmtree(work, ignore_errors=True)
+    if not opts.keep:
+        shutil.rmtree(work, ignore_errors=True)
     report = Report("recovery")
     share = kill["restore_s"] / kill["total_s"]
     report.add("rank_kill_s", kill["total_s"], "s", "rank kill: fault -> first step after it")

@@ -15,6 +15,7 @@ from hpcft.launch import progress
 
 JOB = Path(train_job.__file__)  # the DP job shared with `hpcft bench recovery`
 STEPS = 16
+FAULT_AT = 6  # the session's recovery bench (conftest.py) faults once every rank has completed this step
 
 
 def wait(predicate, what: str, timeout: float) -> None:

@@ -18,7 +18,7 @@ from hpcft.agent import secret as job_secret
 from hpcft.agent import status as agent_status
 from hpcft.durable import catalog
 from hpcft.snapshot.state import ensure_optimizer_state
-from tests.multiproc import durable_job, launch
+from multiproc import durable_job, launch  # tests/ is on sys.path (tests/conftest.py)
 
 JOB = "5151"
 NODES = 2

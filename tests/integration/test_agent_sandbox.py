@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import JOB
+from runs import JOB, STEPS, final  # the shared reference's job and steps (conftest.py)
 
 from hpcft.agent import secret as job_secret
 from hpcft.agent import status as agent_status
@@ -24,7 +24,6 @@ from hpcft.launch.srun import step_env, trainer_argv
 
 pytestmark = pytest.mark.sandbox
 
-STEPS = 16
 ACTIVE = ["n1", "n2", "n3", "n4"]
 # On one node: sha256 of every committed manifest and of the data it describes, for the step given.
 DUMP = """
@@ -91,24 +90,6 @@ def _progress(out: Path) -> int:
     return min(steps) if len(steps) == 4 else -1
 
 
-def _final(out: Path) -> dict:
-    return torch.load(out / "final.pt", weights_only=True)
-
-
-@pytest.fixture(scope="module")
-def reference(sandbox, tmp_path_factory) -> dict:
-    """The uninterrupted run's final parameters."""
-    out = tmp_path_factory.mktemp("reference")
-    os.chmod(out, 0o755)
-    runner = sandbox.runner(timeout=240)
-    job = _allocate(runner)
-    try:
-        assert _trainers(runner, job, ACTIVE, 0, out).wait(timeout=240) == 0, (out / "train-0.log").read_text()[-3000:]
-    finally:
-        runner.run(["scancel", job], check=False)
-    return _final(out)
-
-
 def _settled(out: Path) -> int | None:
     """The step every agent has protected once the trainers stopped (the newest held everywhere)."""
     st = agent_status.read(out / "agents", "0")
@@ -137,8 +118,8 @@ def _stable(out: Path) -> int | None:
 
 @pytest.mark.parametrize("scheme,lost", [(Scheme("xor", group=4), ["n2"]), (Scheme("partner", distance=1), ["n3"]),
                                          (Scheme("rs", group=4, losses=2), ["n2", "n3"])], ids=["xor", "partner", "rs"])
-def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(healthy_sandbox, reference, tmp_path,
-                                                                                scheme, lost):
+def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(healthy_sandbox, dp_reference,
+                                                                                tmp_path, scheme, lost):
     runner = healthy_sandbox.runner(timeout=240)
     out = tmp_path / "run"
     (out / "agents").mkdir(parents=True)
@@ -181,7 +162,7 @@ def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(
         runner.run(["scancel", job], check=False)
     starts = {p.name: int(p.read_text()) for p in out.glob("start.*") if int(p.read_text()) > 0}
     assert sorted(set(starts.values())) == [step] and len(starts) == 4, starts
-    final = _final(out)
-    assert final["seen"] == reference["seen"]
+    got, reference = final(out), final(dp_reference)  # the same job, uninterrupted (conftest.py)
+    assert got["seen"] == reference["seen"]
     for name, value in reference["params"].items():
-        assert torch.equal(final["params"][name], value), f"{name} differs after the rebuild"
+        assert torch.equal(got["params"][name], value), f"{name} differs after the rebuild"

@@ -1,10 +1,8 @@
-"""`hpcft bench recovery --json` in the sandbox with a tiny model: one JSON object on stdout with every figure,
-each recovery split into phases that add up to its total."""
-import json
-import subprocess
-import sys
-
+"""`hpcft bench recovery --json` in the sandbox with a small model (the session's `recovery_bench`, conftest.py):
+one JSON object on stdout with every figure, each recovery split into phases that add up to its total. What hpcft
+did in those runs is checked by the tests of each recovery (test_supervisor.py, test_supervisor_requeue.py)."""
 import pytest
+from runs import FAULT_AT
 
 pytestmark = pytest.mark.sandbox
 
@@ -13,21 +11,17 @@ KEYS = {"rank_kill_s", "node_crash_s", "node_crash_from_fault_s", "restore_share
 
 
 @pytest.mark.timeout(900)  # four recoveries in a row, one of them a requeue
-def test_recovery_bench_reports_every_figure_as_json(healthy_sandbox):
-    argv = [sys.executable, "-m", "hpcft.cli", "bench", "recovery", "--json", "--dir", str(healthy_sandbox.dir),
-            "--steps", "5", "--fault-at", "2", "--step-delay", "0.05", "--width", "32", "--layers", "1"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=850)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout)
+def test_recovery_bench_reports_every_figure_as_json(recovery_bench):
+    report = recovery_bench.report
     assert KEYS <= report.keys() and report["bench"] == "recovery"
-    assert "rank kill" in done.stderr  # the human table goes to stderr with --json
+    assert "rank kill" in recovery_bench.stderr  # the human table goes to stderr with --json
     for name in ("rank_kill", "node_crash", "batch_host", "baseline"):
         ph = report["phases"][name]
         parts = ph["detection_s"] + ph["relaunch_s"] + ph["restore_s"] + ph["first_step_s"]
         assert parts == pytest.approx(ph["total_s"], abs=1e-6)
         assert ph["detection_s"] > 0 and ph["first_step_s"] > 0
-    assert report["phases"]["rank_kill"]["resumed_from"] >= 2  # from node memory, after the fault step
-    assert report["phases"]["baseline"]["resumed_from"] >= 2    # from the torch.save checkpoint
-    assert report["phases"]["batch_host"]["resumed_from"] >= 2  # the survivors' memory, the lost slot rebuilt
+    assert report["phases"]["rank_kill"]["resumed_from"] >= FAULT_AT  # from node memory, after the fault step
+    assert report["phases"]["baseline"]["resumed_from"] >= FAULT_AT    # from the torch.save checkpoint
+    assert report["phases"]["batch_host"]["resumed_from"] >= FAULT_AT  # the survivors' memory, the lost slot rebuilt
     assert report["batch_host_s"] > 0
     assert 0 <= report["restore_share"] < 1

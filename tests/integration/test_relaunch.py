@@ -8,13 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from hpcft.bench import train_job
+from runs import JOB, STEPS, final  # the DP job and steps of the shared reference run (conftest.py)
 
 pytestmark = pytest.mark.sandbox
-
-JOB = Path(train_job.__file__)  # the DP job shared with `hpcft bench recovery`
-STEPS = 30
 
 
 def _allocate(runner) -> str:
@@ -37,25 +33,16 @@ def _progress(out: Path) -> int:
     return min(steps) if len(steps) == 4 else -1
 
 
-def _final(out: Path) -> dict:
-    return torch.load(out / "final.pt", weights_only=True)
-
-
-def test_kill_all_ranks_and_relaunch_resumes_bit_identical(healthy_sandbox, tmp_path):
+def test_kill_all_ranks_and_relaunch_resumes_bit_identical(healthy_sandbox, dp_reference, tmp_path):
     runner = healthy_sandbox.runner(timeout=240)
-    ref, faulted = tmp_path / "ref", tmp_path / "faulted"
-    ref.mkdir(), faulted.mkdir()
+    faulted = tmp_path / "faulted"
+    faulted.mkdir()
     os.chmod(tmp_path, 0o755)
 
     job = _allocate(runner)
     try:
-        assert _srun(runner, job, ref).wait(timeout=240) == 0, (ref / "srun.log").read_text()
-    finally:
-        runner.run(["scancel", job], check=False)
-
-    job = _allocate(runner)
-    try:
-        first = _srun(runner, job, faulted, STEP_DELAY="0.1")
+        # the kill comes once every rank has completed step 8: the delay leaves the other half of the steps to run
+        first = _srun(runner, job, faulted, STEP_DELAY="0.25")
         deadline = time.monotonic() + 180
         while _progress(faulted) < 8:
             if first.poll() is not None or time.monotonic() > deadline:
@@ -77,7 +64,7 @@ def test_kill_all_ranks_and_relaunch_resumes_bit_identical(healthy_sandbox, tmp_
     resumed = next(iter(relaunch.values()))
     assert 8 <= resumed <= STEPS
 
-    a, b = _final(ref), _final(faulted)
+    a, b = final(dp_reference), final(faulted)  # the same job, uninterrupted
     assert a["seen"] == b["seen"]
     assert a["params"].keys() == b["params"].keys()
     for name in a["params"]:

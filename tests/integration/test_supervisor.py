@@ -2,84 +2,54 @@
 relaunched on the same nodes and resumes from local memory; a crashed node's slot is taken by a spare (with
 --protect xor the node agents rebuild its snapshot there and every rank resumes from memory); a hung rank is
 found by the watchdog, the step killed and relaunched; --max-restarts reached ends with a summary.
-All that finish must end with parameters bit-identical to an uninterrupted run."""
+All that finish must end with parameters bit-identical to an uninterrupted run. The killed rank and the crashed
+node are the runs of the session's recovery bench (conftest.py), which makes exactly these recoveries."""
 import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from runs import JOB, agents_ready, assert_same_result, decisions, resumed_from, wait, wait_progress, wait_protected
+from runs import FAULT_AT, agents_ready, assert_same_result, decisions, resumed_from, wait, wait_protected
 from runs import finish as _finish
 from runs import start_spared as _start
 
 from hpcft import events
 from hpcft.agent import status as agent_status
 
-def _trainer_pid(job_dir: Path, rank: int) -> int:
-    """The training process of `rank` in this job (the sandbox shares the host's pid namespace)."""
-    want = (f"HPCFT_JOB_DIR={job_dir}".encode(), f"HPCFT_RANK={rank}".encode())
-    for entry in os.listdir("/proc"):
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if str(JOB).encode() in cmd and b"hpcft.launch.task" not in cmd and all(w in env for w in want):
-            return int(entry)
-    pytest.fail(f"no training process of rank {rank} found")
 
-
-@pytest.fixture(scope="module")
-def reference(sandbox, tmp_path_factory) -> Path:
-    """The uninterrupted run every faulted run is compared with."""
-    out = tmp_path_factory.mktemp("reference")
-    code, output = _finish(_start(sandbox, out))
-    assert code == 0, output[-4000:]
-    assert [d["action"] for d in decisions(out / "job")] == ["done"]
-    return out
-
-
-def test_killed_rank_is_relaunched_on_the_same_nodes_and_resumes_from_memory(healthy_sandbox, reference, tmp_path):
-    out = tmp_path / "kill"
-    proc = _start(healthy_sandbox, out, delay=0.1)
-    wait_progress(out / "job", 2, 6)
-    os.kill(_trainer_pid(out / "job", 2), signal.SIGKILL)
-    code, output = _finish(proc)
-    assert code == 0, output[-4000:]
+@pytest.mark.timeout(900)  # the session's recovery bench, if no test has made it yet
+def test_killed_rank_is_relaunched_on_the_same_nodes_and_resumes_from_memory(recovery_bench, dp_reference):
+    out = recovery_bench.runs / "rank-kill"  # the trainer of rank 2 (n3) SIGKILLed once every rank did step FAULT_AT
     made = decisions(out / "job")
-    assert [d["action"] for d in made] == ["relaunch", "done"], output[-4000:]
+    assert [d["action"] for d in made] == ["relaunch", "done"], made
     assert made[0]["cause"] == "task_failed" and "n3: task 2" in made[0]["failed_tasks"]
     launches = [e for e in events.read(out / "job") if e["event"] == "launch"]
     assert [e["slots"] for e in launches] == ["n1,n2,n3,n4"] * 2
     resumed = set(resumed_from(out).values())
-    assert len(resumed) == 1 and resumed.pop() >= 6, "every rank resumes from the same step, from local memory"
-    assert_same_result(out, reference)
+    assert len(resumed) == 1 and resumed.pop() >= FAULT_AT, "every rank resumes from the same step, from local memory"
+    assert_same_result(out, dp_reference)
 
 
-def test_crashed_node_is_rebuilt_on_the_spare_by_the_agents_and_every_rank_resumes_from_memory(
-        healthy_sandbox, reference, tmp_path):
-    out = tmp_path / "protect"
-    proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", delay=0.5)
-    protected = wait_protected(out)
-    healthy_sandbox.crash_node("n3")
-    code, output = _finish(proc)
-    assert code == 0, output[-4000:]
+@pytest.mark.timeout(900)  # the session's recovery bench, if no test has made it yet
+def test_crashed_node_is_rebuilt_on_the_spare_by_the_agents_and_every_rank_resumes_from_memory(recovery_bench,
+                                                                                               dp_reference):
+    out = recovery_bench.runs / "node-crash"  # --protect xor; n3 crashed once every agent protected step FAULT_AT + 1
     made = decisions(out / "job")
-    assert [d["action"] for d in made] == ["replace", "done"], output[-4000:]
+    assert [d["action"] for d in made] == ["replace", "done"], made
     assert made[0]["replaced"] == "n3:n5" and made[0]["slots"] == "n1,n2,n5,n4"
     log = events.read(out / "job")
+    assert next(e for e in log if e["event"] == "start")["group"] == 4  # xor over the 4 active nodes
     ready = [e for e in log if e["event"] == "agents_ready"]
-    assert [(e["tag"], e["rebuild"]) for e in ready] == [("0", False), ("1", True)], output[-4000:]
-    assert ready[1]["rebuilt"] == "n5" and ready[1]["step"] >= protected
+    assert [(e["tag"], e["rebuild"]) for e in ready] == [("0", False), ("1", True)], ready
+    assert ready[1]["rebuilt"] == "n5" and ready[1]["step"] >= FAULT_AT + 1
     assert not [e for e in log if e["event"] in ("agents_failed", "agents_no_checkpoint")]
     order = [e["event"] for e in log if e["event"] in ("agents_ready", "launch")]
     assert order == ["agents_ready", "launch"] * 2, "the trainers start only once the agents are ready"
     assert (out / "job" / "secret").stat().st_mode & 0o777 == 0o600
     resumed = resumed_from(out)
     assert len(resumed) == 4 and set(resumed.values()) == {ready[1]["step"]}, resumed
-    assert_same_result(out, reference)
+    assert_same_result(out, dp_reference)
 
 
 def test_no_progress_within_the_hang_timeout_kills_relaunches_then_gives_up(sandbox, tmp_path):
@@ -97,7 +67,7 @@ def test_no_progress_within_the_hang_timeout_kills_relaunches_then_gives_up(sand
     assert len(summary) == 1 and summary[0]["restarts"] == 1 and "--max-restarts 1" in summary[0]["reason"]
 
 
-def test_a_hung_rank_is_detected_killed_and_the_job_resumes_from_memory(healthy_sandbox, reference, tmp_path):
+def test_a_hung_rank_is_detected_killed_and_the_job_resumes_from_memory(healthy_sandbox, dp_reference, tmp_path):
     out = tmp_path / "hang"
     # rank 1 goes silent after step 6 of the first launch; the others then wait in its all-reduce. The timeout
     # covers the trainers' start-up, which the watchdog counts too (~10 s on 2 loaded cores; 25 s and more seen
@@ -109,7 +79,7 @@ def test_a_hung_rank_is_detected_killed_and_the_job_resumes_from_memory(healthy_
     assert [(d["action"], d["cause"]) for d in made] == [("relaunch", "hang"), ("done", "success")], output[-4000:]
     resumed = set(resumed_from(out).values())
     assert len(resumed) == 1 and 0 < resumed.pop() <= 7, "every rank resumes from the snapshot of step 6 at the latest"
-    assert_same_result(out, reference)
+    assert_same_result(out, dp_reference)
 
 
 def test_the_demo_trains_through_a_node_crash_from_memory(healthy_sandbox):

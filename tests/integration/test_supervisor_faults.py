@@ -3,25 +3,14 @@ that looked like success, what the job output says without -v, a step Slurm refu
 error: the run ends at once with Slurm's words, not after --max-restarts relaunches)."""
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
 from runs import assert_same_result, decisions, finish, start_spared, wait_progress
 
 from hpcft import events
 
 
-@pytest.fixture(scope="module")
-def reference(sandbox, tmp_path_factory) -> Path:
-    """The uninterrupted run (4 nodes, default options) the faulted ones are compared with; it is also the test of
-    the defaults (below)."""
-    out = tmp_path_factory.mktemp("reference")
-    code, output = finish(start_spared(sandbox, out, verbose=False))
-    assert code == 0, output[-4000:]
-    return out
-
-
-def test_a_restart_from_step_0_after_a_node_loss_is_an_error_and_a_summary_line(healthy_sandbox, reference, tmp_path):
+def test_a_restart_from_step_0_after_a_node_loss_is_an_error_and_a_summary_line(healthy_sandbox, dp_reference,
+                                                                               tmp_path):
     out = tmp_path / "lost"
     proc = start_spared(healthy_sandbox, out, "--protect", "none", delay=0.1, verbose=False)
     wait_progress(out / "job", 2, 6)
@@ -44,11 +33,11 @@ def test_a_restart_from_step_0_after_a_node_loss_is_an_error_and_a_summary_line(
     for line in ("event=decision action=replace", "event=decision action=done", "event=progress_lost",
                  "event=summary"):
         assert line in output, f"{line!r} not in the job output:\n{output[-4000:]}"
-    assert_same_result(out, reference)  # from step 0, but right
+    assert_same_result(out, dp_reference)  # from step 0, but right
 
 
-def test_a_run_on_the_default_options_protects_and_its_summary_says_nothing_was_lost(reference):
-    log = events.read(reference / "job")
+def test_a_run_on_the_default_options_protects_and_its_summary_says_nothing_was_lost(dp_reference):
+    log = events.read(dp_reference / "job")  # the shared fault-free run is made on the default options
     start = next(e for e in log if e["event"] == "start")
     assert start["protect"] == "xor" and start["group"] == 4, start  # 4 active nodes: xor over one set of 4
     assert [e["event"] for e in log].count("agents_ready") == 1

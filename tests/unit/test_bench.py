@@ -65,3 +65,14 @@ def test_bad_params_is_a_clear_error(tmp_path):
     proc = hpcft("bench", "snapshot", "--params", "lots", root=tmp_path)
     assert proc.returncode != 0
     assert "not a count" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_recovery_keep_refuses_a_directory_with_something_in_it(tmp_path):
+    from hpcft.bench.recovery import RecoveryOptions
+    from hpcft.errors import ConfigError
+
+    RecoveryOptions(keep=str(tmp_path / "new"))  # a new or empty directory is fine
+    RecoveryOptions(keep=str(tmp_path))
+    (tmp_path / "rank-kill").mkdir()  # an earlier run's output
+    with pytest.raises(ConfigError, match="is not empty"):
+        RecoveryOptions(keep=str(tmp_path))
