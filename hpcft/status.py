@@ -35,6 +35,7 @@ class NodeView:
     persisted: int | None = None
     lag_steps: int | None = None  # newest staged step − newest protected step
     lag_s: float | None = None  # seconds between those two snapshots
+    cpu_cores: float | None = None  # the agent's CPU cap in force (raised by a lag bound, `--protect-lag`)
     ranks: dict[str, list[int]] = field(default_factory=dict)
     steps: dict[str, str] = field(default_factory=dict)  # step → staged / protected / persisted
     error: str | None = None
@@ -98,7 +99,7 @@ def _node(slot: int, rep: dict[str, Any] | None, now: float, stale: float) -> No
     return NodeView(slot, rep.get("node"), phase, round(age, 3),
                     fresh=phase not in (agent_status.FAILED, agent_status.STOPPED) and age <= stale, staged=rep.get("staged"),
                     protected=rep.get("protected"), persisted=rep.get("persisted"), lag_steps=rep.get("lag_steps"),
-                    lag_s=rep.get("lag_s"),
+                    lag_s=rep.get("lag_s"), cpu_cores=rep.get("cpu_cores"),
                     ranks={str(r): list(v) for r, v in (rep.get("versions") or {}).items()}, error=rep.get("error"))
 
 

@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                     "of the cores it may run on, on average (default %(default)s; 0: none)")
     ap.add_argument("--cpu-cores", type=float, default=None, help="cap on the agent's CPU time in cores, instead of "
                     "--cpu-share (for trainers computing on the CPU: see hpcft/launch/profiles.py)")
+    ap.add_argument("--lag-bound", type=int, default=None, help="protection lag in steps to keep to: the CPU cap "
+                    "rises above --cpu-share/--cpu-cores while the lag exceeds it (default: a fixed cap)")
+    ap.add_argument("--lag-cores", type=float, default=1.0, help="the most cores --lag-bound may raise the cap to")
     ap.add_argument("--nice", type=int, default=10, help="CPU priority increment (os.nice), so the agent yields the "
                     "cores to the trainers (0: none)")
     ap.add_argument("--rounds", type=int, default=1, help="protection rounds before exiting (0: until stopped)")
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                           scheme=Scheme(args.scheme, args.group, args.losses, args.distance), rate=args.rate,
                           rounds=args.rounds, interval=args.interval, nice=args.nice, pin_lease=args.pin_lease, cpu_share=args.cpu_share, cpu_cores=args.cpu_cores, rebuild=args.rebuild, tag=args.tag,
                           timeout=args.timeout,
+                          lag_bound=args.lag_bound, lag_cores=args.lag_cores,
                           persist=PersistConfig(args.persist_dir, args.persist_every, args.persist_keep,
                                                 args.persist_rate))
         return run(cfg)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hpcft import events
 from hpcft.agent import status
+from hpcft.agent.budget import LagBudget
 from hpcft.agent.bundle import Bundle, complete_steps, local_versions, pin_targets
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.persist import Flusher
@@ -126,6 +127,8 @@ class AgentConfig:
     cpu_share: float = CPU_SHARE
     cpu_cores: float | None = None  # the CPU cap in cores, instead of cpu_share (see launch/profiles.py)
     persist: PersistConfig = PersistConfig()  # the durable tier (no flushing without a directory)
+    lag_bound: int | None = None  # protection lag (steps) the CPU cap is raised to keep to (see agent/budget.py)
+    lag_cores: float = 1.0  # the most cores a lag bound may raise the cap to
 
 
 def _watch_requests(flag: Path, stop: Path, mesh: Mesh, drained: threading.Event, poll: float = 0.2) -> None:
@@ -150,6 +153,19 @@ def _by_rank(versions: dict[int, dict]) -> dict[int, list[int]]:
     return out
 
 
+def _steer(budget: LagBudget, mesh: Mesh, cfg: AgentConfig, lag: int | None) -> None:
+    """Apply the lag bound's CPU cap for the next round (event `protect_budget` when it moves), and say once when the
+    ceiling cannot meet the bound on this node (`protect_lag_unmet`)."""
+    cap, unmet = budget.update(lag)
+    if cap != mesh.throttle.cpu:
+        mesh.throttle.cpu = cap
+        events.emit("protect_budget", slot=cfg.slot, cores=round(cap, 4), lag=lag, bound=cfg.lag_bound)
+    if unmet:
+        events.emit("protect_lag_unmet", level=logging.WARNING, slot=cfg.slot, lag=lag, bound=cfg.lag_bound,
+                    cores=round(cap, 4), advice="the agent's CPU at --lag-cores cannot keep protection within the "
+                    "bound on this node: raise --lag-cores or the bound, or protect with a cheaper scheme")
+
+
 class Stopped(BaseException):
     """SIGTERM (python -m hpcft.agent installs the handler): the supervisor or Slurm stops the agents. Not an
     HpcftError: it unwinds the agent through its cleanup, and being asked to stop is not a failure."""
@@ -166,6 +182,7 @@ def run(cfg: AgentConfig) -> int:
     node = socket.gethostname()
 
     flusher: Flusher | None = None
+    mesh: Mesh | None = None
 
     def report(phase: str, **fields) -> None:
         versions = local_versions(job)
@@ -177,6 +194,7 @@ def run(cfg: AgentConfig) -> int:
                      protected=max(recs) if recs else None, persisted=flusher.durable if flusher else None,
                      flushed_request=flusher.served if flusher else None, flushing=flusher.busy if flusher else False,
                      flush_error=flusher.last_error if flusher else None,
+                     cpu_cores=mesh.throttle.cpu if mesh else None,
                      ranks={str(r): max(v) for r, v in by_rank.items()},
                      versions={str(r): sorted(v) for r, v in by_rank.items()},
                      staged_steps=sorted(complete), protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s,
@@ -187,6 +205,8 @@ def run(cfg: AgentConfig) -> int:
                 cpu=cpu_cores(cfg.cpu_share, cfg.cpu_cores), tag=cfg.tag, timeout=cfg.timeout)
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
     flusher = Flusher(cfg.persist, job, cfg.job_id, cfg.slot, pins, cfg.rendezvous, cfg.tag)
+    budget = LagBudget(mesh.throttle.cpu, max(mesh.throttle.cpu, cfg.lag_cores), cfg.lag_bound) \
+        if cfg.lag_bound else None
     drained = threading.Event()
     threading.Thread(target=_watch_requests, args=(status.drain_path(cfg.rendezvous, cfg.tag),
                                                   status.stop_path(cfg.rendezvous, cfg.tag), mesh, drained),
@@ -214,6 +234,8 @@ def run(cfg: AgentConfig) -> int:
                     events.emit("protect_stale", slot=cfg.slot, reason=str(exc))
             complete = complete_steps(job)
             flusher.round(mesh, complete, sorted(records(job) if cfg.scheme.name != "none" else complete))
+            if budget is not None and not drained.is_set():
+                _steer(budget, mesh, cfg, protection_lag(complete, records(job))[0])
             done += 1
             print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)
             report(status.PROTECTING, **extra)

@@ -85,7 +85,8 @@ class AgentSteps:
         persist = PersistConfig(str(root), cfg.persist_every, cfg.persist_keep, cfg.persist_rate) if root else None
         argv = agent_argv(list(layout.slots), rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
                           scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
-                          cpu_cores=profiles.get(cfg.profile).agent_cpu_cores, persist=persist)
+                          cpu_cores=profiles.get(cfg.profile).agent_cpu_cores, persist=persist,
+                          lag_bound=cfg.protect_lag)
         argv += ["--tag", tag]
         self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
                   group=cfg.group, losses=cfg.losses, distance=cfg.distance)

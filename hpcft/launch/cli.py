@@ -34,6 +34,9 @@ def _run_options(f):
         click.option("--protect-rate", type=float, default=None, help="Bytes/s cap on protection traffic."),
         click.option("--protect-timeout", type=float, default=None,
                      help="Seconds the agents may take to be ready (rebuild included) before the trainers start."),
+        click.option("--protect-lag", type=int, default=None,
+                     help="Steps the newest protected snapshot may trail the newest one: the agents' CPU cap rises "
+                          "while it does (default: the profile's fixed cap)."),
         click.option("--persist-dir", default=None,
                      help="Durable tier (torch.distributed.checkpoint layout) on a shared file system (default "
                           "<job dir>/checkpoints; none: no flushing)."),

@@ -27,7 +27,9 @@ class RunConfig:
     where 3 or more nodes train, partner on 2, none on 1 — see `resolve_protect`); group, losses, distance:
     its set size, tolerated losses per set (rs) and partner distance; protect_rate: bytes/s cap on protection
     traffic (default: the agents' own); protect_timeout: seconds the agents may take to be ready (rebuild
-    included) before the launch counts as failed; persist_dir: the durable tier's directory on a file system
+    included) before the launch counts as failed; protect_lag: a bound in steps on how far the newest protected
+    snapshot may trail the newest staged one: the agents raise their CPU cap (from the profile's) while it is
+    exceeded and report the cap it took (`hpcft status`), warning when even 1 core cannot meet it; persist_dir: the durable tier's directory on a file system
     every node and the next allocation see (default `<job_dir>/checkpoints`; `none`: no flushing); persist_every:
     flush once the newest protected step is this many steps past the newest durable one (and always before a
     requeue); persist_keep: durable checkpoints kept; persist_rate: bytes/s cap on each node's flush writes.
@@ -52,6 +54,7 @@ class RunConfig:
     distance: int = 1
     protect_rate: float | None = None
     protect_timeout: float = 300.0
+    protect_lag: int | None = None
     persist_dir: str | None = None
     persist_every: int = 100
     persist_keep: int = 2
@@ -175,6 +178,8 @@ def validate(cfg: RunConfig) -> None:
     for key in ("protect_rate", "persist_rate"):
         if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive bytes/s (got {getattr(cfg, key)})")
+    if cfg.protect_lag is not None and cfg.protect_lag < 1:
+        raise ConfigError(f"protect_lag must be at least 1 step (got {cfg.protect_lag})")
     if cfg.persist_every < 1 or cfg.persist_keep < 1:
         raise ConfigError(f"persist_every and persist_keep must be at least 1 (got {cfg.persist_every}, "
                           f"{cfg.persist_keep})")

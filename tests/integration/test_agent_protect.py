@@ -140,8 +140,10 @@ def test_parity_on_every_node_is_exact_and_rebuilds_lost_nodes(cluster, scheme):
 def test_partner_holds_an_exact_copy_of_its_neighbours_bundle(cluster):
     roots, shared, secret = cluster
     scheme = Scheme("partner", distance=1)
-    done = _run_agents(roots, shared, secret, scheme, tag="partner")
+    done = _run_agents(roots, shared, secret, scheme, "partner", "--lag-bound", "1")  # kept to: the cap stays
     assert [p.returncode for p in done] == [0] * NODES, [p.stderr[-2000:] for p in done]
+    reports = agent_status.read(shared, "partner").values()
+    assert [(r["lag_steps"], r["cpu_cores"] > 0) for r in reports] == [(0, True)] * NODES, reports
     placement = plan(NODES, scheme)
     bundles = [_bundle_bytes(root, 2) for root in roots]
     copies = [_held(root, 2)[1] for root in roots]

@@ -32,3 +32,20 @@ def test_protection_lag_in_steps_and_seconds() -> None:
     assert protection_lag(complete, [1, 4]) == (3, 4.75)
     assert protection_lag(complete, []) == (None, None)
     assert protection_lag({}, [4]) == (None, None)
+
+
+def test_a_lag_bound_raises_the_cpu_cap_to_its_ceiling_and_lowers_it_back() -> None:
+    from hpcft.agent.budget import UNMET_ROUNDS, LagBudget
+
+    b = LagBudget(floor=0.01, ceiling=0.08, bound=3)
+    assert b.update(None) == (0.01, False)  # nothing protected yet: nothing to measure
+    caps = [b.update(10)[0] for _ in range(3)]
+    assert caps == [0.02, 0.04, 0.08]
+    unmet = [b.update(10)[1] for _ in range(UNMET_ROUNDS + 1)]
+    assert unmet == [False] * (UNMET_ROUNDS - 1) + [True, False]  # said once, after UNMET_ROUNDS at the ceiling
+    assert b.update(3) == (0.08, False)  # within the bound: kept
+    assert b.update(1)[0] == 0.08 / 1.5 and b.update(0)[0] == 0.08 / 1.5 / 1.5
+    for _ in range(10):
+        b.update(0)
+    assert b.cap == 0.01  # never below the budget given
+    assert LagBudget(floor=0, ceiling=1, bound=3).update(50) == (0, False)  # uncapped stays uncapped

@@ -1,0 +1,37 @@
+"""Pure policy: the agent's CPU cap under a bound on the protection lag (`--lag-bound`). The user sets the budget
+(`--cpu-share`/`--cpu-cores`) or the lag bound; with a bound, the budget is the floor and the cap rises while the
+newest protected step trails the newest staged one by more than the bound, up to a ceiling, and falls back once
+the lag is well within it. The agent reports the cap in force (the budget the bound needs) and warns when the
+ceiling cannot meet the bound on this node."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RAISE, LOWER = 2.0, 1.5  # the factors the cap moves by, one round at a time
+UNMET_ROUNDS = 3  # rounds at the ceiling with the lag above the bound before that is said
+
+
+@dataclass
+class LagBudget:
+    """The cap in cores for the next round, from the lag after this one (`update`)."""
+    floor: float  # the budget given (cores); 0: uncapped
+    ceiling: float  # the most the bound may raise the cap to (cores)
+    bound: int  # protection lag in steps that the cap tries to keep to
+    cap: float = 0.0
+    over: int = 0  # consecutive rounds at the ceiling with the lag above the bound
+
+    def __post_init__(self) -> None:
+        self.cap = self.floor
+
+    def update(self, lag: int | None) -> tuple[float, bool]:
+        """(the cap for the next round, whether the bound is found unmeetable at the ceiling just now)."""
+        if self.floor <= 0 or lag is None:  # uncapped, or nothing protected yet to measure
+            return self.cap, False
+        if lag > self.bound:
+            self.over = self.over + 1 if self.cap >= self.ceiling else 0
+            self.cap = min(self.ceiling, max(self.cap * RAISE, self.floor))
+        else:
+            self.over = 0
+            if 2 * lag <= self.bound:
+                self.cap = max(self.floor, self.cap / LOWER)
+        return self.cap, self.over == UNMET_ROUNDS
