@@ -248,6 +248,9 @@ def run(cfg: AgentConfig) -> int:
         report(status.STOPPED)
         raise
     except HpcftError as exc:
+        if status.stop_path(cfg.rendezvous, cfg.tag).exists():  # a peer that stopped first closed the mesh
+            report(status.STOPPED)
+            raise Stopped from exc
         if not isinstance(exc, NoCheckpointError):
             report(status.FAILED, reason="error", error=str(exc))
         raise
