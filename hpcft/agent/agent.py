@@ -94,6 +94,7 @@ class AgentConfig:
     rendezvous: str
     secret: bytes
     host: str = "127.0.0.1"
+    bind: str = "0.0.0.0"  # the address the agent listens on (its --iface's address, or every interface)
     scheme: Scheme = Scheme()
     rate: float | None = None
     rounds: int = 1
@@ -156,7 +157,7 @@ def run(cfg: AgentConfig) -> int:
                      staged_steps=sorted(complete), protected_steps=sorted(recs), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
-    mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, rate=cfg.rate,
+    mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, bind=cfg.bind, rate=cfg.rate,
                 cpu=cpu_cores(cfg.cpu_share, cfg.cpu_cores), tag=cfg.tag, timeout=cfg.timeout)
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
     drained = threading.Event()

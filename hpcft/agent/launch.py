@@ -12,7 +12,7 @@ AGENT_STEP_NAME = "hpcft-agent"
 
 def agent_argv(nodes: Sequence[str], *, rendezvous: str, secret: str, scheme: Scheme, python: str,
                rebuild: bool = False, interval: float = 1.0, rate: float | None = None, rounds: int = 0,
-               cpu_cores: float | None = None) -> list[str]:
+               cpu_cores: float | None = None, iface: str | None = None) -> list[str]:
     """`srun --overlap … python -m hpcft.agent …` on `nodes` (the active slots, in slot order). The supervisor
     exports HPCFT_LAYOUT, HPCFT_JOB_ID and HPCFT_RESTART_COUNT (the tag keeping relaunches apart) to it,
     passes `rebuild=True` after replacing nodes, and waits on `status.wait_ready` before the trainers."""
@@ -27,6 +27,8 @@ def agent_argv(nodes: Sequence[str], *, rendezvous: str, secret: str, scheme: Sc
         argv += ["--rate", str(rate)]
     if cpu_cores is not None:
         argv += ["--cpu-cores", str(cpu_cores)]
+    if iface:
+        argv += ["--iface", iface]
     if rebuild:
         argv.append("--rebuild")
     return argv

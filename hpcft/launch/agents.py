@@ -20,6 +20,12 @@ from hpcft.launch.layout import Layout
 from hpcft.slurm.runner import Runner
 
 
+def agent_iface(cfg: RunConfig) -> str | None:
+    """The interface the agents bind to: --agent-iface, else the profile's ('none': the hostname's address)."""
+    name = cfg.agent_iface or profiles.get(cfg.profile).agent_iface
+    return None if name == "none" else name
+
+
 PROBE_EVERY_S = 5.0  # while the agents get ready: a probe of the slots' nodes this often (scontrol every poll)
 
 
@@ -81,7 +87,8 @@ class AgentSteps:
             stale.unlink(missing_ok=True)
         argv = agent_argv(list(layout.slots), rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
                           scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
-                          cpu_cores=profiles.get(cfg.profile).agent_cpu_cores)
+                          cpu_cores=profiles.get(cfg.profile).agent_cpu_cores,
+                          iface=agent_iface(cfg))
         argv += ["--tag", tag]
         self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
                   group=cfg.group, losses=cfg.losses, distance=cfg.distance)
