@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcft import events
+from hpcft import events, nodemem
 from hpcft.agent import status
 from hpcft.agent.bundle import Bundle, complete_steps, local_versions, pin_targets
 from hpcft.agent.mesh import Mesh
@@ -154,7 +154,7 @@ def run(cfg: AgentConfig) -> int:
                      interval=cfg.interval, staged=max(complete) if complete else None,
                      protected=max(recs) if recs else None, persisted=None, ranks={str(r): max(v) for r, v in by_rank.items()},
                      versions={str(r): sorted(v) for r, v in by_rank.items()},
-                     staged_steps=sorted(complete), protected_steps=sorted(recs), **fields)
+                     staged_steps=sorted(complete), protected_steps=sorted(recs), **nodemem.figures(job), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
     mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, bind=cfg.bind, rate=cfg.rate,

@@ -145,6 +145,10 @@ class AgentSteps:
                 return f"the newest step was not protected within --protect-timeout {self.cfg.protect_timeout:g} s"
             time.sleep(min(self.cfg.poll_interval, 0.5))
 
+    def reports(self) -> list[dict]:
+        """The running agents' status reports (each node's phase, steps and memory figures); none without agents."""
+        return list(agent_status.read(self.rendezvous, self.tag).values()) if self.proc is not None else []
+
     def protected(self) -> int | None:
         """The newest step every agent of the last launch reports protected, if each reports one."""
         steps = [r.get("protected") for r in agent_status.read(self.rendezvous, self.tag).values()]

@@ -1,14 +1,10 @@
 """Memory planning: do (keep + 1) snapshot slots, the agents' spare slot and the parity or partner copies fit a
-node's memory with headroom? Pure arithmetic (`plan`, `verdict`) over figures read elsewhere (`node_memory`,
-`snapshot_bytes`); what to change is said in numbers when they do not fit."""
+node's memory with headroom? Pure arithmetic (`plan`, `verdict`) over figures read elsewhere (hpcft.nodemem, the
+agents' status); what to change is said in numbers when they do not fit."""
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
-
-from hpcft.errors import ConfigError
 
 # protection records an agent holds at the peak of a pass: the two it keeps (protect.retire) and the one being written
 PROTECT_RECORDS = 3
@@ -32,30 +28,6 @@ def human(n: float) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n / 2**10:.1f} KiB"
-
-
-@dataclass(frozen=True)
-class NodeMemory:
-    """What one node offers the store: free bytes of its store file system (/dev/shm) and MemAvailable."""
-    shm_free: int
-    mem_available: int
-    source: str
-
-    @property
-    def usable(self) -> int:
-        return min(self.shm_free, self.mem_available)
-
-
-def read_node_memory(root: str = "/dev/shm", meminfo: str = "/proc/meminfo") -> NodeMemory:
-    """This node's figures (the batch host is one of the job's nodes, of the same kind as the others)."""
-    st = os.statvfs(root)
-    available = None
-    for line in Path(meminfo).read_text(encoding="ascii").splitlines():
-        if line.startswith("MemAvailable:"):
-            available = int(line.split()[1]) * 1024
-    if available is None:
-        raise ConfigError(f"{meminfo} has no MemAvailable line: give the node's memory with --node-memory")
-    return NodeMemory(st.f_bavail * st.f_frsize, available, f"{root} free and MemAvailable of this node")
 
 
 @dataclass(frozen=True)
@@ -111,27 +83,3 @@ def verdict(p: Plan, capacity: int, headroom: float, where: str) -> str | None:
         fixes.append(f"a smaller --memory-headroom (now {headroom:g})")
     return (f"snapshots need {p.line()}, but {where} offers {human(capacity)}, {human(usable)} after the "
             f"{headroom:.0%} headroom; change one of: " + "; ".join(fixes))
-
-
-def snapshot_bytes(store_job: Path) -> int | None:
-    """One snapshot's bytes on this node once the trainers have written one: per rank, its largest slot data file,
-    summed over the node's ranks; None before any."""
-    sizes = []
-    for rank_dir in sorted(store_job.glob("rank-*")):
-        files = [f.stat().st_size for f in rank_dir.glob("slot-*.data")]
-        if files:
-            sizes.append(max(files))
-    return sum(sizes) if sizes else None
-
-
-def used_bytes(store_job: Path) -> int:
-    """Bytes the job's store on this node takes now (every file under it, allocated blocks)."""
-    total = 0
-    for path in store_job.rglob("*"):
-        try:
-            st = path.lstat()
-        except OSError:
-            continue
-        if path.is_file():
-            total += st.st_blocks * 512
-    return total

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import getpass
 import logging
-from collections.abc import Callable, Mapping
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
+from hpcft import nodemem
 from hpcft.errors import ConfigError
 from hpcft.launch import memplan, netplugin
 from hpcft.launch.config import RunConfig, scheme
 from hpcft.launch.profiles import Profile
 from hpcft.store.paths import DEFAULT_ROOT, ENV_ROOT, job_dir
+
+PLAN_EVERY_S = 5.0  # until the first snapshot exists, the memory plan looks at the nodes' reports this often
 
 
 class Preflight:
@@ -24,6 +30,7 @@ class Preflight:
         self.root = environ.get(ENV_ROOT) or DEFAULT_ROOT
         self.store = job_dir(Path(self.root), job_id, environ.get("USER") or getpass.getuser())
         self._checked_snapshot = False
+        self._next_look = 0.0
 
     def start(self, active_nodes: int) -> dict[str, str]:
         """Before the first launch: the plugin check (returns the variables that point RCCL at an installed plugin)
@@ -64,24 +71,39 @@ class Preflight:
             raise ConfigError(why)
         self.emit("memory_plan", checked=True, needed=p.needed, capacity=capacity, plan=p.line())
 
-    def _capacity(self, used: int = 0) -> tuple[int, str]:
+    def _capacity(self, figures: Mapping[str, Any] | None = None) -> tuple[int, str]:
+        """The memory a node offers the store: --node-memory, else the store's free bytes and MemAvailable (those of
+        `figures`, a node's report, plus what its store holds already; else this node's, before the launch)."""
         if self.cfg.node_memory is not None:
             return self.cfg.node_memory, "--node-memory"
-        mem = memplan.read_node_memory(self.root)
-        return used + mem.usable, f"this node ({memplan.human(mem.shm_free)} free in {self.root}, " \
-                                  f"{memplan.human(mem.mem_available)} MemAvailable{', plus the store' if used else ''})"
+        f = figures or {"shm_free": nodemem.fs_free(self.root), "mem_available": nodemem.mem_available(),
+                        "store_bytes": 0, "node": "this node"}
+        used = f.get("store_bytes") or 0
+        return used + min(f["shm_free"], f["mem_available"]), (
+            f"{f.get('node') or 'a node'} ({memplan.human(f['shm_free'])} free in its store's file system, "
+            f"{memplan.human(f['mem_available'])} MemAvailable" + (f", {memplan.human(used)} in the store)" if used else ")"))
 
-    def poll(self) -> None:
-        """Once this node's trainers have written a snapshot (its size is known now): the same plan with the real
-        size, counted against what the node has left; a warning event when it will not fit. Once per run."""
-        if self._checked_snapshot:
+    def poll(self, reports: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (), now: bool = False) -> None:
+        """Once the trainers have written a snapshot (its size is known now): the plan with the real size on every
+        node that reports it (`reports()`: the agents' status; without agents, this node's store when it trains),
+        counted against what each node has left. A warning event names the tightest node. Looked at every
+        PLAN_EVERY_S (status files are on the shared file system; `now`: at once) until done; once per run."""
+        if self._checked_snapshot or (time.monotonic() < self._next_look and not now):
             return
-        state = memplan.snapshot_bytes(self.store) if self.store.is_dir() else None
-        if state is None:
+        self._next_look = time.monotonic() + PLAN_EVERY_S
+        nodes = [r for r in reports() if r.get("snapshot_bytes")]
+        if not nodes and self.store.is_dir():
+            nodes = [{**nodemem.figures(self.store), "node": socket.gethostname()}]
+        nodes = [r for r in nodes if r.get("snapshot_bytes")]
+        if not nodes:
             return
         self._checked_snapshot = True
-        p = self._plan(state)
-        capacity, where = self._capacity(memplan.used_bytes(self.store))
-        why = memplan.verdict(p, capacity, self.cfg.memory_headroom, where)
-        self.emit("memory_plan", level=logging.WARNING if why else logging.INFO, checked=True, state_bytes=state,
-                  needed=p.needed, capacity=capacity, **({"reason": why} if why else {"plan": p.line()}))
+        verdicts = []
+        for figures in nodes:
+            p = self._plan(int(figures["snapshot_bytes"]))
+            capacity, where = self._capacity(figures)
+            verdicts.append((capacity - p.needed, p, capacity, memplan.verdict(p, capacity, self.cfg.memory_headroom,
+                                                                                where)))
+        _, p, capacity, why = min(verdicts, key=lambda v: v[0])
+        self.emit("memory_plan", level=logging.WARNING if why else logging.INFO, checked=True, nodes=len(nodes),
+                  state_bytes=p.state, needed=p.needed, capacity=capacity, **({"reason": why} if why else {"plan": p.line()}))

@@ -267,6 +267,7 @@ class Supervisor:
             reader.start()
             try:
                 event = self._watch(proc, layout, launched, watch)
+                self.preflight.poll(self.agents.reports, now=True)  # a step shorter than the plan's look
             finally:
                 self._stop_steps({TRAIN_STEP_NAME: proc})
                 reader.join(timeout=5)
@@ -293,7 +294,7 @@ class Supervisor:
     def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float, watch: losses.RestoreWatch) -> Event:
         while True:
             self._check_restore(watch)
-            self.preflight.poll()
+            self.preflight.poll(self.agents.reports)  # the memory plan, once the first snapshot exists
             code = proc.poll()
             if code is not None:
                 if code == 0:

@@ -41,6 +41,16 @@ def reference(sandbox, tmp_path_factory) -> Path:
     return out
 
 
+def test_the_run_checks_its_memory_plan_with_every_nodes_real_snapshot_size(reference):
+    """No --state-bytes: the plan is checked once the first snapshot exists, from the four agents' reports of their
+    node's memory (hpcft.nodemem in each agent's status); the sandbox's nodes have room."""
+    plans = [e for e in events.read(reference / "job") if e["event"] == "memory_plan"]
+    assert plans[0]["checked"] is False and "first snapshot" in plans[0]["reason"]
+    (checked,) = plans[1:]
+    assert checked["level"] == "INFO" and checked["nodes"] == 4 and checked["state_bytes"] > 0
+    assert checked["needed"] < checked["capacity"] and "4 snapshot slots (keep 2 + 1 + 1 pinned" in checked["plan"]
+
+
 def test_killed_rank_is_relaunched_on_the_same_nodes_and_resumes_from_memory(healthy_sandbox, reference, tmp_path):
     out = tmp_path / "kill"
     proc = _start(healthy_sandbox, out, delay=0.1)

@@ -5,7 +5,8 @@ import logging
 import pytest
 
 from hpcft.errors import ConfigError
-from hpcft.launch import config, memplan, profiles
+from hpcft import nodemem
+from hpcft.launch import config, memplan, preflight, profiles
 from hpcft.launch.config import RunConfig
 from hpcft.launch.preflight import Preflight
 
@@ -65,26 +66,51 @@ def test_the_real_tmpfs_is_the_limit(mount_tmpfs):
     root = mount_tmpfs("1600k")
     got, emit = _events()
     cfg = RunConfig(protect="none", state_bytes=1 << 20, memory_headroom=0.0)
-    with pytest.raises(ConfigError, match=r"3.0 MiB per node = 3 snapshot slots .* offers 1.\d MiB"):
+    with pytest.raises(ConfigError, match=r"3.0 MiB per node = 3 snapshot slots .* this node \(1.\d MiB free"):
         Preflight(cfg, profiles.CPU, {"USER": "u", "HPCFT_STORE_ROOT": str(root)}, emit, "9").start(1)
 
 
-def test_after_the_first_snapshot_its_real_size_is_checked_once(tmp_path):
+def _write_snapshot(job, ranks, nbytes):
+    for rank in range(ranks):
+        d = job / f"rank-{rank:05d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "slot-0.data").write_bytes(b"\0" * nbytes)
+
+
+def test_after_the_first_snapshot_its_real_size_is_checked_once(tmp_path, monkeypatch):
+    """Without agents: this node's own store (a real directory tree), when the batch host trains."""
+    monkeypatch.setattr(preflight, "PLAN_EVERY_S", 0.0)
     got, emit = _events()
-    cfg = RunConfig(protect="partner", keep=2, node_memory=1 << 20, memory_headroom=0.0)
+    cfg = RunConfig(protect="none", keep=2, node_memory=1 << 20, memory_headroom=0.0)
     pre = Preflight(cfg, profiles.CPU, {"USER": "u", "HPCFT_STORE_ROOT": str(tmp_path)}, emit, "9")
-    pre.start(2)
+    pre.start(1)
     assert got[-1] == ("memory_plan", {"checked": False,
                                        "reason": "no --state-bytes: checked once the first snapshot exists"})
     pre.poll()
     assert len(got) == 1  # no snapshot yet: nothing to say
-    for rank in (0, 1):  # two ranks on this node, 100 KiB snapshots: 200 KiB per node, × (4 slots + 3 copies) > 1 MiB
-        d = tmp_path / "hpcft-u-9" / f"rank-{rank:05d}"
-        d.mkdir(parents=True)
-        (d / "slot-0.data").write_bytes(b"\0" * 100 * 1024)
+    _write_snapshot(tmp_path / "hpcft-u-9", 2, 200 * 1024)  # 2 ranks: 400 KiB per node × 3 slots > 1 MiB
     pre.poll()
     pre.poll()
     assert len(got) == 2
     kind, fields = got[-1]
-    assert kind == "memory_plan" and fields["level"] == logging.WARNING and fields["state_bytes"] == 200 * 1024
-    assert "7 × " not in fields["reason"] and "4 snapshot slots" in fields["reason"]
+    assert kind == "memory_plan" and fields["level"] == logging.WARNING and fields["state_bytes"] == 400 * 1024
+    assert "1.2 MiB per node = 3 snapshot slots (keep 2 + 1) × 400.0 KiB" in fields["reason"]
+
+
+def test_the_agents_reports_name_the_tightest_node(tmp_path, monkeypatch):
+    """With agents: each node's own figures (its status report, written with hpcft.nodemem.figures)."""
+    monkeypatch.setattr(preflight, "PLAN_EVERY_S", 0.0)
+    _write_snapshot(tmp_path / "job", 1, 64 * 1024)
+    real = {**nodemem.figures(tmp_path / "job"), "node": "n1"}
+    assert real["snapshot_bytes"] == 64 * 1024 and real["store_bytes"] >= 64 * 1024
+    tight = {"node": "n2", "snapshot_bytes": 64 * G, "store_bytes": 64 * G, "shm_free": 100 * G,
+             "mem_available": 90 * G}
+    got, emit = _events()
+    cfg = RunConfig(protect="xor", group=4, memory_headroom=0.1)
+    pre = Preflight(cfg, profiles.CPU, {"USER": "u", "HPCFT_STORE_ROOT": str(tmp_path)}, emit, "9")
+    pre.poll(lambda: [real, tight])
+    kind, fields = got[-1]
+    assert kind == "memory_plan" and fields["level"] == logging.WARNING and fields["nodes"] == 2
+    # 4 slots × 64 GiB + 3 × 1/3 × 64 GiB = 320 GiB; n2 offers 64 + min(100, 90) = 154 GiB
+    assert "320.0 GiB per node" in fields["reason"] and "n2 (100.0 GiB free" in fields["reason"]
+    assert "154.0 GiB, 138.6 GiB after the 10% headroom" in fields["reason"]
