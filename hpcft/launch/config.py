@@ -117,15 +117,21 @@ def _check_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def from_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Options from a TOML file: top-level keys, or a [run] table."""
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """The config file's contents; ConfigError naming the file when it is missing or not TOML."""
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
+        return tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {p} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+
+
+def from_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Options from a TOML file: top-level keys, or a [run] table."""
+    p = Path(path)
+    data = read_toml(p)
     data.pop("site", None)  # the sbatch script's site settings (hpcft/launch/site.py)
     if isinstance(data.get("run"), dict):
         data = data["run"]

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from hpcft.errors import ConfigError
+from hpcft.launch.config import read_toml
 
 _MODULE = re.compile(r"[\w./+-]+")
 _PATH = re.compile(r"[\w./${}-]+")  # a path that may name $USER (expanded by the batch shell)
@@ -74,13 +74,7 @@ def load(config_file: str | os.PathLike | None = None, environ: Mapping[str, str
     if not path:
         return SiteConfig()
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file {p} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
-    table = data.get("site", {})
+    table = read_toml(p).get("site", {})
     if not isinstance(table, dict):
         raise ConfigError(f"config file {p}: site must be a table ([site])")
     return from_mapping(table, f"config file {p}")
