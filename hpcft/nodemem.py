@@ -3,6 +3,7 @@ the job store's own bytes. Read by the node agents (reported in their status) an
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,12 @@ def snapshot_bytes(store_job: Path) -> int | None:
     summed over the node's ranks; None before any."""
     sizes = []
     for rank_dir in sorted(store_job.glob("rank-*")):
-        files = [f.stat().st_size for f in rank_dir.glob("slot-*.data")]
+        files = []
+        for f in rank_dir.glob("slot-*.data"):
+            try:  # the trainers may free a slot meanwhile: a report never fails for it
+                files.append(f.stat().st_size)
+            except OSError:
+                continue
         if files:
             sizes.append(max(files))
     return sum(sizes) if sizes else None
@@ -41,13 +47,14 @@ def snapshot_bytes(store_job: Path) -> int | None:
 def used_bytes(store_job: Path) -> int:
     """Bytes the job's store on this node takes now (allocated blocks of every file under it)."""
     total = 0
-    for path in store_job.rglob("*"):
-        try:
-            st = path.lstat()
-        except OSError:
-            continue
-        if path.is_file():
-            total += st.st_blocks * 512
+    for top, _dirs, files in os.walk(store_job):  # os.walk skips a directory removed meanwhile
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_blocks * 512
     return total
 
 
