@@ -4,11 +4,12 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import click
 
-from hpcft.env import in_allocation, job_env
+from hpcft.env import NVME_ENV, in_allocation, job_env, nvme_dir
 
 
 @dataclass
@@ -134,21 +135,70 @@ def _storage() -> list[Check]:
         writable = os.access(root, os.W_OK)
         detail = f"{root}: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB" + ("" if writable else ", not writable")
         checks.append(Check("store", writable and free > 0, detail, True))
-    nvme = [p for p in (os.environ.get("HPCFT_NVME"), f"/mnt/bb/{os.environ.get('USER', '')}", "/local/scratch") if p and os.path.isdir(p)]
-    checks.append(Check("nvme", True, nvme[0] if nvme else "no node-local NVMe found (Frontier: sbatch -C nvme gives /mnt/bb/$USER)"))
+    job_nvme = nvme_dir()
+    nvme = [p for p in (f"/mnt/bb/{os.environ.get('USER', '')}", "/local/scratch") if os.path.isdir(p)]
+    checks.append(Check("nvme", True, f"{job_nvme} (${NVME_ENV})" if job_nvme else nvme[0] + f" (not exported: no ${NVME_ENV})"
+                        if nvme else "no node-local NVMe found (Frontier: `hpcft submit --nvme` asks for /mnt/bb/$USER)"))
     return checks
 
 
-def run_checks() -> list[Check]:
+def _rocm_torch() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(getattr(torch.version, "hip", None))
+
+
+def network_checks(profile: str | None, environ: Mapping[str, str] | None = None) -> list[Check]:
+    """RCCL's network plugin where the profile needs one (Frontier; any ROCm build of torch when no profile is
+    named): its absence is essential, since RCCL then falls back to TCP sockets between nodes without a word.
+    Also libfabric's memory-registration monitor (memhooks can deadlock with the plugin) and the agents' interface."""
+    from hpcft.agent.iface import iface_address
+    from hpcft.launch import netplugin, profiles
+
+    env = os.environ if environ is None else environ
+    prof = profiles.get(profile) if profile else None
+    if not (prof.net_plugin if prof else _rocm_torch()):
+        return [Check("rccl plugin", True, f"not needed ({f'profile {profile}' if prof else 'no ROCm build of torch'}; "
+                                           "--profile frontier checks it)")]
+    name = prof.name if prof else "frontier"
+    state = netplugin.resolve(env)
+    fix = netplugin.plugin_env(state, env)
+    if state.active:
+        checks = [Check("rccl plugin", True, state.summary(), True)]
+    elif fix:
+        checks = [Check("rccl plugin", True, f"{state.summary()}: `hpcft run --profile {name}` sets "
+                        f"NCCL_NET_PLUGIN={fix['NCCL_NET_PLUGIN']}; outside it, export that yourself", True)]
+    elif state.disabled:
+        checks = [Check("rccl plugin", False, state.summary())]
+    else:
+        checks = [Check("rccl plugin", False, f"{state.summary()}: RCCL WILL FALL BACK TO TCP SOCKETS between nodes, "
+                        "silently. `module load rccl-net-plugin`, or set NCCL_NET_PLUGIN to the plugin's "
+                        f"librccl-net.so, or list its directory in ${netplugin.DIRS_ENV}", True)]
+    monitor = env.get("FI_MR_CACHE_MONITOR", "")
+    if monitor == "memhooks":
+        checks.append(Check("fi monitor", False, "FI_MR_CACHE_MONITOR=memhooks can deadlock with the RCCL plugin "
+                            "(OLCF): unset it (Frontier's default is kdreg2) or use userfaultfd", True))
+    iface = prof.agent_iface if prof else "hsn0"
+    addr = iface_address(iface) if iface else None
+    checks.append(Check("agent iface", True, f"{iface} {addr}" if addr else
+                        f"no interface {iface} here: agents fall back to the hostname's address (--agent-iface)"))
+    return checks
+
+
+def run_checks(profile: str | None = None) -> list[Check]:
     """Every check, in the order shown to people."""
-    return _slurm() + _torch() + _optional() + _storage()
+    return _slurm() + _torch() + network_checks(profile) + _optional() + _storage()
 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def doctor(as_json: bool) -> None:
-    """Report Slurm, torch device backend, RCCL/NCCL, the copy kernel, hip-python, mpi4py, /dev/shm and NVMe; exit 1 if an essential is missing."""
-    checks = run_checks()
+@click.option("--profile", type=click.Choice(["frontier", "cuda", "cpu"]), default=None, envvar="HPCFT_PROFILE",
+              help="Check what this profile needs (frontier: RCCL's network plugin); default: by the torch build.")
+def doctor(as_json: bool, profile: str | None) -> None:
+    """Report Slurm, torch device backend, RCCL/NCCL and its network plugin, the copy kernel, hip-python, mpi4py, /dev/shm and NVMe; exit 1 if an essential is missing."""
+    checks = run_checks(profile)
     failed = [c for c in checks if c.essential and not c.ok]
     if as_json:
         click.echo(json.dumps({"ok": not failed, "python": sys.version.split()[0], "checks": [asdict(c) for c in checks]}))

@@ -156,3 +156,13 @@ def in_allocation(environ: Mapping[str, str] | None = None) -> bool:
     """True inside a Slurm allocation (batch script, salloc shell or srun step)."""
     env = os.environ if environ is None else environ
     return bool(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID"))
+
+
+NVME_ENV = "HPCFT_NVME"  # exported by the batch script of `hpcft submit --nvme` (Frontier: /mnt/bb/$USER)
+
+
+def nvme_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """The node-local NVMe directory of this job ($HPCFT_NVME) when it exists on this node, else None: the store's
+    overflow and the durable tier's first level read it here."""
+    path = (os.environ if environ is None else environ).get(NVME_ENV)
+    return path if path and os.path.isdir(path) else None

@@ -12,6 +12,6 @@
 
 # OLCF: with `sbatch --export=NONE` (recommended for Python environments) srun must not inherit it.
 unset SLURM_EXPORT_ENV
-{{module_line}}
+{{site_lines}}
 # exec: hpcft run is the batch shell itself, so Slurm's USR1 warning (B:) reaches it.
 exec hpcft run {{run_options}} -- {{command}}

@@ -9,6 +9,6 @@
 #SBATCH --open-mode=append
 #SBATCH --output={{output}}
 
-{{module_line}}
+{{site_lines}}
 # exec: hpcft run is the batch shell itself, so Slurm's USR1 warning (B:) reaches it.
 exec hpcft run {{run_options}} -- {{command}}

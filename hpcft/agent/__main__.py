@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 
+from hpcft.agent import iface
 from hpcft.agent import secret as job_secret
 from hpcft.agent.agent import AgentConfig, Stopped, run
 from hpcft.durable.settings import PersistConfig
@@ -39,10 +40,6 @@ def _slot(args: argparse.Namespace) -> tuple[int, int]:
     return nodes.index(node), len(nodes)
 
 
-def _host(value: str) -> str:
-    return socket.gethostbyname(socket.gethostname()) if value == "auto" else value
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse the options, join the mesh, rebuild if asked, run protection rounds."""
     ap = argparse.ArgumentParser(prog="python -m hpcft.agent", description=__doc__)
@@ -54,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--secret", default=None, help="job secret file (default $HPCFT_SECRET_FILE)")
     ap.add_argument("--host", default="127.0.0.1", help="address the other agents reach this one at ('auto': "
                     "the address of this node's hostname)")
+    ap.add_argument("--iface", default=None, help="network interface to bind to and be reached at (e.g. hsn0); "
+                    "a node without it falls back to --host, with a warning event")
     ap.add_argument("--scheme", default="xor")
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--losses", type=int, default=1)
@@ -89,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.job_id:
             raise ConfigError("no job id: pass --job-id or run under Slurm")
         slot, slots = _slot(args)
+        host, bind = iface.choose(args.iface, args.host, slot=slot)
         cfg = AgentConfig(job_id=args.job_id, slot=slot, slots=slots, rendezvous=args.rendezvous,
-                          secret=job_secret.load(args.secret), host=_host(args.host),
+                          secret=job_secret.load(args.secret), host=host, bind=bind,
                           scheme=Scheme(args.scheme, args.group, args.losses, args.distance), rate=args.rate,
                           rounds=args.rounds, interval=args.interval, nice=args.nice, pin_lease=args.pin_lease, cpu_share=args.cpu_share, cpu_cores=args.cpu_cores, rebuild=args.rebuild, tag=args.tag,
                           timeout=args.timeout,

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcft import events
+from hpcft import events, nodemem
 from hpcft.agent import status
 from hpcft.agent.budget import LagBudget
 from hpcft.agent.bundle import Bundle, complete_steps, local_versions, pin_targets
@@ -114,6 +114,7 @@ class AgentConfig:
     rendezvous: str
     secret: bytes
     host: str = "127.0.0.1"
+    bind: str = "0.0.0.0"  # the address the agent listens on (its --iface's address, or every interface)
     scheme: Scheme = Scheme()
     rate: float | None = None
     rounds: int = 1
@@ -198,10 +199,10 @@ def run(cfg: AgentConfig) -> int:
                      ranks={str(r): max(v) for r, v in by_rank.items()},
                      versions={str(r): sorted(v) for r, v in by_rank.items()},
                      staged_steps=sorted(complete), protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s,
-                     **fields)
+                     **nodemem.figures(job), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
-    mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, rate=cfg.rate,
+    mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, bind=cfg.bind, rate=cfg.rate,
                 cpu=cpu_cores(cfg.cpu_share, cfg.cpu_cores), tag=cfg.tag, timeout=cfg.timeout)
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
     flusher = Flusher(cfg.persist, job, cfg.job_id, cfg.slot, pins, cfg.rendezvous, cfg.tag)

@@ -14,7 +14,7 @@ AGENT_STEP_NAME = "hpcft-agent"
 def agent_argv(nodes: Sequence[str], *, rendezvous: str, secret: str, scheme: Scheme, python: str,
                rebuild: bool = False, interval: float = 1.0, rate: float | None = None, rounds: int = 0,
                cpu_cores: float | None = None, persist: PersistConfig | None = None,
-               lag_bound: int | None = None) -> list[str]:
+               lag_bound: int | None = None, iface: str | None = None) -> list[str]:
     """`srun --overlap … python -m hpcft.agent …` on `nodes` (the active slots, in slot order). The supervisor
     exports HPCFT_LAYOUT, HPCFT_JOB_ID and HPCFT_RESTART_COUNT (the tag keeping relaunches apart) to it,
     passes `rebuild=True` after replacing nodes, and waits on `status.wait_ready` before the trainers."""
@@ -36,6 +36,8 @@ def agent_argv(nodes: Sequence[str], *, rendezvous: str, secret: str, scheme: Sc
                  str(persist.keep)]
         if persist.rate:
             argv += ["--persist-rate", str(persist.rate)]
+    if iface:
+        argv += ["--iface", iface]
     if rebuild:
         argv.append("--rebuild")
     return argv

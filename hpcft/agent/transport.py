@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from hpcft import events
+from hpcft.nodemem import mem_available
 from hpcft.agent.throttle import Throttle
 from hpcft.errors import HpcftError
 
@@ -69,18 +70,6 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None = N
         got += n
 
 
-def _memory_available() -> int:
-    """Bytes of memory this node could still give a new buffer (MemAvailable), or a large bound if unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 1 << 46
-
-
 class Channel:
     """One authenticated connection: `send(header, payload)` and `recv(into=)`, in order, both ways."""
 
@@ -115,7 +104,7 @@ class Channel:
         header, plen = self.recv_header()
         if into is not None and into.size < plen:
             raise TransportError(f"{self.peer} sent {plen} bytes for a {into.size}-byte buffer")
-        if into is None and plen > _memory_available():
+        if into is None and plen > mem_available():
             raise TransportError(f"{self.peer} announced a {plen}-byte payload, more than this node's free memory; "
                                  "protocol error")
         try:

@@ -22,6 +22,12 @@ from hpcft.launch.layout import Layout
 from hpcft.slurm.runner import Runner
 
 
+def agent_iface(cfg: RunConfig) -> str | None:
+    """The interface the agents bind to: --agent-iface, else the profile's ('none': the hostname's address)."""
+    name = cfg.agent_iface or profiles.get(cfg.profile).agent_iface
+    return None if name == "none" else name
+
+
 PROBE_EVERY_S = 5.0  # while the agents get ready: a probe of the slots' nodes this often (scontrol every poll)
 
 
@@ -86,7 +92,7 @@ class AgentSteps:
         argv = agent_argv(list(layout.slots), rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
                           scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
                           cpu_cores=profiles.get(cfg.profile).agent_cpu_cores, persist=persist,
-                          lag_bound=cfg.protect_lag)
+                          lag_bound=cfg.protect_lag, iface=agent_iface(cfg))
         argv += ["--tag", tag]
         self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
                   group=cfg.group, losses=cfg.losses, distance=cfg.distance)
@@ -158,6 +164,10 @@ class AgentSteps:
             if time.monotonic() > deadline:
                 return durable, f"the flush did not finish within --protect-timeout {self.cfg.protect_timeout:g} s"
             time.sleep(min(self.cfg.poll_interval, 0.5))
+
+    def reports(self) -> list[dict]:
+        """The running agents' status reports (each node's phase, steps and memory figures); none without agents."""
+        return list(agent_status.read(self.rendezvous, self.tag).values()) if self.proc is not None else []
 
     def protected(self) -> int | None:
         """The newest step every agent of the last launch reports protected, if each reports one."""

@@ -44,6 +44,15 @@ def _run_options(f):
                      help="Flush every this many steps of protection progress (default 100; always before a requeue)."),
         click.option("--persist-keep", type=int, default=None, help="Durable checkpoints kept (default 2)."),
         click.option("--persist-rate", type=float, default=None, help="Bytes/s cap on each node's flush writes."),
+        click.option("--agent-iface", default=None,
+                     help="Network interface the node agents bind to (default: the profile's, hsn0 on Frontier)."),
+        click.option("--keep", type=int, default=None, help="The Checkpointer's keep, for memory planning (default 2)."),
+        click.option("--state-bytes", default=None,
+                     help="One snapshot's bytes per node (e.g. 120G): checked against the nodes' memory before launch."),
+        click.option("--node-memory", default=None,
+                     help="Memory per node to plan with (e.g. 512G; default: the batch host's /dev/shm and MemAvailable)."),
+        click.option("--memory-headroom", type=float, default=None,
+                     help="Fraction of node memory left to the trainers and the system (default 0.2)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -81,24 +90,41 @@ def run(config_file, command, **kwargs) -> None:
 @click.option("--output", "-o", default="hpcft-%j.out", show_default=True, help="sbatch --output (appended to).")
 @click.option("--warn", "warn_seconds", type=int, default=300, show_default=True,
               help="Seconds before the walltime at which Slurm sends USR1 (persist and requeue).")
-@click.option("--module", default="hpcft", show_default=True, help="Module to load first ('' for none).")
+@click.option("--module", default="hpcft", show_default=True, help="hpcft's own module, loaded after the site's ('' for none).")
+@click.option("--site-module", "site_modules", multiple=True,
+              help="A site module to load, in order (repeat; replaces [site] modules and the profile's list).")
+@click.option("--no-site-modules", is_flag=True, help="Load no site modules.")
+@click.option("--setup", "setup", multiple=True,
+              help="A shell line setting up the Python environment, e.g. 'source activate /path/env' (repeat; "
+                   "replaces [site] setup).")
+@click.option("--nvme/--no-nvme", default=None,
+              help="Ask for node-local NVMe (-C nvme on Frontier) and export its path as HPCFT_NVME.")
 @click.option("--dry-run", is_flag=True, help="Print the batch script instead of submitting it.")
 @click.argument("command", nargs=-1, required=True)
-def submit(config_file, command, walltime, account, partition, job_name, output, warn_seconds, module, dry_run,
-           **kwargs) -> None:
+def submit(config_file, command, walltime, account, partition, job_name, output, warn_seconds, module, site_modules,
+           no_site_modules, setup, nvme, dry_run, **kwargs) -> None:
     """Write the batch script for `hpcft run … -- CMD` (template in slurm/) and submit it; print the job id.
 
-    --nodes counts the active nodes; the allocation is --nodes + --spares."""
+    --nodes counts the active nodes; the allocation is --nodes + --spares. Site module lines, the Python set-up
+    and NVMe come from the config file's [site] table, the flags overriding it (docs/supervisor.md)."""
+    from dataclasses import replace
+
+    from hpcft.launch import site as site_config
     from hpcft.launch.submit import SubmitSpec, render, submit as sbatch
     from hpcft.slurm.runner import default_runner
 
     cfg = config.load(_cli_values(kwargs), config_file=config_file)
+    site = site_config.load(config_file)
+    if site_modules or no_site_modules:
+        site = replace(site, modules=tuple(site_modules))
+    if setup:
+        site = replace(site, setup=tuple(setup))
     if cfg.nodes is None:
         raise click.UsageError("hpcft submit needs --nodes (the active nodes; spares come on top)")
     forwarded = {k: v for k, v in _cli_values(kwargs).items() if v is not None}
     spec = SubmitSpec(command=tuple(command), nodes=cfg.nodes, spares=cfg.spares, time=walltime, profile=cfg.profile,
                       account=account, partition=partition, job_name=job_name, output=output,
-                      warn_seconds=warn_seconds, module=module, run_options=forwarded)
+                      warn_seconds=warn_seconds, module=module, run_options=forwarded, site=site, nvme=nvme)
     script = render(spec)
     if dry_run:
         click.echo(script, nl=False)

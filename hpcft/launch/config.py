@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcft.errors import ConfigError
+from hpcft.launch.memplan import parse_bytes
 
 CONFIG_ENV = "HPCFT_CONFIG"
 
@@ -29,10 +30,17 @@ class RunConfig:
     traffic (default: the agents' own); protect_timeout: seconds the agents may take to be ready (rebuild
     included) before the launch counts as failed; protect_lag: a bound in steps on how far the newest protected
     snapshot may trail the newest staged one: the agents raise their CPU cap (from the profile's) while it is
-    exceeded and report the cap it took (`hpcft status`), warning when even 1 core cannot meet it; persist_dir: the durable tier's directory on a file system
-    every node and the next allocation see (default `<job_dir>/checkpoints`; `none`: no flushing); persist_every:
-    flush once the newest protected step is this many steps past the newest durable one (and always before a
-    requeue); persist_keep: durable checkpoints kept; persist_rate: bytes/s cap on each node's flush writes.
+    exceeded and report the cap it took (`hpcft status`), warning when even 1 core cannot meet it; persist_dir: the
+    durable tier's directory on a file system every node and the next allocation see (default
+    `<job_dir>/checkpoints`; `none`: no flushing); persist_every: flush once the newest protected step is this many
+    steps past the newest durable one (and always before a requeue); persist_keep: durable checkpoints kept;
+    persist_rate: bytes/s cap on each node's flush writes; agent_iface: the network interface the node agents bind to
+    (default: the profile's, hsn0 on Frontier; a node without it falls back to its hostname's address with a
+    warning event); keep: the Checkpointer's `keep` (versions kept per rank), for memory planning; state_bytes: one
+    snapshot's bytes on one node (all its ranks), for the memory check before the first launch (unknown: checked
+    after the first snapshot only); node_memory: bytes of memory per node to plan with (default: what the batch
+    host's /dev/shm and MemAvailable offer); memory_headroom: fraction of that memory left to the trainers and the
+    system (hpcft/launch/memplan.py).
     """
 
     nodes: int | None = None
@@ -59,6 +67,11 @@ class RunConfig:
     persist_every: int = 100
     persist_keep: int = 2
     persist_rate: float | None = None
+    agent_iface: str | None = None
+    keep: int = 2
+    state_bytes: int | None = None
+    node_memory: int | None = None
+    memory_headroom: float = 0.2
 
     @property
     def protected(self) -> bool:
@@ -85,11 +98,16 @@ def env_name(key: str) -> str:
     return "HPCFT_" + key.upper()
 
 
+SIZE_KEYS = ("state_bytes", "node_memory")  # bytes, also written as 64G, 1.5TiB
+
+
 def _coerce(key: str, value: Any, where: str) -> Any:
     kind = _TYPES[key]
     if value is None:
         return None
     try:
+        if key in SIZE_KEYS:
+            return parse_bytes(value)
         if kind in (int, "int", int | None, "int | None"):
             if isinstance(value, bool):
                 raise ValueError
@@ -120,15 +138,22 @@ def _check_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def from_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Options from a TOML file: top-level keys, or a [run] table."""
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """The config file's contents; ConfigError naming the file when it is missing or not TOML."""
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
+        return tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {p} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+
+
+def from_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Options from a TOML file: top-level keys, or a [run] table."""
+    p = Path(path)
+    data = read_toml(p)
+    data.pop("site", None)  # the sbatch script's site settings (hpcft/launch/site.py)
     if isinstance(data.get("run"), dict):
         data = data["run"]
     return _check_keys(data, f"config file {p}")
@@ -168,6 +193,13 @@ def validate(cfg: RunConfig) -> None:
     for key in ("hang_timeout", "kill_grace", "requeue_margin", "protect_timeout"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key} must be 0 or more (got {getattr(cfg, key)})")
+    if cfg.keep < 1:
+        raise ConfigError(f"keep must be at least 1 (got {cfg.keep})")
+    for key in ("state_bytes", "node_memory"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be a positive number of bytes (got {getattr(cfg, key)})")
+    if not 0 <= cfg.memory_headroom < 1:
+        raise ConfigError(f"memory_headroom must be a fraction in [0, 1) (got {cfg.memory_headroom})")
     if cfg.poll_interval <= 0 or cfg.probe_timeout <= 0:
         raise ConfigError("poll_interval and probe_timeout must be positive")
     from hpcft.launch import profiles

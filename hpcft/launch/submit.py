@@ -5,8 +5,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcft.env import NVME_ENV
 from hpcft.errors import ConfigError, SlurmError
 from hpcft.launch import profiles
+from hpcft.launch.netplugin import DIRS_ENV
+from hpcft.launch.site import SiteConfig
 from hpcft.slurm.runner import Runner
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "slurm"
@@ -28,6 +31,12 @@ class SubmitSpec:
     warn_seconds: int = 300
     module: str = "hpcft"
     run_options: Mapping[str, object] = field(default_factory=dict)
+    site: SiteConfig = field(default_factory=SiteConfig)  # module lines, Python setup, NVMe, plugin dirs
+    nvme: bool | None = None  # ask for node-local NVMe (None: the site's default)
+
+    @property
+    def wants_nvme(self) -> bool:
+        return self.site.nvme if self.nvme is None else self.nvme
 
 
 def template_for(profile: str, template_dir: Path = TEMPLATE_DIR) -> Path:
@@ -74,6 +83,21 @@ def _flag(key: str, value: object) -> list[str]:
     return [name, str(value)]
 
 
+def site_lines(spec: SubmitSpec) -> str:
+    """The batch script's environment: the site's modules, its Python set-up lines, hpcft's module, then the
+    exports the rest of hpcft reads (node-local NVMe, the RCCL plugin's directories)."""
+    site = spec.site
+    modules = profiles.get(spec.profile).modules if site.modules is None else site.modules
+    lines = [f"module load {m}" for m in modules] + list(site.setup)
+    if spec.module:
+        lines.append(f"module load {spec.module}")
+    if spec.wants_nvme:
+        lines.append(f'export {NVME_ENV}="{site.nvme_dir}"  # node-local NVMe (-C {site.nvme_constraint})')
+    if site.plugin_dirs:
+        lines.append(f'export {DIRS_ENV}="{":".join(site.plugin_dirs)}"')
+    return "".join(line + "\n" for line in lines)
+
+
 def render(spec: SubmitSpec, template_dir: Path = TEMPLATE_DIR) -> str:
     """The batch script for `spec` (a pure function of it: golden-file tested)."""
     if not spec.command:
@@ -91,8 +115,9 @@ def render(spec: SubmitSpec, template_dir: Path = TEMPLATE_DIR) -> str:
     # every node's CPUs for its tasks: without it a cluster that shares nodes allocates one task (one CPU) per node,
     # and the trainer step fails "More processors requested than permitted"
     tasks = spec.run_options.get("tasks_per_node") or profiles.get(spec.profile).tasks_per_node
+    nvme = spec.site.nvme_constraint if spec.wants_nvme else None
     sbatch = [f"#SBATCH --{k}={v}\n" for k, v in (("account", spec.account), ("partition", spec.partition),
-                                                  ("ntasks-per-node", tasks)) if v]
+                                                  ("ntasks-per-node", tasks), ("constraint", nvme)) if v]
     run = ["--nodes", str(spec.nodes), "--spares", str(spec.spares), "--profile", spec.profile]
     for key, value in spec.run_options.items():
         if value is not None and key not in ("nodes", "spares", "profile"):
@@ -101,7 +126,7 @@ def render(spec: SubmitSpec, template_dir: Path = TEMPLATE_DIR) -> str:
         "job_name": spec.job_name, "active": str(spec.nodes), "spares": str(spec.spares),
         "total_nodes": str(spec.nodes + spec.spares), "time": spec.time, "sbatch_lines": "".join(sbatch),
         "warn_seconds": str(spec.warn_seconds), "output": spec.output,
-        "module_line": f"module load {spec.module}\n" if spec.module else "",
+        "site_lines": site_lines(spec),
         "run_options": shlex.join(run), "command": shlex.join(spec.command),
     }
     return render_template(template_for(spec.profile, template_dir).read_text(encoding="utf-8"), values)

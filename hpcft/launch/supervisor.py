@@ -29,6 +29,7 @@ from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
 from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
+from hpcft.launch.preflight import Preflight
 from hpcft.launch.srun import TRAIN_STEP_NAME, probe_argv, step_env, trainer_argv
 from hpcft.launch.steps import StepStopper
 from hpcft.slurm import state as slurmstate
@@ -67,6 +68,7 @@ class Supervisor:
         self.lost: list[losses.Loss] = []  # progress lost in this run, for its summary
         self.janitor = Janitor(self.runner, self.job_dir, python, self._stop_steps)
         self._slurm_run = 0  # Slurm's restart count of this run
+        self._site_env: dict[str, str] = {}  # what the preflight adds to the steps' environment
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
                                  interrupted=lambda: self._signal == signal.SIGTERM,
                                  check_nodes=lambda layout, probe: self._bad_nodes(layout, probe=probe))
@@ -124,6 +126,8 @@ class Supervisor:
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
                   kept=",".join(kept), profile=self.profile.name, protect=self.cfg.protect, group=self.cfg.group,
                   job_dir=str(self.job_dir))
+        self.preflight = Preflight(self.cfg, self.profile, self.environ, self.emit, self.job_id)
+        self._site_env = self.preflight.start(len(layout.slots))  # RCCL's plugin; the memory plan
         saved.slots = list(layout.slots)  # now: a run that dies with its batch host has said where its data is
         saved.save(self.state_path)
         self._requeued_run = saved.requeues > 0
@@ -250,7 +254,8 @@ class Supervisor:
         requeue first waits for their protection; every other path stops them (`AgentSteps.stop`)."""
         user = self.environ.get("USER") or getpass.getuser()
         env = step_env(layout, job_id=self.job_id, restart_count=restart_count, job_dir=str(self.job_dir),
-                       profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id))
+                       profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id,
+                                                         plugin=self._site_env))
         env = {**self.environ, **env}
         durable = durable_dir(self.cfg, self.job_dir)
         if durable is not None:
@@ -278,6 +283,7 @@ class Supervisor:
             reader.start()
             try:
                 event = self._watch(proc, layout, launched, watch)
+                self.preflight.poll(self.agents.reports, now=True)  # a step shorter than the plan's look
             finally:
                 self._stop_steps({TRAIN_STEP_NAME: proc})
                 reader.join(timeout=5)
@@ -304,6 +310,7 @@ class Supervisor:
     def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float, watch: losses.RestoreWatch) -> Event:
         while True:
             self._check_restore(watch)
+            self.preflight.poll(self.agents.reports)  # the memory plan, once the first snapshot exists
             code = proc.poll()
             if code is not None:
                 if code == 0:

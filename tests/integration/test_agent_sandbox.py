@@ -63,7 +63,7 @@ def _trainers(runner, job: str, slots: list[str], restart: int, out: Path, **ext
 def _agents(runner, job: str, slots: list[str], restart: int, out: Path, scheme: Scheme, rebuild: bool,
             rounds: int = 0) -> subprocess.Popen:
     argv = agent_argv(slots, rendezvous=str(out / "agents"), secret=str(out / "secret"), scheme=scheme,
-                      python=sys.executable, rebuild=rebuild, interval=0.2, rounds=rounds)
+                      python=sys.executable, rebuild=rebuild, interval=0.2, rounds=rounds, iface="eth0")
     return runner.popen([argv[0], f"--jobid={job}", *argv[1:]], env=_env(job, slots, restart, out),
                         stdout=open(out / f"agents-{restart}.log", "ab"), stderr=subprocess.STDOUT)
 
@@ -138,6 +138,10 @@ def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(
         runner.run(["scancel", "--signal=KILL", f"{job}.0"])  # the trainers stop at an arbitrary point
         trainers.wait(timeout=60)
         step = _wait(lambda: _stable(out), "the agents never protected the newest step", 60, out / "agents-0.log")
+        if healthy_sandbox.config.mode == "netns":  # each node's eth0 is its own: the agents bound there (--iface)
+            addrs = {n.name: n.addr for n in healthy_sandbox.layout.nodes}
+            bound = [(out / "agents" / f"agent-0-{i}.addr").read_text().rsplit(":", 1)[0] for i in range(len(ACTIVE))]
+            assert bound == [addrs[n] for n in ACTIVE]
         before = {n: _dump(runner, job, n, step) for n in lost}
         assert all(len(d) == 2 for d in before.values()), before
 

@@ -18,6 +18,16 @@ from hpcft import events
 from hpcft.agent import status as agent_status
 
 
+def test_the_run_checks_its_memory_plan_with_every_nodes_real_snapshot_size(dp_reference):
+    """No --state-bytes: the plan is checked once the first snapshot exists, from the four agents' reports of their
+    node's memory (hpcft.nodemem in each agent's status); the sandbox's nodes have room."""
+    plans = [e for e in events.read(dp_reference / "job") if e["event"] == "memory_plan"]
+    assert plans[0]["checked"] is False and "first snapshot" in plans[0]["reason"]
+    (checked,) = plans[1:]
+    assert checked["level"] == "INFO" and checked["nodes"] == 4 and checked["state_bytes"] > 0
+    assert checked["needed"] < checked["capacity"] and "4 snapshot slots (keep 2 + 1 + 1 pinned" in checked["plan"]
+
+
 @pytest.mark.timeout(900)  # the session's recovery bench, if no test has made it yet
 def test_killed_rank_is_relaunched_on_the_same_nodes_and_resumes_from_memory(recovery_bench, dp_reference):
     out = recovery_bench.runs / "rank-kill"  # the trainer of rank 2 (n3) SIGKILLed once every rank did step FAULT_AT

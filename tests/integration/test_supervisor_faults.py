@@ -72,3 +72,22 @@ def test_a_run_that_cannot_start_records_its_decision_and_summary(sandbox, tmp_p
     assert [(e["event"], e.get("action"), e.get("cause")) for e in log] == [
         ("decision", "stop", "error"), ("summary", "stop", None), ("cleaned", None, None)], log
     assert "need 4 nodes" in log[1]["reason"] and log[1]["level"] == "ERROR"
+
+
+def test_snapshots_that_cannot_fit_the_nodes_memory_stop_the_run_before_launch(sandbox, tmp_path):
+    """`--state-bytes` more than the nodes' memory can hold with its slots and parity: nothing is launched, and the
+    reason gives the numbers and what to change."""
+    argv = ["salloc", "-N3", "-t", "5", sys.executable, "-m", "hpcft.cli", "run", "--job-dir", str(tmp_path / "job"),
+            "--state-bytes", "64G", "--node-memory", "128G", "--", "true"]
+    proc = sandbox.runner().popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    code, output = finish(proc, timeout=90)
+    assert code == 1, output[-3000:]
+    log = events.read(tmp_path / "job")
+    assert [e["event"] for e in log] == ["start", "decision", "summary", "cleaned"], log
+    reason = log[1]["reason"]
+    assert log[1]["action"] == "stop" and log[1]["level"] == "ERROR"
+    # 3 nodes: --protect auto is xor over one set of 3, parity 1/2 of a snapshot
+    assert reason.startswith("snapshots need 352.0 GiB per node = 4 snapshot slots (keep 2 + 1 + 1 pinned by the "
+                             "agent) × 64.0 GiB + 3 xor records × 0.50 × 64.0 GiB"), reason
+    assert "--node-memory offers 128.0 GiB, 102.4 GiB after the 20% headroom" in reason
+    assert "at most 18.6 GiB per snapshot fits" in reason

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from hpcft.agent.launch import agent_argv
+from hpcft.agent.placement import Scheme
 from hpcft.errors import ConfigError
-from hpcft.launch import profiles
+from hpcft.launch import netplugin, profiles
+from hpcft.launch.site import SiteConfig
 from hpcft.launch.submit import SubmitSpec, render, walltime_seconds
 from hpcft.launch.layout import Layout
 from hpcft.launch.srun import probe_argv, trainer_argv
@@ -56,6 +59,46 @@ def test_sbatch_script(profile):
     script = render(spec)
     check_golden(f"sbatch-{profile}.sh", script)
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+# a Frontier site as OLCF's PyTorch guide sets one up (module versions of its batch example, a conda environment)
+FRONTIER_SITE = SiteConfig(
+    modules=("PrgEnv-gnu/8.7.0", "cpe/26.03", "miniforge3/23.11.0-0", "rocm/7.1.1", "rccl-net-plugin",
+             "craype-accel-amd-gfx90a"),
+    setup=("export LD_LIBRARY_PATH=$CRAY_LD_LIBRARY_PATH:$LD_LIBRARY_PATH", "conda activate /ccs/proj/abc123/envs/torch"),
+    nvme=True, plugin_dirs=("/sw/frontier/aws-ofi-nccl/lib",))
+
+
+def test_sbatch_script_with_site_modules_and_nvme():
+    spec = SubmitSpec(command=("python3", "train.py"), nodes=64, spares=2, time="06:00:00", profile="frontier",
+                      account="ABC123", job_name="llm-7b", site=FRONTIER_SITE,
+                      run_options={"state_bytes": 96 << 30, "agent_iface": "hsn0", "nodes": 64})
+    script = render(spec)
+    check_golden("sbatch-frontier-site.sh", script)
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert "#SBATCH --constraint=nvme" not in render(SubmitSpec(command=("x",), nodes=1, site=FRONTIER_SITE, nvme=False))
+
+
+def test_frontier_environment():
+    """What the trainer and agent steps get from the Frontier profile on a node where the RCCL plugin is installed
+    in the site's directory but not on the library path (a fake tree: names only)."""
+    plugin_dir = "/sw/frontier/aws-ofi-nccl/lib"
+    environ = {netplugin.DIRS_ENV: plugin_dir, "LD_LIBRARY_PATH": "/opt/rocm-7.1.1/lib", "USER": "alice",
+               "NCCL_SOCKET_IFNAME": "hsn0"}  # the user's own value wins over the profile's four NICs
+    state = netplugin.resolve(environ, isfile=lambda p: False,
+                              listdir=lambda d: ["librccl-net.so", "libnccl-net.so"] if d == plugin_dir else [])
+    env = profiles.env_defaults(profiles.FRONTIER, environ, user="alice", job="1234",
+                                plugin=netplugin.plugin_env(state, environ))
+    check_golden("env-frontier.txt", "".join(f"{k}={v}\n" for k, v in sorted(env.items())))
+    assert "NCCL_SOCKET_IFNAME" not in env and "FI_CXI_RDZV_PROTO" not in env
+    alt = profiles.env_defaults(profiles.FRONTIER, {"SLURM_NETWORK": "disable_rdzv_get"}, user="a", job="1")
+    assert alt["FI_CXI_RDZV_PROTO"] == "alt_read"  # only with the allocation flag OLCF pairs it with
+
+
+def test_agent_srun_line():
+    argv = agent_argv(NODES[:4], rendezvous="/lustre/job/agents", secret="/lustre/job/secret", scheme=Scheme("xor", 4),
+                      python="python3", iface=profiles.FRONTIER.agent_iface)
+    check_golden("srun-agents-frontier.txt", _lines(argv))
 
 
 def test_submit_refuses_a_bad_job_name_and_an_empty_command():

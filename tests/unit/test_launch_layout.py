@@ -84,7 +84,7 @@ def test_task_on_a_node_without_slot_is_refused():
 def test_profile_env_never_overrides_the_user():
     got = profiles.env_defaults(profiles.get("frontier"), {"NCCL_SOCKET_IFNAME": "hsn1"}, user="u", job="7")
     assert "NCCL_SOCKET_IFNAME" not in got
-    assert got["MIOPEN_USER_DB_PATH"] == "/tmp/hpcft-miopen-u-7" and got["FI_CXI_ATS"] == "0"
+    assert got["MIOPEN_USER_DB_PATH"] == "/tmp/hpcft-miopen-u-7" and got["FI_CXI_DEFAULT_CQ_SIZE"] == "131072"
     with pytest.raises(ConfigError, match="unknown profile 'summit'; choose one of: frontier, cuda, cpu"):
         profiles.get("summit")
 

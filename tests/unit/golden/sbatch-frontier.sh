@@ -15,6 +15,10 @@
 
 # OLCF: with `sbatch --export=NONE` (recommended for Python environments) srun must not inherit it.
 unset SLURM_EXPORT_ENV
+module load PrgEnv-gnu
+module load rocm
+module load rccl-net-plugin
+module load craype-accel-amd-gfx90a
 module load hpcft
 
 # exec: hpcft run is the batch shell itself, so Slurm's USR1 warning (B:) reaches it.
