@@ -66,10 +66,12 @@ def requeue_flag(job_dir_: str | os.PathLike, run: int | str) -> Path:
 
 def janitor_argv(nodes: Sequence[str], *, python: str, job_dir_: str, now: bool = False) -> list[str]:
     """One janitor task on each of `nodes` (--overlap: next to the job's other steps; --kill-on-bad-exit=0: a
-    node lost does not end the others)."""
+    task lost does not end the others; --no-kill: nor does a node lost. Without it slurmctld kills the whole step
+    when it marks the batch host DOWN, and the janitors then raced that mark: seen losing 2 runs in 4 under load)."""
     n = len(nodes)
     return ["srun", f"--job-name={JANITOR_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
-            f"--nodelist={compress(list(nodes))}", "--overlap", "--kill-on-bad-exit=0", "--export=ALL", python, "-m",
+            f"--nodelist={compress(list(nodes))}", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL",
+            python, "-m",
             "hpcft.launch.janitor", "--job-dir", str(job_dir_), *(["--now"] if now else [])]
 
 
