@@ -130,7 +130,8 @@ def test_spares_exhausted_requeues_and_the_restarted_job_resumes_from_its_nodes_
     assert made == [("replace", "node_failed"), ("requeue", "node_failed"), ("done", "success")], \
         (out / "job.out").read_text()[-3000:]
     persist = [e for e in recs if e["event"] == "persist"]
-    assert len(persist) == 1 and persist[0]["how"] == "protect" and "lost" in persist[0]["reason"]
+    assert len(persist) == 1 and persist[0]["how"] == "protect+flush" and "lost" in persist[0]["reason"]
+    assert persist[0]["done"] is False and "cannot flush" in persist[0]["flush_reason"], persist  # the mesh is broken
     restart = [e for e in recs if e["event"] == "start"][1]
     assert restart["requeues"] == 1 and restart["kept"] == f"{slots[0]},{spare}"
     new_slots = restart["slots"].split(",")
