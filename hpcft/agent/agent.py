@@ -16,7 +16,7 @@ from pathlib import Path
 from hpcft import events, nodemem
 from hpcft.agent import status
 from hpcft.agent.budget import LagBudget
-from hpcft.agent.bundle import Bundle, complete_steps, local_versions, pin_targets
+from hpcft.agent.bundle import Bundle, common, complete_steps, local_versions, pin_targets
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.persist import Flusher
 from hpcft.durable.settings import PersistConfig
@@ -32,10 +32,6 @@ from hpcft.store import pin as store_pin
 _log = logging.getLogger(__name__)
 
 
-def _common(lists: list[list[int]]) -> set[int]:
-    return set.intersection(*(set(x) for x in lists)) if lists else set()
-
-
 def protect_newest(mesh: Mesh, placement: Placement, job: Path, pins: Pins, keep: int = 2) -> Record | None:
     """One collective round: protect the newest step complete on every node and not yet protected
     everywhere, its slots pinned for the pass; None if there is none, if a node's trainers reused the slot
@@ -46,7 +42,7 @@ def protect_newest(mesh: Mesh, placement: Placement, job: Path, pins: Pins, keep
     done = mesh.allgather(sorted(records(job)))
     # the newest `keep` steps held everywhere (the records kept): an older one would be retired right after its
     # pass and protected again the next round, forever
-    todo = sorted(set(sorted(_common(held))[-keep:]) - _common(done))
+    todo = sorted(set(sorted(common(held))[-keep:]) - common(done))
     if not todo:
         return None
     step = todo[-1]
@@ -233,10 +229,10 @@ def run(cfg: AgentConfig) -> int:
                     rec = protect_newest(mesh, placement, job, pins)
                 except StaleStep as exc:  # after the exchange, so the mesh is still in step
                     events.emit("protect_stale", slot=cfg.slot, reason=str(exc))
-            complete = complete_steps(job)
-            flusher.round(mesh, complete, sorted(records(job) if cfg.scheme.name != "none" else complete))
+            complete, recs = complete_steps(job), records(job)
+            flusher.round(mesh, complete, sorted(recs if cfg.scheme.name != "none" else complete))
             if budget is not None and not drained.is_set():
-                _steer(budget, mesh, cfg, protection_lag(complete, records(job))[0])
+                _steer(budget, mesh, cfg, protection_lag(complete, recs)[0])
             done += 1
             print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)
             report(status.PROTECTING, **extra)

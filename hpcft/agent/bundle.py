@@ -91,6 +91,11 @@ def complete_steps(job: Path, versions: dict[int, dict[int, Held]] | None = None
     return dict(sorted((s, v) for s, v in versions.items() if set(v) == ranks))
 
 
+def common(lists: list[list[int]]) -> set[int]:
+    """The steps every agent's list holds (from an all-gather of each one's steps)."""
+    return set.intersection(*(set(x) for x in lists)) if lists else set()
+
+
 def pin_targets(step: int, held: dict[int, Held]) -> list[tuple[Path, int]]:
     """(pin file, step) of the slot holding `step` in every rank's store (see `hpcft.store.pin`)."""
     return [(store_pin.path_of(h.manifest_path), step) for h in held.values()]

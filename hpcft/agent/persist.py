@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcft import events
-from hpcft.agent.bundle import Held, map_readonly, pin_targets
+from hpcft.agent.bundle import Held, common, map_readonly, pin_targets
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.pins import Pins
 from hpcft.agent.throttle import Throttle
@@ -95,10 +95,10 @@ class Flusher:
             return
         self.durable = max([s["durable"] for s in states if s["durable"] is not None], default=self.durable)
         asks = {s["asked"] for s in states} - {None, self.served}
-        both = _common([s["protected"] for s in states])
+        both = common([s["protected"] for s in states])
         target = max(both, default=None)
         if target is None and asks:
-            target = max(_common([s["complete"] for s in states]), default=None)
+            target = max(common([s["complete"] for s in states]), default=None)
         # the first one too only after `every` steps: a short run (or test) writes nothing but what a requeue asks for
         due = target is not None and target - (self.durable or 0) >= self.cfg.every \
             and (self._failed_at is None or target - self._failed_at >= self.cfg.every)
@@ -181,7 +181,3 @@ def _world(complete: dict[int, dict[int, Held]]) -> int:
     """The job's world size, as the newest complete step's manifests record it (0 if there is none)."""
     held = complete[max(complete)] if complete else {}
     return max((int(h.manifest.get("world") or 0) for h in held.values()), default=0)
-
-
-def _common(lists: list[list[int]]) -> set[int]:
-    return set.intersection(*(set(x) for x in lists)) if lists else set()

@@ -16,13 +16,13 @@ import math
 import struct
 import zlib
 
+from hpcft.durable.items import ELEMENT
+
 ALIGN = 64
 STORAGE = {"float32": "FloatStorage", "float64": "DoubleStorage", "float16": "HalfStorage",
            "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage",
            "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage", "complex64": "ComplexFloatStorage",
            "complex128": "ComplexDoubleStorage"}
-_ELEMENT = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-            "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
 _SERIAL_ID = b"0" * 40  # torch writes a random decimal id; nothing reads it back for a tensor
 
 
@@ -102,7 +102,7 @@ def _zip(records: list[tuple[str, bytes | int]]) -> tuple[bytes, bytes]:
 @functools.lru_cache(maxsize=4096)
 def envelope(dtype: str, shape: tuple[int, ...]) -> tuple[bytes, bytes]:
     """(prefix, suffix): prefix + the tensor's C-ordered bytes + suffix is a torch.save of it."""
-    nbytes = math.prod(shape) * _ELEMENT.get(dtype, 0)
+    nbytes = math.prod(shape) * ELEMENT.get(dtype, 0)
     if dtype not in STORAGE or nbytes >= 2 ** 32 - 2 ** 20:
         return _torch_envelope(dtype, shape)
     return _zip([("data.pkl", pickle_of(dtype, shape)), (".format_version", b"1"), (".storage_alignment", b"64"),
