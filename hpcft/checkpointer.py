@@ -136,7 +136,7 @@ class Checkpointer:
         generators = rng.grab()
         entries = self._view.entries()
         meta = {"world": self.world, "job_id": self.job_id, "writer": self._writer, "extra": extra,
-                "optim": state.optimizer_meta(self.model, self.optimizer, self._view.names)}
+                "optim": state.optimizer_meta(self.optimizer, self._view.optim_shape)}
         self.engine.snapshot(self.completed, entries, meta, started=t0, late=lambda: {"rng": rng.encode(generators)})
 
     def snapshot(self) -> None:

@@ -122,7 +122,10 @@ def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: 
     r.add("blocked_s_per_snapshot", statistics.median(measured), "s",
           "hpcft blocked per snapshot (start + pre-step wait)")
     r.add("start_s_per_snapshot", statistics.median(v for i, v in hp.training_start.items() if i >= opts.warmup),
-          "s", "hpcft snapshot start alone (state walk, manifest, copy start; a CPU copy without overlap)")
+          "s", "hpcft snapshot start alone (RNG capture, state walk, manifest, copy issue)")
+    r.add("inline_copy_s_per_snapshot",
+          statistics.median(v for i, v in hp.training_inline_copy.items() if i >= opts.warmup), "s",
+          "hpcft copy on the training thread per snapshot (a CPU copier without overlap; 0 otherwise)")
     r.add("blocked_fraction_hpcft", statistics.median(measured) / timings.median("none"), "%",
           "hpcft blocked time ÷ step (overhead without CPU contention)")
     r.add("blocked_s_torch_save", by_name["torch_save"].blocked_median(opts.warmup), "s",

@@ -93,6 +93,7 @@ class Hpcft(Checkpointing):
         self.calls = 0  # ckpt.step numbering: this variant's own iterations
         self.training_blocked: dict[int, float] = {}  # stats.blocked_s delta per call: start + pre-step guard
         self.training_start: dict[int, float] = {}  # stats.start_s delta per call: the start alone
+        self.training_inline_copy: dict[int, float] = {}  # stats.inline_copy_s delta per call
         self.snapshot_and_wait(self.ckpt.store.nslots)  # allocate and fault in every slot once, untimed
 
     def snapshot_and_wait(self, count: int) -> None:
@@ -103,10 +104,12 @@ class Hpcft(Checkpointing):
             self.ckpt.wait()
 
     def run_once(self, index: int) -> None:
-        before, start = self.ckpt.stats.blocked_s, self.ckpt.stats.start_s
+        st = self.ckpt.stats
+        before, start, inline = st.blocked_s, st.start_s, st.inline_copy_s
         super().run_once(index)
-        self.training_blocked[index] = self.ckpt.stats.blocked_s - before
-        self.training_start[index] = self.ckpt.stats.start_s - start
+        self.training_blocked[index] = st.blocked_s - before
+        self.training_start[index] = st.start_s - start
+        self.training_inline_copy[index] = st.inline_copy_s - inline
 
     def checkpoint(self, index: int) -> None:
         self.ckpt.step(self.calls)

@@ -31,7 +31,8 @@ class Stats:
     skipped: int = 0             # not started (no slot: ENOSPC, ...)
     bytes: int = 0               # bytes copied into the store by this rank, committed snapshots
     blocked_s: float = 0.0       # training thread blocked: snapshot start + pre-step wait
-    start_s: float = 0.0         # the snapshot-start part of blocked_s (state walk, manifest, copy start)
+    start_s: float = 0.0         # the snapshot-start part of blocked_s (RNG capture, state walk, manifest, copy issue)
+    inline_copy_s: float = 0.0   # the part of blocked_s a copier spent copying on the training thread (CPU, no overlap)
     copy_s: float = 0.0          # copy + checksum wall time (off the training thread where possible)
     last_step: int = -1
     last_blocked_s: float = 0.0
@@ -161,17 +162,19 @@ class SnapshotEngine:
                         error=f"{type(exc).__name__}: {exc}")
             self._count_start(t0)
             return False
+        inline = 0.0 if self.copier.overlap else time.perf_counter() - t_copy
         self._pending = self._committer.submit(self._commit, self._transfer, slot, manifest, prep, t_copy, late)
         if prep.layout.nbytes > self._allocated:  # the other slots, off the training thread, once
             self._allocated = prep.layout.nbytes
             self._prealloc = self._committer.submit(self.store.preallocate, prep.layout.nbytes)
-        self.stats.last_blocked_s = self._count_start(t0)
+        self.stats.last_blocked_s = self._count_start(t0, inline)
         return True
 
-    def _count_start(self, t0: float) -> float:
+    def _count_start(self, t0: float, inline_copy: float = 0.0) -> float:
         blocked = time.perf_counter() - t0
         self.stats.blocked_s += blocked
-        self.stats.start_s += blocked
+        self.stats.start_s += blocked - inline_copy
+        self.stats.inline_copy_s += inline_copy
         return blocked
 
     def guard(self) -> None:

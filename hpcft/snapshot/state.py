@@ -145,22 +145,31 @@ def _unjson(v: Any, like: Any) -> Any:
     return v
 
 
-def optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                   names: dict[int, str] | None = None) -> dict[str, Any]:
-    """Hyperparameters of each param group and the non-tensor per-parameter state, as JSON (`names`: the model's
-    `param_names`, if the caller has them)."""
+@dataclass(frozen=True)
+class OptimizerShape:
+    """What `optimizer_meta` reads, found once per layout (snapshot.view): each param group's parameter names (what
+    a DCP optimizer state dict lists as the group's `params`) and where non-tensor per-parameter state lives."""
+    group_params: list[list[str]]
+    scalars: list[tuple[str, dict, str]]  # ("<param name>/<key>", the parameter's state dict, key)
+
+
+def optimizer_shape(optimizer: torch.optim.Optimizer | None, names: dict[int, str]) -> OptimizerShape:
+    """The optimizer's `OptimizerShape`; `names` is the model's `param_names`."""
+    if optimizer is None:
+        return OptimizerShape([], [])
+    scalars = [(f"{names[id(p)]}/{key}", st, key) for p, st in optimizer.state.items() if id(p) in names
+               for key, v in st.items() if not isinstance(v, torch.Tensor)]
+    return OptimizerShape([[names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups], scalars)
+
+
+def optimizer_meta(optimizer: torch.optim.Optimizer | None, shape: OptimizerShape) -> dict[str, Any]:
+    """Hyperparameters of each param group (read now: a scheduler changes them) and the non-tensor per-parameter
+    state, as JSON."""
     if optimizer is None:
         return {}
-    names = names or param_names(model)
     groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    scalars = {}
-    for p, state in optimizer.state.items():
-        for key, v in state.items():
-            if not isinstance(v, torch.Tensor) and id(p) in names:
-                scalars[f"{names[id(p)]}/{key}"] = _jsonable(v)
-    # each group's parameters by name: what a DCP optimizer state dict lists as the group's `params`
-    params = [[names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups]
-    return {"param_groups": groups, "scalars": scalars, "group_params": params}
+    scalars = {label: _jsonable(st[key]) for label, st, key in shape.scalars if key in st}
+    return {"param_groups": groups, "scalars": scalars, "group_params": shape.group_params}
 
 
 def unjson(v: Any) -> Any:

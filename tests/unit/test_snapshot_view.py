@@ -5,7 +5,10 @@ from pathlib import Path
 
 import torch
 
+import pytest
+
 from hpcft.checkpointer import Checkpointer
+from hpcft.snapshot import state
 from hpcft.snapshot.view import StateView
 
 
@@ -86,3 +89,34 @@ def test_every_snapshot_restores_its_own_step_across_moves(shm_root: Path) -> No
         now = _values(net2, opt2)
     assert now.keys() == saved[6].keys()
     assert all(torch.equal(now[k], v) for k, v in saved[6].items())
+
+
+def test_the_cached_optimizer_shape_still_records_the_live_settings_and_scalars() -> None:
+    net = _Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+    _step(net, opt, 0)
+    view = StateView(net, opt, None)
+    first = view.entries()
+    for p in net.parameters():
+        opt.state[p]["seen"] = 1  # a non-tensor per-parameter value appears: a new key, collected again
+    opt.param_groups[0]["lr"] = 0.25  # a scheduler's change: no new layout, read at every snapshot
+    assert view.entries() is not first
+    opt.state[net.lin.weight]["seen"] = 7
+    meta = state.optimizer_meta(opt, view.optim_shape)
+    assert meta["param_groups"][0]["lr"] == 0.25
+    assert meta["scalars"]["lin.weight/seen"] == 7 and meta["scalars"]["norm.bias/seen"] == 1
+    assert meta["group_params"] == [[n for n, _ in net.named_parameters()]]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_copy_on_the_training_thread_is_counted_apart_from_the_start(shm_root: Path, overlap: bool) -> None:
+    net = _Net()
+    opt = torch.optim.AdamW(net.parameters())
+    with Checkpointer(net, opt, root=shm_root, job_id=f"inline-{overlap}", overlap=overlap) as ckpt:
+        for it in range(4):
+            _step(net, opt, it)
+        ckpt.wait()
+        st = ckpt.stats
+    assert st.snapshots == 4 and st.start_s > 0
+    assert (st.inline_copy_s == 0) if overlap else (st.inline_copy_s > 0)
+    assert st.start_s + st.inline_copy_s <= st.blocked_s + 1e-9

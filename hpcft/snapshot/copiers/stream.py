@@ -42,6 +42,7 @@ class StreamCopier:
 
     name = "stream"
     chunk_bytes = 4 << 20  # checksum granularity; copies are merged across chunks regardless
+    overlap = True  # the device copies on its side stream while the next step runs
     event_bytes = 64 << 20  # one completion event per this many bytes (at most a quarter of the cap)
 
     def __init__(self, max_inflight_bytes: int = 256 << 20, crc_threads: int = 2):
