@@ -18,12 +18,24 @@ STEPS = 16
 FAULT_AT = 6  # the session's recovery bench (conftest.py) faults once every rank has completed this step
 
 
-def wait(predicate, what: str, timeout: float) -> None:
+def wait(predicate, what: str, timeout: float, story: Path | None = None) -> None:
+    """Poll `predicate` until true; on timeout fail, with the job's story when `story` (its output dir) is given."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+            pytest.fail(f"timed out after {timeout} s waiting for {what}" + (told(story) if story else ""))
         time.sleep(0.1)
+
+
+def told(out: Path, events_kept: int = 40, lines_kept: int = 60) -> str:
+    """What a job in `out` said (its newest events and output lines and its agents' status), for a failure."""
+    recs = events.read(out / "job") if (out / "job").is_dir() else []
+    said = [" ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "job"))[:300] for e in recs[-events_kept:]]
+    log = out / "job.out"
+    lines = log.read_text(errors="replace").splitlines()[-lines_kept:] if log.exists() else ["(no job.out)"]
+    agents = {tag: agent_status.read(out / "job" / "agents", tag) for tag in "0123"}
+    return ("\n--- events ---\n" + "\n".join(said) + "\n--- job.out ---\n" + "\n".join(lines)
+            + "\n--- agents ---\n" + "\n".join(f"{t}: {s}" for t, s in agents.items() if s))
 
 
 def wait_progress(job_dir: Path, rank: int, step: int, timeout: float = 90) -> None:
@@ -46,7 +58,7 @@ def wait_protected(out: Path, tag: str = "0", slots: int = 4, timeout: float = 9
         found[:] = [s.get("protected") for s in agent_status.read(out / "job" / "agents", tag).values()]
         return len(found) == slots and all(d is not None and d > 0 and d >= newest for d in found)
 
-    wait(caught_up, f"the agents of launch {tag} to keep up", timeout)
+    wait(caught_up, f"the agents of launch {tag} to keep up", timeout, story=out)
     return min(found)
 
 

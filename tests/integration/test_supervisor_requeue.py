@@ -115,14 +115,15 @@ def test_spares_exhausted_requeues_and_the_restarted_job_resumes_from_its_nodes_
     first = next(e for e in events.read(job_dir) if e["event"] == "start")
     slots, spare = first["slots"].split(","), first["spares"]
     healthy_sandbox.crash_node(slots[1])  # the spare takes its slot and the agents rebuild it there
-    wait(lambda: agents_ready(job_dir, "1") is not None, "the agents' rebuild onto the spare", 120)
+    wait(lambda: agents_ready(job_dir, "1") is not None, "the agents' rebuild onto the spare", 120, story=out)
     rebuilt = agents_ready(job_dir, "1")["step"]
     wait_progress(job_dir, 0, rebuilt + 3)  # the relaunched run trains on, and its agents protect what it adds
     second = wait_protected(out, "1", slots=3, timeout=120, above=rebuilt)
     assert not _ended(runner, job) and not (out / "final.pt").exists(), "the job ended before its second crash"
     healthy_sandbox.crash_node(slots[2])  # no spare left: requeue
     log = lambda: events.read(job_dir)  # noqa: E731
-    wait(lambda: sum(e["event"] == "start" for e in log()) == 2 and _ended(runner, job), "the restarted job to end", 240)
+    wait(lambda: sum(e["event"] == "start" for e in log()) == 2 and _ended(runner, job), "the restarted job to end", 240,
+         story=out)
     assert _state(runner, job) == "COMPLETED", (out / "job.out").read_text()[-3000:]
 
     recs = log()
