@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from hpcft.errors import StoreError
+from hpcft.store.paths import replace_file
 
 PIECE = 16 << 20  # a large item is written (and paced) in pieces of this size
 
@@ -66,16 +67,11 @@ def finish(fd: int, path: Path, sync: bool = True) -> None:
 
 
 def put(path: Path, data: bytes, sync: bool = True) -> None:
-    """Write `data` to `path` atomically: a new temporary file, fsync, rename (a reader sees all or nothing)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    fd = create(tmp)
+    """Write `data` to `path` atomically (store.paths.replace_file: a temporary file, fsync when `sync`, rename)."""
     try:
-        write_all(fd, data, tmp)
-        finish(fd, tmp, sync)
-        os.replace(tmp, path)
-    except (OSError, StoreError) as exc:
-        tmp.unlink(missing_ok=True)
-        raise exc if isinstance(exc, StoreError) else StoreError(f"cannot write {path}: {exc}") from exc
+        replace_file(path, data, path.with_name(f".{path.name}.{os.getpid()}.part"), sync=sync)
+    except OSError as exc:
+        raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 def sync_dir(path: Path) -> None:

@@ -29,10 +29,11 @@ def job_dir(base: Path, job_id: str, user: str | None = None) -> Path:
     return base / f"hpcft-{_SAFE.sub('_', user)}-{_SAFE.sub('_', str(job_id))}"
 
 
-def replace_file(path: Path, data: bytes, tmp: Path) -> None:
-    """Write `data` to `tmp` (0600, never through a symlink, never blocking on a FIFO), then rename it over `path`:
-    a reader sees the old file or the new one, never a part. On failure the OSError is raised and `tmp` removed once
-    opened (a directory, FIFO or symlink already at `tmp` is not opened, and left for the caller to report)."""
+def replace_file(path: Path, data: bytes, tmp: Path, sync: bool = False) -> None:
+    """Write `data` to `tmp` (0600, never through a symlink, never blocking on a FIFO), fsync it when `sync`, then
+    rename it over `path`: a reader sees the old file or the new one, never a part. On failure the OSError is raised
+    and `tmp` removed once opened (a directory, FIFO or symlink already at `tmp` is not opened, and left for the
+    caller to report)."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     try:
         try:
@@ -42,6 +43,8 @@ def replace_file(path: Path, data: bytes, tmp: Path) -> None:
         try:
             if os.write(fd, data) != len(data):
                 raise OSError(errno.ENOSPC, "short write")
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
