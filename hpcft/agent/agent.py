@@ -249,7 +249,8 @@ def run(cfg: AgentConfig) -> int:
             report(status.STOPPED)
             raise Stopped from exc
         if not isinstance(exc, NoCheckpointError):
-            report(status.FAILED, reason="error", error=str(exc))
+            peer = getattr(exc, "peer_slot", None)  # a lost peer: its node is the supervisor's first suspect
+            report(status.FAILED, reason="error", error=str(exc), **({} if peer is None else {"peer_slot": peer}))
         raise
     finally:
         pins.close()

@@ -51,22 +51,26 @@ class Mesh:
         self.throttle.take(0)
 
     def send(self, peer: int, header: dict[str, Any], parts: Sequence[Any] = ()) -> None:
-        self.peers[peer].send_parts(header, parts)
+        with _blaming(peer):
+            self.peers[peer].send_parts(header, parts)
 
     def recv(self, peer: int, into: np.ndarray | None = None) -> tuple[dict[str, Any], np.ndarray]:
-        return self.peers[peer].recv(into)
+        with _blaming(peer):
+            return self.peers[peer].recv(into)
 
     def channel(self, peer: int) -> Channel:
         return self.peers[peer]
 
     def allgather(self, value: Any) -> list[Any]:
         """Every agent's `value` (JSON-able, small), indexed by slot."""
-        for ch in self.peers.values():
-            ch.send({"allgather": value})
+        for j, ch in self.peers.items():
+            with _blaming(j):
+                ch.send({"allgather": value})
         out: list[Any] = [None] * self.size
         out[self.slot] = value
         for j, ch in self.peers.items():
-            header, _ = ch.recv()
+            with _blaming(j):
+                header, _ = ch.recv()
             if "allgather" not in header:
                 raise TransportError(f"agent {j} sent {sorted(header)} during an all-gather")
             out[j] = header["allgather"]
@@ -94,6 +98,18 @@ class Mesh:
         for ch in self.peers.values():
             ch.close()
         self.listener.close()
+
+
+@contextmanager
+def _blaming(peer: int) -> Iterator[None]:
+    """A TransportError of an exchange with the agent of slot `peer` names that slot (unless it names one already).
+    The all-gather that opens every round is the agents' heartbeat: a peer that died fails it on every survivor."""
+    try:
+        yield
+    except TransportError as exc:
+        if exc.peer_slot is None:
+            exc.peer_slot = peer
+        raise
 
 
 def _publish(path: Path, text: str) -> None:

@@ -40,7 +40,10 @@ SOCKET_BUFFER = 4 << 20  # send/receive buffers: fewer wake-ups and copies per b
 
 
 class TransportError(HpcftError):
-    """A peer connection failed, was refused, or broke the protocol."""
+    """A peer connection failed, was refused, or broke the protocol; `peer_slot`, when known, is the slot of the agent
+    whose connection it was (the supervisor probes that node first: hpcft/launch/agents.py)."""
+
+    peer_slot: int | None = None
 
 
 class AuthError(TransportError):

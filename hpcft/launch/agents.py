@@ -165,6 +165,24 @@ class AgentSteps:
                 return durable, f"the flush did not finish within --protect-timeout {self.cfg.protect_timeout:g} s"
             time.sleep(min(self.cfg.poll_interval, 0.5))
 
+    def lost(self, layout: Layout) -> dict[str, str] | None:
+        """While the trainers run: None when the running launch's agents are well. Else {node: why} of the nodes to
+        check: those whose agent a failed agent lost (its report's `peer_slot`: the round's all-gather is the agents'
+        heartbeat), or every slot when no report names one (the step ended, or an agent failed on its own)."""
+        if self.proc is None:
+            return None
+        failed = [r for r in agent_status.read(self.rendezvous, self.tag).values()
+                  if r.get("phase") == agent_status.FAILED]
+        if not failed and self.proc.poll() is None:
+            return None
+        named = {layout.slots[r["peer_slot"]]: f"agent of slot {r.get('slot')} lost it: {r.get('error')}"
+                 for r in failed if isinstance(r.get("peer_slot"), int) and 0 <= r["peer_slot"] < len(layout.slots)}
+        if named:
+            return named
+        why = "; ".join(f"agent of slot {r.get('slot')} failed: {r.get('error')}" for r in failed) or \
+            f"the agents' step ended (exit status {self.proc.poll()}); see {self.job_dir / f'agents-{self.tag}.log'}"
+        return dict.fromkeys(layout.slots, why)
+
     def reports(self) -> list[dict]:
         """The running agents' status reports (each node's phase, steps and memory figures); none without agents."""
         return list(agent_status.read(self.rendezvous, self.tag).values()) if self.proc is not None else []

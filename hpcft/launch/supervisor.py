@@ -30,7 +30,8 @@ from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
 from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.preflight import Preflight
-from hpcft.launch.srun import TRAIN_STEP_NAME, probe_argv, step_env, trainer_argv
+from hpcft.launch.nodecheck import NodeCheck
+from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
 from hpcft.launch.steps import StepStopper
 from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
@@ -69,6 +70,7 @@ class Supervisor:
         self.janitor = Janitor(self.runner, self.job_dir, python, self._stop_steps)
         self._slurm_run = 0  # Slurm's restart count of this run
         self._site_env: dict[str, str] = {}  # what the preflight adds to the steps' environment
+        self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.probe_timeout, self.emit)
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
                                  interrupted=lambda: self._signal == signal.SIGTERM,
                                  check_nodes=lambda layout, probe: self._bad_nodes(layout, probe=probe))
@@ -332,6 +334,9 @@ class Supervisor:
             bad = self._bad_nodes(layout, probe=False)
             if bad:
                 return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
+            suspects = self.agents.lost(layout)
+            if suspects is not None:
+                return self._agents_lost(layout, suspects)
             if self.cfg.hang_timeout:
                 quiet = time.time() - progress.last_change(self.job_dir, launched)
                 if quiet > self.cfg.hang_timeout:
@@ -352,33 +357,21 @@ class Supervisor:
 
     def _bad_nodes(self, layout: Layout, *, probe: bool) -> dict[str, str]:
         """Bad nodes among the slots (scontrol); with probe, also those that fail to run a trivial task."""
-        try:
-            bad = slurmstate.bad_nodes(self.runner, self.job_id, list(layout.slots))
-        except SlurmError as exc:
-            _log.warning("node check failed: %s", exc)
-            bad = {}
-        if probe and not bad:
-            bad = self._probe(list(layout.slots))
-        for node, why in bad.items():
-            self.emit("node_bad", level=logging.WARNING, node=node, state=why)
-        return bad
+        return self.nodes.bad(layout.slots, probe=probe)
 
-    def _probe(self, nodes: list[str]) -> dict[str, str]:
-        """Run a trivial task on each node at once; a node that does not answer in time is bad."""
-        procs = {n: self.runner.popen(probe_argv([n]), env=self.environ, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, text=True) for n in nodes}
-        deadline = time.monotonic() + self.cfg.probe_timeout
-        bad = {}
-        for node, p in procs.items():
-            try:
-                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-                if p.returncode != 0 or out.strip() != node:
-                    bad[node] = f"probe failed (exit status {p.returncode})"
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.communicate()
-                bad[node] = f"probe did not answer within {self.cfg.probe_timeout:g} s"
-        return bad
+    def _agents_lost(self, layout: Layout, suspects: dict[str, str]) -> Event:
+        """Agents failed while the trainers run: their mesh is the job's own failure detector. The nodes they lost
+        are probed now, without waiting for Slurm to mark them (then the whole slot list, when the named ones
+        answer); on healthy nodes the run is unprotected, so it is relaunched with fresh agents."""
+        bad = self.nodes.bad(list(suspects), probe=True, found_by="agents")
+        if not bad and len(suspects) < len(layout.slots):
+            bad = self.nodes.bad(layout.slots, probe=True, found_by="agents")
+        if bad:
+            return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
+        why = "; ".join(dict.fromkeys(suspects.values()))
+        self.emit("agents_failed", level=logging.ERROR, tag=self.agents.tag, reason=why,
+                  action="every node answers: relaunch from memory with fresh agents (unprotected until then)")
+        return Event(Kind.AGENT_FAILED, detail=why)
 
 
 def _tee(stream, lines: list[str]) -> None:

@@ -1,12 +1,16 @@
 """Supervisor faults found on a foreign cluster (issue 11), each reproduced in the sandbox: a restart from step 0
 that looked like success, what the job output says without -v, a step Slurm refuses to create (a configuration
-error: the run ends at once with Slurm's words, not after --max-restarts relaunches)."""
+error: the run ends at once with Slurm's words, not after --max-restarts relaunches); an agent that dies while the
+trainers run (the run would go on unprotected) is found by the supervisor and the run relaunched with fresh agents."""
+import os
+import signal
 import subprocess
 import sys
 
-from runs import assert_same_result, decisions, finish, start_spared, wait_progress
+from runs import assert_same_result, decisions, finish, start_spared, wait_progress, wait_protected
 
 from hpcft import events
+from hpcft.agent import status as agent_status
 
 
 def test_a_restart_from_step_0_after_a_node_loss_is_an_error_and_a_summary_line(healthy_sandbox, dp_reference,
@@ -91,3 +95,25 @@ def test_snapshots_that_cannot_fit_the_nodes_memory_stop_the_run_before_launch(s
                              "agent) × 64.0 GiB + 3 xor records × 0.50 × 64.0 GiB"), reason
     assert "--node-memory offers 128.0 GiB, 102.4 GiB after the 20% headroom" in reason
     assert "at most 18.6 GiB per snapshot fits" in reason
+
+
+def test_an_agent_killed_while_the_trainers_run_is_found_and_the_run_relaunched_with_fresh_agents(
+        healthy_sandbox, dp_reference, tmp_path):
+    out = tmp_path / "agent-kill"
+    proc = start_spared(healthy_sandbox, out, delay=0.4, verbose=False)  # the default options: xor over 4 nodes
+    wait_protected(out, slots=4, timeout=120, above=0)
+    assert not (out / "final.pt").exists(), "the job ended before the agent was killed"
+    os.kill(agent_status.read(out / "job" / "agents", "0")[2]["pid"], signal.SIGKILL)  # n3's agent, not its node
+    code, output = finish(proc, timeout=240)
+    assert code == 0, output[-4000:]
+    log = events.read(out / "job")
+    made = [(d["action"], d["cause"]) for d in decisions(out / "job")]
+    assert made == [("relaunch", "agent_failed"), ("done", "success")], output[-4000:]
+    failed = [e for e in log if e["event"] == "agents_failed"]
+    assert len(failed) == 1 and failed[0]["level"] == "ERROR" and "relaunch" in failed[0]["action"], failed
+    assert not [e for e in log if e["event"] == "node_bad"], "every node answered the probe"
+    ready = [(e["tag"], e["rebuild"]) for e in log if e["event"] == "agents_ready"]
+    assert ready == [("0", False), ("1", False)], ready  # the same nodes: every store holds its own snapshots
+    summary = [e for e in log if e["event"] == "summary"]
+    assert summary[0]["lost"] == "", summary  # resumed from memory
+    assert_same_result(out, dp_reference)

@@ -25,7 +25,8 @@ def reference(sandbox, tmp_path_factory):
 def test_a_node_crash_takes_all_its_ranks_and_every_rank_resumes_from_memory(healthy_sandbox, reference, tmp_path):
     out = tmp_path / "crash"
     proc = start(healthy_sandbox, out, ACTIVE + 1, *OPTIONS, per_node=TP, delay=0.5, **JOB_ENV)
-    protected = wait_protected(out, slots=ACTIVE, timeout=150)
+    protected = wait_protected(out, slots=ACTIVE, timeout=150, above=0)
+    assert not (out / "final.pt").exists(), "the job ended before its crash"
     slots = next(e for e in events.read(out / "job") if e["event"] == "launch")["slots"].split(",")
     healthy_sandbox.crash_node(slots[1])  # two ranks (both tp shards of replica 1) and their stores at once
     code, output = finish(proc, timeout=240)
