@@ -7,6 +7,7 @@ stores of jobs that ended; a lost batch host (the session's recovery bench run, 
 janitors and the job resumes from the survivors' memory."""
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -201,8 +202,11 @@ def test_prolog_sweeps_the_stores_of_ended_or_forgotten_jobs_and_keeps_the_other
 def test_a_node_slurm_gives_back_to_the_requeued_job_is_used_and_the_job_resumes_from_memory(healthy_sandbox,
                                                                                              reference, tmp_path):
     runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
-    # no spare: a node loss requeues. The probe waits long enough for Slurm to have flagged the crashed node, as
-    # it would on any cluster, so the node is Slurm's to hand back once it returns to service.
+    # no spare: a node loss requeues. The node freezes (SIGSTOP of its slurmd, steps and tasks) rather than being
+    # killed: a dead host refuses nothing, it stops answering, so neither the agents' mesh nor the probe can call
+    # it lost before Slurm flags it NOT_RESPONDING, as on any cluster; the node is then Slurm's to hand back once it
+    # returns to service. (Killed processes refuse connections at once: the sandbox's crash_node is found by the
+    # agents and the probe first, and hpcft excludes the node from the requeued job itself.)
     job = _submit(healthy_sandbox, out, "--nodes", "3", "--spares", "0", "--warn", "60", "--probe-timeout", "20",
                   "--kill-grace", "1", "--protect", "xor", "--group", "3", STEPS=STEPS, STEP_DELAY="0.4")
     wait(lambda: any(e["event"] == "start" for e in events.read(job_dir)), "the job to start", 90)
@@ -211,12 +215,13 @@ def test_a_node_slurm_gives_back_to_the_requeued_job_is_used_and_the_job_resumes
     runner.run(["scontrol", "update", f"NodeName={','.join(others)}", "State=DRAIN", "Reason=hpcft-test"])
     protected = wait_protected(out, "0", slots=3, timeout=120, above=0)
     assert not (out / "final.pt").exists(), "the job ended before its crash"
-    healthy_sandbox.crash_node(slots[1])
-    wait(lambda: any(e["event"] == "requeue" for e in events.read(job_dir)), "the requeue", 120)
+    for pid in healthy_sandbox.node_pids(slots[1]):
+        os.kill(pid, signal.SIGSTOP)
+    wait(lambda: any(e["event"] == "requeue" for e in events.read(job_dir)), "the requeue", 120, story=out)
     healthy_sandbox.wait_for([slots[1]], lambda s: s.startswith("down"), "down", 60)
-    healthy_sandbox.restart_node(slots[1])  # back in service before the requeued run starts
+    healthy_sandbox.restart_node(slots[1])  # killed (its memory lost), back in service before the requeued run starts
     wait(lambda: sum(e["event"] == "start" for e in events.read(job_dir)) == 2 and _ended(runner, job),
-         "the requeued job to end", 240)
+         "the requeued job to end", 240, story=out)
     assert _state(runner, job) == "COMPLETED", (out / "job.out").read_text()[-3000:]
     recs = events.read(job_dir)
     made = [(e["action"], e["cause"]) for e in recs if e["event"] == "decision"]
