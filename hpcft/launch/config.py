@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK
 from hpcft.errors import ConfigError
 from hpcft.launch.memplan import parse_bytes
 
@@ -78,7 +79,7 @@ class RunConfig:
     memory_headroom: float = 0.2
     elastic: bool = False
     min_nodes: int | None = None
-    elastic_batch: str = "keep-global"
+    elastic_batch: str = KEEP_GLOBAL
 
     @property
     def protected(self) -> bool:
@@ -97,7 +98,7 @@ class RunConfig:
 
 
 PROTECT_SCHEMES = ("auto", "none", "partner", "xor", "rs")
-ELASTIC_BATCH = ("keep-global", "keep-per-rank")
+ELASTIC_BATCH = (KEEP_GLOBAL, KEEP_PER_RANK)
 KEYS = tuple(f.name for f in fields(RunConfig))
 _TYPES = {f.name: f.type for f in fields(RunConfig)}
 

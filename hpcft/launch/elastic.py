@@ -20,13 +20,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from hpcft.elastic import ENV_BASE_WORLD, ENV_BATCH
 from hpcft.launch.agents import AgentSteps
 from hpcft.launch.config import RunConfig
 from hpcft.launch.janitor import Janitor
 from hpcft.launch.layout import Layout
 
-ENV_BATCH = "HPCFT_ELASTIC_BATCH"  # keep-global | keep-per-rank, exported to the trainers with --elastic
-ENV_BASE_WORLD = "HPCFT_BASE_WORLD"  # the world size the run started with, for the trainers' batch arithmetic
 
 
 def hosts(old: Layout, lost: Sequence[str]) -> dict[int, str]:
