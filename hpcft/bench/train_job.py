@@ -196,28 +196,26 @@ def main() -> int:
     plan = hpcft.batch_plan(ctx) if os.environ.get("BATCH") == "plan" else None
     for step in range(start, total):
         if plan is not None:
-            loss = _planned_step(model, opt, plan, seen, width, dp_group)
-            (out / f"progress.{ctx.rank}").write_text(str(step))
-            _record(out, "step", rank=ctx.rank, step=step, loss=loss, replicas=plan.replicas)
-            time.sleep(delay)
-            continue
-        g = torch.Generator().manual_seed(1000 * step + ctx.dp_rank)  # a replica's tp ranks share its batch
-        x = torch.randn(16, width, generator=g)
-        loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).tanh())
-        opt.zero_grad()
-        loss.backward()
-        if ddp is model:
-            for p in model.parameters():
-                dist.all_reduce(p.grad, group=dp_group)
-                p.grad /= ctx.dp
-        seen["samples"] += len(x)  # before opt.step(): the snapshot taken in its post-step hook records it
-        opt.step()
+            planned = {"loss": _planned_step(model, opt, plan, seen, width, dp_group), "replicas": plan.replicas}
+        else:
+            planned = {}
+            g = torch.Generator().manual_seed(1000 * step + ctx.dp_rank)  # a replica's tp ranks share its batch
+            x = torch.randn(16, width, generator=g)
+            loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).tanh())
+            opt.zero_grad()
+            loss.backward()
+            if ddp is model:
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, group=dp_group)
+                    p.grad /= ctx.dp
+            seen["samples"] += len(x)  # before opt.step(): the snapshot taken in its post-step hook records it
+            opt.step()
         if mode == "disk" and ctx.rank == 0:
             tmp = ckpt_file.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "seen": seen}, tmp)
             os.replace(tmp, ckpt_file)
         (out / f"progress.{ctx.rank}").write_text(str(step))
-        _record(out, "step", rank=ctx.rank, step=step)
+        _record(out, "step", rank=ctx.rank, step=step, **planned)
         time.sleep(delay)
         if step == hold_at and hold_file is not None:
             while not hold_file.exists():
