@@ -102,3 +102,36 @@ def test_keep_per_rank_shrinks_the_global_batch_and_no_env_is_the_starting_shape
     assert batch_plan(Ctx(6, 3, 0), environ={"HPCFT_BASE_WORLD": "8"}).base_replicas == 4  # tp=2
     with pytest.raises(ConfigError, match="not a multiple"):
         batch_plan(Ctx(6, 3, 0), environ={"HPCFT_BASE_WORLD": "7"})
+
+
+class Recorder:
+    """A narrow stand-in for the Runner: records the argv of each step started, starts nothing."""
+
+    def __init__(self):
+        self.started: list[list[str]] = []
+
+    def popen(self, argv, **_):
+        self.started.append(list(argv))
+        return None
+
+
+def test_a_shrinks_agents_run_on_the_survivors_with_the_lost_slot_hosted(tmp_path):
+    from hpcft.launch.agents import AgentSteps
+
+    runner = Recorder()
+    cfg = config.RunConfig(protect="xor", group=4, elastic=True)
+    steps = AgentSteps(cfg, runner, tmp_path, "python", emit=lambda *a, **k: None, stop_steps=lambda s: None,
+                       interrupted=lambda: False, check_nodes=lambda layout, probe: {})
+    steps.rendezvous.mkdir()
+    steps.tag = "0-shrink"
+    steps._launch(FOUR, True, {}, {2: "n4"})
+    hosted, main = runner.started
+
+    def opt(argv, name):
+        return next(a.split("=", 1)[1] for a in argv if a.startswith(name + "="))
+
+    assert opt(main, "--nodelist") == "n[1-2,4]" and main[main.index("--layout") + 1] == "n1,n2,n3,n4"
+    assert "--hosted" not in main and "--rebuild" in main
+    assert (opt(hosted, "--job-name"), opt(hosted, "--nodelist")) == ("hpcft-agent-hosted-2", "n4")
+    assert hosted[-5:] == ["--slot", "2", "--slots", "4", "--hosted"] and "--rebuild" in hosted
+    assert hosted[hosted.index("--layout") + 1] == "n1,n2,n3,n4"
