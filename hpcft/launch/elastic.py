@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from hpcft.elastic import ENV_BASE_WORLD, ENV_BATCH
+from hpcft.errors import ConfigError
 from hpcft.launch.agents import AgentSteps
 from hpcft.launch.config import RunConfig
 from hpcft.launch.janitor import Janitor
@@ -54,6 +55,13 @@ def shrunk_config(cfg: RunConfig, active: int) -> RunConfig:
     if cfg.protect == "partner" and cfg.distance % active == 0:
         return replace(cfg, distance=1)
     return cfg
+
+
+def check_floor(cfg: RunConfig, active: int) -> None:
+    """--min-nodes above the nodes the run starts with (when --nodes was not given: the allocation's) is an error."""
+    if cfg.elastic and cfg.min_nodes is not None and cfg.min_nodes > active:
+        raise ConfigError(f"min_nodes {cfg.min_nodes} is more than the {active} active node(s) this run starts with: "
+                          "lower --min-nodes, or ask for more nodes")
 
 
 def trainer_env(cfg: RunConfig, base_world: int) -> dict[str, str]:

@@ -127,6 +127,7 @@ class Supervisor:
                              excluded=saved.excluded, previous=saved.slots)
         kept = [n for i, n in enumerate(layout.slots) if saved.slots[i:i + 1] == [n]]
         self.base_world = layout.world_size
+        elastic.check_floor(self.cfg, len(layout.slots))
         self.cfg = self.agents.cfg = resolve_protect(self.cfg, len(layout.slots))
         self.emit("start", slots=",".join(layout.slots), spares=",".join(layout.spares),
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,

@@ -5,7 +5,7 @@ import pytest
 from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK, BatchPlan, batch_plan
 from hpcft.errors import ConfigError
 from hpcft.launch import config
-from hpcft.launch.elastic import hosts, shrunk_config, trainer_env
+from hpcft.launch.elastic import check_floor, hosts, shrunk_config, trainer_env
 from hpcft.launch.layout import Layout
 from hpcft.launch.policy import EXIT_REQUEUED, Action, Event, Kind, State, decide, record
 
@@ -59,6 +59,9 @@ def test_the_smaller_job_protects_with_sets_it_can_form():
     assert shrunk_config(partner, 2).distance == 1
     assert trainer_env(cfg, 8) == {"HPCFT_ELASTIC_BATCH": KEEP_GLOBAL, "HPCFT_BASE_WORLD": "8"}
     assert trainer_env(config.RunConfig(), 8) == {}
+    check_floor(config.RunConfig(elastic=True, min_nodes=4), 4)
+    with pytest.raises(ConfigError, match="min_nodes 5 is more than the 4 active"):
+        check_floor(config.RunConfig(elastic=True, min_nodes=5), 4)  # --nodes not given: the allocation's
 
 
 @pytest.mark.parametrize("cli, words", [
