@@ -11,6 +11,7 @@ _LAZY = {
     "init": ("hpcft.runtime", "init"),
     "Context": ("hpcft.runtime", "Context"),
     "Checkpointer": ("hpcft.checkpointer", "Checkpointer"),
+    "batch_plan": ("hpcft.elastic", "batch_plan"),
 }
 
 

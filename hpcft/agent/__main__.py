@@ -17,6 +17,7 @@ from hpcft.agent.pins import LEASE_S
 from hpcft.agent.placement import Scheme
 from hpcft.agent.throttle import CPU_SHARE
 from hpcft.errors import ConfigError, HpcftError, NoCheckpointError
+from hpcft.store import job_dir, resolve_root, secure_dir
 
 EXIT_NO_CHECKPOINT = 3
 
@@ -38,6 +39,14 @@ def _slot(args: argparse.Namespace) -> tuple[int, int]:
     if node not in nodes:
         raise ConfigError(f"node {node} has no slot in the layout {layout}; launch agents on the active nodes only")
     return nodes.index(node), len(nodes)
+
+
+def hosted_root(job_id: str, slot: int) -> str:
+    """The store root of an agent standing in for lost `slot` on this node: inside this node's job store, so that
+    removing the job's store (the janitor) removes it too, and apart from the node's own ranks."""
+    path = secure_dir(job_dir(resolve_root(), job_id)) / f"hosted-{slot}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--persist-keep", type=int, default=PersistConfig.keep, help="complete durable checkpoints kept")
     ap.add_argument("--persist-rate", type=float, default=None, help="bytes/s cap on this node's flush writes")
     ap.add_argument("--rebuild", action="store_true", help="first rebuild what replaced nodes lost (after a relaunch)")
+    ap.add_argument("--hosted", action="store_true", help="stand in for --slot, whose node is lost, on another slot's "
+                    "node (an elastic shrink): a store of its own inside that node's, rebuilt from parity")
     ap.add_argument("--tag", default=os.environ.get("HPCFT_RESTART_COUNT", "0"),
                     help="launch tag (restart count) keeping relaunches apart")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the other agents")
@@ -89,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("no job id: pass --job-id or run under Slurm")
         slot, slots = _slot(args)
         host, bind = iface.choose(args.iface, args.host, slot=slot)
+        root = hosted_root(args.job_id, slot) if args.hosted else None
         cfg = AgentConfig(job_id=args.job_id, slot=slot, slots=slots, rendezvous=args.rendezvous,
                           secret=job_secret.load(args.secret), host=host, bind=bind,
                           scheme=Scheme(args.scheme, args.group, args.losses, args.distance), rate=args.rate,
                           rounds=args.rounds, interval=args.interval, nice=args.nice, pin_lease=args.pin_lease, cpu_share=args.cpu_share, cpu_cores=args.cpu_cores, rebuild=args.rebuild, tag=args.tag,
-                          timeout=args.timeout,
+                          timeout=args.timeout, root=root,
                           lag_bound=args.lag_bound, lag_cores=args.lag_cores,
                           persist=PersistConfig(args.persist_dir, args.persist_every, args.persist_keep,
                                                 args.persist_rate))

@@ -19,6 +19,12 @@ Environment (all optional but OUT):
                  step (written, then renamed) and every rank resumes with `torch.load`
   HOLD_AT=S HOLD_FILE=F   the first launch waits after step S until F exists (a fault must not race the job's end)
   HANG_AT=S HANG_RANK=R   in the first launch, rank R stops making progress after step S (a hang to detect)
+  BATCH=plan     the elastic arithmetic (hpcft.batch_plan, docs/supervisor.md "Elastic shrink"): a step takes the
+                 plan's micro-batches of 16 samples, micro-batch u of the data stream drawn from seed u (dropout too),
+                 `extra` counts micro-batches consumed; each replica's gradients and losses go into the rows of their
+                 micro-batches, all-reduced (one non-zero contributor per row: exact) and summed in micro-batch order,
+                 so a step's result does not depend on the number of replicas, bit for bit. The step records carry
+                 the step's loss (`loss`).
 """
 import time
 
@@ -103,6 +109,39 @@ def _grad_groups(ctx):
     return mine[0], mine[1]
 
 
+def _planned_step(model, opt, plan, seen: dict, width: int, group) -> float:
+    """One optimizer step over the plan's micro-batches (BATCH=plan, see the module doc); the step's loss."""
+    import torch
+    import torch.distributed as dist
+
+    params = list(model.parameters())
+    units = plan.micro_batches
+    rows = [torch.zeros(units, p.numel()) for p in params]
+    losses = torch.zeros(units, dtype=torch.float64)
+    for i in plan.mine():
+        u = seen["micro_batches"] + i
+        with torch.random.fork_rng():
+            torch.manual_seed(1_000_003 * u + 7)  # this micro-batch's dropout, whichever replica runs it
+            x = torch.randn(16, width, generator=torch.Generator().manual_seed(u))
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).tanh(), reduction="sum")
+            loss = loss / (16 * units)
+            opt.zero_grad()
+            loss.backward()
+        for row, p in zip(rows, params):
+            row[i] = p.grad.flatten()
+        losses[i] = loss.item()
+    for row in [*rows, losses]:
+        dist.all_reduce(row, group=group)
+    for row, p in zip(rows, params):
+        total = row[0].clone()
+        for i in range(1, units):  # in micro-batch order, whatever the replicas
+            total += row[i]
+        p.grad = total.view_as(p)
+    seen["micro_batches"] += units  # before opt.step(): the snapshot taken in its post-step hook records it
+    opt.step()
+    return float(sum(losses.tolist()))
+
+
 def main() -> int:
     out = Path(os.environ["OUT"])
     rank_hint = int(os.environ.get("HPCFT_RANK", os.environ.get("SLURM_PROCID", "0")))
@@ -136,7 +175,7 @@ def main() -> int:
         model = torch.nn.Sequential(*body, torch.nn.Linear(width, 1))  # dropout draws from the RNG hpcft must restore
     ddp = DDP(model) if os.environ.get("SYNC", "manual") == "ddp" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    seen = {"samples": 0}
+    seen = {"samples": 0, "micro_batches": 0}
     ckpt_file = out / "ckpt.pt"
     ckpt = None if mode == "disk" else hpcft.Checkpointer(model, opt, extra=lambda: dict(seen), dp_group=ctx.dp_group)
     _record(out, "built", rank=ctx.rank)
@@ -154,24 +193,29 @@ def main() -> int:
             seen.update(ckpt.extra or {})
     _record(out, "restored", rank=ctx.rank, step=start)
     (out / f"start.{ctx.rank}.{os.environ.get('SLURM_STEP_ID', 'x')}").write_text(str(start))
+    plan = hpcft.batch_plan(ctx) if os.environ.get("BATCH") == "plan" else None
     for step in range(start, total):
-        g = torch.Generator().manual_seed(1000 * step + ctx.dp_rank)  # a replica's tp ranks share its batch
-        x = torch.randn(16, width, generator=g)
-        loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).tanh())
-        opt.zero_grad()
-        loss.backward()
-        if ddp is model:
-            for p in model.parameters():
-                dist.all_reduce(p.grad, group=dp_group)
-                p.grad /= ctx.dp
-        seen["samples"] += len(x)  # before opt.step(): the snapshot taken in its post-step hook records it
-        opt.step()
+        if plan is not None:
+            planned = {"loss": _planned_step(model, opt, plan, seen, width, dp_group), "replicas": plan.replicas}
+        else:
+            planned = {}
+            g = torch.Generator().manual_seed(1000 * step + ctx.dp_rank)  # a replica's tp ranks share its batch
+            x = torch.randn(16, width, generator=g)
+            loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).tanh())
+            opt.zero_grad()
+            loss.backward()
+            if ddp is model:
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, group=dp_group)
+                    p.grad /= ctx.dp
+            seen["samples"] += len(x)  # before opt.step(): the snapshot taken in its post-step hook records it
+            opt.step()
         if mode == "disk" and ctx.rank == 0:
             tmp = ckpt_file.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "seen": seen}, tmp)
             os.replace(tmp, ckpt_file)
         (out / f"progress.{ctx.rank}").write_text(str(step))
-        _record(out, "step", rank=ctx.rank, step=step)
+        _record(out, "step", rank=ctx.rank, step=step, **planned)
         time.sleep(delay)
         if step == hold_at and hold_file is not None:
             while not hold_file.exists():

@@ -44,6 +44,7 @@ class AgentSteps:
         self.bad_nodes: dict[str, str] = {}  # found while the last launch's agents got ready
         self.rendezvous = job_dir / "agents"  # the agents' addresses and status files (shared filesystem)
         self.proc: subprocess.Popen | None = None  # the running step, kept until the supervisor's decision
+        self.hosted_procs: dict[str, subprocess.Popen] = {}  # a shrink's agents standing in for lost slots
         self.tag = ""
         self._ready_slots: tuple[str, ...] | None = None  # slots whose agents were last ready
         self.no_checkpoint: str | None = None  # why the last launch's agents could rebuild nothing, if so
@@ -53,62 +54,85 @@ class AgentSteps:
         self.rendezvous.mkdir(exist_ok=True)
         job_secret.create(self.job_dir)
 
-    def start(self, layout: Layout, restart_count: int, env: Mapping[str, str]) -> CheckpointError | None:
+    def start(self, layout: Layout, restart_count: int, env: Mapping[str, str], *,
+              hosted: Mapping[int, str] | None = None, tag: str | None = None) -> CheckpointError | None:
         """Launch the agents and wait until every one is ready (after a rebuild when the slots changed since
         agents were last ready); None, or why they could not get ready (the step is left for `stop`).
 
         No snapshot rebuildable on every node (NoCheckpointError) is not a failure of the launch: there is no
         persistent tier yet, so the trainers start from what they can restore (the restore agreement gives
-        step 0 when a node holds nothing) and fresh agents, without a rebuild, protect the run from there."""
-        rebuild = restart_count > 0 and layout.slots != self._ready_slots
-        self.tag, self.no_checkpoint, self.bad_nodes = str(restart_count), None, {}
-        self.proc = self._launch(layout, rebuild, env)
+        step 0 when a node holds nothing) and fresh agents, without a rebuild, protect the run from there.
+
+        `hosted` {slot: surviving node} (an elastic shrink, hpcft/launch/elastic.py): the slots of `layout` whose
+        node is lost get an agent of their own on that survivor (`--hosted`: a store of its own there), which rebuilds
+        the slot's snapshot from parity; nothing is relaunched fresh when that fails."""
+        hosted = dict(hosted or {})
+        rebuild = bool(hosted) or (restart_count > 0 and layout.slots != self._ready_slots)
+        self.tag, self.no_checkpoint, self.bad_nodes = tag or str(restart_count), None, {}
+        self.proc = self._launch(layout, rebuild, env, hosted)
+        running = Layout(slots=tuple(n for i, n in enumerate(layout.slots) if i not in hosted))
         try:
             try:
-                ready = self._wait(layout)
+                ready = self._wait(len(layout.slots), running)
             except NoCheckpointError as exc:
+                if hosted:
+                    raise
                 self.no_checkpoint = str(exc)
                 self.emit("agents_no_checkpoint", level=logging.WARNING, tag=self.tag, reason=str(exc),
                           action="trainers start from what they can restore; agents relaunched without rebuild")
                 self._stop_steps({AGENT_STEP_NAME: self.proc})
                 self.tag, rebuild = f"{restart_count}-fresh", False
                 self.proc = self._launch(layout, rebuild, env)
-                ready = self._wait(layout)
+                ready = self._wait(len(layout.slots), running)
         except CheckpointError as exc:
             self.emit("agents_failed", level=logging.WARNING, tag=self.tag, reason=str(exc))
             return exc
         self._ready_slots = layout.slots
         self.emit("agents_ready", tag=self.tag, rebuild=rebuild, step=ready.step,
-                  rebuilt=",".join(layout.slots[i] for i in ready.rebuilt))
+                  rebuilt=",".join(hosted.get(i, layout.slots[i]) for i in ready.rebuilt))
         return None
 
-    def _launch(self, layout: Layout, rebuild: bool, env: Mapping[str, str]) -> subprocess.Popen:
-        """`srun … python -m hpcft.agent` on the active slots (hpcft.agent.launch), output to the job dir."""
+    def _launch(self, layout: Layout, rebuild: bool, env: Mapping[str, str],
+                hosted: Mapping[int, str] | None = None) -> subprocess.Popen:
+        """`srun … python -m hpcft.agent` on the active slots (hpcft.agent.launch), output to the job dir; with
+        `hosted`, on the slots' nodes but those, and one step more per hosted slot on its survivor."""
+        hosted = hosted or {}
         tag, cfg = self.tag, self.cfg
         for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
             stale.unlink(missing_ok=True)
         root = durable_dir(cfg, self.job_dir)
         persist = PersistConfig(str(root), cfg.persist_every, cfg.persist_keep, cfg.persist_rate) if root else None
-        argv = agent_argv(list(layout.slots), rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
-                          scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
-                          cpu_cores=profiles.get(cfg.profile).agent_cpu_cores, persist=persist,
-                          lag_bound=cfg.protect_lag, iface=agent_iface(cfg))
-        argv += ["--tag", tag]
-        self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
-                  group=cfg.group, losses=cfg.losses, distance=cfg.distance)
-        with open(self.job_dir / f"agents-{tag}.log", "ab") as log:
-            return self.runner.popen(argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
 
-    def _wait(self, layout: Layout) -> agent_status.Ready:
+        def argv(nodes: list[str]) -> list[str]:
+            return agent_argv(nodes, rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
+                              scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
+                              cpu_cores=profiles.get(cfg.profile).agent_cpu_cores, persist=persist,
+                              lag_bound=cfg.protect_lag, iface=agent_iface(cfg), layout=layout.slots) + ["--tag", tag]
+
+        self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
+                  group=cfg.group, losses=cfg.losses, distance=cfg.distance,
+                  **({"hosted": ",".join(f"{k}:{n}" for k, n in hosted.items())} if hosted else {}))
+        with open(self.job_dir / f"agents-{tag}.log", "ab") as log:
+            for k, node in hosted.items():
+                name = f"{AGENT_STEP_NAME}-hosted-{k}"
+                self.hosted_procs[name] = self.runner.popen(
+                    [f"--job-name={name}" if a.startswith("--job-name=") else a for a in argv([node])] +
+                    ["--slot", str(k), "--slots", str(len(layout.slots)), "--hosted"],
+                    env=dict(env), stdout=log, stderr=subprocess.STDOUT)
+            return self.runner.popen(argv([n for i, n in enumerate(layout.slots) if i not in hosted]), env=dict(env),
+                                     stdout=log, stderr=subprocess.STDOUT)
+
+    def _wait(self, count: int, layout: Layout) -> agent_status.Ready:
         """hpcft.agent.status.wait_ready, in slices so that an agents' step that ended, a node lost (a node the
         agents wait for would hold them until their mesh timeout), a SIGTERM or --protect-timeout end the wait.
-        NoCheckpointError as wait_ready; CheckpointError for any other failure."""
+        NoCheckpointError as wait_ready; CheckpointError for any other failure. `count` agents; `layout`: the nodes
+        they run on."""
         tag, proc = self.tag, self.proc
         deadline = time.monotonic() + self.cfg.protect_timeout
         probe_at = time.monotonic() + PROBE_EVERY_S
         while True:
             try:
-                return agent_status.wait_ready(self.rendezvous, tag, len(layout.slots), timeout=self.cfg.poll_interval)
+                return agent_status.wait_ready(self.rendezvous, tag, count, timeout=self.cfg.poll_interval)
             except NoCheckpointError:
                 raise
             except CheckpointError as exc:
@@ -183,6 +207,36 @@ class AgentSteps:
             f"the agents' step ended (exit status {self.proc.poll()}); see {self.job_dir / f'agents-{self.tag}.log'}"
         return dict.fromkeys(layout.slots, why)
 
+    def persist(self, bad_nodes: tuple[str, ...] | list[str] = ()) -> None:
+        """Before a requeue: let the agents protect the newest snapshot the trainers completed everywhere and flush it
+        to the durable tier (bounded by --protect-timeout), so that the next allocation can rebuild it from the nodes
+        that come back, or read it on entirely new nodes. One `persist` event says what is safe, and why."""
+        started = time.monotonic()
+        if self.proc is None:
+            self.emit("persist", level=logging.WARNING, done=False, how="none",
+                      reason="no agents (--protect none, --persist-dir none): the next allocation resumes from "
+                             "what its nodes hold")
+            return
+        deadline = started + self.cfg.protect_timeout
+        if bad_nodes:
+            why = (f"node(s) {','.join(bad_nodes)} lost: the newest step their sets protected before is what "
+                   "the next allocation can rebuild, or the newest durable one")
+        elif self.cfg.protected:
+            why = self.drain(deadline)
+        else:
+            why = None
+        durable, flush_why = None, "no durable tier (--persist-dir none)"
+        if self.cfg.persisting and not bad_nodes:  # a lost node's agent broke the mesh: no flush is possible
+            durable, flush_why = self.flush(deadline)
+        elif self.cfg.persisting:
+            flush_why = "a node was lost: the agents cannot flush together; the newest durable step stays"
+        done = why is None or flush_why is None
+        self.emit("persist", level=logging.INFO if done else logging.WARNING, done=done,
+                  how="protect+flush" if self.cfg.protected and self.cfg.persisting else
+                  "flush" if self.cfg.persisting else "protect",
+                  protected=self.protected(), durable=durable, seconds=round(time.monotonic() - started, 3),
+                  **({"reason": why} if why else {}), **({"flush_reason": flush_why} if flush_why else {}))
+
     def reports(self) -> list[dict]:
         """The running agents' status reports (each node's phase, steps and memory figures); none without agents."""
         return list(agent_status.read(self.rendezvous, self.tag).values()) if self.proc is not None else []
@@ -202,9 +256,11 @@ class AgentSteps:
         if how == "asked":
             agent_status.request_stop(self.rendezvous, self.tag)
             try:
-                self.proc.wait(timeout=self.cfg.kill_grace)
+                for p in [self.proc, *self.hosted_procs.values()]:
+                    p.wait(timeout=self.cfg.kill_grace)
             except subprocess.TimeoutExpired:
                 how = "killed"
-        self._stop_steps({AGENT_STEP_NAME: self.proc})
+        self._stop_steps({AGENT_STEP_NAME: self.proc, **self.hosted_procs})
+        self.hosted_procs = {}
         self.emit("agents_stopped", exit_code=self.proc.returncode, how=how)
         self.proc = None

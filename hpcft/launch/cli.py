@@ -53,6 +53,13 @@ def _run_options(f):
                      help="Memory per node to plan with (e.g. 512G; default: the batch host's /dev/shm and MemAvailable)."),
         click.option("--memory-headroom", type=float, default=None,
                      help="Fraction of node memory left to the trainers and the system (default 0.2)."),
+        click.option("--elastic/--no-elastic", default=None,
+                     help="No spare left when a node is lost: continue on fewer nodes, resharded from memory."),
+        click.option("--min-nodes", type=int, default=None,
+                     help="With --elastic: below this many active nodes, requeue instead (default: 1)."),
+        click.option("--elastic-batch", type=click.Choice(list(config.ELASTIC_BATCH)), default=None,
+                     help="What a shrink keeps: the global batch (more accumulation) or each replica's (default "
+                          "keep-global)."),
     ]
     for option in reversed(options):
         f = option(f)

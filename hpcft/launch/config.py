@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK
 from hpcft.errors import ConfigError
 from hpcft.launch.memplan import parse_bytes
 
@@ -40,7 +41,11 @@ class RunConfig:
     snapshot's bytes on one node (all its ranks), for the memory check before the first launch (unknown: checked
     after the first snapshot only); node_memory: bytes of memory per node to plan with (default: what the batch
     host's /dev/shm and MemAvailable offer); memory_headroom: fraction of that memory left to the trainers and the
-    system (hpcft/launch/memplan.py).
+    system (hpcft/launch/memplan.py); elastic: when a node is lost and no spare is left, continue on fewer nodes
+    (the state resharded from the survivors' memory plus parity, hpcft/launch/elastic.py) instead of requeueing;
+    min_nodes: an elastic job shrinks down to this many active nodes; a loss below it requeues as any other (default 1);
+    elastic_batch: keep-global (the global batch stays, each replica accumulates more micro-batches) or keep-per-rank
+    (each replica's batch stays, the global batch shrinks), exported to the trainers as HPCFT_ELASTIC_BATCH.
     """
 
     nodes: int | None = None
@@ -72,6 +77,9 @@ class RunConfig:
     state_bytes: int | None = None
     node_memory: int | None = None
     memory_headroom: float = 0.2
+    elastic: bool = False
+    min_nodes: int | None = None
+    elastic_batch: str = KEEP_GLOBAL
 
     @property
     def protected(self) -> bool:
@@ -90,6 +98,7 @@ class RunConfig:
 
 
 PROTECT_SCHEMES = ("auto", "none", "partner", "xor", "rs")
+ELASTIC_BATCH = (KEEP_GLOBAL, KEEP_PER_RANK)
 KEYS = tuple(f.name for f in fields(RunConfig))
 _TYPES = {f.name: f.type for f in fields(RunConfig)}
 
@@ -215,8 +224,31 @@ def validate(cfg: RunConfig) -> None:
     if cfg.persist_every < 1 or cfg.persist_keep < 1:
         raise ConfigError(f"persist_every and persist_keep must be at least 1 (got {cfg.persist_every}, "
                           f"{cfg.persist_keep})")
+    _validate_elastic(cfg)
     if cfg.protected and cfg.protect != "auto":
         scheme(cfg)  # the agents' own checks (group, losses, distance), before anything is launched
+
+
+def _validate_elastic(cfg: RunConfig) -> None:
+    """--elastic needs what a shrink rebuilds and writes from: protection across nodes and a durable tier."""
+    if cfg.elastic_batch not in ELASTIC_BATCH:
+        raise ConfigError(f"elastic_batch={cfg.elastic_batch!r} is not a batch policy; choose one of "
+                          f"{', '.join(ELASTIC_BATCH)}")
+    if cfg.min_nodes is not None and cfg.min_nodes < 1:
+        raise ConfigError(f"min_nodes must be at least 1 (got {cfg.min_nodes})")
+    if cfg.min_nodes is not None and cfg.nodes is not None and cfg.min_nodes > cfg.nodes:
+        raise ConfigError(f"min_nodes {cfg.min_nodes} is more than nodes {cfg.nodes}: an elastic job shrinks from "
+                          "--nodes down to --min-nodes; lower --min-nodes or raise --nodes")
+    if not cfg.elastic:
+        if cfg.min_nodes is not None:
+            raise ConfigError("min_nodes is given without elastic: add --elastic, or drop --min-nodes")
+        return
+    if not cfg.protected:
+        raise ConfigError("elastic needs protection across nodes (a shrink rebuilds the lost node's snapshot from "
+                          "parity): drop --protect none, or drop --elastic")
+    if not cfg.persisting:
+        raise ConfigError("elastic needs a durable tier (a shrink writes the protected step there and the smaller "
+                          "job reshards from it): drop --persist-dir none, or drop --elastic")
 
 
 def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:

@@ -98,6 +98,11 @@ class Janitor:
         if self.proc is not None:
             self._stop_steps({JANITOR_STEP_NAME: self.proc})
             self.proc = None
+        return self.wipe(nodes, env, timeout)
+
+    def wipe(self, nodes: Sequence[str], env: Mapping[str, str], timeout: float = 60.0) -> int | None:
+        """Remove the job's store on every one of `nodes` now (the waiting janitors keep running); srun's exit
+        status (None: it did not finish within `timeout`)."""
         proc = self._popen(nodes, env, now=True)
         try:
             return proc.wait(timeout=timeout)

@@ -89,6 +89,14 @@ class Layout:
         excluded = tuple(dict.fromkeys(self.excluded + tuple(failed)))
         return replace(self, slots=tuple(slots), spares=tuple(spares), excluded=excluded), moved
 
+    def shrink(self, failed: list[str] | tuple[str, ...]) -> "Layout":
+        """Exclude `failed` nodes and drop their slots: the survivors keep their order, so slot i of the smaller
+        layout is the i-th surviving node (its ranks renumbered from i*T)."""
+        gone = set(failed)
+        return replace(self, slots=tuple(n for n in self.slots if n not in gone),
+                       spares=tuple(s for s in self.spares if s not in gone),
+                       excluded=tuple(dict.fromkeys(self.excluded + tuple(failed))))
+
     def to_env(self) -> dict[str, str]:
         """The variables a task needs to find its ranks (read back by `Layout.from_env`)."""
         return {"HPCFT_LAYOUT": ",".join(self.slots), "HPCFT_LAYOUT_TASKS": str(self.tasks_per_node)}

@@ -33,6 +33,7 @@ class Action(enum.Enum):
     DONE = "done"
     RELAUNCH = "relaunch"    # same nodes, same slots: each rank finds its snapshot in local memory
     REPLACE = "replace"      # spares take the failed nodes' slots, then relaunch
+    SHRINK = "shrink"        # --elastic, no spare left: continue on the surviving nodes, resharded
     REQUEUE = "requeue"      # persist and `scontrol requeue`: resume in a new allocation
     STOP = "stop"            # give up, with a summary
 
@@ -54,6 +55,7 @@ class State:
     requeue_allowed: bool = True
     end_time: float | None = None     # the allocation's end (epoch seconds), None if unlimited
     requeue_margin: float = 300.0
+    min_nodes: int | None = None      # --elastic: shrink down to this many active nodes (None: never shrink)
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ class Decision:
     replaced: dict[str, str] = field(default_factory=dict)
 
 
-def _requeue(state: State, reason: str) -> Decision:
+def requeue_or_stop(state: State, reason: str) -> Decision:
+    """Requeue where allowed, else stop: what a run does that cannot go on in this allocation."""
     if state.requeue_allowed:
         return Decision(Action.REQUEUE, reason, state.layout, EXIT_REQUEUED)
     return Decision(Action.STOP, f"{reason}; requeue not allowed", state.layout, EXIT_NO_REQUEUE)
@@ -76,28 +79,36 @@ def decide(event: Event, state: State, now: float) -> Decision:
     if event.kind is Kind.SUCCESS:
         return Decision(Action.DONE, "every task exited 0", state.layout, EXIT_OK)
     if event.kind is Kind.WALLTIME:
-        return _requeue(state, "walltime warning signal")
+        return requeue_or_stop(state, "walltime warning signal")
     if event.kind is Kind.ALLOCATION_LOST:
-        return _requeue(state, f"allocation lost ({event.detail or 'too few nodes'})")
+        return requeue_or_stop(state, f"allocation lost ({event.detail or 'too few nodes'})")
     if event.kind is Kind.STEP_REFUSED:  # the same options would be refused again: a relaunch cannot help
         return Decision(Action.STOP, f"Slurm refused to create the step: {event.detail}; fix the options "
                         "(--tasks-per-node, --profile, --srun-args) and resubmit", state.layout, EXIT_ERROR)
     if state.restarts >= state.max_restarts:
         return Decision(Action.STOP, f"{event.kind.value} after {state.restarts} restart(s), the limit "
                         f"(--max-restarts {state.max_restarts})", state.layout, EXIT_GAVE_UP)
-    layout, replaced, why = state.layout, {}, event.kind.value
+    layout, replaced, why, shrink = state.layout, {}, event.kind.value, ""
     if event.bad_nodes:
         try:
             layout, replaced = state.layout.replace(list(event.bad_nodes))
         except NoSpareError as exc:
-            excluded = tuple(dict.fromkeys(state.layout.excluded + event.bad_nodes))
-            return _requeue(replace(state, layout=replace(state.layout, excluded=excluded)), str(exc))
+            shrunk = state.layout.shrink(event.bad_nodes)
+            if state.min_nodes is None or len(shrunk.slots) < state.min_nodes:
+                excluded = tuple(dict.fromkeys(state.layout.excluded + event.bad_nodes))
+                floor = "" if state.min_nodes is None else \
+                    f"; {len(shrunk.slots)} node(s) left, fewer than --min-nodes {state.min_nodes}"
+                return requeue_or_stop(replace(state, layout=replace(state.layout, excluded=excluded)), str(exc) + floor)
+            layout, shrink = shrunk, str(exc)
         why = f"{why} on {','.join(event.bad_nodes)}"
     # Near the end of the walltime a relaunch would not get far: requeue, if that is possible at all.
     if state.requeue_allowed and state.end_time is not None and state.end_time - now < state.requeue_margin:
         left = max(0.0, state.end_time - now)
-        return _requeue(replace(state, layout=layout),
+        return requeue_or_stop(replace(state, layout=layout),
                         f"{why} with {left:.0f} s of walltime left (< --requeue-margin {state.requeue_margin:g} s)")
+    if shrink:
+        return Decision(Action.SHRINK, f"{why}: {shrink}; --elastic: continue on {len(layout.slots)} of "
+                        f"{len(state.layout.slots)} node(s) ({','.join(layout.slots)}), resharded", layout)
     if replaced:
         moves = ", ".join(f"{a}->{b}" for a, b in replaced.items())
         return Decision(Action.REPLACE, f"{why}: spare takes the slot ({moves})", layout, replaced=replaced)
@@ -129,4 +140,6 @@ def record(decision: Decision, event: Event, state: State, job_dir: str) -> dict
         bad_nodes=",".join(event.bad_nodes), failed_tasks="; ".join(event.failed_tasks),
         replaced=",".join(f"{a}:{b}" for a, b in decision.replaced.items()),
         slots=",".join(decision.layout.slots), spares=",".join(decision.layout.spares),
-        excluded=",".join(decision.layout.excluded), result=decision.exit_code)
+        excluded=",".join(decision.layout.excluded), result=decision.exit_code,
+        **({"nodes_from": len(state.layout.slots), "nodes_to": len(decision.layout.slots)}
+           if decision.action is Action.SHRINK else {}))

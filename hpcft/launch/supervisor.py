@@ -17,18 +17,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from hpcft import events
 from hpcft.errors import CheckpointError, ConfigError, HpcftError, SlurmError
-from hpcft.launch import losses, profiles, progress
+from hpcft.launch import elastic, losses, profiles, progress
 from hpcft.launch.agents import AgentSteps
 from hpcft.durable.catalog import ENV_PERSIST
 from hpcft.launch.config import RunConfig, durable_dir, resolve_protect
 from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
-from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
+from hpcft.launch.policy import (EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, requeue_or_stop,
+                                 stale_signal)
 from hpcft.launch.preflight import Preflight
 from hpcft.launch.nodecheck import NodeCheck
 from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
@@ -74,6 +76,9 @@ class Supervisor:
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
                                  interrupted=lambda: self._signal == signal.SIGTERM,
                                  check_nodes=lambda layout, probe: self._bad_nodes(layout, probe=probe))
+        self.shrinker = elastic.Shrinker(cfg, self.agents, self.janitor, self.emit)
+        self.shrinks: list[str] = []  # each elastic shrink of this run, for its summary
+        self.base_world = 0  # the world size this run started with (the trainers' batch arithmetic after a shrink)
 
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -123,6 +128,8 @@ class Supervisor:
         layout = Layout.plan(info.nodes, active=self.cfg.nodes, spares=self.cfg.spares, tasks_per_node=tasks,
                              excluded=saved.excluded, previous=saved.slots)
         kept = [n for i, n in enumerate(layout.slots) if saved.slots[i:i + 1] == [n]]
+        self.base_world = layout.world_size
+        elastic.check_floor(self.cfg, len(layout.slots))
         self.cfg = self.agents.cfg = resolve_protect(self.cfg, len(layout.slots))
         self.emit("start", slots=",".join(layout.slots), spares=",".join(layout.spares),
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
@@ -146,17 +153,20 @@ class Supervisor:
             state = State(layout=layout, restarts=saved.restarts, max_restarts=self.cfg.max_restarts,
                           requeue_allowed=self.cfg.requeue and info.batch and info.requeue,
                           end_time=slurmstate.job_info(self.runner, self.job_id).end_time,
-                          requeue_margin=self.cfg.requeue_margin)
+                          requeue_margin=self.cfg.requeue_margin,
+                          min_nodes=(self.cfg.min_nodes or 1) if self.cfg.elastic else None)
             decision = decide(event, state, time.time())
             record(decision, event, state, str(self.job_dir))
             if decision.action is Action.REQUEUE:
                 self._persist_before_requeue(event)
             self.agents.stop(ask=not event.bad_nodes)
+            if decision.action is Action.SHRINK:
+                decision = self._shrink(decision, event, state, saved.restarts + saved.requeues)
             self._why_launch = self._launch_reason(decision, event)
             saved.slots = list(layout.slots)  # the nodes that held the slots' snapshots in this run
             layout = decision.layout
             saved.excluded = list(layout.excluded)
-            if decision.action in (Action.RELAUNCH, Action.REPLACE):
+            if decision.action in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK):
                 saved.restarts += 1
                 saved.save(self.state_path)
                 continue
@@ -193,10 +203,26 @@ class Supervisor:
         step 0 after progress existed)."""
         from_zero = any(loss.resumed_from == 0 for loss in self.lost)
         level = (logging.ERROR if action is Action.STOP or from_zero
-                 else logging.WARNING if self.lost or action is Action.REQUEUE else logging.INFO)
+                 else logging.WARNING if self.lost or self.shrinks or action is Action.REQUEUE else logging.INFO)
         lost = "; ".join(loss.line() for loss in self.lost)
         self.emit("summary", level=level, action=action.value, reason=reason, restarts=saved.restarts,
-                  requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=exit_code, lost=lost)
+                  requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=exit_code, lost=lost,
+                  **({"shrunk": "; ".join(self.shrinks)} if self.shrinks else {}))
+
+    def _shrink(self, decision: Decision, event: Event, state: State, restart_count: int) -> Decision:
+        """Carry a shrink out (hpcft/launch/elastic.py): the decision, or the requeue it replaced if it failed."""
+        old, new = state.layout, decision.layout
+        self.shrinker.cfg = self.cfg
+        out = self.shrinker.shrink(old, new, event.bad_nodes, self._env(old, restart_count), f"{restart_count}-shrink")
+        if not out.ok:
+            decision = requeue_or_stop(replace(state, layout=replace(old, excluded=new.excluded)),
+                                       f"{decision.reason}; the shrink failed: {out.error}")
+            record(decision, event, state, str(self.job_dir))
+            return decision
+        self.cfg = self.agents.cfg = elastic.shrunk_config(self.cfg, len(new.slots))
+        self.shrinks.append(f"continues on {len(new.slots)} of {len(old.slots)} nodes ({','.join(event.bad_nodes)} "
+                            f"lost) from step {out.durable}, resharded from memory+parity, no protected step lost")
+        return decision
 
     def _launch_reason(self, decision: Decision, event: Event) -> str:
         """Why the next launch happens, and what it could lose: the reason carried by a loss it causes."""
@@ -215,53 +241,20 @@ class Supervisor:
                   reached=loss.reached, resumed_from=loss.resumed_from, steps_lost=loss.steps_lost, reason=loss.reason)
 
     def _persist_before_requeue(self, event: Event) -> None:
-        """Before a requeue: the `persist` hook if given; else let the agents protect the newest snapshot the trainers
-        completed everywhere and flush it to the durable tier (bounded by --protect-timeout), so that the next
-        allocation can rebuild it from the nodes that come back, or read it on entirely new nodes. One `persist`
-        event says what is safe, and why."""
+        """Before a requeue: the `persist` hook if given, else the agents' protect + flush (AgentSteps.persist)."""
         started = time.monotonic()
         if self.persist is not None:
             self.persist()
             self.emit("persist", done=True, how="hook", seconds=round(time.monotonic() - started, 3))
             return
-        if self.agents.proc is None:
-            self.emit("persist", level=logging.WARNING, done=False, how="none",
-                      reason="no agents (--protect none, --persist-dir none): the next allocation resumes from "
-                             "what its nodes hold")
-            return
-        deadline = started + self.cfg.protect_timeout
-        if event.bad_nodes:
-            why = (f"node(s) {','.join(event.bad_nodes)} lost: the newest step their sets protected before is what "
-                   "the next allocation can rebuild, or the newest durable one")
-        elif self.cfg.protected:
-            why = self.agents.drain(deadline)
-        else:
-            why = None
-        durable, flush_why = None, "no durable tier (--persist-dir none)"
-        if self.cfg.persisting and not event.bad_nodes:  # a lost node's agent broke the mesh: no flush is possible
-            durable, flush_why = self.agents.flush(deadline)
-        elif self.cfg.persisting:
-            flush_why = "a node was lost: the agents cannot flush together; the newest durable step stays"
-        done = why is None or flush_why is None
-        self.emit("persist", level=logging.INFO if done else logging.WARNING, done=done,
-                  how="protect+flush" if self.cfg.protected and self.cfg.persisting else
-                  "flush" if self.cfg.persisting else "protect",
-                  protected=self.agents.protected(), durable=durable, seconds=round(time.monotonic() - started, 3),
-                  **({"reason": why} if why else {}), **({"flush_reason": flush_why} if flush_why else {}))
+        self.agents.persist(event.bad_nodes)
 
     # -- one step -----------------------------------------------------------------------------------------
     def _run_step(self, layout: Layout, restart_count: int) -> Event:
         """One launch: the agents' step when protecting (and the wait for it), then the trainers' step, watched
         until it ends or must be stopped. The agents' step is left running (self.agents) for the decision: a
         requeue first waits for their protection; every other path stops them (`AgentSteps.stop`)."""
-        user = self.environ.get("USER") or getpass.getuser()
-        env = step_env(layout, job_id=self.job_id, restart_count=restart_count, job_dir=str(self.job_dir),
-                       profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id,
-                                                         plugin=self._site_env))
-        env = {**self.environ, **env}
-        durable = durable_dir(self.cfg, self.job_dir)
-        if durable is not None:
-            env[ENV_PERSIST] = str(durable)  # where the trainers' restore finds the durable tier
+        env = self._env(layout, restart_count)
         proc: subprocess.Popen | None = None
         try:
             self.janitor.ensure([*layout.slots, *layout.spares], env)
@@ -299,6 +292,18 @@ class Supervisor:
             return Event(Kind.STEP_REFUSED, exit_code=proc.returncode, failed_tasks=failed, detail=refused)
         return Event(event.kind, exit_code=proc.returncode, bad_nodes=event.bad_nodes, failed_tasks=failed,
                      detail=event.detail)
+
+    def _env(self, layout: Layout, restart_count: int) -> dict[str, str]:
+        """The steps' environment for one launch on `layout` (the agents' and the trainers')."""
+        user = self.environ.get("USER") or getpass.getuser()
+        env = step_env(layout, job_id=self.job_id, restart_count=restart_count, job_dir=str(self.job_dir),
+                       profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id,
+                                                         plugin=self._site_env))
+        env = {**self.environ, **env, **elastic.trainer_env(self.cfg, self.base_world)}
+        durable = durable_dir(self.cfg, self.job_dir)
+        if durable is not None:
+            env[ENV_PERSIST] = str(durable)  # where the trainers' restore finds the durable tier
+        return env
 
     def _agents_failed(self, layout: Layout, exc: CheckpointError) -> Event:
         """The policy's view of agents that could not get ready: a bad node, or an agent failure on healthy nodes."""

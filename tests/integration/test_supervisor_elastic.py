@@ -1,0 +1,77 @@
+"""`hpcft run --elastic` in the sandbox, the machine's shape (2 ranks per node, process groups that refuse CPU
+tensors): 4 nodes, no spare, a node that is not the first crashes → the job shrinks to 3 nodes instead of
+requeueing: the lost slot is rebuilt from parity on a survivor, the protected step is flushed from memory to the
+durable tier in the 4-node layout, and the 6 ranks left reshard it. No protected step is lost, the data position
+(`extra`) is exact, and with --elastic-batch keep-global (train_job.py BATCH=plan: a step's result does not depend
+on the replica count) the loss curve and the final parameters equal a fault-free run's bit for bit."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from runs import JOB, assert_same_result, decisions, finish, resumed_from, start, wait_protected
+
+from hpcft import events
+from hpcft.agent import status as agent_status
+
+STEPS, HOLD_AT, PER_NODE = 10, 4, 2
+JOB_ENV = {"BATCH": "plan", "BACKEND": "cuda:gloo"}
+
+
+def _losses(out) -> dict[int, float]:
+    """step → rank 0's loss of it, the last launch's where a step ran twice."""
+    rows = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["what"] == "step" and r["rank"] == 0}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The fault-free run: one process, the 8 micro-batches of the 8-rank job per step (no Slurm needed: BATCH=plan's
+    result does not depend on the replica count)."""
+    out = tmp_path_factory.mktemp("elastic-reference")
+    env = {**os.environ, "OUT": str(out), "STEPS": str(STEPS), "CKPT": "disk", "HPCFT_BASE_WORLD": "8", **JOB_ENV,
+           "MASTER_PORT": "29613"}
+    done = subprocess.run([sys.executable, str(JOB)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_a_node_lost_without_spare_shrinks_the_job_from_memory_and_it_goes_on(healthy_sandbox, reference, tmp_path):
+    out = tmp_path / "elastic"
+    hold = tmp_path / "go"
+    proc = start(healthy_sandbox, out, 4, "--nodes", "4", "--spares", "0", "--tasks-per-node", str(PER_NODE),
+                 "--elastic", "--min-nodes", "3", per_node=PER_NODE, steps=STEPS, HOLD_AT=str(HOLD_AT),
+                 HOLD_FILE=str(hold), **JOB_ENV)
+    try:
+        protected = wait_protected(out, slots=4, timeout=150, above=HOLD_AT)  # the newest snapshot (step numbers count
+        # optimizer steps done: loop step HOLD_AT is snapshot HOLD_AT + 1)
+        slots = next(e for e in events.read(out / "job") if e["event"] == "launch")["slots"].split(",")
+        healthy_sandbox.crash_node(slots[2])  # not the first: the batch host keeps the supervisor
+    finally:
+        hold.touch()
+    code, output = finish(proc, timeout=300)
+    assert code == 0, output[-4000:]
+    log = events.read(out / "job")
+    made = decisions(out / "job")
+    assert [d["action"] for d in made] == ["shrink", "done"], output[-4000:]
+    assert (made[0]["cause"], made[0]["nodes_from"], made[0]["nodes_to"]) == ("node_failed", 4, 3)
+    (shrink,) = [e for e in log if e["event"] == "shrink"]
+    assert shrink["ok"] and shrink["hosted"] == f"2:{slots[3]}" and shrink["source"] == "memory+parity", shrink
+    # the newest protected step, from memory: no earlier flush existed (--persist-every 100), and it is the step
+    # the lost node's agent last reported protected or newer
+    lost_report = agent_status.read(out / "job" / "agents", "0")[2]
+    assert shrink["step"] == shrink["durable"] >= max(protected, lost_report["protected"])
+    source = next(e for e in log if e["event"] == "restore_source" and e["source"] == "durable")
+    assert source["step"] == shrink["step"] and source["path"].endswith(f"step-{shrink['step']}")
+    assert any(e["event"] == "durable_reshard" and e["saved_world"] == 8 and e["world"] == 6 for e in log)
+    launches = [e for e in log if e["event"] == "launch"]
+    assert [(e["slots"], e["world"]) for e in launches] == [(",".join(slots), 8),
+                                                            (",".join(s for s in slots if s != slots[2]), 6)]
+    resumed = resumed_from(out)
+    assert len(resumed) == 6 and set(resumed.values()) == {shrink["step"]}, resumed
+    assert shrink["step"] == HOLD_AT + 1 and not [e for e in log if e["event"] == "progress_lost"]  # the ranks held there
+    (summary,) = [e for e in log if e["event"] == "summary"]
+    assert "continues on 3 of 4 nodes" in summary["shrunk"] and summary["level"] == "WARNING"
+    assert_same_result(out, reference)  # parameters bit for bit, and the data position: 8 micro-batches a step
+    assert _losses(out) == _losses(reference)  # the loss curve goes on, the same
