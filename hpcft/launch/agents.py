@@ -165,6 +165,21 @@ class AgentSteps:
                 return durable, f"the flush did not finish within --protect-timeout {self.cfg.protect_timeout:g} s"
             time.sleep(min(self.cfg.poll_interval, 0.5))
 
+    def _finish_flush(self) -> None:
+        """A flush under way (its drain from node-local storage, which Frontier wipes at the job's end, above all)
+        finishes before the agents are stopped, for up to --protect-timeout (event `flush_wait`)."""
+        started = time.monotonic()
+        waited = False
+        while self.proc is not None and self.proc.poll() is None and time.monotonic() < started + self.cfg.protect_timeout:
+            if not any(r.get("flushing") for r in agent_status.read(self.rendezvous, self.tag).values()):
+                break
+            waited = True
+            time.sleep(min(self.cfg.poll_interval, 0.5))
+        if waited:
+            busy = [r for r in agent_status.read(self.rendezvous, self.tag).values() if r.get("flushing")]
+            self.emit("flush_wait", level=logging.WARNING if busy else logging.INFO, done=not busy,
+                      seconds=round(time.monotonic() - started, 3))
+
     def reports(self) -> list[dict]:
         """The running agents' status reports (each node's phase, steps and memory figures); none without agents."""
         return list(agent_status.read(self.rendezvous, self.tag).values()) if self.proc is not None else []
@@ -182,6 +197,7 @@ class AgentSteps:
             return
         how = "exited" if self.proc.poll() is not None else "asked" if ask else "killed"
         if how == "asked":
+            self._finish_flush()
             agent_status.request_stop(self.rendezvous, self.tag)
             try:
                 self.proc.wait(timeout=self.cfg.kill_grace)

@@ -24,6 +24,7 @@ from hpcft.errors import CheckpointError, ConfigError, HpcftError, SlurmError
 from hpcft.launch import losses, profiles, progress
 from hpcft.launch.agents import AgentSteps
 from hpcft.durable.catalog import ENV_PERSIST
+from hpcft.durable.local import ENV_LOCAL
 from hpcft.launch.config import RunConfig, durable_dir, resolve_protect
 from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.layout import Layout
@@ -260,6 +261,7 @@ class Supervisor:
         durable = durable_dir(self.cfg, self.job_dir)
         if durable is not None:
             env[ENV_PERSIST] = str(durable)  # where the trainers' restore finds the durable tier
+            env.update({ENV_LOCAL: self.cfg.persist_local} if self.cfg.persist_local else {})  # and its first level
         proc: subprocess.Popen | None = None
         try:
             self.janitor.ensure([*layout.slots, *layout.spares], env)
