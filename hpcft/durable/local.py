@@ -148,17 +148,23 @@ def _copy_file(src: Path, dst: Path, side: dict[str, Any], pace: Callable[[int],
         if os.fstat(fd_in).st_size != pos or pos != side.get("file_bytes"):
             raise StoreError(f"{src} has {os.fstat(fd_in).st_size} bytes; its sidecar says {side.get('file_bytes')}")
         fd_out = files.create(dst)
+        whole = 0
         try:
             for row in rows:
-                _copy_record(fd_in, fd_out, src, dst, row, pace)
+                whole = _copy_record(fd_in, fd_out, src, dst, row, pace, whole)
         finally:
             files.finish(fd_out, dst, sync)
     finally:
         os.close(fd_in)
+    if side.get("file_crc", whole) != whole:  # the envelopes too: what DCP's reader unpickles
+        events.emit("durable_chunk_lost", level=logging.ERROR, path=str(src), reason="drain of the node-local level")
+        raise IntegrityError(f"{src} fails the crc32c its writer recorded for the whole file: not drained")
     return pos
 
 
-def _copy_record(fd_in: int, fd_out: int, src: Path, dst: Path, row: list, pace: Callable[[int], None] | None) -> None:
+def _copy_record(fd_in: int, fd_out: int, src: Path, dst: Path, row: list, pace: Callable[[int], None] | None,
+                 whole: int) -> int:
+    """Copy one record, its data checked against the row's crc32c; `whole`, the file's running crc32c, continued."""
     lo, hi = row[DATA], row[DATA] + row[NBYTES]
     pos, end, crc = row[RECORD], row[RECORD] + row[LENGTH], 0
     while pos < end:
@@ -171,9 +177,11 @@ def _copy_record(fd_in: int, fd_out: int, src: Path, dst: Path, row: list, pace:
         a, b = max(lo, pos), min(hi, pos + len(buf))
         if a < b:
             crc = crc32c(memoryview(buf)[a - pos:b - pos], crc)
+        whole = crc32c(buf, whole)
         files.write_all(fd_out, buf, dst, pace)
         pos += len(buf)
     if crc != row[CRC]:
         events.emit("durable_chunk_lost", level=logging.ERROR, path=str(src), name=row[0], offset=row[DATA],
                     reason="drain of the node-local level")
         raise IntegrityError(f"the chunk of {row[0]} at byte {row[DATA]} of {src} fails its crc32c: not drained")
+    return whole
