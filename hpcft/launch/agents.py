@@ -167,10 +167,12 @@ class AgentSteps:
 
     def _finish_flush(self) -> None:
         """A flush under way (its drain from node-local storage, which Frontier wipes at the job's end, above all)
-        finishes before the agents are stopped, for up to --protect-timeout (event `flush_wait`)."""
+        finishes before the agents are stopped, for up to --protect-timeout, unless `hpcft run` got SIGTERM (event
+        `flush_wait`)."""
         started = time.monotonic()
         waited = False
-        while self.proc is not None and self.proc.poll() is None and time.monotonic() < started + self.cfg.protect_timeout:
+        while self.proc is not None and self.proc.poll() is None and not self._interrupted() \
+                and time.monotonic() < started + self.cfg.protect_timeout:  # SIGTERM: Slurm's grace is short
             if not any(r.get("flushing") for r in agent_status.read(self.rendezvous, self.tag).values()):
                 break
             waited = True
@@ -189,14 +191,14 @@ class AgentSteps:
         steps = [r.get("protected") for r in agent_status.read(self.rendezvous, self.tag).values()]
         return min(steps) if steps and None not in steps else None
 
-    def stop(self, ask: bool = True) -> None:
-        """Stop the agents' step of the last launch, if it runs: asked to (each agent exits 0 within a poll), for
-        up to --kill-grace, then killed with the step. `ask=False` kills at once (a node was lost: the mesh is
-        broken, and recovery must not wait)."""
+    def stop(self, ask: bool = True, flush: bool = True) -> None:
+        """Stop the agents' step of the last launch, if it runs: asked to (each agent exits 0 within a poll, after a
+        flush under way when `flush`), for up to --kill-grace, then killed with the step. `ask=False` kills at once
+        (a node was lost: the mesh is broken, and recovery must not wait)."""
         if self.proc is None:
             return
         how = "exited" if self.proc.poll() is not None else "asked" if ask else "killed"
-        if how == "asked":
+        if how == "asked" and flush:
             self._finish_flush()
             agent_status.request_stop(self.rendezvous, self.tag)
             try:

@@ -150,7 +150,8 @@ class Supervisor:
             record(decision, event, state, str(self.job_dir))
             if decision.action is Action.REQUEUE:
                 self._persist_before_requeue(event)
-            self.agents.stop(ask=not event.bad_nodes)
+            # a relaunch does not wait for a flush under way (its node-local copies stay for the next one)
+            self.agents.stop(ask=not event.bad_nodes, flush=decision.action not in (Action.RELAUNCH, Action.REPLACE))
             self._why_launch = self._launch_reason(decision, event)
             saved.slots = list(layout.slots)  # the nodes that held the slots' snapshots in this run
             layout = decision.layout
