@@ -64,8 +64,12 @@ class Flusher:
         self.pins, self.rendezvous, self.tag = pins, rendezvous, tag
         self.throttle = Throttle(cfg.rate)
         self.local = local.local_root(cfg.local) if self.root else None  # this node's first level, if any
-        if self.local is not None:
-            files.make_dir(self.local)
+        try:
+            if self.local is not None:
+                files.make_dir(self.local)
+        except HpcftError as exc:  # this node flushes straight to the persist directory
+            events.emit("local_unavailable", level=logging.WARNING, slot=slot, path=str(self.local), error=str(exc))
+            self.local = None
         mine = local.copies(self.local, self.root)
         self.local_step: int | None = mine[-1].step if mine else None  # this node's newest first-level copy
         self._released = False  # every node's flush is past the store (from the last all-gather: the same everywhere)

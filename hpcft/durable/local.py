@@ -15,7 +15,7 @@ from hpcft import events
 from hpcft.durable import catalog, files
 from hpcft.durable.commit import CRC, DATA, LENGTH, NBYTES, RECORD
 from hpcft.durable.flush import RANK_FORMAT, data_name, read_sidecar, sidecar_dir
-from hpcft.env import NVME_ENV
+from hpcft.env import expand_vars, nvme_dir
 from hpcft.errors import IntegrityError, StoreError
 from hpcft.store import crc32c
 from hpcft.store import manifest as mf
@@ -30,19 +30,13 @@ LOCAL_FORMAT = "hpcft-durable-local/1"
 def local_root(given: str | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
     """This node's first level: `given`, else $HPCFT_PERSIST_LOCAL, else $HPCFT_NVME/hpcft-persist when that
     directory exists on this node; None for none (`none` turns it off). Environment variables in the value are
-    expanded on the node (`/tmp/nvme/$SLURMD_NODENAME`: a per-node directory on a shared file system, for tests)."""
+    expanded on the node (hpcft.env.expand_vars)."""
     env = os.environ if environ is None else environ
     value = given if given is not None else env.get(ENV_LOCAL) or None
     if value is not None:
-        return None if value.lower() == "none" else Path(_expand(value, env))
-    nvme = _expand(env.get(NVME_ENV) or "", env)
-    return Path(nvme) / UNDER_NVME if nvme and os.path.isdir(nvme) else None
-
-
-def _expand(value: str, env: Mapping[str, str]) -> str:
-    for key in sorted((k for k in env if f"${k}" in value or f"${{{k}}}" in value), key=len, reverse=True):
-        value = value.replace(f"${{{key}}}", env[key]).replace(f"${key}", env[key])
-    return value
+        return None if value.lower() == "none" else Path(expand_vars(value, env))
+    nvme = nvme_dir(env)
+    return Path(nvme) / UNDER_NVME if nvme else None
 
 
 def copies(root: Path | None, persist: Path | None = None) -> list[catalog.Durable]:
@@ -59,9 +53,14 @@ def copies(root: Path | None, persist: Path | None = None) -> list[catalog.Durab
             index = mf.decode(read_file(sidecar_dir(d) / LOCAL_INDEX), d, LOCAL_FORMAT)
         except StoreError:
             continue  # a copy being replaced, or torn by a crash: never read
-        if index.get("step") == int(m.group(1)) and (persist is None or index.get("persist") == str(persist)):
+        if index.get("step") == int(m.group(1)) and (persist is None or index.get("persist") == _key(persist)):
             out.append(catalog.Durable(int(m.group(1)), d, index))
     return sorted(out, key=lambda c: c.step)
+
+
+def _key(persist: Path) -> str:
+    """The persist directory as a copy records it (the same for a relative and an absolute spelling)."""
+    return os.path.abspath(persist)
 
 
 def publish(tmp: Path, root: Path, step: int, world: int, ranks: list[int], job: str, flush_id: str,
@@ -70,7 +69,7 @@ def publish(tmp: Path, root: Path, step: int, world: int, ranks: list[int], job:
     flush of the same step that was retrained since, is replaced: the first level is a cache of the store, not the
     record), and keep the newest `keep` copies."""
     index = {"step": step, "world": world, "ranks": sorted(ranks), "job": job, "flush": flush_id,
-             "persist": str(persist) if persist else None}
+             "persist": _key(persist) if persist else None}
     files.put(sidecar_dir(tmp) / LOCAL_INDEX, mf.encode(index, LOCAL_FORMAT))
     files.sync_dir(sidecar_dir(tmp))
     final = root / catalog.final_name(step)
