@@ -2,8 +2,9 @@
 request (`hpcft flush`, before a requeue), the newest protected step is written from each node's store to the
 persist directory by a thread per agent while the rounds go on, and committed by slot 0 once every node has
 written its ranks. With a node-local first level (hpcft.durable.local) each agent writes there first, releases the
-store, publishes its node's copy and drains it to the persist directory; the commit waits for every drain. The trainers take no part. While a flush reads the store no new protection pass starts, so that a rank's
-store never has more than two slots pinned (the flushed step and one pass: see hpcft.agent.pins)."""
+store, publishes its node's copy and drains it to the persist directory; the commit waits for every drain. The
+trainers take no part. While a flush reads the store no new protection pass starts, so that a rank's store never
+has more than two slots pinned (the flushed step and one pass: see hpcft.agent.pins)."""
 from __future__ import annotations
 
 import json
