@@ -108,7 +108,8 @@ def restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Path
                         error=str(exc))
             continue
         stale = _withdraw(store, held, step, chosen)
-        local.withdraw(local_root, step, f"restore loaded step {step} from {source}")
+        if not store.readonly:
+            local.withdraw(local_root, step, f"restore loaded step {step} from {source}")
         if store.rank == 0:
             events.emit("restore_source", level=logging.WARNING if failures or source != MEMORY else logging.INFO,
                         source=source, step=step,
