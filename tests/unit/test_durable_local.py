@@ -5,6 +5,7 @@ restore order and its reasons with the node-local level."""
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from hpcft import events
@@ -47,7 +48,8 @@ def _flush(flusher: Flusher, job: Path, timeout: float = 60) -> None:
         time.sleep(0.02)
 
 
-def test_two_level_flush_and_a_damaged_local_copy(shm_root: Path, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("where", ["envelope", "data"])
+def test_two_level_flush_and_a_damaged_local_copy(shm_root: Path, tmp_path: Path, monkeypatch, where: str) -> None:
     persist, nvme = tmp_path / "persist", tmp_path / "nvme"
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
@@ -76,7 +78,8 @@ def test_two_level_flush_and_a_damaged_local_copy(shm_root: Path, tmp_path: Path
             copy = published(*args, **kwargs)
             path = copy.path / flush.data_name(0)
             raw = bytearray(path.read_bytes())
-            raw[-100] ^= 0x10
+            row = flush.read_sidecar(flush.sidecar_dir(copy.path) / "rank-00000.json")["items"][0]
+            raw[-100 if where == "envelope" else row[6] + 3] ^= 0x10  # a torch.save suffix; a tensor's byte
             path.write_bytes(bytes(raw))
             return copy
         monkeypatch.setattr(local, "publish", rot)
