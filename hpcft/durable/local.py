@@ -117,7 +117,7 @@ def withdraw(root: Path | None, step: int, why: str) -> list[Path]:
 
 
 def drain(copy: catalog.Durable, dest: Path, pace: Callable[[int], None] | None = None, sync: bool = True) -> int:
-    """Copy this node's ranks from `copy` into the shared file system's flush directory `dest` (which exists), each
+    """Copy this node's ranks from `copy` into the shared file system's flush directory `dest` (created if missing), each
     record's bytes checked against the crc32c its sidecar recorded when the writer carried it over from the store
     (the copy is verified, not trusted anew); the bytes copied. IntegrityError on a mismatch, StoreError on I/O."""
     files.make_dir(sidecar_dir(dest))
