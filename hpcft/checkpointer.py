@@ -21,7 +21,7 @@ from hpcft.env import DEFAULT_JOB_ID, job_env
 from hpcft.errors import CheckpointError, ConfigError
 from hpcft.snapshot import copiers, groups, rng, state
 from hpcft.snapshot.engine import SnapshotEngine, Stats
-from hpcft.durable import catalog, resume
+from hpcft.durable import catalog, local, resume
 from hpcft.snapshot.restore import Loader
 from hpcft.snapshot.view import StateView
 from hpcft.store import RankStore
@@ -49,6 +49,8 @@ class Checkpointer:
     auto: snapshot from the optimizer's post-step hook (default); with auto=False call `step(it)` yourself.
     persist_dir: the durable tier's directory, read by restore() (default: $HPCFT_PERSIST_DIR, which `hpcft run`
                  exports; see docs/durable.md).
+    persist_local: this node's first level of the durable tier, read by restore() before `persist_dir` (default:
+                   $HPCFT_PERSIST_LOCAL, else $HPCFT_NVME/hpcft-persist where that exists; `none`: not read).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -57,7 +59,7 @@ class Checkpointer:
                  max_inflight_bytes: int = 256 << 20, chunk_bytes: int | None = None, threads: int | None = None,
                  on_restore: Callable[[dict | None], None] | None = None, auto: bool = True,
                  delay_per_chunk: float = 0.0, overlap: bool | None = None,
-                 persist_dir: str | os.PathLike | None = None):
+                 persist_dir: str | os.PathLike | None = None, persist_local: str | os.PathLike | None = None):
         if every < 1:
             raise ConfigError(f"every must be at least 1 (got {every})")
         if extra is not None and not callable(extra):
@@ -78,6 +80,7 @@ class Checkpointer:
         self.threads = threads or copiers.default_threads(backend)
         self.store = RankStore(self.job_id, self.rank, keep=keep, root=root)
         self.persist_dir: Path | None = catalog.persist_root(persist_dir)
+        self.persist_local: Path | None = local.local_root(str(persist_local) if persist_local is not None else None)
         copier = copiers.make(backend, device, max_inflight_bytes=max_inflight_bytes, threads=self.threads,
                               delay_per_chunk=delay_per_chunk, overlap=overlap)
         self.engine = SnapshotEngine(self.store, copier, group=self.group, chunk_bytes=chunk_bytes or copier.chunk_bytes)
@@ -163,7 +166,7 @@ class Checkpointer:
                 self._quiet = False
             return self._view.entries()
 
-        got = resume.restore(self._loader, live, self.persist_dir, self._check_meta, self.world)
+        got = resume.restore(self._loader, live, self.persist_dir, self._check_meta, self.world, self.persist_local)
         if got is None:
             self.completed, self.extra = 0, None
             return 0

@@ -161,8 +161,17 @@ def in_allocation(environ: Mapping[str, str] | None = None) -> bool:
 NVME_ENV = "HPCFT_NVME"  # exported by the batch script of `hpcft submit --nvme` (Frontier: /mnt/bb/$USER)
 
 
+def expand_vars(value: str, environ: Mapping[str, str] | None = None) -> str:
+    """`value` with `$VAR`/`${VAR}` of `environ` (default os.environ) replaced, on the node that reads it: a per-node
+    directory on a file system every node shares (`/tmp/nvme/$SLURMD_NODENAME`, for test clusters)."""
+    env = os.environ if environ is None else environ
+    for key in sorted((k for k in env if f"${k}" in value or f"${{{k}}}" in value), key=len, reverse=True):
+        value = value.replace(f"${{{key}}}", env[key]).replace(f"${key}", env[key])
+    return value
+
+
 def nvme_dir(environ: Mapping[str, str] | None = None) -> str | None:
-    """The node-local NVMe directory of this job ($HPCFT_NVME) when it exists on this node, else None: the store's
-    overflow and the durable tier's first level read it here."""
-    path = (os.environ if environ is None else environ).get(NVME_ENV)
+    """The node-local NVMe directory of this job ($HPCFT_NVME, `$VAR`s expanded here) when it exists on this node,
+    else None: the durable tier's first level goes under it (hpcft.durable.local)."""
+    path = expand_vars((os.environ if environ is None else environ).get(NVME_ENV) or "", environ)
     return path if path and os.path.isdir(path) else None

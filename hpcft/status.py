@@ -32,7 +32,8 @@ class NodeView:
     fresh: bool
     staged: int | None = None
     protected: int | None = None
-    persisted: int | None = None
+    persisted: int | None = None  # the newest durable step on the shared file system
+    local: int | None = None  # the newest step in this node's first level of the durable tier (node-local NVMe)
     lag_steps: int | None = None  # newest staged step − newest protected step
     lag_s: float | None = None  # seconds between those two snapshots
     cpu_cores: float | None = None  # the agent's CPU cap in force (raised by a lag bound, `--protect-lag`)
@@ -98,7 +99,7 @@ def _node(slot: int, rep: dict[str, Any] | None, now: float, stale: float) -> No
     phase = rep.get("phase", "?")
     return NodeView(slot, rep.get("node"), phase, round(age, 3),
                     fresh=phase not in (agent_status.FAILED, agent_status.STOPPED) and age <= stale, staged=rep.get("staged"),
-                    protected=rep.get("protected"), persisted=rep.get("persisted"), lag_steps=rep.get("lag_steps"),
+                    protected=rep.get("protected"), persisted=rep.get("persisted"), local=rep.get("local"), lag_steps=rep.get("lag_steps"),
                     lag_s=rep.get("lag_s"), cpu_cores=rep.get("cpu_cores"),
                     ranks={str(r): list(v) for r, v in (rep.get("versions") or {}).items()}, error=rep.get("error"))
 
@@ -172,18 +173,19 @@ def render(view: JobView) -> str:
              + (f" (group {sc['group']}, losses {sc['losses']})" if sc["name"] in ("xor", "rs") else "")
              + (f" (distance {sc['distance']})" if sc["name"] == "partner" else ""),
              f"{'slot':>4}  {'node':<14} {'phase':<11} {'heartbeat':>9}  {'staged':>6} {'protected':>9} "
-             f"{'persisted':>9} {'lag':>12}  versions (rank: steps)"]
+             f"{'persisted':>9} {'nvme':>5} {'lag':>12}  versions (rank: steps)"]
     for n in view.nodes:
         age = "-" if n.heartbeat_age_s is None else f"{n.heartbeat_age_s:.1f} s" + ("" if n.fresh else "!")
         versions = "; ".join(f"{r}: " + ",".join(f"{s}{_mark(n.steps.get(str(s)))}" for s in steps)
                              for r, steps in sorted(n.ranks.items(), key=lambda kv: int(kv[0])))
         lag = "-" if n.lag_steps is None else f"{n.lag_steps}" + ("" if n.lag_s is None else f" ({n.lag_s:.1f} s)")
         lines.append(f"{n.slot:>4}  {(n.node or '-'):<14} {n.phase:<11} {age:>9}  {_opt(n.staged):>6} "
-                     f"{_opt(n.protected):>9} {_opt(n.persisted):>9} {lag:>12}  {versions or '-'}")
+                     f"{_opt(n.protected):>9} {_opt(n.persisted):>9} {_opt(n.local):>5} {lag:>12}  {versions or '-'}")
     for s in view.sets:
         lines.append(f"set {s.index} slots {','.join(map(str, s.members))}: {s.health}"
                      f" (newest step protected on all: {_opt(s.protected_step)}; {s.detail})")
-    lines.append("lag: steps (and seconds) the newest protected snapshot trails the newest staged one; "
+    lines.append("persisted: newest durable step on the shared file system; nvme: newest in the node's first level "
+                 "(drained to it); lag: steps (and seconds) the newest protected snapshot trails the newest staged one; "
                  "versions: * protected, ** persisted, plain staged; ! heartbeat older than "
                  f"{view.stale_after_s:g} s")
     return "\n".join(lines)

@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                     "step is this many steps past the newest durable one (default %(default)s)")
     ap.add_argument("--persist-keep", type=int, default=PersistConfig.keep, help="complete durable checkpoints kept")
     ap.add_argument("--persist-rate", type=float, default=None, help="bytes/s cap on this node's flush writes")
+    ap.add_argument("--persist-local", default=None, help="write flushes to this node-local directory first, then "
+                    "drain them to --persist-dir (default $HPCFT_PERSIST_LOCAL, else $HPCFT_NVME/hpcft-persist "
+                    "where that exists; none: off)")
     ap.add_argument("--rebuild", action="store_true", help="first rebuild what replaced nodes lost (after a relaunch)")
     ap.add_argument("--hosted", action="store_true", help="stand in for --slot, whose node is lost, on another slot's "
                     "node (an elastic shrink): a store of its own inside that node's, rebuilt from parity")
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                           timeout=args.timeout, root=root,
                           lag_bound=args.lag_bound, lag_cores=args.lag_cores,
                           persist=PersistConfig(args.persist_dir, args.persist_every, args.persist_keep,
-                                                args.persist_rate))
+                                                args.persist_rate, local=args.persist_local))
         return run(cfg)
     except Stopped:
         print("hpcft agent: stopped (SIGTERM)", file=sys.stderr)

@@ -191,6 +191,7 @@ def run(cfg: AgentConfig) -> int:
                      protected=max(recs) if recs else None, persisted=flusher.durable if flusher else None,
                      flushed_request=flusher.served if flusher else None, flushing=flusher.busy if flusher else False,
                      flush_error=flusher.last_error if flusher else None,
+                     flush_phase=flusher.phase if flusher else None, local=flusher.local_step if flusher else None,
                      cpu_cores=mesh.throttle.cpu if mesh else None,
                      ranks={str(r): max(v) for r, v in by_rank.items()},
                      versions={str(r): sorted(v) for r, v in by_rank.items()},
@@ -224,7 +225,7 @@ def run(cfg: AgentConfig) -> int:
         while cfg.rounds <= 0 or done < cfg.rounds:
             mesh.pace()  # the rounds' own CPU (all-gathers, status, manifest reads) counts against the cap
             rec = None
-            if not flusher.busy and cfg.scheme.name != "none":  # the same on every agent (collective rounds)
+            if not flusher.pinning and cfg.scheme.name != "none":  # the same on every agent (collective rounds)
                 try:
                     rec = protect_newest(mesh, placement, job, pins)
                 except StaleStep as exc:  # after the exchange, so the mesh is still in step

@@ -1,8 +1,10 @@
 """The agents' flush to the durable tier (hpcft.durable): every `every` steps of protection progress, and on
 request (`hpcft flush`, before a requeue), the newest protected step is written from each node's store to the
 persist directory by a thread per agent while the rounds go on, and committed by slot 0 once every node has
-written its ranks. The trainers take no part. While a flush runs no new protection pass starts, so that a rank's
-store never has more than two slots pinned (the flushed step and one pass: see hpcft.agent.pins)."""
+written its ranks. With a node-local first level (hpcft.durable.local) each agent writes there first, releases the
+store, publishes its node's copy and drains it to the persist directory; the commit waits for every drain. The
+trainers take no part. While a flush reads the store no new protection pass starts, so that a rank's store never
+has more than two slots pinned (the flushed step and one pass: see hpcft.agent.pins)."""
 from __future__ import annotations
 
 import json
@@ -18,11 +20,11 @@ from hpcft.agent.bundle import Held, common, map_readonly, pin_targets
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.pins import Pins
 from hpcft.agent.throttle import Throttle
-from hpcft.durable import catalog, commit, files, flush
+from hpcft.durable import catalog, commit, files, flush, local
 from hpcft.durable.settings import PersistConfig
 from hpcft.errors import HpcftError
 
-IDLE, RUNNING, DONE, FAILED = "idle", "running", "done", "failed"
+IDLE, RUNNING, DRAINING, DONE, FAILED = "idle", "running", "draining", "done", "failed"
 
 
 def request_path(rendezvous: str | Path, tag: str) -> Path:
@@ -62,6 +64,16 @@ class Flusher:
         self.root = Path(cfg.root) if cfg.root else None
         self.pins, self.rendezvous, self.tag = pins, rendezvous, tag
         self.throttle = Throttle(cfg.rate)
+        self.local = local.local_root(cfg.local) if self.root else None  # this node's first level, if any
+        try:
+            if self.local is not None:
+                files.make_dir(self.local)
+        except HpcftError as exc:  # this node flushes straight to the persist directory
+            events.emit("local_unavailable", level=logging.WARNING, slot=slot, path=str(self.local), error=str(exc))
+            self.local = None
+        mine = local.copies(self.local, self.root)
+        self.local_step: int | None = mine[-1].step if mine else None  # this node's newest first-level copy
+        self._released = False  # every node's flush is past the store (from the last all-gather: the same everywhere)
         newest = catalog.newest(self.root) if self.root else None
         self.durable: int | None = newest.step if newest else None
         self.served: str | None = None  # the newest request id served (the same on every agent)
@@ -78,7 +90,19 @@ class Flusher:
 
     @property
     def busy(self) -> bool:
+        """A flush is under way (its write, or its drain to the shared file system)."""
         return self._step is not None
+
+    @property
+    def pinning(self) -> bool:
+        """A flush may still read the store (its slots pinned): no protection pass starts meanwhile. Decided from
+        the last round's all-gather, so every agent decides the same (protection passes are collective)."""
+        return self._step is not None and not self._released
+
+    @property
+    def phase(self) -> str | None:
+        """`running` (writing from the store), `draining` (node-local copy to the shared file system), or None."""
+        return self._state if self.busy else None
 
     def round(self, mesh: Mesh, complete: dict[int, dict[int, Held]], protected: list[int]) -> None:
         """One collective step of the flush: start one when due or asked (every agent the same decision, from the
@@ -120,37 +144,57 @@ class Flusher:
         self._step, self._id, self._state, self._error, self._bytes = step, flush_id, RUNNING, "", 0
         self._world, self._started = world, time.perf_counter()
         self._cancel.clear()
+        self._released = False
         tmp = self.root / catalog.tmp_name(step, flush_id)
-        events.emit("flush_start", step=step, slot=self.slot, path=str(tmp), reason=why)
+        events.emit("flush_start", step=step, slot=self.slot, path=str(tmp), reason=why,
+                    local=str(self.local) if self.local else None)
         self._thread = threading.Thread(target=self._write, args=(step, held, tmp), daemon=True,
                                         name="hpcft-flush")
         self._thread.start()
 
     def _write(self, step: int, held: dict[int, Held], tmp: Path) -> None:
-        """This node's ranks of `step` into `tmp`, the slots pinned meanwhile (pin first, then check the version
-        is still the one read: the writer withdraws first, then checks the pin)."""
+        """This node's ranks of `step` into `tmp`, or first into the node-local level and then drained to `tmp`."""
         try:
-            with self.pins.holding(pin_targets(step, held)):
-                if not all(h.manifest_path.read_bytes() == h.manifest_bytes for h in held.values()):
-                    raise HpcftError(f"the trainers reused a slot of step {step} before the flush pinned it")
-                files.make_dir(flush.sidecar_dir(files.make_dir(tmp)))
-                for rank, h in sorted(held.items()):
-                    data = map_readonly(h.data_path, int(h.manifest["data_bytes"]))
-                    side = flush.write_rank(h.manifest, data, tmp, pace=self._pace, sync=self.cfg.sync)
-                    self._bytes += side["file_bytes"]
+            first = self.local / catalog.tmp_name(step, self._id) if self.local else tmp
+            self._from_store(step, held, first, self._pace if first == tmp else self._cancelled)
+            if self.local is not None:
+                copy = local.publish(first, self.local, step, self._world, sorted(held), self.job_id, self._id,
+                                     self.root, self.cfg.keep)
+                self.local_step = step
+                events.emit("flush_local", step=step, slot=self.slot, path=str(copy.path), bytes=self._bytes,
+                            seconds=round(time.perf_counter() - self._started, 3))
+                self._state = DRAINING
+                local.drain(copy, tmp, pace=self._pace, sync=self.cfg.sync)
             self._state = DONE
         except (HpcftError, OSError) as exc:
-            self._error = str(exc)
+            self._error = f"drain to {self.root}: {exc}" if self._state == DRAINING else str(exc)
             self._state = FAILED
 
-    def _pace(self, nbytes: int) -> None:
+    def _from_store(self, step: int, held: dict[int, Held], dest: Path, pace) -> None:
+        """Write this node's ranks of `step` into `dest`, the slots pinned meanwhile (pin first, then check the
+        version is still the one read: the writer withdraws first, then checks the pin)."""
+        with self.pins.holding(pin_targets(step, held)):
+            if not all(h.manifest_path.read_bytes() == h.manifest_bytes for h in held.values()):
+                raise HpcftError(f"the trainers reused a slot of step {step} before the flush pinned it")
+            files.make_dir(flush.sidecar_dir(files.make_dir(dest)))
+            for rank, h in sorted(held.items()):
+                data = map_readonly(h.data_path, int(h.manifest["data_bytes"]))
+                side = flush.write_rank(h.manifest, data, dest, pace=pace, sync=self.cfg.sync)
+                self._bytes += side["file_bytes"]
+
+    def _cancelled(self, _nbytes: int = 0) -> None:
         if self._cancel.is_set():
             raise HpcftError("cancelled: another node's part of this flush failed")
+
+    def _pace(self, nbytes: int) -> None:
+        """The cap on writes to the shared file system (a direct flush, or the drain)."""
+        self._cancelled()
         self.throttle.take(nbytes)
 
     def _progress(self, mesh: Mesh, states: list[dict[str, Any]]) -> None:
         failed = [f"slot {i}: {s['error']}" for i, s in enumerate(states) if s["state"] == FAILED]
-        if not failed and any(s["state"] == RUNNING for s in states):
+        self._released = all(s["state"] != RUNNING for s in states)  # every store free: protection may go on
+        if not failed and any(s["state"] in (RUNNING, DRAINING) for s in states):
             return
         step, tmp = self._step, self.root / catalog.tmp_name(self._step, self._id)
         error = "; ".join(failed)
@@ -169,7 +213,8 @@ class Flusher:
         if error:
             self._failed_at = step
             events.emit("flush_failed", level=logging.ERROR, step=step, slot=self.slot, error=error,
-                        durable=self.durable, action="the previous durable checkpoint stays; the next flush retries")
+                        durable=self.durable, local=self.local_step,
+                        action="the previous durable checkpoint stays; the next flush retries")
         else:
             self.durable = step
             events.emit("flush_done", step=step, slot=self.slot, bytes=nbytes, seconds=round(seconds, 3),

@@ -9,7 +9,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hpcft import events
 from hpcft.errors import StoreError
@@ -19,7 +19,7 @@ from hpcft.store.paths import read_file
 CKPT_FORMAT = "hpcft-durable/1"
 INDEX = "checkpoint.json"  # in .hpcft/: the checkpoint's own description, written before .metadata
 ENV_PERSIST = "HPCFT_PERSIST_DIR"  # the durable tier's directory, as `hpcft run` exports it to the trainers
-_DONE = re.compile(r"step-(\d{1,12})$")
+DONE = re.compile(r"step-(\d{1,12})$")
 _TMP = re.compile(r"\.step-(\d{1,12})\.([A-Za-z0-9_.-]+)\.tmp$")
 
 
@@ -57,7 +57,7 @@ def checkpoints(root: Path | None) -> list[Durable]:
         return []
     out = []
     for d in root.iterdir():
-        m = _DONE.match(d.name)
+        m = DONE.match(d.name)
         if not m or d.is_symlink() or not d.is_dir():
             continue
         try:
@@ -76,11 +76,13 @@ def newest(root: Path | None) -> Durable | None:
     return found[-1] if found else None
 
 
-def prune(root: Path, keep: int, job: str, current: str | None = None) -> list[Path]:
-    """Remove complete checkpoints beyond the newest `keep`, and this job's temporary directories other than
-    `current` (flushes that failed or were killed); the paths removed (event `durable_pruned`)."""
+def prune(root: Path, keep: int, job: str, current: str | None = None,
+          listing: Callable[[Path], list[Durable]] | None = None) -> list[Path]:
+    """Remove complete checkpoints (as `listing` finds them: default `checkpoints`) beyond the newest `keep`, and this
+    job's temporary directories other than `current` (flushes that failed or were killed); the paths removed (event
+    `durable_pruned`)."""
     gone = []
-    done = checkpoints(root)
+    done = (listing or checkpoints)(root)
     for c in done[:max(0, len(done) - keep)]:
         gone.append(c.path)
     for d in root.iterdir():

@@ -67,7 +67,7 @@ def write_rank(manifest: dict[str, Any], data: np.ndarray, ckpt: Path, *, pace: 
     crcs = [0] * len(its)
     starts = [0] * len(its)
     fd = files.create(path)
-    pos = 0
+    pos = whole = 0  # whole: the file's crc32c, its data parts combined from the verified ones (for a drain's check)
 
     def put(*bufs: Any) -> None:
         nonlocal pos
@@ -77,7 +77,9 @@ def write_rank(manifest: dict[str, Any], data: np.ndarray, ckpt: Path, *, pace: 
         for i, it in enumerate(its):
             if it.nbytes == 0:  # no sub-range reaches it
                 starts[i] = pos
-                put(b"".join(envelope(it.dtype, it.sizes)))
+                record = b"".join(envelope(it.dtype, it.sizes))
+                whole = crc32c(record, whole)
+                put(record)
         for a, b, i, c in _chunks_verified(data, manifest["chunks"], its, seal_key(manifest), rank, step):
             if i is None:
                 continue
@@ -88,6 +90,7 @@ def write_rank(manifest: dict[str, Any], data: np.ndarray, ckpt: Path, *, pace: 
             if head:
                 starts[i] = pos
             crcs[i] = crc.combine(crcs[i], c, b - a)
+            whole = crc32c(tail, crc.combine(crc32c(head, whole), c, b - a))
             put(*(x for x in (head, data[a:b], tail) if len(x)))
     finally:
         files.finish(fd, path, sync)
@@ -98,7 +101,8 @@ def write_rank(manifest: dict[str, Any], data: np.ndarray, ckpt: Path, *, pace: 
                      start + len(prefix), it.nbytes, c, start, len(prefix) + it.nbytes + len(suffix)])
     # the data-parallel group whose shares tile the replicated tensors: where hpcft's reader finds the rest of them
     group = (manifest.get("share") or {}).get("group") or [rank]
-    side = {"rank": rank, "step": step, "file": name, "file_bytes": pos, "items": rows, "group": list(group),
+    side = {"rank": rank, "step": step, "file": name, "file_bytes": pos, "file_crc": whole, "items": rows,
+            "group": list(group),
             "meta": {k: manifest.get(k) for k in META}}
     files.put(sidecar_dir(ckpt) / f"rank-{rank:05d}.json", mf.encode(side, RANK_FORMAT), sync)
     return side

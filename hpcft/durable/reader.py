@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -53,11 +54,14 @@ class Checkpoint:
     """One complete durable checkpoint, its sidecars read (and checked) as they are needed and its data files
     opened once; `read(rank, row)` is a chunk's verified bytes."""
 
-    def __init__(self, durable: catalog.Durable):
+    def __init__(self, durable: catalog.Durable, local: catalog.Durable | None = None):
         self.step, self.path = durable.step, durable.path
         self.world = durable.index.get("world")
         if not _count(self.world) or durable.index.get("ranks") != list(range(self.world)):
             raise ManifestError(f"{self.path}'s index does not list the ranks 0..world-1")
+        # the view of a node-local copy (hpcft.durable.local): its ranks read there, the others from `durable`
+        self.local = local.path if local is not None else None
+        self._here = set(local.index.get("ranks") or ()) if local is not None else set()
         self._sides: dict[int, dict[str, Any]] = {}
         self._fds: dict[int, int] = {}
         self.nbytes = 0
@@ -65,7 +69,7 @@ class Checkpoint:
 
     def side(self, rank: int) -> dict[str, Any]:
         if rank not in self._sides:
-            path = sidecar_dir(self.path) / f"rank-{rank:05d}.json"
+            path = sidecar_dir(self.dir(rank)) / f"rank-{rank:05d}.json"
             s = read_sidecar(path)
             if s.get("rank") != rank or s.get("step") != self.step or s.get("file") != data_name(rank) \
                     or not isinstance(s.get("items"), list) or not isinstance(s.get("meta"), dict):
@@ -74,6 +78,10 @@ class Checkpoint:
                 check_row(row, str(path))
             self._sides[rank] = s
         return self._sides[rank]
+
+    def dir(self, rank: int) -> Path:
+        """Where rank `rank`'s sidecar and data file are read: the node-local copy if it holds them."""
+        return self.local if rank in self._here and self.local is not None else self.path
 
     def rows(self, ranks: Sequence[int]) -> Rows:
         out: Rows = {}
@@ -92,7 +100,7 @@ class Checkpoint:
 
     def read(self, rank: int, row: list) -> np.ndarray:
         """The chunk's raw bytes, verified against its crc32c (IntegrityError, event `durable_chunk_lost`)."""
-        path = self.path / data_name(rank)
+        path = self.dir(rank) / data_name(rank)
         if rank not in self._fds:
             try:
                 self._fds[rank] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -188,14 +196,16 @@ def meta_rank(ckpt: Checkpoint, rank: int) -> int:
 
 
 def restore(durable: catalog.Durable, entries: Sequence[Entry], rank: int, world_size: int, world: Any = None,
-            check_meta: Callable[[dict[str, Any]], None] | None = None) -> tuple[dict[str, Any], int]:
-    """Load `durable` into `entries` on every rank (collective over `world`, a CPU-capable group of all ranks):
+            check_meta: Callable[[dict[str, Any]], None] | None = None,
+            local: catalog.Durable | None = None) -> tuple[dict[str, Any], int]:
+    """Load `durable` (seen through this node's copy `local`, if given) into `entries` on every rank (collective
+    over `world`, a CPU-capable group of all ranks):
     this rank's meta (RNG, optimizer settings, `extra`: see `meta_rank`) and the bytes it read. Every rank raises
     together if any failed: IntegrityError when a rank lost a chunk, sidecar or file (event `durable_lost`),
     CheckpointError when the checkpoint does not fit the live state."""
     code, why, meta, ckpt = OK, "", {}, None
     try:
-        ckpt = Checkpoint(durable)
+        ckpt = Checkpoint(durable, local)
         src = meta_rank(ckpt, rank)
         meta = ckpt.side(src)["meta"]
         if not isinstance(meta.get("rng"), dict) or not all(isinstance(meta.get(k), (dict, type(None)))

@@ -1,8 +1,9 @@
 """Where a restore comes from, and in which order (the design's restore order): the newest step complete on every
-rank, in memory (own node's store: the agents rebuilt what a replaced node lost before the trainers started) or in
-the durable tier; memory first at an equal step (local, and faster); on a failure the next older candidate of either
-source, every rank together. The choice and why is event `restore_source`; a restart from step 0 although progress
-existed is an error-level `restore_none` with its cause."""
+rank, in memory (own node's store: the agents rebuilt what a replaced node lost before the trainers started), in
+the node-local first level of the durable tier (every node's copy of the same flush; hpcft.durable.local) or on the
+shared file system; at an equal step memory first, then the node-local copies (local, and faster); on a failure the
+next older candidate of any source, every rank together. The choice and why is event `restore_source`; a restart
+from step 0 although progress existed is an error-level `restore_none` with its cause."""
 from __future__ import annotations
 
 import logging
@@ -11,14 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+import torch.distributed as dist
+
 from hpcft import events
-from hpcft.durable import catalog, reader
+from hpcft.durable import catalog, local, reader
 from hpcft.errors import CheckpointError, IntegrityError
 from hpcft.snapshot.restore import Loader, held_everywhere
 from hpcft.snapshot.state import Entry
-from hpcft.store import Version
+from hpcft.store import Version, crc32c
 
-MEMORY, DURABLE = "memory", "durable"
+MEMORY, NVME, DURABLE = "memory", "nvme", "durable"
+_PREFER = {MEMORY: 0, NVME: 1, DURABLE: 2}
 
 
 @dataclass(frozen=True)
@@ -30,29 +35,39 @@ class Restored:
     meta: dict[str, Any]
 
 
-def order(memory: Sequence[int], durable: Sequence[int]) -> list[tuple[int, str]]:
-    """The candidates to try, newest step first, memory before the durable tier at an equal step (pure)."""
-    return sorted([(s, MEMORY) for s in memory] + [(s, DURABLE) for s in durable],
-                  key=lambda c: (-c[0], c[1] != MEMORY))
+def order(memory: Sequence[int], durable: Sequence[int], nvme: Sequence[int] = ()) -> list[tuple[int, str]]:
+    """The candidates to try, newest step first; at an equal step memory, then the node-local copies, then the
+    shared file system (pure)."""
+    return sorted([(s, MEMORY) for s in memory] + [(s, NVME) for s in nvme] + [(s, DURABLE) for s in durable],
+                  key=lambda c: (-c[0], _PREFER[c[1]]))
 
 
-def why(first: tuple[int, str], memory: Sequence[int], durable: Sequence[int], failures: Sequence[str]) -> str:
-    """The reason `restore_source` gives for loading `first` (pure)."""
+def why(first: tuple[int, str], memory: Sequence[int], durable: Sequence[int], failures: Sequence[str],
+        nvme: Sequence[int] | None = None) -> str:
+    """The reason `restore_source` gives for loading `first` (pure); `nvme`: the steps every node holds a usable
+    node-local copy of (None: no node-local level here)."""
     step, source = first
     if failures:
         return "fell back: " + "; ".join(failures)
     if source == MEMORY:
         newer = f" (durable newest {durable[0]})" if durable else " (no durable checkpoint complete everywhere)"
         return f"newest step complete in every rank's memory{newer}"
-    if not memory:
-        return "memory holds no step complete on every rank"
-    return f"the durable step is newer than memory's best {memory[0]}"
+    mem = f"memory's best is {memory[0]}" if memory else "memory holds no step complete on every rank"
+    if source == NVME:
+        return f"{mem}; every node holds its node-local copy of step {step}" + \
+            ("" if step in durable else " (not on the shared file system)")
+    mem = f"the durable step is newer than memory's best {memory[0]}" if memory else mem
+    if nvme is None:
+        return mem
+    return f"{mem}; the node-local level holds no usable copy of step {step} on every node" + \
+        (f" (their newest: {nvme[0]})" if nvme else "")
 
 
 def restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Path | None,
-            check_meta: Callable[[dict[str, Any]], None] | None = None, world_size: int = 1) -> Restored | None:
-    """Load the newest step complete on every rank from memory or `persist` (collective; see the module docstring);
-    None on a fresh run. `entries_fn()` gives the live entries (called once, after the caller created optimizer
+            check_meta: Callable[[dict[str, Any]], None] | None = None, world_size: int = 1,
+            local_root: Path | None = None) -> Restored | None:
+    """Load the newest step complete on every rank from memory, this node's first level `local_root` or `persist`
+    (collective; see the module docstring); None on a fresh run. `entries_fn()` gives the live entries (called once, after the caller created optimizer
     state); `check_meta` checks what the caller will apply. After a load, every version this rank holds in memory
     that is newer than the step loaded (or a second copy of it) is withdrawn (event `version_withdrawn`): training
     writes those steps anew. IntegrityError if candidates existed but none could be loaded."""
@@ -62,9 +77,11 @@ def restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Path
     memory, in_memory = held_everywhere(held, loader.world)
     durables = {d.step: d for d in catalog.checkpoints(persist)}
     durable, on_disk = held_everywhere(list(durables.values()), loader.world)
-    candidates = order(memory, durable)
+    mine = local.usable(local_root, persist, store.rank, world_size, durables)
+    nvme, on_nvme = held_everywhere(list(mine.values()), loader.world)
+    candidates = order(memory, durable, nvme)
     if not candidates:
-        _none(store.rank, in_memory, on_disk, persist)
+        _none(store.rank, in_memory, on_disk or on_nvme, persist)
         return None
     entries = entries_fn()
     failures: list[str] = []
@@ -74,6 +91,14 @@ def restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Path
                 copies = [v for v in reversed(held) if v.step == step]  # the later written first
                 chosen, nbytes = loader.load(copies, entries, check_meta)
                 meta = chosen.manifest
+            elif source == NVME:
+                chosen, copy = None, mine[step]
+                if not _same(crc32c(str(copy.index.get("flush")).encode()), loader.world):
+                    raise CheckpointError(f"nvme step {step}: the nodes' copies come from different flushes")
+                shared = durables.get(step) or catalog.Durable(step, copy.path, {"world": world_size,
+                                                                                  "ranks": list(range(world_size))})
+                meta, nbytes = reader.restore(shared, entries, store.rank, world_size, loader.world, check_meta,
+                                              local=copy)
             else:
                 chosen = None
                 meta, nbytes = reader.restore(durables[step], entries, store.rank, world_size, loader.world, check_meta)
@@ -83,10 +108,14 @@ def restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Path
                         error=str(exc))
             continue
         stale = _withdraw(store, held, step, chosen)
+        if not store.readonly:
+            local.withdraw(local_root, step, f"restore loaded step {step} from {source}")
         if store.rank == 0:
-            events.emit("restore_source", level=logging.WARNING if failures or source == DURABLE else logging.INFO,
-                        source=source, step=step, reason=why((step, source), memory, durable, failures),
-                        path=str(durables[step].path) if source == DURABLE else str(store.dir))
+            events.emit("restore_source", level=logging.WARNING if failures or source != MEMORY else logging.INFO,
+                        source=source, step=step,
+                        reason=why((step, source), memory, durable, failures, nvme if local_root else None),
+                        path=str(durables[step].path) if source == DURABLE else
+                        str(mine[step].path) if source == NVME else str(store.dir))
         events.emit("restore_done", level=logging.WARNING if failures or stale or store.rejected else logging.INFO,
                     rank=store.rank, step=step, source=source, bytes=nbytes,
                     seconds=round(time.perf_counter() - t0, 6), skipped=len(stale) + len(store.rejected),
@@ -94,6 +123,15 @@ def restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Path
         return Restored(step, source, meta)
     raise IntegrityError("restore failed: no step held in memory or the durable tier by every rank could be loaded: "
                          + "; ".join(failures))
+
+
+def _same(value: int, world: Any = None) -> bool:
+    """Whether every rank passed the same `value` (collective over `world`)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    t = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world)
+    return int(t[0]) == -int(t[1])
 
 
 def _withdraw(store: Any, held: Sequence[Version], step: int, chosen: Version | None) -> list[Version]:

@@ -12,3 +12,4 @@ class PersistConfig:
     keep: int = 2  # complete durable checkpoints kept
     rate: float | None = None  # bytes/s cap on one node's flush writes
     sync: bool = True  # fsync what is written (off only for benches of the page cache)
+    local: str | None = None  # the node-local first level (hpcft.durable.local.local_root: None from the environment)

@@ -237,6 +237,23 @@ class AgentSteps:
                   protected=self.protected(), durable=durable, seconds=round(time.monotonic() - started, 3),
                   **({"reason": why} if why else {}), **({"flush_reason": flush_why} if flush_why else {}))
 
+    def _finish_flush(self) -> None:
+        """A flush under way (its drain from node-local storage, which Frontier wipes at the job's end, above all)
+        finishes before the agents are stopped, for up to --protect-timeout, unless `hpcft run` got SIGTERM (event
+        `flush_wait`)."""
+        started = time.monotonic()
+        waited = False
+        while self.proc is not None and self.proc.poll() is None and not self._interrupted() \
+                and time.monotonic() < started + self.cfg.protect_timeout:  # SIGTERM: Slurm's grace is short
+            if not any(r.get("flushing") for r in agent_status.read(self.rendezvous, self.tag).values()):
+                break
+            waited = True
+            time.sleep(min(self.cfg.poll_interval, 0.5))
+        if waited:
+            busy = [r for r in agent_status.read(self.rendezvous, self.tag).values() if r.get("flushing")]
+            self.emit("flush_wait", level=logging.WARNING if busy else logging.INFO, done=not busy,
+                      seconds=round(time.monotonic() - started, 3))
+
     def reports(self) -> list[dict]:
         """The running agents' status reports (each node's phase, steps and memory figures); none without agents."""
         return list(agent_status.read(self.rendezvous, self.tag).values()) if self.proc is not None else []
@@ -246,14 +263,16 @@ class AgentSteps:
         steps = [r.get("protected") for r in agent_status.read(self.rendezvous, self.tag).values()]
         return min(steps) if steps and None not in steps else None
 
-    def stop(self, ask: bool = True) -> None:
-        """Stop the agents' step of the last launch, if it runs: asked to (each agent exits 0 within a poll), for
-        up to --kill-grace, then killed with the step. `ask=False` kills at once (a node was lost: the mesh is
-        broken, and recovery must not wait)."""
+    def stop(self, ask: bool = True, flush: bool = True) -> None:
+        """Stop the agents' step of the last launch, if it runs: asked to (each agent exits 0 within a poll, after a
+        flush under way when `flush`), for up to --kill-grace, then killed with the step. `ask=False` kills at once
+        (a node was lost: the mesh is broken, and recovery must not wait)."""
         if self.proc is None:
             return
         how = "exited" if self.proc.poll() is not None else "asked" if ask else "killed"
         if how == "asked":
+            if flush:
+                self._finish_flush()
             agent_status.request_stop(self.rendezvous, self.tag)
             try:
                 for p in [self.proc, *self.hosted_procs.values()]:

@@ -44,6 +44,9 @@ def _run_options(f):
                      help="Flush every this many steps of protection progress (default 100; always before a requeue)."),
         click.option("--persist-keep", type=int, default=None, help="Durable checkpoints kept (default 2)."),
         click.option("--persist-rate", type=float, default=None, help="Bytes/s cap on each node's flush writes."),
+        click.option("--persist-local", default=None,
+                     help="Node-local first level of the durable tier, drained to --persist-dir (default "
+                          "$HPCFT_NVME/hpcft-persist with `hpcft submit --nvme`; $VARs expanded per node; none: off)."),
         click.option("--agent-iface", default=None,
                      help="Network interface the node agents bind to (default: the profile's, hsn0 on Frontier)."),
         click.option("--keep", type=int, default=None, help="The Checkpointer's keep, for memory planning (default 2)."),

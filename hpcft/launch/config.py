@@ -35,7 +35,9 @@ class RunConfig:
     durable tier's directory on a file system every node and the next allocation see (default
     `<job_dir>/checkpoints`; `none`: no flushing); persist_every: flush once the newest protected step is this many
     steps past the newest durable one (and always before a requeue); persist_keep: durable checkpoints kept;
-    persist_rate: bytes/s cap on each node's flush writes; agent_iface: the network interface the node agents bind to
+    persist_rate: bytes/s cap on each node's flush writes; persist_local: the durable tier's node-local first level,
+    written first and drained to persist_dir (exported as $HPCFT_PERSIST_LOCAL; `$VAR`s expanded on each node;
+    default: $HPCFT_NVME/hpcft-persist where `hpcft submit --nvme` gave one; `none`: off); agent_iface: the network interface the node agents bind to
     (default: the profile's, hsn0 on Frontier; a node without it falls back to its hostname's address with a
     warning event); keep: the Checkpointer's `keep` (versions kept per rank), for memory planning; state_bytes: one
     snapshot's bytes on one node (all its ranks), for the memory check before the first launch (unknown: checked
@@ -72,6 +74,7 @@ class RunConfig:
     persist_every: int = 100
     persist_keep: int = 2
     persist_rate: float | None = None
+    persist_local: str | None = None
     agent_iface: str | None = None
     keep: int = 2
     state_bytes: int | None = None

@@ -25,6 +25,7 @@ from hpcft.errors import CheckpointError, ConfigError, HpcftError, SlurmError
 from hpcft.launch import elastic, losses, profiles, progress
 from hpcft.launch.agents import AgentSteps
 from hpcft.durable.catalog import ENV_PERSIST
+from hpcft.durable.local import ENV_LOCAL
 from hpcft.launch.config import RunConfig, durable_dir, resolve_protect
 from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.layout import Layout
@@ -159,7 +160,10 @@ class Supervisor:
             record(decision, event, state, str(self.job_dir))
             if decision.action is Action.REQUEUE:
                 self._persist_before_requeue(event)
-            self.agents.stop(ask=not event.bad_nodes)
+            # a relaunch does not wait for a flush under way (its node-local copies stay for the next one); a shrink
+            # lost a node, whose agent no flush can wait for
+            self.agents.stop(ask=not event.bad_nodes,
+                             flush=decision.action not in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK))
             if decision.action is Action.SHRINK:
                 decision = self._shrink(decision, event, state, saved.restarts + saved.requeues)
             self._why_launch = self._launch_reason(decision, event)
@@ -303,6 +307,7 @@ class Supervisor:
         durable = durable_dir(self.cfg, self.job_dir)
         if durable is not None:
             env[ENV_PERSIST] = str(durable)  # where the trainers' restore finds the durable tier
+            env.update({ENV_LOCAL: self.cfg.persist_local} if self.cfg.persist_local else {})  # and its first level
         return env
 
     def _agents_failed(self, layout: Layout, exc: CheckpointError) -> Event:

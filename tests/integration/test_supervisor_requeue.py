@@ -288,10 +288,13 @@ def test_a_lost_batch_host_is_requeued_by_the_janitors_and_the_job_resumes_from_
 
 def test_a_job_requeued_onto_other_nodes_resumes_from_the_durable_tier(healthy_sandbox, reference, tmp_path):
     """Frontier's case: the requeued job gets entirely other nodes (here its first nodes are drained), whose memory
-    holds nothing; the checkpoint the agents flushed before the requeue is where it resumes, bit-identical."""
+    holds nothing; the checkpoint the agents flushed before the requeue (through each node's own first level,
+    `$SLURMD_NODENAME` expanded on the node, then drained) is where it resumes, bit-identical."""
     runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
+    nvme = tmp_path / "nvme"  # the sandbox's nodes share /tmp: a directory per node stands for each one's NVMe
     job_id = _submit(healthy_sandbox, out, "--nodes", "3", "--warn", "60", "--probe-timeout", "5", "--kill-grace",
-                     "1", "--protect", "xor", "--group", "3", STEPS=STEPS, STEP_DELAY="0.2")
+                     "1", "--protect", "xor", "--group", "3", "--persist-local", f"{nvme}/$SLURMD_NODENAME",
+                     STEPS=STEPS, STEP_DELAY="0.2")
     wait_progress(job_dir, 0, 6)
     first = fields(runner.run(["scontrol", "show", "job", "-o", job_id]).stdout)["NodeList"]
     runner.run(["scontrol", "update", f"NodeName={first}", "State=DRAIN", "Reason=hpcft-test"])
@@ -305,5 +308,7 @@ def test_a_job_requeued_onto_other_nodes_resumes_from_the_durable_tier(healthy_s
     assert persist["done"] is True and persist["durable"] >= 6, persist
     assert _restored(out, "1.") == {persist["durable"]}
     source = [e for e in recs if e["event"] == "restore_source"]
-    assert source and source[-1]["source"] == "durable", source
+    assert source and source[-1]["source"] == "durable" and "node-local" in source[-1]["reason"], source
+    for node in starts[0]["slots"].split(","):  # each first node drained its own copy of the requeue's flush
+        assert (nvme / node / f"step-{persist['durable']}").is_dir(), sorted(nvme.glob("*/*"))
     assert_same_result(out, reference)

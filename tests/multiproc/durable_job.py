@@ -1,8 +1,9 @@
 """A data-parallel job for the durable tier's tests, run by launch.py: `train --steps N --per-node P` trains a bf16
 model (a mixed bf16/fp32 state: AdamW's step counters are fp32) with hpcft snapshots every step, each "node" (P
 consecutive ranks) with its own store root under $HPCFT_STORE_ROOT, so that one agent per node flushes it; it
-restores first (from memory), and rank 0 saves the state after every step as `ref-<step>.pt` (the replicas are
-identical) for the test to compare a durable checkpoint with."""
+restores first (from memory, or with `--persist DIR [--local DIR]` the durable tier: each node's first level is
+`<local>/node<n>`), and rank 0 saves the state after every step as `ref-<step>.pt` (the replicas are identical) for
+the test to compare a durable checkpoint with, and with `--dump NAME` the state restore gave as `NAME.pt`."""
 import argparse
 import os
 from pathlib import Path
@@ -28,14 +29,21 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--per-node", type=int, default=2)
+    ap.add_argument("--persist", default=None)
+    ap.add_argument("--local", default=None)
+    ap.add_argument("--dump", default=None)
     args = ap.parse_args()
     ctx = hpcft.init()
     rank = dist.get_rank()
     root = Path(os.environ["HPCFT_STORE_ROOT"]) / f"node{rank // args.per_node}"
     root.mkdir(exist_ok=True)
     model, opt = model_and_optimizer()
-    ckpt = hpcft.Checkpointer(model, opt, dp_group=dist.group.WORLD, root=root)
+    node_local = Path(args.local) / f"node{rank // args.per_node}" if args.local else "none"
+    ckpt = hpcft.Checkpointer(model, opt, dp_group=dist.group.WORLD, root=root, persist_dir=args.persist,
+                              persist_local=node_local)
     start = ckpt.restore()
+    if args.dump and rank == 0:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": start}, args.out / f"{args.dump}.pt")
     for it in range(start, args.steps):
         g = torch.Generator().manual_seed(it * 100 + rank)
         x = torch.randn(8, WIDTH, generator=g).to(torch.bfloat16)

@@ -16,7 +16,7 @@ def _agents(where, slots, scheme="xor", group=4, losses=1, silent=(), failed=(),
         phase = "failed" if s in failed else "stopped" if s in stopped else "protecting"
         agent_status.write(where, "0", s, node=f"n{s}", phase=phase,
                            scheme=scheme, group=group, losses=losses, distance=1, slots=slots, interval=1.0,
-                           staged=5, protected=max(records), persisted=None, versions={"0": [3, 4, 5], "1": [4, 5]},
+                           staged=5, protected=max(records), persisted=None, local=4 if s == 0 else None, versions={"0": [3, 4, 5], "1": [4, 5]},
                            protected_steps=list(records), error="boom" if s in failed else None,
                            lag_steps=5 - max(records), lag_s=2.5)
     if silent:  # heartbeats from long ago
@@ -38,6 +38,7 @@ def test_versions_states_and_a_degraded_set(tmp_path):
         ([0, 1, 2, 3], HEALTHY, [], 4), ([4, 5, 6, 7], DEGRADED, [5], 4)]
     assert "silent" in view.sets[1].detail and "set 1 slots 4,5,6,7: degraded" in render(view)
     assert (n0.lag_steps, n0.lag_s) == (1, 2.5) and "1 (2.5 s)" in render(view)
+    assert n0.local == 4 and view.nodes[1].local is None and "nvme" in render(view).splitlines()[1]
 
 
 def test_two_losses_in_an_xor_set_or_a_partner_pair_are_at_risk_and_stopped_agents_are_not_losses(tmp_path):
