@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -110,14 +111,23 @@ def test_flush_loads_with_plain_dcp_and_survives_an_agent_killed_mid_flush(tmp_p
     base.mkdir()
     shared.mkdir(mode=0o700)
     job_secret.create(shared)
-    _train(base, out, 3)
-    procs = _agents(base, shared, persist, "a")  # no first level: straight to the persist directory
-    _wait(shared, "a", procs, lambda s: s.get("persisted") == 3, "step 3 durable")
-    _stop(shared, "a", procs)
+    hold = tmp_path / "go-on"
+    with ThreadPoolExecutor(1) as pool:  # one training: every rank holds after step 3 until step 3 is durable
+        training = pool.submit(_train, base, out, 6, "--hold-at", "3", "--hold-file", str(hold))
+        try:
+            deadline = time.monotonic() + 180
+            while len(list(out.glob("held.*"))) < 4 and not training.done() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert len(list(out.glob("held.*"))) == 4, training.exception(timeout=0) if training.done() else "no hold"
+            procs = _agents(base, shared, persist, "a")  # no first level: straight to the persist directory
+            _wait(shared, "a", procs, lambda s: s.get("persisted") == 3, "step 3 durable")
+            _stop(shared, "a", procs)
+        finally:
+            hold.touch()
+        training.result()
     assert [c.step for c in catalog.checkpoints(persist)] == [3] and not nvme.exists()
     _assert_loads(persist / "step-3", out / "ref-3.pt")
 
-    _train(base, out, 6)  # resumes from memory at 3
     level = ("--persist-local", str(nvme / "$NODE"))
     procs = _agents(base, shared, persist, "b", "--persist-rate", "20000", *level)  # a drain takes ~5 s
     _wait(shared, "b", procs, lambda s: s.get("flush_phase") == "draining", "both nodes draining")

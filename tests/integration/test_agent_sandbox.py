@@ -1,7 +1,8 @@
 """Node agents in the Slurm sandbox (netns mode, a private /dev/shm per node): a 4-node DP job with 2 spares
 and one agent per node protecting its snapshots; nodes crash (slurmd, steps and /dev/shm gone); agents are
-relaunched on the survivors + spares, rebuild the lost snapshots byte-identical onto the spares, and the
-training resumes there, ending bit-identical to an uninterrupted run (issue 4: node agents)."""
+relaunched on the survivors + spares and rebuild the lost snapshots byte-identical onto the spares, with each scheme
+(rs: two nodes at once; xor and partner: one); after the rs rebuild the training resumes there, ending
+bit-identical to an uninterrupted run (issue 4: node agents)."""
 import json
 import os
 import re
@@ -116,11 +117,11 @@ def _stable(out: Path) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("scheme,lost", [(Scheme("xor", group=4), ["n2"]), (Scheme("partner", distance=1), ["n3"]),
-                                         (Scheme("rs", group=4, losses=2), ["n2", "n3"])], ids=["xor", "partner", "rs"])
-def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(healthy_sandbox, dp_reference,
-                                                                                tmp_path, scheme, lost):
-    runner = healthy_sandbox.runner(timeout=240)
+def _job(sandbox, tmp_path: Path, scheme: Scheme) -> tuple:
+    """(runner, output directory, job id, agents): a 6-node allocation whose trainers ran on n1..n4, their agents
+    (launch 0) protecting with `scheme` from step 1 on, and were killed (SIGKILL, at an arbitrary point) after step 5,
+    their snapshots in the nodes' /dev/shm."""
+    runner = sandbox.runner(timeout=240)
     out = tmp_path / "run"
     (out / "agents").mkdir(parents=True)
     os.chmod(tmp_path, 0o755)
@@ -137,30 +138,51 @@ def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(
         assert trainers.poll() is None, (out / "train-0.log").read_text()[-3000:]
         runner.run(["scancel", "--signal=KILL", f"{job}.0"])  # the trainers stop at an arbitrary point
         trainers.wait(timeout=60)
-        step = _wait(lambda: _stable(out), "the agents never protected the newest step", 60, out / "agents-0.log")
-        if healthy_sandbox.config.mode == "netns":  # each node's eth0 is its own: the agents bound there (--iface)
-            addrs = {n.name: n.addr for n in healthy_sandbox.layout.nodes}
-            bound = [(out / "agents" / f"agent-0-{i}.addr").read_text().rsplit(":", 1)[0] for i in range(len(ACTIVE))]
-            assert bound == [addrs[n] for n in ACTIVE]
-        before = {n: _dump(runner, job, n, step) for n in lost}
-        assert all(len(d) == 2 for d in before.values()), before
+    except BaseException:
+        runner.run(["scancel", job], check=False)
+        raise
+    return runner, out, job, agents
 
-        for n in lost:
-            healthy_sandbox.crash_node(n)  # slurmd, its steps and its /dev/shm are gone
-        if agents.wait(timeout=60) is None:  # the survivors' agents see the peer go and exit
-            agents.kill()
-        slots, _ = Layout(slots=tuple(ACTIVE), spares=("n5", "n6")).replace(lost)
-        slots = list(slots.slots)
 
-        rebuild = _agents(runner, job, slots, 1, out, scheme, rebuild=True, rounds=1)
-        ready = agent_status.wait_ready(out / "agents", "1", 4, timeout=120)
-        assert rebuild.wait(timeout=60) == 0, (out / "agents-1.log").read_text()[-3000:]
-        assert ready.step == step
-        assert sorted(slots[i] for i in ready.rebuilt) == sorted(slots[ACTIVE.index(n)] for n in lost)
-        for n in lost:
-            spare = slots[ACTIVE.index(n)]
-            assert _dump(runner, job, spare, step) == before[n], f"{spare} does not hold what {n} held"
+def _crash_and_rebuild(sandbox, runner, job: str, out: Path, agents: subprocess.Popen, scheme: Scheme,
+                       lost: list[str]) -> tuple[list[str], int]:
+    """Once `agents` (launch 0) have protected the newest step of the killed trainers, the `lost` nodes crash; the
+    agents of launch 1 rebuild their snapshots onto the spares n5, n6, byte-identical to what the lost nodes held.
+    The new slots and the step."""
+    step = _wait(lambda: _stable(out), "the agents never protected the newest step", 60, out / "agents-0.log")
+    if sandbox.config.mode == "netns":  # each node's eth0 is its own: the agents bound there (--iface)
+        addrs = {n.name: n.addr for n in sandbox.layout.nodes}
+        bound = [(out / "agents" / f"agent-0-{i}.addr").read_text().rsplit(":", 1)[0] for i in range(len(ACTIVE))]
+        assert bound == [addrs[n] for n in ACTIVE]
+    before = {n: _dump(runner, job, n, step) for n in lost}
+    assert all(len(d) == 2 for d in before.values()), before
 
+    for n in lost:
+        sandbox.crash_node(n)  # slurmd, its steps and its /dev/shm are gone
+    if agents.wait(timeout=60) is None:  # the survivors' agents see the peer go and exit
+        agents.kill()
+    slots, _ = Layout(slots=tuple(ACTIVE), spares=("n5", "n6")).replace(lost)
+    slots = list(slots.slots)
+
+    rebuild = _agents(runner, job, slots, 1, out, scheme, rebuild=True, rounds=1)
+    ready = agent_status.wait_ready(out / "agents", "1", 4, timeout=120)
+    assert rebuild.wait(timeout=60) == 0, (out / "agents-1.log").read_text()[-3000:]
+    assert ready.step == step
+    assert sorted(slots[i] for i in ready.rebuilt) == sorted(slots[ACTIVE.index(n)] for n in lost)
+    for n in lost:
+        spare = slots[ACTIVE.index(n)]
+        assert _dump(runner, job, spare, step) == before[n], f"{spare} does not hold what {n} held"
+    return slots, step
+
+
+def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(healthy_sandbox, dp_reference,
+                                                                                tmp_path):
+    """rs (group 4, 2 losses): two nodes crash at once, the agents rebuild both onto the spares, and the training
+    resumes there, ending bit-identical to the uninterrupted run."""
+    rs = Scheme("rs", group=4, losses=2)
+    runner, out, job, agents = _job(healthy_sandbox, tmp_path, rs)
+    try:
+        slots, step = _crash_and_rebuild(healthy_sandbox, runner, job, out, agents, rs, ["n2", "n3"])
         assert _trainers(runner, job, slots, 1, out).wait(timeout=240) == 0, (out / "train-1.log").read_text()[-3000:]
     finally:
         runner.run(["scancel", job], check=False)
@@ -170,3 +192,17 @@ def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(
     assert got["seen"] == reference["seen"]
     for name, value in reference["params"].items():
         assert torch.equal(got["params"][name], value), f"{name} differs after the rebuild"
+
+
+@pytest.mark.parametrize("scheme,lost", [(Scheme("xor", group=4), "n2"), (Scheme("partner", distance=1), "n3")],
+                         ids=["xor", "partner"])
+def test_a_crashed_node_is_rebuilt_on_a_spare_byte_identical(healthy_sandbox, tmp_path, scheme, lost):
+    """xor and partner: one node crashes, the agents rebuild it onto a spare. (What the trainers then load is the same
+    bytes: the resume from a rebuild is the rs test's above, and through `hpcft run` the recovery bench's node crash,
+    test_supervisor.py.)"""
+    runner, out, job, agents = _job(healthy_sandbox, tmp_path, scheme)
+    try:
+        slots, _ = _crash_and_rebuild(healthy_sandbox, runner, job, out, agents, scheme, [lost])
+        assert slots == [n if n != lost else "n5" for n in ACTIVE]
+    finally:
+        runner.run(["scancel", job], check=False)

@@ -3,9 +3,12 @@ model (a mixed bf16/fp32 state: AdamW's step counters are fp32) with hpcft snaps
 consecutive ranks) with its own store root under $HPCFT_STORE_ROOT, so that one agent per node flushes it; it
 restores first (from memory, or with `--persist DIR [--local DIR]` the durable tier: each node's first level is
 `<local>/node<n>`), and rank 0 saves the state after every step as `ref-<step>.pt` (the replicas are identical) for
-the test to compare a durable checkpoint with, and with `--dump NAME` the state restore gave as `NAME.pt`."""
+the test to compare a durable checkpoint with, and with `--dump NAME` the state restore gave as `NAME.pt`. With
+`--hold-at S --hold-file F` every rank waits after step S (its snapshot taken, `ref-S.pt` saved; it says so in
+<out>/held.<rank>) until F exists: a test flushes that step while the job lives on."""
 import argparse
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +35,8 @@ def main() -> None:
     ap.add_argument("--persist", default=None)
     ap.add_argument("--local", default=None)
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--hold-at", type=int, default=-1)
+    ap.add_argument("--hold-file", type=Path)
     args = ap.parse_args()
     ctx = hpcft.init()
     rank = dist.get_rank()
@@ -56,6 +61,10 @@ def main() -> None:
         ckpt.wait()
         if rank == 0:
             torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, args.out / f"ref-{it + 1}.pt")
+        if it + 1 == args.hold_at:
+            (args.out / f"held.{rank}").touch()
+            while not args.hold_file.exists():
+                time.sleep(0.05)
     ckpt.close()
     dist.barrier()
     del ctx

@@ -4,7 +4,8 @@
          dp_group (shares cut tensors mid-row) and as FSDP2 on the 4-rank mesh (uneven shards); each rank flushes its
          snapshot to <out>/persist-<kind>, rank 0 commits; rank 0 saves the full state (`ref-<kind>.pt`), every rank
          its RNG state
-  load   fresh processes, at any world size: a plain dcp.load into fresh models equals the reference bit for bit;
+  load   at any world size (in fresh processes, or after `save` in the same ranks: `save,load`), into fresh models,
+         optimizers and stores: a plain dcp.load equals the reference bit for bit;
          hpcft's reader (Checkpointer.restore, memory empty; resharded where the world size differs) equals the DCP
          load bit for bit, with saved rank r's RNG state and extra; a checkpoint only rank 0 sees restores step 0 on
          every rank
@@ -164,16 +165,19 @@ def load(args, ctx) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["save", "load"])
+    ap.add_argument("scenarios", help="save, load, or save,load (one after the other in the same ranks)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
     ctx = hpcft.init()
-    report = {"save": save, "load": load}[args.scenario](args, ctx)
-    Path(args.out, f"{args.scenario}-w{ctx.world}-rank{ctx.rank}.json").write_text(json.dumps(report, default=str))
-    dist.barrier()
+    ok = True
+    for scenario in args.scenarios.split(","):
+        report = {"save": save, "load": load}[scenario](args, ctx)
+        Path(args.out, f"{scenario}-w{ctx.world}-rank{ctx.rank}.json").write_text(json.dumps(report, default=str))
+        ok = ok and report["ok"]
+        dist.barrier()
     ctx.close()
-    return 0 if report["ok"] else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Training scenarios run as real ranks by launch.py (one process per rank, gloo, CPU).
 
-  roundtrip --kind ddp|tp|fsdp   snapshot, clobber, restore into a fresh model+optimizer: bitwise equal?
+  roundtrip --kind ddp|tp|fsdp[,...]   snapshot, clobber, restore into a fresh model+optimizer: bitwise equal?
+                                 (several kinds: one after the other in the same ranks, each in its own job's store)
   damaged                        3 snapshots; rank 1 alone damages two (a FIFO for step 3's data file, a lying
                                  manifest for step 2): every rank must restore step 1, bit for bit, none hang
   train --steps N [--kill-at K] [--delay S] [--tag T]
@@ -100,30 +101,37 @@ def diff(ref: dict, now: dict) -> list[str]:
 
 
 def roundtrip(args, ctx) -> dict:
-    model = build(args.kind, ctx)
+    kinds = args.kind.split(",")
+    reports = {kind: roundtrip_one(kind, args.steps, ctx, f"{os.environ['HPCFT_JOB_ID']}-{kind}") for kind in kinds}
+    return {"ok": all(r["ok"] for r in reports.values()), "kinds": reports}
+
+
+def roundtrip_one(kind: str, steps: int, ctx, job: str) -> dict:
+    model = build(kind, ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     pos = {"pos": 0}
-    ckpt = hpcft.Checkpointer(model, opt, extra=lambda: dict(pos), dp_group=ctx.dp_group, chunk_bytes=1024)
+    ckpt = hpcft.Checkpointer(model, opt, extra=lambda: dict(pos), dp_group=ctx.dp_group, chunk_bytes=1024,
+                              job_id=job)
     if ckpt.restore() != 0:
         return {"ok": False, "why": "fresh run did not restore 0"}
-    for it in range(args.steps):
-        train_step(args.kind, ctx, model, opt, it, pos)
+    for it in range(steps):
+        train_step(kind, ctx, model, opt, it, pos)
     ckpt.wait()
     ref, ref_rng = snapshot_of(model, opt), rng_now()
     stats = ckpt.stats.as_dict()
     ckpt.close()
     # a fresh model and optimizer (other seed, no optimizer state), as after a relaunch
     torch.manual_seed(123), random.seed(5), np.random.seed(5)
-    model2 = build(args.kind, ctx)
+    model2 = build(kind, ctx)
     with torch.no_grad():
         for p in model2.parameters():
             p.add_(1.0)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5, weight_decay=0.1)
-    ckpt2 = hpcft.Checkpointer(model2, opt2, dp_group=ctx.dp_group)
+    ckpt2 = hpcft.Checkpointer(model2, opt2, dp_group=ctx.dp_group, job_id=job)
     step = ckpt2.restore()
     now = snapshot_of(model2, opt2)
     bad = diff(ref, now)
-    ok = step == args.steps and not bad and same_rng(ref_rng, rng_now()) and ckpt2.extra == {"pos": args.steps} \
+    ok = step == steps and not bad and same_rng(ref_rng, rng_now()) and ckpt2.extra == {"pos": steps} \
         and opt2.param_groups[0]["lr"] == 1e-2
     ckpt2.close()
     return {"ok": ok, "step": step, "mismatch": bad, "extra": ckpt2.extra, "entries": len(ref),
