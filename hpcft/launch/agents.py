@@ -255,8 +255,9 @@ class AgentSteps:
                       seconds=round(time.monotonic() - started, 3))
 
     def reports(self) -> list[dict]:
-        """The running agents' status reports (each node's phase, steps and memory figures); none without agents."""
-        return list(agent_status.read(self.rendezvous, self.tag).values()) if self.proc is not None else []
+        """The status reports of the last launch's agents (each node's phase, steps and memory figures), their final
+        ones once stopped; none without agents."""
+        return list(agent_status.read(self.rendezvous, self.tag).values()) if self.tag else []
 
     def protected(self) -> int | None:
         """The newest step every agent of the last launch reports protected, if each reports one."""

@@ -164,6 +164,8 @@ class Supervisor:
             # lost a node, whose agent no flush can wait for
             self.agents.stop(ask=not event.bad_nodes,
                              flush=decision.action not in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK))
+            # a launch shorter than the agents' rounds: their final reports (written as they stop) hold the figures
+            self.preflight.poll(self.agents.reports, now=True)
             if decision.action is Action.SHRINK:
                 decision = self._shrink(decision, event, state, saved.restarts + saved.requeues)
             self._why_launch = self._launch_reason(decision, event)
@@ -282,7 +284,6 @@ class Supervisor:
             reader.start()
             try:
                 event = self._watch(proc, layout, launched, watch)
-                self.preflight.poll(self.agents.reports, now=True)  # a step shorter than the plan's look
             finally:
                 self._stop_steps({TRAIN_STEP_NAME: proc})
                 reader.join(timeout=5)
