@@ -156,16 +156,20 @@ def protect(params: int, warmup: int, threads: int, root: str | None, as_json: b
 @click.option("--keep", type=click.Path(file_okay=False), default=None,
               help="Keep every run's output (job dirs, events, timelines, final.pt) in this new or empty directory, "
                    "one subdirectory per scenario (default: removed unless a run fails).")
+@click.option("--baseline", "baselines", multiple=True, type=click.Choice(["relaunch", "requeue"]),
+              help="Baselines to run (repeatable) [default: both]: torch.save every step, then srun again in the "
+                   "same allocation (relaunch) or scontrol requeue (requeue), and torch.load.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout; the table goes to stderr.")
 @RUNS
 def recovery(directory: str | None, steps: int, fault_at: int, step_delay: float, width: int, layers: int,
-             poll_interval: float, keep: str | None, as_json: bool, runs: int) -> None:
-    """Fault → first step after it, in the sandbox: rank kill, node crash, batch host and a torch.save + requeue
-    baseline."""
+             poll_interval: float, keep: str | None, baselines: tuple[str, ...], as_json: bool, runs: int) -> None:
+    """Fault → first step after it, in the sandbox: rank kill, node crash, batch host, and what a user does
+    without hpcft (torch.save, relaunch in the allocation or requeue, torch.load)."""
     from hpcft.bench.recovery import RecoveryOptions, run
+    from hpcft.bench.recovery_baselines import NAMES
 
     if keep and runs > 1:
         raise click.UsageError("--keep keeps one run's output: give it with --runs 1")
     opts = RecoveryOptions(dir=directory, steps=steps, fault_at=fault_at, step_delay=step_delay, width=width,
-                           layers=layers, poll_interval=poll_interval, keep=keep)
+                           layers=layers, poll_interval=poll_interval, keep=keep, baselines=baselines or NAMES)
     _run(as_json, lambda: run(opts), runs)

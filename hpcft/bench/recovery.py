@@ -1,6 +1,6 @@
 """`hpcft bench recovery`: time from a fault to the first completed training step after it, in the sandbox.
 
-Four runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spare nodes):
+Runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spare nodes):
 - rank kill: `hpcft run`, one trainer SIGKILLed mid-run → relaunch on the same nodes, restore from node memory;
 - node crash: `hpcft run --protect xor`, a node's slurmd, steps and /dev/shm killed once the agents have
   protected a step → a spare takes its slot, the agents rebuild the lost snapshot onto it and every rank
@@ -8,17 +8,18 @@ Four runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spar
 - batch host: `hpcft submit --protect xor` (4 nodes, no spare), the batch script's node (slot 0) crashed once a
   step is protected → the janitors requeue the job, which resumes from the survivors' memory; `batch_host_s` is
   the time from Slurm marking the node bad to the requeue;
-- baseline: a plain batch job that `torch.save`s every step, one rank killed, the batch script `scontrol
-  requeue`s the job, and the next run `torch.load`s the checkpoint.
-Each total is split into consecutive phases: detection (fault → the supervisor's decision, or → the baseline's
-requeue), relaunch (→ every rank is ready to restore: srun, Python + torch import, process group, model,
-optimizer and Checkpointer built), restore (→ every rank has restored) and first step (→ every rank has completed its first step). Times come from the
-supervisor's events (<job dir>/events.jsonl) and the job's own timeline; all processes share one clock.
+- baselines (hpcft/bench/recovery_baselines.py): a plain batch job that `torch.save`s every step, one rank killed;
+  its batch script runs srun again in the same allocation (`relaunch`, what a user would do: the fair one), or
+  `scontrol requeue`s the job (`requeue`), and the next launch `torch.load`s the checkpoint.
+Every total runs from the fault itself. Each is split into consecutive phases: detection (fault → the supervisor's
+decision, or → the baseline's script reacting), relaunch (→ every rank is ready to restore: srun, Python + torch
+import, process group, model, optimizer and Checkpointer built), restore (→ every rank has restored) and first
+step (→ every rank has completed its first step). Times come from the supervisor's events (<job dir>/events.jsonl)
+and the job's own timeline (hpcft/bench/timeline.py); all processes share one clock.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -34,13 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from hpcft import events
+from hpcft.bench import recovery_baselines, timeline
 from hpcft.bench.harness import Report
+from hpcft.bench.timeline import ACTIVE, JOB, VICTIM_RANK
 from hpcft.errors import ConfigError, HpcftError
 from hpcft.slurm import state as slurmstate
 
 _log = logging.getLogger(__name__)
-JOB = Path(__file__).with_name("train_job.py")
-ACTIVE, SPARES, VICTIM_RANK = 4, 2, 2
+SPARES = 2
 TARGETS = {"rank_kill_s": 10.0, "node_crash_s": 15.0, "restore_share": 0.10}
 
 
@@ -57,12 +59,17 @@ class RecoveryOptions:
     kill_grace: float = 1.0
     timeout: float = 300.0          # per run
     keep: str | None = None         # keep the runs' output here (else a temp dir, removed unless a run fails)
+    baselines: tuple[str, ...] = recovery_baselines.NAMES  # which baselines to run
 
     def __post_init__(self) -> None:
         if not 0 < self.fault_at < self.steps - 1:
             raise ConfigError(f"--fault-at must be between 1 and --steps - 2 (got {self.fault_at}, steps {self.steps})")
         if self.width < 1 or self.layers < 1:
             raise ConfigError(f"--width and --layers must be positive (got {self.width}, {self.layers})")
+        unknown = set(self.baselines) - set(recovery_baselines.NAMES)
+        if unknown or not self.baselines:
+            raise ConfigError(f"--baseline takes {' or '.join(recovery_baselines.NAMES)} "
+                              f"(got {sorted(unknown) or 'none'})")
         if self.keep and Path(self.keep).exists() and any(Path(self.keep).iterdir()):
             raise ConfigError(f"--keep {self.keep} is not empty: name a new or empty directory (nothing is overwritten)")
 
@@ -93,40 +100,6 @@ def _sandbox(directory: str | None) -> Iterator[Any]:
         shutil.rmtree(own, ignore_errors=True)
 
 
-def _job_env(opts: RecoveryOptions, out: Path, **extra: str) -> dict[str, str]:
-    return {"OUT": str(out), "STEPS": str(opts.steps), "STEP_DELAY": str(opts.step_delay), "WIDTH": str(opts.width),
-            "LAYERS": str(opts.layers), "PYTHONUNBUFFERED": "1", **extra}
-
-
-def _timeline(out: Path) -> list[dict]:
-    path = out / "timeline.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def _wait(predicate, what: str, timeout: float, proc: subprocess.Popen | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = predicate()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
-            raise HpcftError(f"the job ended (exit status {proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            raise HpcftError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def _victim(out: Path, opts: RecoveryOptions, run: str) -> int | None:
-    """The pid of rank VICTIM_RANK in `run` once every rank has completed step `fault_at`."""
-    recs = [r for r in _timeline(out) if r["run"] == run]
-    done = {r["rank"] for r in recs if r["what"] == "step" and r["step"] >= opts.fault_at}
-    if len(done) < ACTIVE:
-        return None
-    return next((r["pid"] for r in recs if r["what"] == "start" and r["rank"] == VICTIM_RANK), None)
-
-
 def _supervised(sb, opts: RecoveryOptions, out: Path, *options: str, **env: str) -> subprocess.Popen:
     """`salloc -N6 --no-kill hpcft run --spares 2 … OPTIONS -- python train_job.py` in the sandbox."""
     out.mkdir(parents=True, exist_ok=True)
@@ -134,7 +107,7 @@ def _supervised(sb, opts: RecoveryOptions, out: Path, *options: str, **env: str)
             "--spares", str(SPARES), "--job-dir", str(out / "job"), "--poll-interval", str(opts.poll_interval),
             "--kill-grace", str(opts.kill_grace), "--probe-timeout", str(opts.probe_timeout), "--requeue-margin", "30",
             *options, "--", sys.executable, str(JOB)]
-    return sb.runner().popen(argv, env=_job_env(opts, out, **env), stdout=open(out / "run.log", "ab"),
+    return sb.runner().popen(argv, env=timeline.job_env(opts, out, **env), stdout=open(out / "run.log", "ab"),
                              stderr=subprocess.STDOUT)
 
 
@@ -148,47 +121,6 @@ def _finish(proc: subprocess.Popen, out: Path, timeout: float) -> None:
     if code != 0:
         tail = (out / "run.log").read_text(errors="replace")[-3000:]
         raise HpcftError(f"the run in {out} ended with exit status {code}:\n{tail}")
-
-
-# ---------------------------------------------------------------- phases
-
-def phases(timeline: list[dict], run: str, fault: float, decided: float) -> dict[str, float]:
-    """Consecutive phases of one recovery (seconds), from the fault to the first step every rank of `run`
-    completed; plus the parts of the relaunch (srun start, imports, process group) and the step resumed from."""
-    recs = [r for r in timeline if r["run"] == run]
-
-    def per_rank(what: str) -> dict[int, dict]:
-        first: dict[int, dict] = {}
-        for r in recs:
-            if r["what"] == what and r["rank"] not in first:
-                first[r["rank"]] = r
-        if len(first) < ACTIVE:
-            raise HpcftError(f"run {run} recorded {what!r} for ranks {sorted(first)} only")
-        return first
-
-    start, imported, init, built, restored = (per_rank(w) for w in ("start", "imported", "init", "built", "restored"))
-    steps = [r for r in recs if r["what"] == "step"]
-    first_step = {}
-    for r in steps:
-        first_step.setdefault(r["rank"], r)
-    if len(first_step) < ACTIVE:
-        raise HpcftError(f"run {run} completed no step on ranks {sorted(set(range(ACTIVE)) - set(first_step))}")
-    t_built = max(r["t"] for r in built.values())
-    t_restored = max(r["t"] for r in restored.values())
-    t_step = max(r["t"] for r in first_step.values())
-    return {
-        "total_s": t_step - fault,
-        "detection_s": decided - fault,
-        "relaunch_s": t_built - decided,
-        "restore_s": t_restored - t_built,
-        "first_step_s": t_step - t_restored,
-        "relaunch_srun_s": min(r["t"] for r in start.values()) - decided,
-        "relaunch_import_s": max(imported[k]["t"] - start[k]["t"] for k in start),
-        "relaunch_init_s": max(init[k]["t"] - imported[k]["t"] for k in start),
-        "relaunch_build_s": max(built[k]["t"] - init[k]["t"] for k in start),
-        "restore_rank_max_s": max(restored[k]["t"] - built[k]["t"] for k in start),
-        "resumed_from": min(r["step"] for r in restored.values()),
-    }
 
 
 def _protected(rendezvous: Path, version: int) -> bool:
@@ -212,27 +144,27 @@ def _decided(job_dir: Path, after: float) -> float:
 
 def rank_kill(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     proc = _supervised(sb, opts, out)
-    pid = _wait(lambda: _victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout, proc)
+    pid = timeline.wait_victim(out, opts, proc)
     fault = time.time()
     os.kill(pid, signal.SIGKILL)
     _finish(proc, out, opts.timeout)
-    return phases(_timeline(out), "0.1", fault, _decided(out / "job", fault))
+    return timeline.phases(timeline.read(out), "0.1", fault, _decided(out / "job", fault))
 
 
 def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     hold = out / "protected"  # the job waits after step fault_at until this exists (train_job.py)
     proc = _supervised(sb, opts, out, "--protect", "xor", HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))
-    _wait(lambda: _victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout, proc)
+    timeline.wait_victim(out, opts, proc)
     held = opts.fault_at + 1  # the snapshot taken after step fault_at (versions count completed steps)
-    _wait(lambda: _protected(out / "job" / "agents", held), f"version {held} protected by every agent", opts.timeout,
-          proc)
+    timeline.wait(lambda: _protected(out / "job" / "agents", held), f"version {held} protected by every agent",
+                  opts.timeout, proc)
     node = f"n{VICTIM_RANK + 1}"  # slot i of the 6-node allocation n1..n6 is node n{i+1}
     fault, down = _crash(sb, node)
     hold.touch()
     _finish(proc, out, opts.timeout)
     marked = _marked(down, node, fault)
     decided = _decided(out / "job", fault)
-    result = phases(_timeline(out), "0.1", fault, decided)
+    result = timeline.phases(timeline.read(out), "0.1", fault, decided)
     ready = [e["time"] for e in events.read(out / "job") if e["event"] == "agents_ready" and e["time"] >= decided]
     if not ready:
         raise HpcftError(f"the agents never got ready after the crash; see {out / 'job'}")
@@ -267,7 +199,7 @@ def _crash(sb, node: str) -> tuple[float, dict[str, Any]]:
 
 def _marked(down: dict[str, Any], node: str, fault: float) -> dict[str, Any]:
     """When (after the fault) and as what Slurm marked `node` bad, waiting up to 60 s more for it."""
-    _wait(lambda: "t" in down, f"Slurm to mark {node} bad", 60)
+    timeline.wait(lambda: "t" in down, f"Slurm to mark {node} bad", 60)
     return {"slurm_marked_down_s": down["t"] - fault, "slurm_state": down["state"]}
 
 
@@ -282,22 +214,22 @@ def batch_host(sb, opts: RecoveryOptions, out: Path) -> dict[str, Any]:
             "--poll-interval", str(opts.poll_interval), "--probe-timeout", str(opts.probe_timeout),
             "--kill-grace", str(opts.kill_grace), "--requeue-margin", "30", "--protect", "xor",
             "--", sys.executable, str(JOB)]
-    env = {**sb.client_env(), **_job_env(opts, out, HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))}
+    env = {**sb.client_env(), **timeline.job_env(opts, out, HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the script runs `hpcft run`
     job = subprocess.run(sb.client_prefix() + argv, env=env, capture_output=True, text=True, timeout=60, cwd=out)
     if job.returncode != 0:
         raise HpcftError(f"hpcft submit failed: {job.stderr.strip()}")
     runner, job_id = sb.runner(), job.stdout.strip()
     try:
-        _wait(lambda: _victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout)
-        _wait(lambda: _protected(out / "job" / "agents", opts.fault_at + 1), "the step protected", opts.timeout)
+        timeline.wait_victim(out, opts)
+        timeline.wait(lambda: _protected(out / "job" / "agents", opts.fault_at + 1), "the step protected", opts.timeout)
         host = slurmstate.job_info(runner, job_id).batch_host
         fault, down = _crash(sb, host)
         hold.touch()
-        _wait(lambda: slurm_done(runner, job_id), "the requeued job to end", opts.timeout)
+        timeline.wait(lambda: slurmstate.job_ended(runner, job_id), "the requeued job to end", opts.timeout)
     finally:
         runner.run(["scancel", job_id], check=False)
-    result = phases(_timeline(out), "1.1", fault, _requeued(out / "job", fault))  # Slurm run 1, launch 1
+    result = timeline.phases(timeline.read(out), "1.1", fault, _requeued(out / "job", fault))  # Slurm run 1, launch 1
     result.update(_marked(down, host, fault))
     result["batch_host_s"] = result["detection_s"] - result["slurm_marked_down_s"]  # Slurm noticed → requeue
     return result
@@ -310,51 +242,10 @@ def _requeued(job_dir: Path, after: float) -> float:
     return min(found)
 
 
-BASELINE_SCRIPT = """#!/bin/bash
-#SBATCH -N{nodes} --requeue -t 15 --open-mode=append -o {out}/slurm-%j.out
-srun --kill-on-bad-exit=1 {python} {job}
-rc=$?
-if [ $rc -ne 0 ]; then
-  printf '{{"what": "requeue", "t": %s, "run": "%s.0", "rank": -1, "pid": 0}}\\n' "$(date +%s.%N)" \\
-    "${{SLURM_RESTART_COUNT:-0}}" >> {out}/timeline.jsonl
-  scontrol requeue "$SLURM_JOB_ID"
-fi
-exit $rc
-"""
-
-
-def baseline(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
-    """torch.save every step, a killed rank, `scontrol requeue` from the batch script, torch.load on restart."""
-    out.mkdir(parents=True, exist_ok=True)
-    runner = sb.runner()
-    script = BASELINE_SCRIPT.format(nodes=ACTIVE, out=out, python=sys.executable, job=JOB)
-    job = runner.run(["sbatch", "--parsable"], input=script, env=_job_env(opts, out, CKPT="disk")).stdout.strip()
-    job = job.split(";")[0]
-    try:
-        pid = _wait(lambda: _victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout)
-        fault = time.time()
-        os.kill(pid, signal.SIGKILL)
-        _wait(lambda: slurm_done(runner, job), "the requeued baseline job to end", opts.timeout)
-    finally:
-        runner.run(["scancel", job], check=False)
-    tl = _timeline(out)
-    requeued = [r["t"] for r in tl if r["what"] == "requeue" and r["t"] >= fault]
-    if not requeued:
-        raise HpcftError(f"the baseline job did not requeue itself; see {out}")
-    return phases(tl, "1.0", fault, min(requeued))
-
-
-def slurm_done(runner, job: str) -> bool:
-    """True once the job has ended for good (not pending, running or requeued)."""
-    line = runner.run(["scontrol", "show", "job", "-o", job], check=False).stdout
-    state = slurmstate.fields(line).get("JobState", "GONE")
-    return state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "GONE")
-
-
 # ---------------------------------------------------------------- the report
 
 def run(opts: RecoveryOptions) -> Report:
-    """Run the four scenarios in one sandbox and report totals, phases and the targets."""
+    """Run the scenarios and the baselines in one sandbox and report totals, phases and the targets."""
     work = Path(opts.keep) if opts.keep else Path(tempfile.mkdtemp(prefix="hpcft-bench-recovery-"))
     work.mkdir(parents=True, exist_ok=True)
     os.chmod(work, 0o755)
@@ -366,8 +257,10 @@ def run(opts: RecoveryOptions) -> Report:
                 crash = node_crash(sb, opts, work / "node-crash")
                 sb.heal()
                 host = batch_host(sb, opts, work / "batch-host")
-                sb.heal()
-                base = baseline(sb, opts, work / "baseline")
+                base = {}
+                for name in opts.baselines:
+                    sb.heal()
+                    base[name] = recovery_baselines.run(name, sb, opts, work / f"baseline-{name}")
             finally:
                 sb.heal()
     except HpcftError as exc:  # the runs' job output and events are what tells why: keep them
@@ -382,12 +275,16 @@ def run(opts: RecoveryOptions) -> Report:
     report.add("restore_share", share, "", "rank kill: restore / total")
     report.add("batch_host_s", host["batch_host_s"], "s", "batch host crash: Slurm marks it bad -> janitors requeue")
     report.add("batch_host_total_s", host["total_s"], "s", "batch host crash: crash -> first step of the requeued run")
-    report.add("baseline_s", base["total_s"], "s", "baseline (torch.save, requeue, torch.load)")
-    report.add("baseline_over_rank_kill", base["total_s"] / kill["total_s"], "x", "baseline / rank kill")
-    for name, ph in (("rank_kill", kill), ("node_crash", crash), ("baseline", base)):
+    what = {"relaunch": "srun again in the allocation", "requeue": "scontrol requeue"}
+    for name, ph in base.items():
+        report.add(f"baseline_{name}_s", ph["total_s"], "s", f"baseline: torch.save, {what[name]}, torch.load")
+        report.add(f"baseline_{name}_over_rank_kill", ph["total_s"] / kill["total_s"], "x",
+                   f"baseline ({name}) / rank kill")
+    scenarios = {"rank_kill": kill, "node_crash": crash, **{f"baseline_{n}": ph for n, ph in base.items()}}
+    for name, ph in scenarios.items():
         for phase in ("detection_s", "relaunch_s", "restore_s", "first_step_s"):
             report.add(f"{name}_{phase}", ph[phase], "s", f"  {name.replace('_', ' ')}: {phase[:-2].replace('_', ' ')}")
-    report.note("phases", {"rank_kill": kill, "node_crash": crash, "batch_host": host, "baseline": base})
+    report.note("phases", {**scenarios, "batch_host": host})
     report.note("targets", TARGETS)
     report.note("met", {"rank_kill_s": kill["total_s"] <= TARGETS["rank_kill_s"],
                         "node_crash_s": crash["from_marked_down_s"] <= TARGETS["node_crash_s"],

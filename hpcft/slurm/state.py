@@ -59,6 +59,13 @@ def job_info(runner: Runner, job_id: str) -> JobInfo:
                    batch_host=f.get("BatchHost", "") if f.get("BatchHost") != "(null)" else "")
 
 
+def job_ended(runner: Runner, job_id: str) -> bool:
+    """True once the job has ended for good: not pending, running or requeued (or gone from slurmctld)."""
+    line = runner.run(["scontrol", "show", "job", "-o", job_id], check=False).stdout
+    return fields(line).get("JobState", "GONE") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                                     "OUT_OF_MEMORY", "GONE")
+
+
 def node_states(runner: Runner, nodes: list[str]) -> dict[str, str]:
     """{node: State} from `scontrol show node -o`, e.g. 'MIXED', 'IDLE+NOT_RESPONDING', 'DOWN+DRAIN'."""
     if not nodes:

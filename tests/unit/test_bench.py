@@ -76,3 +76,21 @@ def test_recovery_keep_refuses_a_directory_with_something_in_it(tmp_path):
     (tmp_path / "rank-kill").mkdir()  # an earlier run's output
     with pytest.raises(ConfigError, match="is not empty"):
         RecoveryOptions(keep=str(tmp_path))
+
+
+def test_recovery_baselines_are_named_and_their_scripts_react_as_a_user_would(tmp_path):
+    """Argument building only (the runs are the sandbox bench's): relaunch runs srun again in the same allocation,
+    requeue asks Slurm; each first records when it reacted, under the run tag of the launch after it."""
+    from hpcft.bench.recovery import RecoveryOptions
+    from hpcft.bench.recovery_baselines import script
+    from hpcft.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--baseline takes relaunch or requeue"):
+        RecoveryOptions(baselines=("restart",))
+    relaunch, requeue = script("relaunch", tmp_path), script("requeue", tmp_path)
+    assert relaunch.count("srun --kill-on-bad-exit=1") == 1 and "for launch in" in relaunch
+    assert "scontrol requeue" not in relaunch and "--requeue" not in relaunch
+    assert relaunch.index("&& exit 0") < relaunch.index('"what": "%s"') and '"0.$((launch + 1))"' in relaunch
+    assert "#SBATCH -N4 --requeue" in requeue and 'scontrol requeue "$SLURM_JOB_ID"' in requeue
+    for text in (relaunch, requeue):
+        assert f">> {tmp_path}/timeline.jsonl" in text

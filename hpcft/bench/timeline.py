@@ -1,0 +1,98 @@
+"""The bench job's timeline (`$OUT/timeline.jsonl`, written by hpcft/bench/train_job.py's ranks on one clock):
+reading it, waiting on it, and cutting a recovery into consecutive phases. Shared by `hpcft bench recovery`'s
+scenarios and its baselines."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpcft.errors import HpcftError
+
+JOB = Path(__file__).with_name("train_job.py")
+ACTIVE, VICTIM_RANK = 4, 2  # the job's ranks (one per active node) and the one a fault kills
+
+
+def job_env(opts: Any, out: Path, **extra: str) -> dict[str, str]:
+    """The bench job's environment (train_job.py) for `opts` (steps, step_delay, width, layers), writing to `out`."""
+    return {"OUT": str(out), "STEPS": str(opts.steps), "STEP_DELAY": str(opts.step_delay), "WIDTH": str(opts.width),
+            "LAYERS": str(opts.layers), "PYTHONUNBUFFERED": "1", **extra}
+
+
+def read(out: Path) -> list[dict]:
+    """Every record of the job's timeline in `out`, in the order written."""
+    path = out / "timeline.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def wait(predicate: Callable[[], Any], what: str, timeout: float, proc: subprocess.Popen | None = None) -> Any:
+    """`predicate()` once true, polled; HpcftError naming `what` on timeout or when `proc` ends first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            raise HpcftError(f"the job ended (exit status {proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise HpcftError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def victim(out: Path, opts: Any, run: str) -> int | None:
+    """The pid of rank VICTIM_RANK in `run` once every rank has completed step `fault_at`."""
+    recs = [r for r in read(out) if r["run"] == run]
+    done = {r["rank"] for r in recs if r["what"] == "step" and r["step"] >= opts.fault_at}
+    if len(done) < ACTIVE:
+        return None
+    return next((r["pid"] for r in recs if r["what"] == "start" and r["rank"] == VICTIM_RANK), None)
+
+
+def wait_victim(out: Path, opts: Any, proc: subprocess.Popen | None = None) -> int:
+    """The pid of rank VICTIM_RANK of the first launch (run "0.0"), waited for until every rank has completed step
+    `opts.fault_at` (up to `opts.timeout`)."""
+    return wait(lambda: victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout, proc)
+
+
+def phases(timeline: list[dict], run: str, fault: float, decided: float) -> dict[str, float]:
+    """Consecutive phases of one recovery (seconds), from the fault to the first step every rank of `run`
+    completed; plus the parts of the relaunch (srun start, imports, process group) and the step resumed from."""
+    recs = [r for r in timeline if r["run"] == run]
+
+    def per_rank(what: str) -> dict[int, dict]:
+        first: dict[int, dict] = {}
+        for r in recs:
+            if r["what"] == what and r["rank"] not in first:
+                first[r["rank"]] = r
+        if len(first) < ACTIVE:
+            raise HpcftError(f"run {run} recorded {what!r} for ranks {sorted(first)} only")
+        return first
+
+    start, imported, init, built, restored = (per_rank(w) for w in ("start", "imported", "init", "built", "restored"))
+    steps = [r for r in recs if r["what"] == "step"]
+    first_step = {}
+    for r in steps:
+        first_step.setdefault(r["rank"], r)
+    if len(first_step) < ACTIVE:
+        raise HpcftError(f"run {run} completed no step on ranks {sorted(set(range(ACTIVE)) - set(first_step))}")
+    t_built = max(r["t"] for r in built.values())
+    t_restored = max(r["t"] for r in restored.values())
+    t_step = max(r["t"] for r in first_step.values())
+    return {
+        "total_s": t_step - fault,
+        "detection_s": decided - fault,
+        "relaunch_s": t_built - decided,
+        "restore_s": t_restored - t_built,
+        "first_step_s": t_step - t_restored,
+        "relaunch_srun_s": min(r["t"] for r in start.values()) - decided,
+        "relaunch_import_s": max(imported[k]["t"] - start[k]["t"] for k in start),
+        "relaunch_init_s": max(init[k]["t"] - imported[k]["t"] for k in start),
+        "relaunch_build_s": max(built[k]["t"] - init[k]["t"] for k in start),
+        "restore_rank_max_s": max(restored[k]["t"] - built[k]["t"] for k in start),
+        "resumed_from": min(r["step"] for r in restored.values()),
+    }
