@@ -202,7 +202,7 @@ class Supervisor:
         started = time.monotonic()
         code = self.janitor.finish(nodes, self.environ)
         self.emit("cleaned", level=logging.INFO if code == 0 else logging.WARNING, nodes=",".join(nodes),
-                  exit_code=code, seconds=round(time.monotonic() - started, 3))
+                  exit_code=code, by=self.janitor.cleaned_by, seconds=round(time.monotonic() - started, 3))
 
     def _summary(self, action: Action, reason: str, saved: Persisted, exit_code: int | None) -> None:
         """The run's last word: how it ended, and every loss of progress (ERROR when it gave up or restarted from

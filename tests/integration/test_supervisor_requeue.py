@@ -261,6 +261,7 @@ def test_a_job_that_ends_completed_failed_or_cancelled_leaves_nothing_in_node_me
     for name in ("completed", "failed"):
         cleaned = [e for e in events.read(jobs[name][0] / "job") if e["event"] == "cleaned"]
         assert len(cleaned) == 1 and cleaned[0]["exit_code"] == 0, (name, cleaned)
+        assert cleaned[0]["by"] == "janitors", cleaned  # the waiting janitors, signalled: no second step
 
 
 @pytest.mark.timeout(900)  # the session's recovery bench, if no test has made it yet
