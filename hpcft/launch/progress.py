@@ -58,10 +58,15 @@ def last_change(job_dir: str | os.PathLike, since: float) -> float:
 
 
 def watch(job_id: str, rank: int, target: Path, interval: float = 1.0) -> None:
-    """Copy the rank's newest committed step into `target` until the parent (the training task) dies."""
+    """Copy the rank's newest committed step into `target` until the parent (the training task) dies. A step the file
+    already holds (a relaunch finds its rank's last one in the store) is not written again: its new mtime would tell
+    the hang watchdog that the launch completed a step while it is still starting up."""
     parent = os.getppid()
     source = None
-    last = None
+    try:
+        last: int | None = int(target.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        last = None
     while os.getppid() == parent:
         if source is None:
             try:

@@ -79,10 +79,10 @@ def test_no_progress_within_the_hang_timeout_kills_relaunches_then_gives_up(sand
 
 def test_a_hung_rank_is_detected_killed_and_the_job_resumes_from_memory(healthy_sandbox, dp_reference, tmp_path):
     out = tmp_path / "hang"
-    # rank 1 goes silent after step 6 of the first launch; the others then wait in its all-reduce. The timeout
-    # covers the trainers' start-up, which the watchdog counts too (~10 s on 2 loaded cores; 25 s and more seen
-    # with other sessions' jobs on the same cores: importing torch alone took 16 s).
-    proc = _start(healthy_sandbox, out, "--hang-timeout", "45", HANG_AT="6", HANG_RANK="1")
+    # rank 1 goes silent after step 6 of the first launch; the others then wait in its all-reduce. --start-timeout
+    # covers each launch's start-up (~10 s on 2 loaded cores; 25 s and more seen with other sessions' jobs on the
+    # same cores: importing torch alone took 16 s), so the hang timeout itself can be short.
+    proc = _start(healthy_sandbox, out, "--hang-timeout", "12", "--start-timeout", "120", HANG_AT="6", HANG_RANK="1")
     code, output = _finish(proc, timeout=300)
     assert code == 0, output[-4000:]
     made = decisions(out / "job")

@@ -242,7 +242,8 @@ def test_a_job_that_ends_completed_failed_or_cancelled_leaves_nothing_in_node_me
     runner = healthy_sandbox.runner()
     common = ("--nodes", "2", "--spares", "0", "--warn", "60", "--probe-timeout", "5", "--kill-grace", "1")
     kinds = {"completed": ((), {}),
-             "failed": (("--hang-timeout", "20", "--max-restarts", "0"), {"HANG_AT": "3", "HANG_RANK": "1"}),
+             "failed": (("--hang-timeout", "8", "--start-timeout", "120", "--max-restarts", "0"),
+                        {"HANG_AT": "3", "HANG_RANK": "1"}),
              "cancelled": ((), {"HOLD_AT": "3", "HOLD_FILE": str(tmp_path / "never")})}
     jobs = {}
     for name, (options, env) in kinds.items():  # three 2-node jobs side by side on the 6 nodes
