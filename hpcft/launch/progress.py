@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 from hpcft.errors import HpcftError
-from hpcft.store.paths import job_dir as store_job_dir, replace_file, resolve_root
-from hpcft.store.store import rank_dir
+from hpcft.store.paths import job_dir as store_job_dir, rank_dir, replace_file, resolve_root
 
 _log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1

@@ -10,7 +10,7 @@ _LAZY = {
     "ENV_ROOT": "hpcft.store.paths", "job_dir": "hpcft.store.paths", "resolve_root": "hpcft.store.paths",
     "secure_dir": "hpcft.store.paths",
     "Slot": "hpcft.store.slot",
-    "RankStore": "hpcft.store.store", "Version": "hpcft.store.store", "rank_dir": "hpcft.store.store",
+    "RankStore": "hpcft.store.store", "Version": "hpcft.store.store", "rank_dir": "hpcft.store.paths",
 }
 __all__ = sorted(_LAZY)
 
