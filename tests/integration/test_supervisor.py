@@ -92,14 +92,6 @@ def test_a_hung_rank_is_detected_killed_and_the_job_resumes_from_memory(healthy_
     assert_same_result(out, dp_reference)
 
 
-def test_the_demo_trains_through_a_node_crash_from_memory(healthy_sandbox):
-    from hpcft.demo import train_through_a_crash
-
-    said: list[str] = []
-    assert train_through_a_crash(healthy_sandbox, said.append) == 0, "\n".join(said)
-    assert any("spare takes the slot" in line for line in said) and any("rebuilt step" in line for line in said)
-
-
 def test_a_node_lost_while_the_agents_rebuild_is_found_by_the_supervisor_not_by_slurm(healthy_sandbox, tmp_path):
     out = tmp_path / "startup"
     hold = out / "go"
