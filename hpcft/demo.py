@@ -24,6 +24,7 @@ from hpcft.sandbox.config import SandboxConfig
 
 STEPS, DELAY = 30, 0.3
 TP = 2  # ranks per node, tensor parallel inside a node as on a GPU node (Frontier runs 8)
+BACKEND = "cuda:gloo"  # hpcft.init's backend: on a CPU, groups that refuse CPU tensors, as NCCL/RCCL ones do
 NODES = 4  # the training's allocation, whatever the sandbox's size: 3 nodes train, 1 is the spare
 
 
@@ -67,7 +68,7 @@ def _cluster_side(sb: Sandbox, say: Callable[[str], None]) -> int:
 
 def train_through_a_crash(sb: Sandbox, say: Callable[[str], None]) -> int:
     """`hpcft run` with a spare and XOR protection on `NODES` nodes of the sandbox (fewer if it has fewer); one node
-    crashed once the agents have protected a step."""
+    crashed once the agents have protected a step. Its output goes to a new directory under `<sandbox>/demo/`."""
     nodes = min(NODES, len(sb.node_names))
     out = sb.dir / "demo" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
@@ -80,8 +81,10 @@ def train_through_a_crash(sb: Sandbox, say: Callable[[str], None]) -> int:
             sys.executable, train_job.__file__]
     say(f"[4/4] `hpcft run --spares 1 --tasks-per-node {TP} --protect xor --group {active} -- python train_job.py` "
         f"in a {nodes}-node allocation: {active} nodes train, {TP} ranks each (tensor parallel inside a node, data "
-        f"parallel across nodes; {STEPS} steps, a snapshot in /dev/shm every step), 1 is a spare; output in {out}")
-    env = {"OUT": str(out), "STEPS": str(STEPS), "STEP_DELAY": str(DELAY), "PYTHONUNBUFFERED": "1", "TP": str(TP)}
+        f"parallel across nodes, process groups that refuse CPU tensors as NCCL/RCCL ones do; {STEPS} steps, a "
+        f"snapshot in /dev/shm every step), 1 is a spare; output in {out}")
+    env = {"OUT": str(out), "STEPS": str(STEPS), "STEP_DELAY": str(DELAY), "PYTHONUNBUFFERED": "1", "TP": str(TP),
+           "BACKEND": BACKEND}
     with open(out / "run.log", "wb") as log:
         proc = sb.runner().popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     crashed = None

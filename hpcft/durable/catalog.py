@@ -19,6 +19,7 @@ from hpcft.store.paths import read_file
 CKPT_FORMAT = "hpcft-durable/1"
 INDEX = "checkpoint.json"  # in .hpcft/: the checkpoint's own description, written before .metadata
 ENV_PERSIST = "HPCFT_PERSIST_DIR"  # the durable tier's directory, as `hpcft run` exports it to the trainers
+EXPORT_FORMATS = ("dcp", "torch")  # `hpcft export --format` (here, not in export.py: the CLI must not import torch)
 DONE = re.compile(r"step-(\d{1,12})$")
 _TMP = re.compile(r"\.step-(\d{1,12})\.([A-Za-z0-9_.-]+)\.tmp$")
 

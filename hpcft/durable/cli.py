@@ -6,14 +6,14 @@ from pathlib import Path
 
 import click
 
-from hpcft.durable import catalog, export as exporting
+from hpcft.durable import catalog
 from hpcft.errors import ConfigError
 
 
 @click.command("export")
 @click.option("--to", "dest", required=True, type=click.Path(path_type=Path),
               help="A new (or empty) directory for --format dcp; a new file for --format torch.")
-@click.option("--format", "fmt", type=click.Choice(list(exporting.FORMATS)), default="dcp", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(list(catalog.EXPORT_FORMATS)), default="dcp", show_default=True,
               help="dcp: a torch.distributed.checkpoint tree (hard links where possible); torch: one torch.save file "
                    "of the full state dict {'model', 'optim'}.")
 @click.option("--from", "source", type=click.Path(path_type=Path), default=None,
@@ -26,6 +26,8 @@ def export(dest: Path, fmt: str, source: Path | None, step: int | None, no_verif
     root = catalog.persist_root(source)
     if root is None:
         raise ConfigError(f"no persist directory: pass --from DIR or set {catalog.ENV_PERSIST}")
+    from hpcft.durable import export as exporting  # imports torch: only when exporting, not for every CLI command
+
     done = exporting.export(root, dest, fmt, step, check=not no_verify)
     if as_json:
         click.echo(json.dumps(done))

@@ -17,7 +17,7 @@ from hpcft.durable.boxes import Box
 from hpcft.durable.reader import Checkpoint, fill
 from hpcft.errors import ConfigError, StoreError
 
-FORMATS = ("dcp", "torch")
+FORMATS = catalog.EXPORT_FORMATS
 
 
 def pick(root: Path, step: int | None = None) -> catalog.Durable:

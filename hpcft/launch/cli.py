@@ -17,6 +17,9 @@ def _run_options(f):
         click.option("--tasks-per-node", type=int, default=None, help="Override the profile's tasks per node."),
         click.option("--max-restarts", type=int, default=None, help="Relaunches before giving up."),
         click.option("--hang-timeout", type=float, default=None, help="Seconds without a completed step = hang (0: off)."),
+        click.option("--start-timeout", type=float, default=None,
+                     help="With --hang-timeout: seconds a launch may take to its first completed step (0: the hang "
+                          "timeout)."),
         click.option("--poll-interval", type=float, default=None, help="Seconds between checks."),
         click.option("--kill-grace", type=float, default=None, help="Seconds between SIGTERM and SIGKILL of a step."),
         click.option("--requeue-margin", type=float, default=None,

@@ -20,7 +20,9 @@ class RunConfig:
     nodes: active nodes (default: the allocation minus the spares); spares: nodes held back to replace failed
     ones; profile: frontier | cuda | cpu; tasks_per_node: overrides the profile's; max_restarts: relaunches
     allowed before giving up (requeues not counted); hang_timeout: seconds without a completed step before
-    the step is killed as hung (0: off); poll_interval: seconds between checks of the step and the nodes;
+    the step is killed as hung (0: off); start_timeout: with hang_timeout on, the seconds a launch may take to its
+    first completed step (start-up, process groups, restore) before it counts as hung (0: the hang timeout), so that
+    the hang timeout need not cover a start-up; poll_interval: seconds between checks of the step and the nodes;
     kill_grace: seconds between SIGTERM and SIGKILL of a step; requeue_margin: with less walltime left than
     this, persist and requeue instead of relaunching; requeue: allow `scontrol requeue` (else stop);
     job_dir: where events, decisions and progress go (default ./hpcft-<job id>); srun_args: extra srun
@@ -56,6 +58,7 @@ class RunConfig:
     tasks_per_node: int | None = None
     max_restarts: int = 3
     hang_timeout: float = 0.0
+    start_timeout: float = 0.0
     poll_interval: float = 1.0
     kill_grace: float = 10.0
     requeue_margin: float = 300.0
@@ -202,7 +205,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"tasks_per_node must be at least 1 (got {cfg.tasks_per_node})")
     if cfg.max_restarts < 0:
         raise ConfigError(f"max_restarts must be 0 or more (got {cfg.max_restarts})")
-    for key in ("hang_timeout", "kill_grace", "requeue_margin", "protect_timeout"):
+    for key in ("hang_timeout", "start_timeout", "kill_grace", "requeue_margin", "protect_timeout"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key} must be 0 or more (got {getattr(cfg, key)})")
     if cfg.keep < 1:

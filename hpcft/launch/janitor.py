@@ -1,8 +1,10 @@
 """Leave nothing in node memory when a job ends, without a site epilog (Frontier users cannot install one).
 
 `hpcft run` starts one janitor task on every node of its allocation (`python -m hpcft.launch.janitor`, a step of
-its own that only sleeps). When the job ends on its own (done, gave up) the supervisor stops it and runs the
-same module once with `--now` on every node: each removes the job's store from its node's memory. When Slurm ends
+its own that only sleeps). When the job ends on its own (done, gave up) the supervisor sends that step SIGUSR2 (srun
+passes it on to every task): each janitor removes the job's store from its node's memory and exits. Where that step
+does not cover every node or does not end cleanly, the supervisor stops it and runs the same module once with
+`--now` on every node instead. When Slurm ends
 the job (scancel, walltime, preemption) or requeues it, every task gets SIGTERM from Slurm itself, KillWait
 seconds before the SIGKILL: the janitor then keeps the store when a requeue is pending (the next run resumes from
 it): when `hpcft run` asked for the requeue itself, it said so first in the job directory (`requeue_flag`); any
@@ -82,6 +84,8 @@ class Janitor:
     def __init__(self, runner: Runner, job_dir_: Path, python: str, stop_steps: Callable[[Mapping], None]):
         self.runner, self.job_dir, self.python, self._stop_steps = runner, job_dir_, python, stop_steps
         self.proc: subprocess.Popen | None = None
+        self.nodes: list[str] = []  # where the waiting janitors of `proc` run
+        self.cleaned_by = ""  # how the last `finish` removed the stores: "janitors" (signalled) or "--now step"
 
     def _popen(self, nodes: Sequence[str], env: Mapping[str, str], now: bool) -> subprocess.Popen:
         with open(self.job_dir / "janitor.log", "ab") as log:
@@ -90,14 +94,25 @@ class Janitor:
 
     def ensure(self, nodes: Sequence[str], env: Mapping[str, str]) -> None:
         if self.proc is None or self.proc.poll() is not None:
-            self.proc = self._popen(nodes, env, now=False)
+            self.proc, self.nodes = self._popen(nodes, env, now=False), list(nodes)
 
-    def finish(self, nodes: Sequence[str], env: Mapping[str, str], timeout: float = 60.0) -> int | None:
-        """The job is over: stop the waiting janitors, remove the store on every one of `nodes`; srun's exit
-        status (None: it did not finish within `timeout`)."""
+    def finish(self, nodes: Sequence[str], env: Mapping[str, str], timeout: float = 60.0,
+               signalled_s: float = 10.0) -> int | None:
+        """The job is over: remove the store on every one of `nodes`; srun's exit status (None: it did not finish
+        within `timeout`). The waiting janitors do it when they cover `nodes` (SIGUSR2, up to `signalled_s`): no
+        new step, no second interpreter start per node; else they are stopped and a `--now` step does it."""
+        if self.proc is not None and self.proc.poll() is None and set(nodes) <= set(self.nodes):
+            self.proc.send_signal(signal.SIGUSR2)
+            try:
+                if self.proc.wait(timeout=signalled_s) == 0:
+                    self.proc, self.cleaned_by = None, "janitors"
+                    return 0
+            except subprocess.TimeoutExpired:
+                pass
         if self.proc is not None:
             self._stop_steps({JANITOR_STEP_NAME: self.proc})
             self.proc = None
+        self.cleaned_by = "--now step"
         return self.wipe(nodes, env, timeout)
 
     def wipe(self, nodes: Sequence[str], env: Mapping[str, str], timeout: float = 60.0) -> int | None:
@@ -139,6 +154,13 @@ def _on_sigterm(job: str, store: Path, flag: Path) -> None:
     os._exit(0)
 
 
+def _on_done(store: Path) -> None:
+    """`hpcft run` says the job is over (Janitor.finish): remove the store now, as `--now` does, and exit."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _remove(store, settle=0.2)
+    os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcft.launch.janitor", description=__doc__)
     ap.add_argument("--job", default=os.environ.get("SLURM_JOB_ID"), help="job id (default $SLURM_JOB_ID)")
@@ -159,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     run = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
     flag = requeue_flag(args.job_dir, run)
     signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(args.job, store, flag))
+    signal.signal(signal.SIGUSR2, lambda *_: _on_done(store))
     while True:
         time.sleep(CHECK_S)
         _watch_supervisor(args.job, Path(args.job_dir), run, flag)

@@ -29,6 +29,21 @@ class Kind(enum.Enum):
     STEP_REFUSED = "step_refused"        # Slurm would not create the step (its options do not fit the nodes)
 
 
+def hung(now: float, launched: float, last_step: float | None, hang_timeout: float,
+         start_timeout: float = 0.0) -> str | None:
+    """Why a launch counts as hung (--hang-timeout), or None: no completed step within `start_timeout` of the launch
+    (`hang_timeout` when 0) while it has completed none (`last_step` None), else none within `hang_timeout` of the
+    last one. Off when `hang_timeout` is 0."""
+    if not hang_timeout:
+        return None
+    if last_step is None:
+        quiet = now - launched
+        return f"no completed step for {quiet:.0f} s since the launch" if quiet > (start_timeout or hang_timeout) \
+            else None
+    quiet = now - last_step
+    return f"no completed step for {quiet:.0f} s" if quiet > hang_timeout else None
+
+
 class Action(enum.Enum):
     DONE = "done"
     RELAUNCH = "relaunch"    # same nodes, same slots: each rank finds its snapshot in local memory

@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 from hpcft.errors import HpcftError
-from hpcft.store.paths import job_dir as store_job_dir, replace_file, resolve_root
-from hpcft.store.store import rank_dir
+from hpcft.store.paths import job_dir as store_job_dir, rank_dir, replace_file, resolve_root
 
 _log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -58,10 +57,15 @@ def last_change(job_dir: str | os.PathLike, since: float) -> float:
 
 
 def watch(job_id: str, rank: int, target: Path, interval: float = 1.0) -> None:
-    """Copy the rank's newest committed step into `target` until the parent (the training task) dies."""
+    """Copy the rank's newest committed step into `target` until the parent (the training task) dies. A step the file
+    already holds (a relaunch finds its rank's last one in the store) is not written again: its new mtime would tell
+    the hang watchdog that the launch completed a step while it is still starting up."""
     parent = os.getppid()
     source = None
-    last = None
+    try:
+        last: int | None = int(target.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        last = None
     while os.getppid() == parent:
         if source is None:
             try:

@@ -30,8 +30,8 @@ from hpcft.launch.config import RunConfig, durable_dir, resolve_protect
 from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
-from hpcft.launch.policy import (EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, requeue_or_stop,
-                                 stale_signal)
+from hpcft.launch.policy import (EXIT_ERROR, Action, Decision, Event, Kind, State, decide, hung, record,
+                                 requeue_or_stop, stale_signal)
 from hpcft.launch.preflight import Preflight
 from hpcft.launch.nodecheck import NodeCheck
 from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
@@ -202,7 +202,7 @@ class Supervisor:
         started = time.monotonic()
         code = self.janitor.finish(nodes, self.environ)
         self.emit("cleaned", level=logging.INFO if code == 0 else logging.WARNING, nodes=",".join(nodes),
-                  exit_code=code, seconds=round(time.monotonic() - started, 3))
+                  exit_code=code, by=self.janitor.cleaned_by, seconds=round(time.monotonic() - started, 3))
 
     def _summary(self, action: Action, reason: str, saved: Persisted, exit_code: int | None) -> None:
         """The run's last word: how it ended, and every loss of progress (ERROR when it gave up or restarted from
@@ -349,9 +349,11 @@ class Supervisor:
             if suspects is not None:
                 return self._agents_lost(layout, suspects)
             if self.cfg.hang_timeout:
-                quiet = time.time() - progress.last_change(self.job_dir, launched)
-                if quiet > self.cfg.hang_timeout:
-                    return Event(Kind.HANG, detail=f"no completed step for {quiet:.0f} s")
+                last = progress.last_change(self.job_dir, launched)
+                why = hung(time.time(), launched, last if last > launched else None, self.cfg.hang_timeout,
+                           self.cfg.start_timeout)
+                if why:
+                    return Event(Kind.HANG, detail=why)
             self._wake.wait(self.cfg.poll_interval)
 
     def _stale_signal(self) -> str | None:

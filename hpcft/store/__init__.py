@@ -1,8 +1,23 @@
-"""Node-local, versioned snapshot store: shm slots, JSON manifests, checksums, atomic commit."""
-from hpcft.store.checksum import chunk_table, crc32c, seal, seal_key
-from hpcft.store.paths import ENV_ROOT, job_dir, resolve_root, secure_dir
-from hpcft.store.slot import Slot
-from hpcft.store.store import RankStore, Version, rank_dir
+"""Node-local, versioned snapshot store: shm slots, JSON manifests, checksums, atomic commit.
 
-__all__ = ["ENV_ROOT", "RankStore", "Slot", "Version", "chunk_table", "crc32c", "job_dir", "rank_dir", "resolve_root",
-           "seal", "seal_key", "secure_dir"]
+The names are imported lazily: the janitors and `hpcft run` need only the paths (`hpcft.store.paths`), and the slot
+and checksum modules import numpy and crc32c, half of a janitor's start-up on every node."""
+from typing import Any
+
+_LAZY = {
+    "chunk_table": "hpcft.store.checksum", "crc32c": "hpcft.store.checksum", "seal": "hpcft.store.checksum",
+    "seal_key": "hpcft.store.checksum",
+    "ENV_ROOT": "hpcft.store.paths", "job_dir": "hpcft.store.paths", "resolve_root": "hpcft.store.paths",
+    "secure_dir": "hpcft.store.paths",
+    "Slot": "hpcft.store.slot",
+    "RankStore": "hpcft.store.store", "Version": "hpcft.store.store", "rank_dir": "hpcft.store.paths",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hpcft.store' has no attribute {name!r}")

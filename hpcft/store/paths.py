@@ -29,6 +29,11 @@ def job_dir(base: Path, job_id: str, user: str | None = None) -> Path:
     return base / f"hpcft-{_SAFE.sub('_', user)}-{_SAFE.sub('_', str(job_id))}"
 
 
+
+def rank_dir(job: Path, rank: int) -> Path:
+    """`<job dir>/rank-<r>`: one rank's slots and manifests."""
+    return job / f"rank-{rank:05d}"
+
 def replace_file(path: Path, data: bytes, tmp: Path, sync: bool = False) -> None:
     """Write `data` to `tmp` (0600, never through a symlink, never blocking on a FIFO), fsync it when `sync`, then
     rename it over `path`: a reader sees the old file or the new one, never a part. On failure the OSError is raised

@@ -12,7 +12,7 @@ from hpcft.errors import StoreError, StoreFullError
 from hpcft.store import manifest as mf
 from hpcft.store import pin as pins
 from hpcft.store import writer
-from hpcft.store.paths import job_dir, mark_run, remove_file, resolve_root, secure_dir
+from hpcft.store.paths import job_dir, mark_run, rank_dir, remove_file, resolve_root, secure_dir
 from hpcft.store.slot import GRAIN, Slot
 
 _log = logging.getLogger(__name__)
@@ -31,10 +31,6 @@ def _age(v: Version) -> tuple[int, float]:
     """Versions in the order they were written: by step, then (two of one step, left by older code) by time."""
     t = v.manifest.get("time")
     return v.step, float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0
-
-
-def rank_dir(job: Path, rank: int) -> Path:
-    return job / f"rank-{rank:05d}"
 
 
 class RankStore:

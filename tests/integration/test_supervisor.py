@@ -79,10 +79,10 @@ def test_no_progress_within_the_hang_timeout_kills_relaunches_then_gives_up(sand
 
 def test_a_hung_rank_is_detected_killed_and_the_job_resumes_from_memory(healthy_sandbox, dp_reference, tmp_path):
     out = tmp_path / "hang"
-    # rank 1 goes silent after step 6 of the first launch; the others then wait in its all-reduce. The timeout
-    # covers the trainers' start-up, which the watchdog counts too (~10 s on 2 loaded cores; 25 s and more seen
-    # with other sessions' jobs on the same cores: importing torch alone took 16 s).
-    proc = _start(healthy_sandbox, out, "--hang-timeout", "45", HANG_AT="6", HANG_RANK="1")
+    # rank 1 goes silent after step 6 of the first launch; the others then wait in its all-reduce. --start-timeout
+    # covers each launch's start-up (~10 s on 2 loaded cores; 25 s and more seen with other sessions' jobs on the
+    # same cores: importing torch alone took 16 s), so the hang timeout itself can be short.
+    proc = _start(healthy_sandbox, out, "--hang-timeout", "12", "--start-timeout", "120", HANG_AT="6", HANG_RANK="1")
     code, output = _finish(proc, timeout=300)
     assert code == 0, output[-4000:]
     made = decisions(out / "job")
@@ -90,14 +90,6 @@ def test_a_hung_rank_is_detected_killed_and_the_job_resumes_from_memory(healthy_
     resumed = set(resumed_from(out).values())
     assert len(resumed) == 1 and 0 < resumed.pop() <= 7, "every rank resumes from the snapshot of step 6 at the latest"
     assert_same_result(out, dp_reference)
-
-
-def test_the_demo_trains_through_a_node_crash_from_memory(healthy_sandbox):
-    from hpcft.demo import train_through_a_crash
-
-    said: list[str] = []
-    assert train_through_a_crash(healthy_sandbox, said.append) == 0, "\n".join(said)
-    assert any("spare takes the slot" in line for line in said) and any("rebuilt step" in line for line in said)
 
 
 def test_a_node_lost_while_the_agents_rebuild_is_found_by_the_supervisor_not_by_slurm(healthy_sandbox, tmp_path):

@@ -242,7 +242,8 @@ def test_a_job_that_ends_completed_failed_or_cancelled_leaves_nothing_in_node_me
     runner = healthy_sandbox.runner()
     common = ("--nodes", "2", "--spares", "0", "--warn", "60", "--probe-timeout", "5", "--kill-grace", "1")
     kinds = {"completed": ((), {}),
-             "failed": (("--hang-timeout", "20", "--max-restarts", "0"), {"HANG_AT": "3", "HANG_RANK": "1"}),
+             "failed": (("--hang-timeout", "8", "--start-timeout", "120", "--max-restarts", "0"),
+                        {"HANG_AT": "3", "HANG_RANK": "1"}),
              "cancelled": ((), {"HOLD_AT": "3", "HOLD_FILE": str(tmp_path / "never")})}
     jobs = {}
     for name, (options, env) in kinds.items():  # three 2-node jobs side by side on the 6 nodes
@@ -261,6 +262,7 @@ def test_a_job_that_ends_completed_failed_or_cancelled_leaves_nothing_in_node_me
     for name in ("completed", "failed"):
         cleaned = [e for e in events.read(jobs[name][0] / "job") if e["event"] == "cleaned"]
         assert len(cleaned) == 1 and cleaned[0]["exit_code"] == 0, (name, cleaned)
+        assert cleaned[0]["by"] == "janitors", cleaned  # the waiting janitors, signalled: no second step
 
 
 @pytest.mark.timeout(900)  # the session's recovery bench, if no test has made it yet

@@ -5,7 +5,7 @@ from hpcft import events
 from hpcft.launch.layout import Layout
 from hpcft.slurm import state as slurm_state
 from hpcft.launch.policy import (EXIT_ERROR, EXIT_GAVE_UP, EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUED, Action, Event, Kind, State,
-                                 decide, record, stale_signal)
+                                 decide, hung, record, stale_signal)
 
 NOW = 1_000_000.0
 LAYOUT = Layout.plan(["n1", "n2", "n3", "n4", "n5"], spares=1)
@@ -27,6 +27,17 @@ def test_process_failure_on_healthy_nodes_relaunches_in_place():
 
 def test_hang_relaunches_in_place():
     assert decide(Event(Kind.HANG), state(), NOW).action is Action.RELAUNCH
+
+
+def test_a_start_up_is_allowed_the_start_timeout_and_each_later_step_the_hang_timeout():
+    launched = NOW - 100
+    assert hung(NOW, launched, None, hang_timeout=0) is None  # off
+    assert hung(NOW, launched, None, hang_timeout=10, start_timeout=120) is None  # still starting, within 120 s
+    assert "100 s since the launch" in hung(NOW, launched, None, hang_timeout=10, start_timeout=90)
+    assert "since the launch" in hung(NOW, launched, None, hang_timeout=10)  # no start timeout: the hang timeout
+    assert hung(NOW, launched, None, hang_timeout=120) is None
+    assert hung(NOW, launched, NOW - 9, hang_timeout=10, start_timeout=120) is None  # stepping
+    assert hung(NOW, launched, NOW - 11, hang_timeout=10, start_timeout=120) == "no completed step for 11 s"
 
 
 def test_agents_not_ready_on_healthy_nodes_relaunch_in_place_and_count_as_a_restart():

@@ -57,3 +57,21 @@ def test_watcher_publishes_the_newest_committed_step_and_dies_with_the_task(tmp_
     while os.path.exists(f"/proc/{watchers[0]}") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{watchers[0]}"), "the watcher must end with its task"
+
+
+def test_a_relaunched_watcher_does_not_republish_the_step_the_file_already_holds(tmp_path):
+    """A relaunch's ranks find their last snapshot in the store: publishing its step again would look like progress
+    of the new launch while it starts up (--start-timeout would never apply)."""
+    store = tmp_path / "shm" / f"hpcft-{getpass.getuser()}-77" / "rank-00002"
+    store.mkdir(parents=True)
+    (store / "slot-0.json").write_text(json.dumps({"step": 5}))
+    target = progress.progress_file(tmp_path / "job", 2)
+    target.parent.mkdir(parents=True)
+    target.write_text("5")
+    os.utime(target, (1_000_000, 1_000_000))
+    code = "import time; time.sleep(1.5)"  # the watcher polls every second: at least one poll
+    env = _env(tmp_path, "n2", 0, HPCFT_STORE_ROOT=str(tmp_path / "shm"))
+    proc = subprocess.run([sys.executable, "-m", "hpcft.launch.task", "--", sys.executable, "-c", code],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert progress.read(tmp_path / "job")[2] == (5, 1_000_000)
