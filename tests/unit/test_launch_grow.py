@@ -67,3 +67,82 @@ def test_the_grow_decision_takes_the_nodes_back_as_new_slots_and_is_no_restart(t
     assert (d.layout.slots, d.layout.excluded, d.layout.world_size) == (("n1", "n2", "n4", "n3"), (), 8)
     rec = record(d, event, state, str(tmp_path))
     assert (rec["action"], rec["cause"], rec["nodes_from"], rec["nodes_to"]) == ("grow", "nodes_returned", 3, 4)
+
+
+class Slurm:
+    """A narrow stand-in for the Runner: scontrol's answers for one 4-node job, the node states as the test sets."""
+
+    def __init__(self):
+        self.states = {"n1": "MIXED", "n2": "MIXED", "n3": "DOWN+DRAIN", "n4": "MIXED"}
+
+    def run(self, argv, **_):
+        import subprocess
+
+        if argv[:3] == ["scontrol", "show", "job"]:
+            out = "JobId=7 NodeList=n[1-4] TimeLimit=UNLIMITED EndTime=Unknown BatchFlag=1 Requeue=1 Restarts=0"
+        else:
+            out = "\n".join(f"NodeName={n} State={self.states[n]}" for n in argv[-1].split(","))
+        return subprocess.CompletedProcess(argv, 0, out, "")
+
+
+class Probe:
+    def __init__(self):
+        self.failing: set[str] = set()
+
+    def probe(self, nodes):
+        return {n: "probe did not answer" for n in nodes if n in self.failing}
+
+
+def test_the_watch_says_each_return_relapse_and_failed_probe_and_grows_only_past_them():
+    from hpcft.launch import config
+    from hpcft.launch.grow import GrowWatch
+
+    said, now = [], [T0]
+    slurm, probe = Slurm(), Probe()
+    cfg = config.RunConfig(elastic=True, elastic_grow=True, grow_settle=10, grow_every=50, poll_interval=1)
+    watch = GrowWatch(cfg, slurm, "7", probe, lambda kind, **f: said.append((kind, f)), clock=lambda: now[0])
+    watch.target = 4
+    shrunk = Layout(slots=("n1", "n2", "n4"), excluded=("n3",), tasks_per_node=2)
+    watch.reshaped(["n3"])
+
+    def at(t):
+        now[0] = T0 + t
+        return watch.poll(shrunk)
+
+    assert at(1) is None and said == []  # still down
+    slurm.states["n3"] = "MIXED"
+    assert at(10) is None and [k for k, _ in said] == ["node_back"] and said[0][1]["settle"] == 10
+    slurm.states["n3"] = "DOWN"
+    assert at(15) is None and said[-1][0] == "node_relapse" and said[-1][1]["losses"] == 2
+    slurm.states["n3"] = "MIXED"
+    assert at(20) is None and said[-1][1]["settle"] == 20  # back again: twice the settle time
+    assert at(40) is None and said[-1][0] == "grow_deferred" and said[-1][1]["blocked"] == "grow_every"
+    count = len(said)
+    assert at(45) is None and len(said) == count  # said once
+    probe.failing = {"n3"}
+    assert at(51) is None and [k for k, _ in said[count:]] == ["node_unsettled"]  # settled, probed: dead after all
+    probe.failing = set()
+    assert at(56) is None and said[-1][0] == "node_back" and said[-1][1]["losses"] == 2  # no loss counted
+    assert at(71) is None  # 15 s of its 20
+    event = at(76)
+    assert event.kind is Kind.NODES_RETURNED and event.returned == ("n3",)
+    assert watch.poll(Layout(slots=("n1", "n2", "n3", "n4"))) is None  # whole again: nothing to look at
+
+
+def test_the_watch_never_takes_back_a_node_lost_past_max_losses_and_says_so_once():
+    from hpcft.launch import config
+    from hpcft.launch.grow import GrowWatch
+
+    said, now = [], [T0]
+    slurm = Slurm()
+    slurm.states["n3"] = "MIXED"
+    cfg = config.RunConfig(elastic=True, elastic_grow=True, grow_settle=1, grow_every=0, grow_max_losses=1,
+                           poll_interval=1)
+    watch = GrowWatch(cfg, slurm, "7", Probe(), lambda kind, **f: said.append(kind), clock=lambda: now[0])
+    watch.target = 4
+    watch.reshaped(["n3"])
+    watch.reshaped(["n3"])  # lost twice
+    for t in (10, 20, 30):
+        now[0] = T0 + t
+        assert watch.poll(Layout(slots=("n1", "n2", "n4"))) is None
+    assert said == ["node_retired"]
