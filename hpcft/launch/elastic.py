@@ -49,8 +49,8 @@ def hosts(old: Layout, lost: Sequence[str]) -> dict[int, str]:
 
 
 def shrunk_config(cfg: RunConfig, active: int) -> RunConfig:
-    """`cfg` (the run's starting one) for `active` nodes: --nodes follows, protection sets no larger than the nodes left (a partner copy on
-    a single node, or a set of one, protects nothing: none)."""
+    """`cfg` (the run's starting one) for `active` nodes: --nodes follows, protection sets no larger than the nodes
+    left (a partner copy on a single node, or a set of one, protects nothing: none)."""
     cfg = replace(cfg, nodes=active)
     if active < 2:
         return replace(cfg, protect="none")
@@ -86,7 +86,7 @@ class Outcome:
 
 
 class Reshaper:
-    """Carries out a `shrink` or `grow` decision with the job's agents and janitor (see the module doc); `emit` records."""
+    """Carries out a `shrink` or `grow` decision with the job's agents and janitor (the module doc); `emit` records."""
 
     def __init__(self, cfg: RunConfig, agents: AgentSteps, janitor: Janitor, emit: Callable[..., None]):
         self.cfg, self.agents, self.janitor, self.emit = cfg, agents, janitor, emit

@@ -1,5 +1,5 @@
-"""The watch of `hpcft run --elastic --elastic-grow`: while a shrunk job trains, the nodes of its allocation that are out
-of its slots (the nodes it lost, when they come back while the allocation still holds them) are looked at through
+"""The watch of `hpcft run --elastic --elastic-grow`: while a shrunk job trains, the nodes of its allocation that are
+out of its slots (the nodes it lost, when they come back while the allocation still holds them) are looked at through
 Slurm; the decision when to take which back is hpcft/launch/policy_grow.py's, and a node it chooses is probed once
 before the supervisor is told. The grow itself reuses the shrink's path (hpcft/launch/elastic.py, `Reshaper.grow`):
 the newest step is protected and flushed, the stores wiped, and the trainers relaunched on more nodes, resharded from

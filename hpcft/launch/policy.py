@@ -27,7 +27,7 @@ class Kind(enum.Enum):
     ALLOCATION_LOST = "allocation_lost"  # too few nodes left in the allocation to form the layout at all
     AGENT_FAILED = "agent_failed"        # a node agent failed or was not ready in time; its node answers
     STEP_REFUSED = "step_refused"        # Slurm would not create the step (its options do not fit the nodes)
-    NODES_RETURNED = "nodes_returned"    # --elastic-grow: nodes of the allocation back in service, settled (policy_grow)
+    NODES_RETURNED = "nodes_returned"    # --elastic-grow: nodes of the allocation back in service (policy_grow)
 
 
 class Action(enum.Enum):

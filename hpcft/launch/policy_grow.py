@@ -55,7 +55,7 @@ def lost(seen: Mapping[str, Seen], nodes: Iterable[str]) -> dict[str, Seen]:
 
 
 def unsettled(seen: Mapping[str, Seen], nodes: Iterable[str]) -> dict[str, Seen]:
-    """`seen` after `nodes` failed a probe: their settle time starts again at their next healthy look, no loss counted."""
+    """`seen` after `nodes` failed a probe: their settle time starts again at their next healthy look, no loss."""
     out = dict(seen)
     for node in nodes:
         out[node] = Seen(None, out.get(node, Seen()).losses)

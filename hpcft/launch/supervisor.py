@@ -294,7 +294,7 @@ class Supervisor:
         except BaseException:
             self.agents.stop()
             raise
-        failed = tuple(slurmstate.task_errors(lines))
+        failed = () if event.kind is Kind.NODES_RETURNED else tuple(slurmstate.task_errors(lines))  # not: hpcft's stop
         refused = slurmstate.step_refusal(lines) if event.kind is Kind.TASK_FAILED else None
         if refused:
             return Event(Kind.STEP_REFUSED, exit_code=proc.returncode, failed_tasks=failed, detail=refused)
