@@ -146,3 +146,56 @@ def test_the_watch_never_takes_back_a_node_lost_past_max_losses_and_says_so_once
         now[0] = T0 + t
         assert watch.poll(Layout(slots=("n1", "n2", "n4"))) is None
     assert said == ["node_retired"]
+
+
+class Agents:
+    """A narrow stand-in for AgentSteps: what the requeue's persist reports, and whether the agents were stopped."""
+
+    def __init__(self, persisted):
+        self.persisted, self.stopped = persisted, False
+
+    def persist(self, bad_nodes=()):
+        return self.persisted
+
+    def stop(self, ask=True, flush=True):
+        self.stopped = True
+
+
+class Janitor:
+    def __init__(self):
+        self.wiped: list[list[str]] = []
+
+    def wipe(self, nodes, env):
+        self.wiped.append(list(nodes))
+        return 0
+
+
+def _grow(tmp_path, persisted):
+    from hpcft.launch import config
+    from hpcft.launch.elastic import Reshaper
+
+    said, agents, janitor = [], Agents(persisted), Janitor()
+    shrunk = Layout(slots=("n1", "n2", "n4"), excluded=("n3",), tasks_per_node=2)
+    event = Event(Kind.NODES_RETURNED, returned=("n3",), detail="healthy")
+    state = State(layout=shrunk, min_nodes=3)
+    reshaper = Reshaper(config.RunConfig(elastic=True), agents, janitor, lambda kind, **f: said.append((kind, f)))
+    done, line = reshaper.carry_out(decide(event, state, T0), event, state, {}, "t", str(tmp_path))
+    return done, line, said[-1], agents, janitor
+
+
+def test_a_grow_flushes_stops_and_wipes_every_node_of_the_larger_job(tmp_path):
+    done, line, (kind, grow), agents, janitor = _grow(tmp_path, (8, 8, None))
+    assert done.action is Action.GROW and done.layout.slots == ("n1", "n2", "n4", "n3")
+    assert agents.stopped and janitor.wiped == [["n1", "n2", "n4", "n3"]]
+    assert kind == "grow" and grow["ok"] and (grow["step"], grow["returned"], grow["source"]) == (8, "n3", "durable")
+    assert line == "back on 4 nodes (n3 returned) from step 8, resharded from the durable tier"
+
+
+def test_a_grow_that_cannot_flush_relaunches_on_the_same_nodes_from_their_memory(tmp_path):
+    done, line, (kind, grow), agents, janitor = _grow(tmp_path, (8, 5, "the flush did not finish"))
+    assert done.action is Action.RELAUNCH and done.layout.slots == ("n1", "n2", "n4") and "the grow failed" in done.reason
+    assert agents.stopped and janitor.wiped == []  # nothing wiped: memory holds step 8
+    assert kind == "grow" and not grow["ok"] and grow["error"] == "the flush did not finish"
+    assert line.startswith("grow to 4 nodes failed")
+    _, _, (_, stale), _, janitor = _grow(tmp_path, (8, 5, None))  # flushed, but an older step: not good enough
+    assert not stale["ok"] and "durable step 5 is not the protected one 8" in stale["error"] and janitor.wiped == []
