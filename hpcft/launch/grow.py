@@ -26,7 +26,7 @@ LOOK_EVERY_S = 5.0  # Slurm is asked about the returned nodes at most this often
 
 class GrowWatch:
     """`poll(layout)` while the trainers run: a NODES_RETURNED event when the policy takes nodes back, else None.
-    `reshaped(lost)` records a shrink or grow (the clock of --grow-every; each lost node's count)."""
+    `lost(nodes)` counts a loss of each node (a failure decision); `reshaped()` a shrink or grow (--grow-every)."""
 
     def __init__(self, cfg: RunConfig, runner: Runner, job_id: str, nodes: NodeCheck, emit: Callable[..., None],
                  clock: Callable[[], float] = time.time):
@@ -43,10 +43,13 @@ class GrowWatch:
         return policy_grow.GrowRules(self.target, cfg.grow_settle, cfg.grow_every, cfg.grow_max_losses,
                                      cfg.requeue_margin)
 
-    def reshaped(self, lost: Sequence[str] = ()) -> None:
-        """The job changed shape now; `lost`: the nodes it lost doing so (each one loss more)."""
+    def lost(self, nodes: Sequence[str]) -> None:
+        """The run lost `nodes` (each one loss more, and unhealthy until seen healthy again)."""
+        self.seen = policy_grow.lost(self.seen, nodes)
+
+    def reshaped(self) -> None:
+        """The job changed shape now (shrank or grew, or tried to)."""
         self.last_change = self.clock()
-        self.seen = policy_grow.lost(self.seen, lost)
         self._said.pop("deferred", None)
 
     def poll(self, layout: Layout) -> Event | None:

@@ -161,6 +161,7 @@ class Supervisor:
                           min_nodes=(self.cfg.min_nodes or 1) if self.cfg.elastic else None)
             decision = decide(event, state, time.time())
             record(decision, event, state, str(self.job_dir))
+            self.grow_watch.lost(event.bad_nodes)  # every loss counts against taking a node back (--grow-max-losses)
             if decision.action is Action.REQUEUE:
                 self._persist_before_requeue(event)
             # a relaunch does not wait for a flush under way (its node-local copies stay for the next one); a shrink
@@ -230,7 +231,7 @@ class Supervisor:
         self.reshaped["grown" if decision.action is Action.GROW else "shrunk"] += [line] if line else []
         if done.action is decision.action:  # the new shape's protection sets, from the run's starting configuration
             self.cfg = self.agents.cfg = elastic.shrunk_config(self.base_cfg, len(done.layout.slots))
-        self.grow_watch.reshaped(event.bad_nodes if done.action is Action.SHRINK else ())  # a failed grow counts too
+        self.grow_watch.reshaped()  # the clock of --grow-every (a failed grow's relaunch counts too)
         return done
 
     def _launch_reason(self, decision: Decision, event: Event) -> str:

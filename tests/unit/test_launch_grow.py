@@ -103,7 +103,8 @@ def test_the_watch_says_each_return_relapse_and_failed_probe_and_grows_only_past
     watch = GrowWatch(cfg, slurm, "7", probe, lambda kind, **f: said.append((kind, f)), clock=lambda: now[0])
     watch.target = 4
     shrunk = Layout(slots=("n1", "n2", "n4"), excluded=("n3",), tasks_per_node=2)
-    watch.reshaped(["n3"])
+    watch.lost(["n3"])
+    watch.reshaped()
 
     def at(t):
         now[0] = T0 + t
@@ -140,8 +141,8 @@ def test_the_watch_never_takes_back_a_node_lost_past_max_losses_and_says_so_once
                            poll_interval=1)
     watch = GrowWatch(cfg, slurm, "7", Probe(), lambda kind, **f: said.append(kind), clock=lambda: now[0])
     watch.target = 4
-    watch.reshaped(["n3"])
-    watch.reshaped(["n3"])  # lost twice
+    watch.lost(["n3"])
+    watch.lost(["n3"])  # lost twice
     for t in (10, 20, 30):
         now[0] = T0 + t
         assert watch.poll(Layout(slots=("n1", "n2", "n4"))) is None
