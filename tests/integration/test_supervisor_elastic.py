@@ -48,8 +48,8 @@ def test_a_node_lost_without_spare_shrinks_the_job_from_memory_and_it_grows_back
     slurm = healthy_sandbox.runner()
     proc = start(healthy_sandbox, out, 4, "--nodes", "4", "--spares", "0", "--tasks-per-node", str(PER_NODE),
                  "--elastic", "--min-nodes", "3", "--elastic-grow", "--grow-settle", "2", "--grow-every", "2",
-                 per_node=PER_NODE, steps=STEPS, HOLD_AT=f"{HOLD_AT},{HOLD_SHRUNK}", HOLD_FILE=f"{hold},{hold_shrunk}",
-                 **JOB_ENV)
+                 per_node=PER_NODE, steps=STEPS, minutes=15, HOLD_AT=f"{HOLD_AT},{HOLD_SHRUNK}",
+                 HOLD_FILE=f"{hold},{hold_shrunk}", **JOB_ENV)  # two reshapes outlast 5 min on a loaded 2-core box
     try:
         protected = wait_protected(out, slots=4, timeout=150, above=HOLD_AT)  # the newest snapshot (step numbers count
         # optimizer steps done: loop step HOLD_AT is snapshot HOLD_AT + 1)
