@@ -51,7 +51,7 @@ def test_a_node_lost_without_spare_shrinks_the_job_from_memory_and_it_grows_back
                  per_node=PER_NODE, steps=STEPS, minutes=15, HOLD_AT=f"{HOLD_AT},{HOLD_SHRUNK}",
                  HOLD_FILE=f"{hold},{hold_shrunk}", **JOB_ENV)  # two reshapes outlast 5 min on a loaded 2-core box
     try:
-        protected = wait_protected(out, slots=4, timeout=150, above=HOLD_AT)  # the newest snapshot (step numbers count
+        protected = wait_protected(out, slots=4, timeout=300, above=HOLD_AT)  # the newest snapshot (step numbers count
         # optimizer steps done: loop step HOLD_AT is snapshot HOLD_AT + 1)
         slots = next(e for e in events.read(out / "job") if e["event"] == "launch")["slots"].split(",")
         lost = slots[2]  # not the first: the batch host keeps the supervisor
