@@ -17,7 +17,9 @@ Environment (all optional but OUT):
                  the job's own gradient traffic then goes on gloo groups of the same ranks (its "device" groups)
   CKPT=hpcft|disk  `disk` is the bench's baseline: rank 0 `torch.save`s model + optimizer to OUT/ckpt.pt every
                  step (written, then renamed) and every rank resumes with `torch.load`
-  HOLD_AT=S HOLD_FILE=F   the first launch waits after step S until F exists (a fault must not race the job's end)
+  HOLD_AT=S[,S2,…] HOLD_FILE=F[,F2,…]   launch k (HPCFT_RESTART_COUNT) waits after step S_k until F_k (or the last
+                 file named) exists: a fault, a shrink, a grow must not race the job's end; a launch without S_k does
+                 not wait
   HANG_AT=S HANG_RANK=R   in the first launch, rank R stops making progress after step S (a hang to detect)
   BATCH=plan     the elastic arithmetic (hpcft.batch_plan, docs/supervisor.md "Elastic shrink"): a step takes the
                  plan's micro-batches of 16 samples, micro-batch u of the data stream drawn from seed u (dropout too),
@@ -159,8 +161,11 @@ def main() -> int:
     width, layers, dropout = _int("WIDTH", 32), _int("LAYERS", 2), float(os.environ.get("DROPOUT", "0.1"))
     mode = os.environ.get("CKPT", "hpcft")
     first_run = os.environ.get("HPCFT_RESTART_COUNT", "0") == "0" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
-    hold_at = _int("HOLD_AT", -1) if first_run else -1
-    hold_file = Path(os.environ["HOLD_FILE"]) if os.environ.get("HOLD_FILE") else None
+    holds = [int(s) for s in os.environ.get("HOLD_AT", "").split(",") if s]
+    launch = _int("HPCFT_RESTART_COUNT", 0) if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else len(holds)
+    hold_at = holds[launch] if launch < len(holds) else -1
+    hold_files = [Path(f) for f in os.environ.get("HOLD_FILE", "").split(",") if f]
+    hold_file = hold_files[min(launch, len(hold_files) - 1)] if hold_files else None
     hang_at = _int("HANG_AT", -1) if first_run else -1
     torch.set_num_threads(1)  # several ranks share this machine's cores
     torch.use_deterministic_algorithms(True)

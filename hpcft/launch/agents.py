@@ -207,16 +207,17 @@ class AgentSteps:
             f"the agents' step ended (exit status {self.proc.poll()}); see {self.job_dir / f'agents-{self.tag}.log'}"
         return dict.fromkeys(layout.slots, why)
 
-    def persist(self, bad_nodes: tuple[str, ...] | list[str] = ()) -> None:
-        """Before a requeue: let the agents protect the newest snapshot the trainers completed everywhere and flush it
-        to the durable tier (bounded by --protect-timeout), so that the next allocation can rebuild it from the nodes
-        that come back, or read it on entirely new nodes. One `persist` event says what is safe, and why."""
+    def persist(self, bad_nodes: tuple[str, ...] | list[str] = ()) -> tuple[int | None, int | None, str | None]:
+        """Before a requeue (or an elastic grow): let the agents protect the newest snapshot the trainers completed
+        everywhere and flush it to the durable tier (bounded by --protect-timeout), so that the next allocation can
+        rebuild it from the nodes that come back, or read it on entirely new nodes. One `persist` event says what is
+        safe, and why. Returns (the protected step, the durable step, why either is not done; None when both are)."""
         started = time.monotonic()
         if self.proc is None:
             self.emit("persist", level=logging.WARNING, done=False, how="none",
                       reason="no agents (--protect none, --persist-dir none): the next allocation resumes from "
                              "what its nodes hold")
-            return
+            return None, None, "no agents"
         deadline = started + self.cfg.protect_timeout
         if bad_nodes:
             why = (f"node(s) {','.join(bad_nodes)} lost: the newest step their sets protected before is what "
@@ -236,6 +237,7 @@ class AgentSteps:
                   "flush" if self.cfg.persisting else "protect",
                   protected=self.protected(), durable=durable, seconds=round(time.monotonic() - started, 3),
                   **({"reason": why} if why else {}), **({"flush_reason": flush_why} if flush_why else {}))
+        return self.protected(), durable, why or flush_why
 
     def _finish_flush(self) -> None:
         """A flush under way (its drain from node-local storage, which Frontier wipes at the job's end, above all)

@@ -66,6 +66,15 @@ def _run_options(f):
         click.option("--elastic-batch", type=click.Choice(list(config.ELASTIC_BATCH)), default=None,
                      help="What a shrink keeps: the global batch (more accumulation) or each replica's (default "
                           "keep-global)."),
+        click.option("--elastic-grow/--no-elastic-grow", default=None,
+                     help="With --elastic: grow back toward --nodes when nodes of the allocation return to service."),
+        click.option("--grow-settle", type=float, default=None,
+                     help="Seconds a returned node must stay healthy before it is taken back (default 60; doubled "
+                          "for each earlier loss of that node)."),
+        click.option("--grow-every", type=float, default=None,
+                     help="At most one grow per this many seconds after the last shrink or grow (default 300)."),
+        click.option("--grow-max-losses", type=int, default=None,
+                     help="A node lost more often than this in the run is not taken back (default 2)."),
     ]
     for option in reversed(options):
         f = option(f)

@@ -49,7 +49,12 @@ class RunConfig:
     (the state resharded from the survivors' memory plus parity, hpcft/launch/elastic.py) instead of requeueing;
     min_nodes: an elastic job shrinks down to this many active nodes; a loss below it requeues as any other (default 1);
     elastic_batch: keep-global (the global batch stays, each replica accumulates more micro-batches) or keep-per-rank
-    (each replica's batch stays, the global batch shrinks), exported to the trainers as HPCFT_ELASTIC_BATCH.
+    (each replica's batch stays, the global batch shrinks), exported to the trainers as HPCFT_ELASTIC_BATCH;
+    elastic_grow: a job running shrunk grows back toward `nodes` when nodes of its allocation return to service
+    (hpcft/launch/grow.py, the decision in hpcft/launch/policy_grow.py); grow_settle: seconds a returned node must
+    stay healthy before the job takes it back (doubled for each earlier loss of that node); grow_every: at most one
+    grow per this many seconds after the last shrink or grow; grow_max_losses: a node lost more often than this in
+    the run is not taken back.
     """
 
     nodes: int | None = None
@@ -86,6 +91,10 @@ class RunConfig:
     elastic: bool = False
     min_nodes: int | None = None
     elastic_batch: str = KEEP_GLOBAL
+    elastic_grow: bool = False
+    grow_settle: float = 60.0
+    grow_every: float = 300.0
+    grow_max_losses: int = 2
 
     @property
     def protected(self) -> bool:
@@ -205,7 +214,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"tasks_per_node must be at least 1 (got {cfg.tasks_per_node})")
     if cfg.max_restarts < 0:
         raise ConfigError(f"max_restarts must be 0 or more (got {cfg.max_restarts})")
-    for key in ("hang_timeout", "start_timeout", "kill_grace", "requeue_margin", "protect_timeout"):
+    for key in ("hang_timeout", "start_timeout", "kill_grace", "requeue_margin", "protect_timeout", "grow_settle",
+                "grow_every", "grow_max_losses"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key} must be 0 or more (got {getattr(cfg, key)})")
     if cfg.keep < 1:
@@ -248,6 +258,9 @@ def _validate_elastic(cfg: RunConfig) -> None:
     if not cfg.elastic:
         if cfg.min_nodes is not None:
             raise ConfigError("min_nodes is given without elastic: add --elastic, or drop --min-nodes")
+        if cfg.elastic_grow:
+            raise ConfigError("elastic_grow is given without elastic (only a job that shrank can grow back): add "
+                              "--elastic, or drop --elastic-grow")
         return
     if not cfg.protected:
         raise ConfigError("elastic needs protection across nodes (a shrink rebuilds the lost node's snapshot from "

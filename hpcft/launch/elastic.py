@@ -12,7 +12,10 @@ Instead of requeueing, the job goes on with the survivors, losing no protected s
    durable checkpoint onto the new world (hpcft/durable/reader.py).
 
 A shrink that cannot rebuild or flush turns into the requeue it replaced (the memory of the survivors is then
-kept for the requeued job). Pure helpers (`hosts`, `shrunk_config`) are tested without Slurm."""
+kept for the requeued job). The grow of `--elastic-grow` (when: hpcft/launch/grow.py and policy_grow.py) takes the same
+path the other way: the agents of the smaller job protect and flush the newest step the stopped trainers completed,
+every store is wiped, and the trainers relaunch on more nodes, resharded from the durable tier; a grow that cannot
+flush relaunches on the same nodes from memory. Pure helpers (`hosts`, `shrunk_config`) are tested without Slurm."""
 from __future__ import annotations
 
 import logging
@@ -26,6 +29,7 @@ from hpcft.launch.agents import AgentSteps
 from hpcft.launch.config import RunConfig
 from hpcft.launch.janitor import Janitor
 from hpcft.launch.layout import Layout
+from hpcft.launch.policy import Action, Decision, Event, State, record, requeue_or_stop
 
 
 
@@ -45,8 +49,8 @@ def hosts(old: Layout, lost: Sequence[str]) -> dict[int, str]:
 
 
 def shrunk_config(cfg: RunConfig, active: int) -> RunConfig:
-    """`cfg` for `active` nodes: --nodes follows, protection sets no larger than the nodes left (a partner copy on
-    a single node, or a set of one, protects nothing: none)."""
+    """`cfg` (the run's starting one) for `active` nodes: --nodes follows, protection sets no larger than the nodes
+    left (a partner copy on a single node, or a set of one, protects nothing: none)."""
     cfg = replace(cfg, nodes=active)
     if active < 2:
         return replace(cfg, protect="none")
@@ -81,11 +85,33 @@ class Outcome:
         return self.error is None and self.durable is not None and self.durable == self.protected
 
 
-class Shrinker:
-    """Carries out a `shrink` decision with the job's agents and janitor (see the module doc); `emit` records."""
+class Reshaper:
+    """Carries out a `shrink` or `grow` decision with the job's agents and janitor (the module doc); `emit` records."""
 
     def __init__(self, cfg: RunConfig, agents: AgentSteps, janitor: Janitor, emit: Callable[..., None]):
         self.cfg, self.agents, self.janitor, self.emit = cfg, agents, janitor, emit
+
+    def carry_out(self, decision: Decision, event: Event, state: State, env: Mapping[str, str], tag: str,
+                  job_dir: str) -> tuple[Decision, str | None]:
+        """(the decision, or what replaces it when the shrink or grow failed; the line for the run's summary)."""
+        old, new = state.layout, decision.layout
+        if decision.action is Action.GROW:
+            out = self.grow(old, new, env)
+            if out.ok:
+                return decision, (f"back on {len(new.slots)} nodes ({','.join(event.returned)} returned) from step "
+                                  f"{out.durable}, resharded from the durable tier")
+            failed = Decision(Action.RELAUNCH, f"{decision.reason}; the grow failed: {out.error}; relaunch on the "
+                              f"same {len(old.slots)} node(s)", old)
+            record(failed, event, state, job_dir)
+            return failed, f"grow to {len(new.slots)} nodes failed: {out.error}"
+        out = self.shrink(old, new, event.bad_nodes, env, tag)
+        if not out.ok:
+            failed = requeue_or_stop(replace(state, layout=replace(old, excluded=new.excluded)),
+                                     f"{decision.reason}; the shrink failed: {out.error}")
+            record(failed, event, state, job_dir)
+            return failed, None
+        return decision, (f"continues on {len(new.slots)} of {len(old.slots)} nodes ({','.join(event.bad_nodes)} "
+                          f"lost) from step {out.durable}, resharded from memory+parity, no protected step lost")
 
     def shrink(self, old: Layout, new: Layout, lost: Sequence[str], env: Mapping[str, str], tag: str) -> Outcome:
         """Steps 1–3 of the module doc; on success the survivors' memory is wiped and the trainers may start."""
@@ -96,18 +122,39 @@ class Shrinker:
             outcome = Outcome(None, None, f"the lost slot(s) could not be rebuilt on the survivors: {failure}")
         else:
             durable, error = self.agents.flush(time.monotonic() + self.cfg.protect_timeout)
-            protected = self.agents.protected()
-            if error is None and durable != protected:
-                error = f"the durable step {durable} is not the rebuilt one {protected}"
-            outcome = Outcome(durable, protected, error)
+            outcome = Outcome(durable, self.agents.protected(), error)
         self.agents.stop(ask=failure is None)
-        if outcome.ok:  # the durable checkpoint holds it all: the old layout's memory would only mislead a restore
-            code = self.janitor.wipe(list(new.slots), env)
-            if code != 0:
-                outcome = replace(outcome, error=f"the survivors' stores could not be wiped (janitor exit {code})")
+        outcome = self._wipe(outcome, new, env)
         self.emit("shrink", level=logging.WARNING if outcome.ok else logging.ERROR, ok=outcome.ok,
                   nodes_from=len(old.slots), nodes_to=len(new.slots), lost=",".join(lost),
                   hosted=",".join(f"{k}:{n}" for k, n in hosted.items()), step=outcome.protected,
                   durable=outcome.durable, seconds=round(time.monotonic() - started, 3),
                   source="memory+parity" if outcome.ok else None, **({"error": outcome.error} if outcome.error else {}))
+        return outcome
+
+    def grow(self, old: Layout, new: Layout, env: Mapping[str, str]) -> Outcome:
+        """The trainers have stopped; the agents of `old` still run: they protect and flush the newest step (the
+        requeue's persist), then the stores of every node of `new` are wiped, the returned nodes' included (their
+        memory is stale), and the trainers may start on `new`, resharded from the durable tier. On failure nothing is
+        wiped: the job relaunches on `old` from its memory."""
+        started = time.monotonic()
+        protected, durable, error = self.agents.persist()
+        self.agents.stop()
+        outcome = self._wipe(Outcome(durable, protected, error), new, env)
+        self.emit("grow", level=logging.WARNING if outcome.ok else logging.ERROR, ok=outcome.ok,
+                  nodes_from=len(old.slots), nodes_to=len(new.slots),
+                  returned=",".join(n for n in new.slots if n not in old.slots), step=outcome.protected,
+                  durable=outcome.durable, seconds=round(time.monotonic() - started, 3),
+                  source="durable" if outcome.ok else None, **({"error": outcome.error} if outcome.error else {}))
+        return outcome
+
+    def _wipe(self, outcome: Outcome, new: Layout, env: Mapping[str, str]) -> Outcome:
+        """After a good flush the durable checkpoint holds it all: memory in the old layout would only mislead a restore
+        in the new one, so `new`'s nodes are wiped."""
+        if not outcome.ok:
+            return outcome if outcome.error else replace(
+                outcome, error=f"the durable step {outcome.durable} is not the protected one {outcome.protected}")
+        code = self.janitor.wipe(list(new.slots), env)
+        if code != 0:
+            return replace(outcome, error=f"the stores could not be wiped (janitor exit {code})")
         return outcome

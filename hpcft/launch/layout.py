@@ -97,6 +97,13 @@ class Layout:
                        spares=tuple(s for s in self.spares if s not in gone),
                        excluded=tuple(dict.fromkeys(self.excluded + tuple(failed))))
 
+    def grow(self, returned: list[str] | tuple[str, ...]) -> "Layout":
+        """Take `returned` nodes back (no longer excluded) as new slots after the present ones: the present slots keep
+        their index, each returned node runs the ranks after them."""
+        back = [n for n in dict.fromkeys(returned) if n not in self.slots]
+        return replace(self, slots=self.slots + tuple(back), spares=tuple(s for s in self.spares if s not in back),
+                       excluded=tuple(n for n in self.excluded if n not in back))
+
     def to_env(self) -> dict[str, str]:
         """The variables a task needs to find its ranks (read back by `Layout.from_env`)."""
         return {"HPCFT_LAYOUT": ",".join(self.slots), "HPCFT_LAYOUT_TASKS": str(self.tasks_per_node)}

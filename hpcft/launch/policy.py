@@ -27,6 +27,7 @@ class Kind(enum.Enum):
     ALLOCATION_LOST = "allocation_lost"  # too few nodes left in the allocation to form the layout at all
     AGENT_FAILED = "agent_failed"        # a node agent failed or was not ready in time; its node answers
     STEP_REFUSED = "step_refused"        # Slurm would not create the step (its options do not fit the nodes)
+    NODES_RETURNED = "nodes_returned"    # --elastic-grow: nodes of the allocation back in service (policy_grow)
 
 
 def hung(now: float, launched: float, last_step: float | None, hang_timeout: float,
@@ -49,6 +50,7 @@ class Action(enum.Enum):
     RELAUNCH = "relaunch"    # same nodes, same slots: each rank finds its snapshot in local memory
     REPLACE = "replace"      # spares take the failed nodes' slots, then relaunch
     SHRINK = "shrink"        # --elastic, no spare left: continue on the surviving nodes, resharded
+    GROW = "grow"            # --elastic-grow: a shrunk job takes returned nodes back, resharded
     REQUEUE = "requeue"      # persist and `scontrol requeue`: resume in a new allocation
     STOP = "stop"            # give up, with a summary
 
@@ -60,6 +62,7 @@ class Event:
     bad_nodes: tuple[str, ...] = ()
     failed_tasks: tuple[str, ...] = ()   # srun's own words, e.g. "n2: task 1: Exited with exit code 3"
     detail: str = ""
+    returned: tuple[str, ...] = ()       # NODES_RETURNED: the nodes to take back, as policy_grow chose them
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,11 @@ def decide(event: Event, state: State, now: float) -> Decision:
     if event.kind is Kind.STEP_REFUSED:  # the same options would be refused again: a relaunch cannot help
         return Decision(Action.STOP, f"Slurm refused to create the step: {event.detail}; fix the options "
                         "(--tasks-per-node, --profile, --srun-args) and resubmit", state.layout, EXIT_ERROR)
+    if event.kind is Kind.NODES_RETURNED:  # not a failure: no restart is counted against --max-restarts
+        grown = state.layout.grow(event.returned)
+        return Decision(Action.GROW, f"node(s) {','.join(event.returned)} back in service ({event.detail}); "
+                        f"--elastic-grow: continue on {len(grown.slots)} node(s) ({','.join(grown.slots)}), "
+                        "resharded", grown)
     if state.restarts >= state.max_restarts:
         return Decision(Action.STOP, f"{event.kind.value} after {state.restarts} restart(s), the limit "
                         f"(--max-restarts {state.max_restarts})", state.layout, EXIT_GAVE_UP)
@@ -157,4 +165,4 @@ def record(decision: Decision, event: Event, state: State, job_dir: str) -> dict
         slots=",".join(decision.layout.slots), spares=",".join(decision.layout.spares),
         excluded=",".join(decision.layout.excluded), result=decision.exit_code,
         **({"nodes_from": len(state.layout.slots), "nodes_to": len(decision.layout.slots)}
-           if decision.action is Action.SHRINK else {}))
+           if decision.action in (Action.SHRINK, Action.GROW) else {}))

@@ -17,12 +17,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from hpcft import events
 from hpcft.errors import CheckpointError, ConfigError, HpcftError, SlurmError
 from hpcft.launch import elastic, losses, profiles, progress
+from hpcft.launch.grow import GrowWatch
 from hpcft.launch.agents import AgentSteps
 from hpcft.durable.catalog import ENV_PERSIST
 from hpcft.durable.local import ENV_LOCAL
@@ -30,8 +30,7 @@ from hpcft.launch.config import RunConfig, durable_dir, resolve_protect
 from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
-from hpcft.launch.policy import (EXIT_ERROR, Action, Decision, Event, Kind, State, decide, hung, record,
-                                 requeue_or_stop, stale_signal)
+from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, hung, record, stale_signal
 from hpcft.launch.preflight import Preflight
 from hpcft.launch.nodecheck import NodeCheck
 from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
@@ -76,10 +75,12 @@ class Supervisor:
         self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.probe_timeout, self.emit)
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
                                  interrupted=lambda: self._signal == signal.SIGTERM,
-                                 check_nodes=lambda layout, probe: self._bad_nodes(layout, probe=probe))
-        self.shrinker = elastic.Shrinker(cfg, self.agents, self.janitor, self.emit)
-        self.shrinks: list[str] = []  # each elastic shrink of this run, for its summary
+                                 check_nodes=lambda layout, probe: self.nodes.bad(layout.slots, probe=probe))
+        self.reshaper = elastic.Reshaper(cfg, self.agents, self.janitor, self.emit)
+        self.reshaped: dict[str, list[str]] = {"shrunk": [], "grown": []}  # each elastic shrink / grow, for the summary
         self.base_world = 0  # the world size this run started with (the trainers' batch arithmetic after a shrink)
+        self.base_cfg = cfg  # the configuration this run started with (a shrunk or grown job's is sized from it)
+        self.grow_watch = GrowWatch(cfg, self.runner, self.job_id, self.nodes, self.emit)
 
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -131,7 +132,8 @@ class Supervisor:
         kept = [n for i, n in enumerate(layout.slots) if saved.slots[i:i + 1] == [n]]
         self.base_world = layout.world_size
         elastic.check_floor(self.cfg, len(layout.slots))
-        self.cfg = self.agents.cfg = resolve_protect(self.cfg, len(layout.slots))
+        self.cfg = self.agents.cfg = self.base_cfg = resolve_protect(self.cfg, len(layout.slots))
+        self.grow_watch.target = len(layout.slots)
         self.emit("start", slots=",".join(layout.slots), spares=",".join(layout.spares),
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
                   kept=",".join(kept), profile=self.profile.name, protect=self.cfg.protect, group=self.cfg.group,
@@ -146,7 +148,8 @@ class Supervisor:
         if self.cfg.with_agents:
             self.agents.prepare()
         while True:
-            event = self._run_step(layout, saved.restarts + saved.requeues)
+            launches = saved.restarts + saved.requeues + saved.grows
+            event = self._run_step(layout, launches)
             if self._signal == signal.SIGTERM:
                 self.agents.stop()
                 self.emit("terminated", level=logging.WARNING, reason="SIGTERM (scancel, preemption or requeue)")
@@ -158,22 +161,25 @@ class Supervisor:
                           min_nodes=(self.cfg.min_nodes or 1) if self.cfg.elastic else None)
             decision = decide(event, state, time.time())
             record(decision, event, state, str(self.job_dir))
+            self.grow_watch.lost(event.bad_nodes)  # every loss counts against taking a node back (--grow-max-losses)
             if decision.action is Action.REQUEUE:
                 self._persist_before_requeue(event)
             # a relaunch does not wait for a flush under way (its node-local copies stay for the next one); a shrink
-            # lost a node, whose agent no flush can wait for
-            self.agents.stop(ask=not event.bad_nodes,
-                             flush=decision.action not in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK))
-            # a launch shorter than the agents' rounds: their final reports (written as they stop) hold the figures
-            self.preflight.poll(self.agents.reports, now=True)
-            if decision.action is Action.SHRINK:
-                decision = self._shrink(decision, event, state, saved.restarts + saved.requeues)
+            # lost a node, whose agent no flush can wait for; a grow flushes with them first (Reshaper.grow)
+            if decision.action is not Action.GROW:
+                self.agents.stop(ask=not event.bad_nodes,
+                                 flush=decision.action not in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK))
+            self.preflight.poll(self.agents.reports, now=True)  # a short launch: the agents' final reports
+            grew = decision.action is Action.GROW
+            if decision.action in (Action.SHRINK, Action.GROW):
+                decision = self._reshape(decision, event, state, launches)
             self._why_launch = self._launch_reason(decision, event)
             saved.slots = list(layout.slots)  # the nodes that held the slots' snapshots in this run
             layout = decision.layout
             saved.excluded = list(layout.excluded)
-            if decision.action in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK):
-                saved.restarts += 1
+            if decision.action in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK, Action.GROW):
+                saved.grows += grew  # a grow (or its failure's relaunch) is no restart: --max-restarts counts failures
+                saved.restarts += not grew
                 saved.save(self.state_path)
                 continue
             saved.save(self.state_path)
@@ -209,26 +215,23 @@ class Supervisor:
         step 0 after progress existed)."""
         from_zero = any(loss.resumed_from == 0 for loss in self.lost)
         level = (logging.ERROR if action is Action.STOP or from_zero
-                 else logging.WARNING if self.lost or self.shrinks or action is Action.REQUEUE else logging.INFO)
+                 else logging.WARNING if self.lost or any(self.reshaped.values()) or action is Action.REQUEUE
+                 else logging.INFO)
         lost = "; ".join(loss.line() for loss in self.lost)
         self.emit("summary", level=level, action=action.value, reason=reason, restarts=saved.restarts,
                   requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=exit_code, lost=lost,
-                  **({"shrunk": "; ".join(self.shrinks)} if self.shrinks else {}))
+                  **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines})
 
-    def _shrink(self, decision: Decision, event: Event, state: State, restart_count: int) -> Decision:
-        """Carry a shrink out (hpcft/launch/elastic.py): the decision, or the requeue it replaced if it failed."""
-        old, new = state.layout, decision.layout
-        self.shrinker.cfg = self.cfg
-        out = self.shrinker.shrink(old, new, event.bad_nodes, self._env(old, restart_count), f"{restart_count}-shrink")
-        if not out.ok:
-            decision = requeue_or_stop(replace(state, layout=replace(old, excluded=new.excluded)),
-                                       f"{decision.reason}; the shrink failed: {out.error}")
-            record(decision, event, state, str(self.job_dir))
-            return decision
-        self.cfg = self.agents.cfg = elastic.shrunk_config(self.cfg, len(new.slots))
-        self.shrinks.append(f"continues on {len(new.slots)} of {len(old.slots)} nodes ({','.join(event.bad_nodes)} "
-                            f"lost) from step {out.durable}, resharded from memory+parity, no protected step lost")
-        return decision
+    def _reshape(self, decision: Decision, event: Event, state: State, launches: int) -> Decision:
+        """Carry a shrink or grow out (hpcft/launch/elastic.py): the decision, or what replaced it if it failed."""
+        self.reshaper.cfg = self.cfg
+        done, line = self.reshaper.carry_out(decision, event, state, self._env(state.layout, launches),
+                                             f"{launches}-shrink", str(self.job_dir))
+        self.reshaped["grown" if decision.action is Action.GROW else "shrunk"] += [line] if line else []
+        if done.action is decision.action:  # the new shape's protection sets, from the run's starting configuration
+            self.cfg = self.agents.cfg = elastic.shrunk_config(self.base_cfg, len(done.layout.slots))
+        self.grow_watch.reshaped()  # the clock of --grow-every (a failed grow's relaunch counts too)
+        return done
 
     def _launch_reason(self, decision: Decision, event: Event) -> str:
         """Why the next launch happens, and what it could lose: the reason carried by a loss it causes."""
@@ -291,12 +294,12 @@ class Supervisor:
         except BaseException:
             self.agents.stop()
             raise
-        failed = tuple(slurmstate.task_errors(lines))
+        failed = () if event.kind is Kind.NODES_RETURNED else tuple(slurmstate.task_errors(lines))  # not: hpcft's stop
         refused = slurmstate.step_refusal(lines) if event.kind is Kind.TASK_FAILED else None
         if refused:
             return Event(Kind.STEP_REFUSED, exit_code=proc.returncode, failed_tasks=failed, detail=refused)
         return Event(event.kind, exit_code=proc.returncode, bad_nodes=event.bad_nodes, failed_tasks=failed,
-                     detail=event.detail)
+                     detail=event.detail, returned=event.returned)
 
     def _env(self, layout: Layout, restart_count: int) -> dict[str, str]:
         """The steps' environment for one launch on `layout` (the agents' and the trainers')."""
@@ -315,7 +318,7 @@ class Supervisor:
         """The policy's view of agents that could not get ready: a bad node, or an agent failure on healthy nodes."""
         if self._signal == signal.SIGTERM:
             return Event(Kind.WALLTIME, detail="SIGTERM")
-        bad = self.agents.bad_nodes or self._bad_nodes(layout, probe=True)
+        bad = self.agents.bad_nodes or self.nodes.bad(layout.slots, probe=True)
         if bad:
             return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
         return Event(Kind.AGENT_FAILED, detail=str(exc))
@@ -328,7 +331,7 @@ class Supervisor:
             if code is not None:
                 if code == 0:
                     return Event(Kind.SUCCESS, exit_code=0)
-                bad = self._bad_nodes(layout, probe=True)
+                bad = self.nodes.bad(layout.slots, probe=True)
                 if bad:
                     return Event(Kind.NODE_FAILED, exit_code=code, bad_nodes=tuple(bad), detail=_why(bad))
                 return Event(Kind.TASK_FAILED, exit_code=code)
@@ -342,12 +345,15 @@ class Supervisor:
                 self.emit("signal", level=logging.WARNING, signal="USR1", meaning="stale", ignored=True, reason=stale)
                 self._signal = None
                 self._wake.clear()
-            bad = self._bad_nodes(layout, probe=False)
+            bad = self.nodes.bad(layout.slots, probe=False)
             if bad:
                 return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
             suspects = self.agents.lost(layout)
             if suspects is not None:
                 return self._agents_lost(layout, suspects)
+            returned = self.grow_watch.poll(layout)  # --elastic-grow, on a shrunk job
+            if returned is not None:
+                return returned
             if self.cfg.hang_timeout:
                 last = progress.last_change(self.job_dir, launched)
                 why = hung(time.time(), launched, last if last > launched else None, self.cfg.hang_timeout,
@@ -367,10 +373,6 @@ class Supervisor:
         return stale_signal(requeued_run=self._requeued_run,
                             progressed=progress.last_change(self.job_dir, self._started) > self._started,
                             time_left=None if end is None else end - now, margin=self.cfg.requeue_margin)
-
-    def _bad_nodes(self, layout: Layout, *, probe: bool) -> dict[str, str]:
-        """Bad nodes among the slots (scontrol); with probe, also those that fail to run a trivial task."""
-        return self.nodes.bad(layout.slots, probe=probe)
 
     def _agents_lost(self, layout: Layout, suspects: dict[str, str]) -> Event:
         """Agents failed while the trainers run: their mesh is the job's own failure detector. The nodes they lost

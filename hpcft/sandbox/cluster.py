@@ -278,11 +278,13 @@ class Sandbox:
         _log.info("crashed sandbox node %s (killed pids %s)", name, pids)
         return pids
 
-    def restart_node(self, name: str, timeout: float = 30.0) -> None:
-        """Power a node back on (crashing what is left of it first) and wait until Slurm uses it again."""
+    def restart_node(self, name: str, timeout: float = 30.0, *, wait: bool = True) -> None:
+        """Power a node back on (crashing what is left of it first) and, with `wait`, wait until Slurm uses it again
+        (without: a drained node stays drained, and is not waited for)."""
         self.crash_node(name)
         self._start_node(name)
-        self.wait_ready([name], timeout=timeout)
+        if wait:
+            self.wait_ready([name], timeout=timeout)
 
     def heal(self, timeout: float = 60.0) -> None:
         """Back to a clean cluster for the next test: no jobs, every node running and idle.

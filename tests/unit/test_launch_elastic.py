@@ -70,6 +70,8 @@ def test_the_smaller_job_protects_with_sets_it_can_form():
     ({"elastic": True, "persist_dir": "none"}, "elastic needs a durable tier"),
     ({"min_nodes": 2}, "without elastic"),
     ({"elastic": True, "min_nodes": 0}, "min_nodes must be at least 1"),
+    ({"elastic_grow": True}, "elastic_grow is given without elastic"),
+    ({"elastic": True, "elastic_grow": True, "grow_settle": -1}, "grow_settle must be 0 or more"),
 ])
 def test_bad_elastic_options_say_what_to_change(cli, words):
     with pytest.raises(ConfigError, match=words):
