@@ -24,9 +24,10 @@ class NodeCheck:
         self.runner, self.job_id, self.environ = runner, job_id, environ
         self.probe_timeout, self.emit = probe_timeout, emit
 
-    def bad(self, nodes: Sequence[str], *, probe: bool, found_by: str | None = None) -> dict[str, str]:
+    def bad(self, nodes: Sequence[str], *, probe: bool, found_by: str | None = None,
+            suspected: Mapping[str, str] | None = None) -> dict[str, str]:
         """Slurm's bad nodes among `nodes`; with `probe` and none found, those that fail the probe. `found_by`
-        (e.g. what made the supervisor look) is added to the events."""
+        (e.g. what made the supervisor look) and `suspected` ({node: what made it a suspect}) go into the events."""
         try:
             bad = slurmstate.bad_nodes(self.runner, self.job_id, list(nodes))
         except SlurmError as exc:
@@ -36,7 +37,8 @@ class NodeCheck:
             bad = self.probe(nodes)
         for node, why in bad.items():
             self.emit("node_bad", level=logging.WARNING, node=node, state=why,
-                      **({"found_by": found_by} if found_by else {}))
+                      **({"found_by": found_by} if found_by else {}),
+                      **({"suspected": suspected[node]} if suspected and node in suspected else {}))
         return bad
 
     def probe(self, nodes: Sequence[str]) -> dict[str, str]:

@@ -21,8 +21,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcft import events
-from hpcft.errors import CheckpointError, ConfigError, HpcftError, SlurmError
+from hpcft.errors import ConfigError, HpcftError, SlurmError
 from hpcft.launch import elastic, losses, profiles, progress
+from hpcft.launch.agentloss import AgentLoss
 from hpcft.launch.agents import AgentSteps
 from hpcft.durable.catalog import ENV_PERSIST
 from hpcft.durable.local import ENV_LOCAL
@@ -77,6 +78,7 @@ class Supervisor:
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
                                  interrupted=lambda: self._signal == signal.SIGTERM,
                                  check_nodes=lambda layout, probe: self._bad_nodes(layout, probe=probe))
+        self.agent_loss = AgentLoss(self.agents, self.nodes, self.emit, lambda: self._signal == signal.SIGTERM)
         self.shrinker = elastic.Shrinker(cfg, self.agents, self.janitor, self.emit)
         self.shrinks: list[str] = []  # each elastic shrink of this run, for its summary
         self.base_world = 0  # the world size this run started with (the trainers' batch arithmetic after a shrink)
@@ -267,7 +269,7 @@ class Supervisor:
             if self.cfg.with_agents:
                 failure = self.agents.start(layout, restart_count, env)
                 if failure is not None:
-                    event = self._agents_failed(layout, failure)
+                    event = self.agent_loss.not_ready(layout, failure)
                     self.agents.stop()
                     return event
             argv = trainer_argv(layout, self.profile, self.command, python=self.python, extra=self.cfg.srun_args)
@@ -278,12 +280,14 @@ class Supervisor:
             self.emit("launch", restart=restart_count, slots=",".join(layout.slots), world=layout.world_size,
                       master=f"{layout.master}:{env['MASTER_PORT']}")
             launched = time.time()
+            self.agent_loss.launched()
             proc = self.runner.popen(argv, env=env, stderr=subprocess.PIPE, text=True)
             lines: list[str] = []
             reader = threading.Thread(target=_tee, args=(proc.stderr, lines), daemon=True)
             reader.start()
             try:
-                event = self._watch(proc, layout, launched, watch)
+                event = self._watch(proc, layout, launched, watch, lambda suspects: self.agent_loss.while_training(
+                    layout, suspects, restart_count, env))
             finally:
                 self._stop_steps({TRAIN_STEP_NAME: proc})
                 reader.join(timeout=5)
@@ -311,16 +315,10 @@ class Supervisor:
             env.update({ENV_LOCAL: self.cfg.persist_local} if self.cfg.persist_local else {})  # and its first level
         return env
 
-    def _agents_failed(self, layout: Layout, exc: CheckpointError) -> Event:
-        """The policy's view of agents that could not get ready: a bad node, or an agent failure on healthy nodes."""
-        if self._signal == signal.SIGTERM:
-            return Event(Kind.WALLTIME, detail="SIGTERM")
-        bad = self.agents.bad_nodes or self._bad_nodes(layout, probe=True)
-        if bad:
-            return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
-        return Event(Kind.AGENT_FAILED, detail=str(exc))
-
-    def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float, watch: losses.RestoreWatch) -> Event:
+    def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float, watch: losses.RestoreWatch,
+               agents_lost: Callable[[dict[str, str]], Event | None]) -> Event:
+        """Until the trainers' step ends or must be stopped; `agents_lost` (AgentLoss.while_training) answers agents
+        that failed meanwhile: an event, or None when the agents were restarted alone and the trainers go on."""
         while True:
             self._check_restore(watch)
             self.preflight.poll(self.agents.reports)  # the memory plan, once the first snapshot exists
@@ -346,8 +344,8 @@ class Supervisor:
             if bad:
                 return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
             suspects = self.agents.lost(layout)
-            if suspects is not None:
-                return self._agents_lost(layout, suspects)
+            if suspects is not None and (event := agents_lost(suspects)) is not None:
+                return event
             if self.cfg.hang_timeout:
                 quiet = time.time() - progress.last_change(self.job_dir, launched)
                 if quiet > self.cfg.hang_timeout:
@@ -369,20 +367,6 @@ class Supervisor:
     def _bad_nodes(self, layout: Layout, *, probe: bool) -> dict[str, str]:
         """Bad nodes among the slots (scontrol); with probe, also those that fail to run a trivial task."""
         return self.nodes.bad(layout.slots, probe=probe)
-
-    def _agents_lost(self, layout: Layout, suspects: dict[str, str]) -> Event:
-        """Agents failed while the trainers run: their mesh is the job's own failure detector. The nodes they lost
-        are probed now, without waiting for Slurm to mark them (then the whole slot list, when the named ones
-        answer); on healthy nodes the run is unprotected, so it is relaunched with fresh agents."""
-        bad = self.nodes.bad(list(suspects), probe=True, found_by="agents")
-        if not bad and len(suspects) < len(layout.slots):
-            bad = self.nodes.bad(layout.slots, probe=True, found_by="agents")
-        if bad:
-            return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
-        why = "; ".join(dict.fromkeys(suspects.values()))
-        self.emit("agents_failed", level=logging.ERROR, tag=self.agents.tag, reason=why,
-                  action="every node answers: relaunch from memory with fresh agents (unprotected until then)")
-        return Event(Kind.AGENT_FAILED, detail=why)
 
 
 def _tee(stream, lines: list[str]) -> None:

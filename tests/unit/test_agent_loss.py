@@ -1,6 +1,7 @@
 """The agents as the job's failure detector: the all-gather that opens every protection round fails on every
 survivor when a peer dies, naming the lost peer's slot; the supervisor's side (`AgentSteps.lost`) turns failed
 reports into the nodes to probe: the named ones, else every slot. Real sockets and real status files."""
+import logging
 import subprocess
 import sys
 import threading
@@ -100,3 +101,64 @@ def test_an_agents_step_that_ended_silently_is_a_loss_of_every_slot(tmp_path):
     assert set(suspects) == {"n1", "n2"} and "exit status 3" in suspects["n1"]
     steps.proc = None  # no agents (--protect none and no durable tier): nothing to watch
     assert steps.lost(layout) is None
+
+
+class _Agents:
+    """A narrow stand-in for AgentSteps: restarts that succeed or fail as told, and what was asked of it."""
+
+    def __init__(self, outcomes: list):
+        self.tag, self.bad_nodes, self.outcomes, self.calls = "0", {}, outcomes, []
+
+    def stop(self, ask: bool = True, flush: bool = True) -> None:
+        self.calls.append(("stop", ask, flush))
+
+    def start(self, layout, restart_count, env, *, tag=None):
+        self.calls.append(("start", tag))
+        self.tag = tag
+        return self.outcomes.pop(0)
+
+
+class _Nodes:
+    def __init__(self, bad: dict):
+        self.bad_ones, self.asked = bad, []
+
+    def bad(self, nodes, *, probe, found_by=None, suspected=None):
+        self.asked.append((tuple(nodes), found_by, dict(suspected or {})))
+        return {n: w for n, w in self.bad_ones.items() if n in nodes}
+
+
+def test_agents_that_fail_on_healthy_nodes_restart_alone_and_a_failed_restart_relaunches():
+    from hpcft.errors import CheckpointError
+    from hpcft.launch.agentloss import ALONE_PER_LAUNCH, AgentLoss
+    from hpcft.launch.policy import Kind
+
+    layout = Layout(slots=("n1", "n2", "n3"), spares=())
+    said: list = []
+    agents = _Agents([None, CheckpointError("agent of slot 1 failed: boom")])
+    loss = AgentLoss(agents, _Nodes({}), lambda kind, **f: said.append((kind, f)), interrupted=lambda: False)
+    suspects = {"n3": "agent of slot 0 lost it: the agent of slot 2 was silent for 5.4 s (loss timeout 5 s)"}
+    assert loss.while_training(layout, suspects, 0, {}) is None  # restarted alone: the trainers go on
+    assert agents.calls == [("stop", False, False), ("start", "0-alone1")]
+    assert [k for k, _ in said] == ["agents_failed", "agents_restart"]
+    assert said[0][1]["level"] == logging.ERROR and "restart alone" in said[0][1]["action"]
+    assert said[1][1]["ok"] is True and said[1][1]["trainers"] == "kept" and said[1][1]["replaced"] == "0"
+    event = loss.while_training(layout, suspects, 0, {})  # the next restart fails: a relaunch from memory
+    assert event.kind is Kind.AGENT_FAILED and "boom" in event.detail
+    assert said[-1][0] == "agents_restart" and said[-1][1]["ok"] is False
+    loss.alone = ALONE_PER_LAUNCH
+    assert loss.while_training(layout, suspects, 0, {}).kind is Kind.AGENT_FAILED  # no endless restarts
+    loss.launched()
+    assert loss.alone == 0
+
+
+def test_a_suspect_that_fails_the_probe_is_a_lost_node_and_the_agents_are_not_restarted():
+    from hpcft.launch.agentloss import AgentLoss
+    from hpcft.launch.policy import Kind
+
+    layout = Layout(slots=("n1", "n2", "n3"), spares=())
+    agents, nodes = _Agents([]), _Nodes({"n3": "probe did not answer within 5 s"})
+    loss = AgentLoss(agents, nodes, lambda kind, **f: None, interrupted=lambda: False)
+    suspects = {"n3": "agent of slot 0 lost it: the agent of slot 2 was silent for 5.4 s (loss timeout 5 s)"}
+    event = loss.while_training(layout, suspects, 0, {})
+    assert event.kind is Kind.NODE_FAILED and event.bad_nodes == ("n3",) and agents.calls == []
+    assert nodes.asked == [(("n3",), "agents", suspects)]  # the named node only, with what the agents said
