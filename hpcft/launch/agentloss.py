@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from hpcft.errors import CheckpointError
 from hpcft.launch.agents import AgentSteps
 from hpcft.launch.layout import Layout
-from hpcft.launch.nodecheck import NodeCheck
+from hpcft.launch.nodecheck import NodeCheck, describe
 from hpcft.launch.policy import Event, Kind
 
 ALONE_PER_LAUNCH = 3  # agent restarts without the trainers in one launch before a relaunch instead
@@ -45,7 +45,7 @@ class AgentLoss:
         (None: the trainers go on, watched as before), or `agent_failed` when that cannot be done."""
         bad = self.suspects_lost(layout, suspects)
         if bad:
-            return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
+            return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=describe(bad))
         why = "; ".join(dict.fromkeys(suspects.values()))
         if self.alone >= ALONE_PER_LAUNCH:
             self.emit("agents_failed", level=logging.ERROR, tag=self.agents.tag, reason=why,
@@ -70,9 +70,5 @@ class AgentLoss:
             return Event(Kind.WALLTIME, detail="SIGTERM")
         bad = self.agents.bad_nodes or self.nodes.bad(layout.slots, probe=True)
         if bad:
-            return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
+            return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=describe(bad))
         return Event(Kind.AGENT_FAILED, detail=str(exc))
-
-
-def _why(bad: Mapping[str, str]) -> str:
-    return "; ".join(f"{n}: {w}" for n, w in bad.items())

@@ -57,3 +57,8 @@ class NodeCheck:
                 p.communicate()
                 bad[node] = f"probe did not answer within {self.probe_timeout:g} s"
         return bad
+
+
+def describe(bad: Mapping[str, str]) -> str:
+    """`node: why; node: why` of bad nodes, for an event's detail."""
+    return "; ".join(f"{n}: {w}" for n, w in bad.items())

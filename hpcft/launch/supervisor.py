@@ -34,7 +34,7 @@ from hpcft.launch.persisted import Persisted
 from hpcft.launch.policy import (EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, requeue_or_stop,
                                  stale_signal)
 from hpcft.launch.preflight import Preflight
-from hpcft.launch.nodecheck import NodeCheck
+from hpcft.launch.nodecheck import NodeCheck, describe
 from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
 from hpcft.launch.steps import StepStopper
 from hpcft.slurm import state as slurmstate
@@ -328,7 +328,7 @@ class Supervisor:
                     return Event(Kind.SUCCESS, exit_code=0)
                 bad = self._bad_nodes(layout, probe=True)
                 if bad:
-                    return Event(Kind.NODE_FAILED, exit_code=code, bad_nodes=tuple(bad), detail=_why(bad))
+                    return Event(Kind.NODE_FAILED, exit_code=code, bad_nodes=tuple(bad), detail=describe(bad))
                 return Event(Kind.TASK_FAILED, exit_code=code)
             if self._signal is not None:
                 if self._signal != signal.SIGUSR1:
@@ -342,7 +342,7 @@ class Supervisor:
                 self._wake.clear()
             bad = self._bad_nodes(layout, probe=False)
             if bad:
-                return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
+                return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=describe(bad))
             suspects = self.agents.lost(layout)
             if suspects is not None and (event := agents_lost(suspects)) is not None:
                 return event
@@ -374,7 +374,3 @@ def _tee(stream, lines: list[str]) -> None:
     for line in stream:
         sys.stderr.write(line)
         lines.append(line.rstrip("\n"))
-
-
-def _why(bad: dict[str, str]) -> str:
-    return "; ".join(f"{n}: {w}" for n, w in bad.items())
