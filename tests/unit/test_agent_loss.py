@@ -5,6 +5,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from hpcft.agent.transport import TransportError
 from hpcft.launch.agents import AgentSteps
 from hpcft.launch.config import RunConfig
 from hpcft.launch.layout import Layout
+from hpcft.launch.nodecheck import NodeCheck
+from hpcft.slurm.runner import Runner
 
 SECRET = b"k" * 64
 
@@ -162,3 +165,33 @@ def test_a_suspect_that_fails_the_probe_is_a_lost_node_and_the_agents_are_not_re
     event = loss.while_training(layout, suspects, 0, {})
     assert event.kind is Kind.NODE_FAILED and event.bad_nodes == ("n3",) and agents.calls == []
     assert nodes.asked == [(("n3",), "agents", suspects)]  # the named node only, with what the agents said
+
+
+class _FrozenCluster(Runner):
+    """Slurm answered with canned text (node n3 goes NOT_RESPONDING after `marks_after` s), probes as real processes:
+    n3's never answers (a frozen slurmd), the others echo their name."""
+
+    def __init__(self, marks_after: float):
+        super().__init__()
+        self.since = time.monotonic()
+        self.marks_after = marks_after
+
+    def run(self, argv, **kw):
+        if argv[:3] == ["scontrol", "show", "job"]:
+            out = "JobId=7 NodeList=n[1-3] TimeLimit=UNLIMITED"
+        else:
+            late = time.monotonic() - self.since > self.marks_after
+            out = "\n".join(f"NodeName={n} State={'IDLE+NOT_RESPONDING' if n == 'n3' and late else 'MIXED'}"
+                            for n in ("n1", "n2", "n3"))
+        return subprocess.CompletedProcess(argv, 0, out, "")
+
+    def popen(self, argv, **kw):
+        node = next(a.split("=", 1)[1] for a in argv if a.startswith("--nodelist="))
+        cmd = ["sleep", "600"] if node == "n3" else ["echo", node]
+        return subprocess.Popen(cmd, stdout=kw.get("stdout"), stderr=kw.get("stderr"), text=True)
+
+
+def test_a_probe_still_waiting_for_a_frozen_node_ends_when_slurm_marks_it():
+    checks = NodeCheck(_FrozenCluster(marks_after=1.0), "7", {}, probe_timeout=600, emit=lambda *a, **k: None)
+    bad = checks.probe(["n1", "n2", "n3"])
+    assert set(bad) == {"n3"} and "NOT_RESPONDING (Slurm, while the probe waited)" in bad["n3"], bad
