@@ -43,10 +43,12 @@ class AgentLoss:
                        env: Mapping[str, str]) -> Event | None:
         """Agents failed while the trainers run: `node_failed` for a lost node; else the agents restarted alone
         (None: the trainers go on, watched as before), or `agent_failed` when that cannot be done."""
+        why = "; ".join(dict.fromkeys(suspects.values()))
+        self.emit("agents_suspect", level=logging.WARNING, tag=self.agents.tag, nodes=",".join(suspects), reason=why,
+                  action="probe")  # when the supervisor heard of it; node_bad or agents_failed says what it was
         bad = self.suspects_lost(layout, suspects)
         if bad:
             return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=describe(bad))
-        why = "; ".join(dict.fromkeys(suspects.values()))
         if self.alone >= ALONE_PER_LAUNCH:
             self.emit("agents_failed", level=logging.ERROR, tag=self.agents.tag, reason=why,
                       action=f"every node answers, but the agents were restarted alone {self.alone} times in this "

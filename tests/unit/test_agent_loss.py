@@ -142,9 +142,10 @@ def test_agents_that_fail_on_healthy_nodes_restart_alone_and_a_failed_restart_re
     suspects = {"n3": "agent of slot 0 lost it: the agent of slot 2 was silent for 5.4 s (loss timeout 5 s)"}
     assert loss.while_training(layout, suspects, 0, {}) is None  # restarted alone: the trainers go on
     assert agents.calls == [("stop", False, False), ("start", "0-alone1")]
-    assert [k for k, _ in said] == ["agents_failed", "agents_restart"]
-    assert said[0][1]["level"] == logging.ERROR and "restart alone" in said[0][1]["action"]
-    assert said[1][1]["ok"] is True and said[1][1]["trainers"] == "kept" and said[1][1]["replaced"] == "0"
+    assert [k for k, _ in said] == ["agents_suspect", "agents_failed", "agents_restart"]
+    assert said[0][1]["nodes"] == "n3" and "silent" in said[0][1]["reason"]
+    assert said[1][1]["level"] == logging.ERROR and "restart alone" in said[1][1]["action"]
+    assert said[2][1]["ok"] is True and said[2][1]["trainers"] == "kept" and said[2][1]["replaced"] == "0"
     event = loss.while_training(layout, suspects, 0, {})  # the next restart fails: a relaunch from memory
     assert event.kind is Kind.AGENT_FAILED and "boom" in event.detail
     assert said[-1][0] == "agents_restart" and said[-1][1]["ok"] is False
