@@ -17,8 +17,8 @@ from pathlib import Path
 from hpcft import events, nodemem
 from hpcft.agent import status
 from hpcft.agent.budget import LagBudget
-from hpcft.agent.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
 from hpcft.agent.bundle import Bundle, common, complete_steps, local_versions, pin_targets
+from hpcft.agent.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.persist import Flusher
 from hpcft.durable.settings import PersistConfig

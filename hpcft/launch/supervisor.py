@@ -76,9 +76,9 @@ class Supervisor:
         self._site_env: dict[str, str] = {}  # what the preflight adds to the steps' environment
         self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.probe_timeout, self.emit)
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
-                                 interrupted=lambda: self._signal == signal.SIGTERM,
+                                 interrupted=self._terminated,
                                  check_nodes=lambda layout, probe: self._bad_nodes(layout, probe=probe))
-        self.agent_loss = AgentLoss(self.agents, self.nodes, self.emit, lambda: self._signal == signal.SIGTERM)
+        self.agent_loss = AgentLoss(self.agents, self.nodes, self.emit, self._terminated)
         self.shrinker = elastic.Shrinker(cfg, self.agents, self.janitor, self.emit)
         self.shrinks: list[str] = []  # each elastic shrink of this run, for its summary
         self.base_world = 0  # the world size this run started with (the trainers' batch arithmetic after a shrink)
@@ -86,6 +86,9 @@ class Supervisor:
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
         events.emit(kind, log_dir=str(self.job_dir), job=self.job_id, **fields)
+
+    def _terminated(self) -> bool:
+        return self._signal == signal.SIGTERM
 
     def _on_signal(self, signum: int, _frame) -> None:
         self._signal = signum
