@@ -12,6 +12,7 @@ import sys
 from hpcft.agent import iface
 from hpcft.agent import secret as job_secret
 from hpcft.agent.agent import AgentConfig, Stopped, run
+from hpcft.agent.heartbeat import LOSS_TIMEOUT_S
 from hpcft.durable.settings import PersistConfig
 from hpcft.agent.pins import LEASE_S
 from hpcft.agent.placement import Scheme
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default=os.environ.get("HPCFT_RESTART_COUNT", "0"),
                     help="launch tag (restart count) keeping relaunches apart")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the other agents")
+    ap.add_argument("--loss-timeout", type=float, default=LOSS_TIMEOUT_S, help="seconds without a heartbeat after "
+                    "which a peer agent is a suspect: this agent fails naming it (default %(default)s; 0: no "
+                    "heartbeats, a peer is lost only when its connections close)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                           secret=job_secret.load(args.secret), host=host, bind=bind,
                           scheme=Scheme(args.scheme, args.group, args.losses, args.distance), rate=args.rate,
                           rounds=args.rounds, interval=args.interval, nice=args.nice, pin_lease=args.pin_lease, cpu_share=args.cpu_share, cpu_cores=args.cpu_cores, rebuild=args.rebuild, tag=args.tag,
-                          timeout=args.timeout, root=root,
+                          timeout=args.timeout, root=root, loss_timeout=args.loss_timeout,
                           lag_bound=args.lag_bound, lag_cores=args.lag_cores,
                           persist=PersistConfig(args.persist_dir, args.persist_every, args.persist_keep,
                                                 args.persist_rate, local=args.persist_local))

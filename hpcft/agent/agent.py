@@ -1,5 +1,6 @@
 """The node agent: join the mesh, rebuild what replaced nodes lost (when relaunched after a failure), then
-protect the newest step every node holds, round after round, publishing a status file as heartbeat.
+protect the newest step every node holds, round after round, publishing a status file as heartbeat. Heartbeats
+between the agents (agent/heartbeat.py) name a peer that went silent without closing its connections.
 No state of its own: everything is read from the store."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hpcft import events, nodemem
 from hpcft.agent import status
 from hpcft.agent.budget import LagBudget
 from hpcft.agent.bundle import Bundle, common, complete_steps, local_versions, pin_targets
+from hpcft.agent.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.persist import Flusher
 from hpcft.durable.settings import PersistConfig
@@ -126,9 +128,11 @@ class AgentConfig:
     persist: PersistConfig = PersistConfig()  # the durable tier (no flushing without a directory)
     lag_bound: int | None = None  # protection lag (steps) the CPU cap is raised to keep to (see agent/budget.py)
     lag_cores: float = 1.0  # the most cores a lag bound may raise the cap to
+    loss_timeout: float = LOSS_TIMEOUT_S  # seconds of silence after which a peer is a suspect (0: no heartbeats)
 
 
-def _watch_requests(flag: Path, stop: Path, mesh: Mesh, drained: threading.Event, poll: float = 0.2) -> None:
+def _watch_requests(flag: Path, stop: Path, mesh: Mesh, drained: threading.Event, wake: threading.Event,
+                    poll: float = 0.2) -> None:
     """Until the supervisor asks for a stop (status.request_stop: SIGTERM to this process, whose handler unwinds the
     agent cleanly, see Stopped); meanwhile, once it asks for a drain (status.request_drain), lift the caps and
     wake the round loop."""
@@ -137,6 +141,7 @@ def _watch_requests(flag: Path, stop: Path, mesh: Mesh, drained: threading.Event
             mesh.throttle.release()
             events.emit("agent_drain", flag=str(flag))
             drained.set()
+            wake.set()
         time.sleep(poll)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -163,6 +168,33 @@ def _steer(budget: LagBudget, mesh: Mesh, cfg: AgentConfig, lag: int | None) -> 
                     "bound on this node: raise --lag-cores or the bound, or protect with a cheaper scheme")
 
 
+def _listen_for_silence(cfg: AgentConfig, mesh: Mesh, node: str, wake: threading.Event) -> Heartbeat | None:
+    """Heartbeats with the overlay neighbours (none with --loss-timeout 0 or a single agent). A silent one is a
+    suspect: event `peer_silent`, the mesh shut down so that no exchange waits for it, the round loop woken; the
+    agent then fails naming it (`_silence`), as if its connection had closed."""
+    if cfg.loss_timeout <= 0 or cfg.slots < 2:
+        return None
+
+    def silent(peer: int, seconds: float) -> None:
+        events.emit("peer_silent", level=logging.WARNING, slot=cfg.slot, node=node, peer_slot=peer, silent_s=seconds,
+                    loss_timeout=cfg.loss_timeout)
+        mesh.abort()
+        wake.set()
+
+    return Heartbeat(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, timeout=cfg.loss_timeout, on_silent=silent,
+                     host=cfg.host, bind=cfg.bind, tag=cfg.tag, join_timeout=cfg.timeout)
+
+
+def _silence(beat: Heartbeat | None) -> PeerSilent | None:
+    """The failure to report when a peer went silent: naming it rather than whichever connection the abort broke."""
+    if beat is None or beat.suspect is None:
+        return None
+    peer, seconds = beat.suspect
+    err = PeerSilent(f"the agent of slot {peer} was silent for {seconds:g} s (loss timeout {beat.timeout:g} s)")
+    err.peer_slot = peer
+    return err
+
+
 class Stopped(BaseException):
     """SIGTERM (python -m hpcft.agent installs the handler): the supervisor or Slurm stops the agents. Not an
     HpcftError: it unwinds the agent through its cleanup, and being asked to stop is not a failure."""
@@ -180,6 +212,7 @@ def run(cfg: AgentConfig) -> int:
 
     flusher: Flusher | None = None
     mesh: Mesh | None = None
+    beat: Heartbeat | None = None
 
     def report(phase: str, **fields) -> None:
         versions = local_versions(job)
@@ -205,11 +238,12 @@ def run(cfg: AgentConfig) -> int:
     flusher = Flusher(cfg.persist, job, cfg.job_id, cfg.slot, pins, cfg.rendezvous, cfg.tag)
     budget = LagBudget(mesh.throttle.cpu, max(mesh.throttle.cpu, cfg.lag_cores), cfg.lag_bound) \
         if cfg.lag_bound else None
-    drained = threading.Event()
+    drained, wake = threading.Event(), threading.Event()
     threading.Thread(target=_watch_requests, args=(status.drain_path(cfg.rendezvous, cfg.tag),
-                                                  status.stop_path(cfg.rendezvous, cfg.tag), mesh, drained),
+                                                  status.stop_path(cfg.rendezvous, cfg.tag), mesh, drained, wake),
                      daemon=True, name="hpcft-agent-requests").start()
     try:
+        beat = _listen_for_silence(cfg, mesh, node, wake)
         extra = {}
         if cfg.rebuild:
             try:
@@ -223,6 +257,8 @@ def run(cfg: AgentConfig) -> int:
         report(status.READY, **extra)
         done = 0
         while cfg.rounds <= 0 or done < cfg.rounds:
+            if (silence := _silence(beat)) is not None:
+                raise silence
             mesh.pace()  # the rounds' own CPU (all-gathers, status, manifest reads) counts against the cap
             rec = None
             if not flusher.pinning and cfg.scheme.name != "none":  # the same on every agent (collective rounds)
@@ -237,11 +273,10 @@ def run(cfg: AgentConfig) -> int:
             done += 1
             print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)
             report(status.PROTECTING, **extra)
-            if cfg.rounds <= 0 or done < cfg.rounds:
-                if not drained.is_set():
-                    drained.wait(cfg.interval)  # woken by a drain request
-                elif rec is None:  # draining: rounds back to back while they protect something
-                    time.sleep(cfg.interval)
+            # draining: rounds back to back while they protect something; else woken by a drain or a silent peer
+            if (cfg.rounds <= 0 or done < cfg.rounds) and (not drained.is_set() or rec is None):
+                wake.wait(cfg.interval)
+                wake.clear()
     except Stopped:
         report(status.STOPPED)
         raise
@@ -249,11 +284,19 @@ def run(cfg: AgentConfig) -> int:
         if status.stop_path(cfg.rendezvous, cfg.tag).exists():  # a peer that stopped first closed the mesh
             report(status.STOPPED)
             raise Stopped from exc
+        silence = _silence(beat) if not isinstance(exc, NoCheckpointError) else None
+        failure = exc if silence is None or isinstance(exc, PeerSilent) else silence
         if not isinstance(exc, NoCheckpointError):
-            peer = getattr(exc, "peer_slot", None)  # a lost peer: its node is the supervisor's first suspect
-            report(status.FAILED, reason="error", error=str(exc), **({} if peer is None else {"peer_slot": peer}))
+            peer = getattr(failure, "peer_slot", None)  # a lost peer: its node is the supervisor's first suspect
+            heard = {"silent_s": beat.suspect[1], "found_by": "heartbeat"} if silence is not None else {}
+            report(status.FAILED, reason="error", error=str(failure), **({} if peer is None else {"peer_slot": peer}),
+                   **heard)
+        if failure is not exc:
+            raise failure from exc
         raise
     finally:
+        if beat is not None:
+            beat.close()
         pins.close()
         mesh.close()
     return 0

@@ -15,7 +15,7 @@ def agent_argv(nodes: Sequence[str], *, rendezvous: str, secret: str, scheme: Sc
                rebuild: bool = False, interval: float = 1.0, rate: float | None = None, rounds: int = 0,
                cpu_cores: float | None = None, persist: PersistConfig | None = None,
                lag_bound: int | None = None, iface: str | None = None,
-               layout: Sequence[str] | None = None) -> list[str]:
+               layout: Sequence[str] | None = None, loss_timeout: float | None = None) -> list[str]:
     """`srun --overlap … python -m hpcft.agent …` on `nodes` (the active slots, in slot order). The supervisor
     exports HPCFT_LAYOUT, HPCFT_JOB_ID and HPCFT_RESTART_COUNT (the tag keeping relaunches apart) to it,
     passes `rebuild=True` after replacing nodes, and waits on `status.wait_ready` before the trainers. `layout`: the
@@ -40,6 +40,8 @@ def agent_argv(nodes: Sequence[str], *, rendezvous: str, secret: str, scheme: Sc
             argv += ["--persist-rate", str(persist.rate)]
     if iface:
         argv += ["--iface", iface]
+    if loss_timeout is not None:
+        argv += ["--loss-timeout", f"{loss_timeout:g}"]
     if rebuild:
         argv.append("--rebuild")
     return argv

@@ -1,12 +1,13 @@
 """The agents of one job connected all-to-all over the authenticated transport. Addresses meet in a
 rendezvous directory shared by the nodes (the job's directory on the shared file system); slot i
-connects to every lower slot and accepts every higher one, so the mesh forms without deadlock."""
+connects to every lower slot and accepts every higher one, so the mesh forms without deadlock. A mesh may also
+join only some of the slots (`peers`, the same relation on every agent: the heartbeats' overlay)."""
 from __future__ import annotations
 
 import os
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,12 @@ from hpcft.agent.transport import Channel, Listener, TransportError, connect
 
 
 class Mesh:
-    """Channels to every other agent, keyed by slot; `allgather` for small JSON values."""
+    """Channels to every other agent (or to `peers` only, a symmetric relation), keyed by slot; `allgather` for small
+    JSON values (all-to-all meshes only)."""
 
     def __init__(self, slot: int, size: int, secret: bytes, rendezvous: str | os.PathLike, *, host: str = "127.0.0.1",
                  bind: str = "0.0.0.0", timeout: float = 60.0, rate: float | None = None, cpu: float | None = None,
-                 tag: str = "0"):
+                 tag: str = "0", peers: Collection[int] | None = None):
         self.slot, self.size = slot, size
         self.throttle = Throttle(rate, cpu=cpu)
         self.listener = Listener(secret, host=bind, throttle=self.throttle)
@@ -30,17 +32,22 @@ class Mesh:
         base = Path(rendezvous)
         _publish(base / f"agent-{tag}-{slot}.addr", f"{host}:{self.listener.port}")
         deadline = time.monotonic() + timeout
+        wanted = set(range(size)) - {slot} if peers is None else set(peers) - {slot}
         try:
-            for j in range(slot):
+            for j in sorted(j for j in wanted if j < slot):
                 peer_host, port = _wait_for(base / f"agent-{tag}-{j}.addr", deadline).rsplit(":", 1)
                 ch = connect(secret, peer_host, int(port), timeout=max(1.0, deadline - time.monotonic()),
                              throttle=self.throttle)
                 ch.send({"hello": slot})
                 self.peers[j] = ch
-            for _ in range(size - slot - 1):
+            for _ in range(sum(1 for j in wanted if j > slot)):
                 ch = self.listener.accept(max(1.0, deadline - time.monotonic()))
                 header, _ = ch.recv()
-                self.peers[int(header["hello"])] = ch
+                j = int(header["hello"])
+                if j not in wanted or j in self.peers:
+                    ch.close()
+                    raise TransportError(f"agent {j} joined mesh {tag} of slot {slot}, which expects {sorted(wanted)}")
+                self.peers[j] = ch
         except Exception:
             self.close()
             raise

@@ -107,7 +107,8 @@ class AgentSteps:
             return agent_argv(nodes, rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
                               scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
                               cpu_cores=profiles.get(cfg.profile).agent_cpu_cores, persist=persist,
-                              lag_bound=cfg.protect_lag, iface=agent_iface(cfg), layout=layout.slots) + ["--tag", tag]
+                              lag_bound=cfg.protect_lag, iface=agent_iface(cfg), layout=layout.slots,
+                              loss_timeout=cfg.loss_timeout) + ["--tag", tag]
 
         self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
                   group=cfg.group, losses=cfg.losses, distance=cfg.distance,

@@ -26,7 +26,9 @@ class RunConfig:
     kill_grace: seconds between SIGTERM and SIGKILL of a step; requeue_margin: with less walltime left than
     this, persist and requeue instead of relaunching; requeue: allow `scontrol requeue` (else stop);
     job_dir: where events, decisions and progress go (default ./hpcft-<job id>); srun_args: extra srun
-    options for the trainer step; probe_timeout: seconds a node health probe may take; protect: auto | none |
+    options for the trainer step; probe_timeout: seconds a node health probe may take; loss_timeout: seconds without
+    a heartbeat after which a node agent names its peer a suspect, whose node the supervisor then probes (0: no
+    heartbeats, a node is found lost when its connections close or Slurm marks it); protect: auto | none |
     partner | xor | rs, the node agents' protection scheme (none: no agents step; auto: xor over sets of `group`
     where 3 or more nodes train, partner on 2, none on 1 — see `resolve_protect`); group, losses, distance:
     its set size, tolerated losses per set (rs) and partner distance; protect_rate: bytes/s cap on protection
@@ -71,6 +73,7 @@ class RunConfig:
     job_dir: str | None = None
     srun_args: str = ""
     probe_timeout: float = 15.0
+    loss_timeout: float = 5.0
     protect: str = "auto"
     group: int = 4
     losses: int = 1
@@ -215,7 +218,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.max_restarts < 0:
         raise ConfigError(f"max_restarts must be 0 or more (got {cfg.max_restarts})")
     for key in ("hang_timeout", "start_timeout", "kill_grace", "requeue_margin", "protect_timeout", "grow_settle",
-                "grow_every", "grow_max_losses"):
+                "grow_every", "grow_max_losses", "loss_timeout"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key} must be 0 or more (got {getattr(cfg, key)})")
     if cfg.keep < 1:

@@ -14,6 +14,7 @@ from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
+SLURM_EVERY_S = 1.0  # while probes are pending: Slurm's view of their nodes this often
 
 
 class NodeCheck:
@@ -24,9 +25,10 @@ class NodeCheck:
         self.runner, self.job_id, self.environ = runner, job_id, environ
         self.probe_timeout, self.emit = probe_timeout, emit
 
-    def bad(self, nodes: Sequence[str], *, probe: bool, found_by: str | None = None) -> dict[str, str]:
+    def bad(self, nodes: Sequence[str], *, probe: bool, found_by: str | None = None,
+            suspected: Mapping[str, str] | None = None) -> dict[str, str]:
         """Slurm's bad nodes among `nodes`; with `probe` and none found, those that fail the probe. `found_by`
-        (e.g. what made the supervisor look) is added to the events."""
+        (e.g. what made the supervisor look) and `suspected` ({node: what made it a suspect}) go into the events."""
         try:
             bad = slurmstate.bad_nodes(self.runner, self.job_id, list(nodes))
         except SlurmError as exc:
@@ -36,22 +38,46 @@ class NodeCheck:
             bad = self.probe(nodes)
         for node, why in bad.items():
             self.emit("node_bad", level=logging.WARNING, node=node, state=why,
-                      **({"found_by": found_by} if found_by else {}))
+                      **({"found_by": found_by} if found_by else {}),
+                      **({"suspected": suspected[node]} if suspected and node in suspected else {}))
         return bad
 
     def probe(self, nodes: Sequence[str]) -> dict[str, str]:
-        """Run a trivial task on each node at once; a node that does not answer in time is bad."""
-        procs = {n: self.runner.popen(probe_argv([n]), env=dict(self.environ), stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, text=True) for n in nodes}
+        """Run a trivial task on each node at once; a node that does not answer in time is bad. Slurm stays a second
+        source meanwhile: a node it marks bad while its probe is pending is bad at once (a frozen node's probe only
+        ends at --probe-timeout)."""
+        pending = {n: self.runner.popen(probe_argv([n]), env=dict(self.environ), stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True) for n in nodes}
         deadline = time.monotonic() + self.probe_timeout
-        bad = {}
-        for node, p in procs.items():
-            try:
-                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-                if p.returncode != 0 or out.strip() != node:
-                    bad[node] = f"probe failed (exit status {p.returncode})"
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.communicate()
-                bad[node] = f"probe did not answer within {self.probe_timeout:g} s"
+        ask_slurm = time.monotonic() + SLURM_EVERY_S
+        bad: dict[str, str] = {}
+        while pending:
+            for node, p in list(pending.items()):
+                if p.poll() is not None:
+                    out, _ = p.communicate()
+                    if p.returncode != 0 or out.strip() != node:
+                        bad[node] = f"probe failed (exit status {p.returncode})"
+                    del pending[node]
+            now = time.monotonic()
+            marked = {n: f"probe did not answer within {self.probe_timeout:g} s" for n in pending} \
+                if now >= deadline else self._slurm_marked(list(pending)) if pending and now >= ask_slurm else {}
+            if now >= ask_slurm:
+                ask_slurm = now + SLURM_EVERY_S
+            for node, why in marked.items():
+                pending[node].kill()
+                pending.pop(node).communicate()
+                bad[node] = why
+            time.sleep(0.05 if pending else 0)
         return bad
+
+    def _slurm_marked(self, nodes: list[str]) -> dict[str, str]:
+        try:
+            return {n: f"{why} (Slurm, while the probe waited)"
+                    for n, why in slurmstate.bad_nodes(self.runner, self.job_id, nodes).items()}
+        except SlurmError as exc:
+            _log.warning("node check failed: %s", exc)
+            return {}
+
+def describe(bad: Mapping[str, str]) -> str:
+    """`node: why; node: why` of bad nodes, for an event's detail."""
+    return "; ".join(f"{n}: {w}" for n, w in bad.items())

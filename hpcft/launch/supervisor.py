@@ -20,9 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from hpcft import events
-from hpcft.errors import CheckpointError, ConfigError, HpcftError, SlurmError
+from hpcft.errors import ConfigError, HpcftError, SlurmError
 from hpcft.launch import elastic, losses, profiles, progress
 from hpcft.launch.grow import GrowWatch
+from hpcft.launch.agentloss import AgentLoss
 from hpcft.launch.agents import AgentSteps
 from hpcft.durable.catalog import ENV_PERSIST
 from hpcft.durable.local import ENV_LOCAL
@@ -32,7 +33,7 @@ from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
 from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, hung, record, stale_signal
 from hpcft.launch.preflight import Preflight
-from hpcft.launch.nodecheck import NodeCheck
+from hpcft.launch.nodecheck import NodeCheck, describe
 from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
 from hpcft.launch.steps import StepStopper
 from hpcft.slurm import state as slurmstate
@@ -74,8 +75,9 @@ class Supervisor:
         self._site_env: dict[str, str] = {}  # what the preflight adds to the steps' environment
         self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.probe_timeout, self.emit)
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
-                                 interrupted=lambda: self._signal == signal.SIGTERM,
+                                 interrupted=self._terminated,
                                  check_nodes=lambda layout, probe: self.nodes.bad(layout.slots, probe=probe))
+        self.agent_loss = AgentLoss(self.agents, self.nodes, self.emit, self._terminated)
         self.reshaper = elastic.Reshaper(cfg, self.agents, self.janitor, self.emit)
         self.reshaped: dict[str, list[str]] = {"shrunk": [], "grown": []}  # each elastic shrink / grow, for the summary
         self.base_world = 0  # the world size this run started with (the trainers' batch arithmetic after a shrink)
@@ -85,6 +87,9 @@ class Supervisor:
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
         events.emit(kind, log_dir=str(self.job_dir), job=self.job_id, **fields)
+
+    def _terminated(self) -> bool:
+        return self._signal == signal.SIGTERM
 
     def _on_signal(self, signum: int, _frame) -> None:
         self._signal = signum
@@ -270,7 +275,7 @@ class Supervisor:
             if self.cfg.with_agents:
                 failure = self.agents.start(layout, restart_count, env)
                 if failure is not None:
-                    event = self._agents_failed(layout, failure)
+                    event = self.agent_loss.not_ready(layout, failure)
                     self.agents.stop()
                     return event
             argv = trainer_argv(layout, self.profile, self.command, python=self.python, extra=self.cfg.srun_args)
@@ -281,12 +286,14 @@ class Supervisor:
             self.emit("launch", restart=restart_count, slots=",".join(layout.slots), world=layout.world_size,
                       master=f"{layout.master}:{env['MASTER_PORT']}")
             launched = time.time()
+            self.agent_loss.launched()
             proc = self.runner.popen(argv, env=env, stderr=subprocess.PIPE, text=True)
             lines: list[str] = []
             reader = threading.Thread(target=_tee, args=(proc.stderr, lines), daemon=True)
             reader.start()
             try:
-                event = self._watch(proc, layout, launched, watch)
+                event = self._watch(proc, layout, launched, watch, lambda suspects: self.agent_loss.while_training(
+                    layout, suspects, restart_count, env))
             finally:
                 self._stop_steps({TRAIN_STEP_NAME: proc})
                 reader.join(timeout=5)
@@ -314,16 +321,10 @@ class Supervisor:
             env.update({ENV_LOCAL: self.cfg.persist_local} if self.cfg.persist_local else {})  # and its first level
         return env
 
-    def _agents_failed(self, layout: Layout, exc: CheckpointError) -> Event:
-        """The policy's view of agents that could not get ready: a bad node, or an agent failure on healthy nodes."""
-        if self._signal == signal.SIGTERM:
-            return Event(Kind.WALLTIME, detail="SIGTERM")
-        bad = self.agents.bad_nodes or self.nodes.bad(layout.slots, probe=True)
-        if bad:
-            return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
-        return Event(Kind.AGENT_FAILED, detail=str(exc))
-
-    def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float, watch: losses.RestoreWatch) -> Event:
+    def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float, watch: losses.RestoreWatch,
+               agents_lost: Callable[[dict[str, str]], Event | None]) -> Event:
+        """Until the trainers' step ends or must be stopped; `agents_lost` (AgentLoss.while_training) answers agents
+        that failed meanwhile: an event, or None when the agents were restarted alone and the trainers go on."""
         while True:
             self._check_restore(watch)
             self.preflight.poll(self.agents.reports)  # the memory plan, once the first snapshot exists
@@ -333,7 +334,7 @@ class Supervisor:
                     return Event(Kind.SUCCESS, exit_code=0)
                 bad = self.nodes.bad(layout.slots, probe=True)
                 if bad:
-                    return Event(Kind.NODE_FAILED, exit_code=code, bad_nodes=tuple(bad), detail=_why(bad))
+                    return Event(Kind.NODE_FAILED, exit_code=code, bad_nodes=tuple(bad), detail=describe(bad))
                 return Event(Kind.TASK_FAILED, exit_code=code)
             if self._signal is not None:
                 if self._signal != signal.SIGUSR1:
@@ -347,10 +348,10 @@ class Supervisor:
                 self._wake.clear()
             bad = self.nodes.bad(layout.slots, probe=False)
             if bad:
-                return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
+                return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=describe(bad))
             suspects = self.agents.lost(layout)
-            if suspects is not None:
-                return self._agents_lost(layout, suspects)
+            if suspects is not None and (event := agents_lost(suspects)) is not None:
+                return event
             returned = self.grow_watch.poll(layout)  # --elastic-grow, on a shrunk job
             if returned is not None:
                 return returned
@@ -374,19 +375,6 @@ class Supervisor:
                             progressed=progress.last_change(self.job_dir, self._started) > self._started,
                             time_left=None if end is None else end - now, margin=self.cfg.requeue_margin)
 
-    def _agents_lost(self, layout: Layout, suspects: dict[str, str]) -> Event:
-        """Agents failed while the trainers run: their mesh is the job's own failure detector. The nodes they lost
-        are probed now, without waiting for Slurm to mark them (then the whole slot list, when the named ones
-        answer); on healthy nodes the run is unprotected, so it is relaunched with fresh agents."""
-        bad = self.nodes.bad(list(suspects), probe=True, found_by="agents")
-        if not bad and len(suspects) < len(layout.slots):
-            bad = self.nodes.bad(layout.slots, probe=True, found_by="agents")
-        if bad:
-            return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=_why(bad))
-        why = "; ".join(dict.fromkeys(suspects.values()))
-        self.emit("agents_failed", level=logging.ERROR, tag=self.agents.tag, reason=why,
-                  action="every node answers: relaunch from memory with fresh agents (unprotected until then)")
-        return Event(Kind.AGENT_FAILED, detail=why)
 
 
 def _tee(stream, lines: list[str]) -> None:
@@ -394,7 +382,3 @@ def _tee(stream, lines: list[str]) -> None:
     for line in stream:
         sys.stderr.write(line)
         lines.append(line.rstrip("\n"))
-
-
-def _why(bad: dict[str, str]) -> str:
-    return "; ".join(f"{n}: {w}" for n, w in bad.items())

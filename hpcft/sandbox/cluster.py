@@ -278,6 +278,21 @@ class Sandbox:
         _log.info("crashed sandbox node %s (killed pids %s)", name, pids)
         return pids
 
+    def freeze_node(self, name: str) -> list[int]:
+        """A node that stops answering without closing anything (a hung kernel; a partition, as its peers see it):
+        SIGSTOP its slurmd, slurmstepds and tasks. Their sockets stay open. `thaw_node` or `crash_node` ends it."""
+        self.layout.node(name)
+        group = self.groups.get(name)
+        pids = procs.signal_members(group, signal.SIGSTOP) if group else []
+        _log.info("froze sandbox node %s (stopped pids %s)", name, pids)
+        return pids
+
+    def thaw_node(self, name: str) -> list[int]:
+        """Let a frozen node's processes run again (SIGCONT)."""
+        self.layout.node(name)
+        group = self.groups.get(name)
+        return procs.signal_members(group, signal.SIGCONT) if group else []
+
     def restart_node(self, name: str, timeout: float = 30.0, *, wait: bool = True) -> None:
         """Power a node back on (crashing what is left of it first) and, with `wait`, wait until Slurm uses it again
         (without: a drained node stays drained, and is not waited for)."""
@@ -289,7 +304,7 @@ class Sandbox:
     def heal(self, timeout: float = 60.0) -> None:
         """Back to a clean cluster for the next test: no jobs, every node running and idle.
 
-        Nodes without a live slurmd are restarted; nodes Slurm holds down or drained are resumed.
+        Nodes without a live (or with a frozen) slurmd are restarted; nodes Slurm holds down or drained are resumed.
         """
         runner = self.runner(timeout=15)
         jobs = runner.run(["squeue", "--noheader", "--format=%i"]).stdout.split()
@@ -297,8 +312,8 @@ class Sandbox:
             runner.run(["scancel", *jobs], check=False)
         for name in self.node_names:
             group = self.groups.get(name)
-            if group is None or not procs.alive(group.pid, group.start_time):
-                self.restart_node(name, timeout=timeout)
+            if group is None or not procs.alive(group.pid, group.start_time) or procs.stopped(group.pid):
+                self.restart_node(name, timeout=timeout)  # a frozen node too (freeze_node)
         held = [n for n, s in self.node_states().items() if s.rstrip("*~#").startswith(("down", "drain", "fail"))]
         if held:
             runner.run(["scontrol", "update", f"NodeName={','.join(held)}", "State=RESUME"], check=False)

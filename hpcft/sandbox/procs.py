@@ -148,6 +148,26 @@ def members(group: Group) -> list[int]:
     return sorted(pids)
 
 
+def signal_members(group: Group, sig: int) -> list[int]:
+    """Send `sig` once to every member (SIGSTOP, SIGCONT: they stay members); a second pass catches one forked
+    during the first. The pids signalled."""
+    sent: set[int] = set()
+    for _ in range(2):
+        for pid in set(members(group)) - sent:
+            try:
+                os.kill(pid, sig)
+                sent.add(pid)
+            except ProcessLookupError:
+                pass
+    return sorted(sent)
+
+
+def stopped(pid: int) -> bool:
+    """True if `pid` is stopped (SIGSTOP): alive, but answering nothing."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] in ("T", "t")
+
+
 def kill(group: Group, sig: int = signal.SIGKILL, timeout: float = 5.0) -> None:
     """Send `sig` to every member until none is left (SIGKILL) or the daemon itself has exited (others)."""
     deadline = time.monotonic() + timeout

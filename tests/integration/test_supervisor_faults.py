@@ -1,11 +1,14 @@
 """Supervisor faults found on a foreign cluster (issue 11), each reproduced in the sandbox: a restart from step 0
 that looked like success, what the job output says without -v, a step Slurm refuses to create (a configuration
 error: the run ends at once with Slurm's words, not after --max-restarts relaunches); an agent that dies while the
-trainers run (the run would go on unprotected) is found by the supervisor and the run relaunched with fresh agents."""
+trainers run (the run would go on unprotected) is found by the supervisor and the agents restarted alone, the trainers
+training on."""
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 from runs import assert_same_result, decisions, finish, start_spared, wait_progress, wait_protected
 
@@ -97,7 +100,7 @@ def test_snapshots_that_cannot_fit_the_nodes_memory_stop_the_run_before_launch(s
     assert "at most 18.6 GiB per snapshot fits" in reason
 
 
-def test_an_agent_killed_while_the_trainers_run_is_found_and_the_run_relaunched_with_fresh_agents(
+def test_an_agent_killed_while_the_trainers_run_is_restarted_alone_while_the_trainers_keep_training(
         healthy_sandbox, dp_reference, tmp_path):
     out = tmp_path / "agent-kill"
     proc = start_spared(healthy_sandbox, out, delay=0.4, verbose=False)  # the default options: xor over 4 nodes
@@ -108,12 +111,60 @@ def test_an_agent_killed_while_the_trainers_run_is_found_and_the_run_relaunched_
     assert code == 0, output[-4000:]
     log = events.read(out / "job")
     made = [(d["action"], d["cause"]) for d in decisions(out / "job")]
-    assert made == [("relaunch", "agent_failed"), ("done", "success")], output[-4000:]
+    assert made == [("done", "success")], output[-4000:]  # no relaunch
     failed = [e for e in log if e["event"] == "agents_failed"]
-    assert len(failed) == 1 and failed[0]["level"] == "ERROR" and "relaunch" in failed[0]["action"], failed
+    assert len(failed) == 1 and failed[0]["level"] == "ERROR" and "restart alone" in failed[0]["action"], failed
     assert not [e for e in log if e["event"] == "node_bad"], "every node answered the probe"
+    restarts = [e for e in log if e["event"] == "agents_restart"]
+    assert len(restarts) == 1 and restarts[0]["ok"] and restarts[0]["trainers"] == "kept", restarts
     ready = [(e["tag"], e["rebuild"]) for e in log if e["event"] == "agents_ready"]
-    assert ready == [("0", False), ("1", False)], ready  # the same nodes: every store holds its own snapshots
+    assert ready == [("0", False), ("0-alone1", False)], ready  # the same nodes: nothing rebuilt
+    assert [e["event"] for e in log].count("launch") == 1
+    steps = [r for r in _timeline(out) if r["what"] == "step"]
+    pids = {r["rank"]: {s["pid"] for s in steps if s["rank"] == r["rank"]} for r in steps}
+    assert len(pids) == 4 and all(len(p) == 1 for p in pids.values()), pids  # every trainer kept its process
     summary = [e for e in log if e["event"] == "summary"]
-    assert summary[0]["lost"] == "", summary  # resumed from memory
+    assert summary[0]["lost"] == "", summary
+    assert_same_result(out, dp_reference)
+
+
+def _timeline(out):
+    return [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_a_frozen_node_is_named_by_the_agents_heartbeats_and_confirmed_by_the_probe(healthy_sandbox, dp_reference,
+                                                                                     tmp_path):
+    """A node that stops answering without closing its connections (SIGSTOP of its slurmd and every process of it):
+    its peers' heartbeats name it after --loss-timeout, the supervisor's probe confirms it, a spare takes its slot
+    before Slurm marks it (SlurmdTimeout 10 s). A node paused for less than the timeout first is not named."""
+    out = tmp_path / "freeze"
+    loss = 2.0
+    proc = start_spared(healthy_sandbox, out, "--loss-timeout", str(loss), delay=0.4, verbose=False)
+    wait_protected(out, slots=4, timeout=120, above=0)
+    assert not (out / "final.pt").exists(), "the job ended before the node was frozen"
+    healthy_sandbox.freeze_node("n2")  # slow but alive: paused for half the loss timeout
+    time.sleep(loss / 2)
+    healthy_sandbox.thaw_node("n2")
+    time.sleep(loss)
+    frozen = time.time()
+    healthy_sandbox.freeze_node("n3")
+    try:
+        code, output = finish(proc, timeout=240)
+    finally:
+        healthy_sandbox.crash_node("n3")  # ends the frozen processes; the fixture restarts the node
+    assert code == 0, output[-4000:]
+    log = events.read(out / "job")
+    made = [(d["action"], d["cause"]) for d in decisions(out / "job")]
+    assert made == [("replace", "node_failed"), ("done", "success")], output[-4000:]
+    assert made and decisions(out / "job")[0]["replaced"] == "n3:n5"
+    silent = [e for e in log if e["event"] == "peer_silent"]
+    assert silent and {e["peer_slot"] for e in silent} == {2}, silent  # n3's slot only: n2's pause was not a loss
+    assert all(e["time"] - frozen >= loss and e["silent_s"] > loss for e in silent), silent
+    bad = [e for e in log if e["event"] == "node_bad"]
+    assert [(e["node"], e.get("found_by")) for e in bad] == [("n3", "agents")], bad
+    assert "silent" in bad[0]["suspected"] and "probe did not answer" in bad[0]["state"], bad
+    heard = next(e for e in log if e["event"] == "agents_suspect" and "n3" in e["nodes"].split(","))
+    print(f"\nfrozen node: named by its peers {min(e['time'] for e in silent) - frozen:.2f} s after the freeze "
+          f"(--loss-timeout {loss:g}), the supervisor probing it {heard['time'] - frozen:.2f} s after, declared lost "
+          f"{bad[0]['time'] - frozen:.2f} s after (--probe-timeout 5)")
     assert_same_result(out, dp_reference)

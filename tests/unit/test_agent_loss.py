@@ -1,9 +1,11 @@
 """The agents as the job's failure detector: the all-gather that opens every protection round fails on every
 survivor when a peer dies, naming the lost peer's slot; the supervisor's side (`AgentSteps.lost`) turns failed
 reports into the nodes to probe: the named ones, else every slot. Real sockets and real status files."""
+import logging
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ from hpcft.agent.transport import TransportError
 from hpcft.launch.agents import AgentSteps
 from hpcft.launch.config import RunConfig
 from hpcft.launch.layout import Layout
+from hpcft.launch.nodecheck import NodeCheck
+from hpcft.slurm.runner import Runner
 
 SECRET = b"k" * 64
 
@@ -100,3 +104,95 @@ def test_an_agents_step_that_ended_silently_is_a_loss_of_every_slot(tmp_path):
     assert set(suspects) == {"n1", "n2"} and "exit status 3" in suspects["n1"]
     steps.proc = None  # no agents (--protect none and no durable tier): nothing to watch
     assert steps.lost(layout) is None
+
+
+class _Agents:
+    """A narrow stand-in for AgentSteps: restarts that succeed or fail as told, and what was asked of it."""
+
+    def __init__(self, outcomes: list):
+        self.tag, self.bad_nodes, self.outcomes, self.calls = "0", {}, outcomes, []
+
+    def stop(self, ask: bool = True, flush: bool = True) -> None:
+        self.calls.append(("stop", ask, flush))
+
+    def start(self, layout, restart_count, env, *, tag=None):
+        self.calls.append(("start", tag))
+        self.tag = tag
+        return self.outcomes.pop(0)
+
+
+class _Nodes:
+    def __init__(self, bad: dict):
+        self.bad_ones, self.asked = bad, []
+
+    def bad(self, nodes, *, probe, found_by=None, suspected=None):
+        self.asked.append((tuple(nodes), found_by, dict(suspected or {})))
+        return {n: w for n, w in self.bad_ones.items() if n in nodes}
+
+
+def test_agents_that_fail_on_healthy_nodes_restart_alone_and_a_failed_restart_relaunches():
+    from hpcft.errors import CheckpointError
+    from hpcft.launch.agentloss import ALONE_PER_LAUNCH, AgentLoss
+    from hpcft.launch.policy import Kind
+
+    layout = Layout(slots=("n1", "n2", "n3"), spares=())
+    said: list = []
+    agents = _Agents([None, CheckpointError("agent of slot 1 failed: boom")])
+    loss = AgentLoss(agents, _Nodes({}), lambda kind, **f: said.append((kind, f)), interrupted=lambda: False)
+    suspects = {"n3": "agent of slot 0 lost it: the agent of slot 2 was silent for 5.4 s (loss timeout 5 s)"}
+    assert loss.while_training(layout, suspects, 0, {}) is None  # restarted alone: the trainers go on
+    assert agents.calls == [("stop", False, False), ("start", "0-alone1")]
+    assert [k for k, _ in said] == ["agents_suspect", "agents_failed", "agents_restart"]
+    assert said[0][1]["nodes"] == "n3" and "silent" in said[0][1]["reason"]
+    assert said[1][1]["level"] == logging.ERROR and "restart alone" in said[1][1]["action"]
+    assert said[2][1]["ok"] is True and said[2][1]["trainers"] == "kept" and said[2][1]["replaced"] == "0"
+    event = loss.while_training(layout, suspects, 0, {})  # the next restart fails: a relaunch from memory
+    assert event.kind is Kind.AGENT_FAILED and "boom" in event.detail
+    assert said[-1][0] == "agents_restart" and said[-1][1]["ok"] is False
+    loss.alone = ALONE_PER_LAUNCH
+    assert loss.while_training(layout, suspects, 0, {}).kind is Kind.AGENT_FAILED  # no endless restarts
+    loss.launched()
+    assert loss.alone == 0
+
+
+def test_a_suspect_that_fails_the_probe_is_a_lost_node_and_the_agents_are_not_restarted():
+    from hpcft.launch.agentloss import AgentLoss
+    from hpcft.launch.policy import Kind
+
+    layout = Layout(slots=("n1", "n2", "n3"), spares=())
+    agents, nodes = _Agents([]), _Nodes({"n3": "probe did not answer within 5 s"})
+    loss = AgentLoss(agents, nodes, lambda kind, **f: None, interrupted=lambda: False)
+    suspects = {"n3": "agent of slot 0 lost it: the agent of slot 2 was silent for 5.4 s (loss timeout 5 s)"}
+    event = loss.while_training(layout, suspects, 0, {})
+    assert event.kind is Kind.NODE_FAILED and event.bad_nodes == ("n3",) and agents.calls == []
+    assert nodes.asked == [(("n3",), "agents", suspects)]  # the named node only, with what the agents said
+
+
+class _FrozenCluster(Runner):
+    """Slurm answered with canned text (node n3 goes NOT_RESPONDING after `marks_after` s), probes as real processes:
+    n3's never answers (a frozen slurmd), the others echo their name."""
+
+    def __init__(self, marks_after: float):
+        super().__init__()
+        self.since = time.monotonic()
+        self.marks_after = marks_after
+
+    def run(self, argv, **kw):
+        if argv[:3] == ["scontrol", "show", "job"]:
+            out = "JobId=7 NodeList=n[1-3] TimeLimit=UNLIMITED"
+        else:
+            late = time.monotonic() - self.since > self.marks_after
+            out = "\n".join(f"NodeName={n} State={'IDLE+NOT_RESPONDING' if n == 'n3' and late else 'MIXED'}"
+                            for n in ("n1", "n2", "n3"))
+        return subprocess.CompletedProcess(argv, 0, out, "")
+
+    def popen(self, argv, **kw):
+        node = next(a.split("=", 1)[1] for a in argv if a.startswith("--nodelist="))
+        cmd = ["sleep", "600"] if node == "n3" else ["echo", node]
+        return subprocess.Popen(cmd, stdout=kw.get("stdout"), stderr=kw.get("stderr"), text=True)
+
+
+def test_a_probe_still_waiting_for_a_frozen_node_ends_when_slurm_marks_it():
+    checks = NodeCheck(_FrozenCluster(marks_after=1.0), "7", {}, probe_timeout=600, emit=lambda *a, **k: None)
+    bad = checks.probe(["n1", "n2", "n3"])
+    assert set(bad) == {"n3"} and "NOT_RESPONDING (Slurm, while the probe waited)" in bad["n3"], bad

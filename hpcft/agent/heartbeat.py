@@ -1,0 +1,124 @@
+"""Heartbeats between the agents of one job, for the deaths that close no connection: a frozen node (its processes
+stopped), a network partition, a hung kernel. Without them the protection round's all-gather waits for such a peer
+as long as its sockets stay open. Each agent beats to its overlay neighbours (slots ±1, ±2, ±4, … around the ring:
+about 2·log2(N) each, everyone up to 5 agents) on authenticated connections of their own, and names a neighbour
+silent for longer than the loss timeout a suspect (`on_silent`). The agent then fails as if the connection had closed
+and the supervisor confirms with its probe (hpcft/launch/agentloss.py). A connection that closes is not silence: a
+peer that exits (stopped, failed) is the data mesh's to notice."""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+
+from hpcft.agent.mesh import Mesh
+from hpcft.agent.transport import TransportError
+
+_log = logging.getLogger(__name__)
+LOSS_TIMEOUT_S = 5.0  # the default: a peer silent this long is a suspect (`hpcft run --loss-timeout`)
+MAX_PERIOD_S = 1.0
+
+
+class PeerSilent(TransportError):
+    """A peer sent no heartbeat for longer than the loss timeout (`peer_slot` names it)."""
+
+
+def neighbours(slot: int, size: int) -> list[int]:
+    """The slots `slot` exchanges heartbeats with: ±2^k around the ring (a symmetric relation), so a lost node has
+    about 2·log2(N) watchers and each agent watches as many."""
+    out: set[int] = set()
+    step = 1
+    while step < size:
+        out.update({(slot + step) % size, (slot - step) % size})
+        step *= 2
+    out.discard(slot)
+    return sorted(out)
+
+
+def period_for(timeout: float) -> float:
+    """Seconds between beats: a fifth of the loss timeout (at most a second), so a pause shorter than the timeout
+    never looks like one longer than it."""
+    return min(MAX_PERIOD_S, timeout / 5)
+
+
+class Heartbeat:
+    """Beats to the overlay neighbours every `period_for(timeout)` and watches theirs; `suspect` (slot, seconds silent)
+    once one has been silent for more than `timeout` plus one period (its last beat may have come up to a period
+    before it stopped: so a pause shorter than `timeout` is never named), reported once to `on_silent` (from the
+    heartbeat's thread).
+    Silence is only declared on evidence: nothing new from the peer for `timeout` *and* nothing waiting unread in its
+    socket, and never right after this agent was itself paused (its own missed ticks are not the peer's)."""
+
+    def __init__(self, slot: int, size: int, secret: bytes, rendezvous: str | os.PathLike, *, timeout: float,
+                 on_silent: Callable[[int, float], None], host: str = "127.0.0.1", bind: str = "0.0.0.0",
+                 tag: str = "0", join_timeout: float = 60.0):
+        self.slot, self.timeout, self.on_silent = slot, timeout, on_silent
+        self.period = period_for(timeout)
+        self.mesh = Mesh(slot, size, secret, rendezvous, host=host, bind=bind, timeout=join_timeout,
+                         tag=f"{tag}-beat", peers=neighbours(slot, size))
+        now = time.monotonic()
+        self.heard = dict.fromkeys(self.mesh.peers, now)  # slot -> when its newest beat arrived
+        self.closed: set[int] = set()
+        self.suspect: tuple[int, float] | None = None
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._listen, args=(j,), daemon=True, name=f"hpcft-beat-from-{j}")
+                         for j in self.mesh.peers]
+        self._threads.append(threading.Thread(target=self._beat, daemon=True, name="hpcft-beat"))
+        for t in self._threads:
+            t.start()
+
+    def _listen(self, peer: int) -> None:
+        ch = self.mesh.channel(peer)
+        while not self._stop.is_set():
+            try:
+                ch.recv()
+            except TransportError:
+                self.closed.add(peer)
+                return
+            self.heard[peer] = time.monotonic()
+
+    def _beat(self) -> None:
+        n = 0
+        last = time.monotonic()
+        while not self._stop.wait(self.period):
+            n += 1
+            for j in list(self.mesh.peers):
+                if j not in self.closed:
+                    try:
+                        self.mesh.channel(j).send({"beat": n})
+                    except TransportError:
+                        self.closed.add(j)
+            now = time.monotonic()
+            if now - last > 2 * self.period:  # this agent was paused or starved: what it missed is still to be read
+                for j in self.heard:
+                    self.heard[j] = max(self.heard[j], now - self.period)
+            last = now
+            if self.suspect is None:
+                self._check(now)
+
+    def _check(self, now: float) -> None:
+        for j, when in self.heard.items():
+            silent = now - when
+            if j in self.closed or silent <= self.timeout + self.period or self._pending(j):
+                continue
+            self.suspect = (j, round(silent, 3))
+            self.on_silent(j, round(silent, 3))
+            return
+
+    def _pending(self, peer: int) -> bool:
+        """Bytes from `peer` wait unread (its listener thread is behind): not silence."""
+        try:
+            ready, _, _ = select.select([self.mesh.channel(peer).sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(ready)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.mesh.abort()  # ends the listeners' blocking reads
+        self.mesh.close()
+        for t in self._threads:
+            t.join(2.0)

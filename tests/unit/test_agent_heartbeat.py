@@ -1,0 +1,93 @@
+"""Heartbeats between the node agents: a peer that stops answering without closing its connections (SIGSTOP, as a
+frozen node's processes) is named by its neighbours once the loss timeout has passed, and each fails as if its
+connection had closed; a peer paused for less than the timeout is not. Real agent processes (`python -m hpcft.agent`)
+on real sockets, with empty stores (their rounds are all-gathers only)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcft import events
+from hpcft.agent import secret as job_secret
+from hpcft.agent import status as agent_status
+from hpcft.agent.heartbeat import neighbours, period_for
+
+AGENTS = 3
+LOSS_S = 3.0
+
+
+def test_the_overlay_is_symmetric_and_logarithmic():
+    for size in (2, 3, 4, 5, 8, 100, 1000):
+        rel = {s: set(neighbours(s, size)) for s in range(size)}
+        assert all(s in rel[j] for s in rel for j in rel[s]), size  # each side watches the other
+        assert all(s not in rel[s] and rel[s] for s in rel), size
+        assert max(len(v) for v in rel.values()) <= 2 * (size - 1).bit_length(), size
+    assert neighbours(0, 5) == [1, 2, 3, 4] and neighbours(0, 8) == [1, 2, 4, 6, 7]
+    assert period_for(5.0) == 1.0 and period_for(2.0) == 0.4
+
+
+def _phases(shared: Path) -> dict[int, dict]:
+    return agent_status.read(shared, "t")
+
+
+def _wait(predicate, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def agents(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    secret = job_secret.create(shared)
+    procs = []
+    for i in range(AGENTS):
+        root = tmp_path / f"node{i}"
+        root.mkdir()
+        env = {**os.environ, "HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(shared / "events")}
+        argv = [sys.executable, "-m", "hpcft.agent", "--job-id", "beat", "--slot", str(i), "--slots", str(AGENTS),
+                "--rendezvous", str(shared), "--secret", str(secret), "--scheme", "xor", "--group", str(AGENTS),
+                "--tag", "t", "--rounds", "0", "--interval", "0.2", "--nice", "0", "--loss-timeout", str(LOSS_S)]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    yield shared, procs
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.communicate()
+
+
+def test_a_frozen_peer_is_named_after_the_loss_timeout_and_a_short_pause_is_not(agents):
+    shared, procs = agents
+    _wait(lambda: [r.get("phase") for r in _phases(shared).values()].count(agent_status.PROTECTING) == AGENTS,
+          "every agent to protect", 60)
+    # slow but alive: paused for a third of the timeout, then a whole timeout of rounds
+    procs[2].send_signal(signal.SIGSTOP)
+    time.sleep(LOSS_S / 3)
+    procs[2].send_signal(signal.SIGCONT)
+    resumed = time.time()
+    time.sleep(LOSS_S + 1)
+    st = _phases(shared)
+    assert all(r["phase"] == agent_status.PROTECTING and r["time"] > resumed for r in st.values()), st
+    assert not [e for e in events.read(shared / "events") if e["event"] == "peer_silent"]
+    # frozen: its sockets stay open, only the heartbeats stop
+    procs[2].send_signal(signal.SIGSTOP)
+    frozen = time.time()
+    _wait(lambda: all(_phases(shared)[s].get("phase") == agent_status.FAILED for s in (0, 1)),
+          "the survivors to name the frozen peer", 10 * LOSS_S + 30)
+    st = _phases(shared)
+    for s in (0, 1):
+        assert st[s]["peer_slot"] == 2 and st[s]["found_by"] == "heartbeat", st[s]
+        assert st[s]["silent_s"] > LOSS_S and "silent" in st[s]["error"], st[s]
+    silent = [e for e in events.read(shared / "events") if e["event"] == "peer_silent"]
+    assert {e["slot"] for e in silent} == {0, 1} and {e["peer_slot"] for e in silent} == {2}, silent
+    assert all(e["time"] - frozen >= LOSS_S for e in silent), silent  # never before the timeout
+    for p in procs[:2]:
+        assert p.wait(30) == 1  # failed, as after a closed connection
