@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from runs import assert_same_result, decisions, finish, start_spared, wait_progress, wait_protected
+from runs import assert_same_result, decisions, finish, start_spared, wait, wait_progress, wait_protected
 
 from hpcft import events
 from hpcft.agent import status as agent_status
@@ -103,10 +103,19 @@ def test_snapshots_that_cannot_fit_the_nodes_memory_stop_the_run_before_launch(s
 def test_an_agent_killed_while_the_trainers_run_is_restarted_alone_while_the_trainers_keep_training(
         healthy_sandbox, dp_reference, tmp_path):
     out = tmp_path / "agent-kill"
-    proc = start_spared(healthy_sandbox, out, delay=0.4, verbose=False)  # the default options: xor over 4 nodes
-    wait_protected(out, slots=4, timeout=120, above=0)
-    assert not (out / "final.pt").exists(), "the job ended before the agent was killed"
-    os.kill(agent_status.read(out / "job" / "agents", "0")[2]["pid"], signal.SIGKILL)  # n3's agent, not its node
+    hold = out / "restarted"
+    # the default options (xor over 4 nodes); the trainers hold after step 3 until the agents are back: the agents'
+    # CPU cap (0.01 cores for CPU trainers) paces their rounds, and on CI's loaded 2 cores the 16 steps once ended
+    # before the survivors' next round had noticed the loss
+    proc = start_spared(healthy_sandbox, out, delay=0.4, verbose=False, HOLD_AT="3", HOLD_FILE=str(hold))
+    try:
+        wait_protected(out, slots=4, timeout=120, above=0)
+        assert not (out / "final.pt").exists(), "the job ended before the agent was killed"
+        os.kill(agent_status.read(out / "job" / "agents", "0")[2]["pid"], signal.SIGKILL)  # n3's agent, not its node
+        wait(lambda: any(e["event"] == "agents_restart" for e in events.read(out / "job")),
+             "the agents restarted alone", 180, story=out)
+    finally:
+        hold.touch()
     code, output = finish(proc, timeout=240)
     assert code == 0, output[-4000:]
     log = events.read(out / "job")
