@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from hpcft.errors import CheckpointError
 from hpcft.launch.agents import AgentSteps
 from hpcft.launch.layout import Layout
-from hpcft.launch.nodecheck import NodeCheck, describe
+from hpcft.launch.nodecheck import NodeCheck
 from hpcft.launch.policy import Event, Kind
 
 ALONE_PER_LAUNCH = 3  # agent restarts without the trainers in one launch before a relaunch instead
@@ -48,15 +48,15 @@ class AgentLoss:
                   action="probe")  # when the supervisor heard of it; node_bad or agents_failed says what it was
         bad = self.suspects_lost(layout, suspects)
         if bad:
-            return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=describe(bad))
-        if self.alone >= ALONE_PER_LAUNCH:
-            self.emit("agents_failed", level=logging.ERROR, tag=self.agents.tag, reason=why,
-                      action=f"every node answers, but the agents were restarted alone {self.alone} times in this "
-                             "launch: relaunch from memory with fresh agents (unprotected until then)")
-            return Event(Kind.AGENT_FAILED, detail=why)
+            return Event.nodes_lost(bad)
+        alone = self.alone < ALONE_PER_LAUNCH
         self.emit("agents_failed", level=logging.ERROR, tag=self.agents.tag, reason=why,
                   action="every node answers: the agents restart alone, the trainers keep training (unprotected "
-                         "until the agents are ready)")
+                         "until the agents are ready)" if alone else
+                         f"every node answers, but the agents were restarted alone {self.alone} times in this "
+                         "launch: relaunch from memory with fresh agents (unprotected until then)")
+        if not alone:
+            return Event(Kind.AGENT_FAILED, detail=why)
         started, old = time.monotonic(), self.agents.tag
         self.agents.stop(ask=False, flush=False)
         self.alone += 1
@@ -72,5 +72,5 @@ class AgentLoss:
             return Event(Kind.WALLTIME, detail="SIGTERM")
         bad = self.agents.bad_nodes or self.nodes.bad(layout.slots, probe=True)
         if bad:
-            return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=describe(bad))
+            return Event.nodes_lost(bad)
         return Event(Kind.AGENT_FAILED, detail=str(exc))

@@ -232,13 +232,13 @@ class AgentSteps:
             durable, flush_why = self.flush(deadline)
         elif self.cfg.persisting:
             flush_why = "a node was lost: the agents cannot flush together; the newest durable step stays"
-        done = why is None or flush_why is None
+        done, protected = why is None or flush_why is None, self.protected()
         self.emit("persist", level=logging.INFO if done else logging.WARNING, done=done,
                   how="protect+flush" if self.cfg.protected and self.cfg.persisting else
                   "flush" if self.cfg.persisting else "protect",
-                  protected=self.protected(), durable=durable, seconds=round(time.monotonic() - started, 3),
+                  protected=protected, durable=durable, seconds=round(time.monotonic() - started, 3),
                   **({"reason": why} if why else {}), **({"flush_reason": flush_why} if flush_why else {}))
-        return self.protected(), durable, why or flush_why
+        return protected, durable, why or flush_why
 
     def _finish_flush(self) -> None:
         """A flush under way (its drain from node-local storage, which Frontier wipes at the job's end, above all)

@@ -77,7 +77,3 @@ class NodeCheck:
         except SlurmError as exc:
             _log.warning("node check failed: %s", exc)
             return {}
-
-def describe(bad: Mapping[str, str]) -> str:
-    """`node: why; node: why` of bad nodes, for an event's detail."""
-    return "; ".join(f"{n}: {w}" for n, w in bad.items())

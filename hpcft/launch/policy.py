@@ -4,6 +4,7 @@ No Slurm, no clock of its own (`now` is passed in), so every branch is tested wi
 (hpcft/launch/supervisor.py) is the mechanism that gathers the event and carries the decision out."""
 import enum
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from hpcft import events
@@ -63,6 +64,12 @@ class Event:
     failed_tasks: tuple[str, ...] = ()   # srun's own words, e.g. "n2: task 1: Exited with exit code 3"
     detail: str = ""
     returned: tuple[str, ...] = ()       # NODES_RETURNED: the nodes to take back, as policy_grow chose them
+
+    @classmethod
+    def nodes_lost(cls, bad: Mapping[str, str], exit_code: int | None = None) -> "Event":
+        """NODE_FAILED for the bad nodes found ({node: why}), each named with its reason in the detail."""
+        return cls(Kind.NODE_FAILED, exit_code=exit_code, bad_nodes=tuple(bad),
+                   detail="; ".join(f"{n}: {w}" for n, w in bad.items()))
 
 
 @dataclass(frozen=True)

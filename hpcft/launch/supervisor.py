@@ -33,7 +33,7 @@ from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
 from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, hung, record, stale_signal
 from hpcft.launch.preflight import Preflight
-from hpcft.launch.nodecheck import NodeCheck, describe
+from hpcft.launch.nodecheck import NodeCheck
 from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
 from hpcft.launch.steps import StepStopper
 from hpcft.slurm import state as slurmstate
@@ -334,7 +334,7 @@ class Supervisor:
                     return Event(Kind.SUCCESS, exit_code=0)
                 bad = self.nodes.bad(layout.slots, probe=True)
                 if bad:
-                    return Event(Kind.NODE_FAILED, exit_code=code, bad_nodes=tuple(bad), detail=describe(bad))
+                    return Event.nodes_lost(bad, exit_code=code)
                 return Event(Kind.TASK_FAILED, exit_code=code)
             if self._signal is not None:
                 if self._signal != signal.SIGUSR1:
@@ -348,7 +348,7 @@ class Supervisor:
                 self._wake.clear()
             bad = self.nodes.bad(layout.slots, probe=False)
             if bad:
-                return Event(Kind.NODE_FAILED, bad_nodes=tuple(bad), detail=describe(bad))
+                return Event.nodes_lost(bad)
             suspects = self.agents.lost(layout)
             if suspects is not None and (event := agents_lost(suspects)) is not None:
                 return event
