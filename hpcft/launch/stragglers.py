@@ -10,7 +10,7 @@ from collections.abc import Callable
 from hpcft.launch import progress
 from hpcft.launch.config import RunConfig
 from hpcft.launch.layout import Layout
-from hpcft.launch.policy import Event, Kind
+from hpcft.launch.policy import Action, Decision, Event, Kind
 from hpcft.launch.policy_straggler import Detector, StragglerRules, Verdict, eviction_blocked
 
 
@@ -23,6 +23,8 @@ class StragglerWatch:
         self.since = 0.0
         self.restarts = 0  # the run's relaunches so far: an eviction is not made past --max-restarts
         self.pending: dict[str, tuple[Verdict, int]] = {}  # node: (verdict, the step to protect before its eviction)
+        self.evicted: list[str] = []  # nodes retired from the slots (their stores are cleaned at the run's end)
+        self._said: list[str] = []  # each eviction, for the run's summary
 
     @property
     def rules(self) -> StragglerRules:
@@ -73,3 +75,13 @@ class StragglerWatch:
                                     f"{v.peers_s:.3f} s (--straggler-factor {self.cfg.straggler_factor:g}); step "
                                     f"{safe} protected (detected at step {step})")
         return None
+
+    def carried_out(self, decision: Decision, event: Event) -> None:
+        """Remember an eviction the supervisor carried out, for the clean-up and the summary."""
+        if decision.action is Action.EVICT:
+            self.evicted += list(decision.replaced)
+            self._said += [f"{a} -> {b} ({event.detail})" for a, b in decision.replaced.items()]
+
+    def summary(self) -> dict[str, str]:
+        """The summary's `evicted=` field, when the run evicted a straggler."""
+        return {"evicted": "; ".join(self._said)} if self._said else {}

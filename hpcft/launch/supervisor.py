@@ -85,7 +85,6 @@ class Supervisor:
         self.base_cfg = cfg  # the configuration this run started with (a shrunk or grown job's is sized from it)
         self.grow_watch = GrowWatch(cfg, self.runner, self.job_id, self.nodes, self.emit)
         self.stragglers = StragglerWatch(cfg, self.job_dir, self.emit)
-        self.evicted: list[str] = []  # straggler nodes retired from the slots: their stores are cleaned at the end
 
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -181,7 +180,7 @@ class Supervisor:
                                                                Action.EVICT))
             self.preflight.poll(self.agents.reports, now=True)  # a short launch: the agents' final reports
             grew, evicted = decision.action is Action.GROW, decision.action is Action.EVICT
-            self.evicted += list(decision.replaced) if evicted else []
+            self.stragglers.carried_out(decision, event)
             if decision.action in (Action.SHRINK, Action.GROW):
                 decision = self._reshape(decision, event, state, launches)
             self._why_launch = self._launch_reason(decision, event)
@@ -196,7 +195,7 @@ class Supervisor:
                 continue
             saved.save(self.state_path)
             if decision.action is not Action.REQUEUE:  # the job is over: nothing of it stays in node memory
-                self._clean_up([*layout.slots, *layout.spares, *self.evicted])
+                self._clean_up([*layout.slots, *layout.spares, *self.stragglers.evicted])
             return self._finish(decision, saved)
 
     def _finish(self, decision: Decision, saved: Persisted) -> int:
@@ -227,12 +226,13 @@ class Supervisor:
         step 0 after progress existed)."""
         from_zero = any(loss.resumed_from == 0 for loss in self.lost)
         level = (logging.ERROR if action is Action.STOP or from_zero
-                 else logging.WARNING if self.lost or any(self.reshaped.values()) or action is Action.REQUEUE
+                 else logging.WARNING if self.lost or any(self.reshaped.values()) or self.stragglers.evicted
+                 or action is Action.REQUEUE
                  else logging.INFO)
         lost = "; ".join(loss.line() for loss in self.lost)
         self.emit("summary", level=level, action=action.value, reason=reason, restarts=saved.restarts,
                   requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=exit_code, lost=lost,
-                  **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines})
+                  **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines}, **self.stragglers.summary())
 
     def _reshape(self, decision: Decision, event: Event, state: State, launches: int) -> Decision:
         """Carry a shrink or grow out (hpcft/launch/elastic.py): the decision, or what replaced it if it failed."""
