@@ -22,6 +22,7 @@ class StragglerWatch:
         self.detector = Detector(self.rules)
         self.since = 0.0
         self.restarts = 0  # the run's relaunches so far: an eviction is not made past --max-restarts
+        self._next_read = 0.0  # the progress files are read every tenth of the window, not every poll
         self.pending: dict[str, tuple[Verdict, int]] = {}  # node: (verdict, the step to protect before its eviction)
         self.evicted: list[str] = []  # nodes retired from the slots (their stores are cleaned at the run's end)
         self._said: list[str] = []  # each eviction, for the run's summary
@@ -34,6 +35,7 @@ class StragglerWatch:
         """A new launch on `cfg` (a shrunk job's protection differs): judged afresh, its ranks may have moved."""
         self.cfg, self.restarts = cfg, restarts
         self.detector = Detector(self.rules)
+        self._next_read = 0.0
         self.pending.clear()
         self.since = time.time() if now is None else now
 
@@ -41,6 +43,9 @@ class StragglerWatch:
              now: float | None = None) -> Event | None:
         """Feed the newest samples to the detector and say what it found; an eviction event when one is due."""
         now = time.time() if now is None else now
+        if self.cfg.straggler_factor <= 0 or now < self._next_read:
+            return self._due(protected)
+        self._next_read = now + self.cfg.straggler_window / 10
         seen = progress.samples(self.job_dir)
         for rank, (step, ready, mtime) in seen.items():
             if ready is not None and mtime >= self.since and rank < layout.world_size:
