@@ -19,7 +19,7 @@ import torch
 class CpuClock:
     """Marks are perf_counter seconds: always resolved."""
 
-    def mark(self) -> Any:
+    def mark(self, again: Any = None) -> Any:
         return time.perf_counter()
 
     def elapsed(self, start: Any, end: Any) -> float | None:
@@ -29,8 +29,9 @@ class CpuClock:
 class CudaClock:
     """Marks are CUDA events recorded on the current stream; a pair resolves once the later one has completed."""
 
-    def mark(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
+    def mark(self, again: Any = None) -> Any:
+        """A new event, or `again` recorded anew (a step's gradient mark moves with each accumulation: one event)."""
+        event = again if again is not None else torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
@@ -60,7 +61,7 @@ class StepTimer:
 
     def grad(self, *_: Any) -> None:
         if self._start is not None:
-            self._grad = self.clock.mark()
+            self._grad = self.clock.mark(self._grad)
 
     def ended(self) -> None:
         if self._start is None:

@@ -152,6 +152,12 @@ class LateClock(CpuClock):
     """A device clock: a pair resolves only once `done` says so (a CUDA event not yet completed)."""
     done = False
 
+    marks = 0
+
+    def mark(self, again=None):
+        self.marks += again is None  # a new mark; `again` re-records the step's gradient mark
+        return super().mark(again)
+
     def elapsed(self, start, end):
         return end - start if self.done else None
 
@@ -161,9 +167,10 @@ def test_the_timer_waits_for_marks_a_device_has_not_reached():
     timer = StepTimer(clock)
     timer.ended()  # the first step of a launch has no start: nothing
     timer.started()
-    timer.grad()
+    for _ in range(5):  # every parameter's gradient: one mark, moved
+        timer.grad()
     timer.ended()
-    assert timer.report() is None
+    assert clock.marks == 2 and timer.report() is None
     clock.done = True
     got = timer.report()
     assert got is not None and got["steps"] == 1 and got["ready_s"] >= 0
