@@ -54,7 +54,8 @@ class StragglerWatch:
         reached = min((s for r, (s, _, m) in seen.items() if m >= self.since and r < layout.world_size), default=0)
         for v in new:
             blocked = eviction_blocked(evict=self.cfg.evict_stragglers, protected=self.cfg.protected,
-                                       spares=len(layout.spares), restarts=self.restarts, max_restarts=self.cfg.max_restarts)
+                                       spares=len(layout.spares), restarts=self.restarts,
+                                       max_restarts=self.cfg.max_restarts)
             if blocked is None:
                 self.pending[v.node] = (v, reached)
             self.emit("straggler", level=logging.WARNING, node=v.node, ranks=",".join(map(str, v.ranks)),
