@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hpcft import events
 from hpcft.env import DEFAULT_JOB_ID, job_env
 from hpcft.errors import CheckpointError, ConfigError
-from hpcft.snapshot import copiers, groups, rng, state
+from hpcft.snapshot import copiers, groups, rng, state, timing
 from hpcft.snapshot.engine import SnapshotEngine, Stats
 from hpcft.durable import catalog, local, resume
 from hpcft.snapshot.restore import Loader
@@ -91,6 +91,8 @@ class Checkpointer:
         self._quiet = False  # hooks ignore optimizer steps hpcft itself makes
         self._warned = False
         self._hooks = []
+        self.timer = timing.StepTimer(timing.clock_for(device))  # the rank's own share of a step (stragglers)
+        self._hooks += timing.grad_hooks(model, self.timer.grad)
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._pre_step))
             if auto:
@@ -101,6 +103,7 @@ class Checkpointer:
     # the two optimizer hooks -----------------------------------------------------------------------------
     def _pre_step(self, *_: Any) -> None:
         if not self._quiet:
+            self.timer.ended()
             self.engine.guard()
 
     def _post_step(self, *_: Any) -> None:
@@ -109,6 +112,7 @@ class Checkpointer:
         self.completed += 1
         if self.completed % self.every == 0:
             self._snapshot()
+        self.timer.started()
 
     # public API --------------------------------------------------------------------------------------------
     def step(self, it: int) -> None:
@@ -123,11 +127,14 @@ class Checkpointer:
             _log.warning("ckpt.step(%d): the optimizer hook counted %d steps; numbering by the loop from now on",
                          it, self.completed)
         self.completed = it + 1
+        if self.optimizer is None:  # no pre-step hook closes the step
+            self.timer.ended()
         if self.completed % self.every == 0:
             self.engine.guard()
             self._snapshot()
             if self.optimizer is None:  # no pre-step hook to order the next update after the copy
                 self.engine.guard()
+        self.timer.started()
 
     def _snapshot(self) -> None:
         t0 = time.perf_counter()  # the training thread's time from here on is the snapshot's
@@ -139,7 +146,7 @@ class Checkpointer:
         generators = rng.grab()
         entries = self._view.entries()
         meta = {"world": self.world, "job_id": self.job_id, "writer": self._writer, "extra": extra,
-                "optim": state.optimizer_meta(self.optimizer, self._view.optim_shape)}
+                "optim": state.optimizer_meta(self.optimizer, self._view.optim_shape), "timing": self.timer.report()}
         self.engine.snapshot(self.completed, entries, meta, started=t0, late=lambda: {"rng": rng.encode(generators)})
 
     def snapshot(self) -> None:

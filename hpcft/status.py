@@ -1,7 +1,8 @@
 """`hpcft status`: a read-only view of a job's in-memory checkpoints, for people. Per node (slot) and rank, the
 versions held and how far each got (staged → protected → persisted), the agent's heartbeat age, and the
-redundancy health of every protection set. Reads only the agents' status files in the shared rendezvous
-directory (each agent writes what its node's store holds), so it never waits on a dead node."""
+redundancy health of every protection set, and the stragglers the supervisor named. Reads only the agents' status
+files in the shared rendezvous directory (each agent writes what its node's store holds) and the job's event record,
+so it never waits on a dead node."""
 from __future__ import annotations
 
 import time
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from hpcft import events
 from hpcft.agent import status as agent_status
 from hpcft.errors import ConfigError
 
@@ -54,6 +56,18 @@ class SetView:
 
 
 @dataclass
+class StragglerView:
+    """A node the supervisor named a straggler in this launch (`straggler` event), and whether it was evicted."""
+    node: str
+    ranks: str
+    ready_s: float
+    peers_s: float
+    ratio: float
+    since: float
+    evicted: bool = False
+
+
+@dataclass
 class JobView:
     rendezvous: str
     tag: str | None
@@ -61,6 +75,7 @@ class JobView:
     stale_after_s: float
     nodes: list[NodeView]
     sets: list[SetView]
+    stragglers: list[StragglerView] = field(default_factory=list)
 
 
 def collect(rendezvous: str | Path, tag: str | None = None, stale_after: float | None = None,
@@ -89,7 +104,27 @@ def collect(rendezvous: str | Path, tag: str | None = None, stale_after: float |
     _mark_steps(nodes, placement, reports)
     sets = [_set_view(placement, pset.index, list(pset.members), nodes, reports) for pset in placement.sets] \
         if placement else []
-    return JobView(str(where), tag, asdict(scheme), stale, nodes, sets)
+    return JobView(str(where), tag, asdict(scheme), stale, nodes, sets, stragglers(where.parent))
+
+
+def stragglers(job_dir: Path) -> list[StragglerView]:
+    """The stragglers named in the job's events and not cleared since (a new launch judges afresh; an evicted one
+    stays, marked)."""
+    named: dict[str, StragglerView] = {}
+    for e in events.read(job_dir) if job_dir.is_dir() else []:
+        kind = e.get("event")
+        if kind == "straggler":
+            named[e["node"]] = StragglerView(e["node"], str(e.get("ranks", "")), e.get("ready_s", 0.0),
+                                             e.get("peers_s", 0.0), e.get("ratio", 0.0), e.get("time", 0.0))
+        elif kind == "straggler_cleared":
+            named.pop(e.get("node"), None)
+        elif kind == "launch":
+            named = {n: v for n, v in named.items() if v.evicted}
+        elif kind == "decision" and e.get("action") == "evict":
+            for node in str(e.get("bad_nodes", "")).split(","):
+                if node in named:
+                    named[node].evicted = True
+    return list(named.values())
 
 
 def _node(slot: int, rep: dict[str, Any] | None, now: float, stale: float) -> NodeView:
@@ -184,6 +219,9 @@ def render(view: JobView) -> str:
     for s in view.sets:
         lines.append(f"set {s.index} slots {','.join(map(str, s.members))}: {s.health}"
                      f" (newest step protected on all: {_opt(s.protected_step)}; {s.detail})")
+    for v in view.stragglers:
+        lines.append(f"straggler {v.node} ranks {v.ranks}: ready {v.ready_s:.3f} s vs the peers' {v.peers_s:.3f} s "
+                     f"({v.ratio:.2f}x)" + (", evicted onto a spare" if v.evicted else ""))
     lines.append("persisted: newest durable step on the shared file system; nvme: newest in the node's first level "
                  "(drained to it); lag: steps (and seconds) the newest protected snapshot trails the newest staged one; "
                  "versions: * protected, ** persisted, plain staged; ! heartbeat older than "

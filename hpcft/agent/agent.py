@@ -169,20 +169,24 @@ def _steer(budget: LagBudget, mesh: Mesh, cfg: AgentConfig, lag: int | None) -> 
 
 
 def _listen_for_silence(cfg: AgentConfig, mesh: Mesh, node: str, wake: threading.Event) -> Heartbeat | None:
-    """Heartbeats with the overlay neighbours (none with --loss-timeout 0 or a single agent). A silent one is a
-    suspect: event `peer_silent`, the mesh shut down so that no exchange waits for it, the round loop woken; the
-    agent then fails naming it (`_silence`), as if its connection had closed."""
+    """Heartbeats with the overlay neighbours (none with --loss-timeout 0 or a single agent). A silent one, or one
+    whose beat connection closed without a goodbye, is a suspect: event `peer_silent` / `peer_closed`, the mesh shut
+    down so that no exchange waits for it, the round loop woken; the agent then fails naming it (`_silence`)."""
     if cfg.loss_timeout <= 0 or cfg.slots < 2:
         return None
 
-    def silent(peer: int, seconds: float) -> None:
-        events.emit("peer_silent", level=logging.WARNING, slot=cfg.slot, node=node, peer_slot=peer, silent_s=seconds,
-                    loss_timeout=cfg.loss_timeout)
+    def named(kind: str, **fields) -> None:
+        events.emit(kind, level=logging.WARNING, slot=cfg.slot, node=node, **fields)
         mesh.abort()
         wake.set()
 
-    return Heartbeat(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, timeout=cfg.loss_timeout, on_silent=silent,
-                     host=cfg.host, bind=cfg.bind, tag=cfg.tag, join_timeout=cfg.timeout)
+    return Heartbeat(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, timeout=cfg.loss_timeout,
+                     on_silent=lambda peer, seconds: named("peer_silent", peer_slot=peer, silent_s=seconds,
+                                                           loss_timeout=cfg.loss_timeout),
+                     on_closed=lambda peer: named("peer_closed", peer_slot=peer, reason="its heartbeat connection "
+                                                  "closed without a goodbye (the agent was killed or crashed)"),
+                     stopping=status.stop_path(cfg.rendezvous, cfg.tag).exists, host=cfg.host, bind=cfg.bind,
+                     tag=cfg.tag, join_timeout=cfg.timeout)
 
 
 def _silence(beat: Heartbeat | None) -> PeerSilent | None:
@@ -190,7 +194,9 @@ def _silence(beat: Heartbeat | None) -> PeerSilent | None:
     if beat is None or beat.suspect is None:
         return None
     peer, seconds = beat.suspect
-    err = PeerSilent(f"the agent of slot {peer} was silent for {seconds:g} s (loss timeout {beat.timeout:g} s)")
+    err = PeerSilent(f"the agent of slot {peer} closed its heartbeat connection without a goodbye (killed or crashed)"
+                     if beat.cause == "closed" else
+                     f"the agent of slot {peer} was silent for {seconds:g} s (loss timeout {beat.timeout:g} s)")
     err.peer_slot = peer
     return err
 
@@ -288,7 +294,7 @@ def run(cfg: AgentConfig) -> int:
         failure = exc if silence is None or isinstance(exc, PeerSilent) else silence
         if not isinstance(exc, NoCheckpointError):
             peer = getattr(failure, "peer_slot", None)  # a lost peer: its node is the supervisor's first suspect
-            heard = {"silent_s": beat.suspect[1], "found_by": "heartbeat"} if silence is not None else {}
+            heard = {"silent_s": beat.suspect[1], "found_by": f"heartbeat ({beat.cause})"} if silence is not None else {}
             report(status.FAILED, reason="error", error=str(failure), **({} if peer is None else {"peer_slot": peer}),
                    **heard)
         if failure is not exc:

@@ -3,8 +3,9 @@ stopped), a network partition, a hung kernel. Without them the protection round'
 as long as its sockets stay open. Each agent beats to its overlay neighbours (slots ±1, ±2, ±4, … around the ring:
 about 2·log2(N) each, everyone up to 5 agents) on authenticated connections of their own, and names a neighbour
 silent for longer than the loss timeout a suspect (`on_silent`). The agent then fails as if the connection had closed
-and the supervisor confirms with its probe (hpcft/launch/agentloss.py). A connection that closes is not silence: a
-peer that exits (stopped, failed) is the data mesh's to notice."""
+and the supervisor confirms with its probe (hpcft/launch/agentloss.py). A beat connection that closes without the
+peer's goodbye (every orderly close, a requested stop included, sends one first) is a loss too, at once (`on_closed`):
+a killed agent's sockets close with its process, and the data mesh would notice only in its next, CPU-capped round."""
 from __future__ import annotations
 
 import logging
@@ -53,9 +54,11 @@ class Heartbeat:
     socket, and never right after this agent was itself paused (its own missed ticks are not the peer's)."""
 
     def __init__(self, slot: int, size: int, secret: bytes, rendezvous: str | os.PathLike, *, timeout: float,
-                 on_silent: Callable[[int, float], None], host: str = "127.0.0.1", bind: str = "0.0.0.0",
+                 on_silent: Callable[[int, float], None], on_closed: Callable[[int], None] | None = None,
+                 stopping: Callable[[], bool] = lambda: False, host: str = "127.0.0.1", bind: str = "0.0.0.0",
                  tag: str = "0", join_timeout: float = 60.0):
-        self.slot, self.timeout, self.on_silent = slot, timeout, on_silent
+        self.slot, self.timeout, self.on_silent, self.on_closed = slot, timeout, on_silent, on_closed
+        self.stopping = stopping  # true once the agents were asked to stop: a close is then no loss
         self.period = period_for(timeout)
         self.mesh = Mesh(slot, size, secret, rendezvous, host=host, bind=bind, timeout=join_timeout,
                          tag=f"{tag}-beat", peers=neighbours(slot, size))
@@ -63,6 +66,9 @@ class Heartbeat:
         self.heard = dict.fromkeys(self.mesh.peers, now)  # slot -> when its newest beat arrived
         self.closed: set[int] = set()
         self.suspect: tuple[int, float] | None = None
+        self.cause = ""  # what made `suspect` one: "silent" or "closed" (its connection closed without a goodbye)
+        self._named = threading.Lock()
+        self._sending = threading.Lock()  # the beats and the goodbye share each peer's socket: whole frames only
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._listen, args=(j,), daemon=True, name=f"hpcft-beat-from-{j}")
                          for j in self.mesh.peers]
@@ -74,23 +80,42 @@ class Heartbeat:
         ch = self.mesh.channel(peer)
         while not self._stop.is_set():
             try:
-                ch.recv()
+                header, _ = ch.recv()
             except TransportError:
                 self.closed.add(peer)
+                if not self._stop.is_set() and not self.stopping():  # the peer went without its goodbye
+                    self._name(peer, round(time.monotonic() - self.heard[peer], 3), "closed")
+                return
+            if header.get("bye"):
+                self.closed.add(peer)  # an orderly close (stopped, done, failed and unwinding): not a loss
                 return
             self.heard[peer] = time.monotonic()
+
+    def _name(self, peer: int, seconds: float, cause: str) -> None:
+        """Report the first suspect, once, whichever thread found it."""
+        with self._named:
+            if self.suspect is not None:
+                return
+            self.suspect, self.cause = (peer, seconds), cause
+        if cause == "closed" and self.on_closed is not None:
+            self.on_closed(peer)
+        elif cause == "silent":
+            self.on_silent(peer, seconds)
 
     def _beat(self) -> None:
         n = 0
         last = time.monotonic()
         while not self._stop.wait(self.period):
             n += 1
-            for j in list(self.mesh.peers):
-                if j not in self.closed:
-                    try:
-                        self.mesh.channel(j).send({"beat": n})
-                    except TransportError:
-                        self.closed.add(j)
+            with self._sending:
+                if self._stop.is_set():
+                    return
+                for j in list(self.mesh.peers):
+                    if j not in self.closed:
+                        try:
+                            self.mesh.channel(j).send({"beat": n})
+                        except TransportError:
+                            self.closed.add(j)
             now = time.monotonic()
             if now - last > 2 * self.period:  # this agent was paused or starved: what it missed is still to be read
                 for j in self.heard:
@@ -104,8 +129,7 @@ class Heartbeat:
             silent = now - when
             if j in self.closed or silent <= self.timeout + self.period or self._pending(j):
                 continue
-            self.suspect = (j, round(silent, 3))
-            self.on_silent(j, round(silent, 3))
+            self._name(j, round(silent, 3), "silent")
             return
 
     def _pending(self, peer: int) -> bool:
@@ -118,6 +142,13 @@ class Heartbeat:
 
     def close(self) -> None:
         self._stop.set()
+        with self._sending:
+            for j in list(self.mesh.peers):  # the goodbye: this close is no loss to the peers that hear it
+                if j not in self.closed:
+                    try:
+                        self.mesh.channel(j).send({"bye": 1})
+                    except TransportError:
+                        pass
         self.mesh.abort()  # ends the listeners' blocking reads
         self.mesh.close()
         for t in self._threads:

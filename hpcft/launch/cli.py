@@ -78,6 +78,13 @@ def _run_options(f):
                      help="At most one grow per this many seconds after the last shrink or grow (default 300)."),
         click.option("--grow-max-losses", type=int, default=None,
                      help="A node lost more often than this in the run is not taken back (default 2)."),
+        click.option("--straggler-factor", type=float, default=None,
+                     help="A node whose ranks' own share of a step is this many times the other nodes' median is a "
+                          "straggler (default 1.5; 0: off)."),
+        click.option("--straggler-window", type=float, default=None,
+                     help="Seconds of steps judged together for a straggler (default 30)."),
+        click.option("--evict-stragglers/--no-evict-stragglers", default=None,
+                     help="Replace a straggler's node with a spare at the next protected step."),
     ]
     for option in reversed(options):
         f = option(f)

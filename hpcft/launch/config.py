@@ -98,6 +98,9 @@ class RunConfig:
     grow_settle: float = 60.0
     grow_every: float = 300.0
     grow_max_losses: int = 2
+    straggler_factor: float = 1.5
+    straggler_window: float = 30.0
+    evict_stragglers: bool = False
 
     @property
     def protected(self) -> bool:
@@ -218,7 +221,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.max_restarts < 0:
         raise ConfigError(f"max_restarts must be 0 or more (got {cfg.max_restarts})")
     for key in ("hang_timeout", "start_timeout", "kill_grace", "requeue_margin", "protect_timeout", "grow_settle",
-                "grow_every", "grow_max_losses", "loss_timeout"):
+                "grow_every", "grow_max_losses", "loss_timeout", "straggler_factor"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key} must be 0 or more (got {getattr(cfg, key)})")
     if cfg.keep < 1:
@@ -244,6 +247,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"persist_every and persist_keep must be at least 1 (got {cfg.persist_every}, "
                           f"{cfg.persist_keep})")
     _validate_elastic(cfg)
+    _validate_stragglers(cfg)
     if cfg.protected and cfg.protect != "auto":
         scheme(cfg)  # the agents' own checks (group, losses, distance), before anything is launched
 
@@ -271,6 +275,21 @@ def _validate_elastic(cfg: RunConfig) -> None:
     if not cfg.persisting:
         raise ConfigError("elastic needs a durable tier (a shrink writes the protected step there and the smaller "
                           "job reshards from it): drop --persist-dir none, or drop --elastic")
+
+
+def _validate_stragglers(cfg: RunConfig) -> None:
+    """A straggler is judged against a factor above 1 over a positive window; an eviction resumes from protection."""
+    if 0 < cfg.straggler_factor <= 1:
+        raise ConfigError(f"straggler_factor must be above 1 (how many times slower than the peers; got "
+                          f"{cfg.straggler_factor:g}), or 0 to turn the detection off")
+    if cfg.straggler_window <= 0:
+        raise ConfigError(f"straggler_window must be positive seconds (got {cfg.straggler_window:g})")
+    if cfg.evict_stragglers and not cfg.protected:
+        raise ConfigError("evict_stragglers needs protection across nodes (the spare rebuilds the evicted node's "
+                          "snapshot from its peers): drop --protect none, or drop --evict-stragglers")
+    if cfg.evict_stragglers and not cfg.straggler_factor:
+        raise ConfigError("evict_stragglers is given with straggler_factor 0 (detection off): set a factor above 1, "
+                          "or drop --evict-stragglers")
 
 
 def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:

@@ -1,5 +1,5 @@
 """What `hpcft run` keeps in <job dir>/state.json for the job's next run (a relaunch counts, a requeued run reads
-it back): relaunches, requeues and grows so far, the nodes found bad, the node of each slot, what Slurm excluded."""
+it back): relaunches, requeues, grows and evictions so far, the nodes found bad, the node of each slot, what Slurm excluded."""
 import json
 import os
 from dataclasses import dataclass, field
@@ -18,6 +18,7 @@ class Persisted:
     slots: list[str] = field(default_factory=list)
     slurm_excluded: list[str] = field(default_factory=list)  # what Slurm took into the job's ExcNodeList
     grows: int = 0  # launches of an elastic grow (no restarts: --max-restarts counts failures)
+    evictions: int = 0  # launches after a straggler's eviction (no restarts either)
 
     @classmethod
     def load(cls, path: Path) -> "Persisted":
@@ -26,7 +27,8 @@ class Persisted:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             return cls(int(data["restarts"]), int(data.get("requeues", 0)), list(data.get("excluded", [])),
-                       list(data.get("slots", [])), list(data.get("slurm_excluded", [])), int(data.get("grows", 0)))
+                       list(data.get("slots", [])), list(data.get("slurm_excluded", [])), int(data.get("grows", 0)),
+                       int(data.get("evictions", 0)))
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{path} is not a valid supervisor state ({exc}); move it away to start afresh") from None
 

@@ -29,6 +29,7 @@ class Kind(enum.Enum):
     AGENT_FAILED = "agent_failed"        # a node agent failed or was not ready in time; its node answers
     STEP_REFUSED = "step_refused"        # Slurm would not create the step (its options do not fit the nodes)
     NODES_RETURNED = "nodes_returned"    # --elastic-grow: nodes of the allocation back in service (policy_grow)
+    STRAGGLER = "straggler"              # --evict-stragglers: a slow node, its step protected (policy_straggler)
 
 
 def hung(now: float, launched: float, last_step: float | None, hang_timeout: float,
@@ -52,6 +53,7 @@ class Action(enum.Enum):
     REPLACE = "replace"      # spares take the failed nodes' slots, then relaunch
     SHRINK = "shrink"        # --elastic, no spare left: continue on the surviving nodes, resharded
     GROW = "grow"            # --elastic-grow: a shrunk job takes returned nodes back, resharded
+    EVICT = "evict"          # --evict-stragglers: a spare takes a slow (healthy) node's slot, then relaunch
     REQUEUE = "requeue"      # persist and `scontrol requeue`: resume in a new allocation
     STOP = "stop"            # give up, with a summary
 
@@ -115,6 +117,15 @@ def decide(event: Event, state: State, now: float) -> Decision:
         return Decision(Action.GROW, f"node(s) {','.join(event.returned)} back in service ({event.detail}); "
                         f"--elastic-grow: continue on {len(grown.slots)} node(s) ({','.join(grown.slots)}), "
                         "resharded", grown)
+    if event.kind is Kind.STRAGGLER:  # no failure: not counted against --max-restarts (the watch checks the budget)
+        try:
+            layout, replaced = state.layout.replace(list(event.bad_nodes))
+        except NoSpareError:
+            return Decision(Action.RELAUNCH, f"straggler {event.detail}, but no spare is left: relaunch on the same "
+                            "nodes", state.layout)
+        moves = ", ".join(f"{a}->{b}" for a, b in replaced.items())
+        return Decision(Action.EVICT, f"straggler {event.detail}: a spare takes its slot ({moves}), the node is "
+                        "retired from this run's slots", layout, replaced=replaced)
     if state.restarts >= state.max_restarts:
         return Decision(Action.STOP, f"{event.kind.value} after {state.restarts} restart(s), the limit "
                         f"(--max-restarts {state.max_restarts})", state.layout, EXIT_GAVE_UP)

@@ -1,7 +1,8 @@
 """Training progress as the supervisor sees it: one small file per rank, `<job dir>/progress/rank-<r>`, holding
-the newest completed step. A watcher next to each task writes it from what the Checkpointer already commits
-(its manifests in the node-local store), so training code needs no hook; any task may also write it itself
-(the path is in $HPCFT_PROGRESS_FILE)."""
+the newest completed step and, after it, the rank's `ready_s` (hpcft/snapshot/timing.py) from that snapshot, for
+the straggler detector. A watcher next to each task writes it from what the Checkpointer already commits (its
+manifests in the node-local store), so training code needs no hook and no extra file is written; any task may also
+write it itself (the path is in $HPCFT_PROGRESS_FILE; a bare step number is read as a step without a measure)."""
 import ctypes
 import json
 import logging
@@ -21,33 +22,49 @@ def progress_file(job_dir: str | os.PathLike, rank: int) -> Path:
     return Path(job_dir) / "progress" / f"rank-{rank:05d}"
 
 
-def newest_step(directory: Path) -> int | None:
-    """The highest step among committed manifests (`slot-*.json`) in a rank's store directory, if any."""
+def newest(directory: Path) -> tuple[int, float | None] | None:
+    """(step, ready_s or None) of the highest step among committed manifests (`slot-*.json`) in a rank's store
+    directory, if any."""
     best = None
     for path in directory.glob("slot-*.json"):
         try:
-            step = int(json.loads(path.read_text(encoding="utf-8"))["step"])
-        except (OSError, ValueError, KeyError, TypeError):
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+            step = int(manifest["step"])
+            ready = (manifest.get("timing") or {}).get("ready_s")
+            found = (step, None if ready is None else float(ready))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # being replaced right now, or not a manifest: the next poll sees the new one
-        best = step if best is None else max(best, step)
+        best = found if best is None or step > best[0] else best
     return best
 
 
-def write(path: Path, step: int) -> None:
-    """Publish `step` atomically (write, then rename), so a reader never sees half a number."""
+def write(path: Path, step: int, ready_s: float | None = None) -> None:
+    """Publish `step` (and the rank's `ready_s`) atomically (write, then rename), so a reader never sees half."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    replace_file(path, str(step).encode(), path.with_name(f".{path.name}.{os.getpid()}"))
+    text = str(step) if ready_s is None else f"{step} {ready_s:.6f}"
+    replace_file(path, text.encode(), path.with_name(f".{path.name}.{os.getpid()}"))
+
+
+def _parse(text: str) -> tuple[int, float | None]:
+    words = text.split()
+    return int(words[0]), float(words[1]) if len(words) > 1 else None
+
+
+def samples(job_dir: str | os.PathLike) -> dict[int, tuple[int, float | None, float]]:
+    """{rank: (step, ready_s or None, mtime)} of every progress file in the job directory."""
+    found = {}
+    for path in (Path(job_dir) / "progress").glob("rank-*"):
+        try:
+            step, ready = _parse(path.read_text(encoding="utf-8"))
+            found[int(path.name.removeprefix("rank-"))] = (step, ready, path.stat().st_mtime)
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def read(job_dir: str | os.PathLike) -> dict[int, tuple[int, float]]:
     """{rank: (step, mtime)} of every progress file in the job directory."""
-    found = {}
-    for path in (Path(job_dir) / "progress").glob("rank-*"):
-        try:
-            found[int(path.name.removeprefix("rank-"))] = (int(path.read_text(encoding="utf-8")), path.stat().st_mtime)
-        except (OSError, ValueError):
-            continue
-    return found
+    return {rank: (step, mtime) for rank, (step, _, mtime) in samples(job_dir).items()}
 
 
 def last_change(job_dir: str | os.PathLike, since: float) -> float:
@@ -63,8 +80,8 @@ def watch(job_id: str, rank: int, target: Path, interval: float = 1.0) -> None:
     parent = os.getppid()
     source = None
     try:
-        last: int | None = int(target.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        last: int | None = _parse(target.read_text(encoding="utf-8"))[0]
+    except (OSError, ValueError, IndexError):
         last = None
     while os.getppid() == parent:
         if source is None:
@@ -73,11 +90,11 @@ def watch(job_id: str, rank: int, target: Path, interval: float = 1.0) -> None:
             except HpcftError:  # no store root yet: keep polling, progress is best effort
                 source = None
         if source is not None:
-            step = newest_step(source)
-            if step is not None and step != last:
+            got = newest(source)
+            if got is not None and got[0] != last:
                 try:
-                    write(target, step)
-                    last = step
+                    write(target, *got)
+                    last = got[0]
                 except OSError as exc:
                     _log.warning("cannot write progress file %s: %s", target, exc)
         time.sleep(interval)

@@ -36,6 +36,7 @@ from hpcft.launch.preflight import Preflight
 from hpcft.launch.nodecheck import NodeCheck
 from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
 from hpcft.launch.steps import StepStopper
+from hpcft.launch.stragglers import StragglerWatch
 from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
 
@@ -83,6 +84,7 @@ class Supervisor:
         self.base_world = 0  # the world size this run started with (the trainers' batch arithmetic after a shrink)
         self.base_cfg = cfg  # the configuration this run started with (a shrunk or grown job's is sized from it)
         self.grow_watch = GrowWatch(cfg, self.runner, self.job_id, self.nodes, self.emit)
+        self.stragglers = StragglerWatch(cfg, self.job_dir, self.emit)
 
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -153,7 +155,8 @@ class Supervisor:
         if self.cfg.with_agents:
             self.agents.prepare()
         while True:
-            launches = saved.restarts + saved.requeues + saved.grows
+            launches = saved.restarts + saved.requeues + saved.grows + saved.evictions
+            self.stragglers.launched(self.cfg, saved.restarts)
             event = self._run_step(layout, launches)
             if self._signal == signal.SIGTERM:
                 self.agents.stop()
@@ -171,25 +174,28 @@ class Supervisor:
                 self._persist_before_requeue(event)
             # a relaunch does not wait for a flush under way (its node-local copies stay for the next one); a shrink
             # lost a node, whose agent no flush can wait for; a grow flushes with them first (Reshaper.grow)
-            if decision.action is not Action.GROW:
-                self.agents.stop(ask=not event.bad_nodes,
-                                 flush=decision.action not in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK))
+            if decision.action is not Action.GROW:  # an evicted straggler's agent is healthy: asked like the others
+                self.agents.stop(ask=not event.bad_nodes or event.kind is Kind.STRAGGLER,
+                                 flush=decision.action not in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK,
+                                                               Action.EVICT))
             self.preflight.poll(self.agents.reports, now=True)  # a short launch: the agents' final reports
-            grew = decision.action is Action.GROW
+            grew, evicted = decision.action is Action.GROW, decision.action is Action.EVICT
+            self.stragglers.carried_out(decision, event)
             if decision.action in (Action.SHRINK, Action.GROW):
                 decision = self._reshape(decision, event, state, launches)
             self._why_launch = self._launch_reason(decision, event)
             saved.slots = list(layout.slots)  # the nodes that held the slots' snapshots in this run
             layout = decision.layout
             saved.excluded = list(layout.excluded)
-            if decision.action in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK, Action.GROW):
+            if decision.action in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK, Action.GROW, Action.EVICT):
                 saved.grows += grew  # a grow (or its failure's relaunch) is no restart: --max-restarts counts failures
-                saved.restarts += not grew
+                saved.evictions += evicted  # nor is an eviction
+                saved.restarts += not (grew or evicted)
                 saved.save(self.state_path)
                 continue
             saved.save(self.state_path)
             if decision.action is not Action.REQUEUE:  # the job is over: nothing of it stays in node memory
-                self._clean_up([*layout.slots, *layout.spares])
+                self._clean_up([*layout.slots, *layout.spares, *self.stragglers.evicted])
             return self._finish(decision, saved)
 
     def _finish(self, decision: Decision, saved: Persisted) -> int:
@@ -220,12 +226,13 @@ class Supervisor:
         step 0 after progress existed)."""
         from_zero = any(loss.resumed_from == 0 for loss in self.lost)
         level = (logging.ERROR if action is Action.STOP or from_zero
-                 else logging.WARNING if self.lost or any(self.reshaped.values()) or action is Action.REQUEUE
+                 else logging.WARNING if self.lost or any(self.reshaped.values()) or self.stragglers.evicted
+                 or action is Action.REQUEUE
                  else logging.INFO)
         lost = "; ".join(loss.line() for loss in self.lost)
         self.emit("summary", level=level, action=action.value, reason=reason, restarts=saved.restarts,
                   requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=exit_code, lost=lost,
-                  **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines})
+                  **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines}, **self.stragglers.summary())
 
     def _reshape(self, decision: Decision, event: Event, state: State, launches: int) -> Decision:
         """Carry a shrink or grow out (hpcft/launch/elastic.py): the decision, or what replaced it if it failed."""
@@ -301,7 +308,8 @@ class Supervisor:
         except BaseException:
             self.agents.stop()
             raise
-        failed = () if event.kind is Kind.NODES_RETURNED else tuple(slurmstate.task_errors(lines))  # not: hpcft's stop
+        stopped = event.kind in (Kind.NODES_RETURNED, Kind.STRAGGLER)  # the tasks' errors are hpcft's own stop
+        failed = () if stopped else tuple(slurmstate.task_errors(lines))
         refused = slurmstate.step_refusal(lines) if event.kind is Kind.TASK_FAILED else None
         if refused:
             return Event(Kind.STEP_REFUSED, exit_code=proc.returncode, failed_tasks=failed, detail=refused)
@@ -352,6 +360,9 @@ class Supervisor:
             suspects = self.agents.lost(layout)
             if suspects is not None and (event := agents_lost(suspects)) is not None:
                 return event
+            slow = self.stragglers.poll(layout, self.agents.protected)  # --evict-stragglers: one due for eviction
+            if slow is not None:
+                return slow
             returned = self.grow_watch.poll(layout)  # --elastic-grow, on a shrunk job
             if returned is not None:
                 return returned

@@ -84,10 +84,65 @@ def test_a_frozen_peer_is_named_after_the_loss_timeout_and_a_short_pause_is_not(
           "the survivors to name the frozen peer", 10 * LOSS_S + 30)
     st = _phases(shared)
     for s in (0, 1):
-        assert st[s]["peer_slot"] == 2 and st[s]["found_by"] == "heartbeat", st[s]
+        assert st[s]["peer_slot"] == 2 and st[s]["found_by"] == "heartbeat (silent)", st[s]
         assert st[s]["silent_s"] > LOSS_S and "silent" in st[s]["error"], st[s]
     silent = [e for e in events.read(shared / "events") if e["event"] == "peer_silent"]
     assert {e["slot"] for e in silent} == {0, 1} and {e["peer_slot"] for e in silent} == {2}, silent
     assert all(e["time"] - frozen >= LOSS_S for e in silent), silent  # never before the timeout
     for p in procs[:2]:
         assert p.wait(30) == 1  # failed, as after a closed connection
+
+
+_PEER = """
+import sys, time
+from hpcft.agent import secret
+from hpcft.agent.heartbeat import Heartbeat
+beat = Heartbeat(1, 2, secret.load(sys.argv[2]), sys.argv[1], timeout=60.0, on_silent=lambda *a: None)
+print("up", flush=True)
+if sys.stdin.readline().strip() == "close":
+    beat.close()
+    print("closed", flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize("how", ["killed", "closed"])
+def test_a_beat_connection_closed_without_a_goodbye_is_a_loss_at_once_an_orderly_close_is_not(tmp_path, how):
+    """A killed agent's sockets close with it: named at once (`closed`), long before a 60 s loss timeout could name it
+    silent; a peer that closes its heartbeat (asked to stop, done, unwinding a failure) says goodbye first."""
+    import threading
+
+    from hpcft.agent.heartbeat import Heartbeat
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    secret = job_secret.create(shared)
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, str(shared), str(secret)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    named: list[int] = []
+    made: list[Heartbeat] = []
+    joiner = threading.Thread(target=lambda: made.append(Heartbeat(
+        0, 2, job_secret.load(secret), shared, timeout=60.0, on_silent=lambda *a: named.append(-1),
+        on_closed=named.append)))
+    joiner.start()
+    try:
+        assert peer.stdout.readline().strip() == "up"
+        joiner.join(60)
+        beat = made[0]
+        _wait(lambda: beat.heard[1] > 0 and not named, "the first beats", 10)
+        if how == "killed":
+            peer.kill()
+            _wait(lambda: named, "the killed peer to be named", 30)
+            assert named == [1] and beat.suspect[0] == 1 and beat.cause == "closed"
+        else:
+            peer.stdin.write("close\n")
+            peer.stdin.flush()
+            assert peer.stdout.readline().strip() == "closed"
+            _wait(lambda: 1 in beat.closed, "the goodbye", 30)
+            time.sleep(3 * beat.period)
+            assert named == [] and beat.suspect is None
+    finally:
+        peer.kill()
+        peer.communicate()
+        for b in made:
+            b.close()

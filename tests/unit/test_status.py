@@ -69,3 +69,21 @@ def test_cli_json_and_a_clear_error_without_agents(tmp_path):
     empty.mkdir()
     out = CliRunner().invoke(cli, ["status", str(empty)])
     assert out.exit_code != 0 and "no agent status files" in str(out.exception or out.output)
+
+
+def test_stragglers_named_by_the_supervisor_are_shown_until_cleared_and_an_evicted_one_stays_marked(tmp_path):
+    from hpcft import events
+
+    (tmp_path / "agents").mkdir()
+    _agents(tmp_path / "agents", 4)
+    for kind, fields in [("launch", {}), ("straggler", {"node": "n1", "ranks": "1", "ready_s": 0.6, "peers_s": 0.2,
+                                                         "ratio": 3.0}),
+                         ("straggler", {"node": "n2", "ranks": "2", "ready_s": 0.5, "peers_s": 0.2, "ratio": 2.5}),
+                         ("straggler_cleared", {"node": "n2"}),
+                         ("decision", {"action": "evict", "bad_nodes": "n1"}), ("launch", {})]:
+        events.emit(kind, log_dir=tmp_path, **fields)
+    view = collect(tmp_path)
+    assert [(v.node, v.ranks, v.ratio, v.evicted) for v in view.stragglers] == [("n1", "1", 3.0, True)]
+    assert "straggler n1 ranks 1: ready 0.600 s vs the peers' 0.200 s (3.00x), evicted onto a spare" in render(view)
+    out = CliRunner().invoke(cli, ["status", str(tmp_path), "--json"])
+    assert json.loads(out.output)["stragglers"][0]["node"] == "n1"
