@@ -262,6 +262,10 @@ class AgentSteps:
         ones once stopped; none without agents."""
         return list(agent_status.read(self.rendezvous, self.tag).values()) if self.tag else []
 
+    def nodes(self, layout: Layout) -> int | None:
+        """How many agents report on `layout` (one per active node), or None when the run has no agents."""
+        return len(layout.slots) if self.cfg.with_agents else None
+
     def protected(self) -> int | None:
         """The newest step every agent of the last launch reports protected, if each reports one."""
         steps = [r.get("protected") for r in agent_status.read(self.rendezvous, self.tag).values()]

@@ -83,11 +83,14 @@ class Preflight:
             f"{f.get('node') or 'a node'} ({memplan.human(f['shm_free'])} free in its store's file system, "
             f"{memplan.human(f['mem_available'])} MemAvailable" + (f", {memplan.human(used)} in the store)" if used else ")"))
 
-    def poll(self, reports: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (), now: bool = False) -> None:
+    def poll(self, reports: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (), now: bool = False,
+             expected: int | None = None) -> None:
         """Once the trainers have written a snapshot (its size is known now): the plan with the real size on every
         node that reports it (`reports()`: the agents' status; without agents, this node's store when it trains),
         counted against what each node has left. A warning event names the tightest node. Looked at every
-        PLAN_EVERY_S (status files are on the shared file system; `now`: at once) until done; once per run."""
+        PLAN_EVERY_S (status files are on the shared file system; `now`: at once) until done; once per run.
+        With `expected` (the agents' node count) the plan waits for every node's report, so the tightest node is
+        among them; `now` (the launch is over) checks what has come, and the event says how many of how many."""
         if self._checked_snapshot or (time.monotonic() < self._next_look and not now):
             return
         self._next_look = time.monotonic() + PLAN_EVERY_S
@@ -95,7 +98,7 @@ class Preflight:
         if not nodes and self.store.is_dir():
             nodes = [{**nodemem.figures(self.store), "node": socket.gethostname()}]
         nodes = [r for r in nodes if r.get("snapshot_bytes")]
-        if not nodes:
+        if not nodes or (expected and len(nodes) < expected and not now):
             return
         self._checked_snapshot = True
         verdicts = []
@@ -106,4 +109,4 @@ class Preflight:
                                                                                 where)))
         _, p, capacity, why = min(verdicts, key=lambda v: v[0])
         self.emit("memory_plan", level=logging.WARNING if why else logging.INFO, checked=True, nodes=len(nodes),
-                  state_bytes=p.state, needed=p.needed, capacity=capacity, **({"reason": why} if why else {"plan": p.line()}))
+                  **({"expected": expected} if expected and len(nodes) < expected else {}), state_bytes=p.state, needed=p.needed, capacity=capacity, **({"reason": why} if why else {"plan": p.line()}))

@@ -178,7 +178,7 @@ class Supervisor:
                 self.agents.stop(ask=not event.bad_nodes or event.kind is Kind.STRAGGLER,
                                  flush=decision.action not in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK,
                                                                Action.EVICT))
-            self.preflight.poll(self.agents.reports, now=True)  # a short launch: the agents' final reports
+            self.preflight.poll(self.agents.reports, now=True, expected=self.agents.nodes(layout))  # their final reports
             grew, evicted = decision.action is Action.GROW, decision.action is Action.EVICT
             self.stragglers.carried_out(decision, event)
             if decision.action in (Action.SHRINK, Action.GROW):
@@ -335,7 +335,7 @@ class Supervisor:
         that failed meanwhile: an event, or None when the agents were restarted alone and the trainers go on."""
         while True:
             self._check_restore(watch)
-            self.preflight.poll(self.agents.reports)  # the memory plan, once the first snapshot exists
+            self.preflight.poll(self.agents.reports, expected=self.agents.nodes(layout))  # the plan, once every node snapshots
             code = proc.poll()
             if code is not None:
                 if code == 0:

@@ -114,3 +114,24 @@ def test_the_agents_reports_name_the_tightest_node(tmp_path, monkeypatch):
     # 4 slots × 64 GiB + 3 × 1/3 × 64 GiB = 320 GiB; n2 offers 64 + min(100, 90) = 154 GiB
     assert "320.0 GiB per node" in fields["reason"] and "n2 (100.0 GiB free" in fields["reason"]
     assert "154.0 GiB, 138.6 GiB after the 10% headroom" in fields["reason"]
+
+
+def test_the_plan_waits_for_every_agents_report_until_the_launch_is_over(tmp_path, monkeypatch):
+    """A loaded node's agent may report its first snapshot rounds after the others: the plan waits for all of them
+    (the tightest node may be the late one); once the launch is over it checks what came, and says so."""
+    monkeypatch.setattr(preflight, "PLAN_EVERY_S", 0.0)
+    early = {"node": "n1", "snapshot_bytes": 1024, "store_bytes": 1024, "shm_free": G, "mem_available": G}
+    got, emit = _events()
+    pre = Preflight(RunConfig(protect="xor", group=4), profiles.CPU, {"USER": "u", "HPCFT_STORE_ROOT": str(tmp_path)},
+                    emit, "9")
+    pre.poll(lambda: [early, {"node": "n2"}], expected=4)
+    assert got == []  # one of four has a snapshot
+    pre.poll(lambda: [early], now=True, expected=4)
+    kind, fields = got[-1]
+    assert kind == "memory_plan" and fields["nodes"] == 1 and fields["expected"] == 4 and fields["checked"] is True
+    pre.poll(lambda: [early] * 4, expected=4)
+    assert len(got) == 1  # once per run
+    every = Preflight(RunConfig(protect="xor", group=4), profiles.CPU,
+                      {"USER": "u", "HPCFT_STORE_ROOT": str(tmp_path)}, emit, "9")
+    every.poll(lambda: [{**early, "node": f"n{i}"} for i in range(1, 5)], expected=4)
+    assert got[-1][1]["nodes"] == 4 and "expected" not in got[-1][1]
