@@ -25,6 +25,7 @@ from hpcft.durable.settings import PersistConfig
 from hpcft.agent.pins import LEASE_S, Pins
 from hpcft.agent.placement import Placement, Scheme, plan
 from hpcft.agent.protect import Record, StaleStep, protect_dir, protect_step, records, retire
+from hpcft.agent.rendezvous import Rendezvous, join
 from hpcft.agent.rebuild import rebuild
 from hpcft.agent.throttle import CPU_SHARE, cpu_cores
 from hpcft.errors import HpcftError, IntegrityError, NoCheckpointError
@@ -168,7 +169,8 @@ def _steer(budget: LagBudget, mesh: Mesh, cfg: AgentConfig, lag: int | None) -> 
                     "bound on this node: raise --lag-cores or the bound, or protect with a cheaper scheme")
 
 
-def _listen_for_silence(cfg: AgentConfig, mesh: Mesh, node: str, wake: threading.Event) -> Heartbeat | None:
+def _listen_for_silence(cfg: AgentConfig, mesh: Mesh, meet: Rendezvous, node: str,
+                        wake: threading.Event) -> Heartbeat | None:
     """Heartbeats with the overlay neighbours (none with --loss-timeout 0 or a single agent). A silent one is a
     suspect: event `peer_silent`, the mesh shut down so that no exchange waits for it, the round loop woken; the
     agent then fails naming it (`_silence`), as if its connection had closed."""
@@ -181,7 +183,7 @@ def _listen_for_silence(cfg: AgentConfig, mesh: Mesh, node: str, wake: threading
         mesh.abort()
         wake.set()
 
-    return Heartbeat(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, timeout=cfg.loss_timeout, on_silent=silent,
+    return Heartbeat(cfg.slot, cfg.slots, cfg.secret, meet, timeout=cfg.loss_timeout, on_silent=silent,
                      host=cfg.host, bind=cfg.bind, tag=cfg.tag, join_timeout=cfg.timeout)
 
 
@@ -225,15 +227,22 @@ def run(cfg: AgentConfig) -> int:
                      flushed_request=flusher.served if flusher else None, flushing=flusher.busy if flusher else False,
                      flush_error=flusher.last_error if flusher else None,
                      flush_phase=flusher.phase if flusher else None, local=flusher.local_step if flusher else None,
-                     cpu_cores=mesh.throttle.cpu if mesh else None,
+                     cpu_cores=mesh.throttle.cpu if mesh else None, addr=mesh.address if mesh else None,
                      ranks={str(r): max(v) for r, v in by_rank.items()},
                      versions={str(r): sorted(v) for r, v in by_rank.items()},
                      staged_steps=sorted(complete), protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s,
                      **nodemem.figures(job), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
-    mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, bind=cfg.bind, rate=cfg.rate,
-                cpu=cpu_cores(cfg.cpu_share, cfg.cpu_cores), tag=cfg.tag, timeout=cfg.timeout)
+    meet = join(cfg.secret, cfg.rendezvous, slot=cfg.slot, tag=cfg.tag, host=cfg.host, bind=cfg.bind,
+                timeout=cfg.timeout)
+    try:
+        mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, meet, host=cfg.host, bind=cfg.bind, rate=cfg.rate,
+                    cpu=cpu_cores(cfg.cpu_share, cfg.cpu_cores), tag=cfg.tag, timeout=cfg.timeout,
+                    peers=placement.exchange_peers(cfg.slot))
+    except BaseException:
+        meet.close()
+        raise
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
     flusher = Flusher(cfg.persist, job, cfg.job_id, cfg.slot, pins, cfg.rendezvous, cfg.tag)
     budget = LagBudget(mesh.throttle.cpu, max(mesh.throttle.cpu, cfg.lag_cores), cfg.lag_bound) \
@@ -243,7 +252,7 @@ def run(cfg: AgentConfig) -> int:
                                                   status.stop_path(cfg.rendezvous, cfg.tag), mesh, drained, wake),
                      daemon=True, name="hpcft-agent-requests").start()
     try:
-        beat = _listen_for_silence(cfg, mesh, node, wake)
+        beat = _listen_for_silence(cfg, mesh, meet, node, wake)
         extra = {}
         if cfg.rebuild:
             try:
@@ -299,4 +308,5 @@ def run(cfg: AgentConfig) -> int:
             beat.close()
         pins.close()
         mesh.close()
+        meet.close()
     return 0

@@ -1,10 +1,10 @@
 """Heartbeats between the agents of one job, for the deaths that close no connection: a frozen node (its processes
 stopped), a network partition, a hung kernel. Without them the protection round's all-gather waits for such a peer
 as long as its sockets stay open. Each agent beats to its overlay neighbours (slots ±1, ±2, ±4, … around the ring:
-about 2·log2(N) each, everyone up to 5 agents) on authenticated connections of their own, and names a neighbour
-silent for longer than the loss timeout a suspect (`on_silent`). The agent then fails as if the connection had closed
-and the supervisor confirms with its probe (hpcft/launch/agentloss.py). A connection that closes is not silence: a
-peer that exits (stopped, failed) is the data mesh's to notice."""
+about 2·log2(N) each, everyone up to 5 agents: mesh.overlay) on authenticated connections of their own, and names a
+neighbour silent for longer than the loss timeout a suspect (`on_silent`). The agent then fails as if the connection
+had closed and the supervisor confirms with its probe (hpcft/launch/agentloss.py). A connection that closes is not
+silence: a peer that exits (stopped, failed) is the data mesh's to notice."""
 from __future__ import annotations
 
 import logging
@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from hpcft.agent.mesh import Mesh
+from hpcft.agent.rendezvous import Rendezvous
 from hpcft.agent.transport import TransportError
 
 _log = logging.getLogger(__name__)
@@ -24,18 +25,6 @@ MAX_PERIOD_S = 1.0
 
 class PeerSilent(TransportError):
     """A peer sent no heartbeat for longer than the loss timeout (`peer_slot` names it)."""
-
-
-def neighbours(slot: int, size: int) -> list[int]:
-    """The slots `slot` exchanges heartbeats with: ±2^k around the ring (a symmetric relation), so a lost node has
-    about 2·log2(N) watchers and each agent watches as many."""
-    out: set[int] = set()
-    step = 1
-    while step < size:
-        out.update({(slot + step) % size, (slot - step) % size})
-        step *= 2
-    out.discard(slot)
-    return sorted(out)
 
 
 def period_for(timeout: float) -> float:
@@ -52,13 +41,13 @@ class Heartbeat:
     Silence is only declared on evidence: nothing new from the peer for `timeout` *and* nothing waiting unread in its
     socket, and never right after this agent was itself paused (its own missed ticks are not the peer's)."""
 
-    def __init__(self, slot: int, size: int, secret: bytes, rendezvous: str | os.PathLike, *, timeout: float,
+    def __init__(self, slot: int, size: int, secret: bytes, rendezvous: Rendezvous | str | os.PathLike, *, timeout: float,
                  on_silent: Callable[[int, float], None], host: str = "127.0.0.1", bind: str = "0.0.0.0",
                  tag: str = "0", join_timeout: float = 60.0):
         self.slot, self.timeout, self.on_silent = slot, timeout, on_silent
         self.period = period_for(timeout)
         self.mesh = Mesh(slot, size, secret, rendezvous, host=host, bind=bind, timeout=join_timeout,
-                         tag=f"{tag}-beat", peers=neighbours(slot, size))
+                         tag=f"{tag}-beat")  # the overlay alone (mesh.overlay)
         now = time.monotonic()
         self.heard = dict.fromkeys(self.mesh.peers, now)  # slot -> when its newest beat arrived
         self.closed: set[int] = set()

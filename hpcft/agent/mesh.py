@@ -1,47 +1,69 @@
-"""The agents of one job connected all-to-all over the authenticated transport. Addresses meet in a
-rendezvous directory shared by the nodes (the job's directory on the shared file system); slot i
-connects to every lower slot and accepts every higher one, so the mesh forms without deadlock. A mesh may also
-join only some of the slots (`peers`, the same relation on every agent: the heartbeats' overlay)."""
+"""The agents of one job connected over the authenticated transport: each agent holds channels only to the slots
+it exchanges bulk data with (`peers`: its protection set or partners, placement.exchange_peers) and to its overlay
+neighbours (slots ±1, ±2, ±4, … around the ring, `overlay`), over which `allgather` agrees on small JSON values in
+⌈log2 N⌉ rounds. Addresses meet through the job's directory service (agent/rendezvous.py); slot i connects to every
+lower slot it wants and accepts every higher one, so the mesh forms without deadlock."""
 from __future__ import annotations
 
+import logging
 import os
 import socket
-import time
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hpcft import events
+from hpcft.agent.rendezvous import Rendezvous, join
 from hpcft.agent.throttle import Throttle
-from hpcft.agent.transport import Channel, Listener, TransportError, connect
+from hpcft.agent.transport import Channel, Listener, PeerGaveUp, TransportError, connect, notice
+
+_log = logging.getLogger(__name__)
+NOTICE_S = 1.0  # the most a give-up notice may wait to be sent (a frozen neighbour's full buffer)
+
+
+def overlay(slot: int, size: int) -> list[int]:
+    """The slots ±2^k from `slot` around the ring (a symmetric relation): the all-gather's partners and the heartbeats'
+    watchers, about 2·log2(N) each, every other slot up to 5."""
+    out: set[int] = set()
+    step = 1
+    while step < size:
+        out.update({(slot + step) % size, (slot - step) % size})
+        step *= 2
+    out.discard(slot)
+    return sorted(out)
 
 
 class Mesh:
-    """Channels to every other agent (or to `peers` only, a symmetric relation), keyed by slot; `allgather` for small
-    JSON values (all-to-all meshes only)."""
+    """Channels to `peers` (a symmetric relation: the bulk exchanges) and the overlay neighbours, keyed by slot;
+    `allgather` for small JSON values. `rendezvous`: a Rendezvous, or the rendezvous directory (rendezvous.join)."""
 
-    def __init__(self, slot: int, size: int, secret: bytes, rendezvous: str | os.PathLike, *, host: str = "127.0.0.1",
-                 bind: str = "0.0.0.0", timeout: float = 60.0, rate: float | None = None, cpu: float | None = None,
-                 tag: str = "0", peers: Collection[int] | None = None):
+    def __init__(self, slot: int, size: int, secret: bytes, rendezvous: Rendezvous | str | os.PathLike, *,
+                 host: str = "127.0.0.1", bind: str = "0.0.0.0", timeout: float = 60.0, rate: float | None = None,
+                 cpu: float | None = None, tag: str = "0", peers: Collection[int] = ()):
         self.slot, self.size = slot, size
         self.throttle = Throttle(rate, cpu=cpu)
         self.listener = Listener(secret, host=bind, throttle=self.throttle)
         self.peers: dict[int, Channel] = {}
-        base = Path(rendezvous)
-        _publish(base / f"agent-{tag}-{slot}.addr", f"{host}:{self.listener.port}")
-        deadline = time.monotonic() + timeout
-        wanted = set(range(size)) - {slot} if peers is None else set(peers) - {slot}
+        self.address = f"{host}:{self.listener.port}"
+        self._own = None if isinstance(rendezvous, Rendezvous) else \
+            join(secret, rendezvous, slot=slot, tag=tag, host=host, bind=bind, timeout=timeout)
+        meet = rendezvous if self._own is None else self._own
+        wanted = (set(peers) | set(overlay(slot, size))) - {slot}
+        bad = sorted(j for j in wanted if not 0 <= j < size)
         try:
-            for j in sorted(j for j in wanted if j < slot):
-                peer_host, port = _wait_for(base / f"agent-{tag}-{j}.addr", deadline).rsplit(":", 1)
-                ch = connect(secret, peer_host, int(port), timeout=max(1.0, deadline - time.monotonic()),
-                             throttle=self.throttle)
-                ch.send({"hello": slot})
+            if bad:
+                raise TransportError(f"slot {slot} was asked to connect to slots {bad}, outside 0..{size - 1}")
+            lower = sorted(j for j in wanted if j < slot)
+            where = meet.meet(tag, slot, self.address, lower, timeout)
+            for j in lower:
+                peer_host, port = where[j].rsplit(":", 1)
+                ch = connect(secret, peer_host, int(port), timeout=timeout, throttle=self.throttle)
+                ch.send({"hello": slot, "tag": tag})
                 self.peers[j] = ch
             for _ in range(sum(1 for j in wanted if j > slot)):
-                ch = self.listener.accept(max(1.0, deadline - time.monotonic()))
+                ch = self.listener.accept(timeout)
                 header, _ = ch.recv()
                 j = int(header["hello"])
                 if j not in wanted or j in self.peers:
@@ -59,29 +81,62 @@ class Mesh:
 
     def send(self, peer: int, header: dict[str, Any], parts: Sequence[Any] = ()) -> None:
         with _blaming(peer):
-            self.peers[peer].send_parts(header, parts)
+            self._channel(peer).send_parts(header, parts)
 
     def recv(self, peer: int, into: np.ndarray | None = None) -> tuple[dict[str, Any], np.ndarray]:
         with _blaming(peer):
-            return self.peers[peer].recv(into)
+            return self._channel(peer).recv(into)
 
     def channel(self, peer: int) -> Channel:
-        return self.peers[peer]
+        return self._channel(peer)
+
+    def _channel(self, peer: int) -> Channel:
+        try:
+            return self.peers[peer]
+        except KeyError:
+            raise TransportError(f"slot {self.slot} has no connection to slot {peer}: it exchanges data only with "
+                                 f"{sorted(self.peers)} (placement.exchange_peers and the overlay)") from None
 
     def allgather(self, value: Any) -> list[Any]:
-        """Every agent's `value` (JSON-able, small), indexed by slot."""
+        """Every agent's `value` (JSON-able, small), indexed by slot: ⌈log2 N⌉ rounds over the overlay (in round k
+        each agent sends the newest 2^k values it knows to slot + 2^k and receives as many from slot − 2^k). An agent
+        that fails tells its connections whom it lost before shutting them down (`transport.notice`), so every agent
+        fails within log2 N hops naming the same lost slot."""
+        known = {self.slot: value}
+        step = 1
+        try:
+            while step < self.size:
+                dst, src = (self.slot + step) % self.size, (self.slot - step) % self.size
+                back = [(self.slot - k) % self.size for k in range(min(step, self.size - step))]
+                with _blaming(dst):
+                    self._channel(dst).send({"allgather": [[j, known[j]] for j in back], "round": step})
+                with _blaming(src):
+                    header, _ = self._channel(src).recv()
+                if "allgather" not in header or header.get("round") != step:
+                    raise TransportError(f"agent {src} sent {sorted(header)} during round {step} of an all-gather")
+                known.update((int(j), v) for j, v in header["allgather"])
+                step *= 2
+        except TransportError as exc:
+            self.give_up(exc)
+            raise
+        return [known[j] for j in range(self.size)]
+
+    def give_up(self, exc: TransportError) -> None:
+        """Tell every connection this agent stops (naming the slot it lost: `exc.peer_slot`), then shut them down."""
+        lost = exc.peer_slot if exc.peer_slot is not None else self.slot
+        message = notice(self.slot, lost, str(exc))
         for j, ch in self.peers.items():
-            with _blaming(j):
-                ch.send({"allgather": value})
-        out: list[Any] = [None] * self.size
-        out[self.slot] = value
-        for j, ch in self.peers.items():
-            with _blaming(j):
-                header, _ = ch.recv()
-            if "allgather" not in header:
-                raise TransportError(f"agent {j} sent {sorted(header)} during an all-gather")
-            out[j] = header["allgather"]
-        return out
+            if j == exc.peer_slot:
+                continue
+            try:
+                ch.sock.settimeout(NOTICE_S)
+                ch.send(message)
+            except (TransportError, OSError):
+                pass
+        if not isinstance(exc, PeerGaveUp):
+            events.emit("mesh_gave_up", level=logging.WARNING, slot=self.slot, lost=lost, error=str(exc),
+                        told=len(self.peers) - (exc.peer_slot in self.peers))
+        self.abort()
 
     @contextmanager
     def all_or_nothing(self) -> Iterator[None]:
@@ -105,6 +160,8 @@ class Mesh:
         for ch in self.peers.values():
             ch.close()
         self.listener.close()
+        if self._own is not None:
+            self._own.close()
 
 
 @contextmanager
@@ -117,19 +174,3 @@ def _blaming(peer: int) -> Iterator[None]:
         if exc.peer_slot is None:
             exc.peer_slot = peer
         raise
-
-
-def _publish(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".{os.getpid()}.dirty")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _wait_for(path: Path, deadline: float) -> str:
-    while True:
-        try:
-            return path.read_text()
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                raise TransportError(f"agent address {path} did not appear in time; is that agent running?") from None
-            time.sleep(0.05)

@@ -50,6 +50,19 @@ class AuthError(TransportError):
     """The other side did not prove it holds this job's secret."""
 
 
+class PeerGaveUp(TransportError):
+    """The peer sent a give-up notice (`notice`) instead of the message expected: it failed, having lost the agent
+    of `peer_slot`, and shuts its connections down."""
+
+
+NOTICE = "gave_up"  # the header key of a give-up notice (no payload)
+
+
+def notice(slot: int, lost: int, error: str) -> dict[str, Any]:
+    """The header an agent sends its connections when it gives up: its slot, the slot it lost, why."""
+    return {NOTICE: {"slot": slot, "lost": lost, "error": error[:2000]}}
+
+
 def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, role + b"".join(parts), hashlib.sha256).digest()
 
@@ -131,6 +144,11 @@ class Channel:
             raise TransportError(f"receiving from {self.peer} failed: {exc}") from exc
         if not isinstance(header, dict):
             raise TransportError(f"{self.peer} sent a header that is not a JSON object")
+        if NOTICE in header and isinstance(header[NOTICE], dict):
+            gave = header[NOTICE]
+            err = PeerGaveUp(f"the agent of slot {gave.get('slot')} ({self.peer}) gave up: {gave.get('error')}")
+            err.peer_slot = gave.get("lost") if isinstance(gave.get("lost"), int) else None
+            raise err
         return header, plen
 
     def recv_payload(self, into: np.ndarray) -> None:
