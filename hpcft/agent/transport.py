@@ -96,6 +96,9 @@ class Channel:
         sock.settimeout(None)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        # small messages (all-gathers, heartbeats) leave at once: Nagle's wait for the ACK of the previous one, which
+        # the peer delays up to 40 ms, cost a 5-55 ms agreement at 8-16 agents (hpcft bench scale)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, header: dict[str, Any], payload: Any = None) -> None:
         """Send a JSON-able `header` and an optional bytes-like `payload`."""
