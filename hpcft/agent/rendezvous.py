@@ -6,19 +6,23 @@ use one served by the agent of slot 0, which publishes its address in a single f
 No agent polls per-peer files on the shared file system."""
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import resource
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcft import events
+from hpcft.agent.iface import iface_address
 from hpcft.agent.transport import HANDSHAKE_S, Channel, Listener, TransportError, connect
 from hpcft.store.paths import replace_file
 
-ENV = "HPCFT_AGENT_DIRECTORY"  # host:port of the job's directory (exported by hpcft run)
+ENV = "HPCFT_AGENT_DIRECTORY"  # host[,host…]:port of the job's directory (exported by hpcft run)
+TRY_S = 5.0  # the most one of the directory's addresses may take to answer before the next is tried
 BACKLOG = 4096  # every agent of a launch registers at once (twice: its data mesh and its heartbeats)
 _log = logging.getLogger(__name__)
 
@@ -38,9 +42,25 @@ class _Ask:
     missing: set[int] = field(default_factory=set)
 
 
+def addresses(iface: str | None = None) -> list[str]:
+    """Where agents on other nodes may reach a service on this host, best first: `iface`'s address when it has one;
+    else the hostname's address, then every other IPv4 address of this host, loopback ones last (the batch host's
+    hostname may resolve to 127.0.1.1, and which of its networks the nodes reach is not known here)."""
+    if iface and (addr := iface_address(iface)):
+        return [addr]
+    found: list[str] = []
+    try:
+        found.append(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        pass
+    found += [a for _, name in socket.if_nameindex() if (a := iface_address(name))]
+    unique = list(dict.fromkeys(found)) or ["127.0.0.1"]
+    return sorted(unique, key=lambda a: ipaddress.ip_address(a).is_loopback)
+
+
 class Directory:
     """The directory service: one thread answering every agent's registration (see module doc); `address` is
-    what agents are given (`host`, the port it listens on)."""
+    what agents are given: `host` (one address, or several separated by commas, tried in turn) and its port."""
 
     def __init__(self, secret: bytes, *, host: str = "127.0.0.1", bind: str = "0.0.0.0", port: int = 0):
         _raise_fd_limit()
@@ -49,6 +69,7 @@ class Directory:
         self.known: dict[tuple[str, int], str] = {}
         self._waiting: dict[tuple[str, int], list[_Ask]] = {}
         self._asks: list[_Ask] = []
+        self._lock = threading.Lock()  # `forget` comes from the supervisor's thread
         self._stopped = False
         self._thread = threading.Thread(target=self._serve, daemon=True, name=f"hpcft-directory-{self.listener.port}")
         self._thread.start()
@@ -61,7 +82,8 @@ class Directory:
                 self._expire(time.monotonic())
                 continue
             try:
-                self._take(ch)
+                with self._lock:
+                    self._take(ch)
             except (TransportError, ValueError, KeyError, TypeError) as exc:
                 events.emit("directory_bad_request", level=logging.WARNING, peer=ch.peer, error=str(exc))
                 ch.close()
@@ -96,8 +118,17 @@ class Directory:
             pass
         ask.ch.close()
 
+    def forget(self, tag: str) -> None:
+        """Drop what the agents of launch `tag` registered (a launch reusing a tag must not meet the dead)."""
+        with self._lock:
+            self.known = {k: v for k, v in self.known.items() if k[0] != tag}
+
     def _expire(self, now: float) -> None:
         """Answer the asks whose time ran out with what is known (the agent then names the missing slots)."""
+        with self._lock:
+            self._expire_locked(now)
+
+    def _expire_locked(self, now: float) -> None:
         if not any(a.deadline <= now for a in self._asks):
             self._asks = [a for a in self._asks if a.missing]
             return
@@ -128,13 +159,7 @@ class Rendezvous:
     def meet(self, tag: str, slot: int, addr: str, want: list[int], timeout: float) -> dict[int, str]:
         """Register `slot` of launch `tag` at `addr` and return the addresses of `want` once they have registered;
         TransportError naming the directory (unreachable) or the slots that did not register within `timeout`."""
-        host, _, port = self.address.rpartition(":")
-        try:
-            ch = connect(self.secret, host, int(port), timeout=min(timeout, 30.0))
-        except (TransportError, ValueError) as exc:
-            raise TransportError(f"cannot reach the agents' directory at {self.address} ({self.how}): {exc}; is the "
-                                 "process serving it (hpcft run on the batch host, or the agent of slot 0) running, "
-                                 "and is its address reachable from this node?") from exc
+        ch = self._connect(timeout)
         try:
             ch.send({"register": {"tag": tag, "slot": slot, "addr": addr}, "want": want, "timeout": timeout})
             ch.sock.settimeout(timeout + HANDSHAKE_S)
@@ -149,6 +174,22 @@ class Rendezvous:
             err.peer_slot = int(header["missing"][0])
             raise err
         return {int(j): a for j, a in header["peers"].items()}
+
+    def _connect(self, timeout: float) -> Channel:
+        """A channel to the directory: its addresses tried in turn (the one that answers is kept first)."""
+        hosts, _, port = self.address.rpartition(":")
+        failed = []
+        for host in filter(None, hosts.split(",")):
+            try:
+                ch = connect(self.secret, host, int(port), timeout=min(timeout, TRY_S))
+            except (TransportError, ValueError) as exc:
+                failed.append(str(exc))
+                continue
+            self.address = f"{host}:{port}"
+            return ch
+        raise TransportError(f"cannot reach the agents' directory at {self.address} ({self.how}): "
+                             f"{'; '.join(failed) or 'no address'}; is the process serving it (hpcft run on the batch "
+                             "host, or the agent of slot 0) running, and is its address reachable from this node?")
 
     def close(self) -> None:
         if self.served is not None:

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from hpcft.agent import iface
 from hpcft.agent import rendezvous
 from hpcft.agent import secret as job_secret
 from hpcft.agent import status as agent_status
@@ -54,13 +53,13 @@ class AgentSteps:
 
     def prepare(self) -> None:
         """The rendezvous directory (status files), the per-job secret (0600; kept across relaunches and requeues)
-        and the agents' directory service on this host, at its --agent-iface address when it has one (event
-        `agents_directory`)."""
+        and the agents' directory service on this host, given as this host's addresses (its --agent-iface one when it
+        has one; rendezvous.addresses), event `agents_directory`."""
         self.rendezvous.mkdir(exist_ok=True)
         secret = job_secret.load(str(job_secret.create(self.job_dir)))
         if self.directory is None:
-            host, bind = iface.choose(agent_iface(self.cfg), "auto")
-            self.directory = rendezvous.Directory(secret, host=host, bind=bind)
+            hosts = rendezvous.addresses(agent_iface(self.cfg))
+            self.directory = rendezvous.Directory(secret, host=",".join(hosts))
             self.emit("agents_directory", address=self.directory.address)
 
     def close(self) -> None:
@@ -113,7 +112,8 @@ class AgentSteps:
         `hosted`, on the slots' nodes but those, and one step more per hosted slot on its survivor."""
         hosted = hosted or {}
         tag, cfg = self.tag, self.cfg
-        if self.directory is not None:
+        if self.directory is not None:  # a rerun of the tag must not meet old agents' addresses (as the files below)
+            self.directory.forget(tag)
             env = {**env, rendezvous.ENV: self.directory.address}
         for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
             stale.unlink(missing_ok=True)

@@ -105,3 +105,13 @@ def test_a_slot_that_never_registers_is_named():
         assert err.value.peer_slot == 0
     finally:
         served.close()
+
+
+def test_the_directory_is_tried_at_each_of_its_addresses():
+    served = Directory(SECRET, host="127.0.0.2,127.0.0.1", bind="127.0.0.1")  # nothing listens on 127.0.0.2
+    try:
+        meet = Rendezvous(served.address, SECRET)
+        assert meet.meet("t", 0, "127.0.0.1:1", [], 5) == {}
+        assert meet.address == f"127.0.0.1:{served.listener.port}"  # the one that answered, kept
+    finally:
+        served.close()
