@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -50,20 +51,21 @@ class Mesh:
         self._own = None if isinstance(rendezvous, Rendezvous) else \
             join(secret, rendezvous, slot=slot, tag=tag, host=host, bind=bind, timeout=timeout)
         meet = rendezvous if self._own is None else self._own
+        deadline = time.monotonic() + timeout
         wanted = (set(peers) | set(overlay(slot, size))) - {slot}
         bad = sorted(j for j in wanted if not 0 <= j < size)
         try:
             if bad:
                 raise TransportError(f"slot {slot} was asked to connect to slots {bad}, outside 0..{size - 1}")
             lower = sorted(j for j in wanted if j < slot)
-            where = meet.meet(tag, slot, self.address, lower, timeout)
+            where = meet.meet(tag, slot, self.address, lower, timeout)  # once the lower ones have registered
             for j in lower:
                 peer_host, port = where[j].rsplit(":", 1)
-                ch = connect(secret, peer_host, int(port), timeout=timeout, throttle=self.throttle)
+                ch = connect(secret, peer_host, int(port), timeout=_left(deadline), throttle=self.throttle)
                 ch.send({"hello": slot, "tag": tag})
                 self.peers[j] = ch
             for _ in range(sum(1 for j in wanted if j > slot)):
-                ch = self.listener.accept(timeout)
+                ch = self.listener.accept(_left(deadline))
                 header, _ = ch.recv()
                 j = int(header["hello"])
                 if j not in wanted or j in self.peers:
@@ -162,6 +164,10 @@ class Mesh:
         self.listener.close()
         if self._own is not None:
             self._own.close()
+
+
+def _left(deadline: float) -> float:
+    return max(1.0, deadline - time.monotonic())
 
 
 @contextmanager
