@@ -5,6 +5,7 @@ No state of its own: everything is read from the store."""
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ from pathlib import Path
 from hpcft import events, nodemem
 from hpcft.agent import status
 from hpcft.agent.budget import LagBudget
-from hpcft.agent.bundle import Bundle, common, complete_steps, local_versions, pin_targets
+from hpcft.agent.bundle import Bundle, both, complete_steps, local_versions, pin_targets
 from hpcft.agent.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.persist import Flusher
@@ -41,11 +42,11 @@ def protect_newest(mesh: Mesh, placement: Placement, job: Path, pins: Pins, keep
     before the pin (event `protect_missed`), or if a node found its copy damaged (event `protect_skipped`)."""
     started = time.perf_counter()
     complete = complete_steps(job)
-    held = mesh.allgather(sorted(complete))
-    done = mesh.allgather(sorted(records(job)))
+    held = mesh.allreduce(sorted(complete), both)  # held everywhere: log2 N messages of one list each
+    done = mesh.allreduce(sorted(records(job)), both)
     # the newest `keep` steps held everywhere (the records kept): an older one would be retired right after its
     # pass and protected again the next round, forever
-    todo = sorted(set(sorted(common(held))[-keep:]) - common(done))
+    todo = sorted(set(held[-keep:]) - set(done))
     if not todo:
         return None
     step = todo[-1]
@@ -53,7 +54,7 @@ def protect_newest(mesh: Mesh, placement: Placement, job: Path, pins: Pins, keep
     try:
         with pins.holding(bundle.pin_targets()):
             ok = _readable(bundle, mesh)
-            if not all(mesh.allgather(ok)):
+            if not mesh.allreduce(ok, operator.and_):
                 return None
             rec = protect_step(mesh, placement, bundle, job, keep, started)
             pins.keep(bundle.pin_targets())  # held until a newer step is protected: a node loss finds this one

@@ -1,7 +1,7 @@
 """The agents of one job connected over the authenticated transport: each agent holds channels only to the slots
 it exchanges bulk data with (`peers`: its protection set or partners, placement.exchange_peers) and to its overlay
-neighbours (slots ±1, ±2, ±4, … around the ring, `overlay`), over which `allgather` agrees on small JSON values in
-⌈log2 N⌉ rounds. Addresses meet through the job's directory service (agent/rendezvous.py); slot i connects to every
+neighbours (slots ±1, ±2, ±4, … around the ring, `overlay`), over which `allgather` and `allreduce` agree on small
+JSON values in ⌈log2 N⌉ rounds. Addresses meet through the job's directory service (agent/rendezvous.py); slot i connects to every
 lower slot it wants and accepts every higher one, so the mesh forms without deadlock."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -100,28 +100,51 @@ class Mesh:
                                  f"{sorted(self.peers)} (placement.exchange_peers and the overlay)") from None
 
     def allgather(self, value: Any) -> list[Any]:
-        """Every agent's `value` (JSON-able, small), indexed by slot: ⌈log2 N⌉ rounds over the overlay (in round k
-        each agent sends the newest 2^k values it knows to slot + 2^k and receives as many from slot − 2^k). An agent
-        that fails tells its connections whom it lost before shutting them down (`transport.notice`), so every agent
-        fails within log2 N hops naming the same lost slot."""
+        """Every agent's `value` (JSON-able, small), indexed by slot: in round k each agent sends the 2^k newest values
+        it knows to slot + 2^k and receives as many from slot − 2^k (`_rounds`). What each agent receives is the N
+        values: use `allreduce` where a combination of them is all that is needed."""
         known = {self.slot: value}
+
+        def send(step: int) -> list[list[Any]]:
+            return [[j, known[j]] for j in ((self.slot - k) % self.size for k in range(min(step, self.size - step)))]
+
+        def merge(_step: int, got: list[list[Any]]) -> None:
+            known.update((int(j), v) for j, v in got)
+
+        self._rounds("allgather", send, merge)
+        return [known[j] for j in range(self.size)]
+
+    def allreduce(self, value: Any, combine: Callable[[Any, Any], Any]) -> Any:
+        """Every agent's `value` combined (JSON-able): one partial result per round, so each agent sends and receives
+        ⌈log2 N⌉ messages of one value's size. `combine` must be associative, commutative and idempotent (min, max,
+        intersection, union, all): when N is not a power of two the last round's windows overlap."""
+        acc = [value]
+
+        def merge(_step: int, got: Any) -> None:
+            acc[0] = combine(acc[0], got)
+
+        self._rounds("allreduce", lambda _step: acc[0], merge)
+        return acc[0]
+
+    def _rounds(self, kind: str, send: Callable[[int], Any], merge: Callable[[int, Any], None]) -> None:
+        """The ⌈log2 N⌉ rounds of an agreement over the overlay: `send(2^k)` to slot + 2^k, `merge(2^k, what slot −
+        2^k sent)`. An agent that fails tells its connections whom it lost before shutting them down (`give_up`),
+        so every agent fails within log2 N hops naming the same lost slot."""
         step = 1
         try:
             while step < self.size:
                 dst, src = (self.slot + step) % self.size, (self.slot - step) % self.size
-                back = [(self.slot - k) % self.size for k in range(min(step, self.size - step))]
                 with _blaming(dst):
-                    self._channel(dst).send({"allgather": [[j, known[j]] for j in back], "round": step})
+                    self._channel(dst).send({kind: send(step), "round": step})
                 with _blaming(src):
                     header, _ = self._channel(src).recv()
-                if "allgather" not in header or header.get("round") != step:
-                    raise TransportError(f"agent {src} sent {sorted(header)} during round {step} of an all-gather")
-                known.update((int(j), v) for j, v in header["allgather"])
+                if kind not in header or header.get("round") != step:
+                    raise TransportError(f"agent {src} sent {sorted(header)} during round {step} of an {kind}")
+                merge(step, header[kind])
                 step *= 2
         except TransportError as exc:
             self.give_up(exc)
             raise
-        return [known[j] for j in range(self.size)]
 
     def give_up(self, exc: TransportError) -> None:
         """Tell every connection this agent stops (naming the slot it lost: `exc.peer_slot`), then shut them down."""

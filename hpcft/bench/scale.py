@@ -1,10 +1,10 @@
 """`hpcft bench scale`: N real agent processes on this machine (`hpcft.bench.scale_agent`, each on a loopback
 address of its own, as if on its own node), meeting through the directory service served here as `hpcft run` serves
 it, connected as xor sets of `group` plus the overlay, with heartbeats running. Per N: mesh setup time (every agent
-connected, from the moment they are all told to start), one agreement's latency (the all-gather that opens every
-protection round), heartbeat traffic per agent, sockets and connections per agent (counted in /proc/self/fd), and a
-fit of their growth. On one machine N agents share its cores: wall times are this box's, per-agent CPU is what a
-machine with one agent per node pays."""
+connected, from the moment they are all told to start), one agreement's latency (what opens every protection round:
+an all-reduce of the steps each holds) and an all-gather's, heartbeat traffic, sockets and connections per agent
+(counted in /proc/self/fd), and a fit of their growth. On one machine N agents share its cores: wall times are this
+box's, per-agent CPU is what a machine with one agent per node pays."""
 from __future__ import annotations
 
 import json
@@ -89,14 +89,22 @@ def measure(n: int, opts: ScaleOptions) -> dict[str, Any]:
 def summarize(n: int, go: float, got: Sequence[dict[str, Any]], group: int) -> dict[str, Any]:
     """One N's figures from the agents' reports (pure)."""
     rounds = len(got[0]["agree_s"])
-    slowest = [max(g["agree_s"][r] for g in got) for r in range(rounds)]
+
+    def slowest(key: str) -> float:  # per round the slowest agent's time; the median over the rounds, in ms
+        return round(1e3 * statistics.median(max(g[key][r] for g in got) for r in range(rounds)), 3)
+
+    def cpu(key: str) -> float:  # the median agent's CPU per round, in ms
+        return round(1e3 * statistics.median(c for g in got for c in g[key]), 4)
+
     tx = [g["beat_tx_Bps"] for g in got if g["beat_tx_Bps"] is not None]
     return {
         "agents": n,
         "setup_s": round(max(g["formed"] for g in got) - go, 4),
         "setup_cpu_ms": round(1e3 * statistics.median(g["setup_cpu_s"] for g in got), 3),
-        "agree_ms": round(1e3 * statistics.median(slowest), 3),
-        "agree_cpu_ms": round(1e3 * statistics.median(c for g in got for c in g["agree_cpu_s"]), 4),
+        "agree_ms": slowest("agree_s"),
+        "agree_cpu_ms": cpu("agree_cpu_s"),
+        "gather_ms": slowest("gather_s"),
+        "gather_cpu_ms": cpu("gather_cpu_s"),
         "agree_hops": max(1, math.ceil(math.log2(n))) if n > 1 else 0,
         "sockets_per_agent": max(g["sockets"] for g in got),
         "connections_per_agent": max(g["data_peers"] + g["beat_peers"] for g in got),
@@ -138,11 +146,13 @@ def frontier(per_n: Sequence[dict[str, Any]], group: int) -> dict[str, Any]:
             "connections_per_agent": (group - 1) + 2 * ring, "all_to_all_connections": FRONTIER_NODES - 1}
 
 
-ROWS = (("setup_s", "s", "mesh setup (every agent connected)"), ("agree_ms", "ms", "one agreement (slowest agent)"),
-        ("agree_cpu_ms", "ms", "agreement CPU per agent"), ("sockets_per_agent", "", "sockets per agent"),
+ROWS = (("setup_s", "s", "mesh setup (every agent connected)"),
+        ("agree_ms", "ms", "one agreement, all-reduce (slowest agent)"), ("agree_cpu_ms", "ms", "its CPU per agent"),
+        ("gather_ms", "ms", "one all-gather (slowest agent)"), ("gather_cpu_ms", "ms", "its CPU per agent"), ("sockets_per_agent", "", "sockets per agent"),
         ("connections_per_agent", "", "connections per agent (data + heartbeats)"),
         ("beat_Bps_per_agent", "B/s", "heartbeat bytes sent per agent"))
-KEYS = ("setup_s", "setup_cpu_ms", "agree_ms", "agree_cpu_ms", "sockets_per_agent", "beat_Bps_per_agent")
+KEYS = ("setup_s", "setup_cpu_ms", "agree_ms", "agree_cpu_ms", "gather_ms", "gather_cpu_ms", "sockets_per_agent",
+        "connections_per_agent", "beat_Bps_per_agent")
 
 
 def run(opts: ScaleOptions) -> Report:

@@ -13,6 +13,7 @@ import sys
 import time
 
 from hpcft.agent import secret as job_secret
+from hpcft.agent.bundle import both
 from hpcft.agent.heartbeat import Heartbeat
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.placement import Scheme, plan
@@ -90,14 +91,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.slots > 1 else None
     formed, setup_cpu = time.monotonic(), time.process_time() - cpu0
     sockets = socket_fds() - before
-    agree, agree_cpu = [], []
+    agree, agree_cpu, gather, gather_cpu = [], [], [], []
     for r in range(args.rounds):
+        held = list(range(r, r + 2 + args.slot % 2))  # the steps this agent holds, as a protect round agrees on them
         t0, c0 = time.monotonic(), time.thread_time()
-        got = mesh.allgather({"held": [r, r + 1], "slot": args.slot})
+        common = mesh.allreduce(held, both)
         agree.append(time.monotonic() - t0)
         agree_cpu.append(time.thread_time() - c0)
-        if len(got) != args.slots or any(v["slot"] != j for j, v in enumerate(got)):
-            raise SystemExit(f"slot {args.slot}: the all-gather of round {r} is wrong: {got}")
+        t0, c0 = time.monotonic(), time.thread_time()
+        got = mesh.allgather({"held": held, "slot": args.slot})
+        gather.append(time.monotonic() - t0)
+        gather_cpu.append(time.thread_time() - c0)
+        if common != [r, r + 1] or len(got) != args.slots or any(v["slot"] != j for j, v in enumerate(got)):
+            raise SystemExit(f"slot {args.slot}: the agreement of round {r} is wrong: {common}, {got}")
     mesh.allgather(None)  # everyone done agreeing: the window is heartbeats only
     first, w0 = (_traffic(beat), time.monotonic()) if beat else (None, time.monotonic())
     time.sleep(args.window)
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         beat_tx, beat_rx = (last[0] - first[0]) / window, (last[1] - first[1]) / window
     mesh.allgather(None)  # nobody closes while another still measures
     print(json.dumps({"slot": args.slot, "formed": formed, "setup_cpu_s": setup_cpu, "agree_s": agree,
-                      "agree_cpu_s": agree_cpu, "sockets": sockets, "data_peers": len(mesh.peers),
+                      "agree_cpu_s": agree_cpu, "gather_s": gather, "gather_cpu_s": gather_cpu, "sockets": sockets, "data_peers": len(mesh.peers),
                       "beat_peers": len(beat.mesh.peers) if beat else 0,
                       "exchange_peers": len(placement.exchange_peers(args.slot)),
                       "beat_tx_Bps": beat_tx, "beat_rx_Bps": beat_rx, "silent": silent,

@@ -1,10 +1,12 @@
 """The agents' mesh at scale on real sockets (threads on loopback): each agent connects only to the slots it exchanges
 bulk data with plus its overlay, the all-gather over the overlay gives every agent every value, a dead agent fails
 every survivor naming it, and the rendezvous goes through the directory service (clear errors when it cannot)."""
+import operator
 import threading
 
 import pytest
 
+from hpcft.agent.bundle import both
 from hpcft.agent.mesh import Mesh, overlay
 from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.rendezvous import Directory, Rendezvous
@@ -45,6 +47,9 @@ def test_the_overlay_all_gather_gives_every_agent_every_value(tmp_path, size):
         values = [{"slot": s, "steps": list(range(s))} for s in range(size)]
         assert _together(size, lambda s: meshes[s].allgather(values[s])) == [values] * size
         assert _together(size, lambda s: meshes[s].allgather(s * 10)) == [[s * 10 for s in range(size)]] * size
+        held = [list(range(s % 3, 20)) for s in range(size)]  # the steps each holds: every one holds 2..19
+        assert _together(size, lambda s: meshes[s].allreduce(held[s], both)) == [list(range(min(2, size - 1), 20))] * size
+        assert _together(size, lambda s: meshes[s].allreduce(s != 4, operator.and_)) == [size <= 4] * size
         for m in meshes:
             assert sorted(m.peers) == overlay(m.slot, size)
             assert len(m.peers) <= 2 * (size - 1).bit_length()
