@@ -93,6 +93,7 @@ class Channel:
         self.sock = sock
         self.peer = peer
         self.throttle = throttle or Throttle(None)
+        self.sent = 0  # bytes sent on this channel, framing included (what the agents' traffic figures count)
         sock.settimeout(None)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
@@ -117,6 +118,7 @@ class Channel:
                     self.sock.sendall(piece)
         except OSError as exc:
             raise TransportError(f"sending to {self.peer} failed: {exc}") from exc
+        self.sent += _FRAME.size + len(head) + sum(len(v) for v in views)
 
     def recv(self, into: np.ndarray | None = None) -> tuple[dict[str, Any], np.ndarray]:
         """The next message: its header and payload (written into `into[:n]` when given, else a new array)."""

@@ -105,6 +105,8 @@ def summarize(n: int, go: float, got: Sequence[dict[str, Any]], group: int) -> d
         "agree_cpu_ms": cpu("agree_cpu_s"),
         "gather_ms": slowest("gather_s"),
         "gather_cpu_ms": cpu("gather_cpu_s"),
+        "agree_bytes_per_agent": max(g["agree_bytes"] for g in got),
+        "gather_bytes_per_agent": max(g["gather_bytes"] for g in got),
         "agree_hops": max(1, math.ceil(math.log2(n))) if n > 1 else 0,
         "sockets_per_agent": max(g["sockets"] for g in got),
         "connections_per_agent": max(g["data_peers"] + g["beat_peers"] for g in got),
@@ -143,16 +145,19 @@ def frontier(per_n: Sequence[dict[str, Any]], group: int) -> dict[str, Any]:
     hops = math.ceil(math.log2(FRONTIER_NODES))
     ring = len(overlay(0, FRONTIER_NODES))
     return {"nodes": FRONTIER_NODES, "agree_hops": hops, "overlay_peers": ring, "set_peers": group - 1,
-            "connections_per_agent": (group - 1) + 2 * ring, "all_to_all_connections": FRONTIER_NODES - 1}
+            "connections_per_agent_at_most": (group - 1) + 2 * ring,
+            "all_to_all_connections": FRONTIER_NODES - 1 + ring}
 
 
 ROWS = (("setup_s", "s", "mesh setup (every agent connected)"),
         ("agree_ms", "ms", "one agreement, all-reduce (slowest agent)"), ("agree_cpu_ms", "ms", "its CPU per agent"),
-        ("gather_ms", "ms", "one all-gather (slowest agent)"), ("gather_cpu_ms", "ms", "its CPU per agent"), ("sockets_per_agent", "", "sockets per agent"),
+        ("agree_bytes_per_agent", "B", "its bytes sent per agent"),
+        ("gather_ms", "ms", "one all-gather (slowest agent)"), ("gather_cpu_ms", "ms", "its CPU per agent"),
+        ("gather_bytes_per_agent", "B", "its bytes sent per agent"), ("sockets_per_agent", "", "sockets per agent"),
         ("connections_per_agent", "", "connections per agent (data + heartbeats)"),
         ("beat_Bps_per_agent", "B/s", "heartbeat bytes sent per agent"))
-KEYS = ("setup_s", "setup_cpu_ms", "agree_ms", "agree_cpu_ms", "gather_ms", "gather_cpu_ms", "sockets_per_agent",
-        "connections_per_agent", "beat_Bps_per_agent")
+KEYS = ("setup_s", "setup_cpu_ms", "agree_ms", "agree_cpu_ms", "agree_bytes_per_agent", "gather_ms", "gather_cpu_ms",
+        "gather_bytes_per_agent", "sockets_per_agent", "connections_per_agent", "beat_Bps_per_agent")
 
 
 def run(opts: ScaleOptions) -> Report:

@@ -55,6 +55,10 @@ def rss_mb() -> float:
     return 0.0
 
 
+def _sent(mesh: Mesh) -> int:
+    return sum(ch.sent for ch in mesh.peers.values())
+
+
 def _traffic(beat: Heartbeat) -> tuple[int, int] | None:
     got = [tcp_bytes(ch.sock) for ch in beat.mesh.peers.values()]
     if any(g is None for g in got):
@@ -92,16 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     formed, setup_cpu = time.monotonic(), time.process_time() - cpu0
     sockets = socket_fds() - before
     agree, agree_cpu, gather, gather_cpu = [], [], [], []
+    agree_bytes = gather_bytes = 0
     for r in range(args.rounds):
         held = list(range(r, r + 2 + args.slot % 2))  # the steps this agent holds, as a protect round agrees on them
-        t0, c0 = time.monotonic(), time.thread_time()
+        t0, c0, b0 = time.monotonic(), time.thread_time(), _sent(mesh)
         common = mesh.allreduce(held, both)
         agree.append(time.monotonic() - t0)
         agree_cpu.append(time.thread_time() - c0)
-        t0, c0 = time.monotonic(), time.thread_time()
+        t0, c0, b1 = time.monotonic(), time.thread_time(), _sent(mesh)
         got = mesh.allgather({"held": held, "slot": args.slot})
         gather.append(time.monotonic() - t0)
         gather_cpu.append(time.thread_time() - c0)
+        agree_bytes, gather_bytes = b1 - b0, _sent(mesh) - b1
         if common != [r, r + 1] or len(got) != args.slots or any(v["slot"] != j for j, v in enumerate(got)):
             raise SystemExit(f"slot {args.slot}: the agreement of round {r} is wrong: {common}, {got}")
     mesh.allgather(None)  # everyone done agreeing: the window is heartbeats only
@@ -113,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         beat_tx, beat_rx = (last[0] - first[0]) / window, (last[1] - first[1]) / window
     mesh.allgather(None)  # nobody closes while another still measures
     print(json.dumps({"slot": args.slot, "formed": formed, "setup_cpu_s": setup_cpu, "agree_s": agree,
-                      "agree_cpu_s": agree_cpu, "gather_s": gather, "gather_cpu_s": gather_cpu, "sockets": sockets, "data_peers": len(mesh.peers),
+                      "agree_cpu_s": agree_cpu, "gather_s": gather, "gather_cpu_s": gather_cpu,
+                      "agree_bytes": agree_bytes, "gather_bytes": gather_bytes, "sockets": sockets, "data_peers": len(mesh.peers),
                       "beat_peers": len(beat.mesh.peers) if beat else 0,
                       "exchange_peers": len(placement.exchange_peers(args.slot)),
                       "beat_tx_Bps": beat_tx, "beat_rx_Bps": beat_rx, "silent": silent,

@@ -29,7 +29,9 @@ def test_scale_json_at_eight_agents():
         # every connection is a socket; beyond them a constant few (two listeners and their wake-up pairs)
         assert p["connections_per_agent"] <= p["set_peers"] + 2 * p["overlay_peers"]
         assert p["connections_per_agent"] <= p["sockets_per_agent"] <= p["connections_per_agent"] + 8
-    assert out["per_n"]["8"]["set_peers"] == 3 and out["per_n"]["8"]["overlay_peers"] == 5
+    eight = out["per_n"]["8"]
+    assert eight["set_peers"] == 3 and eight["overlay_peers"] == 5
+    assert 0 < eight["agree_bytes_per_agent"] < eight["gather_bytes_per_agent"]  # one value per hop vs all of them
     assert out["frontier"]["nodes"] == 9408 and out["frontier"]["agree_hops"] == 14
     assert set(out["growth"]) >= set(KEYS)
 
