@@ -126,6 +126,25 @@ class Mesh:
         self._rounds("allreduce", lambda _step: acc[0], merge)
         return acc[0]
 
+    def exchange(self, peers: Collection[int], value: Any) -> dict[int, Any]:
+        """`value` (JSON-able, small) sent to each of `peers` (a symmetric relation: each of them sends this agent
+        theirs) and theirs received: {slot: value}, this one's included. A failure is handled as an agreement's."""
+        got = {self.slot: value}
+        try:
+            for j in sorted(peers):
+                with _blaming(j):
+                    self._channel(j).send({"exchange": value})
+            for j in sorted(peers):
+                with _blaming(j):
+                    header, _ = self._channel(j).recv()
+                if "exchange" not in header:
+                    raise TransportError(f"agent {j} sent {sorted(header)} during an exchange of values")
+                got[j] = header["exchange"]
+        except TransportError as exc:
+            self.give_up(exc)
+            raise
+        return got
+
     def _rounds(self, kind: str, send: Callable[[int], Any], merge: Callable[[int, Any], None]) -> None:
         """The ⌈log2 N⌉ rounds of an agreement over the overlay: `send(2^k)` to slot + 2^k, `merge(2^k, what slot −
         2^k sent)`. An agent that fails tells its connections whom it lost before shutting them down (`give_up`),

@@ -73,6 +73,8 @@ def test_connections_are_the_exchange_peers_plus_the_overlay(scheme):
             if scheme.name in ("xor", "rs"):
                 assert bulk == set(placement.set_of(m.slot).members) - {m.slot}
         assert _together(size, lambda s: meshes[s].allgather(s)) == [list(range(size))] * size
+        got = _together(size, lambda s: meshes[s].exchange(placement.exchange_peers(s), s * 3))
+        assert got == [{j: j * 3 for j in placement.exchange_peers(s) | {s}} for s in range(size)]
     finally:
         for m in meshes:
             m.close()
