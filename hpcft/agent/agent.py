@@ -5,6 +5,7 @@ No state of its own: everything is read from the store."""
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ from pathlib import Path
 from hpcft import events, nodemem
 from hpcft.agent import status
 from hpcft.agent.budget import LagBudget
-from hpcft.agent.bundle import Bundle, common, complete_steps, local_versions, pin_targets
+from hpcft.agent.bundle import Bundle, both, complete_steps, local_versions, pin_targets
 from hpcft.agent.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.persist import Flusher
@@ -25,6 +26,7 @@ from hpcft.durable.settings import PersistConfig
 from hpcft.agent.pins import LEASE_S, Pins
 from hpcft.agent.placement import Placement, Scheme, plan
 from hpcft.agent.protect import Record, StaleStep, protect_dir, protect_step, records, retire
+from hpcft.agent.rendezvous import Rendezvous, join
 from hpcft.agent.rebuild import rebuild
 from hpcft.agent.throttle import CPU_SHARE, cpu_cores
 from hpcft.errors import HpcftError, IntegrityError, NoCheckpointError
@@ -40,11 +42,11 @@ def protect_newest(mesh: Mesh, placement: Placement, job: Path, pins: Pins, keep
     before the pin (event `protect_missed`), or if a node found its copy damaged (event `protect_skipped`)."""
     started = time.perf_counter()
     complete = complete_steps(job)
-    held = mesh.allgather(sorted(complete))
-    done = mesh.allgather(sorted(records(job)))
+    held = mesh.allreduce(sorted(complete), both)  # held everywhere: log2 N messages of one list each
+    done = mesh.allreduce(sorted(records(job)), both)
     # the newest `keep` steps held everywhere (the records kept): an older one would be retired right after its
     # pass and protected again the next round, forever
-    todo = sorted(set(sorted(common(held))[-keep:]) - common(done))
+    todo = sorted(set(held[-keep:]) - set(done))
     if not todo:
         return None
     step = todo[-1]
@@ -52,7 +54,7 @@ def protect_newest(mesh: Mesh, placement: Placement, job: Path, pins: Pins, keep
     try:
         with pins.holding(bundle.pin_targets()):
             ok = _readable(bundle, mesh)
-            if not all(mesh.allgather(ok)):
+            if not mesh.allreduce(ok, operator.and_):
                 return None
             rec = protect_step(mesh, placement, bundle, job, keep, started)
             pins.keep(bundle.pin_targets())  # held until a newer step is protected: a node loss finds this one
@@ -168,7 +170,8 @@ def _steer(budget: LagBudget, mesh: Mesh, cfg: AgentConfig, lag: int | None) -> 
                     "bound on this node: raise --lag-cores or the bound, or protect with a cheaper scheme")
 
 
-def _listen_for_silence(cfg: AgentConfig, mesh: Mesh, node: str, wake: threading.Event) -> Heartbeat | None:
+def _listen_for_silence(cfg: AgentConfig, mesh: Mesh, meet: Rendezvous, node: str,
+                        wake: threading.Event) -> Heartbeat | None:
     """Heartbeats with the overlay neighbours (none with --loss-timeout 0 or a single agent). A silent one, or one
     whose beat connection closed without a goodbye, is a suspect: event `peer_silent` / `peer_closed`, the mesh shut
     down so that no exchange waits for it, the round loop woken; the agent then fails naming it (`_silence`)."""
@@ -180,7 +183,7 @@ def _listen_for_silence(cfg: AgentConfig, mesh: Mesh, node: str, wake: threading
         mesh.abort()
         wake.set()
 
-    return Heartbeat(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, timeout=cfg.loss_timeout,
+    return Heartbeat(cfg.slot, cfg.slots, cfg.secret, meet, timeout=cfg.loss_timeout,
                      on_silent=lambda peer, seconds: named("peer_silent", peer_slot=peer, silent_s=seconds,
                                                            loss_timeout=cfg.loss_timeout),
                      on_closed=lambda peer: named("peer_closed", peer_slot=peer, reason="its heartbeat connection "
@@ -231,15 +234,22 @@ def run(cfg: AgentConfig) -> int:
                      flushed_request=flusher.served if flusher else None, flushing=flusher.busy if flusher else False,
                      flush_error=flusher.last_error if flusher else None,
                      flush_phase=flusher.phase if flusher else None, local=flusher.local_step if flusher else None,
-                     cpu_cores=mesh.throttle.cpu if mesh else None,
+                     cpu_cores=mesh.throttle.cpu if mesh else None, addr=mesh.address if mesh else None,
                      ranks={str(r): max(v) for r, v in by_rank.items()},
                      versions={str(r): sorted(v) for r, v in by_rank.items()},
                      staged_steps=sorted(complete), protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s,
                      **nodemem.figures(job), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
-    mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, cfg.rendezvous, host=cfg.host, bind=cfg.bind, rate=cfg.rate,
-                cpu=cpu_cores(cfg.cpu_share, cfg.cpu_cores), tag=cfg.tag, timeout=cfg.timeout)
+    meet = join(cfg.secret, cfg.rendezvous, slot=cfg.slot, tag=cfg.tag, host=cfg.host, bind=cfg.bind,
+                timeout=cfg.timeout)
+    try:
+        mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, meet, host=cfg.host, bind=cfg.bind, rate=cfg.rate,
+                    cpu=cpu_cores(cfg.cpu_share, cfg.cpu_cores), tag=cfg.tag, timeout=cfg.timeout,
+                    peers=placement.exchange_peers(cfg.slot))
+    except BaseException:
+        meet.close()
+        raise
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
     flusher = Flusher(cfg.persist, job, cfg.job_id, cfg.slot, pins, cfg.rendezvous, cfg.tag)
     budget = LagBudget(mesh.throttle.cpu, max(mesh.throttle.cpu, cfg.lag_cores), cfg.lag_bound) \
@@ -249,7 +259,7 @@ def run(cfg: AgentConfig) -> int:
                                                   status.stop_path(cfg.rendezvous, cfg.tag), mesh, drained, wake),
                      daemon=True, name="hpcft-agent-requests").start()
     try:
-        beat = _listen_for_silence(cfg, mesh, node, wake)
+        beat = _listen_for_silence(cfg, mesh, meet, node, wake)
         extra = {}
         if cfg.rebuild:
             try:
@@ -305,4 +315,5 @@ def run(cfg: AgentConfig) -> int:
             beat.close()
         pins.close()
         mesh.close()
+        meet.close()
     return 0

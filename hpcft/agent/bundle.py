@@ -96,6 +96,11 @@ def common(lists: list[list[int]]) -> set[int]:
     return set.intersection(*(set(x) for x in lists)) if lists else set()
 
 
+def both(a: list[int], b: list[int]) -> list[int]:
+    """The steps in both lists: the combine of an all-reduce of each agent's steps (Mesh.allreduce)."""
+    return sorted(set(a) & set(b))
+
+
 def pin_targets(step: int, held: dict[int, Held]) -> list[tuple[Path, int]]:
     """(pin file, step) of the slot holding `step` in every rank's store (see `hpcft.store.pin`)."""
     return [(store_pin.path_of(h.manifest_path), step) for h in held.values()]

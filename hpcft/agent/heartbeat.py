@@ -1,11 +1,12 @@
 """Heartbeats between the agents of one job, for the deaths that close no connection: a frozen node (its processes
 stopped), a network partition, a hung kernel. Without them the protection round's all-gather waits for such a peer
 as long as its sockets stay open. Each agent beats to its overlay neighbours (slots ±1, ±2, ±4, … around the ring:
-about 2·log2(N) each, everyone up to 5 agents) on authenticated connections of their own, and names a neighbour
-silent for longer than the loss timeout a suspect (`on_silent`). The agent then fails as if the connection had closed
-and the supervisor confirms with its probe (hpcft/launch/agentloss.py). A beat connection that closes without the
-peer's goodbye (every orderly close, a requested stop included, sends one first) is a loss too, at once (`on_closed`):
-a killed agent's sockets close with its process, and the data mesh would notice only in its next, CPU-capped round."""
+about 2·log2(N) each, everyone up to 5 agents: mesh.overlay) on authenticated connections of their own, and names a
+neighbour silent for longer than the loss timeout a suspect (`on_silent`). The agent then fails as if the connection
+had closed and the supervisor confirms with its probe (hpcft/launch/agentloss.py). A beat connection that closes
+without the peer's goodbye (every orderly close, a requested stop included, sends one first) is a loss too, at once
+(`on_closed`): a killed agent's sockets close with its process, and the data mesh would notice only in its next,
+CPU-capped round."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from hpcft.agent.mesh import Mesh
+from hpcft.agent.rendezvous import Rendezvous
 from hpcft.agent.transport import TransportError
 
 _log = logging.getLogger(__name__)
@@ -25,18 +27,6 @@ MAX_PERIOD_S = 1.0
 
 class PeerSilent(TransportError):
     """A peer sent no heartbeat for longer than the loss timeout (`peer_slot` names it)."""
-
-
-def neighbours(slot: int, size: int) -> list[int]:
-    """The slots `slot` exchanges heartbeats with: ±2^k around the ring (a symmetric relation), so a lost node has
-    about 2·log2(N) watchers and each agent watches as many."""
-    out: set[int] = set()
-    step = 1
-    while step < size:
-        out.update({(slot + step) % size, (slot - step) % size})
-        step *= 2
-    out.discard(slot)
-    return sorted(out)
 
 
 def period_for(timeout: float) -> float:
@@ -53,15 +43,15 @@ class Heartbeat:
     Silence is only declared on evidence: nothing new from the peer for `timeout` *and* nothing waiting unread in its
     socket, and never right after this agent was itself paused (its own missed ticks are not the peer's)."""
 
-    def __init__(self, slot: int, size: int, secret: bytes, rendezvous: str | os.PathLike, *, timeout: float,
-                 on_silent: Callable[[int, float], None], on_closed: Callable[[int], None] | None = None,
+    def __init__(self, slot: int, size: int, secret: bytes, rendezvous: Rendezvous | str | os.PathLike, *,
+                 timeout: float, on_silent: Callable[[int, float], None], on_closed: Callable[[int], None] | None = None,
                  stopping: Callable[[], bool] = lambda: False, host: str = "127.0.0.1", bind: str = "0.0.0.0",
                  tag: str = "0", join_timeout: float = 60.0):
         self.slot, self.timeout, self.on_silent, self.on_closed = slot, timeout, on_silent, on_closed
         self.stopping = stopping  # true once the agents were asked to stop: a close is then no loss
         self.period = period_for(timeout)
         self.mesh = Mesh(slot, size, secret, rendezvous, host=host, bind=bind, timeout=join_timeout,
-                         tag=f"{tag}-beat", peers=neighbours(slot, size))
+                         tag=f"{tag}-beat")  # the overlay alone (mesh.overlay)
         now = time.monotonic()
         self.heard = dict.fromkeys(self.mesh.peers, now)  # slot -> when its newest beat arrived
         self.closed: set[int] = set()

@@ -1,47 +1,71 @@
-"""The agents of one job connected all-to-all over the authenticated transport. Addresses meet in a
-rendezvous directory shared by the nodes (the job's directory on the shared file system); slot i
-connects to every lower slot and accepts every higher one, so the mesh forms without deadlock. A mesh may also
-join only some of the slots (`peers`, the same relation on every agent: the heartbeats' overlay)."""
+"""The agents of one job connected over the authenticated transport: each agent holds channels only to the slots
+it exchanges bulk data with (`peers`: its protection set or partners, placement.exchange_peers) and to its overlay
+neighbours (slots ±1, ±2, ±4, … around the ring, `overlay`), over which `allgather` and `allreduce` agree on small
+JSON values in ⌈log2 N⌉ rounds. Addresses meet through the job's directory service (agent/rendezvous.py); slot i connects to every
+lower slot it wants and accepts every higher one, so the mesh forms without deadlock."""
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hpcft import events
+from hpcft.agent.rendezvous import Rendezvous, join
 from hpcft.agent.throttle import Throttle
-from hpcft.agent.transport import Channel, Listener, TransportError, connect
+from hpcft.agent.transport import Channel, Listener, PeerGaveUp, TransportError, connect, notice
+
+_log = logging.getLogger(__name__)
+NOTICE_S = 1.0  # the most a give-up notice may wait to be sent (a frozen neighbour's full buffer)
+
+
+def overlay(slot: int, size: int) -> list[int]:
+    """The slots ±2^k from `slot` around the ring (a symmetric relation): the all-gather's partners and the heartbeats'
+    watchers, about 2·log2(N) each, every other slot up to 5."""
+    out: set[int] = set()
+    step = 1
+    while step < size:
+        out.update({(slot + step) % size, (slot - step) % size})
+        step *= 2
+    out.discard(slot)
+    return sorted(out)
 
 
 class Mesh:
-    """Channels to every other agent (or to `peers` only, a symmetric relation), keyed by slot; `allgather` for small
-    JSON values (all-to-all meshes only)."""
+    """Channels to `peers` (a symmetric relation: the bulk exchanges) and the overlay neighbours, keyed by slot;
+    `allgather` for small JSON values. `rendezvous`: a Rendezvous, or the rendezvous directory (rendezvous.join)."""
 
-    def __init__(self, slot: int, size: int, secret: bytes, rendezvous: str | os.PathLike, *, host: str = "127.0.0.1",
-                 bind: str = "0.0.0.0", timeout: float = 60.0, rate: float | None = None, cpu: float | None = None,
-                 tag: str = "0", peers: Collection[int] | None = None):
+    def __init__(self, slot: int, size: int, secret: bytes, rendezvous: Rendezvous | str | os.PathLike, *,
+                 host: str = "127.0.0.1", bind: str = "0.0.0.0", timeout: float = 60.0, rate: float | None = None,
+                 cpu: float | None = None, tag: str = "0", peers: Collection[int] = ()):
         self.slot, self.size = slot, size
         self.throttle = Throttle(rate, cpu=cpu)
         self.listener = Listener(secret, host=bind, throttle=self.throttle)
         self.peers: dict[int, Channel] = {}
-        base = Path(rendezvous)
-        _publish(base / f"agent-{tag}-{slot}.addr", f"{host}:{self.listener.port}")
+        self.address = f"{host}:{self.listener.port}"
+        self._own = None if isinstance(rendezvous, Rendezvous) else \
+            join(secret, rendezvous, slot=slot, tag=tag, host=host, bind=bind, timeout=timeout)
+        meet = rendezvous if self._own is None else self._own
         deadline = time.monotonic() + timeout
-        wanted = set(range(size)) - {slot} if peers is None else set(peers) - {slot}
+        wanted = (set(peers) | set(overlay(slot, size))) - {slot}
+        bad = sorted(j for j in wanted if not 0 <= j < size)
         try:
-            for j in sorted(j for j in wanted if j < slot):
-                peer_host, port = _wait_for(base / f"agent-{tag}-{j}.addr", deadline).rsplit(":", 1)
-                ch = connect(secret, peer_host, int(port), timeout=max(1.0, deadline - time.monotonic()),
-                             throttle=self.throttle)
-                ch.send({"hello": slot})
+            if bad:
+                raise TransportError(f"slot {slot} was asked to connect to slots {bad}, outside 0..{size - 1}")
+            lower = sorted(j for j in wanted if j < slot)
+            where = meet.meet(tag, slot, self.address, lower, timeout)  # once the lower ones have registered
+            for j in lower:
+                peer_host, port = where[j].rsplit(":", 1)
+                ch = connect(secret, peer_host, int(port), timeout=_left(deadline), throttle=self.throttle)
+                ch.send({"hello": slot, "tag": tag})
                 self.peers[j] = ch
             for _ in range(sum(1 for j in wanted if j > slot)):
-                ch = self.listener.accept(max(1.0, deadline - time.monotonic()))
+                ch = self.listener.accept(_left(deadline))
                 header, _ = ch.recv()
                 j = int(header["hello"])
                 if j not in wanted or j in self.peers:
@@ -59,29 +83,104 @@ class Mesh:
 
     def send(self, peer: int, header: dict[str, Any], parts: Sequence[Any] = ()) -> None:
         with _blaming(peer):
-            self.peers[peer].send_parts(header, parts)
+            self._channel(peer).send_parts(header, parts)
 
     def recv(self, peer: int, into: np.ndarray | None = None) -> tuple[dict[str, Any], np.ndarray]:
         with _blaming(peer):
-            return self.peers[peer].recv(into)
+            return self._channel(peer).recv(into)
 
     def channel(self, peer: int) -> Channel:
-        return self.peers[peer]
+        return self._channel(peer)
+
+    def _channel(self, peer: int) -> Channel:
+        try:
+            return self.peers[peer]
+        except KeyError:
+            raise TransportError(f"slot {self.slot} has no connection to slot {peer}: it exchanges data only with "
+                                 f"{sorted(self.peers)} (placement.exchange_peers and the overlay)") from None
 
     def allgather(self, value: Any) -> list[Any]:
-        """Every agent's `value` (JSON-able, small), indexed by slot."""
+        """Every agent's `value` (JSON-able, small), indexed by slot: in round k each agent sends the 2^k newest values
+        it knows to slot + 2^k and receives as many from slot − 2^k (`_rounds`). What each agent receives is the N
+        values: use `allreduce` where a combination of them is all that is needed."""
+        known = {self.slot: value}
+
+        def send(step: int) -> list[list[Any]]:
+            return [[j, known[j]] for j in ((self.slot - k) % self.size for k in range(min(step, self.size - step)))]
+
+        def merge(_step: int, got: list[list[Any]]) -> None:
+            known.update((int(j), v) for j, v in got)
+
+        self._rounds("allgather", send, merge)
+        return [known[j] for j in range(self.size)]
+
+    def allreduce(self, value: Any, combine: Callable[[Any, Any], Any]) -> Any:
+        """Every agent's `value` combined (JSON-able): one partial result per round, so each agent sends and receives
+        ⌈log2 N⌉ messages of one value's size. `combine` must be associative, commutative and idempotent (min, max,
+        intersection, union, all): when N is not a power of two the last round's windows overlap."""
+        acc = [value]
+
+        def merge(_step: int, got: Any) -> None:
+            acc[0] = combine(acc[0], got)
+
+        self._rounds("allreduce", lambda _step: acc[0], merge)
+        return acc[0]
+
+    def exchange(self, peers: Collection[int], value: Any) -> dict[int, Any]:
+        """`value` (JSON-able, small) sent to each of `peers` (a symmetric relation: each of them sends this agent
+        theirs) and theirs received: {slot: value}, this one's included. A failure is handled as an agreement's."""
+        got = {self.slot: value}
+        try:
+            for j in sorted(peers):
+                with _blaming(j):
+                    self._channel(j).send({"exchange": value})
+            for j in sorted(peers):
+                with _blaming(j):
+                    header, _ = self._channel(j).recv()
+                if "exchange" not in header:
+                    raise TransportError(f"agent {j} sent {sorted(header)} during an exchange of values")
+                got[j] = header["exchange"]
+        except TransportError as exc:
+            self.give_up(exc)
+            raise
+        return got
+
+    def _rounds(self, kind: str, send: Callable[[int], Any], merge: Callable[[int, Any], None]) -> None:
+        """The ⌈log2 N⌉ rounds of an agreement over the overlay: `send(2^k)` to slot + 2^k, `merge(2^k, what slot −
+        2^k sent)`. An agent that fails tells its connections whom it lost before shutting them down (`give_up`),
+        so every agent fails within log2 N hops naming the same lost slot."""
+        step = 1
+        try:
+            while step < self.size:
+                dst, src = (self.slot + step) % self.size, (self.slot - step) % self.size
+                with _blaming(dst):
+                    self._channel(dst).send({kind: send(step), "round": step})
+                with _blaming(src):
+                    header, _ = self._channel(src).recv()
+                if kind not in header or header.get("round") != step:
+                    raise TransportError(f"agent {src} sent {sorted(header)} during round {step} of an {kind}")
+                merge(step, header[kind])
+                step *= 2
+        except TransportError as exc:
+            self.give_up(exc)
+            raise
+
+    def give_up(self, exc: TransportError) -> None:
+        """Tell every connection this agent stops (naming the slot it lost: `exc.peer_slot`), then shut them down."""
+        lost = exc.peer_slot if exc.peer_slot is not None else self.slot
+        message = notice(self.slot, lost, str(exc))
         for j, ch in self.peers.items():
-            with _blaming(j):
-                ch.send({"allgather": value})
-        out: list[Any] = [None] * self.size
-        out[self.slot] = value
-        for j, ch in self.peers.items():
-            with _blaming(j):
-                header, _ = ch.recv()
-            if "allgather" not in header:
-                raise TransportError(f"agent {j} sent {sorted(header)} during an all-gather")
-            out[j] = header["allgather"]
-        return out
+            if j == exc.peer_slot:
+                continue
+            try:
+                ch.sock.settimeout(NOTICE_S)
+                ch.send(message)
+            except (TransportError, OSError):
+                pass
+        if not isinstance(exc, PeerGaveUp):
+            events.emit("mesh_gave_up", level=logging.WARNING, slot=self.slot, lost=lost, error=str(exc),
+                        told=len(self.peers) - (exc.peer_slot in self.peers))
+        self.abort()
 
     @contextmanager
     def all_or_nothing(self) -> Iterator[None]:
@@ -105,6 +204,12 @@ class Mesh:
         for ch in self.peers.values():
             ch.close()
         self.listener.close()
+        if self._own is not None:
+            self._own.close()
+
+
+def _left(deadline: float) -> float:
+    return max(1.0, deadline - time.monotonic())
 
 
 @contextmanager
@@ -117,19 +222,3 @@ def _blaming(peer: int) -> Iterator[None]:
         if exc.peer_slot is None:
             exc.peer_slot = peer
         raise
-
-
-def _publish(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".{os.getpid()}.dirty")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _wait_for(path: Path, deadline: float) -> str:
-    while True:
-        try:
-            return path.read_text()
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                raise TransportError(f"agent address {path} did not appear in time; is that agent running?") from None
-            time.sleep(0.05)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcft import events
-from hpcft.agent.bundle import Held, common, map_readonly, pin_targets
+from hpcft.agent.bundle import Held, both, map_readonly, pin_targets
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.pins import Pins
 from hpcft.agent.throttle import Throttle
@@ -73,7 +73,7 @@ class Flusher:
             self.local = None
         mine = local.copies(self.local, self.root)
         self.local_step: int | None = mine[-1].step if mine else None  # this node's newest first-level copy
-        self._released = False  # every node's flush is past the store (from the last all-gather: the same everywhere)
+        self._released = False  # every node's flush is past the store (from the last all-reduce: the same everywhere)
         newest = catalog.newest(self.root) if self.root else None
         self.durable: int | None = newest.step if newest else None
         self.served: str | None = None  # the newest request id served (the same on every agent)
@@ -96,7 +96,7 @@ class Flusher:
     @property
     def pinning(self) -> bool:
         """A flush may still read the store (its slots pinned): no protection pass starts meanwhile. Decided from
-        the last round's all-gather, so every agent decides the same (protection passes are collective)."""
+        the last round's all-reduce, so every agent decides the same (protection passes are collective)."""
         return self._step is not None and not self._released
 
     @property
@@ -106,23 +106,21 @@ class Flusher:
 
     def round(self, mesh: Mesh, complete: dict[int, dict[int, Held]], protected: list[int]) -> None:
         """One collective step of the flush: start one when due or asked (every agent the same decision, from the
-        all-gathered states), or, when every node has written its part, let slot 0 commit it."""
+        all-reduced votes), or, when every node has written its part, let slot 0 commit it."""
         if self.root is None:
             return
         asked = _read_request(self.rendezvous, self.tag)
-        mine = {"state": self._state, "error": self._error, "asked": asked, "id": uuid.uuid4().hex[:8],
-                "durable": self.durable, "protected": [s for s in protected if s in complete][-4:],
-                "complete": sorted(complete)[-4:], "bytes": self._bytes, "world": _world(complete)}
-        states = mesh.allgather(mine)
+        mine = vote(self.slot, self._state, self._error, asked, uuid.uuid4().hex[:8], self.durable,
+                    [s for s in protected if s in complete][-4:], sorted(complete)[-4:], _world(complete))
+        states = mesh.allreduce(mine, combine)  # log2 N messages of one vote each, whatever the job's size
         if self._step is not None:
             self._progress(mesh, states)
             return
-        self.durable = max([s["durable"] for s in states if s["durable"] is not None], default=self.durable)
-        asks = {s["asked"] for s in states} - {None, self.served}
-        both = common([s["protected"] for s in states])
-        target = max(both, default=None)
+        self.durable = states["durable"] if states["durable"] is not None else self.durable
+        asks = set(states["asked"]) - {None, self.served}
+        target = max(states["protected"], default=None)
         if target is None and asks:
-            target = max(common([s["complete"] for s in states]), default=None)
+            target = max(states["complete"], default=None)
         # the first one too only after `every` steps: a short run (or test) writes nothing but what a requeue asks for
         due = target is not None and target - (self.durable or 0) >= self.cfg.every \
             and (self._failed_at is None or target - self._failed_at >= self.cfg.every)
@@ -136,8 +134,7 @@ class Flusher:
             return
         if asks:
             self.served = max(asks)
-        world = max(s["world"] for s in states)
-        self._start(target, complete[target], f"{self.job_id}-{states[0]['id']}", world,
+        self._start(target, complete[target], f"{self.job_id}-{states['id'][1]}", states["world"],
                     "requested" if asks else f"every {self.cfg.every} steps")
 
     def _start(self, step: int, held: dict[int, Held], flush_id: str, world: int, why: str) -> None:
@@ -192,9 +189,9 @@ class Flusher:
         self.throttle.take(nbytes)
 
     def _progress(self, mesh: Mesh, states: list[dict[str, Any]]) -> None:
-        failed = [f"slot {i}: {s['error']}" for i, s in enumerate(states) if s["state"] == FAILED]
-        self._released = all(s["state"] != RUNNING for s in states)  # every store free: protection may go on
-        if not failed and any(s["state"] in (RUNNING, DRAINING) for s in states):
+        failed = [f"slot {i}: {error}" for i, error in states["failed"]]
+        self._released = not states["running"]  # every store free: protection may go on
+        if not failed and states["busy"]:
             return
         step, tmp = self._step, self.root / catalog.tmp_name(self._step, self._id)
         error = "; ".join(failed)
@@ -203,9 +200,10 @@ class Flusher:
                 commit.commit(tmp, self.root, step, self._world, self.job_id, self.cfg.keep)
             except HpcftError as exc:
                 error = f"commit: {exc}"
-        error = next((e for e in mesh.allgather(error) if e), "")  # slot 0's commit outcome reaches everyone
+        outcome = mesh.allgather([error, self._bytes])  # once per flush: slot 0's commit outcome reaches everyone
+        error = next((e for e, _ in outcome if e), "")
         seconds = time.perf_counter() - self._started
-        nbytes = sum(s["bytes"] for s in states)
+        nbytes = sum(b for _, b in outcome)
         if self._thread is not None:  # another node failed: stop writing here before the state is reset
             self._cancel.set()
             self._thread.join()
@@ -220,6 +218,26 @@ class Flusher:
             events.emit("flush_done", step=step, slot=self.slot, bytes=nbytes, seconds=round(seconds, 3),
                         bandwidth=round(nbytes / seconds) if seconds > 0 else None)
         self._step, self._state, self._error, self._thread = None, IDLE, "", None
+
+
+def vote(slot: int, state: str, error: str, asked: str | None, flush_id: str, durable: int | None,
+         protected: list[int], complete: list[int], world: int) -> dict[str, Any]:
+    """One agent's part of a round's flush decision, as `combine` merges it (pure)."""
+    return {"failed": [[slot, error]] if state == FAILED else [], "running": state == RUNNING,
+            "busy": state in (RUNNING, DRAINING), "asked": [] if asked is None else [asked], "id": [slot, flush_id],
+            "durable": durable, "protected": protected, "complete": complete, "world": world}
+
+
+def combine(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two votes (or merged votes) merged, associative, commutative and idempotent (Mesh.allreduce, pure): the
+    failures and requests of either, whether any writes, the lowest slot's flush id, the newest durable step, the
+    steps both hold protected and complete, the largest world."""
+    durable = [d for d in (a["durable"], b["durable"]) if d is not None]
+    return {"failed": sorted(map(list, {(int(i), str(e)) for i, e in a["failed"] + b["failed"]})),
+            "running": a["running"] or b["running"], "busy": a["busy"] or b["busy"],
+            "asked": sorted(set(a["asked"]) | set(b["asked"])), "id": min(a["id"], b["id"]),
+            "durable": max(durable) if durable else None, "protected": both(a["protected"], b["protected"]),
+            "complete": both(a["complete"], b["complete"]), "world": max(a["world"], b["world"])}
 
 
 def _world(complete: dict[int, dict[int, Held]]) -> int:

@@ -99,6 +99,16 @@ class Placement:
         """The slot whose snapshot `slot` holds a copy of (partner scheme)."""
         return (slot - self.scheme.distance) % self.slots
 
+    def exchange_peers(self, slot: int) -> frozenset[int]:
+        """The slots `slot` sends bulk data to or receives it from, in a protect pass or a rebuild onto a replacement
+        (a symmetric relation): the other members of its set (xor/rs), its partner and the slot it partners (partner),
+        none (none). The agents' mesh connects these plus its overlay."""
+        if self.scheme.name == "none":
+            return frozenset()
+        if self.scheme.name == "partner":
+            return frozenset({self.partner_of(slot), self.partnered_by(slot)}) - {slot}
+        return frozenset(self.set_of(slot).members) - {slot}
+
 
 def spread(nodes: Sequence[str], domains: Mapping[str, str] | None = None) -> list[str]:
     """Order nodes so that consecutive ones come from different failure domains where possible:

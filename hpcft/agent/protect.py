@@ -64,7 +64,7 @@ def protect_step(mesh: Mesh, placement: Placement, bundle: Bundle, job: Path, ke
     (perf_counter) is when the pass began, for the event's `seconds` (default: now)."""
     t0 = time.perf_counter() if started is None else started
     scheme = placement.scheme
-    sizes = mesh.allgather(bundle.size)
+    sizes = mesh.exchange(placement.exchange_peers(mesh.slot), bundle.size)  # the set's (the partners') sizes
     pdir = protect_dir(job)
     (pdir / f"step-{bundle.step}.json").unlink(missing_ok=True)  # a rerun: withdraw before overwriting
     slot = record_slot(pdir, bundle.step)
@@ -120,7 +120,7 @@ def partner_meta(source: int, source_bytes: int, sent: int) -> dict[str, Any]:
     return {"kind": "partner", "source": source, "source_bytes": source_bytes, "sent_bytes": sent}
 
 
-def _partner(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes: list[int]):
+def _partner(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes: dict[int, int]):
     dst, src = placement.partner_of(mesh.slot), placement.partnered_by(mesh.slot)
     slot.ensure(max(1, sizes[src]), pace=mesh.pace)
     with ThreadPoolExecutor(1) as pool, mesh.all_or_nothing():  # abort before the pool waits
@@ -130,7 +130,7 @@ def _partner(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes
     return sizes[src], partner_meta(src, sizes[src], bundle.size)
 
 
-def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes: list[int]):
+def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes: dict[int, int]):
     pset = placement.set_of(mesh.slot)
     pos = pset.members.index(mesh.slot)
     set_sizes = [sizes[m] for m in pset.members]

@@ -144,6 +144,34 @@ def protect(params: int, warmup: int, threads: int, root: str | None, as_json: b
 
 
 @bench.command()
+@click.option("--agents", default="16,64,256", show_default=True,
+              help="Comma-separated agent counts N to measure, each a run of N agent processes on loopback.")
+@click.option("--group", type=click.IntRange(min=2), default=4, show_default=True,
+              help="Protection set size (xor): the bulk peers each agent connects to besides the overlay.")
+@click.option("--rounds", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Agreement rounds measured per N.")
+@click.option("--window", type=click.FloatRange(min=0.5), default=5.0, show_default=True,
+              help="Seconds of heartbeats alone over which their traffic is measured.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout; the table goes to stderr.")
+@RUNS
+def scale(agents: str, group: int, rounds: int, window: float, as_json: bool, runs: int) -> None:
+    """The agents' fabric at scale: N real agent processes on this machine; mesh setup, agreement latency,
+    heartbeat traffic and sockets per agent, and their growth with N."""
+    from hpcft.bench.scale import ScaleOptions, run
+
+    try:
+        counts = tuple(int(a) for a in agents.split(",") if a.strip())
+    except ValueError:
+        raise click.BadParameter(f"{agents!r} is not a list of agent counts; write e.g. 16,64,256",
+                                 param_hint="--agents") from None
+    if not counts or min(counts) < 1:
+        raise click.BadParameter("give at least one agent count, each at least 1 (e.g. 16,64,256)",
+                                 param_hint="--agents")
+    opts = ScaleOptions(agents=counts, group=group, rounds=rounds, window=window)
+    _run(as_json, lambda: run(opts), runs)
+
+
+@bench.command()
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="A running sandbox with 6 nodes (default: start one in a temp dir, stop it afterwards).")
 @click.option("--steps", type=click.IntRange(min=3), default=30, show_default=True, help="Training steps per run.")

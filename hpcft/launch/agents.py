@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from hpcft.agent import rendezvous
 from hpcft.agent import secret as job_secret
 from hpcft.agent import status as agent_status
 from hpcft.agent.launch import AGENT_STEP_NAME, agent_argv
@@ -48,11 +49,24 @@ class AgentSteps:
         self.tag = ""
         self._ready_slots: tuple[str, ...] | None = None  # slots whose agents were last ready
         self.no_checkpoint: str | None = None  # why the last launch's agents could rebuild nothing, if so
+        self.directory: rendezvous.Directory | None = None  # where every launch's agents meet (over the network)
 
     def prepare(self) -> None:
-        """The rendezvous directory and the per-job secret (0600; kept across relaunches and requeues)."""
+        """The rendezvous directory (status files), the per-job secret (0600; kept across relaunches and requeues)
+        and the agents' directory service on this host, given as this host's addresses (its --agent-iface one when it
+        has one; rendezvous.addresses), event `agents_directory`."""
         self.rendezvous.mkdir(exist_ok=True)
-        job_secret.create(self.job_dir)
+        secret = job_secret.load(str(job_secret.create(self.job_dir)))
+        if self.directory is None:
+            hosts = rendezvous.addresses(agent_iface(self.cfg))
+            self.directory = rendezvous.Directory(secret, host=",".join(hosts))
+            self.emit("agents_directory", address=self.directory.address)
+
+    def close(self) -> None:
+        """The supervisor ends: stop serving the agents' directory."""
+        if self.directory is not None:
+            self.directory.close()
+            self.directory = None
 
     def start(self, layout: Layout, restart_count: int, env: Mapping[str, str], *,
               hosted: Mapping[int, str] | None = None, tag: str | None = None) -> CheckpointError | None:
@@ -98,6 +112,9 @@ class AgentSteps:
         `hosted`, on the slots' nodes but those, and one step more per hosted slot on its survivor."""
         hosted = hosted or {}
         tag, cfg = self.tag, self.cfg
+        if self.directory is not None:  # a rerun of the tag must not meet old agents' addresses (as the files below)
+            self.directory.forget(tag)
+            env = {**env, rendezvous.ENV: self.directory.address}
         for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
             stale.unlink(missing_ok=True)
         root = durable_dir(cfg, self.job_dir)

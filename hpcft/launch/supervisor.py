@@ -114,6 +114,7 @@ class Supervisor:
                 _log.warning("could not clean the job's stores up: %s", again)
             raise
         finally:
+            self.agents.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 

@@ -152,7 +152,8 @@ def _crash_and_rebuild(sandbox, runner, job: str, out: Path, agents: subprocess.
     step = _wait(lambda: _stable(out), "the agents never protected the newest step", 60, out / "agents-0.log")
     if sandbox.config.mode == "netns":  # each node's eth0 is its own: the agents bound there (--iface)
         addrs = {n.name: n.addr for n in sandbox.layout.nodes}
-        bound = [(out / "agents" / f"agent-0-{i}.addr").read_text().rsplit(":", 1)[0] for i in range(len(ACTIVE))]
+        reports = agent_status.read(out / "agents", "0")  # each agent reports the address it meets its peers at
+        bound = [reports[i]["addr"].rsplit(":", 1)[0] for i in range(len(ACTIVE))]
         assert bound == [addrs[n] for n in ACTIVE]
     before = {n: _dump(runner, job, n, step) for n in lost}
     assert all(len(d) == 2 for d in before.values()), before

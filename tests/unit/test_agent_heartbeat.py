@@ -14,7 +14,8 @@ import pytest
 from hpcft import events
 from hpcft.agent import secret as job_secret
 from hpcft.agent import status as agent_status
-from hpcft.agent.heartbeat import neighbours, period_for
+from hpcft.agent.heartbeat import period_for
+from hpcft.agent.mesh import overlay as neighbours
 
 AGENTS = 3
 LOSS_S = 3.0

@@ -2,6 +2,7 @@
 flush through it (node-local copy published, drained, committed on the persist directory), a copy damaged on the
 node-local device that the drain refuses (the previous durable checkpoint stays, event `flush_failed`), and the
 restore order and its reasons with the node-local level."""
+import tempfile
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 
 from hpcft import events
 from hpcft.agent.bundle import complete_steps
+from hpcft.agent.mesh import Mesh
 from hpcft.agent.persist import Flusher
 from hpcft.agent.pins import Pins
 from hpcft.checkpointer import Checkpointer
@@ -29,23 +31,22 @@ def test_local_root_is_per_node_and_defaults_under_the_nvme(tmp_path: Path) -> N
     assert local.local_root("none", env) is None and local.local_root(None, {}) is None
 
 
-class _OneNode:
-    """The mesh of a single agent (the flush's collective rounds, without peers)."""
-
-    def allgather(self, obj):
-        return [obj]
-
-
 def _flush(flusher: Flusher, job: Path, timeout: float = 60) -> None:
-    mesh = _OneNode()
+    """The flush's collective rounds on the real mesh of a single agent (no peers), until the flush ends."""
+    rendezvous = tempfile.TemporaryDirectory()
+    mesh = Mesh(0, 1, b"d" * 64, rendezvous.name, host="127.0.0.1", bind="127.0.0.1", tag="flush")
     deadline = time.monotonic() + timeout
-    while True:
-        complete = complete_steps(job)
-        flusher.round(mesh, complete, sorted(complete))
-        if not flusher.busy:
-            return
-        assert time.monotonic() < deadline, "the flush did not end"
-        time.sleep(0.02)
+    try:
+        while True:
+            complete = complete_steps(job)
+            flusher.round(mesh, complete, sorted(complete))
+            if not flusher.busy:
+                return
+            assert time.monotonic() < deadline, "the flush did not end"
+            time.sleep(0.02)
+    finally:
+        mesh.close()
+        rendezvous.cleanup()
 
 
 @pytest.mark.parametrize("where", ["envelope", "data"])
