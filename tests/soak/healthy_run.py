@@ -1,14 +1,18 @@
 """A soak run, not part of the suite: a healthy run of about 30 minutes with heartbeats on (issue #14: no false loss).
 4 active nodes + 1 spare in a sandbox of its own, xor protection, the DP job at about 1 step/s; afterwards it prints
 the decisions and every loss-like or error-level event as JSON. `python tests/soak/healthy_run.py [STEPS]`, as root."""
-import json, subprocess, sys, time
+import json
+import subprocess
+import sys
+import time
 from pathlib import Path
-from hpcft.sandbox import Sandbox, SandboxConfig
-from hpcft.sandbox.config import plan
 from hpcft import events
 from hpcft.bench import train_job
+from hpcft.sandbox import Sandbox, SandboxConfig
+from hpcft.sandbox.config import plan
 
-d = Path("/tmp/sb-long"); out = Path("/tmp/long-run"); out.mkdir(parents=True, exist_ok=True)
+d, out = Path("/tmp/sb-long"), Path("/tmp/long-run")
+out.mkdir(parents=True, exist_ok=True)
 sb = Sandbox(plan(SandboxConfig(dir=d, nodes=5, mode="netns", prolog=None, epilog=None)))
 sb.up(timeout=120)
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 1700
