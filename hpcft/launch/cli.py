@@ -78,6 +78,12 @@ def _run_options(f):
                      help="At most one grow per this many seconds after the last shrink or grow (default 300)."),
         click.option("--grow-max-losses", type=int, default=None,
                      help="A node lost more often than this in the run is not taken back (default 2)."),
+        click.option("--standby/--no-standby", default=None,
+                     help="Warm standby processes on every node run the trainers' `python SCRIPT` (default on): a "
+                          "relaunch starts no interpreter."),
+        click.option("--preload", default=None,
+                     help="Comma-separated modules the standbys import before a launch (default: torch, torch._dynamo, "
+                          "numpy, hpcft's training side, ...)."),
     ]
     for option in reversed(options):
         f = option(f)

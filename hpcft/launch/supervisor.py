@@ -35,7 +35,9 @@ from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State
 from hpcft.launch.preflight import Preflight
 from hpcft.launch.nodecheck import NodeCheck
 from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
+from hpcft.launch.standbys import Standbys
 from hpcft.launch.steps import StepStopper
+from hpcft.launch.zygote import ENV_STANDBY
 from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
 
@@ -71,6 +73,8 @@ class Supervisor:
         self._why_launch = "first launch"  # why the next launch happens: the reason of a loss it may cause
         self.lost: list[losses.Loss] = []  # progress lost in this run, for its summary
         self.janitor = Janitor(self.runner, self.job_dir, python, self._stop_steps)
+        self.standbys = Standbys(self.runner, self.job_dir, python, cfg.preload, self.environ, emit=self.emit,
+                                 stop_steps=self._stop_steps)
         self._slurm_run = 0  # Slurm's restart count of this run
         self._site_env: dict[str, str] = {}  # what the preflight adds to the steps' environment
         self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.probe_timeout, self.emit)
@@ -112,6 +116,7 @@ class Supervisor:
                 _log.warning("could not clean the job's stores up: %s", again)
             raise
         finally:
+            self.standbys.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
@@ -272,12 +277,16 @@ class Supervisor:
         proc: subprocess.Popen | None = None
         try:
             self.janitor.ensure([*layout.slots, *layout.spares], env)
+            if self.cfg.standby:  # its import overlaps the agents' start
+                self.standbys.ensure([*layout.slots, *layout.spares], env)
             if self.cfg.with_agents:
                 failure = self.agents.start(layout, restart_count, env)
                 if failure is not None:
                     event = self.agent_loss.not_ready(layout, failure)
                     self.agents.stop()
                     return event
+            if self.cfg.standby:
+                self.standbys.wait(layout.slots, interrupted=self._terminated)
             argv = trainer_argv(layout, self.profile, self.command, python=self.python, extra=self.cfg.srun_args)
             why = self._why_launch + (f"; the agents could not rebuild: {self.agents.no_checkpoint}"
                                       if self.agents.no_checkpoint else "")
@@ -314,7 +323,8 @@ class Supervisor:
         env = step_env(layout, job_id=self.job_id, restart_count=restart_count, job_dir=str(self.job_dir),
                        profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id,
                                                          plugin=self._site_env))
-        env = {**self.environ, **env, **elastic.trainer_env(self.cfg, self.base_world)}
+        env = {**self.environ, **env, **elastic.trainer_env(self.cfg, self.base_world),
+               ENV_STANDBY: "1" if self.cfg.standby else "0"}
         durable = durable_dir(self.cfg, self.job_dir)
         if durable is not None:
             env[ENV_PERSIST] = str(durable)  # where the trainers' restore finds the durable tier
