@@ -389,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     job = standby.serve()
     if job is None:
         write_status(args.job_dir, node, phase="stopped", served=standby.served, refused=standby.refused)
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # not the interpreter's exit: its collections over torch's objects take seconds of CPU
     return run_child(job)
 
 

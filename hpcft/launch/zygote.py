@@ -16,7 +16,7 @@ from pathlib import Path
 from hpcft.errors import HpcftError
 from hpcft.store.paths import job_dir, resolve_root
 
-ENV_STANDBY = "HPCFT_STANDBY"  # "1": the supervisor runs a standby on every node of the job (the wrapper tries it)
+ENV_STANDBY = "HPCFT_WARM"  # "1": the supervisor runs a standby on every node of the job (the wrapper tries it)
 MAX_MESSAGE = 1 << 20  # one request: argv, the environment, cwd; a SOCK_SEQPACKET message arrives whole
 MAX_FDS = 3
 # Device nodes a GPU task opens: a standby child must reach the ones its wrapper reaches (a step's device cgroup)
