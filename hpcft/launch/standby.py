@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
 import json
 import logging
 import os
-import runpy
 import selectors
 import signal
 import socket
@@ -28,6 +26,7 @@ from pathlib import Path
 
 from hpcft import events
 from hpcft.launch import progress, zygote
+from hpcft.launch.standby_child import Job, run_child
 
 DEFAULT_PRELOAD = ("torch,torch.nn,torch.optim,torch.distributed,torch.distributed.device_mesh,"
                    "torch.nn.parallel,torch._dynamo,torch._inductor.config,numpy,hpcft.runtime,hpcft.checkpointer")
@@ -75,15 +74,6 @@ def fork_unsafe(baseline_threads: int) -> str | None:
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA/HIP is initialised in the standby"
     return None
-
-
-@dataclass
-class Job:
-    """In a forked child: the request it serves, the connection to its wrapper and the wrapper's stdio fds."""
-
-    request: dict
-    conn: socket.socket
-    fds: list[int]
 
 
 @dataclass
@@ -287,78 +277,6 @@ def _kill(pid: int, sig: int) -> None:
             os.kill(pid, sig)
         except OSError:
             pass
-
-
-def _stdio(fd: int, spec: dict, unbuffered: bool, reading: bool) -> io.TextIOWrapper:
-    """sys.stdin/stdout/stderr on the wrapper's fd as the interpreter makes them (its buffering, encoding)."""
-    write_through = bool(spec.get("write_through")) or (unbuffered and not reading)
-    raw = io.FileIO(fd, "rb" if reading else "wb", closefd=False)
-    binary = raw if write_through and not reading else (io.BufferedReader(raw) if reading else io.BufferedWriter(raw))
-    return io.TextIOWrapper(binary, encoding=spec.get("encoding") or "utf-8", errors=spec.get("errors") or "strict",
-                            line_buffering=bool(spec.get("line_buffering")), write_through=write_through)
-
-
-def _setup(job: Job) -> zygote.Target:
-    """Become the wrapper's rank: its fds, environment, cwd, umask, CPU affinity, devices, stdio, argv, sys.path."""
-    req = job.request
-    for target_fd, fd in enumerate(job.fds):
-        os.dup2(fd, target_fd)
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(req["env"])
-    os.chdir(req["cwd"])
-    os.umask(int(req.get("umask", 0o022)))
-    if req.get("affinity"):
-        os.sched_setaffinity(0, req["affinity"])
-    for device in req.get("devices") or ():
-        os.close(os.open(device, os.O_RDWR | os.O_CLOEXEC))
-    target = zygote.Target(**{**req["target"], "args": tuple(req["target"]["args"])})
-    stdio = req.get("stdio") or {}
-    sys.stdin = _stdio(0, stdio.get("stdin") or {}, target.unbuffered, True)
-    sys.stdout = _stdio(1, stdio.get("stdout") or {}, target.unbuffered, False)
-    sys.stderr = _stdio(2, stdio.get("stderr") or {}, target.unbuffered, False)
-    if target.kind == "script":
-        sys.argv = [target.name, *target.args]
-        sys.path[0] = os.path.dirname(os.path.realpath(target.name))
-    else:
-        sys.argv = ["-m", *target.args]  # runpy puts the module's path in argv[0], as `python -m` does
-        sys.path[0] = os.getcwd()
-    return target
-
-
-def run_child(job: Job) -> int:
-    """Set up (refused → the wrapper runs the command cold) and run the target as its own interpreter would."""
-    try:
-        target = _setup(job)
-    except (OSError, KeyError, TypeError, ValueError) as exc:
-        zygote.send(job.conn, {"refused": f"setting up the child failed: {type(exc).__name__}: {exc}"})
-        os._exit(0)
-    zygote.send(job.conn, {"started": os.getpid()})
-    job.conn.close()
-    if target.kind == "module":
-        runpy.run_module(target.name, run_name="__main__", alter_sys=True)
-    elif os.path.isfile(target.name):
-        _run_script(target.name)
-    else:  # a directory or zip file with a __main__.py
-        runpy.run_path(target.name, run_name="__main__")
-    return 0
-
-
-def _run_script(name: str) -> None:
-    """Run a script file as the interpreter runs its main script: a fresh `__main__` module, `__file__` joined to
-    the cwd as given (not normalised), no spec, its loader a SourceFileLoader."""
-    import builtins
-    import importlib.machinery
-    import types
-
-    path = os.path.join(os.getcwd(), name)
-    main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins, __spec__=None, __package__=None,
-                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
-    sys.modules["__main__"] = main
-    with open(path, "rb") as fh:
-        code = compile(fh.read(), path, "exec")
-    exec(code, main.__dict__)
 
 
 def main(argv: list[str] | None = None) -> int:
