@@ -169,6 +169,7 @@ class Standby:
                 os.close(fd)
             conn.close()
             return None
+        self._reap_orphans()
         with warnings.catch_warnings():  # checked just now (fork_unsafe); Python 3.12 warns of any thread at all
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
@@ -223,18 +224,35 @@ class Standby:
     def _reap(self) -> None:
         while self.children:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 return
-            if pid == 0:
+            if info is None:
                 return
-            _kill(pid, signal.SIGKILL)  # what the child left in its group (a step's end would take it too)
+            pid = info.si_pid
+            _kill(pid, signal.SIGKILL)  # what it left in its group (as a step's end would), while its zombie holds the id
+            _, status = os.waitpid(pid, 0)
             conn = self.children.pop(pid, None)
             if conn is not None:
                 code = os.waitstatus_to_exitcode(status)
                 self._answer(conn, {"signal": -code} if code < 0 else {"exit": code})
                 self.sel.unregister(conn)
                 conn.close()
+
+    def _reap_orphans(self, timeout: float = 30.0) -> None:
+        """Before a new child: wait for the children killed because their wrapper died to be gone, as srun's step
+        ends only once its processes have: a relaunched rank never meets its predecessor in the store."""
+        deadline = time.monotonic() + timeout
+        for pid in [p for p, conn in self.children.items() if conn is None]:
+            while time.monotonic() < deadline:
+                try:
+                    done, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    done = pid
+                if done:
+                    self.children.pop(pid, None)
+                    break
+                time.sleep(0.01)
 
     def _shutdown(self) -> None:
         for pid in list(self.children):

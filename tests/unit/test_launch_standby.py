@@ -213,3 +213,14 @@ def test_the_standby_step_covers_the_nodes_with_their_cpus():
                          "--nodelist=n[1-2,5]", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL"]
     assert argv[10:] == ["--cpus-per-task=8", "--cpu-bind=none", "/py", "-m", "hpcft.launch.standby", "--job-dir",
                          "/j", "--preload", "torch"]
+
+
+def test_what_a_rank_leaves_in_its_group_ends_with_it(node, tmp_path):
+    """As a step's end kills every process of the step, a warm rank's end kills what it left behind."""
+    (tmp_path / "leave.py").write_text(
+        "import subprocess, sys\n"
+        "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']).pid, flush=True)\n")
+    proc = _wrapped(node, sys.executable, str(tmp_path / "leave.py"))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    _wait_for(lambda: not _alive(int(out)), "the rank's leftover to end", timeout=30)
