@@ -224,3 +224,19 @@ def test_what_a_rank_leaves_in_its_group_ends_with_it(node, tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     _wait_for(lambda: not _alive(int(out)), "the rank's leftover to end", timeout=30)
+
+
+def test_the_standby_options_from_every_place_and_forwarded_by_submit(tmp_path):
+    from hpcft.launch import config
+
+    assert config.load({}, environ={}).standby is True  # the default
+    assert config.load({}, environ={"HPCFT_STANDBY": "0"}).standby is False
+    cfg = config.load({"standby": True, "preload": "torch, transformers.models"}, environ={"HPCFT_STANDBY": "0"})
+    assert cfg.standby is True and cfg.preload == "torch, transformers.models"
+    with pytest.raises(config.ConfigError, match="'torch nn' is not a module name"):
+        config.load({"preload": "torch nn"}, environ={})
+    script = subprocess.run([sys.executable, "-m", "hpcft.cli", "submit", "--nodes", "2", "-t", "10", "--dry-run",
+                             "--no-standby", "--preload", "torch,numpy", "--", "python", "t.py"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert script.returncode == 0, script.stderr
+    assert "--no-standby --preload torch,numpy" in script.stdout
