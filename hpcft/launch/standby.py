@@ -61,10 +61,26 @@ def preload(modules: list[str]) -> float:
     return time.monotonic() - started
 
 
+GPU_DRIVER_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/")  # what cuInit / hsa_init keep open
+
+
+def gpu_driver_open(prefixes: tuple[str, ...] = GPU_DRIVER_FILES) -> str | None:
+    """A GPU driver file this process holds open, if any: the sign that CUDA or HIP was initialised here (also by
+    a `torch.cuda.is_available()` that leaves torch.cuda.is_initialized() False)."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(prefixes):
+            return target
+    return None
+
+
 def fork_unsafe(baseline_threads: int) -> str | None:
     """Why forking now would be unsafe, or None: a Python thread besides the main one, native threads started
     since the preload (numpy's OpenBLAS pool, there from the import, shuts down across fork: pthread_atfork), or
-    CUDA/HIP initialised (a forked child cannot use it)."""
+    CUDA/HIP initialised (a forked child cannot use it), by torch or by anything that opened the driver."""
     if threading.active_count() > 1:
         return f"Python threads running: {', '.join(t.name for t in threading.enumerate())}"
     now = native_threads()
@@ -73,6 +89,9 @@ def fork_unsafe(baseline_threads: int) -> str | None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA/HIP is initialised in the standby"
+    driver = gpu_driver_open()
+    if driver:
+        return f"a GPU driver is open in the standby ({driver}): CUDA/HIP was initialised"
     return None
 
 

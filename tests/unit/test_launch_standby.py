@@ -187,6 +187,9 @@ def test_fork_safety_refuses_threads_and_counts_native_ones():
         stop.set()
         thread.join()
     assert "threads running" in standby.fork_unsafe(0)
+    with open(os.devnull) as held:  # a driver file held open, as cuInit (/dev/nvidiactl) or hsa_init (/dev/kfd) do
+        assert standby.gpu_driver_open(prefixes=(os.devnull,)) == os.devnull
+    assert held.closed
 
 
 def test_which_commands_a_standby_can_run():
