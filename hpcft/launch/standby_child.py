@@ -68,13 +68,25 @@ def run_child(job: Job) -> int:
         os._exit(0)
     zygote.send(job.conn, {"started": os.getpid()})
     job.conn.close()
-    if target.kind == "module":
-        runpy.run_module(target.name, run_name="__main__", alter_sys=True)
-    elif os.path.isfile(target.name):
-        _run_script(target.name)
-    else:  # a directory or zip file with a __main__.py
-        runpy.run_path(target.name, run_name="__main__")
+    try:
+        if target.kind == "module":
+            runpy.run_module(target.name, run_name="__main__", alter_sys=True)
+        elif os.path.isfile(target.name):
+            _run_script(target.name)
+        else:  # a directory or zip file with a __main__.py
+            runpy.run_path(target.name, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported as the interpreter would, from the script's frame on
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename in _OWN_FILES:
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the default hook prints exc.__traceback__
+        return 1
     return 0
+
+
+_OWN_FILES = {__file__, runpy.__file__}  # the frames a cold interpreter's traceback would not show
 
 
 def _run_script(name: str) -> None:

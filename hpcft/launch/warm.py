@@ -57,8 +57,8 @@ def run(command: Sequence[str], environ: Mapping[str, str]) -> int | None:
     if environ.get(zygote.ENV_STANDBY) != "1":
         return None
     target, why = zygote.target_of(command, sys.executable, environ.get("PATH"))
-    if target is None:
-        _cold(why, environ)
+    if target is None or (target.kind == "script" and not os.path.exists(target.name)):
+        _cold(why or f"no script {target.name!r} (the interpreter says why)", environ)
         return None
     started = time.monotonic()
     try:

@@ -105,6 +105,18 @@ def test_a_module_runs_as_python_m_would(node, tmp_path):
     assert _starts(node)[0]["how"] == "warm"
 
 
+def test_an_uncaught_exception_is_reported_as_a_cold_interpreter_would(node, tmp_path):
+    (tmp_path / "boom.py").write_text("def f():\n    raise ValueError('boom')\nf()\n")
+    warm = _wrapped(node, sys.executable, str(tmp_path / "boom.py"))
+    _, w_err = warm.communicate(timeout=60)
+    cold = subprocess.run([sys.executable, str(tmp_path / "boom.py")], capture_output=True, text=True, timeout=60)
+    assert warm.returncode == cold.returncode == 1
+    assert w_err.splitlines()[-len(cold.stderr.splitlines()):] == cold.stderr.splitlines(), w_err
+    missing = _wrapped(node, sys.executable, str(tmp_path / "missing.py"))
+    _, m_err = missing.communicate(timeout=60)
+    assert missing.returncode == 2 and "can't open file" in m_err and "no script" in m_err  # cold, and said
+
+
 def test_signal_deaths_propagate_and_signals_are_forwarded(node, tmp_path):
     (tmp_path / "die.py").write_text("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     died = _wrapped(node, sys.executable, str(tmp_path / "die.py"))
