@@ -133,6 +133,12 @@ def _protected(rendezvous: Path, version: int) -> bool:
     return len(st) == ACTIVE and all((s.get("protected") or -1) >= version for s in st)
 
 
+def _starts(job_dir: Path, after: float) -> dict[str, int]:
+    """How the ranks launched after `after` started: by a warm standby or as a new interpreter (`trainer_start`)."""
+    how = [e.get("how") for e in events.read(job_dir) if e["event"] == "trainer_start" and e["time"] >= after]
+    return {"warm_ranks": how.count("warm"), "cold_ranks": how.count("cold")}
+
+
 def _decided(job_dir: Path, after: float) -> float:
     found = [e["time"] for e in events.read(job_dir) if e["event"] == "decision" and e["time"] >= after]
     if not found:
@@ -148,7 +154,8 @@ def rank_kill(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     fault = time.time()
     os.kill(pid, signal.SIGKILL)
     _finish(proc, out, opts.timeout)
-    return timeline.phases(timeline.read(out), "0.1", fault, _decided(out / "job", fault))
+    decided = _decided(out / "job", fault)
+    return {**timeline.phases(timeline.read(out), "0.1", fault, decided), **_starts(out / "job", decided)}
 
 
 def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
@@ -169,6 +176,7 @@ def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     if not ready:
         raise HpcftError(f"the agents never got ready after the crash; see {out / 'job'}")
     result["relaunch_agents_s"] = min(ready) - decided  # part of relaunch: agents' step, mesh and rebuild
+    result.update(_starts(out / "job", decided))
     result.update(marked)
     result["from_marked_down_s"] = result["total_s"] - result["slurm_marked_down_s"]
     return result
@@ -273,6 +281,7 @@ def run(opts: RecoveryOptions) -> Report:
     report.add("node_crash_s", crash["from_marked_down_s"], "s", "node crash: Slurm marks node bad -> first step")
     report.add("node_crash_from_fault_s", crash["total_s"], "s", "node crash: crash -> first step")
     report.add("restore_share", share, "", "rank kill: restore / total")
+    report.add("rank_kill_warm_ranks", kill["warm_ranks"], "", "rank kill: relaunched ranks a warm standby started")
     report.add("batch_host_s", host["batch_host_s"], "s", "batch host crash: Slurm marks it bad -> janitors requeue")
     report.add("batch_host_total_s", host["total_s"], "s", "batch host crash: crash -> first step of the requeued run")
     what = {"relaunch": "srun again in the allocation", "requeue": "scontrol requeue"}

@@ -85,6 +85,12 @@ def _run_options(f):
                      help="Seconds of steps judged together for a straggler (default 30)."),
         click.option("--evict-stragglers/--no-evict-stragglers", default=None,
                      help="Replace a straggler's node with a spare at the next protected step."),
+        click.option("--standby/--no-standby", default=None,
+                     help="Warm standby processes on every node run the trainers' `python SCRIPT` (default on): a "
+                          "relaunch starts no interpreter."),
+        click.option("--preload", default=None,
+                     help="Comma-separated modules the standbys import before a launch (default: torch, torch._dynamo, "
+                          "numpy, hpcft's training side, ...)."),
     ]
     for option in reversed(options):
         f = option(f)

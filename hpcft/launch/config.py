@@ -9,6 +9,7 @@ from typing import Any
 from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK
 from hpcft.errors import ConfigError
 from hpcft.launch.memplan import parse_bytes
+from hpcft.launch.standby import DEFAULT_PRELOAD
 
 CONFIG_ENV = "HPCFT_CONFIG"
 
@@ -56,7 +57,12 @@ class RunConfig:
     (hpcft/launch/grow.py, the decision in hpcft/launch/policy_grow.py); grow_settle: seconds a returned node must
     stay healthy before the job takes it back (doubled for each earlier loss of that node); grow_every: at most one
     grow per this many seconds after the last shrink or grow; grow_max_losses: a node lost more often than this in
-    the run is not taken back.
+    the run is not taken back; standby: a warm standby process on every node of the slots and spares, which has
+    imported `preload` and runs each trainer task's `python SCRIPT` / `python -m MODULE` in a forked child, so that a
+    relaunch starts no interpreter (hpcft/launch/standby.py; other commands run cold, said in an event); preload:
+    the comma-separated modules the standbys import (default: torch and what its first optimizer and
+    use_deterministic_algorithms import, torch._dynamo included, numpy and hpcft's training side; add the training
+    script's own heavy modules).
     """
 
     nodes: int | None = None
@@ -101,6 +107,8 @@ class RunConfig:
     straggler_factor: float = 1.5
     straggler_window: float = 30.0
     evict_stragglers: bool = False
+    standby: bool = True
+    preload: str = DEFAULT_PRELOAD
 
     @property
     def protected(self) -> bool:
@@ -248,6 +256,10 @@ def validate(cfg: RunConfig) -> None:
                           f"{cfg.persist_keep})")
     _validate_elastic(cfg)
     _validate_stragglers(cfg)
+    bad = [m for m in cfg.preload.split(",") if m.strip() and not all(p.isidentifier() for p in m.strip().split("."))]
+    if bad:
+        raise ConfigError(f"preload: {', '.join(map(repr, bad))} is not a module name; give dotted names separated "
+                          "by commas, e.g. --preload torch,transformers")
     if cfg.protected and cfg.protect != "auto":
         scheme(cfg)  # the agents' own checks (group, losses, distance), before anything is launched
 

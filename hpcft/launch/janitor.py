@@ -32,6 +32,7 @@ from pathlib import Path
 from hpcft import events
 from hpcft.errors import HpcftError
 from hpcft.launch.clean import clean
+from hpcft.launch.zygote import socket_dir
 from hpcft.slurm.state import is_bad, job_info, node_states
 from hpcft.slurm.nodelist import compress
 from hpcft.slurm.runner import Runner
@@ -138,9 +139,19 @@ def _remove(store: Path, settle: float = 1.0) -> bool:
     return removed and not store.exists()
 
 
+def _remove_standby(job: str) -> None:
+    """The job's standby socket directory on this node (hpcft/launch/standby.py removes it itself when it is stopped;
+    this covers one killed first): it serves no later run, a requeued one included."""
+    try:
+        shutil.rmtree(socket_dir(job), ignore_errors=True)
+    except HpcftError:
+        pass
+
+
 def _on_sigterm(job: str, store: Path, flag: Path) -> None:
     """Slurm ends or requeues the job: remove the store unless a requeue is pending."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _remove_standby(job)
     if flag.exists():
         why = f"kept: hpcft run requeued the job ({flag})"
     else:
@@ -154,9 +165,10 @@ def _on_sigterm(job: str, store: Path, flag: Path) -> None:
     os._exit(0)
 
 
-def _on_done(store: Path) -> None:
+def _on_done(job: str, store: Path) -> None:
     """`hpcft run` says the job is over (Janitor.finish): remove the store now, as `--now` does, and exit."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _remove_standby(job)
     _remove(store, settle=0.2)
     os._exit(0)
 
@@ -181,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     run = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
     flag = requeue_flag(args.job_dir, run)
     signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(args.job, store, flag))
-    signal.signal(signal.SIGUSR2, lambda *_: _on_done(store))
+    signal.signal(signal.SIGUSR2, lambda *_: _on_done(args.job, store))
     while True:
         time.sleep(CHECK_S)
         _watch_supervisor(args.job, Path(args.job_dir), run, flag)

@@ -100,6 +100,14 @@ def watch(job_id: str, rank: int, target: Path, interval: float = 1.0) -> None:
         time.sleep(interval)
 
 
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (PR_SET_PDEATHSIG); best effort where prctl is missing."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def start_watcher(job_id: str, rank: int, target: Path, interval: float = 1.0) -> int:
     """Fork a watcher that dies with its parent (PR_SET_PDEATHSIG); returns its pid, 0 in the child never."""
     pid = os.fork()
@@ -107,10 +115,7 @@ def start_watcher(job_id: str, rank: int, target: Path, interval: float = 1.0) -
         return pid
     code = 0
     try:
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass  # the getppid() check still ends the loop within one interval
+        die_with_parent()  # else the getppid() check still ends the loop within one interval
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)

@@ -1,10 +1,12 @@
 """Stopping the srun steps `hpcft run` started (the trainers', the agents', the janitors'): SIGTERM to each srun,
-`--kill-grace`, then SIGKILL for the sruns left and `scancel --signal=KILL` for their steps' tasks."""
+`--kill-grace`, then SIGKILL for the sruns left and `scancel --signal=KILL` for their steps' tasks; `tee` passes a
+step's stderr through."""
 from __future__ import annotations
 
 import logging
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
 
@@ -51,3 +53,10 @@ class StepStopper:
         self._background = [p for p in self._background if p.poll() is None]
         self.emit("step_killed", level=logging.WARNING, steps=",".join(left), grace=self.kill_grace,
                   seconds=round(time.monotonic() - started, 3))
+
+
+def tee(stream, lines: list[str]) -> None:
+    """Pass srun's stderr through to ours and keep its lines for the per-task error summary."""
+    for line in stream:
+        sys.stderr.write(line)
+        lines.append(line.rstrip("\n"))

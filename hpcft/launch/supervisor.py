@@ -35,7 +35,8 @@ from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State
 from hpcft.launch.preflight import Preflight
 from hpcft.launch.nodecheck import NodeCheck
 from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
-from hpcft.launch.steps import StepStopper
+from hpcft.launch.standbys import Standbys
+from hpcft.launch.steps import StepStopper, tee
 from hpcft.launch.stragglers import StragglerWatch
 from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
@@ -72,6 +73,8 @@ class Supervisor:
         self._why_launch = "first launch"  # why the next launch happens: the reason of a loss it may cause
         self.lost: list[losses.Loss] = []  # progress lost in this run, for its summary
         self.janitor = Janitor(self.runner, self.job_dir, python, self._stop_steps)
+        self.standbys = Standbys(self.runner, self.job_dir, python, cfg.preload, self.environ, emit=self.emit,
+                                 stop_steps=self._stop_steps, enabled=cfg.standby)
         self._slurm_run = 0  # Slurm's restart count of this run
         self._site_env: dict[str, str] = {}  # what the preflight adds to the steps' environment
         self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.probe_timeout, self.emit)
@@ -115,6 +118,7 @@ class Supervisor:
             raise
         finally:
             self.agents.close()
+            self.standbys.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
@@ -280,12 +284,14 @@ class Supervisor:
         proc: subprocess.Popen | None = None
         try:
             self.janitor.ensure([*layout.slots, *layout.spares], env)
+            self.standbys.ensure([*layout.slots, *layout.spares], env)
             if self.cfg.with_agents:
                 failure = self.agents.start(layout, restart_count, env)
                 if failure is not None:
                     event = self.agent_loss.not_ready(layout, failure)
                     self.agents.stop()
                     return event
+            self.standbys.wait(layout.slots, interrupted=self._terminated)
             argv = trainer_argv(layout, self.profile, self.command, python=self.python, extra=self.cfg.srun_args)
             why = self._why_launch + (f"; the agents could not rebuild: {self.agents.no_checkpoint}"
                                       if self.agents.no_checkpoint else "")
@@ -297,7 +303,7 @@ class Supervisor:
             self.agent_loss.launched()
             proc = self.runner.popen(argv, env=env, stderr=subprocess.PIPE, text=True)
             lines: list[str] = []
-            reader = threading.Thread(target=_tee, args=(proc.stderr, lines), daemon=True)
+            reader = threading.Thread(target=tee, args=(proc.stderr, lines), daemon=True)
             reader.start()
             try:
                 event = self._watch(proc, layout, launched, watch, lambda suspects: self.agent_loss.while_training(
@@ -323,7 +329,8 @@ class Supervisor:
         env = step_env(layout, job_id=self.job_id, restart_count=restart_count, job_dir=str(self.job_dir),
                        profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id,
                                                          plugin=self._site_env))
-        env = {**self.environ, **env, **elastic.trainer_env(self.cfg, self.base_world)}
+        env = {**self.environ, **env, **elastic.trainer_env(self.cfg, self.base_world),
+               **self.standbys.env()}
         durable = durable_dir(self.cfg, self.job_dir)
         if durable is not None:
             env[ENV_PERSIST] = str(durable)  # where the trainers' restore finds the durable tier
@@ -386,11 +393,3 @@ class Supervisor:
         return stale_signal(requeued_run=self._requeued_run,
                             progressed=progress.last_change(self.job_dir, self._started) > self._started,
                             time_left=None if end is None else end - now, margin=self.cfg.requeue_margin)
-
-
-
-def _tee(stream, lines: list[str]) -> None:
-    """Pass srun's stderr through to ours and keep its lines for the per-task error summary."""
-    for line in stream:
-        sys.stderr.write(line)
-        lines.append(line.rstrip("\n"))

@@ -1,15 +1,16 @@
 """`python -m hpcft.launch.task -- CMD …`: the first thing each trainer task runs. It turns the exported slot
-layout plus SLURMD_NODENAME/SLURM_LOCALID into this task's ranks, starts the progress watcher, and execs CMD."""
+layout plus SLURMD_NODENAME/SLURM_LOCALID into this task's ranks, starts the progress watcher, and hands CMD to the
+node's warm standby (hpcft/launch/warm.py) or, where none can run it, execs CMD."""
 import os
 import sys
 
 from hpcft.errors import HpcftError
-from hpcft.launch import progress
+from hpcft.launch import progress, warm
 from hpcft.launch.srun import task_env
 
 
 def main(argv: list[str]) -> int:
-    """Set the rank variables and replace this process by the command after `--`."""
+    """Set the rank variables and run the command after `--`: in the standby, else in place of this process."""
     command = argv[1:] if argv[:1] == ["--"] else argv
     if not command:
         print("usage: python -m hpcft.launch.task -- CMD [ARGS...]", file=sys.stderr)
@@ -27,6 +28,9 @@ def main(argv: list[str]) -> int:
         progress.start_watcher(os.environ.get("HPCFT_JOB_ID", "local"), rank, target)
     sys.stdout.flush()
     sys.stderr.flush()
+    code = warm.run(command, os.environ)  # this node's warm standby runs it, when one can
+    if code is not None:
+        return code
     try:
         os.execvp(command[0], command)
     except OSError as exc:

@@ -65,8 +65,9 @@ def _fresh(sandbox, tmp_path: Path) -> tuple:
 
 
 def _stores(runner, node: str, job: str) -> list[str]:
-    """The job's hpcft stores in `node`'s /dev/shm (each sandbox node has its own)."""
-    out = runner.run(["srun", "-N1", "-w", node, "sh", "-c", f"ls -d /dev/shm/hpcft-*-{job} 2>/dev/null; true"])
+    """The job's hpcft stores and standby socket directories in `node`'s /dev/shm (each sandbox node has its own)."""
+    out = runner.run(["srun", "-N1", "-w", node, "sh", "-c",
+                      f"ls -d /dev/shm/hpcft-*-{job} /dev/shm/.standby-hpcft-*-{job} 2>/dev/null; true"])
     return out.stdout.split()
 
 

@@ -1,0 +1,113 @@
+"""The task wrapper's warm path: hand the command to this node's standby (hpcft/launch/standby.py) instead of
+starting an interpreter, then stand in for the rank towards srun: its stdio is the rank's (passed over), signals
+srun sends are forwarded, and the wrapper ends as the rank ended (its exit code, or the same signal). When the
+wrapper dies (srun kills the step) the standby kills the rank. Any reason not to (no standby, another command, a
+refusal) returns None with a `trainer_start how=cold` event, and the wrapper execs the command as before."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+from hpcft import events
+from hpcft.errors import HpcftError
+from hpcft.launch import zygote
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
+START_TIMEOUT_S = 60.0  # fork and set-up take milliseconds; a standby this slow is treated as absent
+
+
+def _stdio_spec() -> dict:
+    """How this interpreter made its stdio (it was started by srun on the fds, in the environment, a cold `python`
+    would be): the child makes its own the same way."""
+    spec = {}
+    for name in ("stdin", "stdout", "stderr"):
+        stream = getattr(sys, name)
+        spec[name] = {"encoding": getattr(stream, "encoding", None), "errors": getattr(stream, "errors", None),
+                      "line_buffering": getattr(stream, "line_buffering", False),
+                      "write_through": getattr(stream, "write_through", False)}
+    return spec
+
+
+def request(target: zygote.Target, environ: Mapping[str, str]) -> dict:
+    """What the standby needs to become this rank."""
+    return {"python": sys.executable, "target": {**target.__dict__, "args": list(target.args)}, "env": dict(environ),
+            "cwd": os.getcwd(), "umask": _umask(), "affinity": sorted(os.sched_getaffinity(0)),
+            "devices": zygote.reachable_devices(), "stdio": _stdio_spec()}
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _cold(why: str, environ: Mapping[str, str]) -> None:
+    events.emit("trainer_start", level=logging.WARNING, how="cold", rank=environ.get("HPCFT_RANK"),
+                node=environ.get("HPCFT_NODE_NAME"), reason=why, action="a new interpreter starts (the standby is on)")
+
+
+def run(command: Sequence[str], environ: Mapping[str, str]) -> int | None:
+    """Run `command` in the node's standby and return its exit status (a signal death is re-raised on this
+    process); None when it must run cold (said in an event when the standby is on)."""
+    if environ.get(zygote.ENV_STANDBY) != "1":
+        return None
+    target, why = zygote.target_of(command, sys.executable, environ.get("PATH"))
+    if target is None or (target.kind == "script" and not os.path.exists(target.name)):
+        _cold(why or f"no script {target.name!r} (the interpreter says why)", environ)
+        return None
+    started = time.monotonic()
+    try:
+        path = zygote.socket_path(environ.get("HPCFT_JOB_ID", "local"), environ.get("HPCFT_STORE_ROOT") or None)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.settimeout(START_TIMEOUT_S)
+        sock.connect(str(path))
+        if zygote.peer_uid(sock) != os.getuid():
+            raise zygote.ProtocolError(f"the process listening at {path} is not of uid {os.getuid()}")
+        zygote.send(sock, request(target, environ), fds=(0, 1, 2))
+        reply, _ = zygote.receive(sock)
+    except (OSError, HpcftError) as exc:
+        _cold(f"no standby answered: {type(exc).__name__}: {exc}", environ)
+        return None
+    if reply is None or "started" not in reply:
+        sock.close()  # the standby kills a child whose wrapper is gone
+        _cold(f"the standby refused: {(reply or {}).get('refused', 'it closed the connection')}", environ)
+        return None
+    events.emit("trainer_start", how="warm", rank=environ.get("HPCFT_RANK"), node=environ.get("HPCFT_NODE_NAME"),
+                pid=reply["started"], seconds=round(time.monotonic() - started, 3))
+    return _wait(sock)
+
+
+def _wait(sock: socket.socket) -> int:
+    """Forward signals to the rank until it ends; end as it did."""
+    sock.settimeout(None)
+
+    def forward(signum: int, _frame) -> None:
+        try:
+            zygote.send(sock, {"signal": signum})
+        except OSError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    try:
+        reply, _ = zygote.receive(sock)
+    except (OSError, HpcftError) as exc:
+        reply = None
+        print(f"hpcft task: the standby connection failed: {exc}", file=sys.stderr)
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_DFL)
+    if reply is None:
+        print("hpcft task: the standby ended before this rank's process (it dies with the standby)", file=sys.stderr)
+        return 1
+    if "signal" in reply:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(reply["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), reply["signal"])
+        return 128 + reply["signal"]
+    return int(reply.get("exit", 1))

@@ -1,0 +1,61 @@
+"""The warm standbys (on by default) in the session's runs: the recovery bench's killed rank and crashed node are
+relaunched by the standbys' forked children, not new interpreters, and still end bit-identical to the fault-free
+run; the spare's standby was warm before the crash. No run of its own: it reads the runs conftest.py makes."""
+import pytest
+from runs import FAULT_AT, assert_same_result, decisions, resumed_from
+
+from hpcft import events
+from hpcft.bench import timeline
+
+pytestmark = pytest.mark.sandbox
+
+
+def _launches(job_dir) -> list[list[dict]]:
+    """The `trainer_start` events of each launch (split at the `launch` events)."""
+    found: list[list[dict]] = []
+    for e in events.read(job_dir):
+        if e["event"] == "launch":
+            found.append([])
+        elif e["event"] == "trainer_start" and found:
+            found[-1].append(e)
+    return found
+
+
+def test_the_reference_run_starts_every_rank_in_a_standby(dp_reference):
+    log = events.read(dp_reference / "job")
+    ready = sorted(e["node"] for e in log if e["event"] == "standby_ready")
+    assert ready == [f"n{i}" for i in range(1, 7)], "a standby on every node of the slots and the spares"
+    (wait,) = [e for e in log if e["event"] == "standby_wait"]
+    assert (wait["ready"], wait["nodes"], wait["level"]) == (4, 4, "INFO")
+    (first,) = _launches(dp_reference / "job")
+    assert sorted((e["how"], e["rank"]) for e in first) == [("warm", str(r)) for r in range(4)]
+    assert [e["event"] for e in log][-1] == "standby_stopped"
+
+
+@pytest.mark.timeout(900)  # the session's recovery bench, if no test has made it yet
+def test_a_killed_rank_is_relaunched_warm_and_resumes_bit_identical(recovery_bench, dp_reference):
+    out = recovery_bench.runs / "rank-kill"
+    assert [d["action"] for d in decisions(out / "job")] == ["relaunch", "done"]
+    first, again = _launches(out / "job")
+    assert [e["how"] for e in first + again] == ["warm"] * 8
+    assert not {e["pid"] for e in first} & {e["pid"] for e in again}, "a fresh child for every launch"
+    recs = timeline.read(out)
+    ran = {r["pid"] for r in recs if r["what"] == "start" and r["run"] == "0.1"}
+    assert ran == {e["pid"] for e in again}, "the relaunched ranks are the standbys' children"
+    assert recovery_bench.report["phases"]["rank_kill"]["warm_ranks"] == 4
+    assert recovery_bench.report["rank_kill_warm_ranks"] == 4
+    assert set(resumed_from(out).values()) == {min(resumed_from(out).values())} and \
+        min(resumed_from(out).values()) >= FAULT_AT
+    assert_same_result(out, dp_reference)
+
+
+@pytest.mark.timeout(900)
+def test_the_spare_taking_a_crashed_nodes_slot_starts_its_rank_warm(recovery_bench, dp_reference):
+    out = recovery_bench.runs / "node-crash"
+    assert [d["action"] for d in decisions(out / "job")] == ["replace", "done"]
+    _, again = _launches(out / "job")
+    assert sorted((e["node"], e["how"]) for e in again) == [("n1", "warm"), ("n2", "warm"), ("n4", "warm"),
+                                                            ("n5", "warm")]
+    log = events.read(out / "job")
+    assert not [e for e in log if e["event"] == "standby_failed" and e.get("cause") != "step_ended"]
+    assert_same_result(out, dp_reference)

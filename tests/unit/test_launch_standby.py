@@ -1,0 +1,257 @@
+"""The warm standby, run for real without Slurm: a standby process (hpcft/launch/standby.py), the task wrapper
+(hpcft/launch/task.py → warm.py) in front of it, real fds, signals and exits; plus the pure parts (zygote.py)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcft import events
+from hpcft.launch import standby, zygote
+from hpcft.launch.layout import Layout
+from hpcft.launch.srun import step_env
+from hpcft.launch.standbys import cpus_per_node, standby_argv
+
+JOB = "4242"
+PROBE = """import json, os, sys
+import __main__
+print(json.dumps({"spec": __spec__ and (__spec__.name, __spec__.origin), "pkg": __package__, "loader": type(__loader__).__name__, "argv": sys.argv, "path0": sys.path[0], "file": __file__, "name": __name__, "cwd": os.getcwd(),
+                  "rank": os.environ.get("RANK"), "extra": os.environ.get("PROBE_EXTRA"), "main": sys.modules["__main__"].__file__,
+                  "affinity": sorted(os.sched_getaffinity(0)), "umask": os.umask(0o022), "stdin": sys.stdin.read(),
+                  "buffering": [sys.stdout.line_buffering, sys.stdout.write_through, sys.stderr.line_buffering]}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
+"""
+
+
+def _wait_for(predicate, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A running standby (preloading only `json`: the protocol is the test, not torch) in a store root of its own;
+    yields the wrapper's environment for rank 3 of a 2-node, 2-task layout, whose node n2 the standby serves."""
+    root, job_dir = Path(tempfile.mkdtemp(prefix="hpcft-standby-test-")), tmp_path / "job"
+    root.chmod(0o755)  # as /dev/shm is: the standby's own directory is what keeps other users out
+    lay = Layout.plan(["n1", "n2"], tasks_per_node=2)
+    env = {**os.environ, **step_env(lay, job_id=JOB, restart_count=0, job_dir=str(job_dir)), "SLURMD_NODENAME": "n2",
+           "SLURM_LOCALID": "1", "HPCFT_STORE_ROOT": str(root), zygote.ENV_STANDBY: "1"}
+    del env["HPCFT_JOB_DIR"]  # no progress watcher: its fork would be one more child to account for
+    proc = subprocess.Popen([sys.executable, "-m", "hpcft.launch.standby", "--job-dir", str(job_dir), "--job", JOB,
+                             "--preload", "json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: standby.status_path(job_dir, "n2").exists() or proc.poll() is not None, "the standby")
+    assert json.loads(standby.status_path(job_dir, "n2").read_text())["phase"] == "ready", proc.stdout.read()
+    yield env
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert not zygote.socket_dir(JOB, root).exists(), "a stopped standby removes its socket"
+    assert json.loads(standby.status_path(job_dir, "n2").read_text())["phase"] == "stopped"
+    shutil.rmtree(root)
+
+
+def _wrapped(env, *command, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hpcft.launch.task", "--", *command], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _starts(env) -> list[dict]:
+    return [e for e in events.read(env["HPCFT_EVENT_DIR"]) if e["event"] == "trainer_start"]
+
+
+def test_a_warm_rank_sees_what_a_cold_python_script_sees(node, tmp_path):
+    """argv, sys.path[0], __file__, __main__, cwd, the environment, affinity, umask, stdio (its buffering too) and
+    the exit code are those of `python SCRIPT`, through the wrapper's own fds."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "probe.py").write_text(PROBE)
+    (tmp_path / "link.py").symlink_to(scripts / "probe.py")  # sys.path[0] is the real script's directory
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**node, "PROBE_EXTRA": "x y", "PROBE_EXIT": "3"}
+    for script in ("../link.py", str(scripts / "probe.py")):
+        warm = _wrapped(env, sys.executable, script, "a", "--b", cwd=work)
+        w_out, w_err = warm.communicate("stdin text", timeout=60)
+        cold = subprocess.run([sys.executable, script, "a", "--b"], env={**env, "RANK": "3"}, cwd=work,
+                              input="stdin text", capture_output=True, text=True, timeout=60)
+        assert warm.returncode == cold.returncode == 3, w_err
+        assert json.loads(w_out) == json.loads(cold.stdout)
+        assert w_err.endswith("to stderr\n") and cold.stderr == "to stderr\n"
+    assert [(e["how"], e["rank"]) for e in _starts(node)] == [("warm", "3"), ("warm", "3")]
+    assert len({e["pid"] for e in _starts(node)}) == 2, "a fresh child for every launch"
+
+
+def test_a_module_runs_as_python_m_would(node, tmp_path):
+    (tmp_path / "probemod.py").write_text(PROBE)
+    warm = _wrapped(node, sys.executable, "-u", "-m", "probemod", "z", cwd=tmp_path)
+    w_out, w_err = warm.communicate("", timeout=60)
+    cold = subprocess.run([sys.executable, "-u", "-m", "probemod", "z"], env={**node, "RANK": "3"}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert warm.returncode == cold.returncode == 0, w_err
+    assert json.loads(w_out) == json.loads(cold.stdout)
+    assert _starts(node)[0]["how"] == "warm"
+
+
+def test_an_uncaught_exception_is_reported_as_a_cold_interpreter_would(node, tmp_path):
+    (tmp_path / "boom.py").write_text("def f():\n    raise ValueError('boom')\nf()\n")
+    warm = _wrapped(node, sys.executable, str(tmp_path / "boom.py"))
+    _, w_err = warm.communicate(timeout=60)
+    cold = subprocess.run([sys.executable, str(tmp_path / "boom.py")], capture_output=True, text=True, timeout=60)
+    assert warm.returncode == cold.returncode == 1
+    assert w_err.splitlines()[-len(cold.stderr.splitlines()):] == cold.stderr.splitlines(), w_err
+    missing = _wrapped(node, sys.executable, str(tmp_path / "missing.py"))
+    _, m_err = missing.communicate(timeout=60)
+    assert missing.returncode == 2 and "can't open file" in m_err and "no script" in m_err  # cold, and said
+
+
+def test_signal_deaths_propagate_and_signals_are_forwarded(node, tmp_path):
+    (tmp_path / "die.py").write_text("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    died = _wrapped(node, sys.executable, str(tmp_path / "die.py"))
+    died.communicate(timeout=60)
+    assert died.returncode == -signal.SIGSEGV
+    (tmp_path / "term.py").write_text(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (print('got', signal.SIGTERM.value, flush=True), sys.exit(7)))\n"
+        "print('ready', flush=True)\ntime.sleep(60)\n")
+    term = _wrapped(node, sys.executable, str(tmp_path / "term.py"))
+    assert term.stdout.readline() == "ready\n"
+    term.send_signal(signal.SIGTERM)
+    out, _ = term.communicate(timeout=60)
+    assert (term.returncode, out) == (7, "got 15\n")
+
+
+def test_a_sigkilled_wrapper_takes_its_rank_and_the_ranks_children_along(node, tmp_path):
+    (tmp_path / "sleep.py").write_text(
+        "import os, subprocess, sys, time\n"
+        "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "print(os.getpid(), kid.pid, flush=True)\ntime.sleep(120)\n")
+    wrapper = _wrapped(node, sys.executable, str(tmp_path / "sleep.py"))
+    pids = [int(p) for p in wrapper.stdout.readline().split()]
+    wrapper.kill()
+    wrapper.wait(timeout=30)
+    for pid in pids:
+        _wait_for(lambda: not _alive(pid), f"pid {pid} to end with its wrapper", timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_what_a_standby_cannot_run_runs_cold_and_says_why(node, tmp_path):
+    (tmp_path / "ok.py").write_text("import os; print(os.environ['RANK'])")
+    cases = [((sys.executable, "-c", "import os; print(os.environ['RANK'])"), {}, "interpreter option '-c'"),
+             (("sh", "-c", "echo $RANK"), {}, "is not the interpreter"),
+             ((sys.executable, str(tmp_path / "ok.py")), {"PYTHONPATH": str(tmp_path)}, "PYTHONPATH differs"),
+             ((sys.executable, str(tmp_path / "ok.py")), {"HPCFT_JOB_ID": "other"}, "no standby answered")]
+    for command, extra, why in cases:
+        proc = _wrapped({**node, **extra}, *command)
+        out, err = proc.communicate(timeout=60)
+        assert (proc.returncode, out) == (0, "3\n"), err
+        assert why in err, err  # a warning line on the task's stderr, never silent
+    colds = [e for e in _starts(node) if e["how"] == "cold"]
+    assert len(colds) == 4 and all(e["level"] == "WARNING" for e in colds)
+    off = _wrapped({**node, zygote.ENV_STANDBY: "0"}, sys.executable, str(tmp_path / "ok.py"))
+    assert off.communicate(timeout=60) == ("3\n", "") and off.returncode == 0  # standby off: cold, nothing said
+
+
+def test_another_user_cannot_reach_the_standby(node):
+    path = zygote.socket_path(JOB, node["HPCFT_STORE_ROOT"])
+    assert (path.parent.stat().st_mode & 0o777, path.stat().st_mode & 0o777) == (0o700, 0o600)
+    if os.getuid() != 0:
+        pytest.skip("needs root to become another user")
+    code = ("import os, socket, sys\nos.setgid(65534); os.setuid(65534)\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+            "try:\n    s.connect(sys.argv[1])\nexcept PermissionError:\n    sys.exit(13)\n")
+    assert subprocess.run([sys.executable, "-c", code, str(path)], timeout=60).returncode == 13
+    os.chmod(path.parent, 0o755)  # past the directory, the standby itself checks the peer's uid
+    os.chmod(path, 0o666)
+    code += "print(s.recv(10))\n"
+    got = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+    assert got.stdout == "b''\n", got.stderr
+    assert [e["uid"] for e in events.read(node["HPCFT_EVENT_DIR"]) if e["event"] == "standby_refused"] == [65534]
+
+
+def test_fork_safety_refuses_threads_and_counts_native_ones():
+    assert standby.fork_unsafe(standby.native_threads()) is None
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="busy")
+    thread.start()
+    try:
+        assert "busy" in standby.fork_unsafe(standby.native_threads())
+    finally:
+        stop.set()
+        thread.join()
+    assert "threads running" in standby.fork_unsafe(0)
+    with open(os.devnull) as held:  # a driver file held open, as cuInit (/dev/nvidiactl) or hsa_init (/dev/kfd) do
+        assert standby.gpu_driver_open(prefixes=(os.devnull,)) == os.devnull
+    assert held.closed
+
+
+def test_which_commands_a_standby_can_run():
+    py = sys.executable
+    assert zygote.target_of([py, "train.py", "--x"], py, None) == (zygote.Target("script", "train.py", ("--x",)), "")
+    assert zygote.target_of([py, "-u", "-m", "pkg.mod", "a"], py, None)[0] == \
+        zygote.Target("module", "pkg.mod", ("a",), unbuffered=True)
+    bin_dir = os.path.dirname(py)
+    assert zygote.target_of([os.path.basename(py), "t.py"], py, bin_dir)[0] is not None  # found on PATH
+    for command, why in [([py], "no script"), ([py, "-m"], "-m without"), ([py, "-O", "t.py"], "'-O'"),
+                         (["/usr/bin/env", "python", "t.py"], "not the interpreter")]:
+        target, reason = zygote.target_of(command, py, None)
+        assert target is None and why in reason, (command, reason)
+    assert zygote.env_mismatch({"OMP_NUM_THREADS": "7", "X": "1"}, {"OMP_NUM_THREADS": "7"}) is None
+    assert zygote.env_mismatch({"OMP_NUM_THREADS": "7"}, {}) == "OMP_NUM_THREADS"
+    assert zygote.env_mismatch({"LD_PRELOAD": "a.so"}, {"LD_PRELOAD": "b.so"}) == "LD_PRELOAD"
+
+
+def test_the_standby_step_covers_the_nodes_with_their_cpus():
+    assert cpus_per_node({"SLURM_JOB_CPUS_PER_NODE": "56(x4),28"}) == 28
+    assert cpus_per_node({}) is None and cpus_per_node({"SLURM_JOB_CPUS_PER_NODE": "?"}) is None
+    argv = standby_argv(["n1", "n2", "n5"], python="/py", job_dir="/j", preload="torch", cpus=8)
+    assert argv[:10] == ["srun", "--job-name=hpcft-standby", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1",
+                         "--nodelist=n[1-2,5]", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL"]
+    assert argv[10:] == ["--cpus-per-task=8", "--cpu-bind=none", "/py", "-m", "hpcft.launch.standby", "--job-dir",
+                         "/j", "--preload", "torch"]
+
+
+def test_what_a_rank_leaves_in_its_group_ends_with_it(node, tmp_path):
+    """As a step's end kills every process of the step, a warm rank's end kills what it left behind."""
+    (tmp_path / "leave.py").write_text(
+        "import subprocess, sys\n"
+        "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']).pid, flush=True)\n")
+    proc = _wrapped(node, sys.executable, str(tmp_path / "leave.py"))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    _wait_for(lambda: not _alive(int(out)), "the rank's leftover to end", timeout=30)
+
+
+def test_the_standby_options_from_every_place_and_forwarded_by_submit(tmp_path):
+    from hpcft.launch import config
+
+    assert config.load({}, environ={}).standby is True  # the default
+    assert config.load({}, environ={"HPCFT_STANDBY": "0"}).standby is False
+    cfg = config.load({"standby": True, "preload": "torch, transformers.models"}, environ={"HPCFT_STANDBY": "0"})
+    assert cfg.standby is True and cfg.preload == "torch, transformers.models"
+    with pytest.raises(config.ConfigError, match="'torch nn' is not a module name"):
+        config.load({"preload": "torch nn"}, environ={})
+    script = subprocess.run([sys.executable, "-m", "hpcft.cli", "submit", "--nodes", "2", "-t", "10", "--dry-run",
+                             "--no-standby", "--preload", "torch,numpy", "--", "python", "t.py"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert script.returncode == 0, script.stderr
+    assert "--no-standby --preload torch,numpy" in script.stdout
