@@ -3,6 +3,7 @@
 Every entry is a live tensor that the optimizer updates in place, so a restore copies bytes back into
 exactly these tensors and the next step sees them (DTensor `to_local()` shares storage).
 """
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +24,8 @@ class Entry:
     replicated: bool  # identical on every member of the data-parallel group
     placement: dict[str, Any] | None = None
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # read per entry by every plan and check: computed once (`local`'s size is fixed)
         return self.local.numel() * self.local.element_size()
 
     def describe(self) -> dict[str, Any]:
