@@ -20,22 +20,27 @@ from hpcft.store import RankStore, Version, crc32c, seal, seal_key
 
 _log = logging.getLogger(__name__)
 OK, LOST, MISMATCH = 0, 1, 2
-WIDTH = 16  # steps per rank compared by `held_everywhere`: the same on every rank, whatever each one's `keep`
+WIDTH = 16  # steps per rank and source compared by `held_everywhere_each`, whatever each rank's `keep`
 
 
-def held_everywhere(held: Sequence[Any], world: Any = None) -> tuple[list[int], bool]:
-    """Steps complete on every rank (each holding `held`: versions or anything else with a `.step`), newest first,
-    and whether any rank holds any (`world`: a group of every rank that carries CPU tensors, None for the default
-    group). Collective."""
-    mine = sorted({v.step for v in held}, reverse=True)
+def held_everywhere_each(helds: Sequence[Sequence[Any]], world: Any = None) -> list[tuple[list[int], bool]]:
+    """For each list in `helds` (versions or anything else with a `.step`: memory, the durable tier, node-local
+    copies), the steps complete on every rank, newest first, and whether any rank holds any (`world`: a group of
+    every rank that carries CPU tensors, None for the default group). Collective: one all-gather for every list, so a
+    restore's agreement costs one collective's latency, not one per source."""
+    mine = [sorted({v.step for v in held}, reverse=True) for held in helds]
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine, bool(mine)
-    row = torch.full((WIDTH,), -1, dtype=torch.int64)
-    row[:len(mine[:WIDTH])] = torch.tensor(mine[:WIDTH], dtype=torch.int64)
+        return [(steps, bool(steps)) for steps in mine]
+    row = torch.full((len(helds), WIDTH), -1, dtype=torch.int64)
+    for i, steps in enumerate(mine):
+        row[i, :len(steps[:WIDTH])] = torch.tensor(steps[:WIDTH], dtype=torch.int64)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row, group=world)
-    sets = [set(r.tolist()) - {-1} for r in rows]
-    return sorted(set.intersection(*sets), reverse=True), any(sets)
+    out = []
+    for i in range(len(helds)):
+        sets = [set(r[i].tolist()) - {-1} for r in rows]
+        out.append((sorted(set.intersection(*sets), reverse=True), any(sets)))
+    return out
 
 
 def agree(code: int, world: Any = None) -> int:

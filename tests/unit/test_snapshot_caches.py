@@ -30,6 +30,21 @@ def _train(net: _Net, opt: torch.optim.Optimizer, it: int) -> None:
     opt.zero_grad()
 
 
+def _model() -> tuple[_Net, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    net = _Net()
+    return net, torch.optim.AdamW(net.parameters(), lr=0.1)
+
+
+def _steps(ckpt: Checkpointer, net: _Net, opt: torch.optim.Optimizer, its: range) -> dict[str, torch.Tensor]:
+    """Train iterations `its`, a snapshot after each; the live values once the last one is committed."""
+    for it in its:
+        _train(net, opt, it)
+        ckpt.step(it)
+        ckpt.wait()
+    return _values(net, opt)
+
+
 def _values(net: _Net, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     out = {f"m.{k}": v.clone() for k, v in net.state_dict().items()}
     out.update({f"o.{i}.{k}": v.clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()
@@ -81,23 +96,14 @@ CHANGES: dict[str, Callable[[_Net, torch.optim.Optimizer], None]] = {
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_changed_tensor_is_snapshotted_and_restored_bit_exact_on_warm_caches(shm_root: Path, change: str) -> None:
-    torch.manual_seed(0)
-    net = _Net()
-    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net, opt = _model()
     with Checkpointer(net, opt, root=shm_root, job_id="caches", keep=3, auto=False) as ckpt:
-        for it in range(2):
-            _train(net, opt, it)
-            ckpt.step(it)
-        ckpt.wait()
+        _steps(ckpt, net, opt, range(2))
         _perturb(net, opt)
         assert ckpt.restore() == 2  # every cache is warm from here
         collections = ckpt._view.collections
         CHANGES[change](net, opt)
-        for it in range(2, 4):
-            _train(net, opt, it)
-            ckpt.step(it)
-        ckpt.wait()
-        want = _values(net, opt)
+        want = _steps(ckpt, net, opt, range(2, 4))
         assert ckpt._view.collections == collections + 1  # seen at the first snapshot after the change, once
         _perturb(net, opt)
         assert ckpt.restore() == 4
@@ -108,16 +114,11 @@ def test_a_changed_tensor_is_snapshotted_and_restored_bit_exact_on_warm_caches(s
 
 
 def test_optimizer_state_appearing_after_the_first_snapshot(shm_root: Path) -> None:
-    torch.manual_seed(0)
-    net = _Net()
-    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net, opt = _model()
     with Checkpointer(net, opt, root=shm_root, job_id="late-state", keep=3, auto=False) as ckpt:
         ckpt.snapshot()  # step 0: no optimizer state yet
         ckpt.wait()
-        _train(net, opt, 0)
-        ckpt.step(0)
-        ckpt.wait()
-        want = _values(net, opt)
+        want = _steps(ckpt, net, opt, range(1))
         assert any(k.startswith("o.") for k in want)
         _perturb(net, opt)
         assert ckpt.restore() == 1
@@ -127,16 +128,10 @@ def test_optimizer_state_appearing_after_the_first_snapshot(shm_root: Path) -> N
 def test_a_manifest_edited_in_place_is_read_again(shm_root: Path) -> None:
     """The store reuses a parsed manifest only while its file is unchanged: an edit that keeps its size (and a
     recomputed mtime) is still seen, and that version fails its check on a Checkpointer whose caches are warm."""
-    torch.manual_seed(0)
-    net = _Net()
-    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net, opt = _model()
     with Checkpointer(net, opt, root=shm_root, job_id="edited", keep=3, auto=False) as ckpt:
-        for it in range(2):
-            _train(net, opt, it)
-            ckpt.step(it)
-            ckpt.wait()
-            if it == 0:
-                first = _values(net, opt)
+        first = _steps(ckpt, net, opt, range(1))
+        _steps(ckpt, net, opt, range(1, 2))
         assert ckpt.restore() == 2
         newest = max(ckpt.store.versions(), key=lambda v: v.step)
         path = ckpt.store.dir / f"slot-{newest.slot}.json"
@@ -152,12 +147,9 @@ def test_a_manifest_edited_in_place_is_read_again(shm_root: Path) -> None:
 
 
 def test_the_restored_extra_is_the_callers_to_change(shm_root: Path) -> None:
-    net = _Net()
-    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net, opt = _model()
     with Checkpointer(net, opt, root=shm_root, job_id="extra", extra=lambda: {"pos": [1, 2]}, auto=False) as ckpt:
-        _train(net, opt, 0)
-        ckpt.step(0)
-        ckpt.wait()
+        _steps(ckpt, net, opt, range(1))
         assert ckpt.restore() == 1
         ckpt.extra["pos"].append(3)  # a caller changing what it got must not change the store's cached manifest
         assert ckpt.restore() == 1
