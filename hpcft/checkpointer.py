@@ -6,6 +6,7 @@ returns s, the number of completed steps, which is also the 0-based index of the
 `for it in range(ckpt.restore(), total)` resumes exactly where the snapshot left off; 0 means a fresh
 run (nothing to restore). A failed restore raises (IntegrityError / CheckpointError), never returns 0.
 """
+import copy
 import json
 import time
 import logging
@@ -186,7 +187,7 @@ class Checkpointer:
                                "HPCFT_JOB_ID")
         rng.restore(m["rng"])
         state.apply_optimizer_meta(self.model, self.optimizer, m.get("optim") or {})
-        self.completed, self.extra = got.step, m.get("extra")
+        self.completed, self.extra = got.step, copy.deepcopy(m.get("extra"))  # the manifest is the store's cache
         if self._on_restore:
             self._on_restore(self.extra)
         return got.step

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hpcft import events
 from hpcft.durable import catalog, local, reader
 from hpcft.errors import CheckpointError, IntegrityError
-from hpcft.snapshot.restore import Loader, held_everywhere
+from hpcft.snapshot.restore import Loader, held_everywhere_each
 from hpcft.snapshot.state import Entry
 from hpcft.store import Version, crc32c
 
@@ -74,11 +74,10 @@ def restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Path
     store = loader.store
     t0 = time.perf_counter()
     held = store.versions()
-    memory, in_memory = held_everywhere(held, loader.world)
     durables = {d.step: d for d in catalog.checkpoints(persist)}
-    durable, on_disk = held_everywhere(list(durables.values()), loader.world)
     mine = local.usable(local_root, persist, store.rank, world_size, durables)
-    nvme, on_nvme = held_everywhere(list(mine.values()), loader.world)
+    (memory, in_memory), (durable, on_disk), (nvme, on_nvme) = held_everywhere_each(
+        [held, list(durables.values()), list(mine.values())], loader.world)
     candidates = order(memory, durable, nvme)
     if not candidates:
         _none(store.rank, in_memory, on_disk or on_nvme, persist)

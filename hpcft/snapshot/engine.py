@@ -106,7 +106,9 @@ class SnapshotEngine:
         object as last time is the same layout, see snapshot.view; another list is compared entry by entry)."""
         if self._prepared is not None and self._prepared.entries is entries:
             return self._prepared
-        key = tuple((e.name, e.local.data_ptr(), e.nbytes, e.local.dtype, e.replicated) for e in entries)
+        # the geometry too: a tensor reshaped or transposed in place keeps its pointer, size and dtype
+        key = tuple((e.name, e.local.data_ptr(), tuple(e.local.shape), e.local.stride(), e.local.dtype, e.replicated)
+                    for e in entries)
         if self._prepared is not None and self._prepared.key == key:
             self._prepared.entries = entries
             return self._prepared

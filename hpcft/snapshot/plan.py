@@ -104,7 +104,8 @@ class Chunk(NamedTuple):
 
 class Grid:
     """`nbytes` of a data file holding `pieces`, cut into chunks of `chunk_bytes` (the last one shorter);
-    `chunk(i)` lists the segments chunk i covers, so a worker can plan each chunk as it takes it."""
+    `chunk(i)` lists the segments chunk i covers, so a worker can plan each chunk as it takes it (and a grid kept
+    for the next restore has them planned)."""
 
     def __init__(self, pieces: Sequence[Piece], nbytes: int, chunk_bytes: int):
         if chunk_bytes <= 0:
@@ -113,8 +114,15 @@ class Grid:
         self.count = -(-nbytes // chunk_bytes)
         self._spans = sorted((p.offset, p.offset + p.stop - p.start, p.source, p.start) for p in pieces)
         self._ends = [s[1] for s in self._spans]  # pieces are disjoint, so their ends are sorted too
+        self._planned: list[Chunk | None] = [None] * self.count
 
     def chunk(self, i: int) -> "Chunk":
+        planned = self._planned[i]
+        if planned is None:  # two workers never take one i; a list slot is written atomically under the GIL
+            planned = self._planned[i] = self._plan(i)
+        return planned
+
+    def _plan(self, i: int) -> "Chunk":
         lo = i * self.chunk_bytes
         hi = min(self.nbytes, lo + self.chunk_bytes)
         spans, segs = self._spans, []

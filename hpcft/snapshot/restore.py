@@ -20,22 +20,27 @@ from hpcft.store import RankStore, Version, crc32c, seal, seal_key
 
 _log = logging.getLogger(__name__)
 OK, LOST, MISMATCH = 0, 1, 2
-WIDTH = 16  # steps per rank compared by `held_everywhere`: the same on every rank, whatever each one's `keep`
+WIDTH = 16  # steps per rank and source compared by `held_everywhere_each`, whatever each rank's `keep`
 
 
-def held_everywhere(held: Sequence[Any], world: Any = None) -> tuple[list[int], bool]:
-    """Steps complete on every rank (each holding `held`: versions or anything else with a `.step`), newest first,
-    and whether any rank holds any (`world`: a group of every rank that carries CPU tensors, None for the default
-    group). Collective."""
-    mine = sorted({v.step for v in held}, reverse=True)
+def held_everywhere_each(helds: Sequence[Sequence[Any]], world: Any = None) -> list[tuple[list[int], bool]]:
+    """For each list in `helds` (versions or anything else with a `.step`: memory, the durable tier, node-local
+    copies), the steps complete on every rank, newest first, and whether any rank holds any (`world`: a group of
+    every rank that carries CPU tensors, None for the default group). Collective: one all-gather for every list, so a
+    restore's agreement costs one collective's latency, not one per source."""
+    mine = [sorted({v.step for v in held}, reverse=True) for held in helds]
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine, bool(mine)
-    row = torch.full((WIDTH,), -1, dtype=torch.int64)
-    row[:len(mine[:WIDTH])] = torch.tensor(mine[:WIDTH], dtype=torch.int64)
+        return [(steps, bool(steps)) for steps in mine]
+    row = torch.full((len(helds), WIDTH), -1, dtype=torch.int64)
+    for i, steps in enumerate(mine):
+        row[i, :len(steps[:WIDTH])] = torch.tensor(steps[:WIDTH], dtype=torch.int64)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row, group=world)
-    sets = [set(r.tolist()) - {-1} for r in rows]
-    return sorted(set.intersection(*sets), reverse=True), any(sets)
+    out = []
+    for i in range(len(helds)):
+        sets = [set(r[i].tolist()) - {-1} for r in rows]
+        out.append((sorted(set.intersection(*sets), reverse=True), any(sets)))
+    return out
 
 
 def agree(code: int, world: Any = None) -> int:
@@ -103,6 +108,11 @@ class Loader:
         self.world = world
         self.threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
+        # kept while the live entries are the same list (snapshot.view hands out one list per layout): the sinks,
+        # and the grids of the manifests (the same dict while its file is unchanged, store.manifest.ReadCache) that
+        # passed the schema's checks against it
+        self._sinks: tuple[Sequence[Entry], _Sinks] | None = None
+        self._checked: list[tuple[dict[str, Any], _Sinks, plan.Grid]] = []
 
     def close(self) -> None:
         if self._pool is not None:
@@ -121,7 +131,7 @@ class Loader:
         apply after the load, may raise ManifestError). IntegrityError / CheckpointError on every rank if any rank
         failed (a lying manifest, an unusable data file and a lost chunk count as lost), so all fall back together."""
         own, rep = self.split(entries)
-        sinks = _Sinks([*own, *rep])
+        sinks = self._sinks_of(entries, own, rep)
         codes, reasons, nbytes, loaded = [], [], 0, versions[0]
         for version in versions:
             code, reason, nbytes = self._local_load(version, own, rep, sinks, check_meta)
@@ -140,15 +150,30 @@ class Loader:
         sinks.finish()
         return loaded, nbytes
 
+    def _sinks_of(self, entries: Sequence[Entry], own: list[Entry], rep: list[Entry]) -> _Sinks:
+        if self._sinks is None or self._sinks[0] is not entries:
+            self._sinks, self._checked = (entries, _Sinks([*own, *rep])), []
+        return self._sinks[1]
+
+    def _grid(self, m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry], sinks: _Sinks) -> plan.Grid:
+        """The schema's checks of `m` against the live entries (see `schema`), done once per manifest and layout
+        (`sinks` stands for the layout: made anew whenever the live entries change)."""
+        for seen, live, grid in self._checked:
+            if seen is m and live is sinks:
+                return grid
+        schema.check_types(m)
+        schema.check_structure(m, own, rep, self.group)
+        grid = schema.check_layout(m, own, rep, self.group)
+        self._checked = [*self._checked[-(self.store.nslots + 1):], (m, sinks, grid)]
+        return grid
+
     def _local_load(self, version: Version, own: Sequence[Entry], rep: Sequence[Entry], sinks: _Sinks,
                     check_meta: Callable[[dict[str, Any]], None] | None) -> tuple[int, str, int]:
         """Check and load `version` on this rank alone: (OK / LOST / MISMATCH, why not, bytes read)."""
         m = version.manifest
         where = str(self.store.dir / f"slot-{version.slot}")
         try:
-            schema.check_types(m)
-            schema.check_structure(m, own, rep, self.group)
-            grid = schema.check_layout(m, own, rep, self.group)
+            grid = self._grid(m, own, rep, sinks)
             if check_meta is not None:
                 check_meta(m)
             return OK, "", self._local(version, grid, sinks)

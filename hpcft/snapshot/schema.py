@@ -18,6 +18,25 @@ def _count(v: Any) -> bool:
     return is_int(v) and v >= 0
 
 
+def _counts(values: Any) -> bool:
+    """Every value a count (`_count`), without a Python call per value: JSON gives plain ints, never subclasses."""
+    return all(type(v) is int and v >= 0 for v in values)
+
+
+def _entry_problem(e: dict[str, Any]) -> str:
+    """What is wrong with one manifest entry's types ("" if nothing): messages are made only for a failure, since a
+    manifest has an entry per tensor."""
+    if not (isinstance(e.get("name"), str) and isinstance(e.get("dtype"), str)):
+        return "has no name or dtype"
+    if not (isinstance(e.get("shape"), list) and _counts(e["shape"])):
+        return "shape is not a list of sizes"
+    if not (_count(e.get("nbytes")) and _count(e.get("offset"))):
+        return "nbytes/offset are not byte counts"
+    if not (e.get("placement") is None or isinstance(e["placement"], dict)):
+        return "placement is not an object"
+    return ""
+
+
 def _want(ok: bool, what: str) -> None:
     if not ok:
         raise ManifestError(f"the manifest's {what}")
@@ -29,16 +48,14 @@ def check_types(m: dict[str, Any]) -> None:
     _want(_count(m.get("chunk_bytes")) and m["chunk_bytes"] > 0, f"chunk_bytes {m.get('chunk_bytes')!r} is not a "
           "positive byte count")
     chunks = m.get("chunks")
-    _want(isinstance(chunks, list) and all(isinstance(c, list) and len(c) == 3 and all(map(_count, c))
-                                           for c in chunks), "chunk table is not a list of [offset, nbytes, crc]")
+    _want(isinstance(chunks, list) and all(isinstance(c, list) and len(c) == 3 for c in chunks)
+          and _counts(x for c in chunks for x in c), "chunk table is not a list of [offset, nbytes, crc]")
     entries = m.get("entries")
     _want(isinstance(entries, list) and all(isinstance(e, dict) for e in entries), "entries are not a list of objects")
     for i, e in enumerate(entries):
-        _want(isinstance(e.get("name"), str) and isinstance(e.get("dtype"), str), f"entry {i} has no name or dtype")
-        _want(isinstance(e.get("shape"), list) and all(map(_count, e["shape"])),
-              f"entry {i} shape is not a list of sizes")
-        _want(_count(e.get("nbytes")) and _count(e.get("offset")), f"entry {i} nbytes/offset are not byte counts")
-        _want(e.get("placement") is None or isinstance(e["placement"], dict), f"entry {i} placement is not an object")
+        problem = _entry_problem(e)
+        if problem:
+            raise ManifestError(f"the manifest's entry {i} {problem}")
     share = m.get("share")
     if share is not None:
         _want(isinstance(share, dict), "share is not an object")
@@ -89,9 +106,9 @@ def check_layout(m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry], 
     member, members = (group.member, group.size) if rep else (0, 1)
     lay = plan.layout([e.nbytes for e in own], [e.nbytes for e in rep], member, members, grains(rep))
     for i, (e, d) in enumerate(zip(own, m["entries"])):
-        _want(d["nbytes"] == e.nbytes and d["offset"] == lay.pieces[i].offset,
-              f"entry {i} ({e.name}) says {d['nbytes']} bytes at offset {d['offset']}; the live layout puts "
-              f"{e.nbytes} bytes at {lay.pieces[i].offset}")
+        if d["nbytes"] != e.nbytes or d["offset"] != lay.pieces[i].offset:  # the message only for a failure
+            _want(False, f"entry {i} ({e.name}) says {d['nbytes']} bytes at offset {d['offset']}; the live layout "
+                  f"puts {e.nbytes} bytes at {lay.pieces[i].offset}")
     _want(m["data_bytes"] == lay.nbytes, f"data_bytes {m['data_bytes']} is not the layout's {lay.nbytes}")
     if rep:
         share = m["share"]

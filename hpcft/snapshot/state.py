@@ -3,6 +3,7 @@
 Every entry is a live tensor that the optimizer updates in place, so a restore copies bytes back into
 exactly these tensors and the next step sees them (DTensor `to_local()` shares storage).
 """
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +24,8 @@ class Entry:
     replicated: bool  # identical on every member of the data-parallel group
     placement: dict[str, Any] | None = None
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # read per entry by every plan and check: computed once (`local`'s size is fixed)
         return self.local.numel() * self.local.element_size()
 
     def describe(self) -> dict[str, Any]:
@@ -223,6 +224,8 @@ def apply_optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimize
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for k, v in saved.items():
             group[k] = _unjson(v, group.get(k))
+    if not meta.get("scalars"):  # the usual case (torch keeps step counters as tensors): no walk of the state
+        return
     names = param_names(model)
     for p, state in optimizer.state.items():
         for key in list(state):
@@ -235,8 +238,10 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
     """Create the optimizer's lazily built state (moments, step counters) without changing any parameter,
     so that a restore has tensors to copy into. Uses torch's own helper (a step with lr=0 and zero
     gradients); the restore then overwrites every state tensor it created."""
-    if optimizer is None or all(p in optimizer.state and optimizer.state[p]
-                                for g in optimizer.param_groups for p in g["params"] if p.requires_grad):
+    if optimizer is None:
+        return
+    held = {id(p) for p, st in optimizer.state.items() if st}  # by id: hashing a tensor is a Python call
+    if all(id(p) in held for g in optimizer.param_groups for p in g["params"] if p.requires_grad):
         return
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 

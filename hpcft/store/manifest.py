@@ -1,5 +1,6 @@
 """Manifests: the JSON description of one snapshot (never pickle), self-checksummed, committed by rename."""
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,42 @@ def write_atomic(path: Path, manifest: dict[str, Any]) -> None:
 def read(path: Path) -> dict[str, Any]:
     """Read and verify one committed manifest."""
     return decode(read_file(path), path)
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+class ReadCache:
+    """`read` that parses and verifies a manifest only when its file changed: a manifest is written once and replaced
+    by rename, and any write to it (or a `utime`) moves its ctime, so the same (device, inode, size, mtime, ctime) of
+    the opened file is the same bytes. The file is still opened and checked (`open_file`) each time. A 50M-parameter
+    rank's manifest costs milliseconds to parse and re-dump for its checksum; a restore reads every slot's. The dicts
+    returned are shared with the cache: callers must not change them."""
+
+    def __init__(self) -> None:
+        self._seen: dict[Path, tuple[tuple[int, ...], dict[str, Any]]] = {}
+
+    def read(self, path: Path) -> dict[str, Any]:
+        seen = self._seen.get(path)
+        found: list[tuple[int, ...]] = []
+
+        def same(st: os.stat_result) -> bool:
+            found.append(_identity(st))
+            return seen is not None and seen[0] == found[0]
+
+        data = read_file(path, unless=same)
+        if data is None:
+            return seen[1]
+        self._seen.pop(path, None)
+        manifest = decode(data, path)
+        self._seen[path] = (found[0], manifest)
+        return manifest
+
+    def keep(self, paths: set[Path]) -> None:
+        """Forget every manifest not in `paths` (withdrawn ones)."""
+        for gone in [p for p in self._seen if p not in paths]:
+            del self._seen[gone]
 
 
 def is_int(v: Any) -> bool:

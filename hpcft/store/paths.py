@@ -4,6 +4,7 @@ import getpass
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from hpcft.errors import ConfigError, StoreError
@@ -166,10 +167,13 @@ def remove_file(path: Path) -> None:
         raise StoreError(f"cannot remove store file {path}: {exc.strerror or exc}{kind}; remove it by hand") from exc
 
 
-def read_file(path: Path) -> bytes:
-    """All bytes of a store file (a manifest, a pin), opened by `open_file`; StoreError if it cannot be read."""
+def read_file(path: Path, unless: Callable[[os.stat_result], bool] | None = None) -> bytes | None:
+    """All bytes of a store file (a manifest, a pin), opened by `open_file`; StoreError if it cannot be read. None,
+    without reading, when `unless(the opened file's fstat)` is true (a caller that holds what that file says)."""
     fd = open_file(path, os.O_RDONLY)
     try:
+        if unless is not None and unless(os.fstat(fd)):
+            return None
         with os.fdopen(fd, "rb", closefd=False) as fh:
             return fh.read()
     except OSError as exc:

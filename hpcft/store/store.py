@@ -60,6 +60,7 @@ class RankStore:
         self._full: set[int] = set()  # slots whose allocation ran out of space (retried once the space is back)
         self._refused: dict[int, str] = {}  # slots skipped for an unusable file, with the reason (reported once)
         self._index: dict[int, Version] | None = None  # slot -> complete version, as this writer knows it
+        self._manifests = mf.ReadCache()  # what `versions()` parsed, reused while a manifest file is unchanged
         self.rejected: list[str] = []  # manifests the last `versions()` skipped, and why
         self._release = weakref.finalize(self, lambda: None)
         if not readonly:
@@ -102,11 +103,12 @@ class RankStore:
         for k in indices:
             path = self._manifest_path(k)
             try:
-                m = mf.read(path)
+                m = self._manifests.read(path)
                 found[k] = Version(mf.check_own(m, k, self.rank, path), k, m)
             except StoreError as exc:
                 self.rejected.append(str(exc))
                 self._event("manifest_bad", level=logging.WARNING, path=str(path), error=str(exc))
+        self._manifests.keep({self._manifest_path(k) for k in found})
         self._index = found
         return sorted(found.values(), key=_age)
 
