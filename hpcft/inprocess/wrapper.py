@@ -132,6 +132,8 @@ class _Runner:
         """After a fault in this generation: publish, tear down, decide, meet at the barrier. Returns the first
         fault's cause for the next generation; raises GaveUp (or the fatal exception) when not restarting."""
         noticed = time.time()
+        if record.pending():  # the previous restart's generation faulted before its restore returned
+            record.restored(None)
         own = None if exc is None or isinstance(exc, Interrupted) else exc
         mine = describe(own) if own is not None else ("a peer finished after a fault" if exc is None else
                                                        "interrupted for a peer's fault")

@@ -74,3 +74,30 @@ def test_a_killed_rank_makes_the_survivors_give_up_in_bounded_time(root: Path, t
     assert all(r.returncode == 1 for r in survivors), [r.output[-2000:] for r in survivors]
     gave_up = [e for e in events.read(tmp_path) if e["event"] == "inprocess_giveup"]
     assert sorted(e["rank"] for e in gave_up) == [0, 1, 3]
+
+
+def test_the_bench_job_restarts_in_process_under_raise_at(root: Path, tmp_path: Path) -> None:
+    """hpcft/bench/train_job.py's RAISE_AT knob (the recovery bench's in-process scenario) without Slurm: every rank
+    restarts in process from the step it had and ends bit-identical to the same job without the raise."""
+    from hpcft.bench import train_job
+
+    def job(out: Path, **env: str) -> None:
+        base = {"OUT": str(out), "STEPS": "8", "WIDTH": "16", "LAYERS": "2", **env}
+        launch.check(launch.run(4, "job", root=root, out=out, job_id=out.name, script=Path(train_job.__file__),
+                                extra_env=base))
+
+    job(tmp_path / "whole")
+    job(tmp_path / "raised", RAISE_AT="4", RAISE_RANK="2")
+    _same_final(tmp_path / "whole" / "final.pt", tmp_path / "raised" / "final.pt")
+    recs = [json.loads(line) for line in (tmp_path / "raised" / "timeline.jsonl").read_text().splitlines()]
+    assert [r["rank"] for r in recs if r["what"] == "raise"] == [2]
+    assert sorted(r["rank"] for r in recs if r["what"] == "restored" and r.get("gen") == 1) == [0, 1, 2, 3]
+    assert {r["step"] for r in recs if r["what"] == "restored" and r.get("gen") == 1} == {4}
+    assert len({r["pid"] for r in recs if r["what"] == "step" and r["rank"] == 2}) == 1
+
+
+def _same_final(a: Path, b: Path) -> None:
+    x, y = torch.load(a), torch.load(b)
+    assert x["seen"] == y["seen"]
+    for k in x["params"]:
+        assert torch.equal(x["params"][k], y["params"][k]), k
