@@ -2,6 +2,7 @@
 one JSON object on stdout with every figure, each recovery split into phases that add up to its total. What hpcft
 did in those runs is checked by the tests of each recovery (test_supervisor.py, test_supervisor_requeue.py)."""
 import pytest
+from hpcft import events
 from runs import FAULT_AT, assert_same_result, decisions
 
 pytestmark = pytest.mark.sandbox
@@ -36,6 +37,8 @@ def test_an_exception_restarts_in_process_without_a_relaunch_and_ends_bit_identi
     uninterrupted run's, bit for bit."""
     out = recovery_bench.runs / "exception"
     assert [d["action"] for d in decisions(out / "job")] == ["done"]
+    summary = next(e for e in events.read(out / "job") if e["event"] == "summary")
+    assert summary["inprocess_restarts"] == 1 and summary["level"] == "WARNING"  # the ranks told it
     ph = recovery_bench.report["phases"]["exception"]
     parts = ph["detection_s"] + ph["abort_barrier_s"] + ph["new_groups_s"] + ph["restore_s"] + ph["first_step_s"]
     assert parts == pytest.approx(ph["total_s"], abs=1e-6) and ph["first_step_s"] > 0
