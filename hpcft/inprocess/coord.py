@@ -73,6 +73,7 @@ class Coord:
                 raise TimeoutError(f"only {self.store.add(f'd/{gen}', 0)} of {self.world} ranks finished within "
                                    f"{timeout_s:g} s of this one")
             time.sleep(POLL_S * 5)
+        self.store.add(f"f/{gen}", 0)  # makes the key exist: wakes every watcher (now disarmed) so it can stop
         if self.store.add(f"d/{gen}/left", 1) == self.world:
             self.store.set(f"d/{gen}/all-left", "1")
         if self.rank == 0:  # the store must outlive every rank's last request
@@ -104,8 +105,12 @@ class Watcher:
         self._armed.clear()
 
     def stop(self) -> None:
+        """End the thread and wait for it (at most its 1 s wait): a thread left inside a store call when the
+        interpreter exits aborts the process ("terminate called without an active exception")."""
         self._stop = True
         self._armed.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
 
     def _run(self) -> None:
         while not self._stop:

@@ -101,3 +101,27 @@ def _same_final(a: Path, b: Path) -> None:
     assert x["seen"] == y["seen"]
     for k in x["params"]:
         assert torch.equal(x["params"][k], y["params"][k]), k
+
+
+def test_restarted_ranks_exit_cleanly_as_whole_interpreters(root: Path, tmp_path: Path) -> None:
+    """As under srun (launch.py's forked ranks leave by os._exit): after a restart every rank's interpreter exits 0;
+    a watcher thread left inside a store call at exit would abort it ("terminate called without an active
+    exception")."""
+    import os
+    import subprocess
+    import sys
+
+    port = launch.free_port()
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "HPCFT_RANK": str(rank), "HPCFT_WORLD_SIZE": "4", "HPCFT_LOCAL_RANK": str(rank),
+               "HPCFT_LOCAL_WORLD_SIZE": "4", "HPCFT_JOB_ID": "whole", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(tmp_path),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(JOB), "run", "--out", str(tmp_path), "--steps", "4",
+                                       "--raise-at", "2", "--tag", "w"], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], [o[-2000:] for o in outs]
+    assert "terminate called" not in "".join(outs)
+    assert len([e for e in events.read(tmp_path) if e["event"] == "inprocess_restart"]) == 4
