@@ -38,6 +38,12 @@ def interrupt() -> None:
             _log.warning("aborting the NCCL/RCCL communicators failed: %s", exc)
 
 
+def collect() -> None:
+    """A full collection: frees groups that only reference cycles still hold (≈ 0.5 s with torch loaded, so only when
+    the barrier stalls: a peer may be blocked on this rank's sockets)."""
+    gc.collect()
+
+
 def release(exc: BaseException | None) -> None:
     """Drop what the fault's tracebacks hold (the frames' locals), its causes' and contexts' too."""
     seen: set[int] = set()
@@ -50,8 +56,8 @@ def release(exc: BaseException | None) -> None:
 
 def teardown(exc: BaseException | None = None) -> str | None:
     """Abort (NCCL/RCCL) or destroy (gloo) every process group of this generation, forget hpcft's CPU groups made
-    from them and free them (`release(exc)`, a collection); an error text if that failed (the new generation may then
-    not be able to form its groups)."""
+    from them and free them (`release(exc)`; groups held in reference cycles wait for `collect`, which a stalled
+    barrier calls); an error text if that failed (the new generation may then not be able to form its groups)."""
     groups.forget()
     release(exc)
     broken = None
@@ -63,5 +69,4 @@ def teardown(exc: BaseException | None = None) -> str | None:
                 dist.destroy_process_group()
         except Exception as err:  # noqa: BLE001 - reported: the give-up decision needs it
             broken = f"{type(err).__name__}: {err}"
-    gc.collect()
     return broken

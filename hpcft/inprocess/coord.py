@@ -16,6 +16,7 @@ from hpcft.inprocess.policy import barrier_outcome
 
 _log = logging.getLogger(__name__)
 POLL_S = 0.01  # barrier polls: a few round trips to rank 0 while every rank is stopped anyway
+STALL_S = 0.5  # a barrier still short of ranks after this: maybe blocked on this rank's unfreed groups
 
 
 class Coord:
@@ -50,14 +51,19 @@ class Coord:
     def gave_up(self, gen: int) -> str | None:
         return self.store.get(f"x/{gen}").decode() if self.store.check([f"x/{gen}"]) else None
 
-    def barrier(self, gen: int, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> str:
-        """Arrive for generation `gen` and wait for every rank: "go", or why to give up (policy.barrier_outcome)."""
+    def barrier(self, gen: int, timeout_s: float, on_stall: Callable[[], None] = lambda: None,
+                clock: Callable[[], float] = time.monotonic) -> str:
+        """Arrive for generation `gen` and wait for every rank: "go", or why to give up (policy.barrier_outcome);
+        `on_stall()` once if the others are not all there within STALL_S."""
         arrived = self.store.add(f"b/{gen}", 1)
-        t0 = clock()
+        t0, stalled = clock(), False
         while True:
             outcome = barrier_outcome(arrived, self.world, clock() - t0, timeout_s, self.gave_up(gen - 1))
             if outcome is not None:
                 return outcome
+            if not stalled and clock() - t0 > STALL_S:
+                stalled = True
+                on_stall()
             time.sleep(POLL_S)
             arrived = self.store.add(f"b/{gen}", 0)
 

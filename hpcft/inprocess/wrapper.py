@@ -172,7 +172,7 @@ class _Runner:
 
     def _barrier(self) -> str:
         try:
-            return self.coord.barrier(self.gen + 1, self.opts.barrier_timeout_s)
+            return self.coord.barrier(self.gen + 1, self.opts.barrier_timeout_s, on_stall=abort.collect)
         except Exception as exc:  # noqa: BLE001
             return f"coordination store lost at the barrier: {describe(exc)}"
 
