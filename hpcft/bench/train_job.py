@@ -23,7 +23,9 @@ Environment (all optional but OUT):
   HANG_AT=S HANG_RANK=R   in the first launch, rank R stops making progress after step S (a hang to detect)
   RAISE_AT=S RAISE_RANK=R [MAX_RESTARTS=1]   run under hpcft.restartable; in the first launch's first generation
                  rank R raises at step S (after its backward, before the all-reduce); every rank restarts in process
-                 (records carry `gen`; a `raise` record marks the fault's time)
+                 (records carry `gen`; a `raise` record marks the fault's time). TP=1 only: the TP blocks hold their
+                 tp group, so a kept TP model keeps the old generation's sockets open and the restart gives up at the
+                 barrier timeout (exit 1, the relaunch path; docs/checkpointing.md "In-process restart")
   BATCH=plan     the elastic arithmetic (hpcft.batch_plan, docs/supervisor.md "Elastic shrink"): a step takes the
                  plan's micro-batches of 16 samples, micro-batch u of the data stream drawn from seed u (dropout too),
                  `extra` counts micro-batches consumed; each replica's gradients and losses go into the rows of their
