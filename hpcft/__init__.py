@@ -1,6 +1,6 @@
 """hpcft: fault-tolerant hybrid-parallel training on Slurm with in-memory checkpointing.
 
-The training-side API (`init`, `Checkpointer`) is imported lazily so that the CLI and the
+The training-side API (`init`, `Checkpointer`, `restartable`) is imported lazily so that the CLI and the
 cluster tools start without importing torch.
 """
 from typing import Any
@@ -12,6 +12,9 @@ _LAZY = {
     "Context": ("hpcft.runtime", "Context"),
     "Checkpointer": ("hpcft.checkpointer", "Checkpointer"),
     "batch_plan": ("hpcft.elastic", "batch_plan"),
+    "restartable": ("hpcft.inprocess.wrapper", "restartable"),
+    "Attempt": ("hpcft.inprocess.wrapper", "Attempt"),
+    "RestartOptions": ("hpcft.inprocess.policy", "RestartOptions"),
 }
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from hpcft import events
 from hpcft.env import DEFAULT_JOB_ID, job_env
 from hpcft.errors import CheckpointError, ConfigError
+from hpcft.inprocess import record as restart_record
 from hpcft.snapshot import copiers, groups, rng, state, timing
 from hpcft.snapshot.engine import SnapshotEngine, Stats
 from hpcft.durable import catalog, local, resume
@@ -177,6 +178,7 @@ class Checkpointer:
         got = resume.restore(self._loader, live, self.persist_dir, self._check_meta, self.world, self.persist_local)
         if got is None:
             self.completed, self.extra = 0, None
+            restart_record.restored(0)  # an in-process restart's event, if one is under way
             return 0
         m = got.meta
         if self._shared_id and m.get("writer") != self._writer:
@@ -190,6 +192,7 @@ class Checkpointer:
         self.completed, self.extra = got.step, copy.deepcopy(m.get("extra"))  # the manifest is the store's cache
         if self._on_restore:
             self._on_restore(self.extra)
+        restart_record.restored(got.step)
         return got.step
 
     def _check_meta(self, m: dict[str, Any]) -> None:

@@ -80,17 +80,19 @@ def default_backend(device: torch.device) -> str:
 
 
 def init(*, dp: int | None = None, tp: int = 1, pp: int = 1, backend: str | None = None,
-         timeout_s: float = 600.0, environ: dict[str, str] | None = None) -> Context:
+         timeout_s: float = 600.0, environ: dict[str, str] | None = None, store: Any = None) -> Context:
     """Join the job: read the launcher's (or torchrun's, Slurm's, a local run's) variables, pick the device,
     initialise torch.distributed (`default_backend`: nccl/rccl plus gloo on GPUs, gloo on CPUs; `backend` overrides)
-    and build a (pp, dp, tp) DeviceMesh."""
+    and build a (pp, dp, tp) DeviceMesh. `store`: rendezvous on this torch Store instead of the job's address (an
+    in-process restart's generation, hpcft.inprocess)."""
     env = job_env(environ)
     dp, tp, pp = resolve_layout(env.world_size, dp, tp, pp)
     device = pick_device(env.local_rank)
     backend = backend or default_backend(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+        where = {"store": store} if store is not None else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
+        dist.init_process_group(backend, **where, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=timeout_s))
     elif dist.get_world_size() != env.world_size:
         raise ConfigError(f"torch.distributed is already initialised with {dist.get_world_size()} ranks, "
                           f"the job environment says {env.world_size}")

@@ -2,6 +2,10 @@
 
 Runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spare nodes):
 - rank kill: `hpcft run`, one trainer SIGKILLed mid-run → relaunch on the same nodes, restore from node memory;
+- exception: `hpcft run`, the job under `hpcft.restartable` (train_job.py's RAISE_AT), one rank raises after step
+  `fault_at` → every rank restarts in process (no relaunch), timed from the raise: detection (→ the last rank noticed),
+  abort + barrier (→ every rank freed its groups and met the others), new groups, restore, first step, from the ranks'
+  `inprocess_restart` events and the timeline;
 - node crash: `hpcft run --protect xor`, a node's slurmd, steps and /dev/shm killed once the agents have
   protected a step → a spare takes its slot, the agents rebuild the lost snapshot onto it and every rank
   resumes from memory; timed also from the moment Slurm marks the node bad (polled with scontrol);
@@ -43,7 +47,7 @@ from hpcft.slurm import state as slurmstate
 
 _log = logging.getLogger(__name__)
 SPARES = 2
-TARGETS = {"rank_kill_s": 10.0, "node_crash_s": 15.0, "restore_share": 0.10}
+TARGETS = {"rank_kill_s": 10.0, "node_crash_s": 15.0, "restore_share": 0.10, "exception_s": 2.0}
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,38 @@ def rank_kill(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     return {**timeline.phases(timeline.read(out), "0.1", fault, decided), **_starts(out / "job", decided)}
 
 
+def exception(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
+    """Rank VICTIM_RANK raises at step `fault_at` in the first generation; every rank restarts in process."""
+    proc = _supervised(sb, opts, out, RAISE_AT=str(opts.fault_at), RAISE_RANK=str(VICTIM_RANK))
+    _finish(proc, out, opts.timeout)
+    return inprocess_phases(timeline.read(out), events.read(out / "job"))
+
+
+def inprocess_phases(records: list[dict], log: list[dict]) -> dict[str, float]:
+    """Consecutive phases of an in-process restart, from the raise (its timeline record) to the first step every rank
+    completed after it; each phase ends when the last rank ends it (the ranks' `inprocess_restart` phases)."""
+    raised = [r["t"] for r in records if r["what"] == "raise"]
+    restarts = [e for e in log if e["event"] == "inprocess_restart" and e["generation"] == 1]
+    steps: dict[int, float] = {}
+    for r in records:
+        if r["what"] == "step" and r.get("gen") == 1:
+            steps.setdefault(r["rank"], r["t"])
+    if len(raised) != 1 or len(restarts) < ACTIVE or len(steps) < ACTIVE:
+        raise HpcftError(f"the in-process restart left {len(raised)} raise records, {len(restarts)} restart events and "
+                         f"a first step on {len(steps)} ranks (expected 1, {ACTIVE}, {ACTIVE})")
+    fault = raised[0]
+    chain = ("restored_s", "groups_s", "barrier_s", "torn_down_s")  # each the time since the mark before it
+
+    def ended(mark: int) -> float:  # when the last rank passed mark `mark` of `chain` going back, from the raise
+        return max(e["time"] - sum(e[k] for k in chain[:mark]) for e in restarts) - fault
+
+    restored, grouped, met, noticed = ended(0), ended(1), ended(2), ended(4)
+    total = max(steps.values()) - fault
+    return {"total_s": total, "detection_s": noticed, "abort_barrier_s": met - noticed, "new_groups_s": grouped - met,
+            "restore_s": restored - grouped, "first_step_s": total - restored,
+            "resumed_from": min(e["step"] for e in restarts)}
+
+
 def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     hold = out / "protected"  # the job waits after step fault_at until this exists (train_job.py)
     proc = _supervised(sb, opts, out, "--protect", "xor", HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))
@@ -262,6 +298,7 @@ def run(opts: RecoveryOptions) -> Report:
             sb.heal()
             try:
                 kill = rank_kill(sb, opts, work / "rank-kill")
+                exc = exception(sb, opts, work / "exception")
                 crash = node_crash(sb, opts, work / "node-crash")
                 sb.heal()
                 host = batch_host(sb, opts, work / "batch-host")
@@ -282,6 +319,9 @@ def run(opts: RecoveryOptions) -> Report:
     report.add("node_crash_from_fault_s", crash["total_s"], "s", "node crash: crash -> first step")
     report.add("restore_share", share, "", "rank kill: restore / total")
     report.add("rank_kill_warm_ranks", kill["warm_ranks"], "", "rank kill: relaunched ranks a warm standby started")
+    report.add("exception_s", exc["total_s"], "s", "exception: raise -> first step after the in-process restart")
+    for phase in ("detection_s", "abort_barrier_s", "new_groups_s", "restore_s", "first_step_s"):
+        report.add(f"exception_{phase}", exc[phase], "s", f"  exception: {phase[:-2].replace('_', ' ')}")
     report.add("batch_host_s", host["batch_host_s"], "s", "batch host crash: Slurm marks it bad -> janitors requeue")
     report.add("batch_host_total_s", host["total_s"], "s", "batch host crash: crash -> first step of the requeued run")
     what = {"relaunch": "srun again in the allocation", "requeue": "scontrol requeue"}
@@ -293,11 +333,12 @@ def run(opts: RecoveryOptions) -> Report:
     for name, ph in scenarios.items():
         for phase in ("detection_s", "relaunch_s", "restore_s", "first_step_s"):
             report.add(f"{name}_{phase}", ph[phase], "s", f"  {name.replace('_', ' ')}: {phase[:-2].replace('_', ' ')}")
-    report.note("phases", {**scenarios, "batch_host": host})
+    report.note("phases", {**scenarios, "batch_host": host, "exception": exc})
     report.note("targets", TARGETS)
     report.note("met", {"rank_kill_s": kill["total_s"] <= TARGETS["rank_kill_s"],
                         "node_crash_s": crash["from_marked_down_s"] <= TARGETS["node_crash_s"],
-                        "restore_share": share <= TARGETS["restore_share"]})
+                        "restore_share": share <= TARGETS["restore_share"],
+                        "exception_s": exc["total_s"] <= TARGETS["exception_s"]})
     report.note("config", {**asdict(opts), "params": opts.layers * (opts.width * opts.width + opts.width),
                            "ranks": ACTIVE, "spares": SPARES})
     return report

@@ -21,6 +21,11 @@ Environment (all optional but OUT):
                  file named) exists: a fault, a shrink, a grow must not race the job's end; a launch without S_k does
                  not wait
   HANG_AT=S HANG_RANK=R   in the first launch, rank R stops making progress after step S (a hang to detect)
+  RAISE_AT=S RAISE_RANK=R [MAX_RESTARTS=1]   run under hpcft.restartable; in the first launch's first generation
+                 rank R raises at step S (after its backward, before the all-reduce); every rank restarts in process
+                 (records carry `gen`; a `raise` record marks the fault's time). TP=1 only: the TP blocks hold their
+                 tp group, so a kept TP model keeps the old generation's sockets open and the restart gives up at the
+                 barrier timeout (exit 1, the relaunch path; docs/checkpointing.md "In-process restart")
   BATCH=plan     the elastic arithmetic (hpcft.batch_plan, docs/supervisor.md "Elastic shrink"): a step takes the
                  plan's micro-batches of 16 samples, micro-batch u of the data stream drawn from seed u (dropout too),
                  `extra` counts micro-batches consumed; each replica's gradients and losses go into the rows of their
@@ -171,77 +176,101 @@ def main() -> int:
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
     tp = _int("TP", 1)
-    ctx = hpcft.init(tp=tp, backend=os.environ.get("BACKEND") or None)
-    _record(out, "init", rank=ctx.rank)
-    dp_group, tp_group = _grad_groups(ctx)
-    if tp > 1:
-        model = _tp_model(width, layers, dropout, ctx, tp_group)
-    else:
-        body = [m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.Dropout(dropout), torch.nn.Tanh())]
-        model = torch.nn.Sequential(*body, torch.nn.Linear(width, 1))  # dropout draws from the RNG hpcft must restore
-    ddp = DDP(model) if os.environ.get("SYNC", "manual") == "ddp" else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    seen = {"samples": 0, "micro_batches": 0}
-    ckpt_file = out / "ckpt.pt"
-    ckpt = None if mode == "disk" else hpcft.Checkpointer(model, opt, extra=lambda: dict(seen), dp_group=ctx.dp_group)
-    _record(out, "built", rank=ctx.rank)
-    if ckpt is None:
-        start = 0
-        if ckpt_file.exists():
-            saved = torch.load(ckpt_file, weights_only=True)
-            model.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["opt"])
-            seen.update(saved["seen"])
-            start = saved["step"] + 1
-    else:
-        start = ckpt.restore()
-        if start:
-            seen.update(ckpt.extra or {})
-    _record(out, "restored", rank=ctx.rank, step=start)
-    (out / f"start.{ctx.rank}.{os.environ.get('SLURM_STEP_ID', 'x')}").write_text(str(start))
-    plan = hpcft.batch_plan(ctx) if os.environ.get("BATCH") == "plan" else None
-    for step in range(start, total):
-        if plan is not None:
-            planned = {"loss": _planned_step(model, opt, plan, seen, width, dp_group), "replicas": plan.replicas}
+    backend = os.environ.get("BACKEND") or None
+    raise_at = _int("RAISE_AT", -1) if first_run else -1
+    kept: dict = {}
+
+    def generation(ctx, gen: int) -> None:
+        """One run of the training loop on `ctx`'s groups; under RAISE_AT, once per in-process generation (the model
+        and optimizer kept in `kept`, restored in place)."""
+        _record(out, "init", rank=ctx.rank, gen=gen)
+        dp_group, tp_group = _grad_groups(ctx)
+        if not kept:
+            if tp > 1:
+                kept["model"] = _tp_model(width, layers, dropout, ctx, tp_group)
+            else:
+                body = [m for _ in range(layers)
+                        for m in (torch.nn.Linear(width, width), torch.nn.Dropout(dropout), torch.nn.Tanh())]
+                kept["model"] = torch.nn.Sequential(*body, torch.nn.Linear(width, 1))  # dropout: RNG hpcft restores
+            kept["opt"] = torch.optim.AdamW(kept["model"].parameters(), lr=1e-2)
+        _loop(ctx, gen, kept["model"], kept["opt"], dp_group)
+
+    def _loop(ctx, gen: int, model, opt, dp_group) -> None:
+        ddp = DDP(model) if os.environ.get("SYNC", "manual") == "ddp" else model
+        seen = {"samples": 0, "micro_batches": 0}
+        ckpt_file = out / "ckpt.pt"
+        ckpt = None if mode == "disk" else hpcft.Checkpointer(model, opt, extra=lambda: dict(seen), dp_group=ctx.dp_group)
+        _record(out, "built", rank=ctx.rank)
+        try:
+            _body(ctx, gen, model, opt, dp_group, ddp, seen, ckpt, ckpt_file)
+        finally:
+            if ckpt is not None:
+                ckpt.close()
+
+    def _body(ctx, gen, model, opt, dp_group, ddp, seen, ckpt, ckpt_file) -> None:
+        if ckpt is None:
+            start = 0
+            if ckpt_file.exists():
+                saved = torch.load(ckpt_file, weights_only=True)
+                model.load_state_dict(saved["model"])
+                opt.load_state_dict(saved["opt"])
+                seen.update(saved["seen"])
+                start = saved["step"] + 1
         else:
-            planned = {}
-            g = torch.Generator().manual_seed(1000 * step + ctx.dp_rank)  # a replica's tp ranks share its batch
-            x = torch.randn(16, width, generator=g)
-            loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).tanh())
-            opt.zero_grad()
-            loss.backward()
-            if ddp is model:
-                for p in model.parameters():
-                    dist.all_reduce(p.grad, group=dp_group)
-                    p.grad /= ctx.dp
-            seen["samples"] += len(x)  # before opt.step(): the snapshot taken in its post-step hook records it
-            opt.step()
-        if mode == "disk" and ctx.rank == 0:
-            tmp = ckpt_file.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "seen": seen}, tmp)
-            os.replace(tmp, ckpt_file)
-        (out / f"progress.{ctx.rank}").write_text(str(step))
-        _record(out, "step", rank=ctx.rank, step=step, **planned)
-        time.sleep(delay)
-        if step == hold_at and hold_file is not None:
-            while not hold_file.exists():
-                time.sleep(0.05)
-        if step == hang_at and ctx.rank == _int("HANG_RANK", 0):
-            while True:  # alive, silent: only the supervisor's --hang-timeout can notice
-                time.sleep(3600)
-    if ckpt is not None:
-        ckpt.wait()
-    final = {"params": {k: v.clone() for k, v in model.state_dict().items()}, "seen": seen}
-    if ctx.rank == 0:
-        torch.save(final, out / "final.pt")
-    if tp > 1:
-        final["optim"] = {f"{i}.{k}": v for i, s in opt.state_dict()["state"].items() for k, v in s.items()}
-        torch.save(final, out / f"final.{ctx.rank}.pt")
-    if ckpt is not None:
-        ckpt.close()
-    dist.barrier(group=None if "cpu:" in dist.get_backend_config() else dist.new_group(backend="gloo"))
-    dist.destroy_process_group()
-    _record(out, "done", rank=ctx.rank)
+            start = ckpt.restore()
+            if start:
+                seen.update(ckpt.extra or {})
+        _record(out, "restored", rank=ctx.rank, step=start, gen=gen)
+        (out / f"start.{ctx.rank}.{os.environ.get('SLURM_STEP_ID', 'x')}").write_text(str(start))
+        plan = hpcft.batch_plan(ctx) if os.environ.get("BATCH") == "plan" else None
+        for step in range(start, total):
+            if plan is not None:
+                planned = {"loss": _planned_step(model, opt, plan, seen, width, dp_group), "replicas": plan.replicas}
+            else:
+                planned = {}
+                g = torch.Generator().manual_seed(1000 * step + ctx.dp_rank)  # a replica's tp ranks share its batch
+                x = torch.randn(16, width, generator=g)
+                loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True).tanh())
+                opt.zero_grad()
+                loss.backward()
+                if step == raise_at and ctx.rank == _int("RAISE_RANK", 0) and gen == 0:
+                    _record(out, "raise", rank=ctx.rank, step=step)  # the fault's time, as the bench sees it
+                    raise RuntimeError(f"RAISE_AT: injected exception at step {step}")
+                if ddp is model:
+                    for p in model.parameters():
+                        dist.all_reduce(p.grad, group=dp_group)
+                        p.grad /= ctx.dp
+                seen["samples"] += len(x)  # before opt.step(): the snapshot taken in its post-step hook records it
+                opt.step()
+            if mode == "disk" and ctx.rank == 0:
+                tmp = ckpt_file.with_suffix(".tmp")
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "seen": seen}, tmp)
+                os.replace(tmp, ckpt_file)
+            (out / f"progress.{ctx.rank}").write_text(str(step))
+            _record(out, "step", rank=ctx.rank, step=step, gen=gen, **planned)
+            time.sleep(delay)
+            if step == hold_at and hold_file is not None:
+                while not hold_file.exists():
+                    time.sleep(0.05)
+            if step == hang_at and ctx.rank == _int("HANG_RANK", 0):
+                while True:  # alive, silent: only the supervisor's --hang-timeout can notice
+                    time.sleep(3600)
+        if ckpt is not None:
+            ckpt.wait()
+        final = {"params": {k: v.clone() for k, v in model.state_dict().items()}, "seen": seen}
+        if ctx.rank == 0:
+            torch.save(final, out / "final.pt")
+        if tp > 1:
+            final["optim"] = {f"{i}.{k}": v for i, s in opt.state_dict()["state"].items() for k, v in s.items()}
+            torch.save(final, out / f"final.{ctx.rank}.pt")
+        dist.barrier(group=None if "cpu:" in dist.get_backend_config() else dist.new_group(backend="gloo"))
+        dist.destroy_process_group()
+    if raise_at >= 0:
+        hpcft.restartable(lambda attempt: generation(attempt.init(tp=tp, backend=backend), attempt.generation),
+                          max_restarts=_int("MAX_RESTARTS", 1))()
+    else:
+        generation(hpcft.init(tp=tp, backend=backend), 0)
+    _record(out, "done", rank=rank_hint)
     # The interpreter's exit would walk torch's (and torch._dynamo's, which the optimizer imports) millions of objects
     # in several full collections: ≈ 1.2 s of CPU per rank, seconds of every launch's end when ranks share cores.
     # Nothing of this job is left to collect: what it wrote is closed.

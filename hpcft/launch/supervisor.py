@@ -230,13 +230,14 @@ class Supervisor:
         """The run's last word: how it ended, and every loss of progress (ERROR when it gave up or restarted from
         step 0 after progress existed)."""
         from_zero = any(loss.resumed_from == 0 for loss in self.lost)
+        inproc = sum(e["event"] == "inprocess_restart" and e.get("rank") == 0 for e in events.read(self.job_dir))
         level = (logging.ERROR if action is Action.STOP or from_zero
-                 else logging.WARNING if self.lost or any(self.reshaped.values()) or self.stragglers.evicted
+                 else logging.WARNING if self.lost or any(self.reshaped.values()) or self.stragglers.evicted or inproc
                  or action is Action.REQUEUE
                  else logging.INFO)
         lost = "; ".join(loss.line() for loss in self.lost)
         self.emit("summary", level=level, action=action.value, reason=reason, restarts=saved.restarts,
-                  requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=exit_code, lost=lost,
+                  requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=exit_code, lost=lost, inprocess_restarts=inproc,  # the ranks' own (hpcft.restartable)
                   **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines}, **self.stragglers.summary())
 
     def _reshape(self, decision: Decision, event: Event, state: State, launches: int) -> Decision:

@@ -68,6 +68,11 @@ class Comm:
     dp: Group | None = None
 
 
+def forget() -> None:
+    """Drop the CPU groups made so far (their process groups were destroyed: an in-process restart makes new ones)."""
+    _made.clear()
+
+
 def world_cpu_group() -> Any:
     """A group of every rank that carries CPU tensors: None (the default group) where it does, else a gloo
     group made once (collective: every rank calls this the first time together)."""

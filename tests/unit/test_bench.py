@@ -94,3 +94,18 @@ def test_recovery_baselines_are_named_and_their_scripts_react_as_a_user_would(tm
     assert "#SBATCH -N4 --requeue" in requeue and 'scontrol requeue "$SLURM_JOB_ID"' in requeue
     for text in (relaunch, requeue):
         assert f">> {tmp_path}/timeline.jsonl" in text
+
+
+def test_inprocess_phases_add_up_to_the_raise_to_first_step_time() -> None:
+    """hpcft.bench.recovery.inprocess_phases over a made-up timeline: each phase ends when the last rank ends it."""
+    from hpcft.bench.recovery import inprocess_phases
+
+    records = [{"what": "raise", "t": 100.0, "rank": 2}] + [
+        {"what": "step", "t": 101.5 + r / 10, "rank": r, "gen": 1} for r in range(4)]
+    log = [{"event": "inprocess_restart", "generation": 1, "time": 101.0 + r / 100, "step": 6, "noticed_s": 0.1 * r,
+            "torn_down_s": 0.2, "barrier_s": 0.1, "groups_s": 0.05, "restored_s": 0.05} for r in range(4)]
+    ph = inprocess_phases(records, log)
+    assert ph["total_s"] == pytest.approx(1.8) and ph["resumed_from"] == 6
+    parts = ("detection_s", "abort_barrier_s", "new_groups_s", "restore_s", "first_step_s")
+    assert sum(ph[p] for p in parts) == pytest.approx(ph["total_s"])
+    assert ph["restore_s"] == pytest.approx(0.05) and ph["first_step_s"] == pytest.approx(0.77)

@@ -1,0 +1,72 @@
+"""Tearing down a generation's process groups after a fault. gloo: a rank's sockets close only when its groups are
+freed (destroy, abort and shutdown leave them open while anything refers to the group: checked on torch 2.13), and
+their closing is what makes a peer's blocked collective raise ("Connection closed by peer"); so the fault's
+traceback frames (the training function's locals: its context, groups, Checkpointer) are cleared and collected.
+NCCL/RCCL: a blocked collective waits on the device, so the communicators are aborted, from the watcher thread too
+(the thin GPU-only piece)."""
+from __future__ import annotations
+
+import gc
+import logging
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from hpcft.snapshot import groups
+
+_log = logging.getLogger(__name__)
+
+
+def on_device() -> bool:
+    """Whether the default group runs NCCL/RCCL communicators (which only an abort interrupts)."""
+    if not dist.is_initialized() or not torch.cuda.is_available():
+        return False
+    try:
+        return "nccl" in dist.get_backend_config()
+    except (RuntimeError, ValueError):
+        return False
+
+
+def interrupt() -> None:
+    """From the watcher thread: abort NCCL/RCCL communicators so the training thread's collective returns; nothing
+    on gloo (a peer closing its groups does it)."""
+    if on_device():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as exc:  # noqa: BLE001 - the teardown that follows tries again
+            _log.warning("aborting the NCCL/RCCL communicators failed: %s", exc)
+
+
+def collect() -> None:
+    """A full collection: frees groups that only reference cycles still hold (≈ 0.5 s with torch loaded, so only when
+    the barrier stalls: a peer may be blocked on this rank's sockets)."""
+    gc.collect()
+
+
+def release(exc: BaseException | None) -> None:
+    """Drop what the fault's tracebacks hold (the frames' locals), its causes' and contexts' too."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def teardown(exc: BaseException | None = None) -> str | None:
+    """Abort (NCCL/RCCL) or destroy (gloo) every process group of this generation, forget hpcft's CPU groups made
+    from them and free them (`release(exc)`; groups held in reference cycles wait for `collect`, which a stalled
+    barrier calls); an error text if that failed (the new generation may then not be able to form its groups)."""
+    groups.forget()
+    release(exc)
+    broken = None
+    if dist.is_initialized():
+        try:
+            if on_device():
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        except Exception as err:  # noqa: BLE001 - reported: the give-up decision needs it
+            broken = f"{type(err).__name__}: {err}"
+    return broken
