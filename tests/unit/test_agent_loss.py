@@ -67,19 +67,29 @@ def test_a_dead_peer_fails_the_next_all_gather_naming_its_slot(tmp_path):
             m.close()
 
 
-def _steps(tmp_path: Path, proc: subprocess.Popen, tag: str = "3") -> AgentSteps:
+@pytest.fixture
+def made_steps():
+    """AgentSteps made by a test, closed after it (prepare serves the agents' directory: a thread and a socket)."""
+    made: list[AgentSteps] = []
+    yield made
+    for steps in made:
+        steps.close()
+
+
+def _steps(tmp_path: Path, proc: subprocess.Popen, made: list, tag: str = "3") -> AgentSteps:
     steps = AgentSteps(RunConfig(), runner=None, job_dir=tmp_path, python=sys.executable, emit=lambda *a, **k: None,
                        stop_steps=lambda procs: None, interrupted=lambda: False, check_nodes=lambda layout, probe: {})
     steps.prepare()
     steps.proc, steps.tag = proc, tag
+    made.append(steps)
     return steps
 
 
-def test_failed_reports_name_the_nodes_to_probe(tmp_path):
+def test_failed_reports_name_the_nodes_to_probe(tmp_path, made_steps):
     layout = Layout(slots=("frontier00041", "frontier00042", "frontier00043"), spares=())
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        steps = _steps(tmp_path, running)
+        steps = _steps(tmp_path, running, made_steps)
         for slot in range(3):
             agent_status.write(steps.rendezvous, "3", slot, phase=agent_status.PROTECTING)
         assert steps.lost(layout) is None  # all well
@@ -95,11 +105,11 @@ def test_failed_reports_name_the_nodes_to_probe(tmp_path):
         running.wait()
 
 
-def test_an_agents_step_that_ended_silently_is_a_loss_of_every_slot(tmp_path):
+def test_an_agents_step_that_ended_silently_is_a_loss_of_every_slot(tmp_path, made_steps):
     layout = Layout(slots=("n1", "n2"), spares=())
     ended = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     ended.wait()
-    steps = _steps(tmp_path, ended)
+    steps = _steps(tmp_path, ended, made_steps)
     suspects = steps.lost(layout)
     assert set(suspects) == {"n1", "n2"} and "exit status 3" in suspects["n1"]
     steps.proc = None  # no agents (--protect none and no durable tier): nothing to watch
