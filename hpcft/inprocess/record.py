@@ -28,16 +28,19 @@ def mark(name: str) -> None:
 
 
 def restored(step: int | None) -> dict | None:
-    """Emit the pending restart's event with the step its generation restored (None: it restored nothing)."""
+    """Emit the pending restart's event with the step its generation restored (None: it restored nothing).
+    The pending record is cleared only after the emit: a peer's fault interrupts this thread at any bytecode (an
+    asynchronous exception), and the wrapper then emits what is still pending, so the event is never lost."""
     global _pending
     if _pending is None:
         return None
-    fields, _pending = _pending, None
     _marks["restored"] = time.time()
     order = [k for k in ("fault", "noticed", "torn_down", "barrier", "groups", "restored") if k in _marks]
     phases = {f"{b}_s": round(_marks[b] - _marks[a], 6) for a, b in zip(order, order[1:])}
-    return events.emit("inprocess_restart", level=logging.WARNING, **fields, step=step, **phases,
+    said = events.emit("inprocess_restart", level=logging.WARNING, **_pending, step=step, **phases,
                        total_s=round(_marks["restored"] - _marks.get("fault", _marks["restored"]), 6))
+    _pending = None
+    return said
 
 
 def pending() -> bool:
