@@ -161,7 +161,8 @@ def main() -> int:
 
     import hpcft
 
-    _record(out, "imported", rank=rank_hint)
+    _record(out, "imported", rank=rank_hint, python=sys.executable, torch=torch.__file__,
+            node=os.environ.get("SLURMD_NODENAME", ""))
     total, delay = _int("STEPS", 40), float(os.environ.get("STEP_DELAY", "0"))
     width, layers, dropout = _int("WIDTH", 32), _int("LAYERS", 2), float(os.environ.get("DROPOUT", "0.1"))
     mode = os.environ.get("CKPT", "hpcft")

@@ -91,6 +91,14 @@ def _run_options(f):
         click.option("--preload", default=None,
                      help="Comma-separated modules the standbys import before a launch (default: torch, torch._dynamo, "
                           "numpy, hpcft's training side, ...)."),
+        click.option("--stage-env/--no-stage-env", default=None,
+                     help="Copy the Python environment to node-local storage (sbcast) and start every step from it "
+                          "(default: on with the frontier profile and node-local NVMe, else off)."),
+        click.option("--stage-dir", default=None,
+                     help="Node-local directory for --stage-env, the same path on every node (default $HPCFT_NVME, "
+                          "else /tmp)."),
+        click.option("--stage-cache", default=None,
+                     help="Where --stage-env keeps its archives, named by content (default <job dir>/stage)."),
     ]
     for option in reversed(options):
         f = option(f)

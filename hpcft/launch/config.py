@@ -62,7 +62,12 @@ class RunConfig:
     relaunch starts no interpreter (hpcft/launch/standby.py; other commands run cold, said in an event); preload:
     the comma-separated modules the standbys import (default: torch and what its first optimizer and
     use_deterministic_algorithms import, torch._dynamo included, numpy and hpcft's training side; add the training
-    script's own heavy modules).
+    script's own heavy modules); stage_env: pack the interpreter's environment (its venv or conda env) once, broadcast
+    it with sbcast to node-local storage and start every step from each node's copy (hpcft/launch/stage.py; default:
+    on in the frontier profile where the job has node-local NVMe, else off); stage_dir: that node-local directory,
+    the same path on every node (default $HPCFT_NVME, else /tmp); stage_cache: where the archives are kept between
+    launches and requeues, named by their content (default `<job_dir>/stage`; a directory shared by several jobs
+    reuses one archive for all).
     """
 
     nodes: int | None = None
@@ -109,6 +114,9 @@ class RunConfig:
     evict_stragglers: bool = False
     standby: bool = True
     preload: str = DEFAULT_PRELOAD
+    stage_env: bool | None = None
+    stage_dir: str | None = None
+    stage_cache: str | None = None
 
     @property
     def protected(self) -> bool:
@@ -152,7 +160,7 @@ def _coerce(key: str, value: Any, where: str) -> Any:
             return int(value)
         if kind in (float, "float", float | None, "float | None"):
             return float(value)
-        if kind in (bool, "bool"):
+        if kind in (bool, "bool", bool | None, "bool | None"):
             if isinstance(value, bool):
                 return value
             text = str(value).strip().lower()

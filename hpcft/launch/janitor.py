@@ -32,6 +32,7 @@ from pathlib import Path
 from hpcft import events
 from hpcft.errors import HpcftError
 from hpcft.launch.clean import clean
+from hpcft.launch.stage_paths import ENV_NODE_DIR
 from hpcft.launch.zygote import socket_dir
 from hpcft.slurm.state import is_bad, job_info, node_states
 from hpcft.slurm.nodelist import compress
@@ -67,7 +68,8 @@ def requeue_flag(job_dir_: str | os.PathLike, run: int | str) -> Path:
     return Path(job_dir_) / f"requeue-run-{run}"
 
 
-def janitor_argv(nodes: Sequence[str], *, python: str, job_dir_: str, now: bool = False) -> list[str]:
+def janitor_argv(nodes: Sequence[str], *, python: str, job_dir_: str, now: bool = False,
+                 staged: bool = False) -> list[str]:
     """One janitor task on each of `nodes` (--overlap: next to the job's other steps; --kill-on-bad-exit=0: a
     task lost does not end the others; --no-kill: nor does a node lost. Without it slurmctld kills the whole step
     when it marks the batch host DOWN, and the janitors then raced that mark: seen losing 2 runs in 4 under load)."""
@@ -75,7 +77,8 @@ def janitor_argv(nodes: Sequence[str], *, python: str, job_dir_: str, now: bool 
     return ["srun", f"--job-name={JANITOR_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={compress(list(nodes))}", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL",
             python, "-m",
-            "hpcft.launch.janitor", "--job-dir", str(job_dir_), *(["--now"] if now else [])]
+            "hpcft.launch.janitor", "--job-dir", str(job_dir_), *(["--now"] if now else []),
+            *(["--staged"] if staged else [])]
 
 
 class Janitor:
@@ -88,10 +91,10 @@ class Janitor:
         self.nodes: list[str] = []  # where the waiting janitors of `proc` run
         self.cleaned_by = ""  # how the last `finish` removed the stores: "janitors" (signalled) or "--now step"
 
-    def _popen(self, nodes: Sequence[str], env: Mapping[str, str], now: bool) -> subprocess.Popen:
+    def _popen(self, nodes: Sequence[str], env: Mapping[str, str], now: bool, staged: bool = False) -> subprocess.Popen:
         with open(self.job_dir / "janitor.log", "ab") as log:
-            return self.runner.popen(janitor_argv(nodes, python=self.python, job_dir_=str(self.job_dir), now=now),
-                                     env=dict(env), stdout=log, stderr=subprocess.STDOUT)
+            argv = janitor_argv(nodes, python=self.python, job_dir_=str(self.job_dir), now=now, staged=staged)
+            return self.runner.popen(argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
 
     def ensure(self, nodes: Sequence[str], env: Mapping[str, str]) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -114,12 +117,13 @@ class Janitor:
             self._stop_steps({JANITOR_STEP_NAME: self.proc})
             self.proc = None
         self.cleaned_by = "--now step"
-        return self.wipe(nodes, env, timeout)
+        return self.wipe(nodes, env, timeout, staged=True)
 
-    def wipe(self, nodes: Sequence[str], env: Mapping[str, str], timeout: float = 60.0) -> int | None:
-        """Remove the job's store on every one of `nodes` now (the waiting janitors keep running); srun's exit
-        status (None: it did not finish within `timeout`)."""
-        proc = self._popen(nodes, env, now=True)
+    def wipe(self, nodes: Sequence[str], env: Mapping[str, str], timeout: float = 60.0,
+             staged: bool = False) -> int | None:
+        """Remove the job's store on every one of `nodes` now (the waiting janitors keep running), and with `staged`
+        the node's copy of the environment (--stage-env); srun's exit status (None: not finished within `timeout`)."""
+        proc = self._popen(nodes, env, now=True, staged=staged)
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -148,10 +152,18 @@ def _remove_standby(job: str) -> None:
         pass
 
 
+def _remove_staged() -> None:
+    """This node's copy of the environment (hpcft/launch/stage.py), at the job's end and at a requeue: it is made
+    again from the cached archive, never lost."""
+    if os.environ.get(ENV_NODE_DIR):
+        shutil.rmtree(os.environ[ENV_NODE_DIR], ignore_errors=True)
+
+
 def _on_sigterm(job: str, store: Path, flag: Path) -> None:
     """Slurm ends or requeues the job: remove the store unless a requeue is pending."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _remove_standby(job)
+    _remove_staged()
     if flag.exists():
         why = f"kept: hpcft run requeued the job ({flag})"
     else:
@@ -169,6 +181,7 @@ def _on_done(job: str, store: Path) -> None:
     """`hpcft run` says the job is over (Janitor.finish): remove the store now, as `--now` does, and exit."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _remove_standby(job)
+    _remove_staged()
     _remove(store, settle=0.2)
     os._exit(0)
 
@@ -178,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job", default=os.environ.get("SLURM_JOB_ID"), help="job id (default $SLURM_JOB_ID)")
     ap.add_argument("--job-dir", required=True, help="hpcft run's job directory (where it flags its own requeues)")
     ap.add_argument("--now", action="store_true", help="the job is over: remove its store at once and exit")
+    ap.add_argument("--staged", action="store_true", help="with --now: also this node's copy of the environment")
     args = ap.parse_args(argv)
     if not args.job:
         print("hpcft janitor: no job id (--job or $SLURM_JOB_ID)", file=sys.stderr)
@@ -188,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpcft janitor: {exc}", file=sys.stderr)
         return 1
     if args.now:
+        if args.staged:
+            _remove_staged()
         _remove(store, settle=0.2)
         return 0
     run = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"

@@ -27,6 +27,8 @@ class Profile:
     agent_iface: str | None = None
     # the site's module lines of `hpcft submit`, unless the config file's [site] modules say otherwise
     modules: tuple[str, ...] = ()
+    # `hpcft run --stage-env` unless the user says otherwise, where the job has node-local NVMe ($HPCFT_NVME)
+    stage_env: bool = False
 
 
 # OLCF's PyTorch-on-Frontier guide (olcf-user-docs software/analytics/pytorch_frontier.rst, 2026-07): srun -c7
@@ -72,6 +74,7 @@ FRONTIER = Profile(
     net_plugin=True,
     agent_iface="hsn0",
     modules=("PrgEnv-gnu", "rocm", "rccl-net-plugin", "craype-accel-amd-gfx90a"),
+    stage_env=True,  # OLCF recommends it at scale (software/python/sbcast_conda.rst): docs/supervisor.md
 )
 
 CUDA = Profile(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hpcft import events
 from hpcft.errors import ConfigError, HpcftError, SlurmError
-from hpcft.launch import elastic, losses, profiles, progress
+from hpcft.launch import elastic, losses, profiles, progress, stage
 from hpcft.launch.grow import GrowWatch
 from hpcft.launch.agentloss import AgentLoss
 from hpcft.launch.agents import AgentSteps
@@ -88,6 +88,7 @@ class Supervisor:
         self.base_cfg = cfg  # the configuration this run started with (a shrunk or grown job's is sized from it)
         self.grow_watch = GrowWatch(cfg, self.runner, self.job_id, self.nodes, self.emit)
         self.stragglers = StragglerWatch(cfg, self.job_dir, self.emit)
+        self.stage = stage.EnvStage(cfg, self.profile, self.runner, self.job_dir, python, self.job_id, self.environ, self.emit)
 
     # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -283,7 +284,8 @@ class Supervisor:
         requeue first waits for their protection; every other path stops them (`AgentSteps.stop`)."""
         env = self._env(layout, restart_count)
         proc: subprocess.Popen | None = None
-        try:
+        try:  # the environment staged first (--stage-env): the janitors remove it, the other steps start from it
+            self.stage.ensure([*layout.slots, *layout.spares], env, (self, self.standbys, self.agents))
             self.janitor.ensure([*layout.slots, *layout.spares], env)
             self.standbys.ensure([*layout.slots, *layout.spares], env)
             if self.cfg.with_agents:

@@ -7,6 +7,7 @@ import sys
 from hpcft.errors import HpcftError
 from hpcft.launch import progress, warm
 from hpcft.launch.srun import task_env
+from hpcft.launch.stage_paths import localized
 
 
 def main(argv: list[str]) -> int:
@@ -20,6 +21,7 @@ def main(argv: list[str]) -> int:
     except HpcftError as exc:
         print(f"hpcft task: error: {exc}", file=sys.stderr)
         return 2
+    command = localized(command, os.environ, sys.executable)  # --stage-env: `python` is this node's copy
     job_dir = os.environ.get("HPCFT_JOB_DIR")
     if job_dir:
         rank = int(os.environ["HPCFT_RANK"])

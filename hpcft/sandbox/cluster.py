@@ -232,7 +232,13 @@ class Sandbox:
             (self._marker(f"{name}-pmix"), "mode=0755", str(self.layout.pmix_dir)),
         ]
         argv = ["slurmd", "-D", "-N", name, "-f", str(self.layout.slurm_conf)]
-        self._spawn(name, argv, tmpfs=tmpfs, **self._netns_options(node.netns, node.hostname))
+        disk = self.layout.local_disk(name)  # the node's own disk at one path on every node, empty as after a boot
+        shutil.rmtree(disk, ignore_errors=True)
+        disk.mkdir(parents=True, mode=0o755)
+        self.layout.local_dir.mkdir(mode=0o755, exist_ok=True)
+        ns = self._netns_options(node.netns, node.hostname)
+        ns["binds"] = [*ns.get("binds", ()), (disk, str(self.layout.local_dir))]
+        self._spawn(name, argv, tmpfs=tmpfs, **ns)
 
     # -- readiness -------------------------------------------------------------------------------
     def wait_for(self, nodes: Iterable[str], predicate: Callable[[str], bool], what: str, timeout: float) -> dict[str, str]:

@@ -116,6 +116,16 @@ class Layout:
     def log_dir(self) -> Path:
         return self.dir / "log"
 
+    @property
+    def local_dir(self) -> Path:
+        """Each node's local disk, at this one path on every node (a bind mount in its namespace): sbcast's
+        destination, as /tmp or the NVMe of a real node."""
+        return self.dir / "local"
+
+    def local_disk(self, node: str) -> Path:
+        """Where node `node`'s local disk is kept on the host."""
+        return self.dir / "disks" / node
+
     def node(self, name: str) -> NodeSpec:
         """The node called `name`; a clear error names the nodes there are."""
         for spec in self.nodes:

@@ -1,0 +1,104 @@
+"""`hpcft run --stage-env` in the sandbox, Frontier-shaped: 3 nodes × 2 ranks, the test venv packed once into a cache,
+sbcast into each node's own disk (the sandbox mounts one per node at <sandbox>/local), unpacked and verified there.
+The trainers run from their node's copy (sys.executable and torch.__file__ under it), a killed rank's cold relaunch
+too, ending bit-identical to a run from the shared interpreter; a node whose staging fails runs from the shared
+interpreter, said in a `stage_env_failed` event, and the run still succeeds; the janitors remove every copy."""
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from runs import assert_same_result, decisions, finish, start, wait
+
+from hpcft import events
+
+pytestmark = pytest.mark.sandbox
+NODES, PER_NODE, STEPS, FAULT_AT = 3, 2, 12, 5
+SHAPE = ("--tasks-per-node", str(PER_NODE))
+
+
+def _run(sandbox, out: Path, *args: str, **env: str):
+    return start(sandbox, out, NODES, *SHAPE, *args, per_node=PER_NODE, steps=STEPS, delay=0.2, **env)
+
+
+def _records(out: Path, what: str) -> list[dict]:
+    path = out / "timeline.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for r in map(json.loads, filter(None, lines)) if r["what"] == what]
+
+
+def _staged(sandbox) -> str:
+    return str(sandbox.dir / "local") + "/hpcft-env-"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("stage-cache")  # one archive of the test venv for the module's runs
+
+
+@pytest.fixture(scope="module")
+def reference(sandbox, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("stage-reference")
+    code, output = finish(_run(sandbox, out, "--no-standby"), timeout=300)
+    assert code == 0, output[-4000:]
+    assert {r["python"] for r in _records(out, "imported")} == {sys.executable}
+    return out
+
+
+def _no_copies_left(sandbox) -> None:
+    assert not list((sandbox.dir / "disks").glob("*/hpcft-env-*")), "the janitors remove every node's copy"
+
+
+@pytest.mark.timeout(900)
+def test_trainers_and_a_killed_ranks_cold_relaunch_run_from_the_nodes_copies(healthy_sandbox, reference, cache,
+                                                                               tmp_path):
+    out = tmp_path / "staged"
+    proc = _run(healthy_sandbox, out, "--no-standby", "--stage-env", "--stage-dir", str(healthy_sandbox.dir / "local"),
+                "--stage-cache", str(cache))
+    victim: list[int] = []
+
+    def reached() -> bool:
+        victim[:] = [r["pid"] for r in _records(out, "step") if r["rank"] == 3 and r["step"] >= FAULT_AT]
+        return bool(victim) or proc.poll() is not None
+
+    wait(reached, f"rank 3 at step {FAULT_AT}", 300, story=out)
+    os.kill(victim[0], signal.SIGKILL)
+    code, output = finish(proc, timeout=400)
+    assert code == 0, output[-4000:]
+    assert [d["action"] for d in decisions(out / "job")] == ["relaunch", "done"]
+    log = events.read(out / "job")
+    staged = sorted(e["node"] for e in log if e["event"] == "stage_env")
+    assert staged == ["n1", "n2", "n3"] and not [e for e in log if e["event"] == "stage_env_failed"]
+    imported = _records(out, "imported")
+    assert sorted(r["run"] for r in imported) == ["0.0"] * 6 + ["0.1"] * 6, "every rank, at both launches"
+    for r in imported:
+        assert r["python"].startswith(_staged(healthy_sandbox)) and r["torch"].startswith(_staged(healthy_sandbox)), r
+    assert_same_result(out, reference)
+    _no_copies_left(healthy_sandbox)
+
+
+@pytest.mark.timeout(900)
+def test_a_node_whose_staging_fails_runs_from_the_shared_interpreter_and_the_standbys_use_the_copies(
+        healthy_sandbox, reference, cache, tmp_path):
+    out = tmp_path / "staged-standby"
+    blocker = healthy_sandbox.dir / "disks" / "n2" / "stage"  # on n2 only, a file where the directory must be
+    blocker.write_text("not a directory")
+    try:
+        code, output = finish(_run(healthy_sandbox, out, "--stage-env", "--stage-dir",
+                                   str(healthy_sandbox.dir / "local" / "stage"), "--stage-cache", str(cache)),
+                              timeout=400)
+    finally:
+        blocker.unlink()
+    assert code == 0, output[-4000:]
+    log = events.read(out / "job")
+    (failed,) = [e for e in log if e["event"] == "stage_env_failed"]
+    assert (failed["node"], failed["level"]) == ("n2", "WARNING") and "stage" in failed["cause"], failed
+    assert sorted(e["node"] for e in log if e["event"] == "stage_env") == ["n1", "n3"]
+    assert {e["how"] for e in log if e["event"] == "trainer_start"} == {"warm"}, "standbys on every node"
+    for r in _records(out, "imported"):
+        want = sys.executable if r["node"] == "n2" else _staged(healthy_sandbox)
+        assert r["python"].startswith(want), r
+    assert_same_result(out, reference)
+    _no_copies_left(healthy_sandbox)
