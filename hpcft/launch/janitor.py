@@ -90,13 +90,15 @@ class Janitor:
         self.proc: subprocess.Popen | None = None
         self.nodes: list[str] = []  # where the waiting janitors of `proc` run
         self.cleaned_by = ""  # how the last `finish` removed the stores: "janitors" (signalled) or "--now step"
+        self.staged: dict[str, str] = {}  # where the nodes' copies of the environment are (--stage-env), for `finish`
 
     def _popen(self, nodes: Sequence[str], env: Mapping[str, str], now: bool, staged: bool = False) -> subprocess.Popen:
         with open(self.job_dir / "janitor.log", "ab") as log:
             argv = janitor_argv(nodes, python=self.python, job_dir_=str(self.job_dir), now=now, staged=staged)
-            return self.runner.popen(argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
+            return self.runner.popen(argv, env={**env, **self.staged}, stdout=log, stderr=subprocess.STDOUT)
 
     def ensure(self, nodes: Sequence[str], env: Mapping[str, str]) -> None:
+        self.staged = {ENV_NODE_DIR: env[ENV_NODE_DIR]} if env.get(ENV_NODE_DIR) else {}
         if self.proc is None or self.proc.poll() is not None:
             self.proc, self.nodes = self._popen(nodes, env, now=False), list(nodes)
 
@@ -153,17 +155,24 @@ def _remove_standby(job: str) -> None:
 
 
 def _remove_staged() -> None:
-    """This node's copy of the environment (hpcft/launch/stage.py), at the job's end and at a requeue: it is made
-    again from the cached archive, never lost."""
-    if os.environ.get(ENV_NODE_DIR):
-        shutil.rmtree(os.environ[ENV_NODE_DIR], ignore_errors=True)
+    """This node's copy of the environment (hpcft/launch/stage.py), at the job's end and at a requeue (it is made
+    again from the cached archive): renamed first, so that no step starts from a copy half removed."""
+    copy = os.environ.get(ENV_NODE_DIR)
+    if not copy:
+        return
+    trash = f"{copy}.removed-{os.getpid()}"
+    try:
+        os.rename(copy, trash)
+    except OSError:
+        pass  # none here, or one being removed by a janitor stopped meanwhile: its leftover is removed below
+    for left in [copy, *Path(copy).parent.glob(Path(copy).name + ".removed-*")]:
+        shutil.rmtree(left, ignore_errors=True)
 
 
 def _on_sigterm(job: str, store: Path, flag: Path) -> None:
     """Slurm ends or requeues the job: remove the store unless a requeue is pending."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _remove_standby(job)
-    _remove_staged()
     if flag.exists():
         why = f"kept: hpcft run requeued the job ({flag})"
     else:
@@ -174,6 +183,7 @@ def _on_sigterm(job: str, store: Path, flag: Path) -> None:
         except HpcftError as exc:  # never drop a checkpoint on a guess
             why = f"kept: {exc}"
     print(f"hpcft janitor: {store}: {why}", file=sys.stderr)
+    _remove_staged()  # after the store: Slurm's KillWait bounds what a janitor does here
     os._exit(0)
 
 
@@ -181,8 +191,8 @@ def _on_done(job: str, store: Path) -> None:
     """`hpcft run` says the job is over (Janitor.finish): remove the store now, as `--now` does, and exit."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _remove_standby(job)
-    _remove_staged()
     _remove(store, settle=0.2)
+    _remove_staged()
     os._exit(0)
 
 
@@ -202,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpcft janitor: {exc}", file=sys.stderr)
         return 1
     if args.now:
+        _remove(store, settle=0.2)
         if args.staged:
             _remove_staged()
-        _remove(store, settle=0.2)
         return 0
     run = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
     flag = requeue_flag(args.job_dir, run)

@@ -184,3 +184,17 @@ def test_the_users_setting_wins_over_the_frontier_profiles_default_which_needs_n
     assert config.load({}, {"HPCFT_STAGE_ENV": "no"}).stage_env is False
     with pytest.raises(ConfigError, match="HPCFT_STAGE_ENV"):
         config.load({}, {"HPCFT_STAGE_ENV": "maybe"})
+
+
+def test_the_janitors_now_step_removes_the_nodes_copy_and_a_half_removed_one_but_only_when_asked(tmp_path):
+    copy = tmp_path / "bb" / "hpcft-env-alice-42"
+    (copy / "env" / "bin").mkdir(parents=True)
+    left = tmp_path / "bb" / "hpcft-env-alice-42.removed-123"  # a janitor killed while it removed the copy
+    left.mkdir()
+    env = {**os.environ, "HPCFT_STORE_ROOT": str(tmp_path / "shm"), paths.ENV_NODE_DIR: str(copy)}
+    (tmp_path / "shm").mkdir()
+    janitor = [sys.executable, "-m", "hpcft.launch.janitor", "--job", "42", "--job-dir", str(tmp_path), "--now"]
+    subprocess.run(janitor, env=env, check=True)  # an elastic shrink's wipe: the nodes' copies stay in use
+    assert copy.is_dir() and left.is_dir()
+    subprocess.run([*janitor, "--staged"], env=env, check=True)
+    assert not list((tmp_path / "bb").iterdir())
