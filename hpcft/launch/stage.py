@@ -80,11 +80,14 @@ class EnvStage:
         return {paths.ENV_NODE_DIR: str(self.node), paths.ENV_SHARED: self.shared} if self.on else {}
 
     def ensure(self, nodes: Sequence[str], env: dict[str, str], users: Sequence[object]) -> None:
-        """Stage onto the nodes of `nodes` not tried yet in this run; add `env()` to `env`; once a node has a copy,
-        point each of `users`' `.python` (the steps' interpreter) at the chooser."""
+        """Stage onto the nodes of `nodes` not tried yet in this run, or tried before a launch that left them out;
+        add `env()` to `env`; once a node has a copy, point each of `users`' `.python` (the steps' interpreter) at
+        the chooser."""
         if not self.on:
             return
         env.update(self.env())
+        # a node left out of this launch (lost, excluded) may come back without its copy (a reboot empties /tmp)
+        self.staged = {n: ok for n, ok in self.staged.items() if n in nodes}
         todo = [n for n in nodes if n not in self.staged]
         if todo and self._packed():
             self._stage(todo, env)
@@ -131,7 +134,8 @@ class EnvStage:
         shared = {n for n, r in said.items() if r.get("shared_with")} | \
             {m for r in said.values() for m in r.get("shared_with", [])}
         ready = [n for n, r in said.items() if r["phase"] == "ready" and n not in shared]
-        sent, why = self._broadcast() if ready else (0.0, "")
+        missing = [n for n in ready if not said[n].get("present")]
+        sent, why = self._broadcast() if missing else (0.0, "")
         if proc.poll() is None:
             proc.send_signal(signal.SIGUSR1)  # srun passes it on: each task unpacks what arrived
         done = {**said, **_collect(lines, ready, ("done", "failed"), UNPACK_TIMEOUT_S)}
@@ -146,7 +150,7 @@ class EnvStage:
                 self.emit("stage_env", node=name, bytes=self.archive.bytes, sbcast_s=sent,
                           unpack_s=report["unpack_s"], verify_s=report["verify_s"],
                           seconds=round(time.monotonic() - started, 3), python=report["python"],
-                          outside=",".join(report["outside"]))
+                          outside=",".join(report["outside"]), present=bool(report.get("present")))
                 continue
             cause = (f"{self.root} is not node-local: the staging tasks of {', '.join(sorted(shared))} see each "
                      f"other's files there (set --stage-dir to a node-local directory)" if name in shared

@@ -131,11 +131,18 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         _say(node=name, phase="failed", error=f"{root} is not usable: {exc}")
         return 0
-    _say(node=name, phase="ready", shared_with=others)
+    present = paths.ok_marker(node, args.key).exists()  # a node back in the run with its copy: never replaced
+    _say(node=name, phase="ready", shared_with=others, present=present)
     if signal.sigtimedwait({signal.SIGUSR1}, args.wait) is None:
         _say(node=name, phase="failed", error=f"no go from hpcft run within {args.wait:g} s")
         return 0
     started = time.monotonic()
+    if present:
+        probe.unlink(missing_ok=True)
+        archive.unlink(missing_ok=True)  # sent to the step's every node
+        _say(node=name, phase="done", unpack_s=0.0, verify_s=0.0, present=True, outside=[],
+             python=str(paths.staged_python(node, args.python)))
+        return 0
     try:
         probe.unlink(missing_ok=True)
         unpack(archive, node, args.bytes, args.crc)

@@ -3,6 +3,7 @@ the content key and the archive cache (never a stale or partial archive), the in
 shell, the trainers' command, the unpack's checks, a staged base interpreter's links, and the settings' layering."""
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,49 @@ def test_the_janitors_now_step_removes_the_nodes_copy_and_a_half_removed_one_but
     assert copy.is_dir() and left.is_dir()
     subprocess.run([*janitor, "--staged"], env=env, check=True)
     assert not list((tmp_path / "bb").iterdir())
+
+
+def _node_task(root: Path, archive: stage_pack.Archive, node: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "hpcft.launch.stage_node", "--root", str(root), "--job", "7", "--key", archive.key,
+            "--bytes", str(archive.bytes), "--crc", str(archive.crc), "--python", "bin/python", "--wait", "60"]
+    env = {**os.environ, "SLURMD_NODENAME": node, "HPCFT_STAGE_VERIFY": ""}  # a bare venv: no torch to import
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def _said(proc: subprocess.Popen) -> dict:
+    return json.loads(proc.stdout.readline())
+
+
+def test_a_node_task_unpacks_what_arrived_verifies_the_copys_interpreter_and_keeps_a_verified_copy(tmp_path):
+    import getpass
+    import venv
+
+    venv.create(tmp_path / "env", with_pip=False, symlinks=True)
+    spec = stage_pack.describe(str(tmp_path / "env" / "bin" / "python"), str(tmp_path / "env"), sys.base_prefix, "")
+    archive = stage_pack.pack(spec, tmp_path / "cache")
+    root = tmp_path / "disk"
+    root.mkdir()
+    copy = paths.node_dir(root, getpass.getuser(), "7")
+    for present in (False, True):
+        if not present:
+            (root / paths.archive_dest(root, getpass.getuser(), "7").name).write_bytes(archive.path.read_bytes())
+        task = _node_task(root, archive, "frontier00042")
+        assert _said(task) == {"node": "frontier00042", "phase": "ready", "shared_with": [], "present": present}
+        task.send_signal(signal.SIGUSR1)  # what hpcft run sends once sbcast is over
+        done = _said(task)
+        assert task.wait(60) == 0 and done["phase"] == "done" and done.get("present", False) is present, done
+        assert done["python"] == str(copy / "env" / "bin" / "python")
+        assert paths.ok_marker(copy, archive.key).exists() and not list(root.glob("*.tar"))
+
+
+def test_node_tasks_that_see_each_others_probe_say_their_root_is_shared(tmp_path):
+    archive = stage_pack.Archive(tmp_path / "none.tar", "k", 1, 0, False)
+    first = _node_task(tmp_path, archive, "n1")
+    assert _said(first)["shared_with"] == []
+    second = _node_task(tmp_path, archive, "n2")
+    assert _said(second)["shared_with"] == ["n1"]
+    for task in (first, second):  # the supervisor sends nothing to such nodes; a go finds no archive: said
+        task.send_signal(signal.SIGUSR1)
+        failed = _said(task)
+        assert failed["phase"] == "failed" and "No such file" in failed["error"]
+        assert task.wait(60) == 0
