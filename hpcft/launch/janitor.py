@@ -167,6 +167,8 @@ def _remove_staged() -> None:
         pass  # none here, or one being removed by a janitor stopped meanwhile: its leftover is removed below
     for left in [copy, *Path(copy).parent.glob(Path(copy).name + ".removed-*")]:
         shutil.rmtree(left, ignore_errors=True)
+    for probe in Path(copy).parent.glob(f".{Path(copy).name}.node-*"):  # the staging tasks' (stage_node.py)
+        probe.unlink(missing_ok=True)
 
 
 def _on_sigterm(job: str, store: Path, flag: Path) -> None:

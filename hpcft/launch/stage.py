@@ -12,16 +12,18 @@ import logging
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from hpcft.errors import HpcftError
+from hpcft.errors import ConfigError, HpcftError
 from hpcft.launch import stage_pack
 from hpcft.launch import stage_paths as paths
 from hpcft.launch.config import RunConfig
 from hpcft.launch.profiles import Profile
+from hpcft.launch.zygote import same_interpreter
 from hpcft.env import NVME_ENV
 from hpcft.slurm.nodelist import compress
 from hpcft.slurm.runner import Runner
@@ -102,6 +104,9 @@ class EnvStage:
         if self.archive is not None:
             return True
         try:
+            if not same_interpreter(self.shared, sys.executable):
+                raise ConfigError(f"--stage-env packs the environment of the interpreter hpcft run runs in "
+                                  f"({sys.executable}), not {self.shared}")
             self.spec = stage_pack.describe(self.shared)
             self.archive = stage_pack.pack(self.spec, self.cache)
         except (HpcftError, OSError) as exc:

@@ -103,6 +103,12 @@ def verify(python: Path, node: Path, timeout: float = VERIFY_TIMEOUT_S) -> dict:
     return report
 
 
+def _others(probe: Path) -> list[str]:
+    """The nodes whose probe for this job is beside `probe` (none where the directory is node-local)."""
+    mine = probe.name.rsplit(".node-", 1)[0] + ".node-"
+    return sorted(p.name[len(mine):] for p in probe.parent.glob(mine + "*") if p != probe)
+
+
 def _say(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -125,9 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = paths.probe_name(root, user, args.job, name)
-        probe.touch()
-        mine = probe.name.rsplit(".node-", 1)[0] + ".node-"
-        others = sorted(p.name[len(mine):] for p in root.glob(mine + "*") if p != probe)
+        probe.touch()  # kept (the janitors remove it): every node that shares the root sees it until the end
+        others = _others(probe)
     except OSError as exc:
         _say(node=name, phase="failed", error=f"{root} is not usable: {exc}")
         return 0
@@ -137,14 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         _say(node=name, phase="failed", error=f"no go from hpcft run within {args.wait:g} s")
         return 0
     started = time.monotonic()
+    others = _others(probe)  # every task said ready after its probe was made: now each sharing node sees all others
+    if others:
+        _say(node=name, phase="failed", error=f"{root} is shared with {', '.join(others)}: not node-local")
+        return 0
     if present:
-        probe.unlink(missing_ok=True)
         archive.unlink(missing_ok=True)  # sent to the step's every node
         _say(node=name, phase="done", unpack_s=0.0, verify_s=0.0, present=True, outside=[],
              python=str(paths.staged_python(node, args.python)))
         return 0
     try:
-        probe.unlink(missing_ok=True)
         unpack(archive, node, args.bytes, args.crc)
         archive.unlink()
         if args.base_from and (node / "base").is_dir():

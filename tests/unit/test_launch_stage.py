@@ -197,6 +197,7 @@ def test_the_janitors_now_step_removes_the_nodes_copy_and_a_half_removed_one_but
     janitor = [sys.executable, "-m", "hpcft.launch.janitor", "--job", "42", "--job-dir", str(tmp_path), "--now"]
     subprocess.run(janitor, env=env, check=True)  # an elastic shrink's wipe: the nodes' copies stay in use
     assert copy.is_dir() and left.is_dir()
+    paths.probe_name(tmp_path / "bb", "alice", "42", "n1").touch()
     subprocess.run([*janitor, "--staged"], env=env, check=True)
     assert not list((tmp_path / "bb").iterdir())
 
@@ -240,8 +241,8 @@ def test_node_tasks_that_see_each_others_probe_say_their_root_is_shared(tmp_path
     assert _said(first)["shared_with"] == []
     second = _node_task(tmp_path, archive, "n2")
     assert _said(second)["shared_with"] == ["n1"]
-    for task in (first, second):  # the supervisor sends nothing to such nodes; a go finds no archive: said
+    for task, other in ((first, "n2"), (second, "n1")):  # at the go, each sees the other: neither unpacks there
         task.send_signal(signal.SIGUSR1)
         failed = _said(task)
-        assert failed["phase"] == "failed" and "No such file" in failed["error"]
+        assert failed["phase"] == "failed" and f"is shared with {other}: not node-local" in failed["error"]
         assert task.wait(60) == 0
