@@ -128,40 +128,63 @@ class EnvStage:
         return True
 
     def _stage(self, nodes: list[str], env: Mapping[str, str]) -> None:
+        """One staging of `nodes`: a step, sbcast into it, the go; each node's outcome is an event."""
         started = time.monotonic()
+        failed: dict[str, str] = {}
+        while True:
+            proc, lines = self._step(nodes, env)
+            said = _collect(lines, nodes, ("ready", "failed"), READY_TIMEOUT_S)
+            failed.update(self._not_ready(nodes, said))
+            good = [n for n in nodes if n not in failed]
+            if not good or len(good) == len(nodes):
+                break
+            _end(proc)  # sbcast into a step fails as a whole when one of its nodes refuses: again without those
+            nodes = good
+        sent, why = self._broadcast() if any(not said[n].get("present") for n in good) else (0.0, "")
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)  # srun passes it on: each task unpacks what arrived
+        done = _collect(lines, good, ("done", "failed"), UNPACK_TIMEOUT_S)
+        _end(proc, grace=30.0, ask=False)  # its tasks end once they have reported
+        for name in good:
+            report = done.get(name, {})
+            if report.get("phase") != "done":
+                failed[name] = (report.get("error") or f"its staging task did not answer (step exit "
+                                f"{proc.returncode}; {self.job_dir / 'stage.log'})") + (f"; {why}" if why else "")
+                continue
+            self.staged[name] = True
+            self.emit("stage_env", node=name, bytes=self.archive.bytes, sbcast_s=sent, unpack_s=report["unpack_s"],
+                      verify_s=report["verify_s"], seconds=round(time.monotonic() - started, 3),
+                      python=report["python"], outside=",".join(report["outside"]), present=bool(report.get("present")))
+        for name, cause in failed.items():
+            self.staged[name] = False
+            self.emit("stage_env_failed", level=logging.WARNING, node=name, cause=cause,
+                      action="this node's steps start the shared-FS interpreter")
+
+    def _step(self, nodes: list[str], env: Mapping[str, str]) -> tuple[subprocess.Popen, queue.Queue]:
+        """The staging step on `nodes`, and the queue its tasks' reports arrive on."""
         argv = stage_argv(nodes, python=self.shared, root=self.root, job=self.job, archive=self.archive,
                           spec=self.spec)
         with open(self.job_dir / "stage.log", "ab") as log:
             proc = self.runner.popen(argv, env=dict(env), stdout=subprocess.PIPE, stderr=log, text=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_read, args=(proc.stdout, lines), daemon=True).start()
-        said = _collect(lines, nodes, ("ready", "failed"), READY_TIMEOUT_S)
+        return proc, lines
+
+    def _not_ready(self, nodes: Sequence[str], said: Mapping[str, dict]) -> dict[str, str]:
+        """{node: why it cannot be staged} from the tasks' first reports: refused, silent, or a root shared."""
         shared = {n for n, r in said.items() if r.get("shared_with")} | \
             {m for r in said.values() for m in r.get("shared_with", [])}
-        ready = [n for n, r in said.items() if r["phase"] == "ready" and n not in shared]
-        missing = [n for n in ready if not said[n].get("present")]
-        sent, why = self._broadcast() if missing else (0.0, "")
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGUSR1)  # srun passes it on: each task unpacks what arrived
-        done = {**said, **_collect(lines, ready, ("done", "failed"), UNPACK_TIMEOUT_S)}
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        why = {}
         for name in nodes:
-            report = done.get(name, {})
-            self.staged[name] = report.get("phase") == "done" and name not in shared
-            if self.staged[name]:
-                self.emit("stage_env", node=name, bytes=self.archive.bytes, sbcast_s=sent,
-                          unpack_s=report["unpack_s"], verify_s=report["verify_s"],
-                          seconds=round(time.monotonic() - started, 3), python=report["python"],
-                          outside=",".join(report["outside"]), present=bool(report.get("present")))
-                continue
-            cause = (f"{self.root} is not node-local: the staging tasks of {', '.join(sorted(shared))} see each "
-                     f"other's files there (set --stage-dir to a node-local directory)" if name in shared
-                     else report.get("error") or f"its staging task did not answer (step exit {proc.returncode})")
-            self.emit("stage_env_failed", level=logging.WARNING, node=name, cause=cause + (f"; {why}" if why else ""),
-                      action="this node's steps start the shared-FS interpreter")
+            report = said.get(name)
+            if report is None:
+                why[name] = f"its staging task did not start within {READY_TIMEOUT_S:g} s ({self.job_dir / 'stage.log'})"
+            elif report["phase"] == "failed":
+                why[name] = report["error"]
+            elif name in shared:
+                why[name] = (f"{self.root} is not node-local: the staging tasks of {', '.join(sorted(shared))} see "
+                             f"each other's files there (set --stage-dir to a node-local directory)")
+        return why
 
     def _broadcast(self) -> tuple[float, str]:
         """sbcast the archive into the staging step just started: (seconds, "" or what sbcast said)."""
@@ -206,3 +229,14 @@ def _read(stream, lines: queue.Queue) -> None:
             except ValueError:
                 pass
     lines.put(None)
+
+
+def _end(proc: subprocess.Popen, grace: float = 5.0, ask: bool = True) -> None:
+    """The staging step ended: asked first when `ask` (SIGTERM, which srun passes on), killed after `grace`."""
+    if ask and proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
