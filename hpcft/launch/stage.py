@@ -118,7 +118,7 @@ class EnvStage:
         self.emit("stage_pack", key=a.key, bytes=a.bytes, seconds=a.seconds, reused=a.reused, archive=str(a.path),
                   prefix=str(self.spec.prefix), base="staged" if self.spec.base else "shared",
                   editable=",".join(self.spec.editable), why=self.why)
-        self.chooser = self.cache / f"python-{a.key}"
+        self.chooser = self.job_dir / f"python-{a.key}"  # names this job's copies: never in a cache jobs share
         text = paths.chooser(self.node, a.key, self.spec.python, self.shared)
         if not self.chooser.exists() or self.chooser.read_text() != text:
             tmp = self.chooser.with_name(f".{self.chooser.name}.tmp")
