@@ -21,12 +21,14 @@ from hpcft.launch import stage_paths as paths
 from hpcft.store.checksum import crc32c
 
 VERIFY_TIMEOUT_S = 300.0  # the copy's first `import torch` (no .pyc written yet for some modules) under load
-# The copy's interpreter reports what it runs from and which of its loaded files are outside the copy
+# The copy's interpreter reports what it runs from and which of its loaded files are outside the copy; the
+# modules of $HPCFT_STAGE_VERIFY (torch) must be inside it
 PROBE = r"""
 import json, os, sys
 mods = [m for m in os.environ.get("HPCFT_STAGE_VERIFY", "torch").split(",") if m]
 for m in mods:
     __import__(m)
+import hpcft.launch.task  # what every step starts with: it must import, from the copy or an editable source tree
 root = sys.argv[1]
 files = {getattr(m, "__file__", None) for m in list(sys.modules.values())}
 with open("/proc/self/maps") as f:

@@ -29,8 +29,9 @@ def _records(out: Path, what: str) -> list[dict]:
     return [r for r in map(json.loads, filter(None, lines)) if r["what"] == what]
 
 
-def _staged(sandbox) -> str:
-    return str(sandbox.dir / "local") + "/hpcft-env-"
+def _staged(root: Path) -> str:
+    """How the paths of a node's copy under `root` begin."""
+    return f"{root}/hpcft-env-"
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,8 @@ def _no_copies_left(sandbox) -> None:
 def test_trainers_and_a_killed_ranks_cold_relaunch_run_from_the_nodes_copies(healthy_sandbox, reference, cache,
                                                                                tmp_path):
     out = tmp_path / "staged"
-    proc = _run(healthy_sandbox, out, "--no-standby", "--stage-env", "--stage-dir", str(healthy_sandbox.dir / "local"),
-                "--stage-cache", str(cache))
+    root = healthy_sandbox.dir / "local"  # each node's own disk
+    proc = _run(healthy_sandbox, out, "--no-standby", "--stage-env", "--stage-dir", str(root), "--stage-cache", str(cache))
     victim: list[int] = []
 
     def reached() -> bool:
@@ -74,7 +75,7 @@ def test_trainers_and_a_killed_ranks_cold_relaunch_run_from_the_nodes_copies(hea
     imported = _records(out, "imported")
     assert sorted(r["run"] for r in imported) == ["0.0"] * 6 + ["0.1"] * 6, "every rank, at both launches"
     for r in imported:
-        assert r["python"].startswith(_staged(healthy_sandbox)) and r["torch"].startswith(_staged(healthy_sandbox)), r
+        assert r["python"].startswith(_staged(root)) and r["torch"].startswith(_staged(root)), r
     assert_same_result(out, reference)
     _no_copies_left(healthy_sandbox)
 
@@ -85,10 +86,10 @@ def test_a_node_whose_staging_fails_runs_from_the_shared_interpreter_and_the_sta
     out = tmp_path / "staged-standby"
     blocker = healthy_sandbox.dir / "disks" / "n2" / "stage"  # on n2 only, a file where the directory must be
     blocker.write_text("not a directory")
+    root = healthy_sandbox.dir / "local" / "stage"
     try:
-        code, output = finish(_run(healthy_sandbox, out, "--stage-env", "--stage-dir",
-                                   str(healthy_sandbox.dir / "local" / "stage"), "--stage-cache", str(cache)),
-                              timeout=400)
+        code, output = finish(_run(healthy_sandbox, out, "--stage-env", "--stage-dir", str(root), "--stage-cache",
+                                   str(cache)), timeout=400)
     finally:
         blocker.unlink()
     assert code == 0, output[-4000:]
@@ -98,7 +99,7 @@ def test_a_node_whose_staging_fails_runs_from_the_shared_interpreter_and_the_sta
     assert sorted(e["node"] for e in log if e["event"] == "stage_env") == ["n1", "n3"]
     assert {e["how"] for e in log if e["event"] == "trainer_start"} == {"warm"}, "standbys on every node"
     for r in _records(out, "imported"):
-        want = sys.executable if r["node"] == "n2" else _staged(healthy_sandbox)
+        want = sys.executable if r["node"] == "n2" else _staged(root)
         assert r["python"].startswith(want), r
     assert_same_result(out, reference)
     _no_copies_left(healthy_sandbox)
