@@ -178,7 +178,8 @@ class EnvStage:
         for name in nodes:
             report = said.get(name)
             if report is None:
-                why[name] = f"its staging task did not start within {READY_TIMEOUT_S:g} s ({self.job_dir / 'stage.log'})"
+                why[name] = (f"its staging task did not start within {READY_TIMEOUT_S:g} s "
+                             f"({self.job_dir / 'stage.log'})")
             elif report["phase"] == "failed":
                 why[name] = report["error"]
             elif name in shared:

@@ -57,7 +57,8 @@ def test_trainers_and_a_killed_ranks_cold_relaunch_run_from_the_nodes_copies(hea
                                                                                tmp_path):
     out = tmp_path / "staged"
     root = healthy_sandbox.dir / "local"  # each node's own disk
-    proc = _run(healthy_sandbox, out, "--no-standby", "--stage-env", "--stage-dir", str(root), "--stage-cache", str(cache))
+    proc = _run(healthy_sandbox, out, "--no-standby", "--stage-env", "--stage-dir", str(root), "--stage-cache",
+                str(cache))
     victim: list[int] = []
 
     def reached() -> bool:
