@@ -135,7 +135,7 @@ class _Nodes:
     def __init__(self, bad: dict):
         self.bad_ones, self.asked = bad, []
 
-    def bad(self, nodes, *, probe, found_by=None, suspected=None):
+    def bad(self, nodes, *, probe, found_by=None, suspected=None, controls=()):
         self.asked.append((tuple(nodes), found_by, dict(suspected or {})))
         return {n: w for n, w in self.bad_ones.items() if n in nodes}
 
