@@ -304,7 +304,7 @@ class AgentSteps:
                     p.wait(timeout=self.cfg.kill_grace)
             except subprocess.TimeoutExpired:
                 how = "killed"
-        self._stop_steps({AGENT_STEP_NAME: self.proc, **self.hosted_procs})
+        self._stop_steps({AGENT_STEP_NAME: self.proc, **self.hosted_procs}, lost=not ask)
         self.hosted_procs = {}
         self.emit("agents_stopped", exit_code=self.proc.returncode, how=how)
         self.proc = None
