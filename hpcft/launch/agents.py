@@ -125,7 +125,7 @@ class AgentSteps:
                               scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
                               cpu_cores=profiles.get(cfg.profile).agent_cpu_cores, persist=persist,
                               lag_bound=cfg.protect_lag, iface=agent_iface(cfg), layout=layout.slots,
-                              loss_timeout=cfg.loss_timeout) + ["--tag", tag]
+                              loss_timeout=cfg.loss_timeout, wrap=self._wrap()) + ["--tag", tag]
 
         self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
                   group=cfg.group, losses=cfg.losses, distance=cfg.distance,
@@ -282,6 +282,10 @@ class AgentSteps:
     def nodes(self, layout: Layout) -> int | None:
         """How many agents report on `layout` (one per active node), or None when the run has no agents."""
         return len(layout.slots) if self.cfg.with_agents else None
+
+    def _wrap(self) -> list[str]:
+        """The agents' task goes through a node's warm standby when the job runs them (hpcft.launch.handoff)."""
+        return [self.python, "-m", "hpcft.launch.handoff", "--"] if self.cfg.standby else []
 
     def protected(self) -> int | None:
         """The newest step every agent of the last launch reports protected, if each reports one."""
