@@ -187,10 +187,15 @@ def scale(agents: str, group: int, rounds: int, window: float, as_json: bool, ru
 @click.option("--baseline", "baselines", multiple=True, type=click.Choice(["relaunch", "requeue"]),
               help="Baselines to run (repeatable) [default: both]: torch.save every step, then srun again in the "
                    "same allocation (relaunch) or scontrol requeue (requeue), and torch.load.")
+@click.option("--crash", type=click.Choice(["kill", "silent"]), default="kill", show_default=True,
+              help="The node crash: its processes killed (their connections close at once, which peers notice at "
+                   "once), or silent (frozen: no connection closes, nothing answers, as after a power loss), "
+                   "powered off once the supervisor decided.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout; the table goes to stderr.")
 @RUNS
 def recovery(directory: str | None, steps: int, fault_at: int, step_delay: float, width: int, layers: int,
-             poll_interval: float, keep: str | None, baselines: tuple[str, ...], as_json: bool, runs: int) -> None:
+             poll_interval: float, keep: str | None, baselines: tuple[str, ...], crash: str, as_json: bool,
+             runs: int) -> None:
     """Fault → first step after it, in the sandbox: rank kill, node crash, batch host, and what a user does
     without hpcft (torch.save, relaunch in the allocation or requeue, torch.load)."""
     from hpcft.bench.recovery import RecoveryOptions, run
@@ -199,5 +204,6 @@ def recovery(directory: str | None, steps: int, fault_at: int, step_delay: float
     if keep and runs > 1:
         raise click.UsageError("--keep keeps one run's output: give it with --runs 1")
     opts = RecoveryOptions(dir=directory, steps=steps, fault_at=fault_at, step_delay=step_delay, width=width,
-                           layers=layers, poll_interval=poll_interval, keep=keep, baselines=baselines or NAMES)
+                           layers=layers, poll_interval=poll_interval, keep=keep, baselines=baselines or NAMES,
+                           crash=crash)
     _run(as_json, lambda: run(opts), runs)

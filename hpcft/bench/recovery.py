@@ -8,7 +8,11 @@ Runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spare nod
   `inprocess_restart` events and the timeline;
 - node crash: `hpcft run --protect xor`, a node's slurmd, steps and /dev/shm killed once the agents have
   protected a step → a spare takes its slot, the agents rebuild the lost snapshot onto it and every rank
-  resumes from memory; timed also from the moment Slurm marks the node bad (polled with scontrol);
+  resumes from memory; timed also from the moment Slurm marks the node bad (polled with scontrol). With
+  `--crash silent` (what a power loss or a kernel panic looks like to the peers: no connection is closed, nothing
+  answers) the node is frozen (SIGSTOP) instead and powered off (killed) once the supervisor has decided; with
+  `kill` (the default) its processes die at once and the kernel closes their connections, which the agents notice
+  at once: a lower bound that a real crash does not give;
 - batch host: `hpcft submit --protect xor` (4 nodes, no spare), the batch script's node (slot 0) crashed once a
   step is protected → the janitors requeue the job, which resumes from the survivors' memory; `batch_host_s` is
   the time from Slurm marking the node bad to the requeue;
@@ -47,7 +51,10 @@ from hpcft.slurm import state as slurmstate
 
 _log = logging.getLogger(__name__)
 SPARES = 2
-TARGETS = {"rank_kill_s": 10.0, "node_crash_s": 15.0, "restore_share": 0.10, "exception_s": 2.0}
+# issue #14's: from the fault itself, on the 2-core sandbox, defaults (node_crash_s, from Slurm's mark, is the older one)
+TARGETS = {"rank_kill_s": 3.0, "node_crash_from_fault_s": 8.0, "node_crash_s": 15.0, "restore_share": 0.10,
+           "exception_s": 2.0}
+CRASHES = ("kill", "silent")
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class RecoveryOptions:
     timeout: float = 300.0          # per run
     keep: str | None = None         # keep the runs' output here (else a temp dir, removed unless a run fails)
     baselines: tuple[str, ...] = recovery_baselines.NAMES  # which baselines to run
+    crash: str = "kill"             # how the node crash comes: killed (its connections closed) or silent (frozen)
 
     def __post_init__(self) -> None:
         if not 0 < self.fault_at < self.steps - 1:
@@ -74,6 +82,8 @@ class RecoveryOptions:
         if unknown or not self.baselines:
             raise ConfigError(f"--baseline takes {' or '.join(recovery_baselines.NAMES)} "
                               f"(got {sorted(unknown) or 'none'})")
+        if self.crash not in CRASHES:
+            raise ConfigError(f"--crash takes {' or '.join(CRASHES)} (got {self.crash!r})")
         if self.keep and Path(self.keep).exists() and any(Path(self.keep).iterdir()):
             raise ConfigError(f"--keep {self.keep} is not empty: name a new or empty directory (nothing is overwritten)")
 
@@ -202,7 +212,7 @@ def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     timeline.wait(lambda: _protected(out / "job" / "agents", held), f"version {held} protected by every agent",
                   opts.timeout, proc)
     node = f"n{VICTIM_RANK + 1}"  # slot i of the 6-node allocation n1..n6 is node n{i+1}
-    fault, down = _crash(sb, node)
+    fault, down = _crash(sb, node, silent=opts.crash == "silent", job_dir=out / "job")
     hold.touch()
     _finish(proc, out, opts.timeout)
     marked = _marked(down, node, fault)
@@ -215,11 +225,14 @@ def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     result.update(_starts(out / "job", decided))
     result.update(marked)
     result["from_marked_down_s"] = result["total_s"] - result["slurm_marked_down_s"]
+    result["crash"] = opts.crash
     return result
 
 
-def _crash(sb, node: str) -> tuple[float, dict[str, Any]]:
-    """Crash `node` now; (the time, a dict that a thread fills with when and how Slurm marks it bad)."""
+def _crash(sb, node: str, *, silent: bool = False, job_dir: Path | None = None) -> tuple[float, dict[str, Any]]:
+    """Crash `node` now; (the time, a dict that a thread fills with when and how Slurm marks it bad). `silent`:
+    freeze it (nothing closes, nothing answers) and power it off (kill) once `job_dir`'s supervisor has decided or
+    Slurm has marked it bad, whichever comes first."""
     down: dict[str, Any] = {}
 
     def watch_state() -> None:
@@ -235,8 +248,21 @@ def _crash(sb, node: str) -> tuple[float, dict[str, Any]]:
                 return
             time.sleep(0.2)
 
+    def power_off(fault: float) -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and "t" not in down:
+            with contextlib.suppress(HpcftError):
+                _decided(job_dir, fault)
+                break
+            time.sleep(0.1)
+        sb.crash_node(node)
+
     fault = time.time()
-    sb.crash_node(node)
+    if silent:
+        sb.freeze_node(node)
+        threading.Thread(target=power_off, args=(fault,), daemon=True).start()
+    else:
+        sb.crash_node(node)
     threading.Thread(target=watch_state, daemon=True).start()
     return fault, down
 
@@ -336,6 +362,7 @@ def run(opts: RecoveryOptions) -> Report:
     report.note("phases", {**scenarios, "batch_host": host, "exception": exc})
     report.note("targets", TARGETS)
     report.note("met", {"rank_kill_s": kill["total_s"] <= TARGETS["rank_kill_s"],
+                        "node_crash_from_fault_s": crash["total_s"] <= TARGETS["node_crash_from_fault_s"],
                         "node_crash_s": crash["from_marked_down_s"] <= TARGETS["node_crash_s"],
                         "restore_share": share <= TARGETS["restore_share"],
                         "exception_s": exc["total_s"] <= TARGETS["exception_s"]})

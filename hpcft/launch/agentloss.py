@@ -1,6 +1,7 @@
 """What the supervisor makes of node agents that failed: the agents are the job's own failure detector (a closed
 connection, or a peer silent past --loss-timeout, agent/heartbeat.py). The nodes they name are probed at once,
-without waiting for Slurm to mark them (then every slot, when those answer): a node that fails the probe is lost
+beside a few others that time a healthy answer, without waiting for Slurm to mark them (then every slot, when those
+answer): a node that fails the probe is lost
 (`node_failed`: a spare takes its slot). When every node answers, the agents failed on their own: while the trainers
 run, the agents alone are restarted (a fresh mesh on the same nodes, nothing rebuilt: every node's store is intact)
 and the trainers keep training; only when that fails, or has happened `ALONE_PER_LAUNCH` times in one launch, is the
@@ -15,7 +16,7 @@ from hpcft.errors import CheckpointError
 from hpcft.launch.agents import AgentSteps
 from hpcft.launch.layout import Layout
 from hpcft.launch.nodecheck import NodeCheck
-from hpcft.launch.policy import Event, Kind
+from hpcft.launch.policy import Event, Kind, control_nodes
 
 ALONE_PER_LAUNCH = 3  # agent restarts without the trainers in one launch before a relaunch instead
 
@@ -34,7 +35,8 @@ class AgentLoss:
 
     def suspects_lost(self, layout: Layout, suspects: Mapping[str, str]) -> dict[str, str]:
         """The nodes among the agents' suspects (then among every slot, when they all answer) that fail the probe."""
-        bad = self.nodes.bad(list(suspects), probe=True, found_by="agents", suspected=suspects)
+        bad = self.nodes.bad(list(suspects), probe=True, found_by="agents", suspected=suspects,
+                             controls=control_nodes(list(layout.slots), list(suspects)))
         if not bad and len(suspects) < len(layout.slots):
             bad = self.nodes.bad(layout.slots, probe=True, found_by="agents")
         return bad

@@ -125,7 +125,7 @@ class AgentSteps:
                               scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
                               cpu_cores=profiles.get(cfg.profile).agent_cpu_cores, persist=persist,
                               lag_bound=cfg.protect_lag, iface=agent_iface(cfg), layout=layout.slots,
-                              loss_timeout=cfg.loss_timeout) + ["--tag", tag]
+                              loss_timeout=cfg.loss_timeout, wrap=self._wrap()) + ["--tag", tag]
 
         self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
                   group=cfg.group, losses=cfg.losses, distance=cfg.distance,
@@ -283,6 +283,10 @@ class AgentSteps:
         """How many agents report on `layout` (one per active node), or None when the run has no agents."""
         return len(layout.slots) if self.cfg.with_agents else None
 
+    def _wrap(self) -> list[str]:
+        """The agents' task goes through a node's warm standby when the job runs them (hpcft.launch.handoff)."""
+        return [self.python, "-m", "hpcft.launch.handoff", "--"] if self.cfg.standby else []
+
     def protected(self) -> int | None:
         """The newest step every agent of the last launch reports protected, if each reports one."""
         steps = [r.get("protected") for r in agent_status.read(self.rendezvous, self.tag).values()]
@@ -304,7 +308,7 @@ class AgentSteps:
                     p.wait(timeout=self.cfg.kill_grace)
             except subprocess.TimeoutExpired:
                 how = "killed"
-        self._stop_steps({AGENT_STEP_NAME: self.proc, **self.hosted_procs})
+        self._stop_steps({AGENT_STEP_NAME: self.proc, **self.hosted_procs}, lost=not ask)
         self.hosted_procs = {}
         self.emit("agents_stopped", exit_code=self.proc.returncode, how=how)
         self.proc = None

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from hpcft.errors import SlurmError
+from hpcft.launch.policy import probe_deadline
 from hpcft.launch.srun import probe_argv
 from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
@@ -26,30 +27,34 @@ class NodeCheck:
         self.probe_timeout, self.emit = probe_timeout, emit
 
     def bad(self, nodes: Sequence[str], *, probe: bool, found_by: str | None = None,
-            suspected: Mapping[str, str] | None = None) -> dict[str, str]:
-        """Slurm's bad nodes among `nodes`; with `probe` and none found, those that fail the probe. `found_by`
-        (e.g. what made the supervisor look) and `suspected` ({node: what made it a suspect}) go into the events."""
+            suspected: Mapping[str, str] | None = None, controls: Sequence[str] = ()) -> dict[str, str]:
+        """Slurm's bad nodes among `nodes`; with `probe` and none found, those that fail the probe (probed beside
+        `controls`, which time a healthy answer: `probe`). `found_by` (e.g. what made the supervisor look) and
+        `suspected` ({node: what made it a suspect}) go into the events."""
         try:
             bad = slurmstate.bad_nodes(self.runner, self.job_id, list(nodes))
         except SlurmError as exc:
             _log.warning("node check failed: %s", exc)
             bad = {}
         if probe and not bad:
-            bad = self.probe(nodes)
+            bad = self.probe(nodes, controls)
         for node, why in bad.items():
             self.emit("node_bad", level=logging.WARNING, node=node, state=why,
                       **({"found_by": found_by} if found_by else {}),
                       **({"suspected": suspected[node]} if suspected and node in suspected else {}))
         return bad
 
-    def probe(self, nodes: Sequence[str]) -> dict[str, str]:
-        """Run a trivial task on each node at once; a node that does not answer in time is bad. Slurm stays a second
-        source meanwhile: a node it marks bad while its probe is pending is bad at once (a frozen node's probe only
-        ends at --probe-timeout)."""
+    def probe(self, nodes: Sequence[str], controls: Sequence[str] = ()) -> dict[str, str]:
+        """Run a trivial task on each node (and each of `controls`) at once; a node that does not answer in time is
+        bad: within --probe-timeout, or, once every control has answered, within a few times their slowest answer
+        (policy.probe_deadline: a frozen node is named in seconds, not at the timeout). Slurm stays a second source
+        meanwhile: a node it marks bad while its probe is pending is bad at once."""
+        controls = [c for c in controls if c not in nodes]
+        started = time.monotonic()
         pending = {n: self.runner.popen(probe_argv([n]), env=dict(self.environ), stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, text=True) for n in nodes}
-        deadline = time.monotonic() + self.probe_timeout
-        ask_slurm = time.monotonic() + SLURM_EVERY_S
+                                        stderr=subprocess.DEVNULL, text=True) for n in [*nodes, *controls]}
+        answered: dict[str, float] = {}  # control: seconds to its answer
+        ask_slurm = started + SLURM_EVERY_S
         bad: dict[str, str] = {}
         while pending:
             for node, p in list(pending.items()):
@@ -57,10 +62,17 @@ class NodeCheck:
                     out, _ = p.communicate()
                     if p.returncode != 0 or out.strip() != node:
                         bad[node] = f"probe failed (exit status {p.returncode})"
+                    if node in controls:
+                        answered[node] = time.monotonic() - started
                     del pending[node]
             now = time.monotonic()
-            marked = {n: f"probe did not answer within {self.probe_timeout:g} s" for n in pending} \
-                if now >= deadline else self._slurm_marked(list(pending)) if pending and now >= ask_slurm else {}
+            timed = [answered[c] for c in controls] if controls and len(answered) == len(controls) else None
+            waited = probe_deadline(self.probe_timeout, timed)
+            late = f"probe did not answer within {waited:.3g} s" + (
+                "" if timed is None else f" (--probe-timeout {self.probe_timeout:g} s; {len(timed)} other node(s) "
+                                         f"answered within {max(timed):.2f} s)")
+            marked = {n: late for n in pending} if now - started >= waited else \
+                self._slurm_marked(list(pending)) if pending and now >= ask_slurm else {}
             if now >= ask_slurm:
                 ask_slurm = now + SLURM_EVERY_S
             for node, why in marked.items():

@@ -184,3 +184,28 @@ def record(decision: Decision, event: Event, state: State, job_dir: str) -> dict
         excluded=",".join(decision.layout.excluded), result=decision.exit_code,
         **({"nodes_from": len(state.layout.slots), "nodes_to": len(decision.layout.slots)}
            if decision.action in (Action.SHRINK, Action.GROW) else {}))
+
+
+CONTROLS = 3             # healthy-looking nodes probed beside the agents' suspects, to time a healthy answer
+CONTROL_FACTOR = 4.0     # a suspect is given this many times the controls' slowest answer ...
+CONTROL_FLOOR_S = 2.0    # ... and at least this long
+
+
+def probe_deadline(timeout: float, controls: list[float] | None) -> float:
+    """Seconds after the probe's start at which a node that has not answered is bad: `timeout`, or sooner once every
+    control has answered (`controls`: their answer times): CONTROL_FACTOR × the slowest, at least CONTROL_FLOOR_S.
+    The controls share the suspect's cluster and load, so a slow Slurm or a loaded machine slows them too; a node
+    already silent past --loss-timeout that answers so much later than its peers is not answering."""
+    if not controls:
+        return timeout
+    return min(timeout, max(CONTROL_FLOOR_S, CONTROL_FACTOR * max(controls)))
+
+
+def control_nodes(slots: list[str], suspects: list[str], count: int = CONTROLS) -> list[str]:
+    """Up to `count` slots that are not suspects, the suspects' neighbours in slot order first (spread over the
+    job rather than always its first nodes)."""
+    others = [n for n in slots if n not in suspects]
+    if not others or not suspects:
+        return others[:count]
+    first = min((slots.index(s) for s in suspects if s in slots), default=0)
+    return sorted(others, key=lambda n: (abs(slots.index(n) - first), slots.index(n)))[:count]

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 
 from hpcft.slurm.runner import Runner
 
+LOST_NODE_GRACE_S = 1.0  # a step with a lost node: its srun waits for that node's tasks, which never answer
+
 
 class StepStopper:
     """Stops steps of job `job_id`; `emit` records a `step_killed` event when a step had to be killed."""
@@ -20,22 +22,24 @@ class StepStopper:
         self.runner, self.job_id, self.kill_grace, self.emit = runner, job_id, kill_grace, emit
         self._background: list[subprocess.Popen] = []  # step kills still retrying
 
-    def stop(self, steps: Mapping[str, subprocess.Popen | None]) -> None:
+    def stop(self, steps: Mapping[str, subprocess.Popen | None], *, lost: bool = False) -> None:
         """Stop the running ones of {step name: srun} together: SIGTERM to each srun (which then kills its
-        tasks), then after the grace SIGKILL the sruns left and their steps' tasks.
+        tasks), then after the grace SIGKILL the sruns left and their steps' tasks. `lost`: a node of theirs is lost,
+        so srun would wait the whole --kill-grace for its tasks (a frozen or dead node never answers): the tasks on
+        the other nodes get LOST_NODE_GRACE_S (their collectives are broken anyway), then the step is killed.
 
         The steps' `scancel --signal=KILL` is not waited for: once srun has asked Slurm to end a step, the step
         is "in a transitional state" and scancel retries every 5+ s — the relaunch must not wait on that."""
         running = {name: p for name, p in steps.items() if p is not None and p.poll() is None}
         if not running:
             return
-        started = time.monotonic()
+        started, grace = time.monotonic(), min(self.kill_grace, LOST_NODE_GRACE_S) if lost else self.kill_grace
         for p in running.values():
             p.send_signal(signal.SIGTERM)
         left = {}
         for name, p in running.items():
             try:
-                p.wait(timeout=max(0.0, started + self.kill_grace - time.monotonic()))
+                p.wait(timeout=max(0.0, started + grace - time.monotonic()))
             except subprocess.TimeoutExpired:
                 left[name] = p
         if not left:
@@ -51,7 +55,7 @@ class StepStopper:
         for p in left.values():
             p.wait()
         self._background = [p for p in self._background if p.poll() is None]
-        self.emit("step_killed", level=logging.WARNING, steps=",".join(left), grace=self.kill_grace,
+        self.emit("step_killed", level=logging.WARNING, steps=",".join(left), grace=grace,
                   seconds=round(time.monotonic() - started, 3))
 
 

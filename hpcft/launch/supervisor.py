@@ -308,11 +308,12 @@ class Supervisor:
             lines: list[str] = []
             reader = threading.Thread(target=tee, args=(proc.stderr, lines), daemon=True)
             reader.start()
+            event = None
             try:
                 event = self._watch(proc, layout, launched, watch, lambda suspects: self.agent_loss.while_training(
                     layout, suspects, restart_count, env))
             finally:
-                self._stop_steps({TRAIN_STEP_NAME: proc})
+                self._stop_steps({TRAIN_STEP_NAME: proc}, lost=bool(event and event.bad_nodes))
                 reader.join(timeout=5)
             self._check_restore(watch)
         except BaseException:

@@ -30,14 +30,7 @@ def main(argv: list[str]) -> int:
         progress.start_watcher(os.environ.get("HPCFT_JOB_ID", "local"), rank, target)
     sys.stdout.flush()
     sys.stderr.flush()
-    code = warm.run(command, os.environ)  # this node's warm standby runs it, when one can
-    if code is not None:
-        return code
-    try:
-        os.execvp(command[0], command)
-    except OSError as exc:
-        print(f"hpcft task: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
-        return 127
+    return warm.run_or_exec(command, os.environ)  # in this node's warm standby, when one can run it
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 starting an interpreter, then stand in for the rank towards srun: its stdio is the rank's (passed over), signals
 srun sends are forwarded, and the wrapper ends as the rank ended (its exit code, or the same signal). When the
 wrapper dies (srun kills the step) the standby kills the rank. Any reason not to (no standby, another command, a
-refusal) returns None with a `trainer_start how=cold` event, and the wrapper execs the command as before."""
+refusal) returns None with a `trainer_start how=cold` event, and the wrapper execs the command as before. The node
+agents' tasks take the same path (`role="agent"`, events `agent_start`; hpcft/launch/handoff.py)."""
 from __future__ import annotations
 
 import logging
@@ -46,19 +47,24 @@ def _umask() -> int:
     return mask
 
 
-def _cold(why: str, environ: Mapping[str, str]) -> None:
-    events.emit("trainer_start", level=logging.WARNING, how="cold", rank=environ.get("HPCFT_RANK"),
-                node=environ.get("HPCFT_NODE_NAME"), reason=why, action="a new interpreter starts (the standby is on)")
+def _who(environ: Mapping[str, str]) -> dict[str, str | None]:
+    return {"rank": environ.get("HPCFT_RANK"), "node": environ.get("HPCFT_NODE_NAME") or environ.get("SLURMD_NODENAME")}
 
 
-def run(command: Sequence[str], environ: Mapping[str, str]) -> int | None:
+def _cold(why: str, environ: Mapping[str, str], role: str) -> None:
+    # a trainer started cold is time lost; an agent of the first launch usually starts before the standbys are up
+    events.emit(f"{role}_start", level=logging.WARNING if role == "trainer" else logging.INFO, how="cold",
+                **_who(environ), reason=why, action="a new interpreter starts (the standby is on)")
+
+
+def run(command: Sequence[str], environ: Mapping[str, str], role: str = "trainer") -> int | None:
     """Run `command` in the node's standby and return its exit status (a signal death is re-raised on this
-    process); None when it must run cold (said in an event when the standby is on)."""
+    process); None when it must run cold (said in a `<role>_start` event when the standby is on)."""
     if environ.get(zygote.ENV_STANDBY) != "1":
         return None
     target, why = zygote.target_of(command, sys.executable, environ.get("PATH"))
     if target is None or (target.kind == "script" and not os.path.exists(target.name)):
-        _cold(why or f"no script {target.name!r} (the interpreter says why)", environ)
+        _cold(why or f"no script {target.name!r} (the interpreter says why)", environ, role)
         return None
     started = time.monotonic()
     try:
@@ -71,15 +77,27 @@ def run(command: Sequence[str], environ: Mapping[str, str]) -> int | None:
         zygote.send(sock, request(target, environ), fds=(0, 1, 2))
         reply, _ = zygote.receive(sock)
     except (OSError, HpcftError) as exc:
-        _cold(f"no standby answered: {type(exc).__name__}: {exc}", environ)
+        _cold(f"no standby answered: {type(exc).__name__}: {exc}", environ, role)
         return None
     if reply is None or "started" not in reply:
         sock.close()  # the standby kills a child whose wrapper is gone
-        _cold(f"the standby refused: {(reply or {}).get('refused', 'it closed the connection')}", environ)
+        _cold(f"the standby refused: {(reply or {}).get('refused', 'it closed the connection')}", environ, role)
         return None
-    events.emit("trainer_start", how="warm", rank=environ.get("HPCFT_RANK"), node=environ.get("HPCFT_NODE_NAME"),
-                pid=reply["started"], seconds=round(time.monotonic() - started, 3))
+    events.emit(f"{role}_start", how="warm", **_who(environ), pid=reply["started"],
+                seconds=round(time.monotonic() - started, 3))
     return _wait(sock)
+
+
+def run_or_exec(command: Sequence[str], environ: Mapping[str, str], role: str = "trainer") -> int:
+    """`run` in the standby; where it cannot, exec `command` in place of this process (127 if it cannot start)."""
+    code = run(command, environ, role)
+    if code is not None:
+        return code
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        print(f"hpcft {role}: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127
 
 
 def _wait(sock: socket.socket) -> int:

@@ -43,6 +43,10 @@ def test_a_killed_rank_is_relaunched_warm_and_resumes_bit_identical(recovery_ben
     ran = {r["pid"] for r in recs if r["what"] == "start" and r["run"] == "0.1"}
     assert ran == {e["pid"] for e in again}, "the relaunched ranks are the standbys' children"
     assert recovery_bench.report["phases"]["rank_kill"]["warm_ranks"] == 4
+    log = events.read(out / "job")
+    relaunch = log[[i for i, e in enumerate(log) if e["event"] == "agents_launch"][1]:]
+    agents = [(e["node"], e["how"]) for e in relaunch if e["event"] == "agent_start"]
+    assert sorted(agents) == [(f"n{i}", "warm") for i in range(1, 5)], "the relaunch's agents are forked too"
     assert recovery_bench.report["rank_kill_warm_ranks"] == 4
     assert set(resumed_from(out).values()) == {min(resumed_from(out).values())} and \
         min(resumed_from(out).values()) >= FAULT_AT

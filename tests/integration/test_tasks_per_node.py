@@ -43,3 +43,11 @@ def test_a_node_crash_takes_all_its_ranks_and_every_rank_resumes_from_memory(hea
     resumed = resumed_from(out)
     assert len(resumed) == RANKS and set(resumed.values()) == {ready[1]["step"]}, resumed
     assert_same_ranks(out, reference, RANKS)
+    # one standby per node serves both of its rank slots, on groups that refuse CPU tensors: the relaunch's ranks
+    # (the spare's two among them) are forked children, not new interpreters
+    log = events.read(out / "job")
+    relaunch = log[[i for i, e in enumerate(log) if e["event"] == "launch"][1]:]
+    started = [(e["node"], e["how"]) for e in relaunch if e["event"] == "trainer_start"]
+    assert len(started) == RANKS and {how for _, how in started} == {"warm"}, started
+    assert sum(node == spare for node, _ in started) == TP, started
+    assert not [e for e in log if e["event"] in ("standby_refused", "standby_failed") and e.get("cause") != "step_ended"]

@@ -78,7 +78,7 @@ def made_steps():
 
 def _steps(tmp_path: Path, proc: subprocess.Popen, made: list, tag: str = "3") -> AgentSteps:
     steps = AgentSteps(RunConfig(), runner=None, job_dir=tmp_path, python=sys.executable, emit=lambda *a, **k: None,
-                       stop_steps=lambda procs: None, interrupted=lambda: False, check_nodes=lambda layout, probe: {})
+                       stop_steps=lambda procs, **kw: None, interrupted=lambda: False, check_nodes=lambda layout, probe: {})
     steps.prepare()
     steps.proc, steps.tag = proc, tag
     made.append(steps)
@@ -135,7 +135,7 @@ class _Nodes:
     def __init__(self, bad: dict):
         self.bad_ones, self.asked = bad, []
 
-    def bad(self, nodes, *, probe, found_by=None, suspected=None):
+    def bad(self, nodes, *, probe, found_by=None, suspected=None, controls=()):
         self.asked.append((tuple(nodes), found_by, dict(suspected or {})))
         return {n: w for n, w in self.bad_ones.items() if n in nodes}
 

@@ -1,0 +1,67 @@
+"""The probe of the agents' suspects, timed against a few healthy-looking nodes (hpcft/launch/policy.py
+`probe_deadline`, `control_nodes`; hpcft/launch/nodecheck.py): a node silent past --loss-timeout that does not
+answer a probe its peers answer at once is bad within seconds, not at --probe-timeout; a slow cluster slows the
+controls too, and the suspect gets longer."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpcft.launch import nodecheck
+from hpcft.launch.nodecheck import NodeCheck
+from hpcft.launch.policy import CONTROL_FACTOR, CONTROL_FLOOR_S, control_nodes, probe_deadline
+
+
+def test_without_controls_the_probe_waits_its_timeout():
+    assert probe_deadline(15.0, None) == 15.0 and probe_deadline(15.0, []) == 15.0
+
+
+def test_with_controls_a_suspect_gets_a_multiple_of_the_slowest_answer_within_floor_and_timeout():
+    assert probe_deadline(15.0, [0.1, 0.3]) == CONTROL_FLOOR_S  # a quick cluster: the floor
+    assert probe_deadline(15.0, [0.2, 1.0]) == pytest.approx(CONTROL_FACTOR * 1.0)  # the slowest control counts
+    assert probe_deadline(15.0, [6.0]) == 15.0  # a loaded cluster: never past --probe-timeout
+
+
+def test_controls_are_the_suspects_neighbours_and_never_suspects():
+    slots = [f"frontier{i:05d}" for i in range(1, 11)]
+    assert control_nodes(slots, ["frontier00005"]) == ["frontier00004", "frontier00006", "frontier00003"]
+    assert control_nodes(slots, ["frontier00001"], count=2) == ["frontier00002", "frontier00003"]
+    assert control_nodes(slots[:2], slots[:2]) == []
+    assert control_nodes(slots[:3], []) == slots[:3]
+
+
+class _Runner:
+    """Runs a command per node instead of the probe's srun (the probe's argv is tested in test_launch_srun): a
+    healthy node echoes its name, a frozen one never answers."""
+
+    def __init__(self, frozen: set[str]):
+        self.frozen = frozen
+
+    def popen(self, argv, *, env=None, **kwargs):
+        node = argv[argv.index("-w") + 1] if "-w" in argv else next(a.split("=", 1)[1] for a in argv
+                                                                   if a.startswith("--nodelist="))
+        script = "import time; time.sleep(600)" if node in self.frozen else f"print({node!r})"
+        return subprocess.Popen([sys.executable, "-c", script], **kwargs)
+
+
+def _check(frozen: set[str], timeout: float) -> NodeCheck:
+    said: list = []
+    check = NodeCheck(_Runner(frozen), "1", {}, timeout, lambda *a, **k: said.append((a, k)))
+    check._slurm_marked = lambda nodes: {}  # no Slurm here: only the probe decides
+    return check
+
+
+def test_a_frozen_suspect_is_bad_once_the_controls_answered_not_at_the_timeout(monkeypatch):
+    monkeypatch.setattr(nodecheck, "SLURM_EVERY_S", 3600.0)
+    started = time.monotonic()
+    bad = _check({"n3"}, timeout=60.0).probe(["n3"], controls=["n2", "n4"])
+    assert list(bad) == ["n3"] and "2 other node(s) answered within" in bad["n3"], bad
+    assert time.monotonic() - started < 30.0, "named long before --probe-timeout (60 s)"
+
+
+def test_a_suspect_that_answers_is_not_bad_and_a_frozen_control_leaves_the_timeout(monkeypatch):
+    monkeypatch.setattr(nodecheck, "SLURM_EVERY_S", 3600.0)
+    assert _check(set(), timeout=30.0).probe(["n3"], controls=["n2"]) == {}
+    bad = _check({"n2", "n3"}, timeout=1.0).probe(["n3"], controls=["n2"])  # no control answered: the timeout
+    assert sorted(bad) == ["n2", "n3"] and bad["n3"] == "probe did not answer within 1 s", bad
