@@ -91,6 +91,9 @@ def _run_options(f):
         click.option("--preload", default=None,
                      help="Comma-separated modules the standbys import before a launch (default: torch, torch._dynamo, "
                           "numpy, hpcft's training side, ...)."),
+        click.option("--copy", default=None,
+                     help="The trainers' CPU snapshot/restore copy method, as HPCFT_COPY: auto (calibrated per host, "
+                          "the default), default, or pinned, e.g. stream,threads=2,chunk=1M."),
     ]
     for option in reversed(options):
         f = option(f)
