@@ -23,6 +23,7 @@ from hpcft.store.checksum import crc32c
 
 CHUNKS = (256 << 10, DEFAULT_CHUNK, 4 << 20)
 REPEATS = 3  # each figure is the best of these (the least disturbed by other work), candidates interleaved
+BUDGET = 1.2  # seconds after which no new round starts (each stage measures at least one round)
 MAX_THREADS = 16
 BUFFER_RANGE = (64 << 20, 256 << 20)
 
@@ -108,19 +109,24 @@ def _run(buffers: _Buffers, case: str, method: Method, pool: ThreadPoolExecutor)
     return buffers.cold(lambda fresh: copy_pass(copy, buffers.host, fresh, method.chunk_bytes, method.threads, pool))
 
 
-def _timed(buffers: _Buffers, plan: Sequence[tuple[str, Method]], repeats: int, pool: ThreadPoolExecutor) -> list[Sample]:
-    """The best of `repeats` passes of each (case, method), the candidates interleaved within each repeat."""
+def _timed(buffers: _Buffers, plan: Sequence[tuple[str, Method]], repeats: int, pool: ThreadPoolExecutor,
+           budget: float) -> list[Sample]:
+    """The best of up to `repeats` rounds of each (case, method), the candidates interleaved within each round; no
+    round is started after `budget` seconds (a loaded machine measures less, never longer), the first always is."""
     best = {p: float("inf") for p in plan}
-    for _ in range(repeats):
+    t0 = time.perf_counter()
+    for r in range(repeats):
+        if r and time.perf_counter() - t0 > budget:
+            break
         for p in plan:
             best[p] = min(best[p], _run(buffers, *p, pool))
     return [Sample(case, m, best[(case, m)], buffers.nbytes) for case, m in plan]
 
 
 def measure(root: Path, cores: int, *, nbytes: int | None = None, chunks: Sequence[int] = CHUNKS,
-            repeats: int = REPEATS, threads: Sequence[int] | None = None) -> list[Sample]:
+            repeats: int = REPEATS, threads: Sequence[int] | None = None, budget: float = BUDGET) -> list[Sample]:
     """Samples of every kernel × thread count at the default chunk in each case, then of each direction's best of
-    those at the other chunk sizes (a full grid would take several times as long). The scratch file lives in `root`
+    those at every chunk size (a full grid would take several times as long), within about `budget` seconds. The scratch file lives in `root`
     (the store's root: the memory a slot is made of) and is unlinked at once. OSError where the buffers cannot be had."""
     counts = list(threads or thread_counts(cores))
     cases = [c for cs in CASES.values() for c in cs]
@@ -132,11 +138,23 @@ def measure(root: Path, cores: int, *, nbytes: int | None = None, chunks: Sequen
     try:
         with ThreadPoolExecutor(max(1, max(counts) - 1), thread_name_prefix="hpcft-calibrate") as pool:
             first = [(c, Method(k, t, DEFAULT_CHUNK)) for c in cases for k in kernels for t in counts]
-            samples = _timed(buffers, first, repeats, pool)
+            samples = _timed(buffers, first, repeats, pool, budget * 0.6)
             lead = {d: best_per_chunk(samples, d)[DEFAULT_CHUNK][0] for d in CASES}
-            second = [(c, Method(lead[d].kernel, lead[d].threads, chunk)) for chunk in chunks if chunk != DEFAULT_CHUNK
+            # the leaders again at the default size too, interleaved with the other sizes: drift between the two
+            # rounds (other work starting or ending) must not decide the size
+            second = [(c, Method(lead[d].kernel, lead[d].threads, chunk)) for chunk in sorted({*chunks, DEFAULT_CHUNK})
                       for d, cs in CASES.items() for c in cs]
-            samples += _timed(buffers, second, repeats, pool)
+            samples = _merged(samples + _timed(buffers, second, repeats, pool, budget * 0.4))
     finally:
         buffers.close()
     return failed + samples
+
+
+def _merged(samples: list[Sample]) -> list[Sample]:
+    """One sample per (case, method): the best of those measured, in first-measured order."""
+    best: dict[tuple[str, Method], Sample] = {}
+    for s in samples:
+        old = best.get((s.case, s.method))
+        if old is None or s.seconds < old.seconds:
+            best[(s.case, s.method)] = s
+    return list(best.values())
