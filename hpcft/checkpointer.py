@@ -21,7 +21,7 @@ from hpcft import events
 from hpcft.env import DEFAULT_JOB_ID, job_env
 from hpcft.errors import CheckpointError, ConfigError
 from hpcft.inprocess import record as restart_record
-from hpcft.snapshot import copiers, groups, rng, state, timing
+from hpcft.snapshot import calibration, copiers, groups, rng, state, timing
 from hpcft.snapshot.engine import SnapshotEngine, Stats
 from hpcft.durable import catalog, local, resume
 from hpcft.snapshot.restore import Loader
@@ -79,14 +79,18 @@ class Checkpointer:
         self._view = StateView(model, optimizer, frozenset(self.group.ranks) if self.group else None)
         device = _device_of(model)
         backend = copiers.choose(backend, device)
-        self.threads = threads or copiers.default_threads(backend)
+        # the copy method: calibrated on this host for the CPU backend, explicit arguments first (calibration)
+        self.copy_settings = calibration.settings(backend, copiers.default_threads(backend), threads, chunk_bytes)
+        self.threads = self.copy_settings.snapshot.threads
         self.store = RankStore(self.job_id, self.rank, keep=keep, root=root)
         self.persist_dir: Path | None = catalog.persist_root(persist_dir)
         self.persist_local: Path | None = local.local_root(str(persist_local) if persist_local is not None else None)
         copier = copiers.make(backend, device, max_inflight_bytes=max_inflight_bytes, threads=self.threads,
-                              delay_per_chunk=delay_per_chunk, overlap=overlap)
-        self.engine = SnapshotEngine(self.store, copier, group=self.group, chunk_bytes=chunk_bytes or copier.chunk_bytes)
-        self._loader = Loader(self.store, self.group, self.threads, world=self.comm.world)
+                              delay_per_chunk=delay_per_chunk, overlap=overlap, kernel=self.copy_settings.snapshot.kernel)
+        self.engine = SnapshotEngine(self.store, copier, group=self.group,
+                                     chunk_bytes=self.copy_settings.snapshot.chunk_bytes or copier.chunk_bytes)
+        self._loader = Loader(self.store, self.group, self.copy_settings.restore.threads, world=self.comm.world,
+                              kernel=self.copy_settings.restore.kernel)
         self.backend = backend
         self.completed = 0  # optimizer steps applied to the live state
         self.extra: dict | None = None

@@ -24,9 +24,10 @@ def _register() -> None:
     from hpcft.demo import demo
     from hpcft.durable.cli import export
     from hpcft.sandbox.cli import sandbox
+    from hpcft.snapshot.calibration.cli import calibrate
     from hpcft.status import status
 
-    for command in (doctor, sandbox, bench, demo, run, submit, clean, flush, status, export):
+    for command in (doctor, sandbox, bench, demo, run, submit, clean, flush, status, export, calibrate):
         cli.add_command(command)
 
 

@@ -101,6 +101,7 @@ def _optional() -> list[Check]:
 
     built, detail = ntcopy.probe()
     checks.append(Check("copy kernel", built, detail if built else f"not built: {detail}"))
+    checks.append(_copy_method())
     try:
         from hip import hip  # noqa: F401
         import hip as hip_pkg
@@ -122,6 +123,19 @@ def _optional() -> list[Check]:
     except Exception as exc:
         checks.append(Check("mpi4py", False, f"installed but unusable: {exc}"))
     return checks
+
+
+def _copy_method() -> Check:
+    """The CPU snapshot/restore copy method and where it comes from (HPCFT_COPY, this host's cached calibration, or
+    not calibrated yet: doctor never measures, `hpcft calibrate` does)."""
+    from hpcft.errors import ConfigError
+    from hpcft.snapshot import calibration, copiers
+
+    try:
+        got = calibration.resolve(copiers.default_threads("cpu"), measure_now=False)
+    except ConfigError as exc:
+        return Check("copy method", False, str(exc), True)
+    return Check("copy method", True, got.summary())
 
 
 def _storage() -> list[Check]:

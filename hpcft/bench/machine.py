@@ -5,23 +5,16 @@ from __future__ import annotations
 
 import os
 import platform
+from dataclasses import asdict
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from hpcft.snapshot.calibration import CopySettings
+from hpcft.snapshot.calibration.cache import cpu_model, usable_cores
 
 GB = 1e9
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _memory_gib() -> float | None:
@@ -52,10 +45,21 @@ def memcpy_gbps(threads: int, nbytes: int = 256 << 20, repeats: int = 3) -> floa
 
 def describe(threads: int = 2) -> dict[str, Any]:
     """The machine as a bench report records it (measuring its bandwidth takes about a second)."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "usable_cores": usable, "memory_gib": _memory_gib(),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable_cores(), "memory_gib": _memory_gib(),
             "memcpy_gbps_1_thread": memcpy_gbps(1), f"memcpy_gbps_{threads}_threads": memcpy_gbps(threads),
             "load_average": [round(x, 2) for x in os.getloadavg()], "host": platform.node()}
+
+
+def calibration(settings: CopySettings) -> dict[str, Any]:
+    """The copy methods a bench's Checkpointer used and where they came from, with the calibration's measurements
+    (case, kernel, threads, chunk bytes, GB/s) where it measured any."""
+    got = settings.resolved
+    out: dict[str, Any] = {"snapshot": asdict(settings.snapshot), "restore": asdict(settings.restore)}
+    if got is not None:
+        out.update(source=got.source, detail=got.detail,
+                   samples=[[s.case, s.method.kernel, s.method.threads, s.method.chunk_bytes,
+                             round(s.gbps, 2) if s.gbps else None] for s in got.samples])
+    return out
 
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:

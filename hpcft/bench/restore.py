@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from hpcft.bench import baselines
+from hpcft.bench import baselines, machine
 from hpcft.bench.harness import (GB, Memcpy, Report, Timings, Variant, local_process_group, run_interleaved,
                                  scratch, set_threads)
 from hpcft.bench.model import Trainer, config_for_params
@@ -131,7 +131,7 @@ def run(opts: RestoreOptions) -> Report:
             variants = [HpcftRestore(source, reference, ckpt), HpcftColdRestore(_trained(opts), reference, where.shm),
                         DcpLoad(_trained(opts), reference, where.disk / "dcp"),
                         TorchLoad(_trained(opts), reference, where.disk / "ckpt.pt"),
-                        Memcpy(state_bytes, ckpt.threads)]
+                        Memcpy(state_bytes, ckpt.copy_settings.restore.threads)]  # as many threads as the restore
             try:
                 timings = run_interleaved(variants, opts.repeats, opts.warmup, block=1)
             finally:
@@ -139,7 +139,10 @@ def run(opts: RestoreOptions) -> Report:
                     v.close()
         finally:
             ckpt.close()
-        return _report(opts, source, timings, state_bytes)
+        r = _report(opts, source, timings, state_bytes)
+        r.add("restore_threads", ckpt.copy_settings.restore.threads, "", "hpcft restore threads (and the memcpy's)")
+        r.note("copy_calibration", machine.calibration(ckpt.copy_settings))
+        return r
 
 
 def _report(opts: RestoreOptions, trainer: Trainer, timings: Timings, state_bytes: int) -> Report:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass
 
-from hpcft.bench import baselines
+from hpcft.bench import baselines, machine
 from hpcft.bench.flush import HpcftFlush, flush_vs_write
 from hpcft.bench.harness import (GB, Report, Scratch, Timings, cpu_overhead, local_process_group, memcpy_reference,
                                  overhead, run_interleaved, scratch, set_threads)
@@ -89,6 +89,7 @@ def run(opts: SnapshotOptions) -> Report:
         if flushes is not None:
             _flush_report(r, opts, timings, *flushes)
         r.note("hpcft_stats", {k: v for k, v in stats.items() if k != "history"})
+        r.note("copy_calibration", machine.calibration(hp.ckpt.copy_settings))
         return r
 
 
@@ -140,6 +141,7 @@ def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: 
     r.add("copy_GBps_in_training", copy.training / GB, "GB/s", "hpcft copy+crc bandwidth during training")
     r.add("memcpy_GBps", copy.memcpy / GB, "GB/s", f"{ref}, same bytes")
     r.add("backend", hp.ckpt.backend, "", "hpcft copy backend")
+    r.add("copy_threads", copy.threads, "", "hpcft copy threads (and the reference memcpy's)")
     r.add("snapshot_bytes", copy.snapshot_bytes, "B", "bytes per hpcft snapshot")
     r.add("state_bytes", trainer.state_bytes(), "B", "bytes of model + optimizer state")
     r.add("params", trainer.n_params(), "", "model parameters")

@@ -99,6 +99,9 @@ def _run_options(f):
                           "else /tmp)."),
         click.option("--stage-cache", default=None,
                      help="Where --stage-env keeps its archives, named by content (default <job dir>/stage)."),
+        click.option("--copy", default=None,
+                     help="The trainers' CPU snapshot/restore copy method, as HPCFT_COPY: auto (calibrated per host, "
+                          "the default), default, or pinned, e.g. stream,threads=2,chunk=1M."),
     ]
     for option in reversed(options):
         f = option(f)

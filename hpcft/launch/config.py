@@ -10,6 +10,7 @@ from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK
 from hpcft.errors import ConfigError
 from hpcft.launch.memplan import parse_bytes
 from hpcft.launch.standby import DEFAULT_PRELOAD
+from hpcft.snapshot.calibration.policy import default_choice, parse_override
 
 CONFIG_ENV = "HPCFT_CONFIG"
 
@@ -68,6 +69,9 @@ class RunConfig:
     the same path on every node (default $HPCFT_NVME, else /tmp); stage_cache: where the archives are kept between
     launches and requeues, named by their content (default `<job_dir>/stage`; a directory shared by several jobs
     reuses one archive for all).
+    copy: the CPU snapshot/restore copy method for every trainer, exported as HPCFT_COPY
+    (default `auto`: measured once per host and cached; `default`: hpcft's built-in method; or pinned, e.g.
+    `stream,threads=2,chunk=1M` — hpcft/snapshot/calibration).
     """
 
     nodes: int | None = None
@@ -117,6 +121,7 @@ class RunConfig:
     stage_env: bool | None = None
     stage_dir: str | None = None
     stage_cache: str | None = None
+    copy: str | None = None
 
     @property
     def protected(self) -> bool:
@@ -270,6 +275,8 @@ def validate(cfg: RunConfig) -> None:
                           "by commas, e.g. --preload torch,transformers")
     if cfg.protected and cfg.protect != "auto":
         scheme(cfg)  # the agents' own checks (group, losses, distance), before anything is launched
+    if cfg.copy and cfg.copy.strip().lower() not in ("auto", "default"):
+        parse_override(cfg.copy, default_choice(1, True))  # the trainers' own parse, before anything is launched
 
 
 def _validate_elastic(cfg: RunConfig) -> None:
@@ -321,6 +328,11 @@ def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:
     if active >= 3:
         return replace(cfg, protect="xor", group=min(cfg.group, active), losses=1)
     return replace(cfg, protect="partner" if active == 2 else "none", distance=1)
+
+
+def copy_env(cfg: RunConfig) -> dict[str, str]:
+    """The trainers' copy method (`copy`), where the run's options set one (else HPCFT_COPY passes through as is)."""
+    return {env_name("copy"): cfg.copy} if cfg.copy else {}
 
 
 def durable_dir(cfg: RunConfig, job_dir: Path) -> Path | None:

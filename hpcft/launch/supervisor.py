@@ -27,7 +27,7 @@ from hpcft.launch.agentloss import AgentLoss
 from hpcft.launch.agents import AgentSteps
 from hpcft.durable.catalog import ENV_PERSIST
 from hpcft.durable.local import ENV_LOCAL
-from hpcft.launch.config import RunConfig, durable_dir, resolve_protect
+from hpcft.launch.config import RunConfig, copy_env, durable_dir, resolve_protect
 from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
@@ -334,7 +334,7 @@ class Supervisor:
                        profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id,
                                                          plugin=self._site_env))
         env = {**self.environ, **env, **elastic.trainer_env(self.cfg, self.base_world),
-               **self.standbys.env()}
+               **copy_env(self.cfg), **self.standbys.env()}
         durable = durable_dir(self.cfg, self.job_dir)
         if durable is not None:
             env[ENV_PERSIST] = str(durable)  # where the trainers' restore finds the durable tier

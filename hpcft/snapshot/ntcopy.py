@@ -85,10 +85,11 @@ def available() -> bool:
     return _load() is not None
 
 
-def raw_copier() -> Callable[[int, int, int], None]:
+def raw_copier(kernel: str = "stream") -> Callable[[int, int, int], None]:
     """`f(dst, src, nbytes)` copying between raw addresses (the caller keeps both buffers alive and in
-    bounds): the streaming-store kernel, else libc memcpy through ctypes. Both release the GIL."""
-    lib = _load()
+    bounds): the streaming-store kernel (`stream`, where it was built), else libc memcpy through ctypes
+    (`memcpy`, chosen by calibration where it is faster: hpcft.snapshot.calibration). Both release the GIL."""
+    lib = _load() if kernel == "stream" else None
     return ctypes.memmove if lib is None else lib.hpcft_stream_copy
 
 

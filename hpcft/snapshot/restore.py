@@ -99,14 +99,17 @@ def _load_chunk(copy: Callable[[int, int, int], None], data: np.ndarray, base: i
 
 
 class Loader:
-    """Loads one version into live entries; `threads` workers verify and copy chunks. `world` and `group.pg`
-    carry the verdicts (CPU tensors); the replicated shares travel on `group.for_bytes(their device)`."""
+    """Loads one version into live entries; `threads` workers verify and copy chunks, into host tensors with `kernel`
+    (ntcopy.raw_copier; hpcft.snapshot.calibration chooses both). `world` and `group.pg` carry the verdicts (CPU
+    tensors); the replicated shares travel on `group.for_bytes(their device)`."""
 
-    def __init__(self, store: RankStore, group: Group | None, threads: int = 2, world: Any = None):
+    def __init__(self, store: RankStore, group: Group | None, threads: int = 2, world: Any = None,
+                 kernel: str = "stream"):
         self.store = store
         self.group = group
         self.world = world
         self.threads = max(1, threads)
+        self.copy = ntcopy.raw_copier(kernel)
         self._pool: ThreadPoolExecutor | None = None
         # kept while the live entries are the same list (snapshot.view hands out one list per layout): the sinks,
         # and the grids of the manifests (the same dict while its file is unchanged, store.manifest.ReadCache) that
@@ -201,7 +204,7 @@ class Loader:
         if data.size < total:
             raise IntegrityError(f"data file of rank {self.store.rank} holds {data.size} bytes, its manifest {total}")
         take = itertools.count().__next__  # atomic under the GIL: each chunk goes to exactly one worker
-        copy, base = ntcopy.raw_copier(), ntcopy.address(data)
+        copy, base = self.copy, ntcopy.address(data)
 
         def work() -> list[int]:
             lost = []
@@ -235,7 +238,7 @@ class Loader:
         device = next((e.local.device for e in rep if e.local.device.type != "cpu"), torch.device("cpu"))
         pg, where = self.group.for_bytes(device)
         scratch = torch.empty(max(b - a for a, b in zip(cuts, cuts[1:])), dtype=torch.uint8, device=where)
-        copy = ntcopy.raw_copier()
+        copy = self.copy
         for j, src in enumerate(self.group.ranks):
             lo, hi = cuts[j], cuts[j + 1]
             if hi == lo:

@@ -7,8 +7,18 @@ import sys
 import pytest
 
 SNAPSHOT_KEYS = {"overhead_hpcft", "overhead_torch_save", "overhead_dcp_async", "blocked_s_per_snapshot",
-                 "copy_vs_memcpy", "dcp_async_form", "snapshot_bytes", "config", "variants"}
-RESTORE_KEYS = {"restore_vs_memcpy", "speedup_vs_dcp", "speedup_vs_torch_load", "verified", "state_bytes"}
+                 "copy_vs_memcpy", "dcp_async_form", "snapshot_bytes", "config", "variants", "copy_threads",
+                 "copy_calibration", "machine"}
+RESTORE_KEYS = {"restore_vs_memcpy", "speedup_vs_dcp", "speedup_vs_torch_load", "verified", "state_bytes",
+                "restore_threads", "copy_calibration", "machine"}
+
+
+def calibrated_threads(result: dict, direction: str) -> int:
+    """The copy method the bench's Checkpointer used; the suite pins it (tests/conftest.py: HPCFT_COPY=default)."""
+    used = result["copy_calibration"]
+    assert used["source"] == "override" and used[direction]["kernel"] in ("stream", "memcpy")
+    assert {"cpu", "cores", "memcpy_gbps_1_thread", "load_average"} <= result["machine"].keys()
+    return used[direction]["threads"]
 TINY = ["--params", "1M", "--warmup", "1", "--threads", "1"]
 
 
@@ -38,6 +48,7 @@ def test_snapshot_json_contract(tmp_path):
     assert result["blocked_s_per_snapshot"] >= 0 and result["copy_vs_memcpy"] > 0
     assert "async_save" in result["dcp_async_form"]
     assert {v["n"] for v in result["variants"].values()} == {2}
+    assert result["copy_threads"] == calibrated_threads(result, "snapshot")  # the reference memcpy's too
     assert "hpcft every step" in proc.stderr  # the table went to stderr
     assert list(tmp_path.iterdir()) == []  # the store dir was removed
 
@@ -51,6 +62,7 @@ def test_restore_json_contract(tmp_path):
     assert result["verified"] is True
     for key in ("restore_vs_memcpy", "speedup_vs_dcp", "speedup_vs_torch_load"):
         assert result[key] > 0, key
+    assert result["restore_threads"] == calibrated_threads(result, "restore")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -5,6 +5,7 @@ import torch
 
 from hpcft.deps import available
 from hpcft.errors import ConfigError
+from hpcft.snapshot.calibration.cache import usable_cores
 from hpcft.snapshot.copiers.base import Copier, Transfer
 from hpcft.snapshot.copiers.cpu import CpuCopier
 
@@ -33,10 +34,7 @@ def cpu_overlap(threads: int) -> bool:
     """Overlap CPU copies with training only where cores are left idle by torch's compute threads; on a
     CPU whose cores all compute, a background copy fights the step for them and costs more than a short
     parallel copy while the step waits (docs/PERFORMANCE-NOTES: no idle core, nothing to hide)."""
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores >= torch.get_num_threads() + threads
+    return usable_cores() >= torch.get_num_threads() + threads
 
 
 def default_threads(backend: str) -> int:
@@ -46,11 +44,12 @@ def default_threads(backend: str) -> int:
 
 
 def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads: int,
-         delay_per_chunk: float = 0.0, overlap: bool | None = None) -> Copier:
-    """Build the copier named by `choose`; `overlap` (cpu backend) defaults to `cpu_overlap(threads)`."""
+         delay_per_chunk: float = 0.0, overlap: bool | None = None, kernel: str = "stream") -> Copier:
+    """Build the copier named by `choose`; `overlap` (cpu backend) defaults to `cpu_overlap(threads)`; `kernel` (cpu
+    backend) is the host copy (hpcft.snapshot.calibration chooses it)."""
     if backend == "cpu":
         overlap = cpu_overlap(threads) if overlap is None else overlap
-        return CpuCopier(threads=threads, delay_per_chunk=delay_per_chunk, overlap=overlap)
+        return CpuCopier(threads=threads, delay_per_chunk=delay_per_chunk, overlap=overlap, kernel=kernel)
     if backend == "torch":
         from hpcft.snapshot.copiers.torch_stream import TorchCopier
 

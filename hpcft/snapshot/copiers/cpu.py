@@ -37,12 +37,13 @@ class _Job:
     padding between them from the slot, which together are the chunk's bytes in the slot."""
 
     def __init__(self, arrays: list[np.ndarray], addrs: list[int], chunks: Sequence[Chunk], dst: np.ndarray,
-                 delay: float):
+                 delay: float, kernel: str):
         self.arrays, self.addrs, self.chunks, self.dst, self.delay = arrays, addrs, chunks, dst, delay
+        self.copy = ntcopy.raw_copier(kernel)
         self._next = itertools.count().__next__  # atomic under the GIL
 
     def run(self) -> list[tuple[int, int]]:
-        copy, base, dst, out = ntcopy.raw_copier(), ntcopy.address(self.dst), self.dst, []
+        copy, base, dst, out = self.copy, ntcopy.address(self.dst), self.dst, []
         while (i := self._next()) < len(self.chunks):
             chunk = self.chunks[i]
             crc, pos = 0, chunk.offset
@@ -65,7 +66,8 @@ class CpuCopier:
     """`threads` workers taking chunks as they are free. With `overlap` the copy runs while training
     continues and the pre-step hook joins it; without, `start` returns once the bytes are copied, the
     training thread being one of the workers (on a CPU whose cores all compute, overlapping only makes the
-    copy and the step fight for the same cores).
+    copy and the step fight for the same cores). `kernel` copies each segment (ntcopy.raw_copier: `stream` or
+    `memcpy`, as the calibration chose, hpcft.snapshot.calibration).
     `delay_per_chunk` (seconds) slows each chunk down, for tests that need a wide copy window."""
 
     name = "cpu"
@@ -75,8 +77,9 @@ class CpuCopier:
     # chunks, 0.85x with 4 MiB; 256 KiB suffered most when the cores were oversubscribed.
     chunk_bytes = 1 << 20
 
-    def __init__(self, threads: int = 2, delay_per_chunk: float = 0.0, overlap: bool = True):
+    def __init__(self, threads: int = 2, delay_per_chunk: float = 0.0, overlap: bool = True, kernel: str = "stream"):
         self.threads = max(1, threads)
+        self.kernel = kernel
         self.delay_per_chunk = delay_per_chunk
         self.overlap = overlap
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpcft-copy")
@@ -91,7 +94,7 @@ class CpuCopier:
         return self._views
 
     def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> CpuTransfer:
-        job = _Job(*self._arrays(sources), chunks, slot.array, self.delay_per_chunk)
+        job = _Job(*self._arrays(sources), chunks, slot.array, self.delay_per_chunk, self.kernel)
         if self.overlap:
             return CpuTransfer([self._pool.submit(job.run) for _ in range(min(self.threads, len(chunks)) or 1)],
                                len(chunks))
