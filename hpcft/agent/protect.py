@@ -22,7 +22,7 @@ from hpcft.agent.codec import CHUNK as FOLD
 from hpcft.agent.codec import XorFold, codec_for
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.placement import Placement, ProtectionSet
-from hpcft.agent.transport import Channel
+from hpcft.agent.link import Link
 from hpcft.errors import HpcftError, IntegrityError
 from hpcft.store import Slot, crc32c, secure_dir
 from hpcft.store.slot import GROW_PIECE
@@ -144,7 +144,7 @@ def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes:
         folds = {s: XorFold(stripes.parity_block(slot.array, pset, pos, s, nbytes)) for s in mine}
         scratch = {d: np.empty(RECV_PIECE, dtype=np.uint8) for d in senders}
 
-        def take(d: int, s: int, ch: Channel, plen: int) -> None:
+        def take(d: int, s: int, ch: Link, plen: int) -> None:
             buf = scratch[d]
             for off in range(0, plen, RECV_PIECE):  # fewer, larger receives: less CPU per byte than one per cell
                 n = min(RECV_PIECE, plen - off)
@@ -157,7 +157,7 @@ def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes:
                  for i, s in enumerate(mine) for j, d in enumerate(pset.data_positions(s))}
         arrived: dict[tuple[int, int], np.ndarray] = {}
 
-        def take(d: int, s: int, ch: Channel, plen: int) -> None:
+        def take(d: int, s: int, ch: Link, plen: int) -> None:
             ch.recv_payload(inbox[(s, d)][:plen])
             arrived[(s, d)] = inbox[(s, d)][:plen]
 
