@@ -20,7 +20,7 @@ from hpcft.agent import stripes
 from hpcft.agent.bundle import Bundle, map_readonly
 from hpcft.agent.codec import CHUNK as FOLD
 from hpcft.agent.codec import XorFold, codec_for
-from hpcft.agent.mesh import Mesh
+from hpcft.agent.mesh import MeshBase
 from hpcft.agent.placement import Placement, ProtectionSet
 from hpcft.agent.link import Link
 from hpcft.errors import HpcftError, IntegrityError
@@ -58,7 +58,7 @@ def records(job: Path) -> dict[int, Record]:
     return out
 
 
-def protect_step(mesh: Mesh, placement: Placement, bundle: Bundle, job: Path, keep: int = 2,
+def protect_step(mesh: MeshBase, placement: Placement, bundle: Bundle, job: Path, keep: int = 2,
                  started: float | None = None) -> Record:
     """Protect `bundle` (this node's step) with every other agent doing the same step (collective); `started`
     (perf_counter) is when the pass began, for the event's `seconds` (default: now)."""
@@ -120,7 +120,7 @@ def partner_meta(source: int, source_bytes: int, sent: int) -> dict[str, Any]:
     return {"kind": "partner", "source": source, "source_bytes": source_bytes, "sent_bytes": sent}
 
 
-def _partner(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes: dict[int, int]):
+def _partner(mesh: MeshBase, placement: Placement, bundle: Bundle, slot: Slot, sizes: dict[int, int]):
     dst, src = placement.partner_of(mesh.slot), placement.partnered_by(mesh.slot)
     slot.ensure(max(1, sizes[src]), pace=mesh.pace)
     with ThreadPoolExecutor(1) as pool, mesh.all_or_nothing():  # abort before the pool waits
@@ -130,7 +130,7 @@ def _partner(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes
     return sizes[src], partner_meta(src, sizes[src], bundle.size)
 
 
-def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes: dict[int, int]):
+def _parity(mesh: MeshBase, placement: Placement, bundle: Bundle, slot: Slot, sizes: dict[int, int]):
     pset = placement.set_of(mesh.slot)
     pos = pset.members.index(mesh.slot)
     set_sizes = [sizes[m] for m in pset.members]
