@@ -15,15 +15,17 @@ def agent_argv(nodes: Sequence[str], *, rendezvous: str, secret: str, scheme: Sc
                rebuild: bool = False, interval: float = 1.0, rate: float | None = None, rounds: int = 0,
                cpu_cores: float | None = None, persist: PersistConfig | None = None,
                lag_bound: int | None = None, iface: str | None = None,
-               layout: Sequence[str] | None = None, loss_timeout: float | None = None) -> list[str]:
+               layout: Sequence[str] | None = None, loss_timeout: float | None = None,
+               mpi: str | None = None) -> list[str]:
     """`srun --overlap … python -m hpcft.agent …` on `nodes` (the active slots, in slot order). The supervisor
     exports HPCFT_LAYOUT, HPCFT_JOB_ID and HPCFT_RESTART_COUNT (the tag keeping relaunches apart) to it,
     passes `rebuild=True` after replacing nodes, and waits on `status.wait_ready` before the trainers. `layout`: the
-    slots' nodes when the agents run on fewer (an elastic shrink: a lost slot's agent runs elsewhere, `--hosted`)."""
+    slots' nodes when the agents run on fewer (an elastic shrink: a lost slot's agent runs elsewhere, `--hosted`).
+    `mpi`: the srun MPI plugin (pmix, cray_shasta, …) when the agents' mesh runs over MPI (--transport mpi)."""
     n = len(nodes)
     argv = ["srun", f"--job-name={AGENT_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={compress(list(nodes))}", "--overlap", "--export=ALL", "--kill-on-bad-exit=0",
-            python, "-m", "hpcft.agent", "--rendezvous", rendezvous, "--secret", secret, "--host", "auto",
+            *([f"--mpi={mpi}"] if mpi else []), python, "-m", "hpcft.agent", "--rendezvous", rendezvous, "--secret", secret, "--host", "auto",
             "--layout", ",".join(layout or nodes), "--scheme", scheme.name, "--group", str(scheme.group),
             "--losses", str(scheme.losses), "--distance", str(scheme.distance), "--rounds", str(rounds),
             "--interval", str(interval)]
@@ -42,6 +44,8 @@ def agent_argv(nodes: Sequence[str], *, rendezvous: str, secret: str, scheme: Sc
         argv += ["--iface", iface]
     if loss_timeout is not None:
         argv += ["--loss-timeout", f"{loss_timeout:g}"]
+    if mpi:
+        argv += ["--transport", "mpi"]
     if rebuild:
         argv.append("--rebuild")
     return argv

@@ -27,6 +27,8 @@ class Profile:
     agent_iface: str | None = None
     # the site's module lines of `hpcft submit`, unless the config file's [site] modules say otherwise
     modules: tuple[str, ...] = ()
+    # the srun MPI plugin (--mpi=…) of the agents' step with --agent-transport mpi: the one the site's MPI starts under
+    agent_mpi: str = "pmix"
 
 
 # OLCF's PyTorch-on-Frontier guide (olcf-user-docs software/analytics/pytorch_frontier.rst, 2026-07): srun -c7
@@ -72,6 +74,7 @@ FRONTIER = Profile(
     net_plugin=True,
     agent_iface="hsn0",
     modules=("PrgEnv-gnu", "rocm", "rccl-net-plugin", "craype-accel-amd-gfx90a"),
+    agent_mpi="cray_shasta",  # Cray MPICH's PMI under HPE's Slurm (OLCF's srun default; mpi4py built on cray-mpich)
 )
 
 CUDA = Profile(

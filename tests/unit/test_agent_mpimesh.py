@@ -15,11 +15,9 @@ from hpcft.agent.link import TransportError
 from hpcft.agent.mpilink import pieces
 from hpcft.agent.mpimesh import rank_of_slot
 from hpcft.agent.mpiworld import Poller
+from hpcft.sandbox.config import OPEN_MPI_TCP_ENV
 
 TASK = Path(__file__).with_name("mpi_mesh_task.py")
-# Open MPI over TCP only (no fabric probing on a CPU box), yielding while it waits: 4 ranks on 2 loaded cores
-TCP_ONLY_MPI = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "self,tcp", "OMPI_MCA_osc": "^ucx",
-                "OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
 def test_pieces_cut_the_concatenation_at_fixed_offsets_copying_only_what_spans_parts():
@@ -55,7 +53,7 @@ def _mpirun(scenario: str, n: int = 4) -> list[dict]:
     argv = ["mpirun", "-q", "-n", str(n), "--oversubscribe", sys.executable, str(TASK), scenario, str(n)]
     if os.geteuid() == 0:
         argv[1:1] = ["--allow-run-as-root"]
-    done = subprocess.run(argv, env={**os.environ, **TCP_ONLY_MPI}, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(argv, env={**os.environ, **OPEN_MPI_TCP_ENV}, capture_output=True, text=True, timeout=240)
     got = [json.loads(line[3:]) for line in done.stdout.splitlines() if line.startswith("OUT")]
     assert len(got) == n, done.stdout[-3000:] + done.stderr[-3000:]
     return sorted(got, key=lambda o: o["slot"])
