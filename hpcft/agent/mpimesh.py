@@ -35,10 +35,10 @@ class MpiMesh(MeshBase):
     def __init__(self, slot: int, size: int, *, host: str = "", timeout: float = 60.0, rate: float | None = None,
                  cpu: float | None = None, peers: Collection[int] = ()):
         self.slot, self.size = slot, size
-        self.throttle = Throttle(rate, cpu=cpu)
         self.peers = {}
         self.aborted = False
         self.world = mpiworld.world(timeout)
+        self.throttle = Throttle(rate, cpu=cpu)  # after MPI's start-up: the cap paces the agent's work, not that
         if self.world.size != size:
             raise TransportError(f"the agents' MPI world has {self.world.size} ranks for {size} slots: the agents' "
                                  "srun step must start them under MPI (srun --mpi=…, hpcft run's --agent-mpi), one "

@@ -18,7 +18,7 @@ from hpcft import deps
 from hpcft.agent.link import TransportError
 from hpcft.errors import ConfigError, MissingDependencyError
 
-FINALIZE_S = 5.0  # the most a clean close waits for MPI_Finalize (a fence with every other agent)
+FINALIZE_S = 2.0  # the most a clean close waits for MPI_Finalize (a fence with every other agent)
 
 
 def load_mpi() -> Any:
@@ -48,7 +48,7 @@ def library() -> str:
 
 class Op:
     """One nonblocking MPI operation: done when MPI completes it or when it is failed (`fail`), whichever comes first.
-    `idle`: nobody waits on it (a standing notice receive), so the poller may poll slowly while only such are left."""
+    `idle`: nobody waits on it (a standing notice receive), so the poller need not poll while only such are left."""
 
     def __init__(self, what: str, idle: bool = False, on_done: Callable[[Op], None] | None = None):
         self.what, self.idle, self.on_done = what, idle, on_done
@@ -89,20 +89,23 @@ class Op:
 
 
 class Poller:
-    """How long the MPI thread sleeps before its next poll (pure): not at all right after a completion (a transfer in
-    pieces keeps its pace: on TCP, Open MPI moves bytes only inside MPI calls), then doubling up to `busy_max` while
-    someone waits, or `idle` while only standing receives are posted."""
+    """How long the MPI thread sleeps before its next poll (pure; None: until something is posted): not at all right
+    after a completion (a transfer in pieces keeps its pace: on TCP, Open MPI moves bytes only inside MPI calls), then
+    doubling from `first` up to `busy_max` while someone waits — a wait that lasts is on a slow peer, and the polls'
+    CPU counts against the agent's cap (1 % of the cores by default) — and not at all while only standing receives are
+    posted (a notice nobody waits for can wait: the next wait sees it)."""
 
-    def __init__(self, busy_max: float = 2e-4, idle: float = 0.01):
-        self.busy_max, self.idle, self.delay = busy_max, idle, 0.0
+    def __init__(self, first: float = 1e-5, busy_max: float = 0.02):
+        self.first, self.busy_max, self.delay = first, busy_max, 0.0
 
-    def next(self, completed: bool, waited: bool) -> float:
+    def next(self, completed: bool, waited: bool) -> float | None:
         if completed:
             self.delay = 0.0
         elif not waited:
-            self.delay = self.idle
+            self.delay = 0.0
+            return None
         else:
-            self.delay = min(self.busy_max, max(1e-5, self.delay * 2))
+            self.delay = min(self.busy_max, max(self.first, self.delay * 2))
         return self.delay
 
 
@@ -194,8 +197,6 @@ class World:
         poll = Poller()
         while True:
             with self._cond:
-                if not self._queue and not self._active and not self._stopping:
-                    self._cond.wait()
                 todo = list(self._queue)
                 self._queue.clear()
             for post, op in todo:
@@ -205,9 +206,8 @@ class World:
             if self._stopping:
                 return
             completed = self._test() if self._active else False
-            waited = any(not op.idle for op in self._active)
-            delay = poll.next(completed, waited)
-            if delay and self._active:
+            delay = poll.next(completed, any(not op.idle for op in self._active))
+            if delay != 0.0:
                 with self._cond:
                     if not self._queue and not self._stopping:
                         self._cond.wait(delay)

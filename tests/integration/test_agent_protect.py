@@ -1,8 +1,11 @@
 """The protect pass with real agent processes on this machine: four "nodes" (each its own store root,
-two ranks each), agents meshed over authenticated TCP. What each node keeps must be byte-identical to
-the parity (or partner copy) of the nodes' bundles, and must rebuild a lost node's bundle exactly."""
+two ranks each), agents meshed over authenticated TCP (or, where parametrized, over MPI under mpirun). What each node
+keeps must be byte-identical to the parity (or partner copy) of the nodes' bundles, and must rebuild a lost node's
+bundle exactly."""
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +24,9 @@ from hpcft.agent.codec import codec_for
 from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.protect import records
 from hpcft.agent.stripes import encode_set, rebuild_partner, rebuild_set
+from hpcft.deps import available
 from hpcft.errors import NoCheckpointError
+from hpcft.sandbox.config import OPEN_MPI_TCP_ENV
 from hpcft.store import RankStore, chunk_table, job_dir, seal_key
 from hpcft.store import pin as store_pin
 
@@ -72,19 +77,46 @@ def cluster(tmp_path):
     return roots, shared, job_secret.create(shared)
 
 
+def _agent_argv(i: int, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "hpcft.agent", "--job-id", JOB, "--slot", str(i), "--slots", str(NODES),
+            "--rendezvous", str(shared), "--secret", str(secret), "--scheme", scheme.name,
+            "--group", str(scheme.group), "--losses", str(scheme.losses), "--distance", str(scheme.distance),
+            "--tag", tag, *extra]
+
+
+def _agent_env(root: Path, shared: Path) -> dict[str, str]:
+    return {"HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(shared / "events")}
+
+
 def _start_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.Popen]:
-    procs = []
-    for i, root in enumerate(roots):
-        env = {**os.environ, "HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(shared / "events")}
-        argv = [sys.executable, "-m", "hpcft.agent", "--job-id", JOB, "--slot", str(i), "--slots", str(NODES),
-                "--rendezvous", str(shared), "--secret", str(secret), "--scheme", scheme.name,
-                "--group", str(scheme.group), "--losses", str(scheme.losses), "--distance", str(scheme.distance),
-                "--tag", tag, *extra]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+    return [subprocess.Popen(_agent_argv(i, shared, secret, scheme, tag, *extra), env={**os.environ,
+                             **_agent_env(root, shared)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i, root in enumerate(roots)]
 
 
-def _run_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.CompletedProcess]:
+def _run_mpi_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.CompletedProcess]:
+    """The agents as the four ranks of one mpirun (--transport mpi, Open MPI over TCP here), the slots in the reverse
+    of the ranks' order; each agent's output and exit status, as `_run_agents`."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("no mpirun on this machine")
+    logs = shared / f"mpi-{tag}"
+    logs.mkdir()
+    argv = ["mpirun", "-q", "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    for rank, i in enumerate(reversed(range(len(roots)))):
+        agent = shlex.join(_agent_argv(i, shared, secret, scheme, tag, "--transport", "mpi", *extra))
+        argv += [":"] * (rank > 0) + ["-n", "1"] + [a for k, v in _agent_env(roots[i], shared).items() for a in ("-x", f"{k}={v}")] + [
+            "sh", "-c", f"{agent} >{logs}/{i}.out 2>{logs}/{i}.err; echo $? >{logs}/{i}.rc"]
+    ran = subprocess.run(argv, env={**os.environ, **OPEN_MPI_TCP_ENV}, capture_output=True, text=True, timeout=240)
+    if not all((logs / f"{i}.rc").exists() for i in range(len(roots))):
+        raise AssertionError(f"mpirun ran no agent to its end: {ran.stdout[-2000:]} {ran.stderr[-3000:]}")
+    return [subprocess.CompletedProcess(argv, int((logs / f"{i}.rc").read_text() or 1), (logs / f"{i}.out").read_text(),
+                                        (logs / f"{i}.err").read_text()) for i in range(len(roots))]
+
+
+def _run_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str,
+                transport: str = "tcp") -> list[subprocess.CompletedProcess]:
+    if transport == "mpi":
+        return _run_mpi_agents(roots, shared, secret, scheme, tag, *extra)
     procs = _start_agents(roots, shared, secret, scheme, tag, *extra)
     out = []
     try:
@@ -110,10 +142,16 @@ def _held(root: Path, step: int) -> tuple[dict, np.ndarray]:
     return rec.meta, data
 
 
+# the protection tests over either transport: TCP, and MPI (mpi4py on this machine's Open MPI, under mpirun)
+TRANSPORTS = pytest.mark.parametrize("transport", ["tcp", pytest.param("mpi", marks=pytest.mark.skipif(
+    not available("mpi4py"), reason="mpi4py is not installed"))])
+
+
 @pytest.mark.parametrize("scheme", [Scheme("xor", group=4), Scheme("rs", group=4, losses=2)], ids=["xor", "rs"])
-def test_parity_on_every_node_is_exact_and_rebuilds_lost_nodes(cluster, scheme):
+@TRANSPORTS
+def test_parity_on_every_node_is_exact_and_rebuilds_lost_nodes(cluster, scheme, transport):
     roots, shared, secret = cluster
-    done = _run_agents(roots, shared, secret, scheme, tag=scheme.name)
+    done = _run_agents(roots, shared, secret, scheme, scheme.name, transport=transport)
     assert [p.returncode for p in done] == [0] * NODES, [p.stderr[-2000:] for p in done]
     assert all("protected=2" in p.stdout for p in done)
     pset = plan(NODES, scheme).sets[0]
@@ -137,10 +175,12 @@ def test_parity_on_every_node_is_exact_and_rebuilds_lost_nodes(cluster, scheme):
     assert [(s.health, s.protected_step) for s in view.sets] == [(status.HEALTHY, 2)]
 
 
-def test_partner_holds_an_exact_copy_of_its_neighbours_bundle(cluster):
+@TRANSPORTS
+def test_partner_holds_an_exact_copy_of_its_neighbours_bundle(cluster, transport):
     roots, shared, secret = cluster
     scheme = Scheme("partner", distance=1)
-    done = _run_agents(roots, shared, secret, scheme, "partner", "--lag-bound", "1")  # kept to: the cap stays
+    done = _run_agents(roots, shared, secret, scheme, "partner", "--lag-bound", "1",  # kept to: the cap stays
+                       transport=transport)
     assert [p.returncode for p in done] == [0] * NODES, [p.stderr[-2000:] for p in done]
     reports = agent_status.read(shared, "partner").values()
     assert [(r["lag_steps"], r["cpu_cores"] > 0) for r in reports] == [(0, True)] * NODES, reports
@@ -195,13 +235,14 @@ def _check(done):
 
 @pytest.mark.parametrize("scheme,lost", [(Scheme("xor", group=4), {1}), (Scheme("partner", distance=1), {2}),
                                          (Scheme("rs", group=4, losses=2), {0, 3})], ids=["xor", "partner", "rs"])
-def test_rebuild_puts_the_lost_nodes_snapshot_back_byte_identical(cluster, tmp_path, scheme, lost):
+@TRANSPORTS
+def test_rebuild_puts_the_lost_nodes_snapshot_back_byte_identical(cluster, tmp_path, scheme, lost, transport):
     roots, shared, secret = cluster
-    _check(_run_agents(roots, shared, secret, scheme, "p"))
+    _check(_run_agents(roots, shared, secret, scheme, "p", transport=transport))
     before = {i: _node_files(roots[i]) for i in lost}
     want_records = {i: _held(roots[i], 2)[1].tobytes() for i in lost}
     now = _replace(roots, lost, tmp_path)
-    done = _run_agents(now, shared, secret, scheme, "r", "--rebuild")
+    done = _run_agents(now, shared, secret, scheme, "r", "--rebuild", transport=transport)
     assert [p.returncode for p in done] == [0] * NODES, [p.stderr[-2000:] for p in done]
     assert all("rebuilt=2" in p.stdout for p in done)
     for i in lost:

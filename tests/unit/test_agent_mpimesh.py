@@ -37,13 +37,13 @@ def test_slots_map_to_ranks_only_when_each_slot_is_there_once():
             rank_of_slot(bad, 3)
 
 
-def test_the_poller_keeps_pace_after_a_completion_and_slows_when_nobody_waits():
-    poll = Poller(busy_max=1e-3, idle=0.5)
+def test_the_poller_keeps_pace_after_a_completion_backs_off_while_waiting_and_sleeps_when_nobody_waits():
+    poll = Poller(first=1e-5, busy_max=1e-3)
     assert poll.next(completed=True, waited=True) == 0.0
     delays = [poll.next(completed=False, waited=True) for _ in range(10)]
-    assert delays == sorted(delays) and delays[-1] == 1e-3
-    assert poll.next(completed=False, waited=False) == 0.5
-    assert poll.next(completed=True, waited=False) == 0.0
+    assert delays[0] == 1e-5 and delays == sorted(delays) and delays[-1] == 1e-3
+    assert poll.next(completed=True, waited=True) == 0.0  # a completion: the next piece may be under way
+    assert poll.next(completed=False, waited=False) is None  # only standing receives: no polling at all
 
 
 def _mpirun(scenario: str, n: int = 4) -> list[dict]:
