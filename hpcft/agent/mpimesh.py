@@ -64,11 +64,11 @@ class MpiMesh(MeshBase):
         super().abort()
 
     def close(self) -> None:
-        """Close the links; MPI_Finalize only after a clean run (a fence with every agent: one that is gone would hold
-        it), bounded either way (mpiworld.FINALIZE_S)."""
+        """Close the links; MPI_Finalize only after a clean run and once every agent is closing too (mpiworld: it is a
+        fence with all of them), else the process exits without it."""
         super().close()
         if not mpiworld.release(finalize=not self.aborted):
             events.emit("mesh_mpi_closed", level=logging.WARNING, slot=self.slot, finalized=False,
                         reason="the mesh was aborted (a peer lost or failing): MPI_Finalize skipped" if self.aborted
-                        else f"MPI_Finalize did not return within {mpiworld.FINALIZE_S:g} s (a peer not finalizing)",
+                        else f"not every agent was closing within {mpiworld.FINALIZE_S:g} s: MPI_Finalize skipped",
                         action="the process exits without it; the next launch is a fresh MPI world")

@@ -18,7 +18,7 @@ from hpcft import deps
 from hpcft.agent.link import TransportError
 from hpcft.errors import ConfigError, MissingDependencyError
 
-FINALIZE_S = 2.0  # the most a clean close waits for MPI_Finalize (a fence with every other agent)
+FINALIZE_S = 2.0  # the most a clean close waits for every other agent to close too, before MPI_Finalize
 
 
 def load_mpi() -> Any:
@@ -154,19 +154,21 @@ class World:
         self.call(post, f"cancel of {op.what}")
 
     def close(self, finalize: bool) -> bool:
-        """Stop the MPI thread; with `finalize`, MPI_Finalize first, waited for up to FINALIZE_S (it is a fence with
-        every other agent: after a failure, when some are gone, it is skipped). Whether MPI was finalized."""
-        done = self.call(self._finalize, "finalize") if finalize else None
+        """Stop the MPI thread; with `finalize`, MPI_Finalize first, but only once a barrier shows every agent at its
+        close within FINALIZE_S: MPI_Finalize is a fence with all of them, and mpi4py holds the GIL through it, so one
+        frozen or lost agent would hold this process (signals included) until it died. Whether MPI was finalized."""
+        done = False
+        if finalize:
+            try:
+                self.call(lambda _MPI, comm: comm.Ibarrier(), "barrier before MPI_Finalize").wait(FINALIZE_S)
+                self.call(self._finalize, "finalize").wait()  # every agent is at its close: a short fence
+                done = True
+            except TransportError:
+                pass
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if done is None:
-            return False
-        try:
-            done.wait(FINALIZE_S)
-            return True
-        except TransportError:
-            return False
+        return done
 
     def _finalize(self, MPI: Any, _comm: Any) -> int:
         """In the MPI thread: cancel what is still posted (MPI_Finalize wants no request pending), then finalize."""

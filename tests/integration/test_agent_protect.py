@@ -94,9 +94,9 @@ def _start_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) 
             for i, root in enumerate(roots)]
 
 
-def _run_mpi_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.CompletedProcess]:
+def _start_mpi_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> tuple[subprocess.Popen, Path]:
     """The agents as the four ranks of one mpirun (--transport mpi, Open MPI over TCP here), the slots in the reverse
-    of the ranks' order; each agent's output and exit status, as `_run_agents`."""
+    of the ranks' order; the mpirun and the directory of each agent's output and exit status."""
     if shutil.which("mpirun") is None:
         pytest.skip("no mpirun on this machine")
     logs = shared / f"mpi-{tag}"
@@ -104,13 +104,25 @@ def _run_mpi_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str
     argv = ["mpirun", "-q", "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
     for rank, i in enumerate(reversed(range(len(roots)))):
         agent = shlex.join(_agent_argv(i, shared, secret, scheme, tag, "--transport", "mpi", *extra))
-        argv += [":"] * (rank > 0) + ["-n", "1"] + [a for k, v in _agent_env(roots[i], shared).items() for a in ("-x", f"{k}={v}")] + [
+        argv += [":"] * (rank > 0) + ["-n", "1"] + [a for k, v in _agent_env(roots[i], shared).items()
+                                                    for a in ("-x", f"{k}={v}")] + [
             "sh", "-c", f"{agent} >{logs}/{i}.out 2>{logs}/{i}.err; echo $? >{logs}/{i}.rc"]
-    ran = subprocess.run(argv, env={**os.environ, **OPEN_MPI_TCP_ENV}, capture_output=True, text=True, timeout=240)
+    return subprocess.Popen(argv, env={**os.environ, **OPEN_MPI_TCP_ENV}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True), logs
+
+
+def _mpi_result(logs: Path, i: int) -> subprocess.CompletedProcess:
+    return subprocess.CompletedProcess([], int((logs / f"{i}.rc").read_text() or 1), (logs / f"{i}.out").read_text(),
+                                       (logs / f"{i}.err").read_text())
+
+
+def _run_mpi_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.CompletedProcess]:
+    """`_start_mpi_agents` run to its end: each agent's output and exit status, as `_run_agents`."""
+    proc, logs = _start_mpi_agents(roots, shared, secret, scheme, tag, *extra)
+    out, _ = proc.communicate(timeout=240)
     if not all((logs / f"{i}.rc").exists() for i in range(len(roots))):
-        raise AssertionError(f"mpirun ran no agent to its end: {ran.stdout[-2000:]} {ran.stderr[-3000:]}")
-    return [subprocess.CompletedProcess(argv, int((logs / f"{i}.rc").read_text() or 1), (logs / f"{i}.out").read_text(),
-                                        (logs / f"{i}.err").read_text()) for i in range(len(roots))]
+        raise AssertionError(f"mpirun ran no agent to its end: {out[-3000:]}")
+    return [_mpi_result(logs, i) for i in range(len(roots))]
 
 
 def _run_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str,
@@ -312,6 +324,46 @@ def test_an_agent_killed_mid_protection_loses_nothing_and_the_relaunch_completes
     for root, want in zip(roots, expected):
         assert _held(root, 2)[1].tobytes() == want.tobytes()
         assert [p.name for p in (job_dir(root, JOB) / "protect").glob("*.data")] == ["step-2.data"]
+
+
+@pytest.mark.skipif(not available("mpi4py"), reason="mpi4py is not installed")
+def test_over_mpi_a_stop_ends_agents_blocked_on_a_frozen_peer(cluster):
+    """No heartbeats (--loss-timeout 0): a frozen agent leaves its peers waiting on MPI messages that never come, yet
+    the supervisor's stop ends them at once (no thread of theirs sits inside a blocking MPI call)."""
+    roots, shared, secret = cluster
+    proc, logs = _start_mpi_agents(roots, shared, secret, Scheme("xor", group=4), "f", "--rounds", "0",
+                                   "--interval", "0.1", "--loss-timeout", "0")
+    frozen = None
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            reports = agent_status.read(shared, "f")
+            if len(reports) == NODES and all(r.get("protected") == 2 for r in reports.values()):
+                break
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else reports
+            time.sleep(0.1)
+        frozen = reports[2]["pid"]
+        os.kill(frozen, signal.SIGSTOP)
+        time.sleep(2.0)  # the others' next rounds now wait on slot 2
+        assert all(agent_status.read(shared, "f")[i]["phase"] == agent_status.PROTECTING for i in (0, 1, 3))
+        asked = time.monotonic()
+        agent_status.request_stop(shared, "f")
+        # each one's end: its mesh closed (no MPI_Finalize: the frozen one never gets there). Its exit status is
+        # mpirun's to decide from then on: it kills the rest of a job in which a rank exits without MPI_Finalize
+        # (srun does not), so the test reads the agents' own records
+        while not all("event=mesh_mpi_closed" in (logs / f"{i}.err").read_text() for i in (0, 1, 3)):
+            assert time.monotonic() < asked + 60, "the stop did not end the agents waiting on the frozen one"
+            time.sleep(0.1)
+        assert [agent_status.read(shared, "f")[i]["phase"] for i in (0, 1, 3)] == [agent_status.STOPPED] * 3
+        assert all(_mpi_result(logs, i).returncode == 0 for i in (0, 1, 3) if (logs / f"{i}.rc").exists())
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        proc.wait()
 
 
 # -- pins: a slow pass is never overtaken by trainers snapshotting every step -------------------------------
