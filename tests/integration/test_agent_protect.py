@@ -4,7 +4,6 @@ keeps must be byte-identical to the parity (or partner copy) of the nodes' bundl
 bundle exactly."""
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from hpcft.agent.codec import codec_for
 from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.protect import records
 from hpcft.agent.stripes import encode_set, rebuild_partner, rebuild_set
+from hpcft.bench.transport import mpirun_argv
 from hpcft.deps import available
 from hpcft.errors import NoCheckpointError
 from hpcft.sandbox.config import OPEN_MPI_TCP_ENV
@@ -101,26 +101,28 @@ def _start_mpi_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: s
         pytest.skip("no mpirun on this machine")
     logs = shared / f"mpi-{tag}"
     logs.mkdir()
-    argv = ["mpirun", "-q", "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-    for rank, i in enumerate(reversed(range(len(roots)))):
-        agent = shlex.join(_agent_argv(i, shared, secret, scheme, tag, "--transport", "mpi", *extra))
-        argv += [":"] * (rank > 0) + ["-n", "1"] + [a for k, v in _agent_env(roots[i], shared).items()
-                                                    for a in ("-x", f"{k}={v}")] + [
-            "sh", "-c", f"{agent} >{logs}/{i}.out 2>{logs}/{i}.err; echo $? >{logs}/{i}.rc"]
+    tasks = [(_agent_argv(i, shared, secret, scheme, tag, "--transport", "mpi", *extra), _agent_env(roots[i], shared))
+             for i in reversed(range(len(roots)))]  # rank r runs slot NODES - 1 - r: see `_log`
+    argv = mpirun_argv(tasks, logs)
     return subprocess.Popen(argv, env={**os.environ, **OPEN_MPI_TCP_ENV}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True), logs
 
 
+def _log(logs: Path, slot: int, kind: str) -> Path:
+    """The agent of `slot`'s output (out, err) or exit status (rc): mpirun_argv names them by rank."""
+    return logs / f"{NODES - 1 - slot}.{kind}"
+
+
 def _mpi_result(logs: Path, i: int) -> subprocess.CompletedProcess:
-    return subprocess.CompletedProcess([], int((logs / f"{i}.rc").read_text() or 1), (logs / f"{i}.out").read_text(),
-                                       (logs / f"{i}.err").read_text())
+    return subprocess.CompletedProcess([], int(_log(logs, i, "rc").read_text() or 1), _log(logs, i, "out").read_text(),
+                                       _log(logs, i, "err").read_text())
 
 
 def _run_mpi_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.CompletedProcess]:
     """`_start_mpi_agents` run to its end: each agent's output and exit status, as `_run_agents`."""
     proc, logs = _start_mpi_agents(roots, shared, secret, scheme, tag, *extra)
     out, _ = proc.communicate(timeout=240)
-    if not all((logs / f"{i}.rc").exists() for i in range(len(roots))):
+    if not all(_log(logs, i, "rc").exists() for i in range(len(roots))):
         raise AssertionError(f"mpirun ran no agent to its end: {out[-3000:]}")
     return [_mpi_result(logs, i) for i in range(len(roots))]
 
@@ -351,11 +353,11 @@ def test_over_mpi_a_stop_ends_agents_blocked_on_a_frozen_peer(cluster):
         # each one's end: its mesh closed (no MPI_Finalize: the frozen one never gets there). Its exit status is
         # mpirun's to decide from then on: it kills the rest of a job in which a rank exits without MPI_Finalize
         # (srun does not), so the test reads the agents' own records
-        while not all("event=mesh_mpi_closed" in (logs / f"{i}.err").read_text() for i in (0, 1, 3)):
+        while not all("event=mesh_mpi_closed" in _log(logs, i, "err").read_text() for i in (0, 1, 3)):
             assert time.monotonic() < asked + 60, "the stop did not end the agents waiting on the frozen one"
             time.sleep(0.1)
         assert [agent_status.read(shared, "f")[i]["phase"] for i in (0, 1, 3)] == [agent_status.STOPPED] * 3
-        assert all(_mpi_result(logs, i).returncode == 0 for i in (0, 1, 3) if (logs / f"{i}.rc").exists())
+        assert all(_mpi_result(logs, i).returncode == 0 for i in (0, 1, 3) if _log(logs, i, "rc").exists())
     finally:
         if frozen is not None:
             try:
