@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--persist-local", default=None, help="write flushes to this node-local directory first, then "
                     "drain them to --persist-dir (default $HPCFT_PERSIST_LOCAL, else $HPCFT_NVME/hpcft-persist "
                     "where that exists; none: off)")
+    ap.add_argument("--transport", choices=("tcp", "mpi"), default="tcp", help="what carries the mesh's bulk data and "
+                    "agreements: authenticated TCP, or MPI (start the agents with srun --mpi=…; the heartbeats stay "
+                    "on TCP)")
     ap.add_argument("--rebuild", action="store_true", help="first rebuild what replaced nodes lost (after a relaunch)")
     ap.add_argument("--hosted", action="store_true", help="stand in for --slot, whose node is lost, on another slot's "
                     "node (an elastic shrink): a store of its own inside that node's, rebuilt from parity")
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                           scheme=Scheme(args.scheme, args.group, args.losses, args.distance), rate=args.rate,
                           rounds=args.rounds, interval=args.interval, nice=args.nice, pin_lease=args.pin_lease, cpu_share=args.cpu_share, cpu_cores=args.cpu_cores, rebuild=args.rebuild, tag=args.tag,
                           timeout=args.timeout, root=root, loss_timeout=args.loss_timeout,
-                          lag_bound=args.lag_bound, lag_cores=args.lag_cores,
+                          lag_bound=args.lag_bound, lag_cores=args.lag_cores, transport=args.transport,
                           persist=PersistConfig(args.persist_dir, args.persist_every, args.persist_keep,
                                                 args.persist_rate, local=args.persist_local))
         return run(cfg)

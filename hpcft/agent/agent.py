@@ -11,7 +11,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from hpcft.agent import status
 from hpcft.agent.budget import LagBudget
 from hpcft.agent.bundle import Bundle, both, complete_steps, local_versions, pin_targets
 from hpcft.agent.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
-from hpcft.agent.mesh import Mesh
+from hpcft.agent.mesh import Mesh, MeshBase
 from hpcft.agent.persist import Flusher
 from hpcft.durable.settings import PersistConfig
 from hpcft.agent.pins import LEASE_S, Pins
@@ -36,7 +36,7 @@ from hpcft.store import pin as store_pin
 _log = logging.getLogger(__name__)
 
 
-def protect_newest(mesh: Mesh, placement: Placement, job: Path, pins: Pins, keep: int = 2) -> Record | None:
+def protect_newest(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, keep: int = 2) -> Record | None:
     """One collective round: protect the newest step complete on every node and not yet protected
     everywhere, its slots pinned for the pass; None if there is none, if a node's trainers reused the slot
     before the pin (event `protect_missed`), or if a node found its copy damaged (event `protect_skipped`)."""
@@ -63,7 +63,7 @@ def protect_newest(mesh: Mesh, placement: Placement, job: Path, pins: Pins, keep
         bundle.close()
 
 
-def _readable(bundle: Bundle, mesh: Mesh) -> bool:
+def _readable(bundle: Bundle, mesh: MeshBase) -> bool:
     """After pinning: is this node's copy of the step still committed (pin first, then check: the writer
     withdraws first, then checks the pin) and intact? False with an event if not."""
     if not bundle.still_committed():
@@ -131,9 +131,10 @@ class AgentConfig:
     lag_bound: int | None = None  # protection lag (steps) the CPU cap is raised to keep to (see agent/budget.py)
     lag_cores: float = 1.0  # the most cores a lag bound may raise the cap to
     loss_timeout: float = LOSS_TIMEOUT_S  # seconds of silence after which a peer is a suspect (0: no heartbeats)
+    transport: str = "tcp"  # the mesh's carrier: tcp, or mpi (agent/mpimesh.py; the heartbeats stay on TCP)
 
 
-def _watch_requests(flag: Path, stop: Path, mesh: Mesh, drained: threading.Event, wake: threading.Event,
+def _watch_requests(flag: Path, stop: Path, mesh: MeshBase, drained: threading.Event, wake: threading.Event,
                     poll: float = 0.2) -> None:
     """Until the supervisor asks for a stop (status.request_stop: SIGTERM to this process, whose handler unwinds the
     agent cleanly, see Stopped); meanwhile, once it asks for a drain (status.request_drain), lift the caps and
@@ -157,7 +158,7 @@ def _by_rank(versions: dict[int, dict]) -> dict[int, list[int]]:
     return out
 
 
-def _steer(budget: LagBudget, mesh: Mesh, cfg: AgentConfig, lag: int | None) -> None:
+def _steer(budget: LagBudget, mesh: MeshBase, cfg: AgentConfig, lag: int | None) -> None:
     """Apply the lag bound's CPU cap for the next round (event `protect_budget` when it moves), and say once when the
     ceiling cannot meet the bound on this node (`protect_lag_unmet`)."""
     cap, unmet = budget.update(lag)
@@ -170,7 +171,7 @@ def _steer(budget: LagBudget, mesh: Mesh, cfg: AgentConfig, lag: int | None) -> 
                     "bound on this node: raise --lag-cores or the bound, or protect with a cheaper scheme")
 
 
-def _listen_for_silence(cfg: AgentConfig, mesh: Mesh, meet: Rendezvous, node: str,
+def _listen_for_silence(cfg: AgentConfig, mesh: MeshBase, meet: Rendezvous, node: str,
                         wake: threading.Event) -> Heartbeat | None:
     """Heartbeats with the overlay neighbours (none with --loss-timeout 0 or a single agent). A silent one, or one
     whose beat connection closed without a goodbye, is a suspect: event `peer_silent` / `peer_closed`, the mesh shut
@@ -204,6 +205,16 @@ def _silence(beat: Heartbeat | None) -> PeerSilent | None:
     return err
 
 
+def _mesh(cfg: AgentConfig, meet: Rendezvous, peers: Collection[int]) -> MeshBase:
+    """The mesh over the configured transport: TCP channels met through `meet`, or an MPI communicator."""
+    kw = {"rate": cfg.rate, "cpu": cpu_cores(cfg.cpu_share, cfg.cpu_cores), "timeout": cfg.timeout, "peers": peers}
+    if cfg.transport == "mpi":
+        from hpcft.agent.mpimesh import MpiMesh  # mpi4py only where asked for
+
+        return MpiMesh(cfg.slot, cfg.slots, host=cfg.host, **kw)
+    return Mesh(cfg.slot, cfg.slots, cfg.secret, meet, host=cfg.host, bind=cfg.bind, tag=cfg.tag, **kw)
+
+
 class Stopped(BaseException):
     """SIGTERM (python -m hpcft.agent installs the handler): the supervisor or Slurm stops the agents. Not an
     HpcftError: it unwinds the agent through its cleanup, and being asked to stop is not a failure."""
@@ -220,7 +231,7 @@ def run(cfg: AgentConfig) -> int:
     node = socket.gethostname()
 
     flusher: Flusher | None = None
-    mesh: Mesh | None = None
+    mesh: MeshBase | None = None
     beat: Heartbeat | None = None
 
     def report(phase: str, **fields) -> None:
@@ -244,9 +255,7 @@ def run(cfg: AgentConfig) -> int:
     meet = join(cfg.secret, cfg.rendezvous, slot=cfg.slot, tag=cfg.tag, host=cfg.host, bind=cfg.bind,
                 timeout=cfg.timeout)
     try:
-        mesh = Mesh(cfg.slot, cfg.slots, cfg.secret, meet, host=cfg.host, bind=cfg.bind, rate=cfg.rate,
-                    cpu=cpu_cores(cfg.cpu_share, cfg.cpu_cores), tag=cfg.tag, timeout=cfg.timeout,
-                    peers=placement.exchange_peers(cfg.slot))
+        mesh = _mesh(cfg, meet, placement.exchange_peers(cfg.slot))
     except BaseException:
         meet.close()
         raise

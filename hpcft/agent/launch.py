@@ -16,16 +16,19 @@ def agent_argv(nodes: Sequence[str], *, rendezvous: str, secret: str, scheme: Sc
                cpu_cores: float | None = None, persist: PersistConfig | None = None,
                lag_bound: int | None = None, iface: str | None = None,
                layout: Sequence[str] | None = None, loss_timeout: float | None = None,
-               wrap: Sequence[str] = ()) -> list[str]:
+               mpi: str | None = None, wrap: Sequence[str] = ()) -> list[str]:
     """`srun --overlap … python -m hpcft.agent …` on `nodes` (the active slots, in slot order). The supervisor
     exports HPCFT_LAYOUT, HPCFT_JOB_ID and HPCFT_RESTART_COUNT (the tag keeping relaunches apart) to it,
     passes `rebuild=True` after replacing nodes, and waits on `status.wait_ready` before the trainers. `layout`: the
     slots' nodes when the agents run on fewer (an elastic shrink: a lost slot's agent runs elsewhere, `--hosted`).
-    `wrap`: what runs the agent's command (hpcft.launch.handoff: a node's warm standby)."""
+    `mpi`: the srun MPI plugin (pmix, cray_shasta, …) when the agents' mesh runs over MPI (--transport mpi).
+    `wrap`: what runs the agent's command (hpcft.launch.handoff: a node's warm standby); not with `mpi`, whose
+    agents are srun's own tasks (the MPI plugin's connection)."""
     n = len(nodes)
     argv = ["srun", f"--job-name={AGENT_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={compress(list(nodes))}", "--overlap", "--export=ALL", "--kill-on-bad-exit=0",
-            *wrap, python, "-m", "hpcft.agent", "--rendezvous", rendezvous, "--secret", secret, "--host", "auto",
+            *([f"--mpi={mpi}"] if mpi else []), *([] if mpi else wrap), python, "-m", "hpcft.agent",
+            "--rendezvous", rendezvous, "--secret", secret, "--host", "auto",
             "--layout", ",".join(layout or nodes), "--scheme", scheme.name, "--group", str(scheme.group),
             "--losses", str(scheme.losses), "--distance", str(scheme.distance), "--rounds", str(rounds),
             "--interval", str(interval)]
@@ -44,6 +47,8 @@ def agent_argv(nodes: Sequence[str], *, rendezvous: str, secret: str, scheme: Sc
         argv += ["--iface", iface]
     if loss_timeout is not None:
         argv += ["--loss-timeout", f"{loss_timeout:g}"]
+    if mpi:
+        argv += ["--transport", "mpi"]
     if rebuild:
         argv.append("--rebuild")
     return argv

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -18,10 +17,10 @@ import numpy as np
 from hpcft import events
 from hpcft.agent.rendezvous import Rendezvous, join
 from hpcft.agent.throttle import Throttle
-from hpcft.agent.transport import Channel, Listener, PeerGaveUp, TransportError, connect, notice
+from hpcft.agent.link import Link, PeerGaveUp, TransportError, notice
+from hpcft.agent.transport import Listener, connect
 
 _log = logging.getLogger(__name__)
-NOTICE_S = 1.0  # the most a give-up notice may wait to be sent (a frozen neighbour's full buffer)
 
 
 def overlay(slot: int, size: int) -> list[int]:
@@ -36,45 +35,16 @@ def overlay(slot: int, size: int) -> list[int]:
     return sorted(out)
 
 
-class Mesh:
-    """Channels to `peers` (a symmetric relation: the bulk exchanges) and the overlay neighbours, keyed by slot;
-    `allgather` for small JSON values. `rendezvous`: a Rendezvous, or the rendezvous directory (rendezvous.join)."""
+class MeshBase:
+    """The agents' exchanges and agreements over `peers` (slot → Link), written once for every carrier: a subclass
+    connects them (Mesh: authenticated TCP; mpimesh.MpiMesh: an MPI communicator) and sets `slot`, `size`,
+    `throttle`, `address` and `peers`."""
 
-    def __init__(self, slot: int, size: int, secret: bytes, rendezvous: Rendezvous | str | os.PathLike, *,
-                 host: str = "127.0.0.1", bind: str = "0.0.0.0", timeout: float = 60.0, rate: float | None = None,
-                 cpu: float | None = None, tag: str = "0", peers: Collection[int] = ()):
-        self.slot, self.size = slot, size
-        self.throttle = Throttle(rate, cpu=cpu)
-        self.listener = Listener(secret, host=bind, throttle=self.throttle)
-        self.peers: dict[int, Channel] = {}
-        self.address = f"{host}:{self.listener.port}"
-        self._own = None if isinstance(rendezvous, Rendezvous) else \
-            join(secret, rendezvous, slot=slot, tag=tag, host=host, bind=bind, timeout=timeout)
-        meet = rendezvous if self._own is None else self._own
-        deadline = time.monotonic() + timeout
-        wanted = (set(peers) | set(overlay(slot, size))) - {slot}
-        bad = sorted(j for j in wanted if not 0 <= j < size)
-        try:
-            if bad:
-                raise TransportError(f"slot {slot} was asked to connect to slots {bad}, outside 0..{size - 1}")
-            lower = sorted(j for j in wanted if j < slot)
-            where = meet.meet(tag, slot, self.address, lower, timeout)  # once the lower ones have registered
-            for j in lower:
-                peer_host, port = where[j].rsplit(":", 1)
-                ch = connect(secret, peer_host, int(port), timeout=_left(deadline), throttle=self.throttle)
-                ch.send({"hello": slot, "tag": tag})
-                self.peers[j] = ch
-            for _ in range(sum(1 for j in wanted if j > slot)):
-                ch = self.listener.accept(_left(deadline))
-                header, _ = ch.recv()
-                j = int(header["hello"])
-                if j not in wanted or j in self.peers:
-                    ch.close()
-                    raise TransportError(f"agent {j} joined mesh {tag} of slot {slot}, which expects {sorted(wanted)}")
-                self.peers[j] = ch
-        except Exception:
-            self.close()
-            raise
+    slot: int
+    size: int
+    throttle: Throttle
+    address: str
+    peers: dict[int, Link]
 
     def pace(self) -> None:
         """Wait as long as the CPU cap requires before more local work (allocating, encoding): the CPU the agent
@@ -89,10 +59,10 @@ class Mesh:
         with _blaming(peer):
             return self._channel(peer).recv(into)
 
-    def channel(self, peer: int) -> Channel:
+    def channel(self, peer: int) -> Link:
         return self._channel(peer)
 
-    def _channel(self, peer: int) -> Channel:
+    def _channel(self, peer: int) -> Link:
         try:
             return self.peers[peer]
         except KeyError:
@@ -170,13 +140,8 @@ class Mesh:
         lost = exc.peer_slot if exc.peer_slot is not None else self.slot
         message = notice(self.slot, lost, str(exc))
         for j, ch in self.peers.items():
-            if j == exc.peer_slot:
-                continue
-            try:
-                ch.sock.settimeout(NOTICE_S)
-                ch.send(message)
-            except (TransportError, OSError):
-                pass
+            if j != exc.peer_slot:
+                ch.tell(message)
         if not isinstance(exc, PeerGaveUp):
             events.emit("mesh_gave_up", level=logging.WARNING, slot=self.slot, lost=lost, error=str(exc),
                         told=len(self.peers) - (exc.peer_slot in self.peers))
@@ -195,14 +160,55 @@ class Mesh:
     def abort(self) -> None:
         """Shut down every connection (unblocks receivers in other threads; peers see the end of stream)."""
         for ch in self.peers.values():
-            try:
-                ch.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            ch.shutdown()
 
     def close(self) -> None:
         for ch in self.peers.values():
             ch.close()
+
+
+class Mesh(MeshBase):
+    """Channels to `peers` (a symmetric relation: the bulk exchanges) and the overlay neighbours, keyed by slot, over
+    authenticated TCP. `rendezvous`: a Rendezvous, or the rendezvous directory (rendezvous.join)."""
+
+    def __init__(self, slot: int, size: int, secret: bytes, rendezvous: Rendezvous | str | os.PathLike, *,
+                 host: str = "127.0.0.1", bind: str = "0.0.0.0", timeout: float = 60.0, rate: float | None = None,
+                 cpu: float | None = None, tag: str = "0", peers: Collection[int] = ()):
+        self.slot, self.size = slot, size
+        self.throttle = Throttle(rate, cpu=cpu)
+        self.listener = Listener(secret, host=bind, throttle=self.throttle)
+        self.peers: dict[int, Channel] = {}
+        self.address = f"{host}:{self.listener.port}"
+        self._own = None if isinstance(rendezvous, Rendezvous) else \
+            join(secret, rendezvous, slot=slot, tag=tag, host=host, bind=bind, timeout=timeout)
+        meet = rendezvous if self._own is None else self._own
+        deadline = time.monotonic() + timeout
+        wanted = (set(peers) | set(overlay(slot, size))) - {slot}
+        bad = sorted(j for j in wanted if not 0 <= j < size)
+        try:
+            if bad:
+                raise TransportError(f"slot {slot} was asked to connect to slots {bad}, outside 0..{size - 1}")
+            lower = sorted(j for j in wanted if j < slot)
+            where = meet.meet(tag, slot, self.address, lower, timeout)  # once the lower ones have registered
+            for j in lower:
+                peer_host, port = where[j].rsplit(":", 1)
+                ch = connect(secret, peer_host, int(port), timeout=_left(deadline), throttle=self.throttle)
+                ch.send({"hello": slot, "tag": tag})
+                self.peers[j] = ch
+            for _ in range(sum(1 for j in wanted if j > slot)):
+                ch = self.listener.accept(_left(deadline))
+                header, _ = ch.recv()
+                j = int(header["hello"])
+                if j not in wanted or j in self.peers:
+                    ch.close()
+                    raise TransportError(f"agent {j} joined mesh {tag} of slot {slot}, which expects {sorted(wanted)}")
+                self.peers[j] = ch
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        super().close()
         self.listener.close()
         if self._own is not None:
             self._own.close()

@@ -17,7 +17,7 @@ from typing import Any
 
 from hpcft import events
 from hpcft.agent.bundle import Held, both, map_readonly, pin_targets
-from hpcft.agent.mesh import Mesh
+from hpcft.agent.mesh import MeshBase
 from hpcft.agent.pins import Pins
 from hpcft.agent.throttle import Throttle
 from hpcft.durable import catalog, commit, files, flush, local
@@ -104,7 +104,7 @@ class Flusher:
         """`running` (writing from the store), `draining` (node-local copy to the shared file system), or None."""
         return self._state if self.busy else None
 
-    def round(self, mesh: Mesh, complete: dict[int, dict[int, Held]], protected: list[int]) -> None:
+    def round(self, mesh: MeshBase, complete: dict[int, dict[int, Held]], protected: list[int]) -> None:
         """One collective step of the flush: start one when due or asked (every agent the same decision, from the
         all-reduced votes), or, when every node has written its part, let slot 0 commit it."""
         if self.root is None:
@@ -188,7 +188,7 @@ class Flusher:
         self._cancelled()
         self.throttle.take(nbytes)
 
-    def _progress(self, mesh: Mesh, states: list[dict[str, Any]]) -> None:
+    def _progress(self, mesh: MeshBase, states: list[dict[str, Any]]) -> None:
         failed = [f"slot {i}: {error}" for i, error in states["failed"]]
         self._released = not states["running"]  # every store free: protection may go on
         if not failed and states["busy"]:

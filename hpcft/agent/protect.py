@@ -20,9 +20,9 @@ from hpcft.agent import stripes
 from hpcft.agent.bundle import Bundle, map_readonly
 from hpcft.agent.codec import CHUNK as FOLD
 from hpcft.agent.codec import XorFold, codec_for
-from hpcft.agent.mesh import Mesh
+from hpcft.agent.mesh import MeshBase
 from hpcft.agent.placement import Placement, ProtectionSet
-from hpcft.agent.transport import Channel
+from hpcft.agent.link import Link
 from hpcft.errors import HpcftError, IntegrityError
 from hpcft.store import Slot, crc32c, secure_dir
 from hpcft.store.slot import GROW_PIECE
@@ -58,7 +58,7 @@ def records(job: Path) -> dict[int, Record]:
     return out
 
 
-def protect_step(mesh: Mesh, placement: Placement, bundle: Bundle, job: Path, keep: int = 2,
+def protect_step(mesh: MeshBase, placement: Placement, bundle: Bundle, job: Path, keep: int = 2,
                  started: float | None = None) -> Record:
     """Protect `bundle` (this node's step) with every other agent doing the same step (collective); `started`
     (perf_counter) is when the pass began, for the event's `seconds` (default: now)."""
@@ -120,7 +120,7 @@ def partner_meta(source: int, source_bytes: int, sent: int) -> dict[str, Any]:
     return {"kind": "partner", "source": source, "source_bytes": source_bytes, "sent_bytes": sent}
 
 
-def _partner(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes: dict[int, int]):
+def _partner(mesh: MeshBase, placement: Placement, bundle: Bundle, slot: Slot, sizes: dict[int, int]):
     dst, src = placement.partner_of(mesh.slot), placement.partnered_by(mesh.slot)
     slot.ensure(max(1, sizes[src]), pace=mesh.pace)
     with ThreadPoolExecutor(1) as pool, mesh.all_or_nothing():  # abort before the pool waits
@@ -130,7 +130,7 @@ def _partner(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes
     return sizes[src], partner_meta(src, sizes[src], bundle.size)
 
 
-def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes: dict[int, int]):
+def _parity(mesh: MeshBase, placement: Placement, bundle: Bundle, slot: Slot, sizes: dict[int, int]):
     pset = placement.set_of(mesh.slot)
     pos = pset.members.index(mesh.slot)
     set_sizes = [sizes[m] for m in pset.members]
@@ -144,7 +144,7 @@ def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes:
         folds = {s: XorFold(stripes.parity_block(slot.array, pset, pos, s, nbytes)) for s in mine}
         scratch = {d: np.empty(RECV_PIECE, dtype=np.uint8) for d in senders}
 
-        def take(d: int, s: int, ch: Channel, plen: int) -> None:
+        def take(d: int, s: int, ch: Link, plen: int) -> None:
             buf = scratch[d]
             for off in range(0, plen, RECV_PIECE):  # fewer, larger receives: less CPU per byte than one per cell
                 n = min(RECV_PIECE, plen - off)
@@ -157,7 +157,7 @@ def _parity(mesh: Mesh, placement: Placement, bundle: Bundle, slot: Slot, sizes:
                  for i, s in enumerate(mine) for j, d in enumerate(pset.data_positions(s))}
         arrived: dict[tuple[int, int], np.ndarray] = {}
 
-        def take(d: int, s: int, ch: Channel, plen: int) -> None:
+        def take(d: int, s: int, ch: Link, plen: int) -> None:
             ch.recv_payload(inbox[(s, d)][:plen])
             arrived[(s, d)] = inbox[(s, d)][:plen]
 

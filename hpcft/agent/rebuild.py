@@ -20,7 +20,7 @@ from hpcft import events
 from hpcft.agent import stripes
 from hpcft.agent.bundle import Bundle, complete_steps, parse, unpack
 from hpcft.agent.codec import Unrecoverable, codec_for
-from hpcft.agent.mesh import Mesh
+from hpcft.agent.mesh import MeshBase
 from hpcft.agent.pins import Pins
 from hpcft.agent.placement import Placement
 from hpcft.agent.protect import (Record, commit_record, parity_meta, partner_meta, protect_dir, record_data, record_slot,
@@ -99,7 +99,7 @@ class _Local:
         self._pinned.close()
 
 
-def rebuild(mesh: Mesh, placement: Placement, job: Path, pins: Pins, job_id: str, root: str | None = None) -> Outcome:
+def rebuild(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, job_id: str, root: str | None = None) -> Outcome:
     """Collective: make every slot hold the newest step it can, rebuilding lost bundles (see module doc)."""
     t0 = time.perf_counter()
     complete = complete_steps(job)
@@ -146,7 +146,7 @@ def rebuild(mesh: Mesh, placement: Placement, job: Path, pins: Pins, job_id: str
                             "); restart from the persistent tier")
 
 
-def _move(mesh: Mesh, placement: Placement, local: _Local, targets: list[int], job: Path, job_id: str,
+def _move(mesh: MeshBase, placement: Placement, local: _Local, targets: list[int], job: Path, job_id: str,
           root: str | None) -> str | None:
     """Send what the targets need, receive and rebuild if this slot is one; the error text, or None."""
     senders = _plan_partner(placement, targets) if placement.scheme.name == "partner" else _plan_parity(placement, targets)
@@ -185,7 +185,7 @@ def _plan_partner(placement: Placement, targets: list[int]) -> list[tuple[int, i
     return out
 
 
-def _send(mesh: Mesh, local: _Local, jobs: list[tuple[int, str]]) -> None:
+def _send(mesh: MeshBase, local: _Local, jobs: list[tuple[int, str]]) -> None:
     for dst, what in jobs:
         b = local.bundle if what in ("set", "bundle") else None
         r = local.record_bytes if what in ("set", "record") else None
@@ -194,7 +194,7 @@ def _send(mesh: Mesh, local: _Local, jobs: list[tuple[int, str]]) -> None:
         mesh.send(dst, header, (b.piece(0, b.size) if b else []) + ([r] if r is not None else []))
 
 
-def _receive(mesh: Mesh, incoming: list[tuple[int, str]]) -> dict[int, dict[str, Any]]:
+def _receive(mesh: MeshBase, incoming: list[tuple[int, str]]) -> dict[int, dict[str, Any]]:
     """{source slot: {"bundle": array|None, "record": array|None, "meta": dict|None}}, in parallel per source."""
     def one(src: int) -> dict[str, Any]:
         header, payload = mesh.recv(src)
@@ -214,7 +214,7 @@ def _receive(mesh: Mesh, incoming: list[tuple[int, str]]) -> dict[int, dict[str,
         return dict(zip(sources, pool.map(one, sources)))
 
 
-def _rebuild_here(mesh: Mesh, placement: Placement, step: int, got: dict[int, dict[str, Any]], job: Path,
+def _rebuild_here(mesh: MeshBase, placement: Placement, step: int, got: dict[int, dict[str, Any]], job: Path,
                   job_id: str, root: str | None) -> None:
     """Decode this slot's bundle and record from what arrived, verify, unpack, commit the record."""
     me = mesh.slot

@@ -22,9 +22,8 @@ from typing import Any
 import numpy as np
 
 from hpcft import events
-from hpcft.nodemem import mem_available
+from hpcft.agent.link import NOTICE, Link, PeerGaveUp, TransportError, gave_up, notice  # noqa: F401 (re-exported)
 from hpcft.agent.throttle import Throttle
-from hpcft.errors import HpcftError
 
 _log = logging.getLogger(__name__)
 MAGIC = b"HPCFT-AGENT/2\n"  # /2: the server sends its verdict (ACCEPTED / REFUSED) before its proof
@@ -36,31 +35,12 @@ SEND_PIECE = 4 << 20
 HANDSHAKE_S = 10.0  # one deadline for a whole handshake, not per byte
 MAX_PENDING = 1024  # handshakes in progress at once; when more arrive, the oldest is dropped
 ACCEPTED, REFUSED = b"+", b"-"  # the server's verdict, before its proof: a refused client is told so
+NOTICE_S = 1.0  # the most a give-up notice may wait to be sent (a frozen neighbour's full buffer)
 SOCKET_BUFFER = 4 << 20  # send/receive buffers: fewer wake-ups and copies per byte than the defaults (measured)
-
-
-class TransportError(HpcftError):
-    """A peer connection failed, was refused, or broke the protocol; `peer_slot`, when known, is the slot of the agent
-    whose connection it was (the supervisor probes that node first: hpcft/launch/agents.py)."""
-
-    peer_slot: int | None = None
 
 
 class AuthError(TransportError):
     """The other side did not prove it holds this job's secret."""
-
-
-class PeerGaveUp(TransportError):
-    """The peer sent a give-up notice (`notice`) instead of the message expected: it failed, having lost the agent
-    of `peer_slot`, and shuts its connections down."""
-
-
-NOTICE = "gave_up"  # the header key of a give-up notice (no payload)
-
-
-def notice(slot: int, lost: int, error: str) -> dict[str, Any]:
-    """The header an agent sends its connections when it gives up: its slot, the slot it lost, why."""
-    return {NOTICE: {"slot": slot, "lost": lost, "error": error[:2000]}}
 
 
 def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
@@ -86,7 +66,7 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None = N
         got += n
 
 
-class Channel:
+class Channel(Link):
     """One authenticated connection: `send(header, payload)` and `recv(into=)`, in order, both ways."""
 
     def __init__(self, sock: socket.socket, peer: str, throttle: Throttle | None = None):
@@ -100,10 +80,6 @@ class Channel:
         # small messages (all-gathers, heartbeats) leave at once: Nagle's wait for the ACK of the previous one, which
         # the peer delays up to 40 ms, cost a 5-55 ms agreement at 8-16 agents (hpcft bench scale)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def send(self, header: dict[str, Any], payload: Any = None) -> None:
-        """Send a JSON-able `header` and an optional bytes-like `payload`."""
-        self.send_parts(header, () if payload is None else (payload,))
 
     def send_parts(self, header: dict[str, Any], parts: Sequence[Any]) -> None:
         """Send `header` and the concatenation of `parts` as one payload (in pieces, throttled, no copy)."""
@@ -120,21 +96,6 @@ class Channel:
             raise TransportError(f"sending to {self.peer} failed: {exc}") from exc
         self.sent += _FRAME.size + len(head) + sum(len(v) for v in views)
 
-    def recv(self, into: np.ndarray | None = None) -> tuple[dict[str, Any], np.ndarray]:
-        """The next message: its header and payload (written into `into[:n]` when given, else a new array)."""
-        header, plen = self.recv_header()
-        if into is not None and into.size < plen:
-            raise TransportError(f"{self.peer} sent {plen} bytes for a {into.size}-byte buffer")
-        if into is None and plen > mem_available():
-            raise TransportError(f"{self.peer} announced a {plen}-byte payload, more than this node's free memory; "
-                                 "protocol error")
-        try:
-            out = into[:plen] if into is not None else np.empty(plen, dtype=np.uint8)
-        except (MemoryError, ValueError) as exc:
-            raise TransportError(f"no buffer for {self.peer}'s {plen}-byte payload: {exc}") from exc
-        self.recv_payload(out)
-        return header, out
-
     def recv_header(self) -> tuple[dict[str, Any], int]:
         """The next message's header and payload length; read the payload with `recv_payload` (in parts if
         wanted, e.g. to fold it into parity as it arrives)."""
@@ -149,10 +110,8 @@ class Channel:
             raise TransportError(f"receiving from {self.peer} failed: {exc}") from exc
         if not isinstance(header, dict):
             raise TransportError(f"{self.peer} sent a header that is not a JSON object")
-        if NOTICE in header and isinstance(header[NOTICE], dict):
-            gave = header[NOTICE]
-            err = PeerGaveUp(f"the agent of slot {gave.get('slot')} ({self.peer}) gave up: {gave.get('error')}")
-            err.peer_slot = gave.get("lost") if isinstance(gave.get("lost"), int) else None
+        err = gave_up(header, self.peer)
+        if err is not None:
             raise err
         return header, plen
 
@@ -162,6 +121,19 @@ class Channel:
             _recv_into(self.sock, memoryview(into).cast("B"))
         except OSError as exc:
             raise TransportError(f"receiving from {self.peer} failed: {exc}") from exc
+
+    def tell(self, header: dict[str, Any]) -> None:
+        try:
+            self.sock.settimeout(NOTICE_S)
+            self.send(header)
+        except (TransportError, OSError):
+            pass
+
+    def shutdown(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def close(self) -> None:
         try:

@@ -172,6 +172,26 @@ def scale(agents: str, group: int, rounds: int, window: float, as_json: bool, ru
 
 
 @bench.command()
+@click.option("--state-bytes", type=Count(), default="64M", show_default=True, help="Snapshot bytes per node.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Launches per scheme and transport (medians reported).")
+@click.option("--schemes", default="xor,partner,rs", show_default=True, help="Comma-separated schemes.")
+@click.option("--transports", default="tcp,mpi", show_default=True, help="Comma-separated transports.")
+@click.option("--root", default=None, help="Directory for the nodes' stores (default /dev/shm).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout; the table goes to stderr.")
+@RUNS
+def transport(state_bytes: int, repeats: int, schemes: str, transports: str, root: str | None, as_json: bool,
+              runs: int) -> None:
+    """The agents' transports side by side (TCP processes vs MPI ranks under mpirun): protect pass and rebuild."""
+    from hpcft.bench.transport import TransportOptions, run
+
+    opts = TransportOptions(state_bytes=state_bytes, repeats=repeats, root=root,
+                            schemes=tuple(x.strip() for x in schemes.split(",") if x.strip()),
+                            transports=tuple(x.strip() for x in transports.split(",") if x.strip()))
+    _run(as_json, lambda: run(opts), runs)
+
+
+@bench.command()
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="A running sandbox with 6 nodes (default: start one in a temp dir, stop it afterwards).")
 @click.option("--steps", type=click.IntRange(min=3), default=30, show_default=True, help="Training steps per run.")

@@ -63,8 +63,10 @@ class AgentLoss:
         self.agents.stop(ask=False, flush=False)
         self.alone += 1
         failure = self.agents.start(layout, restart_count, dict(env), tag=f"{restart_count}-alone{self.alone}")
+        # the whole agents' step, never one agent: over MPI too, where the new step is a fresh MPI world
         self.emit("agents_restart", level=logging.INFO if failure is None else logging.ERROR, ok=failure is None,
                   tag=self.agents.tag, replaced=old, trainers="kept", seconds=round(time.monotonic() - started, 3),
+                  transport=self.agents.cfg.agent_transport, restarted="the agents' whole step",
                   **({"reason": str(failure), "action": "relaunch from memory"} if failure else {}))
         return None if failure is None else self.not_ready(layout, failure)
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from hpcft.agent import rendezvous
+from hpcft.agent import mpiworld, rendezvous
 from hpcft.agent import secret as job_secret
 from hpcft.agent import status as agent_status
 from hpcft.agent.launch import AGENT_STEP_NAME, agent_argv
@@ -27,6 +27,14 @@ def agent_iface(cfg: RunConfig) -> str | None:
     """The interface the agents bind to: --agent-iface, else the profile's ('none': the hostname's address)."""
     name = cfg.agent_iface or profiles.get(cfg.profile).agent_iface
     return None if name == "none" else name
+
+
+def agent_mpi(cfg: RunConfig) -> str | None:
+    """The srun MPI plugin of the agents' step with --agent-transport mpi (--agent-mpi, else the profile's); None
+    with tcp."""
+    if cfg.agent_transport != "mpi":
+        return None
+    return cfg.agent_mpi or profiles.get(cfg.profile).agent_mpi
 
 
 PROBE_EVERY_S = 5.0  # while the agents get ready: a probe of the slots' nodes this often (scontrol every poll)
@@ -55,6 +63,10 @@ class AgentSteps:
         """The rendezvous directory (status files), the per-job secret (0600; kept across relaunches and requeues)
         and the agents' directory service on this host, given as this host's addresses (its --agent-iface one when it
         has one; rendezvous.addresses), event `agents_directory`."""
+        if agent_mpi(self.cfg):  # before anything is launched: ConfigError naming what to install
+            self.emit("agents_transport", transport="mpi", mpi=agent_mpi(self.cfg), library=mpiworld.library(),
+                      heartbeats="tcp", on_loss="every agent loss ends the agents' whole step; its relaunch is a "
+                      "fresh MPI world (no agent ever rejoins a running one)")
         self.rendezvous.mkdir(exist_ok=True)
         secret = job_secret.load(str(job_secret.create(self.job_dir)))
         if self.directory is None:
@@ -119,13 +131,19 @@ class AgentSteps:
             stale.unlink(missing_ok=True)
         root = durable_dir(cfg, self.job_dir)
         persist = PersistConfig(str(root), cfg.persist_every, cfg.persist_keep, cfg.persist_rate) if root else None
+        mpi = agent_mpi(cfg)
+        if mpi and hosted:  # one MPI world is one srun step: the hosted agents' steps could not join it
+            mpi = None
+            self.emit("agents_transport", level=logging.WARNING, tag=tag, transport="tcp", wanted="mpi",
+                      reason="agents standing in for lost slots run as srun steps of their own, which cannot join "
+                             "the others' MPI world: this launch's agents mesh over TCP")
 
         def argv(nodes: list[str]) -> list[str]:
             return agent_argv(nodes, rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
                               scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
                               cpu_cores=profiles.get(cfg.profile).agent_cpu_cores, persist=persist,
                               lag_bound=cfg.protect_lag, iface=agent_iface(cfg), layout=layout.slots,
-                              loss_timeout=cfg.loss_timeout, wrap=self._wrap()) + ["--tag", tag]
+                              loss_timeout=cfg.loss_timeout, mpi=mpi, wrap=self._wrap()) + ["--tag", tag]
 
         self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
                   group=cfg.group, losses=cfg.losses, distance=cfg.distance,

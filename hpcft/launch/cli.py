@@ -55,6 +55,12 @@ def _run_options(f):
                           "$HPCFT_NVME/hpcft-persist with `hpcft submit --nvme`; $VARs expanded per node; none: off)."),
         click.option("--agent-iface", default=None,
                      help="Network interface the node agents bind to (default: the profile's, hsn0 on Frontier)."),
+        click.option("--agent-transport", type=click.Choice(list(config.AGENT_TRANSPORTS)), default=None,
+                     help="What carries the node agents' bulk data and agreements: tcp (default) or mpi (mpi4py over "
+                          "the site's MPI; the heartbeats stay on TCP)."),
+        click.option("--agent-mpi", default=None,
+                     help="With --agent-transport mpi: the srun MPI plugin of the agents' step (default: the "
+                          "profile's, pmix; cray_shasta on Frontier)."),
         click.option("--keep", type=int, default=None, help="The Checkpointer's keep, for memory planning (default 2)."),
         click.option("--state-bytes", default=None,
                      help="One snapshot's bytes per node (e.g. 120G): checked against the nodes' memory before launch."),

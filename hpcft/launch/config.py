@@ -45,7 +45,10 @@ class RunConfig:
     written first and drained to persist_dir (exported as $HPCFT_PERSIST_LOCAL; `$VAR`s expanded on each node;
     default: $HPCFT_NVME/hpcft-persist where `hpcft submit --nvme` gave one; `none`: off); agent_iface: the network interface the node agents bind to
     (default: the profile's, hsn0 on Frontier; a node without it falls back to its hostname's address with a
-    warning event); keep: the Checkpointer's `keep` (versions kept per rank), for memory planning; state_bytes: one
+    warning event); agent_transport: tcp | mpi, what carries the node agents' bulk data and agreements (mpi: an mpi4py
+    communicator over the site's MPI, the agents' srun step started with --mpi=`agent_mpi`; the heartbeats stay on
+    TCP; hpcft/agent/mpimesh.py); agent_mpi: the srun MPI plugin of the agents' step with mpi (default: the
+    profile's, pmix, cray_shasta on Frontier); keep: the Checkpointer's `keep` (versions kept per rank), for memory planning; state_bytes: one
     snapshot's bytes on one node (all its ranks), for the memory check before the first launch (unknown: checked
     after the first snapshot only); node_memory: bytes of memory per node to plan with (default: what the batch
     host's /dev/shm and MemAvailable offer); memory_headroom: fraction of that memory left to the trainers and the
@@ -102,6 +105,8 @@ class RunConfig:
     persist_rate: float | None = None
     persist_local: str | None = None
     agent_iface: str | None = None
+    agent_transport: str = "tcp"
+    agent_mpi: str | None = None
     keep: int = 2
     state_bytes: int | None = None
     node_memory: int | None = None
@@ -140,6 +145,7 @@ class RunConfig:
 
 
 PROTECT_SCHEMES = ("auto", "none", "partner", "xor", "rs")
+AGENT_TRANSPORTS = ("tcp", "mpi")
 ELASTIC_BATCH = (KEEP_GLOBAL, KEEP_PER_RANK)
 KEYS = tuple(f.name for f in fields(RunConfig))
 _TYPES = {f.name: f.type for f in fields(RunConfig)}
@@ -259,6 +265,12 @@ def validate(cfg: RunConfig) -> None:
     profiles.get(cfg.profile)
     if cfg.protect not in PROTECT_SCHEMES:
         raise ConfigError(f"protect={cfg.protect!r} is not a protection scheme; choose one of {', '.join(PROTECT_SCHEMES)}")
+    if cfg.agent_transport not in AGENT_TRANSPORTS:
+        raise ConfigError(f"agent_transport={cfg.agent_transport!r} is not a transport; choose one of "
+                          f"{', '.join(AGENT_TRANSPORTS)}")
+    if cfg.agent_mpi is not None and not cfg.agent_mpi.replace("_", "").isalnum():
+        raise ConfigError(f"agent_mpi={cfg.agent_mpi!r} is not an srun MPI plugin name (srun --mpi=list shows "
+                          "them: pmix, pmi2, cray_shasta, ...)")
     for key in ("protect_rate", "persist_rate"):
         if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive bytes/s (got {getattr(cfg, key)})")

@@ -29,6 +29,8 @@ class Profile:
     modules: tuple[str, ...] = ()
     # `hpcft run --stage-env` unless the user says otherwise, where the job has node-local NVMe ($HPCFT_NVME)
     stage_env: bool = False
+    # the srun MPI plugin (--mpi=…) of the agents' step with --agent-transport mpi: the one the site's MPI starts under
+    agent_mpi: str = "pmix"
 
 
 # OLCF's PyTorch-on-Frontier guide (olcf-user-docs software/analytics/pytorch_frontier.rst, 2026-07): srun -c7
@@ -75,6 +77,7 @@ FRONTIER = Profile(
     agent_iface="hsn0",
     modules=("PrgEnv-gnu", "rocm", "rccl-net-plugin", "craype-accel-amd-gfx90a"),
     stage_env=True,  # OLCF recommends it at scale (software/python/sbcast_conda.rst): docs/supervisor.md
+    agent_mpi="cray_shasta",  # Cray MPICH's PMI under HPE's Slurm (OLCF's srun default; mpi4py built on cray-mpich)
 )
 
 CUDA = Profile(

@@ -202,6 +202,13 @@ def render_slurm_conf(layout: Layout) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Open MPI (Debian's, PMIx only: srun --mpi=pmix) over TCP alone: its other components (UCX, libfabric, PSM, openib)
+# probe for fabrics a CPU box lacks, which is slow and, under load, has crashed; the ranks yield while they wait
+# (several ranks on a few loaded cores). What a job in the sandbox (or mpirun on this machine) exports for MPI.
+OPEN_MPI_TCP_ENV = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "self,tcp", "OMPI_MCA_osc": "^ucx",
+                    "OMPI_MCA_mpi_yield_when_idle": "1"}
+
+
 def render_mpi_conf(layout: Layout) -> str:
     """mpi.conf: PMIx client files go to a per-node private tmpfs mounted at the same path on every node."""
     return f"PMIxCliTmpDirBase={layout.pmix_dir}\n"

@@ -1,8 +1,10 @@
 """The protect pass with real agent processes on this machine: four "nodes" (each its own store root,
-two ranks each), agents meshed over authenticated TCP. What each node keeps must be byte-identical to
-the parity (or partner copy) of the nodes' bundles, and must rebuild a lost node's bundle exactly."""
+two ranks each), agents meshed over authenticated TCP (or, where parametrized, over MPI under mpirun). What each node
+keeps must be byte-identical to the parity (or partner copy) of the nodes' bundles, and must rebuild a lost node's
+bundle exactly."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +23,10 @@ from hpcft.agent.codec import codec_for
 from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.protect import records
 from hpcft.agent.stripes import encode_set, rebuild_partner, rebuild_set
+from hpcft.bench.transport import mpirun_argv
+from hpcft.deps import available
 from hpcft.errors import NoCheckpointError
+from hpcft.sandbox.config import OPEN_MPI_TCP_ENV
 from hpcft.store import RankStore, chunk_table, job_dir, seal_key
 from hpcft.store import pin as store_pin
 
@@ -72,19 +77,60 @@ def cluster(tmp_path):
     return roots, shared, job_secret.create(shared)
 
 
+def _agent_argv(i: int, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "hpcft.agent", "--job-id", JOB, "--slot", str(i), "--slots", str(NODES),
+            "--rendezvous", str(shared), "--secret", str(secret), "--scheme", scheme.name,
+            "--group", str(scheme.group), "--losses", str(scheme.losses), "--distance", str(scheme.distance),
+            "--tag", tag, *extra]
+
+
+def _agent_env(root: Path, shared: Path) -> dict[str, str]:
+    return {"HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(shared / "events")}
+
+
 def _start_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.Popen]:
-    procs = []
-    for i, root in enumerate(roots):
-        env = {**os.environ, "HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(shared / "events")}
-        argv = [sys.executable, "-m", "hpcft.agent", "--job-id", JOB, "--slot", str(i), "--slots", str(NODES),
-                "--rendezvous", str(shared), "--secret", str(secret), "--scheme", scheme.name,
-                "--group", str(scheme.group), "--losses", str(scheme.losses), "--distance", str(scheme.distance),
-                "--tag", tag, *extra]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+    return [subprocess.Popen(_agent_argv(i, shared, secret, scheme, tag, *extra), env={**os.environ,
+                             **_agent_env(root, shared)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i, root in enumerate(roots)]
 
 
-def _run_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.CompletedProcess]:
+def _start_mpi_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """The agents as the four ranks of one mpirun (--transport mpi, Open MPI over TCP here), the slots in the reverse
+    of the ranks' order; the mpirun and the directory of each agent's output and exit status."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("no mpirun on this machine")
+    logs = shared / f"mpi-{tag}"
+    logs.mkdir()
+    tasks = [(_agent_argv(i, shared, secret, scheme, tag, "--transport", "mpi", *extra), _agent_env(roots[i], shared))
+             for i in reversed(range(len(roots)))]  # rank r runs slot NODES - 1 - r: see `_log`
+    argv = mpirun_argv(tasks, logs)
+    return subprocess.Popen(argv, env={**os.environ, **OPEN_MPI_TCP_ENV}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True), logs
+
+
+def _log(logs: Path, slot: int, kind: str) -> Path:
+    """The agent of `slot`'s output (out, err) or exit status (rc): mpirun_argv names them by rank."""
+    return logs / f"{NODES - 1 - slot}.{kind}"
+
+
+def _mpi_result(logs: Path, i: int) -> subprocess.CompletedProcess:
+    return subprocess.CompletedProcess([], int(_log(logs, i, "rc").read_text() or 1), _log(logs, i, "out").read_text(),
+                                       _log(logs, i, "err").read_text())
+
+
+def _run_mpi_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.CompletedProcess]:
+    """`_start_mpi_agents` run to its end: each agent's output and exit status, as `_run_agents`."""
+    proc, logs = _start_mpi_agents(roots, shared, secret, scheme, tag, *extra)
+    out, _ = proc.communicate(timeout=240)
+    if not all(_log(logs, i, "rc").exists() for i in range(len(roots))):
+        raise AssertionError(f"mpirun ran no agent to its end: {out[-3000:]}")
+    return [_mpi_result(logs, i) for i in range(len(roots))]
+
+
+def _run_agents(roots, shared, secret, scheme: Scheme, tag: str, *extra: str,
+                transport: str = "tcp") -> list[subprocess.CompletedProcess]:
+    if transport == "mpi":
+        return _run_mpi_agents(roots, shared, secret, scheme, tag, *extra)
     procs = _start_agents(roots, shared, secret, scheme, tag, *extra)
     out = []
     try:
@@ -110,10 +156,16 @@ def _held(root: Path, step: int) -> tuple[dict, np.ndarray]:
     return rec.meta, data
 
 
+# the protection tests over either transport: TCP, and MPI (mpi4py on this machine's Open MPI, under mpirun)
+TRANSPORTS = pytest.mark.parametrize("transport", ["tcp", pytest.param("mpi", marks=pytest.mark.skipif(
+    not available("mpi4py"), reason="mpi4py is not installed"))])
+
+
 @pytest.mark.parametrize("scheme", [Scheme("xor", group=4), Scheme("rs", group=4, losses=2)], ids=["xor", "rs"])
-def test_parity_on_every_node_is_exact_and_rebuilds_lost_nodes(cluster, scheme):
+@TRANSPORTS
+def test_parity_on_every_node_is_exact_and_rebuilds_lost_nodes(cluster, scheme, transport):
     roots, shared, secret = cluster
-    done = _run_agents(roots, shared, secret, scheme, tag=scheme.name)
+    done = _run_agents(roots, shared, secret, scheme, scheme.name, transport=transport)
     assert [p.returncode for p in done] == [0] * NODES, [p.stderr[-2000:] for p in done]
     assert all("protected=2" in p.stdout for p in done)
     pset = plan(NODES, scheme).sets[0]
@@ -137,10 +189,12 @@ def test_parity_on_every_node_is_exact_and_rebuilds_lost_nodes(cluster, scheme):
     assert [(s.health, s.protected_step) for s in view.sets] == [(status.HEALTHY, 2)]
 
 
-def test_partner_holds_an_exact_copy_of_its_neighbours_bundle(cluster):
+@TRANSPORTS
+def test_partner_holds_an_exact_copy_of_its_neighbours_bundle(cluster, transport):
     roots, shared, secret = cluster
     scheme = Scheme("partner", distance=1)
-    done = _run_agents(roots, shared, secret, scheme, "partner", "--lag-bound", "1")  # kept to: the cap stays
+    done = _run_agents(roots, shared, secret, scheme, "partner", "--lag-bound", "1",  # kept to: the cap stays
+                       transport=transport)
     assert [p.returncode for p in done] == [0] * NODES, [p.stderr[-2000:] for p in done]
     reports = agent_status.read(shared, "partner").values()
     assert [(r["lag_steps"], r["cpu_cores"] > 0) for r in reports] == [(0, True)] * NODES, reports
@@ -195,13 +249,14 @@ def _check(done):
 
 @pytest.mark.parametrize("scheme,lost", [(Scheme("xor", group=4), {1}), (Scheme("partner", distance=1), {2}),
                                          (Scheme("rs", group=4, losses=2), {0, 3})], ids=["xor", "partner", "rs"])
-def test_rebuild_puts_the_lost_nodes_snapshot_back_byte_identical(cluster, tmp_path, scheme, lost):
+@TRANSPORTS
+def test_rebuild_puts_the_lost_nodes_snapshot_back_byte_identical(cluster, tmp_path, scheme, lost, transport):
     roots, shared, secret = cluster
-    _check(_run_agents(roots, shared, secret, scheme, "p"))
+    _check(_run_agents(roots, shared, secret, scheme, "p", transport=transport))
     before = {i: _node_files(roots[i]) for i in lost}
     want_records = {i: _held(roots[i], 2)[1].tobytes() for i in lost}
     now = _replace(roots, lost, tmp_path)
-    done = _run_agents(now, shared, secret, scheme, "r", "--rebuild")
+    done = _run_agents(now, shared, secret, scheme, "r", "--rebuild", transport=transport)
     assert [p.returncode for p in done] == [0] * NODES, [p.stderr[-2000:] for p in done]
     assert all("rebuilt=2" in p.stdout for p in done)
     for i in lost:
@@ -271,6 +326,46 @@ def test_an_agent_killed_mid_protection_loses_nothing_and_the_relaunch_completes
     for root, want in zip(roots, expected):
         assert _held(root, 2)[1].tobytes() == want.tobytes()
         assert [p.name for p in (job_dir(root, JOB) / "protect").glob("*.data")] == ["step-2.data"]
+
+
+@pytest.mark.skipif(not available("mpi4py"), reason="mpi4py is not installed")
+def test_over_mpi_a_stop_ends_agents_blocked_on_a_frozen_peer(cluster):
+    """No heartbeats (--loss-timeout 0): a frozen agent leaves its peers waiting on MPI messages that never come, yet
+    the supervisor's stop ends them at once (no thread of theirs sits inside a blocking MPI call)."""
+    roots, shared, secret = cluster
+    proc, logs = _start_mpi_agents(roots, shared, secret, Scheme("xor", group=4), "f", "--rounds", "0",
+                                   "--interval", "0.1", "--loss-timeout", "0")
+    frozen = None
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            reports = agent_status.read(shared, "f")
+            if len(reports) == NODES and all(r.get("protected") == 2 for r in reports.values()):
+                break
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else reports
+            time.sleep(0.1)
+        frozen = reports[2]["pid"]
+        os.kill(frozen, signal.SIGSTOP)
+        time.sleep(2.0)  # the others' next rounds now wait on slot 2
+        assert all(agent_status.read(shared, "f")[i]["phase"] == agent_status.PROTECTING for i in (0, 1, 3))
+        asked = time.monotonic()
+        agent_status.request_stop(shared, "f")
+        # each one's end: its mesh closed (no MPI_Finalize: the frozen one never gets there). Its exit status is
+        # mpirun's to decide from then on: it kills the rest of a job in which a rank exits without MPI_Finalize
+        # (srun does not), so the test reads the agents' own records
+        while not all("event=mesh_mpi_closed" in _log(logs, i, "err").read_text() for i in (0, 1, 3)):
+            assert time.monotonic() < asked + 60, "the stop did not end the agents waiting on the frozen one"
+            time.sleep(0.1)
+        assert [agent_status.read(shared, "f")[i]["phase"] for i in (0, 1, 3)] == [agent_status.STOPPED] * 3
+        assert all(_mpi_result(logs, i).returncode == 0 for i in (0, 1, 3) if _log(logs, i, "rc").exists())
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        proc.wait()
 
 
 # -- pins: a slow pass is never overtaken by trainers snapshotting every step -------------------------------

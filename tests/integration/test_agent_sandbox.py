@@ -2,7 +2,8 @@
 and one agent per node protecting its snapshots; nodes crash (slurmd, steps and /dev/shm gone); agents are
 relaunched on the survivors + spares and rebuild the lost snapshots byte-identical onto the spares, with each scheme
 (rs: two nodes at once; xor and partner: one); after the rs rebuild the training resumes there, ending
-bit-identical to an uninterrupted run (issue 4: node agents)."""
+bit-identical to an uninterrupted run (issue 4: node agents). Each over both transports: TCP, and MPI (srun
+--mpi=pmix, Open MPI over the nodes' network; the heartbeats on TCP) (issue 16)."""
 import json
 import os
 import re
@@ -16,12 +17,14 @@ import torch
 from runs import JOB, STEPS, final  # the shared reference's job and steps (conftest.py)
 
 from hpcft.agent import secret as job_secret
+from hpcft.deps import available
 from hpcft.agent import status as agent_status
 from hpcft.agent.launch import agent_argv
 from hpcft.agent.placement import Scheme
 from hpcft.launch.layout import Layout
 from hpcft.launch.profiles import CPU
 from hpcft.launch.srun import step_env, trainer_argv
+from hpcft.sandbox.config import OPEN_MPI_TCP_ENV
 
 pytestmark = pytest.mark.sandbox
 
@@ -62,10 +65,14 @@ def _trainers(runner, job: str, slots: list[str], restart: int, out: Path, **ext
 
 
 def _agents(runner, job: str, slots: list[str], restart: int, out: Path, scheme: Scheme, rebuild: bool,
-            rounds: int = 0) -> subprocess.Popen:
+            rounds: int = 0, transport: str = "tcp") -> subprocess.Popen:
+    """The agents' srun step; `transport` mpi: started with --mpi=pmix, their mesh over Open MPI (TCP, as the
+    sandbox's nodes have no other fabric), the heartbeats over TCP as always."""
+    mpi = "pmix" if transport == "mpi" else None
     argv = agent_argv(slots, rendezvous=str(out / "agents"), secret=str(out / "secret"), scheme=scheme,
-                      python=sys.executable, rebuild=rebuild, interval=0.2, rounds=rounds, iface="eth0")
-    return runner.popen([argv[0], f"--jobid={job}", *argv[1:]], env=_env(job, slots, restart, out),
+                      python=sys.executable, rebuild=rebuild, interval=0.2, rounds=rounds, iface="eth0", mpi=mpi)
+    env = {**_env(job, slots, restart, out), **(OPEN_MPI_TCP_ENV if mpi else {})}
+    return runner.popen([argv[0], f"--jobid={job}", *argv[1:]], env=env,
                         stdout=open(out / f"agents-{restart}.log", "ab"), stderr=subprocess.STDOUT)
 
 
@@ -117,7 +124,7 @@ def _stable(out: Path) -> int | None:
     return None
 
 
-def _job(sandbox, tmp_path: Path, scheme: Scheme) -> tuple:
+def _job(sandbox, tmp_path: Path, scheme: Scheme, transport: str = "tcp") -> tuple:
     """(runner, output directory, job id, agents): a 6-node allocation whose trainers ran on n1..n4, their agents
     (launch 0) protecting with `scheme` from step 1 on, and were killed (SIGKILL, at an arbitrary point) after step 5,
     their snapshots in the nodes' /dev/shm."""
@@ -132,7 +139,7 @@ def _job(sandbox, tmp_path: Path, scheme: Scheme) -> tuple:
         trainers = _trainers(runner, job, ACTIVE, 0, out, STEP_DELAY="0.15")
         _wait(lambda: _progress(out) >= 1 or trainers.poll() is not None, "training never started", 120,
               out / "train-0.log")  # the trainers' step is step 0
-        agents = _agents(runner, job, ACTIVE, 0, out, scheme, rebuild=False)
+        agents = _agents(runner, job, ACTIVE, 0, out, scheme, rebuild=False, transport=transport)
         _wait(lambda: _progress(out) >= 5 or trainers.poll() is not None, "training never reached step 5", 120,
               out / "train-0.log")
         assert trainers.poll() is None, (out / "train-0.log").read_text()[-3000:]
@@ -145,7 +152,7 @@ def _job(sandbox, tmp_path: Path, scheme: Scheme) -> tuple:
 
 
 def _crash_and_rebuild(sandbox, runner, job: str, out: Path, agents: subprocess.Popen, scheme: Scheme,
-                       lost: list[str]) -> tuple[list[str], int]:
+                       lost: list[str], transport: str = "tcp") -> tuple[list[str], int]:
     """Once `agents` (launch 0) have protected the newest step of the killed trainers, the `lost` nodes crash; the
     agents of launch 1 rebuild their snapshots onto the spares n5, n6, byte-identical to what the lost nodes held.
     The new slots and the step."""
@@ -165,7 +172,7 @@ def _crash_and_rebuild(sandbox, runner, job: str, out: Path, agents: subprocess.
     slots, _ = Layout(slots=tuple(ACTIVE), spares=("n5", "n6")).replace(lost)
     slots = list(slots.slots)
 
-    rebuild = _agents(runner, job, slots, 1, out, scheme, rebuild=True, rounds=1)
+    rebuild = _agents(runner, job, slots, 1, out, scheme, rebuild=True, rounds=1, transport=transport)
     ready = agent_status.wait_ready(out / "agents", "1", 4, timeout=120)
     assert rebuild.wait(timeout=60) == 0, (out / "agents-1.log").read_text()[-3000:]
     assert ready.step == step
@@ -176,14 +183,19 @@ def _crash_and_rebuild(sandbox, runner, job: str, out: Path, agents: subprocess.
     return slots, step
 
 
+TRANSPORTS = pytest.mark.parametrize("transport", ["tcp", pytest.param("mpi", marks=pytest.mark.skipif(
+    not available("mpi4py"), reason="mpi4py is not installed"))])
+
+
+@TRANSPORTS
 def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(healthy_sandbox, dp_reference,
-                                                                                tmp_path):
+                                                                                tmp_path, transport):
     """rs (group 4, 2 losses): two nodes crash at once, the agents rebuild both onto the spares, and the training
-    resumes there, ending bit-identical to the uninterrupted run."""
+    resumes there, ending bit-identical to the uninterrupted run; over either transport."""
     rs = Scheme("rs", group=4, losses=2)
-    runner, out, job, agents = _job(healthy_sandbox, tmp_path, rs)
+    runner, out, job, agents = _job(healthy_sandbox, tmp_path, rs, transport)
     try:
-        slots, step = _crash_and_rebuild(healthy_sandbox, runner, job, out, agents, rs, ["n2", "n3"])
+        slots, step = _crash_and_rebuild(healthy_sandbox, runner, job, out, agents, rs, ["n2", "n3"], transport)
         assert _trainers(runner, job, slots, 1, out).wait(timeout=240) == 0, (out / "train-1.log").read_text()[-3000:]
     finally:
         runner.run(["scancel", job], check=False)
@@ -197,13 +209,14 @@ def test_crashed_nodes_are_rebuilt_on_spares_and_training_resumes_bit_identical(
 
 @pytest.mark.parametrize("scheme,lost", [(Scheme("xor", group=4), "n2"), (Scheme("partner", distance=1), "n3")],
                          ids=["xor", "partner"])
-def test_a_crashed_node_is_rebuilt_on_a_spare_byte_identical(healthy_sandbox, tmp_path, scheme, lost):
-    """xor and partner: one node crashes, the agents rebuild it onto a spare. (What the trainers then load is the same
-    bytes: the resume from a rebuild is the rs test's above, and through `hpcft run` the recovery bench's node crash,
-    test_supervisor.py.)"""
-    runner, out, job, agents = _job(healthy_sandbox, tmp_path, scheme)
+@TRANSPORTS
+def test_a_crashed_node_is_rebuilt_on_a_spare_byte_identical(healthy_sandbox, tmp_path, scheme, lost, transport):
+    """xor and partner: one node crashes, the agents rebuild it onto a spare, over either transport. (What the trainers
+    then load is the same bytes: the resume from a rebuild is the rs test's above, and through `hpcft run` the
+    recovery bench's node crash, test_supervisor.py.)"""
+    runner, out, job, agents = _job(healthy_sandbox, tmp_path, scheme, transport)
     try:
-        slots, _ = _crash_and_rebuild(healthy_sandbox, runner, job, out, agents, scheme, [lost])
+        slots, _ = _crash_and_rebuild(healthy_sandbox, runner, job, out, agents, scheme, [lost], transport)
         assert slots == [n if n != lost else "n5" for n in ACTIVE]
     finally:
         runner.run(["scancel", job], check=False)

@@ -15,7 +15,7 @@ import pytest
 from hpcft.errors import SandboxError
 from hpcft.sandbox import Sandbox, SandboxConfig
 from hpcft.sandbox import netns, procs
-from hpcft.sandbox.config import plan
+from hpcft.sandbox.config import OPEN_MPI_TCP_ENV, plan
 
 pytestmark = pytest.mark.sandbox
 
@@ -82,17 +82,11 @@ def test_gloo_all_reduce_across_four_nodes(sandbox):
     assert {line.split()[1] for line in lines} == {"host=n1", "host=n2", "host=n3", "host=n4"}
 
 
-# Open MPI over TCP only: its other components (UCX, libfabric, PSM, openib) probe for fabrics a CPU sandbox lacks,
-# which is slow and, under load, has crashed; the ranks yield while they wait (4 ranks on 2 loaded cores).
-TCP_ONLY_MPI = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "self,tcp", "OMPI_MCA_osc": "^ucx",
-                "OMPI_MCA_mpi_yield_when_idle": "1"}
-
-
 def test_mpi4py_all_reduce_under_srun_pmix(sandbox):
     pytest.importorskip("mpi4py")
     out = sandbox.runner(timeout=180).run(
         ["srun", "-N4", FOUR, "--ntasks-per-node=1", "--mpi=pmix", sys.executable, str(HELPERS / "mpi_allreduce.py")],
-        env=TCP_ONLY_MPI,
+        env=OPEN_MPI_TCP_ENV,
     ).stdout
     lines = sorted(line for line in out.splitlines() if line.startswith("rank="))
     assert len(lines) == 4

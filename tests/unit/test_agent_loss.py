@@ -121,6 +121,7 @@ class _Agents:
 
     def __init__(self, outcomes: list):
         self.tag, self.bad_nodes, self.outcomes, self.calls = "0", {}, outcomes, []
+        self.cfg = RunConfig()  # the run's options, as AgentSteps has them (its transport)
 
     def stop(self, ask: bool = True, flush: bool = True) -> None:
         self.calls.append(("stop", ask, flush))

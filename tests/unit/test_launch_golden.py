@@ -120,3 +120,10 @@ def test_submit_refuses_a_warning_not_shorter_than_the_walltime():
     with pytest.raises(ConfigError, match="--time '5 min' is not a Slurm time"):
         render(SubmitSpec(command=("x",), nodes=1, time="5 min"))
     assert "--signal=B:USR1@60" in render(SubmitSpec(command=("x",), nodes=1, time="5", warn_seconds=60))
+
+
+def test_agent_srun_line_over_mpi_on_frontier():
+    """--agent-transport mpi: the agents' step is started by Cray MPICH's PMI plugin and told to mesh over MPI."""
+    argv = agent_argv(NODES[:4], rendezvous="/lustre/job/agents", secret="/lustre/job/secret", scheme=Scheme("xor", 4),
+                      python="python3", iface=profiles.FRONTIER.agent_iface, mpi=profiles.FRONTIER.agent_mpi)
+    check_golden("srun-agents-frontier-mpi.txt", _lines(argv))
