@@ -67,6 +67,8 @@ def run(command: Sequence[str], environ: Mapping[str, str], role: str = "trainer
         _cold(why or f"no script {target.name!r} (the interpreter says why)", environ, role)
         return None
     started = time.monotonic()
+    # a signal srun sends before the forwarding is in place (the rank may already run) waits for it, not kills us
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
         path = zygote.socket_path(environ.get("HPCFT_JOB_ID", "local"), environ.get("HPCFT_STORE_ROOT") or None)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -77,9 +79,11 @@ def run(command: Sequence[str], environ: Mapping[str, str], role: str = "trainer
         zygote.send(sock, request(target, environ), fds=(0, 1, 2))
         reply, _ = zygote.receive(sock)
     except (OSError, HpcftError) as exc:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # the cold exec must not inherit the mask
         _cold(f"no standby answered: {type(exc).__name__}: {exc}", environ, role)
         return None
     if reply is None or "started" not in reply:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         sock.close()  # the standby kills a child whose wrapper is gone
         _cold(f"the standby refused: {(reply or {}).get('refused', 'it closed the connection')}", environ, role)
         return None
@@ -112,6 +116,7 @@ def _wait(sock: socket.socket) -> int:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # what came meanwhile is forwarded now
     try:
         reply, _ = zygote.receive(sock)
     except (OSError, HpcftError) as exc:
