@@ -103,7 +103,7 @@ class Uplink:
             _log.warning("cannot reach the supervisor's report service yet: %s", exc)
         while True:
             now = time.monotonic()
-            if self.progress is not None and now >= next_read:
+            if self.progress is not None and (now >= next_read or self._closing):  # the last report: fresh
                 try:
                     ranks = {str(r): [s, t] for r, (s, t) in self.progress().items()}
                 except OSError as exc:  # a store being cleaned up: progress is best effort

@@ -19,7 +19,7 @@ from hpcft.env import AGENTS_REPORT
 from hpcft.agent import rendezvous, uplink
 from hpcft.agent import secret as job_secret
 from hpcft.agent.status import LOG, read_log
-from hpcft.launch.liveview import LiveView, next_write
+from hpcft.launch.liveview import LiveView, Rounds, next_write
 from hpcft.launch.reports import ReportServer
 from hpcft.store.paths import replace_file
 
@@ -34,6 +34,7 @@ class Fabric:
         self.path = job_dir / LOG
         self.view = LiveView()
         self.view.load(read_log(job_dir))  # a requeued run: what the ranks had reached before
+        self.rounds = Rounds()
         self.server: ReportServer | None = None
         self.writes = 0  # log replacements (for tests)
         self._written = -1  # the view's version in the log
@@ -58,10 +59,16 @@ class Fabric:
         return {uplink.ENV: self.server.address, AGENTS_REPORT: "1" if with_agents else "0"}
 
     def take(self, report: dict[str, Any]) -> None:
-        """One node's report: into the view; its events into the job's events file (the agents' one writer)."""
+        """One node's report: into the view; its events into the job's events file (the agents' one writer), the
+        per-round ones summed over the launch's agents (liveview.Rounds)."""
         self.view.apply(report, self.clock())
+        tag = str(report.get("tag"))
         for record in report.get("events") or ():
-            events.append(self.job_dir, record)
+            if record.get("event") == Rounds.KIND and "step" in record:
+                slots = int(self.view.reports(tag).get(int(report.get("slot", -1)), {}).get("slots") or 1)
+                record = self.rounds.add(tag, record, slots)
+            if record is not None:
+                events.append(self.job_dir, record)
 
     def write(self) -> bool:
         """Replace the bounded log if the view changed since it was written; True when written."""

@@ -101,3 +101,28 @@ class LiveView:
             for rank, (step, ready, changed) in (log.get("progress") or {}).items():
                 self._progress[int(rank)] = (int(step), ready, float(changed))
             self.version += 1
+
+
+class Rounds:
+    """The agents' per-round event (`snapshot_protected`, one per agent per protected step) summed into one record
+    per step once every agent of the launch has sent its own, so that the job's events file grows by one line per
+    protected step, not one per node. Steps older than a summed one are dropped (a set lost a member meanwhile)."""
+
+    KIND = "snapshot_protected"
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, int], list[dict]] = {}
+
+    def add(self, tag: str, record: Mapping[str, Any], slots: int) -> dict[str, Any] | None:
+        """The summed record once `slots` agents of launch `tag` have protected the record's step, else None."""
+        step = int(record["step"])
+        got = self._open.setdefault((tag, step), [])
+        got.append(dict(record))
+        if len(got) < slots:
+            return None
+        self._open = {k: v for k, v in self._open.items() if k[0] != tag or k[1] > step}
+        return {"event": self.KIND, "time": max(r.get("time", 0) for r in got), "level": "INFO", "tag": tag,
+                "step": step, "slots": len(got), "scheme": got[0].get("scheme"),
+                "held_bytes": sum(r.get("held_bytes") or 0 for r in got),
+                "sent_bytes": sum(r.get("sent_bytes") or 0 for r in got),
+                "seconds": max(r.get("seconds") or 0 for r in got)}
