@@ -28,8 +28,10 @@ def format_line(kind: str, fields: dict[str, Any]) -> str:
 def emit(kind: str, *, level: int = logging.INFO, log_dir: str | os.PathLike | None = None, **fields: Any) -> dict:
     """Record one event: a log line always, and a JSON line in `log_dir`/events.jsonl (or $HPCFT_EVENT_DIR)."""
     record = {"event": kind, "time": time.time(), "level": logging.getLevelName(level), **fields}
-    _log.log(level, format_line(kind, fields))
-    if log_dir is None and _forward is not None and _forward(record):
+    forwarded = log_dir is None and _forward is not None and _forward(record)
+    if not forwarded or level >= logging.WARNING:  # a forwarded INFO event is in the supervisor's events file only
+        _log.log(level, format_line(kind, fields))
+    if forwarded:
         return record  # the supervisor appends it: no write to the shared file system from this node
     target = log_dir or os.environ.get("HPCFT_EVENT_DIR")
     if target:

@@ -27,6 +27,7 @@ ENV = REPORTS  # exported by hpcft run
 GAP_S = 1.0  # the most one node reports per second, but for changes of phase, warnings and its last report
 PROGRESS_S = 1.0  # how often the node's ranks' progress is read from its store
 CLOSE_S = 3.0  # the most `close` waits for the last report to leave
+KEEPALIVE_S = 5.0  # with nothing new for this long, an empty report: the supervisor tells silence from no progress
 _log = logging.getLogger(__name__)
 
 
@@ -96,7 +97,7 @@ class Uplink:
             self._ch.close()
 
     def _run(self) -> None:
-        next_read = next_send = 0.0
+        next_read = next_send = last_sent = 0.0
         try:
             self._ch = self._connect()
         except TransportError as exc:  # retried at the first report
@@ -115,20 +116,21 @@ class Uplink:
             with self._cv:
                 closing = self._closing
                 due = closing or self._urgent or now >= next_send
-                message = self._message() if due else None
+                message = self._message(keepalive=now - last_sent >= KEEPALIVE_S) if due else None
                 self._urgent = False
             if message is not None:
                 self._send(message)
-                next_send = time.monotonic() + self.gap
+                next_send = last_sent = time.monotonic()
+                next_send += self.gap
             if closing:
                 return
             with self._cv:
                 if not self._closing and not self._urgent:
-                    wake = min(next_read if self.progress is not None else next_send + self.every, next_send)
+                    wake = min(next_read if self.progress is not None else last_sent + KEEPALIVE_S, next_send)
                     self._cv.wait(max(0.01, wake - time.monotonic()))
 
-    def _message(self) -> dict[str, Any] | None:
-        """What changed since the last message (under the lock), or None."""
+    def _message(self, keepalive: bool = False) -> dict[str, Any] | None:
+        """What changed since the last message (under the lock), or None (with `keepalive`: an empty report)."""
         msg: dict[str, Any] = {"tag": self.tag, "slot": self.slot, "node": self.node}
         if self._status is not None:
             if self._sent_status is None:
@@ -142,7 +144,7 @@ class Uplink:
             msg["progress"] = ranks
         if self._events:
             msg["events"], self._events = self._events, []
-        if len(msg) == 3:
+        if len(msg) == 3 and not keepalive:
             return None
         self._sent_status, self._sent_ranks = self._status, dict(self._ranks)
         return msg

@@ -19,7 +19,8 @@ from hpcft.env import AGENTS_REPORT
 from hpcft.agent import rendezvous, uplink
 from hpcft.agent import secret as job_secret
 from hpcft.agent.status import LOG, read_log
-from hpcft.launch.liveview import LiveView, Rounds, next_write
+from hpcft.launch.liveview import BLIND_S, LiveView, Rounds, blind, next_write
+from hpcft.launch.policy import hung
 from hpcft.launch.reports import ReportServer
 from hpcft.store.paths import replace_file
 
@@ -35,6 +36,7 @@ class Fabric:
         self.view = LiveView()
         self.view.load(read_log(job_dir))  # a requeued run: what the ranks had reached before
         self.rounds = Rounds()
+        self._blind_since: float | None = None  # the launch whose blind view was said
         self.server: ReportServer | None = None
         self.writes = 0  # log replacements (for tests)
         self._written = -1  # the view's version in the log
@@ -69,6 +71,21 @@ class Fabric:
                 record = self.rounds.add(tag, record, slots)
             if record is not None:
                 events.append(self.job_dir, record)
+
+    def hung(self, launched: float, hang_timeout: float, start_timeout: float) -> str | None:
+        """Why the launch counts as hung (policy.hung over the view's progress), or None; None too while the view is
+        blind (liveview.blind: event `progress_blind`, once), so that losing the reports is never a false hang."""
+        now = self.clock()
+        last = self.view.last_change(launched)
+        why = hung(now, launched, last if last > launched else None, hang_timeout, start_timeout)
+        if why and blind(now, launched, self.view.heard):
+            if self._blind_since != launched:
+                self._blind_since = launched
+                self.emit("progress_blind", level=logging.WARNING, silent_s=round(now - (self.view.heard or now), 1),
+                          reason=f"{why}, but no node has reported for more than {BLIND_S:g} s: the reports are lost, "
+                                 "not necessarily the progress; the agents' heartbeats and the step's end decide")
+            return None
+        return why
 
     def write(self) -> bool:
         """Replace the bounded log if the view changed since it was written; True when written."""

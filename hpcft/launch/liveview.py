@@ -10,11 +10,19 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from hpcft.agent.uplink import patch
+from hpcft.agent.uplink import KEEPALIVE_S, patch
 
 KEEP_TAGS = 8  # launches whose agents' statuses are kept (the log stays bounded across many relaunches)
 LOG_MIN_S = 1.0  # the bounded log is replaced at most once a second …
 LOG_BYTES_PER_S = 1 << 20  # … and at most this many bytes a second on average (a large job's log, less often)
+BLIND_S = 3 * KEEPALIVE_S  # no report from any node for this long: the view is lost, not the job's progress
+
+
+def blind(now: float, launched: float, heard: float | None, within: float = BLIND_S) -> bool:
+    """Whether the view has gone blind during the launch: nodes reported since it began, then none for `within`
+    seconds (every reporter died or lost its connection). The hang watchdog then waits for the agents' heartbeats'
+    verdict (launch/agentloss.py) instead of calling a hang; a launch never heard from is judged as before."""
+    return heard is not None and heard >= launched and now - heard > within
 
 
 def next_write(last: float, size: int, min_s: float = LOG_MIN_S, rate: float = LOG_BYTES_PER_S) -> float:
@@ -30,10 +38,12 @@ class LiveView:
         self._agents: dict[str, dict[int, dict[str, Any]]] = {}  # tag -> slot -> status
         self._progress: dict[int, tuple[int, float | None, float]] = {}  # rank -> (step, ready_s, changed at)
         self.version = 0  # moves with every change (the log is written only when it moved)
+        self.heard: float | None = None  # when the newest report (an empty one included) arrived
 
     def apply(self, msg: Mapping[str, Any], now: float) -> None:
         """One node's report (`Uplink._message`): its status delta, its ranks' progress."""
         with self._lock:
+            self.heard = now
             if "set" in msg:
                 tag, slot = str(msg["tag"]), int(msg["slot"])
                 slots = self._agents.setdefault(tag, {})

@@ -31,7 +31,7 @@ from hpcft.launch.config import RunConfig, durable_dir, resolve_protect
 from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
-from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, hung, record, stale_signal
+from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.preflight import Preflight
 from hpcft.launch.nodecheck import NodeCheck
 from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
@@ -369,12 +369,9 @@ class Supervisor:
             returned = self.grow_watch.poll(layout)  # --elastic-grow, on a shrunk job
             if returned is not None:
                 return returned
-            if self.cfg.hang_timeout:
-                last = self.fabric.view.last_change(launched)
-                why = hung(time.time(), launched, last if last > launched else None, self.cfg.hang_timeout,
-                           self.cfg.start_timeout)
-                if why:
-                    return Event(Kind.HANG, detail=why)
+            why = self.fabric.hung(launched, self.cfg.hang_timeout, self.cfg.start_timeout)
+            if why:
+                return Event(Kind.HANG, detail=why)
             self._wake.wait(self.cfg.poll_interval)
 
     def _stale_signal(self) -> str | None:

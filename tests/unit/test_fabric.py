@@ -9,7 +9,7 @@ from hpcft.agent import status as agent_status
 from hpcft.agent.uplink import Uplink, delta, patch
 from hpcft.launch import progress
 from hpcft.launch.fabric import Fabric
-from hpcft.launch.liveview import KEEP_TAGS, LOG_BYTES_PER_S, LiveView, Rounds, next_write
+from hpcft.launch.liveview import BLIND_S, KEEP_TAGS, LOG_BYTES_PER_S, LiveView, Rounds, blind, next_write
 from hpcft.status import collect
 
 
@@ -152,3 +152,20 @@ def test_the_agents_per_round_events_are_summed_into_one_record_per_protected_st
     assert got == {"event": "snapshot_protected", "time": 2.0, "level": "INFO", "tag": "0", "step": 5, "slots": 3,
                    "scheme": "xor", "held_bytes": 30, "sent_bytes": 12, "seconds": 0.5}
     assert rounds._open == {}  # step 4 went with step 5: a set that never completes it holds no memory
+
+
+def test_a_blind_view_is_no_hang_but_a_launch_never_heard_from_is_judged_as_before(tmp_path):
+    said = []
+    now = [1000.0]
+    fabric = Fabric(tmp_path, emit=lambda kind, **f: said.append(kind), clock=lambda: now[0])
+    fabric.view.apply({"tag": "0", "slot": 0, "progress": {"0": [3, None]}}, now=1010.0)
+    now[0] = 1010.0 + 5.0
+    assert fabric.hung(launched=1000.0, hang_timeout=10.0, start_timeout=0.0) is None  # a step 5 s ago
+    fabric.view.apply({"tag": "0", "slot": 0}, now=1014.0)  # an empty report (keepalive): alive, no progress
+    now[0] = 1020.0
+    assert "no completed step" in fabric.hung(1000.0, 2.0, 0.0)
+    now[0] = 1014.0 + BLIND_S + 1  # then every node went silent: the reports are lost, not the progress
+    assert fabric.hung(1000.0, 2.0, 0.0) is None and fabric.hung(1000.0, 2.0, 0.0) is None
+    assert said == ["progress_blind"]
+    assert "since the launch" in fabric.hung(launched=now[0] - 10, hang_timeout=2.0, start_timeout=5.0)
+    assert blind(100.0, 0.0, None) is False and blind(100.0, 50.0, 40.0) is False and blind(100.0, 0.0, 40.0)
