@@ -172,6 +172,28 @@ def scale(agents: str, group: int, rounds: int, window: float, as_json: bool, ru
 
 
 @bench.command()
+@click.option("--nodes", default="1000,4000,9408", show_default=True,
+              help="Comma-separated node counts N, each N connections reporting once a second.")
+@click.option("--seconds", type=click.FloatRange(min=1.0), default=10.0, show_default=True,
+              help="Seconds of steady reports measured per N.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout; the table goes to stderr.")
+@RUNS
+def reports(nodes: str, seconds: float, as_json: bool, runs: int) -> None:
+    """The supervisor's report service at a machine's size: N nodes' steady reports (status delta and 8 ranks'
+    progress, once a second each) into one supervisor; its CPU, the reports received, the bounded log."""
+    from hpcft.bench.reports import ReportsOptions, run
+
+    try:
+        counts = tuple(int(n) for n in nodes.split(",") if n.strip())
+    except ValueError:
+        raise click.BadParameter(f"{nodes!r} is not a list of node counts; write e.g. 1000,9408",
+                                 param_hint="--nodes") from None
+    if not counts or min(counts) < 1:
+        raise click.BadParameter("give at least one node count, each at least 1", param_hint="--nodes")
+    _run(as_json, lambda: run(ReportsOptions(nodes=counts, seconds=seconds)), runs)
+
+
+@bench.command()
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="A running sandbox with 6 nodes (default: start one in a temp dir, stop it afterwards).")
 @click.option("--steps", type=click.IntRange(min=3), default=30, show_default=True, help="Training steps per run.")
