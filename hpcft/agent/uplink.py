@@ -126,8 +126,16 @@ class Uplink:
                 return
             with self._cv:
                 if not self._closing and not self._urgent:
-                    wake = min(next_read if self.progress is not None else last_sent + KEEPALIVE_S, next_send)
+                    wake = last_sent + KEEPALIVE_S
+                    if self.progress is not None:
+                        wake = min(wake, next_read)
+                    if self._pending():  # something new, held back by the gap
+                        wake = min(wake, next_send)
                     self._cv.wait(max(0.01, wake - time.monotonic()))
+
+    def _pending(self) -> bool:
+        """Whether something is not sent yet (under the lock)."""
+        return self._status is not self._sent_status or bool(self._events) or self._ranks != self._sent_ranks
 
     def _message(self, keepalive: bool = False) -> dict[str, Any] | None:
         """What changed since the last message (under the lock), or None (with `keepalive`: an empty report)."""

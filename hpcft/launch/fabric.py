@@ -104,7 +104,7 @@ class Fabric:
         return True
 
     def _write_loop(self) -> None:
-        while not self._stop.wait(min(0.2, max(0.0, self._next - time.monotonic()))):
+        while not self._stop.wait(min(0.2, max(0.05, self._next - time.monotonic()))):
             if time.monotonic() >= self._next:
                 self.write()
 
