@@ -33,10 +33,15 @@ def emit(kind: str, *, level: int = logging.INFO, log_dir: str | os.PathLike | N
         _log.log(level, format_line(kind, fields))
     if forwarded:
         return record  # the supervisor appends it: no write to the shared file system from this node
+    write(record, log_dir)
+    return record
+
+
+def write(record: dict, log_dir: str | os.PathLike | None = None) -> None:
+    """Append `record` to `log_dir` (default $HPCFT_EVENT_DIR)/events.jsonl, if there is one."""
     target = log_dir or os.environ.get("HPCFT_EVENT_DIR")
     if target:
         append(target, record)
-    return record
 
 
 def append(log_dir: str | os.PathLike, record: dict) -> None:

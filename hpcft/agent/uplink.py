@@ -88,11 +88,16 @@ class Uplink:
         return True
 
     def close(self, timeout: float = CLOSE_S) -> None:
-        """Send what is pending (the last report), then close the connection."""
+        """Send what is pending (the last report), then close the connection; events not sent by then go to the
+        events file."""
         with self._cv:
             self._closing = True
             self._cv.notify()
         self._thread.join(timeout)
+        with self._cv:
+            left, self._events = self._events, []
+        for record in left:
+            events.write(record)
         if self._ch is not None:
             self._ch.close()
 
@@ -169,11 +174,12 @@ class Uplink:
             if self._failures == 1:
                 _log.warning("cannot report to the supervisor at %s (retrying every %g s): %s", self.address,
                              self.gap, exc)
-            with self._cv:  # the next connection starts over: the whole status, every rank; no event is lost
+            with self._cv:  # the next connection starts over: the whole status, every rank
                 if self._ch is not None:
                     self._ch.close()
                 self._ch, self._sent_status, self._sent_ranks = None, None, {}
-                self._events[:0] = message.get("events", [])
+            for record in message.get("events", []):  # no event is lost: to the events file, as while unconnected
+                events.write(record)
 
     def _connect(self) -> Channel:
         """A channel to the report service: its addresses tried in turn, as the directory's (agent/rendezvous.py)."""

@@ -169,3 +169,16 @@ def test_a_blind_view_is_no_hang_but_a_launch_never_heard_from_is_judged_as_befo
     assert said == ["progress_blind"]
     assert "since the launch" in fabric.hung(launched=now[0] - 10, hang_timeout=2.0, start_timeout=5.0)
     assert blind(100.0, 0.0, None) is False and blind(100.0, 50.0, 40.0) is False and blind(100.0, 0.0, 40.0)
+
+
+def test_a_node_that_cannot_reach_the_supervisor_writes_its_events_to_the_events_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPCFT_EVENT_DIR", str(tmp_path))
+    up = Uplink("127.0.0.1:9", b"x" * 64, tag="0", slot=0, node="n1", gap=0.05)  # nothing listens there
+    events.forward(up.event)
+    try:
+        events.emit("peer_silent", level=30, slot=0, peer_slot=1)
+    finally:
+        events.forward(None)
+        up.close()
+    assert [e["event"] for e in events.read(tmp_path)] == ["peer_silent"]
+    assert not up.connected
