@@ -25,7 +25,7 @@ from hpcft.agent.transport import Channel, TransportError
 
 ENV = REPORTS  # exported by hpcft run
 GAP_S = 1.0  # the most one node reports per second, but for changes of phase, warnings and its last report
-PROGRESS_S = 1.0  # how often the node's ranks' progress is read from its store
+PROGRESS_S = 0.25  # how often the node's ranks' progress is looked at in its store (a stat per manifest)
 CLOSE_S = 3.0  # the most `close` waits for the last report to leave
 KEEPALIVE_S = 5.0  # with nothing new for this long, an empty report: the supervisor tells silence from no progress
 _log = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ from pathlib import Path
 from hpcft.store.paths import rank_dir, replace_file
 
 Progress = tuple[int, "float | None"]  # (step, ready_s or None)
+_SEEN: dict[Path, tuple[tuple[int, int, int], Progress]] = {}  # manifest path -> (its stat key, what it said)
 
 
 def newest(directory: Path) -> Progress | None:
@@ -21,13 +22,19 @@ def newest(directory: Path) -> Progress | None:
     best = None
     for path in directory.glob("slot-*.json"):
         try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-            step = int(manifest["step"])
-            ready = (manifest.get("timing") or {}).get("ready_s")
-            found = (step, None if ready is None else float(ready))
+            st = path.stat()
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            seen = _SEEN.get(path)
+            if seen is not None and seen[0] == key:
+                found = seen[1]  # a large model's manifest is parsed once per commit, not once per look
+            else:
+                manifest = json.loads(path.read_text(encoding="utf-8"))
+                ready = (manifest.get("timing") or {}).get("ready_s")
+                found = (int(manifest["step"]), None if ready is None else float(ready))
+                _SEEN[path] = (key, found)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # being replaced right now, or not a manifest: the next poll sees the new one
-        best = found if best is None or step > best[0] else best
+        best = found if best is None or found[0] > best[0] else best
     return best
 
 
