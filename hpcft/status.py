@@ -1,8 +1,9 @@
 """`hpcft status`: a read-only view of a job's in-memory checkpoints, for people. Per node (slot) and rank, the
 versions held and how far each got (staged → protected → persisted), the agent's heartbeat age, and the
-redundancy health of every protection set, and the stragglers the supervisor named. Reads only the agents' status
-files in the shared rendezvous directory (each agent writes what its node's store holds) and the job's event record,
-so it never waits on a dead node."""
+redundancy health of every protection set, and the stragglers the supervisor named. Reads only the supervisor's
+bounded log `<job dir>/status.json` (what every agent reported over the network about its node's store, replaced at
+most once a second and once more at the run's end), or the status files of agents started by hand, and the job's
+event record, so it never waits on a dead node."""
 from __future__ import annotations
 
 import time
@@ -90,7 +91,8 @@ def collect(rendezvous: str | Path, tag: str | None = None, stale_after: float |
         where = where / "agents"  # the job directory of `hpcft run` (its agents' rendezvous is <job dir>/agents)
     reports = agent_status.read(where, tag)
     if not reports:
-        raise ConfigError(f"no agent status files (agent-<tag>-<slot>.status) in {where}"
+        raise ConfigError(f"no agent reports in {where}: neither the supervisor's {agent_status.LOG} nor status files "
+                          f"(agent-<tag>-<slot>.status)"
                           + (f" for launch {tag}" if tag is not None else "") + "; are the agents running there?")
     now = time.time() if now is None else now
     first = reports[min(reports)]

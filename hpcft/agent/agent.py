@@ -13,10 +13,11 @@ import threading
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from hpcft import events, nodemem
-from hpcft.agent import status
+from hpcft.agent import status, uplink
 from hpcft.agent.budget import LagBudget
 from hpcft.agent.bundle import Bundle, both, complete_steps, local_versions, pin_targets
 from hpcft.agent.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
@@ -229,6 +230,8 @@ def run(cfg: AgentConfig) -> int:
     store_pin.announce(job)  # trainers opening their stores from now on keep a spare slot for the pins
     retire(protect_dir(job), 2)  # data files a killed pass left without a record
     node = socket.gethostname()
+    up = uplink.from_env(cfg.secret, tag=cfg.tag, slot=cfg.slot, node=node, job=None if cfg.root else job)
+    publish = up.status if up is not None else partial(status.write, cfg.rendezvous, cfg.tag, cfg.slot)
 
     flusher: Flusher | None = None
     mesh: MeshBase | None = None
@@ -238,18 +241,18 @@ def run(cfg: AgentConfig) -> int:
         versions = local_versions(job)
         complete, recs, by_rank = complete_steps(job, versions), records(job), _by_rank(versions)
         lag_steps, lag_s = protection_lag(complete, recs)
-        status.write(cfg.rendezvous, cfg.tag, cfg.slot, node=node, phase=phase, scheme=cfg.scheme.name,
-                     group=cfg.scheme.group, losses=cfg.scheme.losses, distance=cfg.scheme.distance, slots=cfg.slots,
-                     interval=cfg.interval, staged=max(complete) if complete else None,
-                     protected=max(recs) if recs else None, persisted=flusher.durable if flusher else None,
-                     flushed_request=flusher.served if flusher else None, flushing=flusher.busy if flusher else False,
-                     flush_error=flusher.last_error if flusher else None,
-                     flush_phase=flusher.phase if flusher else None, local=flusher.local_step if flusher else None,
-                     cpu_cores=mesh.throttle.cpu if mesh else None, addr=mesh.address if mesh else None,
-                     ranks={str(r): max(v) for r, v in by_rank.items()},
-                     versions={str(r): sorted(v) for r, v in by_rank.items()},
-                     staged_steps=sorted(complete), protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s,
-                     **nodemem.figures(job), **fields)
+        publish(node=node, phase=phase, scheme=cfg.scheme.name,
+                group=cfg.scheme.group, losses=cfg.scheme.losses, distance=cfg.scheme.distance, slots=cfg.slots,
+                interval=cfg.interval, staged=max(complete) if complete else None,
+                protected=max(recs) if recs else None, persisted=flusher.durable if flusher else None,
+                flushed_request=flusher.served if flusher else None, flushing=flusher.busy if flusher else False,
+                flush_error=flusher.last_error if flusher else None,
+                flush_phase=flusher.phase if flusher else None, local=flusher.local_step if flusher else None,
+                cpu_cores=mesh.throttle.cpu if mesh else None, addr=mesh.address if mesh else None,
+                ranks={str(r): max(v) for r, v in by_rank.items()},
+                versions={str(r): sorted(v) for r, v in by_rank.items()},
+                staged_steps=sorted(complete), protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s,
+                **nodemem.figures(job), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
     meet = join(cfg.secret, cfg.rendezvous, slot=cfg.slot, tag=cfg.tag, host=cfg.host, bind=cfg.bind,
@@ -296,7 +299,8 @@ def run(cfg: AgentConfig) -> int:
             if budget is not None and not drained.is_set():
                 _steer(budget, mesh, cfg, protection_lag(complete, recs)[0])
             done += 1
-            print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)
+            if up is None:  # under hpcft run the supervisor has it: no line per round in the job's agents log
+                print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)
             report(status.PROTECTING, **extra)
             # draining: rounds back to back while they protect something; else woken by a drain or a silent peer
             if (cfg.rounds <= 0 or done < cfg.rounds) and (not drained.is_set() or rec is None):

@@ -1,12 +1,15 @@
-"""Each agent's status file in the rendezvous directory (shared by the nodes): its phase (rebuilding → ready
-→ protecting, or failed), the newest step staged by its ranks, protected, persisted, and a heartbeat time.
-The supervisor waits on it before releasing the trainers; `hpcft status` reads it."""
+"""Each agent's status: its phase (rebuilding → ready → protecting, or failed), the newest step staged by its ranks,
+protected, persisted, and a heartbeat time. Under `hpcft run` it travels over the network to the supervisor
+(agent/uplink.py), which keeps it in memory and writes the job's bounded log `<job dir>/status.json`
+(launch/fabric.py); agents started by hand write it to a status file in the rendezvous directory instead. `read`
+serves both, so the supervisor's wait before releasing the trainers and `hpcft status` read the same records."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from hpcft.store.paths import replace_file
 REBUILDING, READY, PROTECTING, FAILED = "rebuilding", "ready", "protecting", "failed"
 STOPPED = "stopped"  # asked to stop (SIGTERM): the node's data was intact when the agent left
 _NAME = re.compile(r"agent-(.+)-(\d+)\.status$")
+LOG = "status.json"  # the supervisor's bounded log, in the job directory (the rendezvous directory's parent)
 
 
 def path(rendezvous: str | os.PathLike, tag: str, slot: int) -> Path:
@@ -51,8 +55,35 @@ def request_stop(rendezvous: str | os.PathLike, tag: str) -> None:
     stop_path(rendezvous, tag).touch()
 
 
+def read_log(where: str | os.PathLike) -> dict[str, Any]:
+    """The supervisor's bounded log in directory `where` (or its parent, for a rendezvous directory); {} if none."""
+    for candidate in (Path(where) / LOG, Path(where).parent / LOG):
+        try:
+            return json.loads(candidate.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):
+            return {}  # replaced atomically: unreadable means being written for the first time, or not ours
+    return {}
+
+
+def from_log(log: dict[str, Any], tag: str | None = None) -> dict[int, dict[str, Any]]:
+    """{slot: status} of launch `tag` (the newest per slot when None) in a bounded log's content."""
+    found: dict[int, dict[str, Any]] = {}
+    for t, slots in (log.get("agents") or {}).items():
+        if tag is not None and t != tag:
+            continue
+        for s, st in slots.items():
+            if int(s) not in found or st.get("time", 0) > found[int(s)].get("time", 0):
+                found[int(s)] = st
+    return found
+
+
 def read(rendezvous: str | os.PathLike, tag: str | None = None) -> dict[int, dict[str, Any]]:
-    """{slot: status} of the agents of launch `tag`, or of the newest launch per slot when `tag` is None."""
+    """{slot: status} of the agents of launch `tag`, or of the newest launch per slot when `tag` is None: from their
+    status files, else from the supervisor's bounded log (up to a second old)."""
+    if not any(Path(rendezvous).glob("agent-*.status")):
+        return from_log(read_log(rendezvous), tag)
     found: dict[int, dict[str, Any]] = {}
     for p in Path(rendezvous).glob("agent-*.status"):
         m = _NAME.match(p.name)
@@ -76,13 +107,14 @@ class Ready:
 
 
 def wait_ready(rendezvous: str | os.PathLike, tag: str, slots: int, timeout: float = 600.0,
-               poll: float = 0.1) -> Ready:
+               poll: float = 0.1, reports: Callable[[str], dict[int, dict[str, Any]]] | None = None) -> Ready:
     """Block until the `slots` agents of launch `tag` have rebuilt (the supervisor's gate before starting
     trainers). NoCheckpointError if they found nothing rebuildable; CheckpointError on another failure or
-    on timeout, naming the slots that did not report."""
+    on timeout, naming the slots that did not report. `reports(tag)`: where the statuses come from (the
+    supervisor's view), else `read`."""
     deadline = time.monotonic() + timeout
     while True:
-        st = read(rendezvous, tag)
+        st = reports(tag) if reports is not None else read(rendezvous, tag)
         failed = {s: v for s, v in st.items() if v.get("phase") == FAILED}
         if failed:
             slot, v = sorted(failed.items())[0]

@@ -61,6 +61,18 @@ def _run(as_json: bool, bench: Callable[[], Any], runs: int = 1, threads: int = 
     emit(reports, as_json, where)
 
 
+def _counts(text: str, what: str, option: str, example: str) -> tuple[int, ...]:
+    """A comma-separated list of counts, each at least 1; BadParameter naming `option` otherwise."""
+    try:
+        counts = tuple(int(a) for a in text.split(",") if a.strip())
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a list of {what} counts; write e.g. {example}",
+                                 param_hint=option) from None
+    if not counts or min(counts) < 1:
+        raise click.BadParameter(f"give at least one {what} count, each at least 1 (e.g. {example})", param_hint=option)
+    return counts
+
+
 @click.group()
 def bench() -> None:
     """Benchmarks. With --json each prints one JSON object on stdout and the table on stderr."""
@@ -159,15 +171,8 @@ def scale(agents: str, group: int, rounds: int, window: float, as_json: bool, ru
     heartbeat traffic and sockets per agent, and their growth with N."""
     from hpcft.bench.scale import ScaleOptions, run
 
-    try:
-        counts = tuple(int(a) for a in agents.split(",") if a.strip())
-    except ValueError:
-        raise click.BadParameter(f"{agents!r} is not a list of agent counts; write e.g. 16,64,256",
-                                 param_hint="--agents") from None
-    if not counts or min(counts) < 1:
-        raise click.BadParameter("give at least one agent count, each at least 1 (e.g. 16,64,256)",
-                                 param_hint="--agents")
-    opts = ScaleOptions(agents=counts, group=group, rounds=rounds, window=window)
+    opts = ScaleOptions(agents=_counts(agents, "agent", "--agents", "16,64,256"), group=group, rounds=rounds,
+                        window=window)
     _run(as_json, lambda: run(opts), runs)
 
 
@@ -189,6 +194,22 @@ def transport(state_bytes: int, repeats: int, schemes: str, transports: str, roo
                             schemes=tuple(x.strip() for x in schemes.split(",") if x.strip()),
                             transports=tuple(x.strip() for x in transports.split(",") if x.strip()))
     _run(as_json, lambda: run(opts), runs)
+
+
+@bench.command()
+@click.option("--nodes", default="1000,4000,9408", show_default=True,
+              help="Comma-separated node counts N, each N connections reporting once a second.")
+@click.option("--seconds", type=click.FloatRange(min=1.0), default=10.0, show_default=True,
+              help="Seconds of steady reports measured per N.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout; the table goes to stderr.")
+@RUNS
+def reports(nodes: str, seconds: float, as_json: bool, runs: int) -> None:
+    """The supervisor's report service at a machine's size: N nodes' steady reports (status delta and 8 ranks'
+    progress, once a second each) into one supervisor; its CPU, the reports received, the bounded log."""
+    from hpcft.bench.reports import ReportsOptions, run
+
+    _run(as_json, lambda: run(ReportsOptions(nodes=_counts(nodes, "node", "--nodes", "1000,9408"), seconds=seconds)),
+         runs)
 
 
 @bench.command()

@@ -20,6 +20,7 @@ from hpcft.agent import persist as agent_persist
 from hpcft.durable.settings import PersistConfig
 from hpcft.launch.config import RunConfig, durable_dir, scheme
 from hpcft.launch.layout import Layout
+from hpcft.launch.liveview import LiveView
 from hpcft.slurm.runner import Runner
 
 
@@ -43,12 +44,14 @@ PROBE_EVERY_S = 5.0  # while the agents get ready: a probe of the slots' nodes t
 class AgentSteps:
     """One job's agents' steps. `emit` records events, `stop_steps` stops {step name: srun} (the supervisor's
     SIGTERM-then-kill), `interrupted` says whether `hpcft run` got SIGTERM, `check_nodes(layout, probe)` returns
-    the bad nodes among the slots (the supervisor's scontrol check, and its probe when `probe`)."""
+    the bad nodes among the slots (the supervisor's scontrol check, and its probe when `probe`); `view`, the
+    supervisor's live view of the agents' reports (without it, their status files)."""
 
     def __init__(self, cfg: RunConfig, runner: Runner, job_dir: Path, python: str, *, emit: Callable[..., None],
                  stop_steps: Callable[[Mapping[str, subprocess.Popen]], None], interrupted: Callable[[], bool],
-                 check_nodes: Callable[[Layout, bool], dict[str, str]]):
+                 check_nodes: Callable[[Layout, bool], dict[str, str]], view: LiveView | None = None):
         self.cfg, self.runner, self.job_dir, self.python = cfg, runner, job_dir, python
+        self.view = view  # the agents' statuses as they report them over the network (launch/fabric.py)
         self.emit, self._stop_steps, self._interrupted, self._check_nodes = emit, stop_steps, interrupted, check_nodes
         self.bad_nodes: dict[str, str] = {}  # found while the last launch's agents got ready
         self.rendezvous = job_dir / "agents"  # the agents' addresses and status files (shared filesystem)
@@ -58,6 +61,10 @@ class AgentSteps:
         self._ready_slots: tuple[str, ...] | None = None  # slots whose agents were last ready
         self.no_checkpoint: str | None = None  # why the last launch's agents could rebuild nothing, if so
         self.directory: rendezvous.Directory | None = None  # where every launch's agents meet (over the network)
+
+    def _read(self, tag: str) -> dict[int, dict]:
+        """{slot: status} of the agents of launch `tag`."""
+        return self.view.reports(tag) if self.view is not None else agent_status.read(self.rendezvous, tag)
 
     def prepare(self) -> None:
         """The rendezvous directory (status files), the per-job secret (0600; kept across relaunches and requeues)
@@ -127,6 +134,8 @@ class AgentSteps:
         if self.directory is not None:  # a rerun of the tag must not meet old agents' addresses (as the files below)
             self.directory.forget(tag)
             env = {**env, rendezvous.ENV: self.directory.address}
+        if self.view is not None:  # nor their reports
+            self.view.forget(tag)
         for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
             stale.unlink(missing_ok=True)
         root = durable_dir(cfg, self.job_dir)
@@ -168,11 +177,12 @@ class AgentSteps:
         probe_at = time.monotonic() + PROBE_EVERY_S
         while True:
             try:
-                return agent_status.wait_ready(self.rendezvous, tag, count, timeout=self.cfg.poll_interval)
+                return agent_status.wait_ready(self.rendezvous, tag, count, timeout=self.cfg.poll_interval,
+                                               reports=self._read)
             except NoCheckpointError:
                 raise
             except CheckpointError as exc:
-                reports = agent_status.read(self.rendezvous, tag).values()
+                reports = self._read(tag).values()
                 if any(r.get("phase") == agent_status.FAILED for r in reports):
                     raise
                 if time.monotonic() > deadline:
@@ -197,7 +207,7 @@ class AgentSteps:
         stopped = time.time()
         agent_status.request_drain(self.rendezvous, self.tag)
         while True:
-            fresh = [r for r in agent_status.read(self.rendezvous, self.tag).values() if r.get("time", 0) > stopped]
+            fresh = [r for r in self._read(self.tag).values() if r.get("time", 0) > stopped]
             if fresh and len(fresh) == len(self._ready_slots or ()):
                 held = set.intersection(*(set(r.get("staged_steps") or ()) for r in fresh))
                 newest = max(held, default=None)
@@ -215,7 +225,7 @@ class AgentSteps:
         the flush did not happen) when their step ended or `deadline` (time.monotonic()) passed."""
         rid = agent_persist.request(self.rendezvous, self.tag)
         while True:
-            reports = list(agent_status.read(self.rendezvous, self.tag).values())
+            reports = list(self._read(self.tag).values())
             served, durable, error = agent_persist.outcome(reports, rid, len(self._ready_slots or ()))
             if served:
                 return durable, error
@@ -231,7 +241,7 @@ class AgentSteps:
         heartbeat), or every slot when no report names one (the step ended, or an agent failed on its own)."""
         if self.proc is None:
             return None
-        failed = [r for r in agent_status.read(self.rendezvous, self.tag).values()
+        failed = [r for r in self._read(self.tag).values()
                   if r.get("phase") == agent_status.FAILED]
         if not failed and self.proc.poll() is None:
             return None
@@ -283,19 +293,19 @@ class AgentSteps:
         waited = False
         while self.proc is not None and self.proc.poll() is None and not self._interrupted() \
                 and time.monotonic() < started + self.cfg.protect_timeout:  # SIGTERM: Slurm's grace is short
-            if not any(r.get("flushing") for r in agent_status.read(self.rendezvous, self.tag).values()):
+            if not any(r.get("flushing") for r in self._read(self.tag).values()):
                 break
             waited = True
             time.sleep(min(self.cfg.poll_interval, 0.5))
         if waited:
-            busy = [r for r in agent_status.read(self.rendezvous, self.tag).values() if r.get("flushing")]
+            busy = [r for r in self._read(self.tag).values() if r.get("flushing")]
             self.emit("flush_wait", level=logging.WARNING if busy else logging.INFO, done=not busy,
                       seconds=round(time.monotonic() - started, 3))
 
     def reports(self) -> list[dict]:
         """The status reports of the last launch's agents (each node's phase, steps and memory figures), their final
         ones once stopped; none without agents."""
-        return list(agent_status.read(self.rendezvous, self.tag).values()) if self.tag else []
+        return list(self._read(self.tag).values()) if self.tag else []
 
     def nodes(self, layout: Layout) -> int | None:
         """How many agents report on `layout` (one per active node), or None when the run has no agents."""
@@ -307,7 +317,7 @@ class AgentSteps:
 
     def protected(self) -> int | None:
         """The newest step every agent of the last launch reports protected, if each reports one."""
-        steps = [r.get("protected") for r in agent_status.read(self.rendezvous, self.tag).values()]
+        steps = [r.get("protected") for r in self._read(self.tag).values()]
         return min(steps) if steps and None not in steps else None
 
     def stop(self, ask: bool = True, flush: bool = True) -> None:

@@ -1,16 +1,17 @@
 """Progress lost across a launch, as the supervisor sees it: the newest snapshot step every rank had completed
-before the launch (their progress files, hpcft/launch/progress.py) against the step the launch's ranks restored
+before the launch (the supervisor's live view of their progress, hpcft/launch/liveview.py `reached`) against the step the launch's ranks restored
 (the Checkpointer's `restore_done` / `restore_none` events in the job directory). A launch that resumes from an
 older step lost the steps in between; one that starts from step 0 after progress existed lost everything, which
 must never pass for a success (docs/supervisor.md, "Lost progress")."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcft.launch import progress
 
 
 @dataclass(frozen=True)
@@ -27,13 +28,6 @@ class Loss:
         """The summary's line for this loss."""
         return (f"{self.steps_lost} step(s) lost: resumed from step {self.resumed_from} after step {self.reached} "
                 f"had been reached ({self.reason})")
-
-
-def reached(job_dir: str | os.PathLike, world: int) -> int | None:
-    """The newest step every one of `world` ranks has reported, or None while a rank has reported none."""
-    steps = progress.read(job_dir)
-    held = [steps[r][0] for r in range(world) if r in steps]
-    return min(held) if world and len(held) == world else None
 
 
 class RestoreWatch:
@@ -64,6 +58,16 @@ class RestoreWatch:
         self.done = True
         resumed = min(self._restored.values())
         return Loss(self.before, resumed, self.reason) if resumed < self.before else None
+
+    def say(self, emit: Callable[..., None], lost: list[Loss]) -> None:
+        """Say it loudly, once (`progress_lost`, ERROR after a restart from step 0), when the launch's ranks resumed
+        from an older step than the one they had reached; the loss is added to `lost` (the run's summary)."""
+        loss = self.poll()
+        if loss is None:
+            return
+        lost.append(loss)
+        emit("progress_lost", level=logging.ERROR if loss.resumed_from == 0 else logging.WARNING,
+             reached=loss.reached, resumed_from=loss.resumed_from, steps_lost=loss.steps_lost, reason=loss.reason)
 
     def _new_records(self) -> list[dict]:
         try:

@@ -88,7 +88,7 @@ class Preflight:
         """Once the trainers have written a snapshot (its size is known now): the plan with the real size on every
         node that reports it (`reports()`: the agents' status; without agents, this node's store when it trains),
         counted against what each node has left. A warning event names the tightest node. Looked at every
-        PLAN_EVERY_S (status files are on the shared file system; `now`: at once) until done; once per run.
+        PLAN_EVERY_S (`now`: at once) until done; once per run.
         With `expected` (the agents' node count) the plan waits for every node's report, so the tightest node is
         among them; `now` (the launch is over) checks what has come, and the event says how many of how many."""
         if self._checked_snapshot or (time.monotonic() < self._next_look and not now):

@@ -1,5 +1,5 @@
 """The supervisor's straggler watch (docs/supervisor.md, "Stragglers"): every poll it feeds the ranks' progress
-samples (step and `ready_s`, from the progress files the watchers already write) to the pure detector
+samples (step and `ready_s`, from the supervisor's live view of the nodes' reports, launch/liveview.py) to the pure detector
 (hpcft/launch/policy_straggler.py), records `straggler` / `straggler_cleared`, and with --evict-stragglers hands
 the supervisor an eviction once the node agents have protected a step at or after the detection, so that the
 spare resumes from memory with nothing lost."""
@@ -7,7 +7,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from hpcft.launch import progress
 from hpcft.launch.config import RunConfig
 from hpcft.launch.layout import Layout
 from hpcft.launch.policy import Action, Decision, Event, Kind
@@ -17,12 +16,13 @@ from hpcft.launch.policy_straggler import Detector, StragglerRules, Verdict, evi
 class StragglerWatch:
     """One per run; `launched` starts each launch's judgement afresh (ranks may have moved), `poll` watches."""
 
-    def __init__(self, cfg: RunConfig, job_dir, emit: Callable[..., None]):
-        self.cfg, self.job_dir, self.emit = cfg, job_dir, emit
+    def __init__(self, cfg: RunConfig, samples: Callable[[], dict[int, tuple[int, float | None, float]]],
+                 emit: Callable[..., None]):
+        self.cfg, self.samples, self.emit = cfg, samples, emit  # samples(): {rank: (step, ready_s, changed at)}
         self.detector = Detector(self.rules)
         self.since = 0.0
         self.restarts = 0  # the run's relaunches so far: an eviction is not made past --max-restarts
-        self._next_read = 0.0  # the progress files are read every tenth of the window, not every poll
+        self._next_read = 0.0  # the samples are judged every tenth of the window, not every poll
         self.pending: dict[str, tuple[Verdict, int]] = {}  # node: (verdict, the step to protect before its eviction)
         self.evicted: list[str] = []  # nodes retired from the slots (their stores are cleaned at the run's end)
         self._said: list[str] = []  # each eviction, for the run's summary
@@ -46,7 +46,7 @@ class StragglerWatch:
         if self.cfg.straggler_factor <= 0 or now < self._next_read:
             return self._due(protected)
         self._next_read = now + self.cfg.straggler_window / 10
-        seen = progress.samples(self.job_dir)
+        seen = self.samples()
         for rank, (step, ready, mtime) in seen.items():
             if ready is not None and mtime >= self.since and rank < layout.world_size:
                 self.detector.observe(rank, layout.slots[rank // layout.tasks_per_node], step, ready, now)

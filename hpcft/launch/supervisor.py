@@ -1,13 +1,12 @@
 """The run loop of `hpcft run`: launch the trainers' srun step, watch it, ask the policy, carry out its decision.
 
 Watching means: the step's exit (with srun's per-task errors), the nodes of the active slots (scontrol, read
-fresh), training progress (hpcft/launch/progress.py) for --hang-timeout, and Slurm's warning signal SIGUSR1.
-With --protect, each launch first starts the node agents' step (hpcft/launch/agents.py), waits until every agent is ready
-(after a node replacement: has rebuilt the lost snapshots onto the spare), and only then the trainers.
-State that must outlive a requeue (relaunch count, excluded nodes, which node held which slot) is kept in
-<job dir>/state.json, so that a requeued run puts every node that comes back into the slot whose snapshots its
-memory holds. Before a requeue the agents are given the time to protect the newest snapshot (until the
-persistent tier exists, that is what "persist" means: the next run rebuilds from the nodes' memory)."""
+fresh), training progress (the nodes' reports over the network, hpcft/launch/fabric.py) for --hang-timeout, and
+Slurm's warning signal SIGUSR1. With agents, each launch first starts them (hpcft/launch/agents.py) and waits until
+every one is ready (after a node replacement: has rebuilt the lost snapshots onto the spare), then the trainers.
+What must outlive a requeue (relaunch count, excluded nodes, which node held which slot) is kept in
+<job dir>/state.json, so that a requeued run puts every node that comes back into the slot its memory holds.
+Before a requeue the agents protect and flush the newest snapshot (AgentSteps.persist)."""
 import getpass
 import logging
 import os
@@ -21,17 +20,18 @@ from pathlib import Path
 
 from hpcft import events
 from hpcft.errors import ConfigError, HpcftError, SlurmError
-from hpcft.launch import elastic, losses, profiles, progress, stage
+from hpcft.launch import elastic, losses, profiles, stage
 from hpcft.launch.grow import GrowWatch
 from hpcft.launch.agentloss import AgentLoss
-from hpcft.launch.agents import AgentSteps
+from hpcft.launch.agents import AgentSteps, agent_iface
+from hpcft.launch.fabric import Fabric
 from hpcft.durable.catalog import ENV_PERSIST
 from hpcft.durable.local import ENV_LOCAL
 from hpcft.launch.config import RunConfig, copy_env, durable_dir, resolve_protect
 from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.layout import Layout
 from hpcft.launch.persisted import Persisted
-from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, hung, record, stale_signal
+from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.preflight import Preflight
 from hpcft.launch.nodecheck import NodeCheck
 from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
@@ -78,8 +78,9 @@ class Supervisor:
         self._slurm_run = 0  # Slurm's restart count of this run
         self._site_env: dict[str, str] = {}  # what the preflight adds to the steps' environment
         self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.probe_timeout, self.emit)
+        self.fabric = Fabric(self.job_dir, self.emit)  # the nodes' progress and status, over the network
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
-                                 interrupted=self._terminated,
+                                 interrupted=self._terminated, view=self.fabric.view,
                                  check_nodes=lambda layout, probe: self.nodes.bad(layout.slots, probe=probe))
         self.agent_loss = AgentLoss(self.agents, self.nodes, self.emit, self._terminated)
         self.reshaper = elastic.Reshaper(cfg, self.agents, self.janitor, self.emit)
@@ -87,7 +88,7 @@ class Supervisor:
         self.base_world = 0  # the world size this run started with (the trainers' batch arithmetic after a shrink)
         self.base_cfg = cfg  # the configuration this run started with (a shrunk or grown job's is sized from it)
         self.grow_watch = GrowWatch(cfg, self.runner, self.job_id, self.nodes, self.emit)
-        self.stragglers = StragglerWatch(cfg, self.job_dir, self.emit)
+        self.stragglers = StragglerWatch(cfg, self.fabric.view.samples, self.emit)
         self.stage = stage.EnvStage(cfg, self.profile, self.runner, self.job_dir, python, self.job_id, self.environ, self.emit)
 
     # -- events -----------------------------------------------------------------------------------------
@@ -120,6 +121,7 @@ class Supervisor:
         finally:
             self.agents.close()
             self.standbys.stop()
+            self.fabric.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
@@ -158,6 +160,7 @@ class Supervisor:
         self._requeued_run = saved.requeues > 0
         if self._requeued_run:
             self._why_launch = f"requeued run {saved.requeues}"
+        self.fabric.start(agent_iface(self.cfg))
         if self.cfg.with_agents:
             self.agents.prepare()
         while True:
@@ -259,15 +262,6 @@ class Supervisor:
             why += f"; nothing protected the lost node's snapshots (--protect {self.cfg.protect})"
         return why
 
-    def _check_restore(self, watch: losses.RestoreWatch) -> None:
-        """Say it loudly, once, when the launch's ranks resumed from an older step than the one they had reached."""
-        loss = watch.poll()
-        if loss is None:
-            return
-        self.lost.append(loss)
-        self.emit("progress_lost", level=logging.ERROR if loss.resumed_from == 0 else logging.WARNING,
-                  reached=loss.reached, resumed_from=loss.resumed_from, steps_lost=loss.steps_lost, reason=loss.reason)
-
     def _persist_before_requeue(self, event: Event) -> None:
         """Before a requeue: the `persist` hook if given, else the agents' protect + flush (AgentSteps.persist)."""
         started = time.monotonic()
@@ -299,7 +293,7 @@ class Supervisor:
             why = self._why_launch + (f"; the agents could not rebuild: {self.agents.no_checkpoint}"
                                       if self.agents.no_checkpoint else "")
             watch = losses.RestoreWatch(self.job_dir, layout.world_size, since=time.time(), reason=why,
-                                        before=losses.reached(self.job_dir, layout.world_size))
+                                        before=self.fabric.view.reached(layout.world_size))
             self.emit("launch", restart=restart_count, slots=",".join(layout.slots), world=layout.world_size,
                       master=f"{layout.master}:{env['MASTER_PORT']}")
             launched = time.time()
@@ -315,7 +309,7 @@ class Supervisor:
             finally:
                 self._stop_steps({TRAIN_STEP_NAME: proc}, lost=bool(event and event.bad_nodes))
                 reader.join(timeout=5)
-            self._check_restore(watch)
+            watch.say(self.emit, self.lost)
         except BaseException:
             self.agents.stop()
             raise
@@ -334,7 +328,7 @@ class Supervisor:
                        profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id,
                                                          plugin=self._site_env))
         env = {**self.environ, **env, **elastic.trainer_env(self.cfg, self.base_world),
-               **copy_env(self.cfg), **self.standbys.env()}
+               **copy_env(self.cfg), **self.standbys.env(), **self.fabric.env(self.cfg.with_agents)}
         durable = durable_dir(self.cfg, self.job_dir)
         if durable is not None:
             env[ENV_PERSIST] = str(durable)  # where the trainers' restore finds the durable tier
@@ -346,7 +340,7 @@ class Supervisor:
         """Until the trainers' step ends or must be stopped; `agents_lost` (AgentLoss.while_training) answers agents
         that failed meanwhile: an event, or None when the agents were restarted alone and the trainers go on."""
         while True:
-            self._check_restore(watch)
+            watch.say(self.emit, self.lost)
             self.preflight.poll(self.agents.reports, expected=self.agents.nodes(layout))  # the plan, once every node snapshots
             code = proc.poll()
             if code is not None:
@@ -378,12 +372,9 @@ class Supervisor:
             returned = self.grow_watch.poll(layout)  # --elastic-grow, on a shrunk job
             if returned is not None:
                 return returned
-            if self.cfg.hang_timeout:
-                last = progress.last_change(self.job_dir, launched)
-                why = hung(time.time(), launched, last if last > launched else None, self.cfg.hang_timeout,
-                           self.cfg.start_timeout)
-                if why:
-                    return Event(Kind.HANG, detail=why)
+            why = self.fabric.hung(launched, self.cfg.hang_timeout, self.cfg.start_timeout)
+            if why:
+                return Event(Kind.HANG, detail=why)
             self._wake.wait(self.cfg.poll_interval)
 
     def _stale_signal(self) -> str | None:
@@ -395,5 +386,5 @@ class Supervisor:
             return None
         now = time.time()
         return stale_signal(requeued_run=self._requeued_run,
-                            progressed=progress.last_change(self.job_dir, self._started) > self._started,
+                            progressed=self.fabric.view.last_change(self._started) > self._started,
                             time_left=None if end is None else end - now, margin=self.cfg.requeue_margin)

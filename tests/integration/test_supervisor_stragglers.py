@@ -3,6 +3,7 @@ straggler and, with --evict-stragglers, replaced by a spare at a protected step;
 fault-free one. A node paused once, for less than the loss timeout, is not named."""
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -77,7 +78,10 @@ def test_a_slowed_node_is_named_a_straggler_and_evicted_onto_a_spare_a_short_pau
     ready = [(e["tag"], e["rebuild"]) for e in log if e["event"] == "agents_ready"]
     assert ready[-1][1] and "n5" in next(e for e in log if e["event"] == "agents_ready" and e["rebuild"])["rebuilt"]
     summary = next(e for e in log if e["event"] == "summary")
-    assert summary["lost"] == "", summary
+    # the steps the trainers made past the protected step are redone, and said (WARNING), now that the supervisor's
+    # view of progress is exact (the agents report it until stopped); nothing protected is lost
+    protected = re.search(r"step (\d+) protected", made[0]["reason"]).group(1)
+    assert summary["lost"] == "" or f"resumed from step {protected} after" in summary["lost"], summary
     assert_same_result(out, dp_reference)
     print(f"\nstraggler: named {named[0]['time'] - min(e['time'] for e in log if e['event'] == 'launch'):.1f} s after "
           f"the launch (ratio {named[0]['ratio']}), evicted {made[0]['time'] - named[0]['time']:.1f} s after that")

@@ -1,19 +1,21 @@
-"""Lost progress as the supervisor sees it (hpcft/launch/losses.py): progress files before a launch against the
+"""Lost progress as the supervisor sees it (hpcft/launch/losses.py): its live view of progress before a launch against the
 restore events its ranks record, read from a real job directory."""
 import time
 
 from hpcft import events
-from hpcft.launch import losses, progress
+from hpcft.launch import losses
+from hpcft.launch.liveview import LiveView
 
 
-def _progress(job_dir, steps: dict[int, int]) -> None:
-    for rank, step in steps.items():
-        progress.write(progress.progress_file(job_dir, rank), step)
+def _progress(steps: dict[int, int]) -> LiveView:
+    view = LiveView()
+    view.apply({"progress": {str(r): [s, None] for r, s in steps.items()}}, time.time())
+    return view
 
 
 def test_a_restart_from_step_0_after_progress_is_a_loss_of_every_step(tmp_path):
-    _progress(tmp_path, {0: 9, 1: 8, 2: 9})
-    assert losses.reached(tmp_path, 3) == 8 and losses.reached(tmp_path, 4) is None
+    view = _progress({0: 9, 1: 8, 2: 9})
+    assert view.reached(3) == 8 and view.reached(4) is None
     events.emit("restore_none", log_dir=tmp_path, rank=2)  # recorded before the launch: ignored
     watch = losses.RestoreWatch(tmp_path, 3, since=time.time(), before=8, reason="node n3 lost")
     assert watch.poll() is None

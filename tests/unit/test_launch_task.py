@@ -1,4 +1,4 @@
-"""The task wrapper, run for real: ranks from the slot layout, exec of the command, the progress watcher."""
+"""The task wrapper, run for real: ranks from the slot layout, exec of the command, the node's progress reporter."""
 import getpass
 import json
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from hpcft.launch import progress
+from hpcft.launch.fabric import Fabric
 from hpcft.launch.layout import Layout
 from hpcft.launch.srun import step_env
 
@@ -36,42 +36,47 @@ def test_wrapper_reports_a_missing_command_and_a_foreign_node(tmp_path):
     assert foreign.returncode == 2 and "node n3 has no slot" in foreign.stderr
 
 
-def test_watcher_publishes_the_newest_committed_step_and_dies_with_the_task(tmp_path):
-    store = tmp_path / "shm" / f"hpcft-{getpass.getuser()}-77" / "rank-00002"
-    store.mkdir(parents=True)
-    (store / "slot-0.json").write_text(json.dumps({"step": 4}))
-    (store / "slot-1.json").write_text(json.dumps({"step": 5}))
-    code = ("import os, sys, time\nfor _ in range(200):\n    time.sleep(0.05)\n    if open(sys.argv[1]).read() == '5': break\n"
+def _children_after(seconds: float) -> str:
+    return (f"import os, time\ntime.sleep({seconds})\nprint(os.environ['HPCFT_PROGRESS_FILE'])\n"
             "print(open(f'/proc/{os.getpid()}/task/{os.getpid()}/children').read())")
-    target = progress.progress_file(tmp_path / "job", 2)
-    target.parent.mkdir(parents=True)
-    target.write_text("0")
-    env = _env(tmp_path, "n2", 0, HPCFT_STORE_ROOT=str(tmp_path / "shm"))
-    proc = subprocess.run([sys.executable, "-m", "hpcft.launch.task", "--", sys.executable, "-c", code, str(target)],
-                          env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert progress.read(tmp_path / "job")[2][0] == 5
-    watchers = [int(p) for p in proc.stdout.split()]
-    assert len(watchers) == 1
+
+
+def test_without_agents_the_nodes_first_task_reports_its_ranks_progress_over_the_network(tmp_path):
+    """A run without agents: the first task of each node forks a reporter that sends the node's ranks' newest
+    committed steps to the supervisor's report service (nothing written to the shared job directory), and dies with
+    the task."""
+    job = tmp_path / "shm" / f"hpcft-{getpass.getuser()}-77"
+    for rank, step in ((2, 5), (3, 4), (4, 9)):  # rank 4 is slot 2's: not this node's to report
+        (job / f"rank-{rank:05d}").mkdir(parents=True, mode=0o700)
+        job.chmod(0o700)
+        (job / f"rank-{rank:05d}" / "slot-0.json").write_text(json.dumps({"step": step, "timing": {"ready_s": 0.5}}))
+    (tmp_path / "job").mkdir()
+    fabric = Fabric(tmp_path / "job", emit=lambda *a, **k: None)
+    fabric.start(None)
+    try:
+        env = _env(tmp_path, "n2", 0, HPCFT_STORE_ROOT=str(tmp_path / "shm"), **fabric.env(with_agents=False))
+        proc = subprocess.run([sys.executable, "-m", "hpcft.launch.task", "--", sys.executable, "-c",
+                               _children_after(2.5)], env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert {r: s[:2] for r, s in fabric.view.samples().items()} == {2: (5, 0.5), 3: (4, 0.5)}
+    finally:
+        fabric.close()
+    target, *children = proc.stdout.split()
+    assert target == str(job / "progress" / "rank-00002")  # $HPCFT_PROGRESS_FILE: node-local
+    assert len(children) == 1
     deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{watchers[0]}") and time.monotonic() < deadline:
+    while os.path.exists(f"/proc/{children[0]}") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{watchers[0]}"), "the watcher must end with its task"
+    assert not os.path.exists(f"/proc/{children[0]}"), "the reporter must end with its task"
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["secret", "status.json"]
 
 
-def test_a_relaunched_watcher_does_not_republish_the_step_the_file_already_holds(tmp_path):
-    """A relaunch's ranks find their last snapshot in the store: publishing its step again would look like progress
-    of the new launch while it starts up (--start-timeout would never apply)."""
-    store = tmp_path / "shm" / f"hpcft-{getpass.getuser()}-77" / "rank-00002"
-    store.mkdir(parents=True)
-    (store / "slot-0.json").write_text(json.dumps({"step": 5}))
-    target = progress.progress_file(tmp_path / "job", 2)
-    target.parent.mkdir(parents=True)
-    target.write_text("5")
-    os.utime(target, (1_000_000, 1_000_000))
-    code = "import time; time.sleep(1.5)"  # the watcher polls every second: at least one poll
-    env = _env(tmp_path, "n2", 0, HPCFT_STORE_ROOT=str(tmp_path / "shm"))
-    proc = subprocess.run([sys.executable, "-m", "hpcft.launch.task", "--", sys.executable, "-c", code],
-                          env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert progress.read(tmp_path / "job")[2] == (5, 1_000_000)
+def test_with_agents_no_task_forks_a_reporter_and_only_the_first_task_of_a_node_would(tmp_path):
+    (tmp_path / "shm").mkdir()
+    for local, agents in ((0, "1"), (1, "0")):
+        env = _env(tmp_path, "n2", local, HPCFT_STORE_ROOT=str(tmp_path / "shm"), HPCFT_REPORTS="127.0.0.1:9",
+                   HPCFT_AGENTS_REPORT=agents)
+        proc = subprocess.run([sys.executable, "-m", "hpcft.launch.task", "--", sys.executable, "-c",
+                               _children_after(0)], env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert len(proc.stdout.split()) == 1, proc.stdout  # the progress file's path, no child

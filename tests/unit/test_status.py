@@ -68,7 +68,7 @@ def test_cli_json_and_a_clear_error_without_agents(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     out = CliRunner().invoke(cli, ["status", str(empty)])
-    assert out.exit_code != 0 and "no agent status files" in str(out.exception or out.output)
+    assert out.exit_code != 0 and "no agent reports" in str(out.exception or out.output)
 
 
 def test_stragglers_named_by_the_supervisor_are_shown_until_cleared_and_an_evicted_one_stays_marked(tmp_path):

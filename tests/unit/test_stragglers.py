@@ -1,4 +1,4 @@
-"""Stragglers: the rank's own share of a step (hpcft/snapshot/timing.py), carried by the progress files, judged by the
+"""Stragglers: the rank's own share of a step (hpcft/snapshot/timing.py), carried by the nodes' reports, judged by the
 pure detector (hpcft/launch/policy_straggler.py) with a fake clock, and the supervisor's watch and decision."""
 import time
 
@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from hpcft.errors import ConfigError
-from hpcft.launch import config, progress
+from hpcft.launch import config
+from hpcft.launch.liveview import LiveView
 from hpcft.launch.layout import Layout
 from hpcft.launch.policy import Action, Event, Kind, State, decide
 from hpcft.launch.policy_straggler import Detector, StragglerRules, eviction_blocked
 from hpcft.launch.stragglers import StragglerWatch
 from hpcft.snapshot.timing import CpuClock, StepTimer
+from hpcft.store import progress
 
 NODES = ("n1", "n2", "n3", "n4")
 
@@ -99,14 +101,14 @@ def test_options_are_checked():
 def test_the_watch_reports_and_evicts_once_the_detection_step_is_protected(tmp_path):
     events: list[tuple[str, dict]] = []
     cfg = config.RunConfig(protect="xor", straggler_window=6, evict_stragglers=True)
-    watch = StragglerWatch(cfg, tmp_path, lambda kind, **f: events.append((kind, f)))
+    view = LiveView()  # what the nodes reported over the network
+    watch = StragglerWatch(cfg, view.samples, lambda kind, **f: events.append((kind, f)))
     layout = Layout(NODES[:3], spares=("n4",), tasks_per_node=2)
     watch.launched(cfg, restarts=0, now=0.0)
     protected = {"step": None}
     due = None
     for step in range(1, 15):
-        for rank in range(6):
-            progress.write(progress.progress_file(tmp_path, rank), step, 0.6 if rank == 2 else 0.2)
+        view.apply({"progress": {str(rank): [step, 0.6 if rank == 2 else 0.2] for rank in range(6)}}, time.time())
         due = watch.poll(layout, lambda: protected["step"], now=time.time() + step)
         if due is not None:
             break
@@ -124,28 +126,29 @@ def test_the_watch_reports_and_evicts_once_the_detection_step_is_protected(tmp_p
 def test_without_a_spare_the_straggler_is_only_reported(tmp_path):
     events: list[tuple[str, dict]] = []
     cfg = config.RunConfig(protect="xor", straggler_window=6, evict_stragglers=True)
-    watch = StragglerWatch(cfg, tmp_path, lambda kind, **f: events.append((kind, f)))
+    view = LiveView()  # what the nodes reported over the network
+    watch = StragglerWatch(cfg, view.samples, lambda kind, **f: events.append((kind, f)))
     watch.launched(cfg, restarts=0, now=0.0)
     layout = Layout(NODES[:3], tasks_per_node=2)
     for step in range(1, 15):
-        for rank in range(6):
-            progress.write(progress.progress_file(tmp_path, rank), step, 0.6 if rank == 5 else 0.2)
+        view.apply({"progress": {str(rank): [step, 0.6 if rank == 5 else 0.2] for rank in range(6)}}, time.time())
         assert watch.poll(layout, lambda: 100, now=time.time() + step) is None
     assert [(k, f["node"], f["action"]) for k, f in events] == [("straggler", "n3", "reported only")]
     assert "no spare" in events[0][1]["reason"]
 
 
-def test_the_progress_file_carries_the_snapshots_measure_and_still_reads_a_bare_step(tmp_path):
-    store = tmp_path / "store"
-    store.mkdir()
+def test_the_nodes_progress_carries_the_snapshots_measure_and_still_reads_a_bare_step(tmp_path):
+    job = tmp_path / "store"
+    store = job / "rank-00000"
+    store.mkdir(parents=True)
     (store / "slot-0.json").write_text('{"step": 4, "timing": {"ready_s": 0.25, "steps": 1}}')
     (store / "slot-1.json").write_text('{"step": 3}')
     assert progress.newest(store) == (4, 0.25)
-    progress.write(progress.progress_file(tmp_path / "job", 0), *progress.newest(store))
-    progress.progress_file(tmp_path / "job", 1).write_text("7")  # a job writing $HPCFT_PROGRESS_FILE itself
-    got = progress.samples(tmp_path / "job")
-    assert (got[0][0], got[0][1], got[1][0], got[1][1]) == (4, 0.25, 7, None)
-    assert progress.read(tmp_path / "job")[0][0] == 4
+    progress.progress_file(job, 1).parent.mkdir()
+    progress.progress_file(job, 1).write_text("7")  # a job writing $HPCFT_PROGRESS_FILE itself
+    progress.write(progress.progress_file(job, 0), 2)  # older than its manifests: the newer step wins
+    assert progress.node(job) == {0: (4, 0.25), 1: (7, None)}
+    assert progress.node(job, ranks=[1, 2]) == {1: (7, None)}
 
 
 class LateClock(CpuClock):

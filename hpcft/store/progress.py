@@ -1,0 +1,78 @@
+"""What a node's store says about its ranks' training progress: each rank's newest committed step (its manifests)
+and that snapshot's `ready_s` (hpcft/snapshot/timing.py), or what a job wrote itself to the rank's node-local
+progress file ($HPCFT_PROGRESS_FILE, inside the node's job store). Read on the node by its agent (or, in a run
+without agents, by the node's reporter) and sent to the supervisor over the network (hpcft/agent/uplink.py):
+nothing about progress is written to the shared file system."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from hpcft.store.paths import rank_dir, replace_file
+
+Progress = tuple[int, "float | None"]  # (step, ready_s or None)
+_SEEN: dict[Path, tuple[tuple[int, int, int], Progress]] = {}  # manifest path -> (its stat key, what it said)
+
+
+def newest(directory: Path) -> Progress | None:
+    """(step, ready_s or None) of the highest step among committed manifests (`slot-*.json`) in a rank's store
+    directory, if any."""
+    best = None
+    for path in directory.glob("slot-*.json"):
+        try:
+            st = path.stat()
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            seen = _SEEN.get(path)
+            if seen is not None and seen[0] == key:
+                found = seen[1]  # a large model's manifest is parsed once per commit, not once per look
+            else:
+                manifest = json.loads(path.read_text(encoding="utf-8"))
+                ready = (manifest.get("timing") or {}).get("ready_s")
+                found = (int(manifest["step"]), None if ready is None else float(ready))
+                _SEEN[path] = (key, found)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # being replaced right now, or not a manifest: the next poll sees the new one
+        best = found if best is None or found[0] > best[0] else best
+    return best
+
+
+def progress_file(job: Path, rank: int) -> Path:
+    """`<node's job store>/progress/rank-<r>`: where a job that does not use the Checkpointer may write its step."""
+    return job / "progress" / f"rank-{rank:05d}"
+
+
+def parse(text: str) -> Progress:
+    """`<step>` or `<step> <ready_s>`."""
+    words = text.split()
+    return int(words[0]), float(words[1]) if len(words) > 1 else None
+
+
+def _written(path: Path) -> Progress | None:
+    try:
+        return parse(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def node(job: Path, ranks: Iterable[int] | None = None) -> dict[int, Progress]:
+    """{rank: (step, ready_s)} of `ranks` (default: every rank with a store directory or a progress file under
+    `job`), the higher of what its manifests and its progress file say."""
+    if ranks is None:
+        found = {int(p.name.removeprefix("rank-")) for p in job.glob("rank-*") if p.name[5:].isdigit()}
+        found |= {int(p.name.removeprefix("rank-")) for p in (job / "progress").glob("rank-*") if p.name[5:].isdigit()}
+        ranks = sorted(found)
+    out: dict[int, Progress] = {}
+    for r in ranks:
+        got = [g for g in (newest(rank_dir(job, r)), _written(progress_file(job, r))) if g is not None]
+        if got:
+            out[r] = max(got, key=lambda g: g[0])
+    return out
+
+
+def write(path: Path, step: int, ready_s: float | None = None) -> None:
+    """Publish `step` (and `ready_s`) atomically (write, then rename): what a job's own progress report looks like."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = str(step) if ready_s is None else f"{step} {ready_s:.6f}"
+    replace_file(path, text.encode(), path.with_name(f".{path.name}.{os.getpid()}"))

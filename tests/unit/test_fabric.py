@@ -1,0 +1,184 @@
+"""Progress and status over the network (issue #16 item 3): the deltas a node sends, the supervisor's live view
+(fake clock), the bounded log's pace, and a real uplink talking to a real report service over TCP."""
+import json
+import time
+
+from hpcft import events
+from hpcft.agent import secret as job_secret
+from hpcft.agent import status as agent_status
+from hpcft.agent.uplink import Uplink, delta, patch
+from hpcft.launch import progress
+from hpcft.launch.fabric import Fabric
+from hpcft.launch.liveview import BLIND_S, KEEP_TAGS, LOG_BYTES_PER_S, LiveView, Rounds, blind, next_write
+from hpcft.status import collect
+
+
+def test_a_delta_carries_only_what_changed_and_patches_back_to_the_new_status():
+    old = {"phase": "ready", "staged": 3, "error": "x", "time": 1.0}
+    new = {"phase": "ready", "staged": 4, "time": 2.0, "protected": 3}
+    changed, dropped = delta(old, new)
+    assert changed == {"staged": 4, "time": 2.0, "protected": 3} and dropped == ["error"]
+    assert patch(old, changed, dropped) == new
+    assert delta(new, new) == ({}, [])
+
+
+def test_the_view_merges_deltas_and_a_step_it_already_holds_is_no_progress():
+    view = LiveView()
+    view.apply({"tag": "0", "slot": 1, "full": True, "set": {"phase": "ready", "time": 5.0, "error": None},
+                "progress": {"2": [7, 0.5], "3": [7, None]}}, now=100.0)
+    view.apply({"tag": "0", "slot": 1, "set": {"phase": "protecting", "time": 6.0}, "drop": ["error"],
+                "progress": {"2": [7, 0.5]}}, now=101.0)  # a relaunch's agent reports the store's last step again
+    assert view.reports("0") == {1: {"phase": "protecting", "time": 6.0}}
+    assert view.samples() == {2: (7, 0.5, 100.0), 3: (7, None, 100.0)}
+    assert view.last_change(since=100.0) == 100.0  # nothing after the launch at 100: the hang clock runs on
+    view.apply({"tag": "0", "slot": 1, "progress": {"3": [8, 0.4]}}, now=102.0)
+    assert view.last_change(since=100.0) == 102.0
+    assert view.reached(world=4) is None and view.reached(world=2) is None  # ranks 0, 1 have said nothing
+    view.apply({"tag": "0", "slot": 0, "progress": {"0": [9, None], "1": [6, None]}}, now=103.0)
+    assert view.reached(world=4) == 6
+    view.apply({"tag": "0", "slot": 1, "full": True, "set": {"phase": "stopped", "time": 7.0}}, now=104.0)
+    assert view.reports("0")[1] == {"phase": "stopped", "time": 7.0}  # a whole status replaces the old one
+
+
+def test_the_view_keeps_a_bounded_number_of_launches_and_forgets_a_rerun_tag():
+    view = LiveView()
+    for n in range(KEEP_TAGS + 3):
+        view.apply({"tag": str(n), "slot": 0, "set": {"phase": "ready", "time": float(n)}}, now=float(n))
+    assert len(view.dump(0.0)["agents"]) == KEEP_TAGS and "0" not in view.dump(0.0)["agents"]
+    assert view.reports(None)[0]["time"] == KEEP_TAGS + 2  # the newest launch per slot
+    before = view.version
+    view.forget(str(KEEP_TAGS + 2))
+    assert view.reports(str(KEEP_TAGS + 2)) == {} and view.version > before
+
+
+def test_a_dumped_view_loads_back_for_a_requeued_run():
+    view = LiveView()
+    view.apply({"tag": "3", "slot": 0, "set": {"phase": "stopped", "time": 1.0}, "progress": {"0": [12, 0.1]}}, 50.0)
+    again = LiveView()
+    again.load(json.loads(json.dumps(view.dump(60.0))))
+    assert again.reports("3") == view.reports("3") and again.samples() == view.samples()
+    assert again.reached(world=1) == 12
+
+
+def test_the_bounded_log_is_replaced_at_most_once_a_second_and_less_often_when_large():
+    assert next_write(10.0, 2_000) == 11.0
+    assert next_write(10.0, 12 * LOG_BYTES_PER_S) == 22.0  # a 12 MiB log (a very large job's): every 12 s
+
+
+def _fabric(tmp_path) -> tuple[Fabric, bytes]:
+    job = tmp_path / "job"
+    job.mkdir()
+    fabric = Fabric(job, emit=lambda *a, **k: None)
+    fabric.start(None)
+    return fabric, job_secret.load(job / job_secret.NAME)
+
+
+def _until(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_an_uplink_coalesces_its_reports_sends_a_new_phase_at_once_and_its_last_one_on_close(tmp_path):
+    fabric, secret = _fabric(tmp_path)
+    ranks = {4: (1, 0.3), 5: (1, 0.2)}
+    up = Uplink(fabric.server.address, secret, tag="0", slot=2, node="n3", progress=lambda: dict(ranks),
+                gap=1.0, every=0.1)
+    try:
+        up.status(phase="rebuilding", staged=None)
+        _until(lambda: fabric.view.reports("0").get(2, {}).get("phase") == "rebuilding")
+        started, sent = time.monotonic(), up.sent
+        for step in range(2, 40):  # many reports within about a second: at most two or three messages
+            ranks[4] = (step, 0.3)
+            up.status(phase="rebuilding", staged=step)
+            time.sleep(0.02)
+        gone = time.monotonic() - started
+        assert up.sent - sent <= 2 + gone, (up.sent - sent, gone)
+        up.status(phase="ready", staged=39)  # a new phase: at once, not after the gap
+        _until(lambda: fabric.view.reports("0")[2]["phase"] == "ready", timeout=0.9)
+        up.status(phase="stopped", staged=39)
+    finally:
+        up.close()
+    _until(lambda: fabric.view.reports("0")[2]["phase"] == "stopped")  # sent before close returned
+    assert fabric.view.samples()[4][0] == 39 and fabric.view.samples()[5][:2] == (1, 0.2)
+    fabric.close()
+
+
+def test_events_travel_to_the_supervisors_events_file_and_the_log_serves_status_and_progress(tmp_path):
+    fabric, secret = _fabric(tmp_path)
+    up = Uplink(fabric.server.address, secret, tag="1", slot=0, node="n1", progress=lambda: {0: (3, 0.1)},
+                every=0.1)
+    _until(lambda: up.connected)
+    events.forward(up.event)
+    try:
+        events.emit("snapshot_protected", step=3, slot=0)
+    finally:
+        events.forward(None)
+    up.status(node="n1", phase="protecting", staged=3, protected=3, scheme="none", slots=1, interval=1.0, versions={"0": [3]},
+              protected_steps=[3])
+    up.close()
+    _until(lambda: any(e["event"] == "snapshot_protected" for e in events.read(fabric.job_dir)))
+    fabric.close()  # the run's end: the last view is in the log
+    assert agent_status.read(fabric.job_dir / "agents", "1")[0]["protected"] == 3  # no status files: the log
+    assert progress.read(fabric.job_dir)[0][0] == 3
+    view = collect(fabric.job_dir)
+    assert view.nodes[0].node == "n1" and view.nodes[0].protected == 3
+
+
+def test_the_log_is_written_at_most_about_once_a_second_while_reports_stream_in(tmp_path):
+    fabric, secret = _fabric(tmp_path)
+    ups = [Uplink(fabric.server.address, secret, tag="0", slot=s, node=f"n{s}", gap=0.05) for s in range(4)]
+    started = time.monotonic()
+    while time.monotonic() - started < 3.0:
+        for s, up in enumerate(ups):
+            up.status(phase="protecting", time_s=time.monotonic())
+        time.sleep(0.01)
+    for up in ups:
+        up.close()
+    elapsed = time.monotonic() - started
+    assert fabric.server.received > 20  # the reports did stream in
+    assert 1 <= fabric.writes <= elapsed + 2, (fabric.writes, elapsed)
+    fabric.close()
+
+
+def test_the_agents_per_round_events_are_summed_into_one_record_per_protected_step():
+    rounds = Rounds()
+    rec = {"event": "snapshot_protected", "time": 1.0, "scheme": "xor", "held_bytes": 10, "sent_bytes": 4}
+    assert rounds.add("0", {**rec, "step": 5, "slot": 0, "seconds": 0.2}, slots=3) is None
+    assert rounds.add("0", {**rec, "step": 4, "slot": 2, "seconds": 0.1}, slots=3) is None  # an older step, left open
+    assert rounds.add("0", {**rec, "step": 5, "slot": 1, "seconds": 0.5}, slots=3) is None
+    got = rounds.add("0", {**rec, "step": 5, "slot": 2, "seconds": 0.3, "time": 2.0}, slots=3)
+    assert got == {"event": "snapshot_protected", "time": 2.0, "level": "INFO", "tag": "0", "step": 5, "slots": 3,
+                   "scheme": "xor", "held_bytes": 30, "sent_bytes": 12, "seconds": 0.5}
+    assert rounds._open == {}  # step 4 went with step 5: a set that never completes it holds no memory
+
+
+def test_a_blind_view_is_no_hang_but_a_launch_never_heard_from_is_judged_as_before(tmp_path):
+    said = []
+    now = [1000.0]
+    fabric = Fabric(tmp_path, emit=lambda kind, **f: said.append(kind), clock=lambda: now[0])
+    fabric.view.apply({"tag": "0", "slot": 0, "progress": {"0": [3, None]}}, now=1010.0)
+    now[0] = 1010.0 + 5.0
+    assert fabric.hung(launched=1000.0, hang_timeout=10.0, start_timeout=0.0) is None  # a step 5 s ago
+    fabric.view.apply({"tag": "0", "slot": 0}, now=1014.0)  # an empty report (keepalive): alive, no progress
+    now[0] = 1020.0
+    assert "no completed step" in fabric.hung(1000.0, 2.0, 0.0)
+    now[0] = 1014.0 + BLIND_S + 1  # then every node went silent: the reports are lost, not the progress
+    assert fabric.hung(1000.0, 2.0, 0.0) is None and fabric.hung(1000.0, 2.0, 0.0) is None
+    assert said == ["progress_blind"]
+    assert "since the launch" in fabric.hung(launched=now[0] - 10, hang_timeout=2.0, start_timeout=5.0)
+    assert blind(100.0, 0.0, None) is False and blind(100.0, 50.0, 40.0) is False and blind(100.0, 0.0, 40.0)
+
+
+def test_a_node_that_cannot_reach_the_supervisor_writes_its_events_to_the_events_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPCFT_EVENT_DIR", str(tmp_path))
+    up = Uplink("127.0.0.1:9", b"x" * 64, tag="0", slot=0, node="n1", gap=0.05)  # nothing listens there
+    events.forward(up.event)
+    try:
+        events.emit("peer_silent", level=30, slot=0, peer_slot=1)
+    finally:
+        events.forward(None)
+        up.close()
+    assert [e["event"] for e in events.read(tmp_path)] == ["peer_silent"]
+    assert not up.connected
