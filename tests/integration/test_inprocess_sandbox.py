@@ -32,7 +32,7 @@ def test_a_raise_restarts_every_rank_in_process_and_the_coordinators_node_crash_
              "every rank at the hold", 180, story=out)
         launch = next(e for e in events.read(out / "job") if e["event"] == "launch")
         first = launch["slots"].split(",")[0]
-        wait_protected(out, slots=2, timeout=120, above=RAISE_AT)
+        wait_protected(out, slots=2, timeout=120, above=HOLD_AT)  # the snapshot of the hold: nothing to lose
         healthy_sandbox.crash_node(first)  # rank 0 and 1, their /dev/shm and the coordinator's TCPStore at once
     finally:
         hold.touch()
