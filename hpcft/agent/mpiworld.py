@@ -64,18 +64,18 @@ class Op:
         return self._done.is_set()
 
     def finish(self, count: int) -> bool:
-        with self._lock:
-            if self._done.is_set():
-                return False
-            self.count = count
-            self._done.set()
-        return True
+        return self._settle(count=count)
 
     def fail(self, exc: BaseException) -> bool:
+        return self._settle(error=exc)
+
+    def _settle(self, **outcome) -> bool:
+        """Record the operation's outcome once (False if it was already settled) and wake its waiter."""
         with self._lock:
             if self._done.is_set():
                 return False
-            self.error = exc
+            for name, value in outcome.items():
+                setattr(self, name, value)
             self._done.set()
         return True
 
