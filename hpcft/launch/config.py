@@ -288,7 +288,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.protected and cfg.protect != "auto":
         scheme(cfg)  # the agents' own checks (group, losses, distance), before anything is launched
     if cfg.copy and cfg.copy.strip().lower() not in ("auto", "default"):
-        parse_override(cfg.copy, default_choice(1, True))  # the trainers' own parse, before anything is launched
+        parse_override(cfg.copy, default_choice(1, "fused"))  # the trainers' own parse, before anything is launched
 
 
 def _validate_elastic(cfg: RunConfig) -> None:

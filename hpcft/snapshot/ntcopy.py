@@ -1,10 +1,13 @@
 """Copy + crc32c of a chunk with non-temporal (streaming) stores: a large copy whose destination is not read
 soon should not pull that destination into the cache first. A plain 1 MiB copy reads the destination
 (read-for-ownership), writes it back later, and evicts the source; streaming stores skip both, so a chunk
-costs one read of the source and one write, and its source stays in cache for the crc32c that follows.
+costs one read of the source and one write.
 
-The kernel is a few lines of C (`_ntcopy.c`: AVX2 streaming stores on x86-64, memcpy on other CPUs) that
-`pip install` builds next to this file (setup.py); it is loaded with ctypes (the call releases the GIL).
+Three kernels (`KERNELS`), chosen per machine by hpcft.snapshot.calibration: `fused` takes the crc32c in the
+copy's own pass (no second read of the chunk); `stream` copies with streaming stores and checksums the source
+after, while it is still in cache; `memcpy` is libc's copy, then the checksum. The kernels are a few lines of C
+(`_ntcopy.c`: AVX2 streaming stores and SSE4.2 crc32 on x86-64, memcpy on other CPUs) that `pip install` builds
+next to this file (setup.py); they are loaded with ctypes (the calls release the GIL).
 Nothing is compiled at run time: where the library was not built (no compiler at install time, or a bare
 checkout never installed), copies are libc's memcpy, with one warning per process; HPCFT_NTCOPY=0 chooses
 memcpy on purpose. Same bytes, same results either way.
@@ -19,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from hpcft.snapshot.calibration.policy import KERNELS
 from hpcft.store.checksum import crc32c
 
 _log = logging.getLogger(__name__)
@@ -55,6 +59,9 @@ def _open() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
         lib.hpcft_stream_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         lib.hpcft_stream_copy.restype = None
+        lib.hpcft_copy_crc32c.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32]
+        lib.hpcft_copy_crc32c.restype = ctypes.c_uint32
+        lib.hpcft_copy_crc32c_supported.restype = ctypes.c_int
     except (OSError, AttributeError) as exc:
         reason = f"the streaming-store copy kernel {path} cannot be loaded ({exc}); copies use memcpy ({FIX})"
         return None
@@ -85,12 +92,41 @@ def available() -> bool:
     return _load() is not None
 
 
+
+
+def fused_available() -> bool:
+    """True where the fused copy + crc32c kernel was built and this CPU runs it (x86-64 with SSE4.2 and AVX2)."""
+    lib = _load()
+    return lib is not None and bool(lib.hpcft_copy_crc32c_supported())
+
+
+def kernels() -> tuple[str, ...]:
+    """The kernels that run here, cheapest first (`KERNELS` less those not built or not supported by the CPU)."""
+    return tuple(k for k in KERNELS if k == "memcpy" or (k == "stream" and available())
+                 or (k == "fused" and fused_available()))
+
+
 def raw_copier(kernel: str = "stream") -> Callable[[int, int, int], None]:
     """`f(dst, src, nbytes)` copying between raw addresses (the caller keeps both buffers alive and in
-    bounds): the streaming-store kernel (`stream`, where it was built), else libc memcpy through ctypes
-    (`memcpy`, chosen by calibration where it is faster: hpcft.snapshot.calibration). Both release the GIL."""
-    lib = _load() if kernel == "stream" else None
+    bounds): the streaming-store kernel (`stream` or `fused`, where it was built), else libc memcpy through
+    ctypes (`memcpy`, chosen by calibration where it is faster: hpcft.snapshot.calibration). Both release the GIL."""
+    lib = _load() if kernel != "memcpy" else None
     return ctypes.memmove if lib is None else lib.hpcft_stream_copy
+
+
+def raw_copy_crc(kernel: str = "fused") -> Callable[[int, int, int, int], int]:
+    """`f(dst, src, nbytes, crc)`: copy between raw addresses (as `raw_copier`) and return the crc32c of the source
+    continuing `crc`. `fused` (where it runs) in one pass; otherwise, and for `stream` and `memcpy`, that kernel's
+    copy and then the crc32c package over the source, still in cache. Every snapshot, restore and calibration copy
+    goes through this one function, whatever the kernel."""
+    if kernel == "fused" and fused_available():
+        return _load().hpcft_copy_crc32c
+    copy = raw_copier("stream" if kernel == "fused" else kernel)
+
+    def copy_then_crc(dst: int, src: int, nbytes: int, crc: int) -> int:
+        copy(dst, src, nbytes)
+        return crc32c((ctypes.c_char * nbytes).from_address(src), crc) if nbytes else crc
+    return copy_then_crc
 
 
 def address(a: np.ndarray) -> int:
@@ -109,8 +145,12 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src)
 
 
-def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
-    """Copy `src` into `dst` (see `copy`) and return the crc32c of `src` continuing `crc`: the source is
-    read while still in cache from the copy; the destination, written around the cache, is not read."""
-    copy(dst, src)
+def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int = 0, kernel: str = "fused") -> int:
+    """Copy `src` into `dst` (see `copy`) and return the crc32c of `src` continuing `crc` (`raw_copy_crc`'s
+    `kernel` for C-contiguous arrays, numpy's copy and a second pass otherwise)."""
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+    if dst.flags.c_contiguous and src.flags.c_contiguous:
+        return raw_copy_crc(kernel)(address(dst), address(src), src.nbytes, crc)
+    np.copyto(dst, src)
     return crc32c(src, crc)

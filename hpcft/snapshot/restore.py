@@ -78,24 +78,26 @@ class _Sinks:
             t.copy_(buf.view(t.dtype).view(t.shape))
 
 
-def _put(copy: Callable[[int, int, int], None], sink: int | torch.Tensor, start: int, src: np.ndarray,
-         offset: int, nbytes: int, base: int) -> None:
-    """sink[start:start+nbytes] = src[offset:offset+nbytes] (`base`: the address of src): `copy` (streaming
-    stores, see ntcopy) into a CPU sink, which nothing reads back soon; a host-to-device copy into a device one."""
-    if isinstance(sink, int):
-        copy(sink + start, base + offset, nbytes)
-    else:
-        sink[start:start + nbytes].copy_(torch.from_numpy(src[offset:offset + nbytes]))
-
-
-def _load_chunk(copy: Callable[[int, int, int], None], data: np.ndarray, base: int, chunk: plan.Chunk,
+def _load_chunk(copy_crc: Callable[[int, int, int, int], int], data: np.ndarray, base: int, chunk: plan.Chunk,
                 sinks: _Sinks) -> int:
-    """Copy one chunk's segments into their sinks and return the crc32c of the chunk's bytes in the file
-    (padding included), read right after the copy read them, so from cache: a chunk costs one read from
-    memory and one write."""
+    """Copy one chunk's segments into their sinks and return the crc32c of the chunk's bytes in the file (padding
+    included): into a CPU sink with `copy_crc` (ntcopy.raw_copy_crc: streaming stores, nothing reads the sink back
+    soon; the checksum in the same pass or from cache right after), into a device one with a host-to-device copy
+    and the checksum of the file's bytes."""
+    crc, pos = 0, chunk.offset
     for s in chunk.segments:
-        _put(copy, sinks[s.source], s.start, data, s.offset, s.nbytes, base)
-    return crc32c(data[chunk.offset:chunk.offset + chunk.nbytes])
+        if s.offset > pos:
+            crc = crc32c(data[pos:s.offset], crc)
+        sink = sinks[s.source]
+        if isinstance(sink, int):
+            crc = copy_crc(sink + s.start, base + s.offset, s.nbytes, crc)
+        else:
+            src = data[s.offset:s.offset + s.nbytes]
+            sink[s.start:s.start + s.nbytes].copy_(torch.from_numpy(src))
+            crc = crc32c(src, crc)
+        pos = s.offset + s.nbytes
+    end = chunk.offset + chunk.nbytes
+    return crc32c(data[pos:end], crc) if pos < end else crc
 
 
 class Loader:
@@ -104,12 +106,13 @@ class Loader:
     tensors); the replicated shares travel on `group.for_bytes(their device)`."""
 
     def __init__(self, store: RankStore, group: Group | None, threads: int = 2, world: Any = None,
-                 kernel: str = "stream"):
+                 kernel: str = "fused"):
         self.store = store
         self.group = group
         self.world = world
         self.threads = max(1, threads)
-        self.copy = ntcopy.raw_copier(kernel)
+        self.copy = ntcopy.raw_copier(kernel)  # the replicated shares' scatter (checked as a whole before)
+        self.copy_crc = ntcopy.raw_copy_crc(kernel)
         self._pool: ThreadPoolExecutor | None = None
         # kept while the live entries are the same list (snapshot.view hands out one list per layout): the sinks,
         # and the grids of the manifests (the same dict while its file is unchanged, store.manifest.ReadCache) that
@@ -204,12 +207,12 @@ class Loader:
         if data.size < total:
             raise IntegrityError(f"data file of rank {self.store.rank} holds {data.size} bytes, its manifest {total}")
         take = itertools.count().__next__  # atomic under the GIL: each chunk goes to exactly one worker
-        copy, base = self.copy, ntcopy.address(data)
+        copy_crc, base = self.copy_crc, ntcopy.address(data)
 
         def work() -> list[int]:
             lost = []
             while (i := take()) < grid.count:
-                if seal(_load_chunk(copy, data, base, grid.chunk(i), sinks), key) != recorded[i][2]:
+                if seal(_load_chunk(copy_crc, data, base, grid.chunk(i), sinks), key) != recorded[i][2]:
                     lost.append(i)
             return lost
 

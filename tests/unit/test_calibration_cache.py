@@ -110,7 +110,7 @@ def test_a_real_calibration_at_a_tiny_size(shm_root):
     counts = measure.thread_counts(cache.usable_cores())
     samples = measure.measure(shm_root, cache.usable_cores(), nbytes=4 << 20, chunks=(256 << 10, M), repeats=1)
     cases = {c for cs in CASES.values() for c in cs}
-    kernels = ("stream", "memcpy") if ntcopy.available() else ("memcpy",)
+    kernels = ntcopy.kernels()
     first = {(s.case, s.method.kernel, s.method.threads) for s in samples if s.method.chunk_bytes == M}
     assert first >= {(c, k, t) for c in cases for k in kernels for t in counts}
     assert {s.case for s in samples if s.method.chunk_bytes == 256 << 10} == cases

@@ -7,7 +7,7 @@ from hpcft.snapshot.calibration.policy import (DEFAULT_CHUNK, MARGIN, Choice, Me
 
 N = 1 << 26
 M = DEFAULT_CHUNK
-FALLBACK = default_choice(2, stream=True)
+FALLBACK = default_choice(2, "stream")
 
 
 def grid(times: dict[tuple[str, str, int, int], float | None]) -> list[Sample]:
@@ -93,7 +93,7 @@ def test_sample_round_trip_and_refusals():
 
 
 def test_override_pins_both_directions_or_one():
-    base = default_choice(2, stream=True)
+    base = default_choice(2, "stream")
     assert parse_override("memcpy", base) == Choice(Method("memcpy", 2, M), Method("memcpy", 2, M))
     assert parse_override("stream, threads=3, chunk=256K", base) == Choice(Method("stream", 3, 256 << 10),
                                                                            Method("stream", 3, 256 << 10))
@@ -108,6 +108,6 @@ def test_override_pins_both_directions_or_one():
     ("agent.threads=2", "not a setting"), ("speed=9", "not a setting")])
 def test_override_errors_name_the_part_and_the_fix(text, names):
     with pytest.raises(ConfigError) as err:
-        parse_override(text, default_choice(2, stream=True))
+        parse_override(text, default_choice(2, "stream"))
     fix = "write chunk=1M" if "chunk=1M" in text else "HPCFT_COPY=stream,threads=2"
     assert names in str(err.value) and fix in str(err.value)

@@ -1,5 +1,6 @@
-"""The streaming-store copy kernel: the same bytes as numpy for any size and alignment, the source's crc32c;
-built by the install (never at run time), and memcpy with one warning where it was not built."""
+"""The copy kernels: the same bytes as numpy for any size and alignment, the source's crc32c (the fused kernel's
+lanes and their joins included); built by the install (never at run time), and memcpy with one warning where it
+was not built."""
 import logging
 from pathlib import Path
 
@@ -18,15 +19,30 @@ def fresh(monkeypatch: pytest.MonkeyPatch):
     return ntcopy
 
 
-def _copies_exactly() -> None:
+# around the fused kernel's block sizes (three lanes of 32 KiB, 4 KiB, 256 B) and their sums, plus a head
+SIZES = (0, 1, 31, 33, 767, 768, 769, 4095, 4096, 4097, 12288 + 768 + 5, 70000, 3 * 32768, 3 * 32768 + 12288 + 64,
+         1 << 19, (1 << 20) - 3)
+
+
+def _copies_exactly(kernels: tuple[str, ...] = ntcopy.KERNELS) -> None:
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
-    for n in (0, 1, 31, 33, 4095, 4096, 4097, 70000, 1 << 19):
-        for a, b in ((0, 0), (1, 0), (0, 7), (13, 45)):
-            dst = np.full(n + 128, 0xAB, dtype=np.uint8)
-            assert ntcopy.copy_crc(dst[b:b + n], src[a:a + n], 7) == crc32c(src[a:a + n], 7)
-            assert np.array_equal(dst[b:b + n], src[a:a + n])
-            assert (dst[:b] == 0xAB).all() and (dst[b + n:] == 0xAB).all()  # nothing outside written
+    for kernel in kernels:
+        for n in SIZES:
+            for a, b in ((0, 0), (1, 0), (0, 7), (13, 45)):
+                n = min(n, src.size - a)
+                dst = np.full(n + 128, 0xAB, dtype=np.uint8)
+                assert ntcopy.copy_crc(dst[b:b + n], src[a:a + n], 7, kernel) == crc32c(src[a:a + n], 7), (kernel, n)
+                assert np.array_equal(dst[b:b + n], src[a:a + n]), (kernel, n, a, b)
+                assert (dst[:b] == 0xAB).all() and (dst[b + n:] == 0xAB).all()  # nothing outside written
+
+
+def test_the_fused_kernel_runs_where_the_cpu_has_sse42_and_avx2() -> None:
+    """This project's machines (x86-64 with AVX2) run all three kernels, the cheapest first (the default); a CPU
+    without the instructions (as /proc/cpuinfo says) never gets the fused one."""
+    flags = set(next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "").split())
+    want = ("fused", "stream", "memcpy") if {"sse4_2", "avx2"} <= flags else ("stream", "memcpy")
+    assert ntcopy.kernels() == want
 
 
 def test_installed_kernel_loads_and_copies_exactly(fresh, caplog: pytest.LogCaptureFixture) -> None:

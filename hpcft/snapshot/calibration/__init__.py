@@ -58,7 +58,7 @@ def resolve(default_threads: int, *, environ: Mapping[str, str] | None = None, p
 
     env = os.environ if environ is None else environ
     text = env.get(ENV, "").strip()
-    base = default_choice(default_threads, ntcopy.available())
+    base = default_choice(default_threads, ntcopy.kernels()[0])
     if text.lower() == DEFAULT:
         return Resolved(base, "override", f"{ENV}=default: hpcft's built-in method, not calibrated")
     if text.lower() not in AUTO:

@@ -1,5 +1,5 @@
 """Measure the candidate copy methods on this machine, the way hpcft copies: chunks of a buffer larger than the
-last-level cache, each copied and then checksummed (crc32c of the source, still in cache), taken from one counter
+last-level cache, each copied and checksummed (ntcopy.raw_copy_crc: in one pass, or the source after), taken from one counter
 by the calling thread and `threads - 1` pool threads. Three cases: a snapshot (host memory → a pre-faulted /dev/shm
 mapping, as a writer's slot), a restore (that mapping → host memory) and a relaunch's cold restore (a fresh mapping
 of the same file, whose pages fault in as they are read). The policy (`policy.pick`) chooses among the results.
@@ -19,7 +19,6 @@ import numpy as np
 
 from hpcft.snapshot import ntcopy
 from hpcft.snapshot.calibration.policy import CASES, DEFAULT_CHUNK, KERNELS, Method, Sample, best_per_chunk
-from hpcft.store.checksum import crc32c
 
 CHUNKS = (256 << 10, DEFAULT_CHUNK, 4 << 20)
 REPEATS = 3  # each figure is the best of these (the least disturbed by other work), candidates interleaved
@@ -79,9 +78,10 @@ class _Buffers:
         os.close(self._fd)
 
 
-def copy_pass(copy: Callable[[int, int, int], None], dst: np.ndarray, src: np.ndarray, chunk: int, threads: int,
-              pool: ThreadPoolExecutor) -> float:
-    """Seconds to copy `src` into `dst` chunk by chunk, each chunk's source checksummed right after its copy."""
+def copy_pass(copy_crc: Callable[[int, int, int, int], int], dst: np.ndarray, src: np.ndarray, chunk: int,
+              threads: int, pool: ThreadPoolExecutor) -> float:
+    """Seconds to copy `src` into `dst` chunk by chunk, each chunk's source checksummed by `copy_crc` as hpcft's
+    copies do (ntcopy.raw_copy_crc)."""
     d0, s0, count = ntcopy.address(dst), ntcopy.address(src), -(-src.size // chunk)
     take = itertools.count().__next__
 
@@ -89,8 +89,7 @@ def copy_pass(copy: Callable[[int, int, int], None], dst: np.ndarray, src: np.nd
         while (i := take()) < count:
             lo = i * chunk
             n = min(chunk, src.size - lo)
-            copy(d0 + lo, s0 + lo, n)
-            crc32c(src[lo:lo + n])
+            copy_crc(d0 + lo, s0 + lo, n, 0)
 
     t0 = time.perf_counter()
     others = [pool.submit(work) for _ in range(threads - 1)]
@@ -101,7 +100,7 @@ def copy_pass(copy: Callable[[int, int, int], None], dst: np.ndarray, src: np.nd
 
 
 def _run(buffers: _Buffers, case: str, method: Method, pool: ThreadPoolExecutor) -> float:
-    copy = ntcopy.raw_copier(method.kernel)
+    copy = ntcopy.raw_copy_crc(method.kernel)
     if case == "snapshot":
         return copy_pass(copy, buffers.slot, buffers.host, method.chunk_bytes, method.threads, pool)
     if case == "restore":
@@ -131,9 +130,9 @@ def measure(root: Path, cores: int, *, nbytes: int | None = None, chunks: Sequen
     counts = list(threads or thread_counts(cores))
     cases = [c for cs in CASES.values() for c in cs]
     size = nbytes or buffer_bytes()
-    failed = [] if ntcopy.available() else [Sample(c, Method("stream", t, DEFAULT_CHUNK), None, size, ntcopy.reason)
-                                            for c in cases for t in counts]
-    kernels = [k for k in KERNELS if not (k == "stream" and failed)]
+    kernels = ntcopy.kernels()
+    failed = [Sample(c, Method(k, t, DEFAULT_CHUNK), None, size, _why_not(k)) for k in KERNELS if k not in kernels
+              for c in cases for t in counts]
     buffers = _Buffers(size, root)
     try:
         with ThreadPoolExecutor(max(1, max(counts) - 1), thread_name_prefix="hpcft-calibrate") as pool:
@@ -148,6 +147,13 @@ def measure(root: Path, cores: int, *, nbytes: int | None = None, chunks: Sequen
     finally:
         buffers.close()
     return failed + samples
+
+
+def _why_not(kernel: str) -> str:
+    """Why `kernel` does not run here (for the samples a calibration could not take)."""
+    if not ntcopy.available():
+        return ntcopy.reason
+    return f"the {kernel} kernel needs an x86-64 CPU with SSE4.2 and AVX2"
 
 
 def _merged(samples: list[Sample]) -> list[Sample]:

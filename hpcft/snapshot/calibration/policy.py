@@ -1,10 +1,10 @@
 """Which copy method the CPU snapshot and restore use: pure functions over plain measurements.
 
-A method is a copy kernel (`stream`: hpcft's streaming-store kernel; `memcpy`: libc's), a thread count and a chunk
-size. The snapshot writes its manifest's chunk grid and the restore reads that grid back, so the chunk size is one
+A method is a copy kernel (`fused`: hpcft's streaming-store copy with the crc32c in the same pass; `stream`: its
+streaming-store copy, then the checksum; `memcpy`: libc's, then the checksum), a thread count and a chunk size. The snapshot writes its manifest's chunk grid and the restore reads that grid back, so the chunk size is one
 choice for both directions; the kernel and the thread count are chosen per direction. A method that failed its
 probe (the kernel was not built) is never chosen; among methods within the noise margin of the fastest, the one that
-costs least is: fewer threads (cores left to training), then the streaming kernel, then the chunk size nearest the
+costs least is: fewer threads (cores left to training), then the kernel in `KERNELS` order, then the chunk size nearest the
 built-in default.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 
 from hpcft.errors import ConfigError
 
-KERNELS = ("stream", "memcpy")
+KERNELS = ("fused", "stream", "memcpy")  # cheapest first: the fused kernel reads each byte once
 DEFAULT_CHUNK = 1 << 20  # hpcft's chunk before calibration (see copiers.cpu.CpuCopier.chunk_bytes)
 CHUNK_RANGE = (64 << 10, 256 << 20)
 MARGIN = 0.05  # relative: measurements closer than this to the fastest count as ties
@@ -83,14 +83,15 @@ class Choice:
         return {"snapshot": asdict(self.snapshot), "restore": asdict(self.restore)}
 
 
-def default_choice(threads: int, stream: bool) -> Choice:
-    """hpcft's method without calibration: the streaming kernel where it was built, `threads`, 1 MiB chunks."""
-    m = Method("stream" if stream else "memcpy", max(1, threads), DEFAULT_CHUNK)
+def default_choice(threads: int, kernel: str) -> Choice:
+    """hpcft's method without calibration: `kernel` (the cheapest that runs here: ntcopy.kernels()), `threads`,
+    1 MiB chunks."""
+    m = Method(_kernel(kernel), max(1, threads), DEFAULT_CHUNK)
     return Choice(m, m)
 
 
 def _cost(method: Method) -> tuple:
-    """The order among ties: fewer threads, the streaming kernel, the chunk nearest the default."""
+    """The order among ties: fewer threads, the kernel in `KERNELS` order, the chunk nearest the default."""
     return (method.threads, KERNELS.index(method.kernel), abs(math.log2(method.chunk_bytes / DEFAULT_CHUNK)))
 
 
@@ -137,7 +138,7 @@ def pick(samples: Sequence[Sample], fallback: Choice, margin: float = MARGIN) ->
 # ---------------------------------------------------------------- the HPCFT_COPY override
 
 def parse_override(text: str, base: Choice) -> Choice:
-    """`base` with what `text` pins: comma-separated `stream` / `memcpy` (the kernel), `kernel=`, `threads=`, `chunk=`
+    """`base` with what `text` pins: comma-separated `fused` / `stream` / `memcpy` (the kernel), `kernel=`, `threads=`, `chunk=`
     (both directions), or `snapshot.<field>=` / `restore.<field>=` (one); `chunk` is one size for both (the restore
     reads the snapshot's grid). ConfigError naming the part it cannot use."""
     fields: dict[str, dict[str, Any]] = {"snapshot": {}, "restore": {}}

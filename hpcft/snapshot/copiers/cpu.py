@@ -32,26 +32,25 @@ class CpuTransfer:
 
 class _Job:
     """One snapshot's chunks, taken one at a time by whichever worker is free (a worker slowed by other load
-    takes fewer). Each segment is copied with streaming stores (ntcopy: the slot is not read back soon), and
-    the chunk's crc32c is taken over the bytes just read, still in cache: the sources' segments and the
-    padding between them from the slot, which together are the chunk's bytes in the slot."""
+    takes fewer). Each segment is copied with streaming stores (ntcopy: the slot is not read back soon) and
+    checksummed in the same pass (ntcopy.raw_copy_crc); the padding between segments is checksummed from the
+    slot: together they are the chunk's bytes in the slot."""
 
     def __init__(self, arrays: list[np.ndarray], addrs: list[int], chunks: Sequence[Chunk], dst: np.ndarray,
                  delay: float, kernel: str):
         self.arrays, self.addrs, self.chunks, self.dst, self.delay = arrays, addrs, chunks, dst, delay
-        self.copy = ntcopy.raw_copier(kernel)
+        self.copy_crc = ntcopy.raw_copy_crc(kernel)
         self._next = itertools.count().__next__  # atomic under the GIL
 
     def run(self) -> list[tuple[int, int]]:
-        copy, base, dst, out = self.copy, ntcopy.address(self.dst), self.dst, []
+        copy_crc, base, dst, out = self.copy_crc, ntcopy.address(self.dst), self.dst, []
         while (i := self._next()) < len(self.chunks):
             chunk = self.chunks[i]
             crc, pos = 0, chunk.offset
             for s in chunk.segments:
-                copy(base + s.offset, self.addrs[s.source] + s.start, s.nbytes)
                 if s.offset > pos:
                     crc = crc32c(dst[pos:s.offset], crc)
-                crc = crc32c(self.arrays[s.source][s.start:s.start + s.nbytes], crc)
+                crc = copy_crc(base + s.offset, self.addrs[s.source] + s.start, s.nbytes, crc)
                 pos = s.offset + s.nbytes
             end = chunk.offset + chunk.nbytes
             if pos < end:
@@ -66,8 +65,8 @@ class CpuCopier:
     """`threads` workers taking chunks as they are free. With `overlap` the copy runs while training
     continues and the pre-step hook joins it; without, `start` returns once the bytes are copied, the
     training thread being one of the workers (on a CPU whose cores all compute, overlapping only makes the
-    copy and the step fight for the same cores). `kernel` copies each segment (ntcopy.raw_copier: `stream` or
-    `memcpy`, as the calibration chose, hpcft.snapshot.calibration).
+    copy and the step fight for the same cores). `kernel` copies and checksums each segment (ntcopy.raw_copy_crc:
+    `fused`, `stream` or `memcpy`, as the calibration chose, hpcft.snapshot.calibration).
     `delay_per_chunk` (seconds) slows each chunk down, for tests that need a wide copy window."""
 
     name = "cpu"
@@ -77,7 +76,7 @@ class CpuCopier:
     # chunks, 0.85x with 4 MiB; 256 KiB suffered most when the cores were oversubscribed.
     chunk_bytes = 1 << 20
 
-    def __init__(self, threads: int = 2, delay_per_chunk: float = 0.0, overlap: bool = True, kernel: str = "stream"):
+    def __init__(self, threads: int = 2, delay_per_chunk: float = 0.0, overlap: bool = True, kernel: str = "fused"):
         self.threads = max(1, threads)
         self.kernel = kernel
         self.delay_per_chunk = delay_per_chunk
