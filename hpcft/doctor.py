@@ -139,6 +139,8 @@ def _copy_method() -> Check:
 
 
 def _storage() -> list[Check]:
+    from hpcft.store import hugepages
+
     checks = []
     root = os.environ.get("HPCFT_STORE_ROOT", "/dev/shm")
     if not os.path.isdir(root):
@@ -149,6 +151,7 @@ def _storage() -> list[Check]:
         writable = os.access(root, os.W_OK)
         detail = f"{root}: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB" + ("" if writable else ", not writable")
         checks.append(Check("store", writable and free > 0, detail, True))
+        checks.append(Check("store pages", *hugepages.describe(root)))
     job_nvme = nvme_dir()
     nvme = [p for p in (f"/mnt/bb/{os.environ.get('USER', '')}", "/local/scratch") if os.path.isdir(p)]
     checks.append(Check("nvme", True, f"{job_nvme} (${NVME_ENV})" if job_nvme else nvme[0] + f" (not exported: no ${NVME_ENV})"

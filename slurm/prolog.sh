@@ -4,6 +4,16 @@
 # job is over (scontrol did not answer), so such leftovers are swept here, once Slurm says their job has ended
 # or has forgotten it. A pending (requeued) job's store is kept. Always exits 0: a failing prolog drains the node.
 root=${HPCFT_STORE_ROOT:-/dev/shm}
+# Opt-in (set in the prolog's environment by the site): HPCFT_SHM_HUGE=within_size remounts the store's tmpfs so
+# that new files come in 2 MiB pages; a relaunched rank then maps a snapshot without one page fault per 4 KiB
+# (hpcft/store/hugepages.py; `hpcft doctor` shows the store's pages). Files already there keep their pages.
+case "${HPCFT_SHM_HUGE:-}" in
+  always|within_size)
+    if mountpoint -q "$root" && [ "$(stat -f -c %T "$root" 2>/dev/null)" = tmpfs ]; then
+      mount -o remount,huge="$HPCFT_SHM_HUGE" "$root" 2>/dev/null ||
+        logger -t hpcft-prolog "job ${SLURM_JOB_ID:-?}: could not remount $root huge=$HPCFT_SHM_HUGE" 2>/dev/null
+    fi ;;
+esac
 for dir in "$root"/hpcft-*-*; do
   [ -d "$dir" ] && [ ! -L "$dir" ] || continue
   job=${dir##*-}

@@ -18,6 +18,7 @@ from hpcft.bench.harness import (GB, Memcpy, Report, Timings, Variant, local_pro
                                  scratch, set_threads)
 from hpcft.bench.model import Trainer, config_for_params
 from hpcft.errors import CheckpointError
+from hpcft.store import hugepages
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ def run(opts: RestoreOptions) -> Report:
         r = _report(opts, source, timings, state_bytes)
         r.add("restore_threads", ckpt.copy_settings.restore.threads, "", "hpcft restore threads (and the memcpy's)")
         r.note("copy_calibration", machine.calibration(ckpt.copy_settings))
+        r.note("store_pages", hugepages.mode(where.shm))  # what the cold restore's page faults cost depends on
         return r
 
 

@@ -68,7 +68,9 @@ class _Sinks:
         if sink is None:  # two workers may both make it: equal views of the same bytes
             view = self.staging.get(i)
             if view is None:
-                view = self.entries[i].local.reshape(-1).view(torch.uint8)
+                view = self.entries[i].local
+                if view.device.type != "cpu":  # a CPU tensor is its address (no view to make: a relaunch's first
+                    view = view.reshape(-1).view(torch.uint8)  # restore makes hundreds, ~5 us each)
             sink = self._made[i] = view.data_ptr() if view.device.type == "cpu" else view
         return sink
 
