@@ -51,7 +51,9 @@ class _Buffers:
 
     def __init__(self, nbytes: int, root: Path):
         self.nbytes = nbytes
-        self.host = np.ones(nbytes, dtype=np.uint8)
+        raw = np.ones(nbytes + 64, dtype=np.uint8)
+        skip = -ntcopy.address(raw) % 64  # as torch aligns a tensor (and the slot, a page): the copies' lines line up
+        self.host = raw[skip:skip + nbytes]
         fd, name = tempfile.mkstemp(prefix=".hpcft-calibration-", dir=root)
         os.unlink(name)  # nothing is left behind, whatever happens
         self._fd = fd
