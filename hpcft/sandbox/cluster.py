@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hpcft.errors import SandboxError, SlurmError
-from hpcft.sandbox import munge, netns, procs
+from hpcft.sandbox import mounts, munge, netns, procs
 from hpcft.sandbox.config import Layout, SandboxConfig, plan, render_hosts, render_mpi_conf, render_slurm_conf
 from hpcft.slurm.runner import Runner
 
@@ -227,18 +227,11 @@ class Sandbox:
 
     def _start_node(self, name: str) -> None:
         node = self.layout.node(name)
-        tmpfs = [
-            (self._marker(f"{name}-shm"), f"size={self.config.shm_size},mode=1777", "/dev/shm"),
-            (self._marker(f"{name}-pmix"), "mode=0755", str(self.layout.pmix_dir)),
-        ]
         argv = ["slurmd", "-D", "-N", name, "-f", str(self.layout.slurm_conf)]
-        disk = self.layout.local_disk(name)  # the node's own disk at one path on every node, empty as after a boot
-        shutil.rmtree(disk, ignore_errors=True)
-        disk.mkdir(parents=True, mode=0o755)
-        self.layout.local_dir.mkdir(mode=0o755, exist_ok=True)
+        own = mounts.node_mounts(self.layout, name, self._marker(name))
         ns = self._netns_options(node.netns, node.hostname)
-        ns["binds"] = [*ns.get("binds", ()), (disk, str(self.layout.local_dir))]
-        self._spawn(name, argv, tmpfs=tmpfs, **ns)
+        ns["binds"] = [*ns.get("binds", ()), *own.binds]
+        self._spawn(name, argv, tmpfs=own.tmpfs, **ns)
 
     # -- readiness -------------------------------------------------------------------------------
     def wait_for(self, nodes: Iterable[str], predicate: Callable[[str], bool], what: str, timeout: float) -> dict[str, str]:
