@@ -68,8 +68,9 @@ def test_the_spare_taking_a_crashed_nodes_slot_starts_its_rank_warm(recovery_ben
 @pytest.mark.timeout(900)
 def test_the_spares_standby_calibrated_before_the_crash_and_the_lost_nodes_steps_stop_together(recovery_bench):
     """Off the recovery's critical path: every standby, the spare's too, resolved its node's copy method before it
-    served (not the spare's first Checkpointer after the crash; "override": HPCFT_COPY set, as the suite does); after the node loss the trainers' and the agents'
-    steps were stopped in one lost-node grace, not one after the other."""
+    served (not the spare's first Checkpointer after the crash; "override": HPCFT_COPY set, as the suite does);
+    after the node loss the trainers' and the agents' steps were stopped in one lost-node grace, not one after the
+    other."""
     out = recovery_bench.runs / "node-crash"
     log = events.read(out / "job")
     ready = {e["node"]: e for e in log if e["event"] == "standby_ready"}
