@@ -6,7 +6,8 @@ import os
 import subprocess
 import sys
 
-from test_agent_protect import JOB, NODES, RANKS_PER_NODE, _held, _node_files, cluster  # noqa: F401 (fixture)
+from protect_nodes import JOB, NODES, RANKS_PER_NODE, held, node_files
+from test_agent_protect import cluster  # noqa: F401 (fixture)
 
 from hpcft.agent.placement import Scheme
 from hpcft.store import job_dir
@@ -32,16 +33,16 @@ def _agents(roots, shared, secret, tag, hosted: dict[int, int] = {}, *extra):
 def test_a_lost_slot_is_rebuilt_on_a_survivor_beside_its_own_slot(cluster, tmp_path):
     roots, shared, secret = cluster
     _agents(roots, shared, secret, "p")
-    lost = _node_files(roots[1])
-    record = _held(roots[1], 2)[1].tobytes()
-    own = _node_files(roots[2])
+    lost = node_files(roots[1])
+    record = held(roots[1], 2)[1].tobytes()
+    own = node_files(roots[2])
     now = list(roots)
     now[1] = tmp_path / "gone"  # node 1 is lost with its memory; nobody replaces it
     out = _agents(now, shared, secret, "r", {1: 2}, "--rebuild")
     assert all("rebuilt=2" in o for o in out) and "here=True" in out[1]
     hosted = job_dir(roots[2], JOB) / "hosted-1"  # the stand-in's root, inside node 2's job store
-    got = _node_files(hosted)
+    got = node_files(hosted)
     assert len(got) == 2 * RANKS_PER_NODE
     assert set(got) <= set(lost) and got == {k: lost[k] for k in got}  # manifests and data of step 2, identical
-    assert _held(hosted, 2)[1].tobytes() == record  # slot 1's protection record regenerated there too
-    assert _node_files(roots[2]) == own  # node 2's own ranks (4, 5) untouched, and only they are its own
+    assert held(hosted, 2)[1].tobytes() == record  # slot 1's protection record regenerated there too
+    assert node_files(roots[2]) == own  # node 2's own ranks (4, 5) untouched, and only they are its own
