@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from hpcft.snapshot import ntcopy
+
 SNAPSHOT_KEYS = {"overhead_hpcft", "overhead_torch_save", "overhead_dcp_async", "blocked_s_per_snapshot",
                  "copy_vs_memcpy", "dcp_async_form", "snapshot_bytes", "config", "variants", "copy_threads",
                  "copy_calibration", "machine"}
@@ -16,7 +18,7 @@ RESTORE_KEYS = {"restore_vs_memcpy", "speedup_vs_dcp", "speedup_vs_torch_load", 
 def calibrated_threads(result: dict, direction: str) -> int:
     """The copy method the bench's Checkpointer used; the suite pins it (tests/conftest.py: HPCFT_COPY=default)."""
     used = result["copy_calibration"]
-    assert used["source"] == "override" and used[direction]["kernel"] in ("stream", "memcpy")
+    assert used["source"] == "override" and used[direction]["kernel"] in ntcopy.KERNELS
     assert {"cpu", "cores", "memcpy_gbps_1_thread", "load_average"} <= result["machine"].keys()
     return used[direction]["threads"]
 TINY = ["--params", "1M", "--warmup", "1", "--threads", "1"]
