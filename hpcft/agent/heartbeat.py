@@ -14,15 +14,16 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.rendezvous import Rendezvous
 from hpcft.agent.transport import TransportError
 
 _log = logging.getLogger(__name__)
-LOSS_TIMEOUT_S = 5.0  # the default: a peer silent this long is a suspect (`hpcft run --loss-timeout`)
-MAX_PERIOD_S = 1.0
+LOSS_TIMEOUT_S = 3.0  # the default: a peer silent this long is a suspect (`hpcft run --loss-timeout`)
+MAX_PERIOD_S = 0.5
+STARVED_S = 0.5  # the beat loop woke this much (or a period, if longer) after it meant to: this agent was paused
 
 
 class PeerSilent(TransportError):
@@ -30,16 +31,29 @@ class PeerSilent(TransportError):
 
 
 def period_for(timeout: float) -> float:
-    """Seconds between beats: a fifth of the loss timeout (at most a second), so a pause shorter than the timeout
-    never looks like one longer than it."""
-    return min(MAX_PERIOD_S, timeout / 5)
+    """Seconds between beats: a tenth of the loss timeout (at most half a second). A peer is named once silent for
+    the timeout plus a period (its last beat may have left up to a period before it stopped), so the shorter the
+    period, the closer to the timeout a frozen peer is named."""
+    return min(MAX_PERIOD_S, timeout / 10)
+
+
+def silent_peer(heard: Mapping[int, float], now: float, limit: float, skip: Collection[int]) -> int | None:
+    """The first peer not in `skip` whose newest beat (`heard`: slot -> when) is more than `limit` seconds old."""
+    return next((j for j, when in heard.items() if j not in skip and now - when > limit), None)
+
+
+def next_wake(heard: Mapping[int, float], now: float, limit: float, beat_at: float, skip: Collection[int]) -> float:
+    """When the beat loop wakes next: at the next beat, or sooner at the first moment a watched peer could be silent
+    past `limit` (so a frozen peer is named at its deadline, not at the beat after it)."""
+    deadlines = [when + limit for j, when in heard.items() if j not in skip]
+    return max(now, min([beat_at, *deadlines]))
 
 
 class Heartbeat:
     """Beats to the overlay neighbours every `period_for(timeout)` and watches theirs; `suspect` (slot, seconds silent)
     once one has been silent for more than `timeout` plus one period (its last beat may have come up to a period
-    before it stopped: so a pause shorter than `timeout` is never named), reported once to `on_silent` (from the
-    heartbeat's thread).
+    before it stopped: so a pause shorter than `timeout` is never named), checked at that deadline itself
+    (`next_wake`), reported once to `on_silent` (from the heartbeat's thread).
     Silence is only declared on evidence: nothing new from the peer for `timeout` *and* nothing waiting unread in its
     socket, and never right after this agent was itself paused (its own missed ticks are not the peer's)."""
 
@@ -93,34 +107,45 @@ class Heartbeat:
             self.on_silent(peer, seconds)
 
     def _beat(self) -> None:
-        n = 0
-        last = time.monotonic()
-        while not self._stop.wait(self.period):
-            n += 1
-            with self._sending:
-                if self._stop.is_set():
-                    return
-                for j in list(self.mesh.peers):
-                    if j not in self.closed:
-                        try:
-                            self.mesh.channel(j).send({"beat": n})
-                        except TransportError:
-                            self.closed.add(j)
+        n, limit = 0, self.timeout + self.period
+        beat_at = woke = time.monotonic()
+        while True:
+            skip = self.closed | self._pending_now()
+            wake = next_wake(self.heard, woke, limit, beat_at, skip) if self.suspect is None else beat_at
+            if self._stop.wait(max(0.0, wake - time.monotonic())):
+                return
             now = time.monotonic()
-            if now - last > 2 * self.period:  # this agent was paused or starved: what it missed is still to be read
-                for j in self.heard:
+            if now - wake > max(self.period, STARVED_S):  # this agent was paused or starved: what it missed is
+                for j in self.heard:                      # still to be read
                     self.heard[j] = max(self.heard[j], now - self.period)
-            last = now
+            woke = now
+            if now >= beat_at:
+                n += 1
+                beat_at = now + self.period
+                self._send_beats(n)
             if self.suspect is None:
-                self._check(now)
+                self._check(time.monotonic(), limit)
 
-    def _check(self, now: float) -> None:
-        for j, when in self.heard.items():
-            silent = now - when
-            if j in self.closed or silent <= self.timeout + self.period or self._pending(j):
-                continue
-            self._name(j, round(silent, 3), "silent")
-            return
+    def _send_beats(self, n: int) -> None:
+        with self._sending:
+            if self._stop.is_set():
+                return
+            for j in list(self.mesh.peers):
+                if j not in self.closed:
+                    try:
+                        self.mesh.channel(j).send({"beat": n})
+                    except TransportError:
+                        self.closed.add(j)
+
+    def _check(self, now: float, limit: float) -> None:
+        j = silent_peer(self.heard, now, limit, self.closed | self._pending_now())
+        if j is not None:
+            self._name(j, round(now - self.heard[j], 3), "silent")
+
+    def _pending_now(self) -> set[int]:
+        """The peers silent past half the limit whose bytes wait unread (their listener is behind): not silence."""
+        half = time.monotonic() - (self.timeout + self.period) / 2
+        return {j for j, when in self.heard.items() if when < half and j not in self.closed and self._pending(j)}
 
     def _pending(self, peer: int) -> bool:
         """Bytes from `peer` wait unread (its listener thread is behind): not silence."""

@@ -21,6 +21,7 @@ from hpcft.durable.settings import PersistConfig
 from hpcft.launch.config import RunConfig, durable_dir, scheme
 from hpcft.launch.layout import Layout
 from hpcft.launch.liveview import LiveView
+from hpcft.launch.policy import Event, Kind
 from hpcft.slurm.runner import Runner
 
 
@@ -61,6 +62,7 @@ class AgentSteps:
         self._ready_slots: tuple[str, ...] | None = None  # slots whose agents were last ready
         self.no_checkpoint: str | None = None  # why the last launch's agents could rebuild nothing, if so
         self.directory: rendezvous.Directory | None = None  # where every launch's agents meet (over the network)
+        self._killed = False  # the running step was killed with the trainers' (a lost node), not yet reported
 
     def _read(self, tag: str) -> dict[int, dict]:
         """{slot: status} of the agents of launch `tag`."""
@@ -320,13 +322,26 @@ class AgentSteps:
         steps = [r.get("protected") for r in self._read(self.tag).values()]
         return min(steps) if steps and None not in steps else None
 
+    def stop_with_trainers(self, trainers: Mapping[str, subprocess.Popen | None], event: Event | None) -> None:
+        """Stop the trainers' step after `event`; when it lost a node, this launch's agents' step with it (their mesh
+        is broken and the decision kills them anyway): one lost-node grace for both, not one after the other.
+        `stop` then only reports it. (An evicted straggler's agents are healthy: asked later, as ever.)"""
+        lost = bool(event and event.bad_nodes)
+        if not lost or event.kind is Kind.STRAGGLER:
+            self._stop_steps(trainers, lost=lost)
+            return
+        self._killed = self.proc is not None and self.proc.poll() is None
+        self._stop_steps({**trainers, **({AGENT_STEP_NAME: self.proc} if self.proc else {}), **self.hosted_procs},
+                         lost=True)
+
     def stop(self, ask: bool = True, flush: bool = True) -> None:
         """Stop the agents' step of the last launch, if it runs: asked to (each agent exits 0 within a poll, after a
         flush under way when `flush`), for up to --kill-grace, then killed with the step. `ask=False` kills at once
         (a node was lost: the mesh is broken, and recovery must not wait)."""
         if self.proc is None:
             return
-        how = "exited" if self.proc.poll() is not None else "asked" if ask else "killed"
+        killed, self._killed = self._killed, False  # already, with the trainers (stop_with_trainers)
+        how = "killed" if killed else "exited" if self.proc.poll() is not None else "asked" if ask else "killed"
         if how == "asked":
             if flush:
                 self._finish_flush()

@@ -30,7 +30,7 @@ def _run_options(f):
         click.option("--probe-timeout", type=float, default=None, help="Seconds a node health probe may take."),
         click.option("--loss-timeout", type=float, default=None,
                      help="Seconds without a heartbeat after which a node agent names its peer a suspect, whose node "
-                          "is then probed (default 5; 0: no heartbeats)."),
+                          f"is then probed (default {config.LOSS_TIMEOUT_S:g}; 0: no heartbeats)."),
         click.option("--protect", type=click.Choice(list(config.PROTECT_SCHEMES)), default=None,
                      help="Node agents' in-memory protection scheme (default auto: xor from 3 nodes, partner on 2, "
                           "none on 1; none: no agents)."),

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from hpcft.agent.heartbeat import LOSS_TIMEOUT_S
 from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK
 from hpcft.errors import ConfigError
 from hpcft.launch.memplan import parse_bytes
@@ -91,7 +92,7 @@ class RunConfig:
     job_dir: str | None = None
     srun_args: str = ""
     probe_timeout: float = 15.0
-    loss_timeout: float = 5.0
+    loss_timeout: float = LOSS_TIMEOUT_S
     protect: str = "auto"
     group: int = 4
     losses: int = 1

@@ -188,7 +188,7 @@ def record(decision: Decision, event: Event, state: State, job_dir: str) -> dict
 
 CONTROLS = 3             # healthy-looking nodes probed beside the agents' suspects, to time a healthy answer
 CONTROL_FACTOR = 4.0     # a suspect is given this many times the controls' slowest answer ...
-CONTROL_FLOOR_S = 2.0    # ... and at least this long
+CONTROL_FLOOR_S = 1.0    # ... and at least this long
 
 
 def probe_deadline(timeout: float, controls: list[float] | None) -> float:

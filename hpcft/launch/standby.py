@@ -61,6 +61,17 @@ def preload(modules: list[str]) -> float:
     return time.monotonic() - started
 
 
+def calibrate() -> tuple[str, float]:
+    """Resolve this node's CPU copy method now, before serving (measured once and cached per host in the store root,
+    hpcft/snapshot/calibration): the first Checkpointer of a rank this standby starts, a spare's above all, then reads
+    it instead of measuring on the recovery's critical path. (Where the method came from, seconds taken.)"""
+    from hpcft.snapshot import calibration
+
+    started = time.monotonic()
+    got = calibration.resolve(1)  # the cache holds the samples, whatever thread count a rank picks from them
+    return got.source, time.monotonic() - started
+
+
 GPU_DRIVER_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/")  # what cuInit / hsa_init keep open
 
 
@@ -327,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     modules = [m.strip() for m in args.preload.split(",") if m.strip()]
     try:
         seconds = preload(modules)
+        copy_method, calibrate_s = calibrate()  # before the thread baseline: its pool's threads are joined by then
         standby.baseline_threads = native_threads()
         why = fork_unsafe(standby.baseline_threads)
         if why:
@@ -340,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     write_status(args.job_dir, node, phase="ready", import_s=round(seconds, 3), modules=len(sys.modules),
                  threads=standby.baseline_threads, socket=str(path))
     events.emit("standby_ready", log_dir=args.job_dir, node=node, import_s=round(seconds, 3),
-                modules=len(sys.modules), threads=standby.baseline_threads)
+                modules=len(sys.modules), threads=standby.baseline_threads, copy_method=copy_method,
+                calibrate_s=round(calibrate_s, 3))
     job = standby.serve()
     if job is None:
         write_status(args.job_dir, node, phase="stopped", served=standby.served, refused=standby.refused)

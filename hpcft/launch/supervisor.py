@@ -307,7 +307,7 @@ class Supervisor:
                 event = self._watch(proc, layout, launched, watch, lambda suspects: self.agent_loss.while_training(
                     layout, suspects, restart_count, env))
             finally:
-                self._stop_steps({TRAIN_STEP_NAME: proc}, lost=bool(event and event.bad_nodes))
+                self.agents.stop_with_trainers({TRAIN_STEP_NAME: proc}, event)  # with the agents' after a loss
                 reader.join(timeout=5)
             watch.say(self.emit, self.lost)
         except BaseException:

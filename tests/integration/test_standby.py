@@ -63,3 +63,22 @@ def test_the_spare_taking_a_crashed_nodes_slot_starts_its_rank_warm(recovery_ben
     log = events.read(out / "job")
     assert not [e for e in log if e["event"] == "standby_failed" and e.get("cause") != "step_ended"]
     assert_same_result(out, dp_reference)
+
+
+@pytest.mark.timeout(900)
+def test_the_spares_standby_calibrated_before_the_crash_and_the_lost_nodes_steps_stop_together(recovery_bench):
+    """Off the recovery's critical path: every standby, the spare's too, resolved its node's copy method before it
+    served (not the spare's first Checkpointer after the crash; "override": HPCFT_COPY set, as the suite does);
+    after the node loss the trainers' and the agents' steps were stopped in one lost-node grace, not one after the
+    other."""
+    out = recovery_bench.runs / "node-crash"
+    log = events.read(out / "job")
+    ready = {e["node"]: e for e in log if e["event"] == "standby_ready"}
+    assert sorted(ready) == [f"n{i}" for i in range(1, 7)]
+    assert all(e["copy_method"] in ("measured", "cache", "override") and e["calibrate_s"] >= 0 for e in ready.values()), ready
+    decided = next(e["time"] for e in log if e["event"] == "decision" and e["action"] == "replace")
+    assert ready["n5"]["time"] < decided, "the spare's standby was ready (calibrated) before the crash"
+    killed = [e for e in log if e["event"] == "step_killed" and e["time"] <= decided + 5]
+    assert len(killed) == 1 and set(killed[0]["steps"].split(",")) == {"hpcft-train", "hpcft-agent"}, killed
+    stopped = next(e for e in log if e["event"] == "agents_stopped" and e["time"] >= decided)
+    assert stopped["how"] == "killed", stopped

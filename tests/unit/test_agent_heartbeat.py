@@ -28,7 +28,7 @@ def test_the_overlay_is_symmetric_and_logarithmic():
         assert all(s not in rel[s] and rel[s] for s in rel), size
         assert max(len(v) for v in rel.values()) <= 2 * (size - 1).bit_length(), size
     assert neighbours(0, 5) == [1, 2, 3, 4] and neighbours(0, 8) == [1, 2, 4, 6, 7]
-    assert period_for(5.0) == 1.0 and period_for(2.0) == 0.4
+    assert period_for(5.0) == 0.5 and period_for(3.0) == 0.3 and period_for(2.0) == 0.2
 
 
 def _phases(shared: Path) -> dict[int, dict]:
@@ -147,3 +147,17 @@ def test_a_beat_connection_closed_without_a_goodbye_is_a_loss_at_once_an_orderly
         peer.communicate()
         for b in made:
             b.close()
+
+
+def test_a_silent_peer_is_named_at_its_deadline_not_at_the_next_beat():
+    """Pure timing (a fake clock): the loop wakes at the earliest deadline of a watched peer, or at the next beat."""
+    from hpcft.agent.heartbeat import next_wake, silent_peer
+
+    limit = LOSS_S + period_for(LOSS_S)
+    heard = {1: 10.0, 2: 11.0}
+    assert next_wake(heard, now=12.0, limit=limit, beat_at=12.3, skip=()) == 12.3  # a beat comes first
+    assert next_wake(heard, now=13.2, limit=limit, beat_at=13.5, skip=()) == pytest.approx(10.0 + limit)
+    assert next_wake(heard, now=13.2, limit=limit, beat_at=13.5, skip={1}) == 13.5  # closed or unread: not watched
+    assert next_wake(heard, now=20.0, limit=limit, beat_at=20.3, skip=()) == 20.0  # overdue: at once, never before now
+    assert silent_peer(heard, 9.99 + limit, limit, ()) is None  # within the limit: not yet
+    assert silent_peer(heard, 10.01 + limit, limit, ()) == 1 and silent_peer(heard, 10.01 + limit, limit, {1}) is None
