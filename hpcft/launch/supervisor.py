@@ -216,11 +216,15 @@ class Supervisor:
             # in this order: what the next run needs is on disk before the requeue's SIGTERM reaches this process
             self.emit("requeue", level=logging.WARNING, excluded=",".join(saved.excluded), reason=decision.reason)
             requeue_flag(self.job_dir, self._slurm_run).touch()  # the janitors keep the stores for the next run
-            saved.slurm_excluded = slurmstate.requeue(self.runner, self.job_id, saved.excluded)
+            done = slurmstate.requeue(self.runner, self.job_id, saved.excluded)
+            saved.slurm_excluded = done.excluded
             saved.save(self.state_path)
-            self.emit("requeued", slurm_excluded=",".join(saved.slurm_excluded),
+            self.emit("requeued", level=logging.WARNING if done.allowed else logging.INFO,
+                      slurm_excluded=",".join(done.excluded), allowed=",".join(done.allowed),
                       reason="nodes Slurm itself marked bad are not put into ExcNodeList: Slurm allocates them only "
-                             "once back in service")
+                             "once back in service" + ("; nor are those the job cannot start without (too few "
+                                                       "nodes in service in its partition or reservation)"
+                                                       if done.allowed else ""))
         return int(decision.exit_code or 0)
 
     def _clean_up(self, nodes: list[str]) -> None:

@@ -128,25 +128,71 @@ def _unkillable(runner: Runner, argv: list[str]) -> tuple[int, str]:
     return proc.returncode, (out or "").strip()
 
 
-def requeue(runner: Runner, job_id: str, exclude: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class Placement:
+    need: int          # nodes the job asks for (the least of a range)
+    pool: list[str]    # where it may be placed: its reservation's nodes, else its partitions'
+    excluded: list[str]  # its ExcNodeList now (the user's --exclude, an earlier requeue's)
+
+
+def _nodes(hostlist: str) -> list[str]:
+    return expand(hostlist if hostlist not in ("(null)", "") else "")
+
+
+def placement(runner: Runner, job_id: str) -> Placement:
+    """Where Slurm may place the job's next allocation, read from slurmctld."""
+    f = fields(runner.run(["scontrol", "show", "job", "-o", job_id], check=False).stdout)
+    if f.get("Reservation", "(null)") not in ("(null)", ""):
+        sources = [["scontrol", "show", "reservation", "-o", f["Reservation"]]]
+    else:
+        sources = [["scontrol", "show", "partition", "-o", p] for p in f.get("Partition", "").split(",") if p]
+    pool: list[str] = []
+    for argv in sources:
+        pool += [n for n in _nodes(fields(runner.run(argv, check=False).stdout).get("Nodes", "")) if n not in pool]
+    return Placement(int(re.match(r"\d*", f.get("NumNodes", "")).group() or 0), pool,
+                     _nodes(f.get("ExcNodeList", "")))
+
+
+def affordable(exclude: list[str], states: dict[str, str], where: Placement) -> list[str]:
+    """Those of `exclude` (found bad by hpcft, healthy by Slurm) that can be kept out of the job's next allocation
+    and still leave it `where.need` nodes in service: the rest stay allowed, or the job could never start again
+    (a partition or reservation of about its size). All of them when the pool is unknown."""
+    if not where.pool or where.need <= 0:
+        return list(exclude)
+    usable = [n for n in where.pool if not is_bad(states.get(n, "UNKNOWN")) and n not in where.excluded]
+    return [n for n in exclude if n in usable][:max(0, len(usable) - where.need)]
+
+
+@dataclass(frozen=True)
+class Requeued:
+    excluded: list[str]  # what hpcft put into the job's ExcNodeList
+    allowed: list[str]   # found bad by hpcft but left allowed: without them too few nodes are left in service
+
+
+def requeue(runner: Runner, job_id: str, exclude: list[str]) -> Requeued:
     """Ask Slurm to requeue the job, then keep out of its next allocation those of `exclude` that Slurm itself
-    still takes for healthy (found bad by hpcft's probe); returns the nodes Slurm took into ExcNodeList.
+    still takes for healthy (found bad by hpcft's probe, before Slurm's own mark) and the job can do without.
 
     A node Slurm marked DOWN/DRAIN/NOT_RESPONDING is not allocated while so; if it comes back to service it
     is healthy by Slurm's judgement, and excluding it could leave the job unable ever to start (a reservation
-    of exactly its size). slurmctld takes ExcNodeList only from a pending job, so after the requeue, whose
-    SIGTERM reaches every process of the batch step at once (the scontrol processes included): both commands
-    run with SIGTERM ignored, within the KillWait seconds before the SIGKILL."""
-    states = node_states(runner, exclude)  # before the requeue: its SIGTERM would cut this short
-    keep_out = [n for n in exclude if not is_bad(states.get(n, "DOWN"))]
+    of exactly its size): for the same reason a node stays allowed when the job's partition or reservation
+    would keep too few nodes in service without it. slurmctld takes ExcNodeList only from a pending job, so
+    after the requeue, whose SIGTERM reaches every process of the batch step at once (the scontrol processes
+    included): both commands run with SIGTERM ignored, within the KillWait seconds before the SIGKILL."""
+    where = placement(runner, job_id) if exclude else Placement(0, [], [])  # all reads before the requeue's SIGTERM
+    states = node_states(runner, list(dict.fromkeys([*exclude, *where.pool])))
+    suspects = [n for n in exclude if not is_bad(states.get(n, "DOWN"))]
+    keep_out = affordable(suspects, states, where)
+    allowed = [n for n in suspects if n not in keep_out]
     code, out = _unkillable(runner, ["scontrol", "requeue", job_id])
     if code != 0:
         raise SlurmError(f"'scontrol requeue {job_id}' failed with exit status {code}: {out[-2000:]}")
     if not keep_out:
-        return []
-    code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(keep_out)}"])
+        return Requeued([], allowed)
+    merged = ",".join(dict.fromkeys([*where.excluded, *keep_out]))  # the user's --exclude stays
+    code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"])
     if code != 0:
         _log.warning("could not exclude %s from job %s's next allocation (exit status %s): %s", keep_out, job_id,
                      code, out)
-        return []
-    return keep_out
+        return Requeued([], allowed)
+    return Requeued(keep_out, allowed)

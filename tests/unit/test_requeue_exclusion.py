@@ -1,0 +1,46 @@
+"""Which nodes hpcft keeps out of a requeued job's next allocation: never so many that it could not start."""
+import subprocess
+
+from hpcft.slurm.state import Placement, affordable, placement
+
+
+def test_a_suspect_is_kept_out_while_the_pool_has_room_for_the_job():
+    states = {n: "IDLE" for n in ("n1", "n2", "n3", "n4")}
+    assert affordable(["n2"], states, Placement(3, ["n1", "n2", "n3", "n4"], [])) == ["n2"]
+
+
+def test_a_suspect_the_job_cannot_start_without_stays_allowed():
+    states = {"n1": "ALLOCATED", "n2": "ALLOCATED", "n3": "ALLOCATED", "n4": "DRAIN", "n5": "DOWN*", "n6": "IDLE"}
+    pool = ["n1", "n2", "n3", "n4", "n5", "n6"]
+    assert affordable(["n2"], states, Placement(4, pool, [])) == []  # n1, n2, n3, n6 in service: all needed
+    assert affordable(["n2", "n3"], states, Placement(3, pool, [])) == ["n2"]  # room for one
+    assert affordable(["n2"], states, Placement(3, pool, ["n6"])) == []  # the user's --exclude counts too
+
+
+def test_an_unknown_pool_or_size_keeps_every_suspect_out():
+    assert affordable(["n2"], {}, Placement(0, [], [])) == ["n2"]
+    assert affordable(["n2"], {}, Placement(2, [], [])) == ["n2"]
+
+
+class _Slurm:
+    """scontrol's answers, as text: the parsing under test, no cluster needed."""
+
+    def __init__(self, answers: dict[str, str]):
+        self.answers, self.asked = answers, []
+
+    def run(self, argv, check=True):
+        self.asked.append(argv[:3])
+        return subprocess.CompletedProcess(argv, 0, self.answers[" ".join(argv[2:3])], "")
+
+
+def test_placement_reads_the_partitions_or_the_reservation_and_the_jobs_exclusion():
+    job = ("JobId=7 JobName=train JobState=RUNNING Partition=batch,extended NumNodes=3-4 NumCPUs=6 "
+           "ExcNodeList=frontier[00001-00002] Reservation=(null)")
+    slurm = _Slurm({"job": job, "partition": "PartitionName=batch Nodes=frontier[00001-00004] State=UP"})
+    got = placement(slurm, "7")
+    assert got == Placement(3, ["frontier00001", "frontier00002", "frontier00003", "frontier00004"],
+                            ["frontier00001", "frontier00002"])
+    assert [a[2] for a in slurm.asked] == ["job", "partition", "partition"]
+    slurm = _Slurm({"job": "JobId=7 Partition=batch NumNodes=2 ExcNodeList=(null) Reservation=hero",
+                    "reservation": "ReservationName=hero Nodes=frontier[00010-00011] NodeCnt=2"})
+    assert placement(slurm, "7") == Placement(2, ["frontier00010", "frontier00011"], [])
