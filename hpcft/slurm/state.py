@@ -35,6 +35,14 @@ class JobInfo:
     requeue: bool
     restarts: int
     batch_host: str = ""  # the node running the batch script (`hpcft run` under sbatch)
+    num_nodes: int = 0  # nodes it asks for (the least of a range)
+    partitions: tuple[str, ...] = ()
+    reservation: str = ""
+    exc_nodes: tuple[str, ...] = ()  # its ExcNodeList (the user's --exclude, an earlier requeue's)
+
+
+def _nodes(hostlist: str) -> list[str]:
+    return expand(hostlist if hostlist not in ("(null)", "") else "")
 
 
 def _time(text: str) -> float | None:
@@ -53,10 +61,14 @@ def job_info(runner: Runner, job_id: str) -> JobInfo:
         raise SlurmError(f"scontrol knows no job {job_id}")
     f = fields(line[0])
     unlimited = f.get("TimeLimit", "") in ("UNLIMITED", "Partition_Limit")
-    return JobInfo(job_id=job_id, nodes=expand(f.get("NodeList", "") if f.get("NodeList") != "(null)" else ""),
+    return JobInfo(job_id=job_id, nodes=_nodes(f.get("NodeList", "")),
                    end_time=None if unlimited else _time(f.get("EndTime", "")), batch=f.get("BatchFlag") == "1",
                    requeue=f.get("Requeue") == "1", restarts=int(f.get("Restarts", "0") or 0),
-                   batch_host=f.get("BatchHost", "") if f.get("BatchHost") != "(null)" else "")
+                   batch_host=f.get("BatchHost", "") if f.get("BatchHost") != "(null)" else "",
+                   num_nodes=int(re.match(r"\d*", f.get("NumNodes", "")).group() or 0),
+                   partitions=tuple(p for p in f.get("Partition", "").split(",") if p),
+                   reservation=f.get("Reservation", "") if f.get("Reservation") != "(null)" else "",
+                   exc_nodes=tuple(_nodes(f.get("ExcNodeList", ""))))
 
 
 def job_ended(runner: Runner, job_id: str) -> bool:
@@ -135,22 +147,15 @@ class Placement:
     excluded: list[str]  # its ExcNodeList now (the user's --exclude, an earlier requeue's)
 
 
-def _nodes(hostlist: str) -> list[str]:
-    return expand(hostlist if hostlist not in ("(null)", "") else "")
-
-
 def placement(runner: Runner, job_id: str) -> Placement:
-    """Where Slurm may place the job's next allocation, read from slurmctld."""
-    f = fields(runner.run(["scontrol", "show", "job", "-o", job_id], check=False).stdout)
-    if f.get("Reservation", "(null)") not in ("(null)", ""):
-        sources = [["scontrol", "show", "reservation", "-o", f["Reservation"]]]
-    else:
-        sources = [["scontrol", "show", "partition", "-o", p] for p in f.get("Partition", "").split(",") if p]
+    """Where Slurm may place the job's next allocation: its reservation's nodes, else its partitions'."""
+    job = job_info(runner, job_id)
+    sources = [["scontrol", "show", "reservation", "-o", job.reservation]] if job.reservation else \
+        [["scontrol", "show", "partition", "-o", p] for p in job.partitions]
     pool: list[str] = []
     for argv in sources:
         pool += [n for n in _nodes(fields(runner.run(argv, check=False).stdout).get("Nodes", "")) if n not in pool]
-    return Placement(int(re.match(r"\d*", f.get("NumNodes", "")).group() or 0), pool,
-                     _nodes(f.get("ExcNodeList", "")))
+    return Placement(job.num_nodes, pool, list(job.exc_nodes))
 
 
 def affordable(exclude: list[str], states: dict[str, str], where: Placement) -> list[str]:
@@ -179,7 +184,12 @@ def requeue(runner: Runner, job_id: str, exclude: list[str]) -> Requeued:
     would keep too few nodes in service without it. slurmctld takes ExcNodeList only from a pending job, so
     after the requeue, whose SIGTERM reaches every process of the batch step at once (the scontrol processes
     included): both commands run with SIGTERM ignored, within the KillWait seconds before the SIGKILL."""
-    where = placement(runner, job_id) if exclude else Placement(0, [], [])  # all reads before the requeue's SIGTERM
+    where = Placement(0, [], [])  # unknown: every suspect is kept out
+    if exclude:
+        try:
+            where = placement(runner, job_id)  # all reads before the requeue's SIGTERM
+        except SlurmError as exc:
+            _log.warning("cannot read where job %s may be placed (%s): every suspect node is excluded", job_id, exc)
     states = node_states(runner, list(dict.fromkeys([*exclude, *where.pool])))
     suspects = [n for n in exclude if not is_bad(states.get(n, "DOWN"))]
     keep_out = affordable(suspects, states, where)
