@@ -322,17 +322,19 @@ class AgentSteps:
         steps = [r.get("protected") for r in self._read(self.tag).values()]
         return min(steps) if steps and None not in steps else None
 
-    def stop_with_trainers(self, trainers: Mapping[str, subprocess.Popen | None], event: Event | None) -> None:
+    def stop_with_trainers(self, trainers: Mapping[str, subprocess.Popen | None], event: Event | None,
+                           settled: Callable[[], bool] | None = None) -> None:
         """Stop the trainers' step after `event`; when it lost a node, this launch's agents' step with it (their mesh
-        is broken and the decision kills them anyway): one lost-node grace for both, not one after the other.
-        `stop` then only reports it. (An evicted straggler's agents are healthy: asked later, as ever.)"""
+        is broken and the decision kills them anyway): one lost-node grace for both, not one after the other, ended
+        once `settled()` (srun reported every trainer task of the other nodes ended). `stop` then only reports it.
+        (An evicted straggler's agents are healthy: asked later, as ever.)"""
         lost = bool(event and event.bad_nodes)
         if not lost or event.kind is Kind.STRAGGLER:
-            self._stop_steps(trainers, lost=lost)
+            self._stop_steps(trainers, lost=lost, settled=settled)
             return
         self._killed = self.proc is not None and self.proc.poll() is None
         self._stop_steps({**trainers, **({AGENT_STEP_NAME: self.proc} if self.proc else {}), **self.hosted_procs},
-                         lost=True)
+                         lost=True, settled=settled)
 
     def stop(self, ask: bool = True, flush: bool = True) -> None:
         """Stop the agents' step of the last launch, if it runs: asked to (each agent exits 0 within a poll, after a

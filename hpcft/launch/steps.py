@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from hpcft.slurm.runner import Runner
 
 LOST_NODE_GRACE_S = 1.0  # a step with a lost node: its srun waits for that node's tasks, which never answer
+SETTLE_POLL_S = 0.02  # how often a stop looks whether its steps have ended
 
 
 class StepStopper:
@@ -22,11 +23,13 @@ class StepStopper:
         self.runner, self.job_id, self.kill_grace, self.emit = runner, job_id, kill_grace, emit
         self._background: list[subprocess.Popen] = []  # step kills still retrying
 
-    def stop(self, steps: Mapping[str, subprocess.Popen | None], *, lost: bool = False) -> None:
+    def stop(self, steps: Mapping[str, subprocess.Popen | None], *, lost: bool = False,
+             settled: Callable[[], bool] | None = None) -> None:
         """Stop the running ones of {step name: srun} together: SIGTERM to each srun (which then kills its
         tasks), then after the grace SIGKILL the sruns left and their steps' tasks. `lost`: a node of theirs is lost,
         so srun would wait the whole --kill-grace for its tasks (a frozen or dead node never answers): the tasks on
-        the other nodes get LOST_NODE_GRACE_S (their collectives are broken anyway), then the step is killed.
+        the other nodes get LOST_NODE_GRACE_S (their collectives are broken anyway), then the step is killed;
+        sooner once `settled()` says every task still reachable has ended (srun said so: only the lost ones are left).
 
         The steps' `scancel --signal=KILL` is not waited for: once srun has asked Slurm to end a step, the step
         is "in a transitional state" and scancel retries every 5+ s — the relaunch must not wait on that."""
@@ -36,12 +39,12 @@ class StepStopper:
         started, grace = time.monotonic(), min(self.kill_grace, LOST_NODE_GRACE_S) if lost else self.kill_grace
         for p in running.values():
             p.send_signal(signal.SIGTERM)
-        left = {}
-        for name, p in running.items():
-            try:
-                p.wait(timeout=max(0.0, started + grace - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                left[name] = p
+        left = dict(running)
+        while True:
+            left = {name: p for name, p in left.items() if p.poll() is None}
+            if not left or time.monotonic() >= started + grace or (lost and settled is not None and settled()):
+                break
+            time.sleep(SETTLE_POLL_S)
         if not left:
             return
         for p in left.values():

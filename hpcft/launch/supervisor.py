@@ -311,7 +311,9 @@ class Supervisor:
                 event = self._watch(proc, layout, launched, watch, lambda suspects: self.agent_loss.while_training(
                     layout, suspects, restart_count, env))
             finally:
-                self.agents.stop_with_trainers({TRAIN_STEP_NAME: proc}, event)  # with the agents' after a loss
+                self.agents.stop_with_trainers({TRAIN_STEP_NAME: proc}, event, settled=lambda: all(  # srun said so
+                    slurmstate.ended_tasks(lines).get(node, 0) >= layout.tasks_per_node
+                    for node in layout.slots if node not in event.bad_nodes))  # with the agents' after a loss
                 reader.join(timeout=5)
             watch.say(self.emit, self.lost)
         except BaseException:

@@ -120,6 +120,20 @@ def task_errors(stderr_lines: list[str]) -> list[str]:
     return [f"{m.group(1)}: task {m.group(2)}: {m.group(3)}" for m in map(_TASK_ERROR.match, stderr_lines) if m]
 
 
+def ended_tasks(stderr_lines: list[str]) -> dict[str, int]:
+    """{node: how many of its tasks srun has reported ended} ('n2: tasks 4-7: Terminated' counts 4), from its
+    per-task lines; a task that exits 0 gets no line."""
+    ended: dict[str, set[int]] = {}
+    for m in map(_TASK_ERROR.match, stderr_lines):
+        if m:
+            tasks = ended.setdefault(m.group(1), set())
+            for part in m.group(2).split(","):
+                low, _, high = part.partition("-")
+                if low.isdigit() and (not high or high.isdigit()):
+                    tasks.update(range(int(low), int(high or low) + 1))
+    return {node: len(tasks) for node, tasks in ended.items()}
+
+
 def step_refusal(stderr_lines: list[str]) -> str | None:
     """Slurm's reason when srun could not create the step because of its options ('More processors requested
     than permitted'), or None: no refusal, or one another try may not meet (TRANSIENT_REFUSALS)."""

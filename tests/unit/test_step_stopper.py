@@ -5,6 +5,7 @@ import sys
 import time
 
 from hpcft.launch.steps import LOST_NODE_GRACE_S, StepStopper
+from hpcft.slurm import state as slurmstate
 
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
 
@@ -41,3 +42,35 @@ def test_a_step_with_a_lost_node_gets_the_short_grace_and_the_others_the_whole_o
     started = time.monotonic()
     stopper.stop({"train": p})
     assert p.poll() is not None and time.monotonic() - started >= 1.5 and said[0]["grace"] == 1.5, said
+
+
+def test_a_lost_node_stop_ends_once_srun_reported_every_other_task_ended():
+    """srun waits on the lost node's tasks, which never answer; once it has reported the others ended there is
+    nothing left to wait for, so the stop does not sit out the lost-node grace."""
+    said: list = []
+    stopper = StepStopper(_Runner(), "1", kill_grace=600.0, emit=lambda *a, **k: said.append(k))
+    lines = ["srun: error: frontier00042: tasks 0-6: Terminated"]
+    settled = lambda: slurmstate.ended_tasks(lines).get("frontier00042", 0) >= 8  # noqa: E731
+    p = _stubborn()
+    started = time.monotonic()
+    lines.append("srun: error: frontier00042: task 7: Killed")
+    stopper.stop({"train": p}, lost=True, settled=settled)
+    assert p.poll() is not None and time.monotonic() - started < LOST_NODE_GRACE_S / 2, "ended at the settle"
+    assert said[0]["steps"] == "train", said
+
+
+def test_a_settle_never_shortens_a_stop_without_a_lost_node():
+    stopper = StepStopper(_Runner(), "1", kill_grace=1.0, emit=lambda *a, **k: None)
+    p = _stubborn()
+    started = time.monotonic()
+    stopper.stop({"train": p}, settled=lambda: True)
+    assert time.monotonic() - started >= 1.0
+
+
+def test_ended_tasks_counts_each_task_once_per_node_from_srun_lines():
+    lines = ["srun: error: frontier00042: tasks 0-3,6: Terminated",
+             "srun: error: frontier00042: task 3: Killed",  # the same task again, after the SIGKILL
+             "srun: error: frontier00043: task 9: Exited with exit code 1",
+             "srun: Job step aborted: Waiting up to 32 seconds for job step to finish.",
+             "slurmstepd: error: *** STEP 7.0 ON frontier00042 CANCELLED AT 2026-12-02T10:00:00 ***"]
+    assert slurmstate.ended_tasks(lines) == {"frontier00042": 5, "frontier00043": 1}
