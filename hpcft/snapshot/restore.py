@@ -16,7 +16,7 @@ from hpcft.errors import CheckpointError, IntegrityError, ManifestError, StoreEr
 from hpcft.snapshot import ntcopy, plan, schema
 from hpcft.snapshot.groups import Group
 from hpcft.snapshot.state import Entry, grains
-from hpcft.store import RankStore, Version, crc32c, seal, seal_key
+from hpcft.store import RankStore, Version, chunk_crc, crc32c, seal, seal_key
 
 _log = logging.getLogger(__name__)
 OK, LOST, MISMATCH = 0, 1, 2
@@ -86,20 +86,18 @@ def _load_chunk(copy_crc: Callable[[int, int, int, int], int], data: np.ndarray,
     included): into a CPU sink with `copy_crc` (ntcopy.raw_copy_crc: streaming stores, nothing reads the sink back
     soon; the checksum in the same pass or from cache right after), into a device one with a host-to-device copy
     and the checksum of the file's bytes."""
-    crc, pos = 0, chunk.offset
-    for s in chunk.segments:
-        if s.offset > pos:
-            crc = crc32c(data[pos:s.offset], crc)
+    def padding(lo: int, hi: int, crc: int) -> int:
+        return crc32c(data[lo:hi], crc)
+
+    def segment(s: plan.Segment, crc: int) -> int:
         sink = sinks[s.source]
         if isinstance(sink, int):
-            crc = copy_crc(sink + s.start, base + s.offset, s.nbytes, crc)
-        else:
-            src = data[s.offset:s.offset + s.nbytes]
-            sink[s.start:s.start + s.nbytes].copy_(torch.from_numpy(src))
-            crc = crc32c(src, crc)
-        pos = s.offset + s.nbytes
-    end = chunk.offset + chunk.nbytes
-    return crc32c(data[pos:end], crc) if pos < end else crc
+            return copy_crc(sink + s.start, base + s.offset, s.nbytes, crc)
+        src = data[s.offset:s.offset + s.nbytes]
+        sink[s.start:s.start + s.nbytes].copy_(torch.from_numpy(src))
+        return crc32c(src, crc)
+
+    return chunk_crc(chunk, padding, segment)
 
 
 class Loader:

@@ -1,5 +1,6 @@
 """crc32c of byte ranges (hardware accelerated, releases the GIL on large buffers)."""
 import json
+from collections.abc import Callable
 from typing import Any
 
 from hpcft.deps import require
@@ -11,6 +12,20 @@ def crc32c(buf: Any, crc: int = 0) -> int:
     """crc32c of a bytes-like object (numpy array, memoryview, bytes); `crc` continues a running checksum
     (crc32c(b, crc32c(a)) == crc32c(a + b))."""
     return _crc(buf if isinstance(buf, (bytes, bytearray)) else memoryview(buf).cast("B"), crc)
+
+
+def chunk_crc(chunk: Any, padding: Callable[[int, int, int], int], segment: Callable[[Any, int], int]) -> int:
+    """crc32c of one chunk's bytes in its slot (a plan.Chunk: `offset`, `nbytes`, `segments`), in order: each segment
+    through `segment(s, crc)`, which copies it too (into the slot on a snapshot, out of it on a restore), the
+    padding between and after the segments through `padding(lo, hi, crc)`."""
+    crc, pos = 0, chunk.offset
+    for s in chunk.segments:
+        if s.offset > pos:
+            crc = padding(pos, s.offset, crc)
+        crc = segment(s, crc)
+        pos = s.offset + s.nbytes
+    end = chunk.offset + chunk.nbytes
+    return padding(pos, end, crc) if pos < end else crc
 
 
 SEALED = ("step", "rng", "optim", "extra")  # what a snapshot restores besides its tensors

@@ -9,7 +9,7 @@ import torch
 
 from hpcft.snapshot import ntcopy
 from hpcft.snapshot.plan import Chunk
-from hpcft.store import Slot, crc32c
+from hpcft.store import Slot, chunk_crc, crc32c
 
 
 class CpuTransfer:
@@ -43,18 +43,16 @@ class _Job:
         self._next = itertools.count().__next__  # atomic under the GIL
 
     def run(self) -> list[tuple[int, int]]:
-        copy_crc, base, dst, out = self.copy_crc, ntcopy.address(self.dst), self.dst, []
+        copy_crc, base, dst, addrs, out = self.copy_crc, ntcopy.address(self.dst), self.dst, self.addrs, []
+
+        def padding(lo: int, hi: int, crc: int) -> int:
+            return crc32c(dst[lo:hi], crc)
+
+        def segment(s, crc: int) -> int:
+            return copy_crc(base + s.offset, addrs[s.source] + s.start, s.nbytes, crc)
+
         while (i := self._next()) < len(self.chunks):
-            chunk = self.chunks[i]
-            crc, pos = 0, chunk.offset
-            for s in chunk.segments:
-                if s.offset > pos:
-                    crc = crc32c(dst[pos:s.offset], crc)
-                crc = copy_crc(base + s.offset, self.addrs[s.source] + s.start, s.nbytes, crc)
-                pos = s.offset + s.nbytes
-            end = chunk.offset + chunk.nbytes
-            if pos < end:
-                crc = crc32c(dst[pos:end], crc)
+            crc = chunk_crc(self.chunks[i], padding, segment)
             if self.delay:
                 time.sleep(self.delay)
             out.append((i, crc))
