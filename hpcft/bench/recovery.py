@@ -19,7 +19,8 @@ Runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spare nod
 - baselines (hpcft/bench/recovery_baselines.py): a plain batch job that `torch.save`s every step, one rank killed;
   its batch script runs srun again in the same allocation (`relaunch`, what a user would do: the fair one), or
   `scontrol requeue`s the job (`requeue`), and the next launch `torch.load`s the checkpoint.
-Every total runs from the fault itself. Each is split into consecutive phases: detection (fault → the supervisor's
+A fault-free run of the same job comes first: every faulted run must end with its parameters and data position,
+bit for bit (`identical`, and `resumed_identical` in each run's phases). Every total runs from the fault itself. Each is split into consecutive phases: detection (fault → the supervisor's
 decision, or → the baseline's script reacting), relaunch (→ every rank is ready to restore: srun, Python + torch
 import, process group, model, optimizer and Checkpointer built), restore (→ every rank has restored) and first
 step (→ every rank has completed its first step). Times come from the supervisor's events (<job dir>/events.jsonl)
@@ -160,7 +161,21 @@ def _decided(job_dir: Path, after: float) -> float:
     return min(found)
 
 
-# ---------------------------------------------------------------- the three scenarios
+# ---------------------------------------------------------------- the scenarios
+
+def fault_free(sb, opts: RecoveryOptions, out: Path) -> None:
+    """The same job, no fault: what every faulted run must end with, bit for bit (`_identical`)."""
+    _finish(_supervised(sb, opts, out), out, opts.timeout)
+
+
+def _identical(out: Path, ref: Path) -> bool:
+    """Whether the run in `out` ended with the fault-free run's parameters and data position (rank 0's final.pt)."""
+    import torch
+
+    got, want = (torch.load(d / "final.pt", map_location="cpu", weights_only=True) for d in (out, ref))
+    return got["seen"] == want["seen"] and got["params"].keys() == want["params"].keys() and all(
+        torch.equal(got["params"][k], v) for k, v in want["params"].items())
+
 
 def rank_kill(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     proc = _supervised(sb, opts, out)
@@ -323,6 +338,7 @@ def run(opts: RecoveryOptions) -> Report:
         with _sandbox(opts.dir) as sb:
             sb.heal()
             try:
+                fault_free(sb, opts, work / "fault-free")
                 kill = rank_kill(sb, opts, work / "rank-kill")
                 exc = exception(sb, opts, work / "exception")
                 crash = node_crash(sb, opts, work / "node-crash")
@@ -336,9 +352,17 @@ def run(opts: RecoveryOptions) -> Report:
                 sb.heal()
     except HpcftError as exc:  # the runs' job output and events are what tells why: keep them
         raise HpcftError(f"{exc} (the runs' output is kept in {work})") from exc
-    if not opts.keep:
+    faulted = {"rank_kill": kill, "exception": exc, "node_crash": crash, "batch_host": host}
+    for name, ph in faulted.items():
+        ph["resumed_identical"] = _identical(work / name.replace("_", "-"), work / "fault-free")
+    identical = all(ph["resumed_identical"] for ph in faulted.values())
+    if not identical:
+        events.emit("bench_result_differs", level=logging.ERROR, runs=",".join(
+            n for n, ph in faulted.items() if not ph["resumed_identical"]), kept=str(work))
+    elif not opts.keep:
         shutil.rmtree(work, ignore_errors=True)
     report = Report("recovery")
+    report.add("identical", identical, "", "every faulted run ended bit-identical to the fault-free run")
     share = kill["restore_s"] / kill["total_s"]
     report.add("rank_kill_s", kill["total_s"], "s", "rank kill: fault -> first step after it")
     report.add("node_crash_s", crash["from_marked_down_s"], "s", "node crash: Slurm marks node bad -> first step")
@@ -365,7 +389,7 @@ def run(opts: RecoveryOptions) -> Report:
                         "node_crash_from_fault_s": crash["total_s"] <= TARGETS["node_crash_from_fault_s"],
                         "node_crash_s": crash["from_marked_down_s"] <= TARGETS["node_crash_s"],
                         "restore_share": share <= TARGETS["restore_share"],
-                        "exception_s": exc["total_s"] <= TARGETS["exception_s"]})
+                        "exception_s": exc["total_s"] <= TARGETS["exception_s"], "identical": identical})
     report.note("config", {**asdict(opts), "params": opts.layers * (opts.width * opts.width + opts.width),
                            "ranks": ACTIVE, "spares": SPARES})
     return report

@@ -8,7 +8,7 @@ from runs import FAULT_AT, assert_same_result, decisions
 pytestmark = pytest.mark.sandbox
 
 KEYS = {"rank_kill_s", "node_crash_s", "node_crash_from_fault_s", "restore_share", "baseline_relaunch_s",
-        "baseline_relaunch_over_rank_kill", "batch_host_s", "batch_host_total_s", "exception_s", "phases", "targets", "met", "config"}
+        "baseline_relaunch_over_rank_kill", "batch_host_s", "batch_host_total_s", "exception_s", "identical", "phases", "targets", "met", "config"}
 
 
 @pytest.mark.timeout(900)  # four recoveries in a row, one of them a requeue
@@ -27,6 +27,10 @@ def test_recovery_bench_reports_every_figure_as_json(recovery_bench):
     assert report["phases"]["baseline_relaunch"]["resumed_from"] >= FAULT_AT
     assert report["phases"]["batch_host"]["resumed_from"] >= FAULT_AT  # the survivors' memory, the lost slot rebuilt
     assert report["batch_host_s"] > 0
+    # the bench's own check: each faulted run ended as its fault-free run did, bit for bit
+    assert report["identical"] is True and report["met"]["identical"] is True
+    assert all(report["phases"][name]["resumed_identical"] for name in ("rank_kill", "exception", "node_crash",
+                                                                         "batch_host"))
     assert 0 <= report["restore_share"] < 1
 
 
