@@ -148,7 +148,9 @@ def test_a_frozen_node_is_named_by_the_agents_heartbeats_and_confirmed_by_the_pr
     before Slurm marks it (SlurmdTimeout 10 s). A node paused for less than the timeout first is not named."""
     out = tmp_path / "freeze"
     loss = 2.0
-    proc = start_spared(healthy_sandbox, out, "--loss-timeout", str(loss), delay=0.4, verbose=False)
+    hold = tmp_path / "hold"  # the job waits after step 3 until it exists: the freeze must come before its end
+    proc = start_spared(healthy_sandbox, out, "--loss-timeout", str(loss), delay=0.4, verbose=False,
+                        HOLD_AT="3", HOLD_FILE=str(hold))
     wait_protected(out, slots=4, timeout=120, above=0)
     assert not (out / "final.pt").exists(), "the job ended before the node was frozen"
     healthy_sandbox.freeze_node("n2")  # slow but alive: paused for half the loss timeout
@@ -157,6 +159,7 @@ def test_a_frozen_node_is_named_by_the_agents_heartbeats_and_confirmed_by_the_pr
     time.sleep(loss)
     frozen = time.time()
     healthy_sandbox.freeze_node("n3")
+    hold.touch()
     try:
         code, output = finish(proc, timeout=240)
     finally:
