@@ -20,10 +20,11 @@ Runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spare nod
   its batch script runs srun again in the same allocation (`relaunch`, what a user would do: the fair one), or
   `scontrol requeue`s the job (`requeue`), and the next launch `torch.load`s the checkpoint.
 A fault-free run of the same job comes first: every faulted run must end with its parameters and data position,
-bit for bit (`identical`, and `resumed_identical` in each run's phases). Every total runs from the fault itself. Each is split into consecutive phases: detection (fault → the supervisor's
-decision, or → the baseline's script reacting), relaunch (→ every rank is ready to restore: srun, Python + torch
-import, process group, model, optimizer and Checkpointer built), restore (→ every rank has restored) and first
-step (→ every rank has completed its first step). Times come from the supervisor's events (<job dir>/events.jsonl)
+bit for bit (`identical`, and `resumed_identical` in each run's phases). Every total runs from the fault itself.
+Each is split into consecutive phases: detection (fault → the supervisor's decision, or → the baseline's script
+reacting), relaunch (→ every rank is ready to restore: srun, Python + torch import, process group, model, optimizer
+and Checkpointer built), restore (→ every rank has restored) and first step (→ every rank has completed its first
+step). Times come from the supervisor's events (<job dir>/events.jsonl)
 and the job's own timeline (hpcft/bench/timeline.py); all processes share one clock.
 """
 from __future__ import annotations

@@ -27,7 +27,9 @@ def _split_top(text: str) -> list[str]:
     return [p for p in (p.strip() for p in parts) if p]
 
 
-def _expand_range(spec: str, pattern: str) -> list[str]:
+def expand_range(spec: str, pattern: str) -> list[str]:
+    """The numbers of a range list ('1-4,7', '001-016'), as strings with the lower bound's padding; `pattern` names
+    the whole text in the error (a hostlist, an srun task list)."""
     out: list[str] = []
     for piece in spec.split(","):
         lo, sep, hi = piece.strip().partition("-")
@@ -48,7 +50,7 @@ def _expand_one(item: str) -> list[str]:
     # Slurm's order for several brackets: the last one varies fastest, the first next, then the ones
     # between from left to right (a[1-2]b[1-2]c[1-2] -> a1b1c1 a1b1c2 a2b1c1 a2b1c2 a1b2c1 ...).
     tokens = re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", item)
-    groups = [(lit, _expand_range(spec, item)) for lit, spec in tokens if spec]
+    groups = [(lit, expand_range(spec, item)) for lit, spec in tokens if spec]
     tail = "".join(lit for lit, spec in tokens if not spec)
     if not groups:
         return [tail]

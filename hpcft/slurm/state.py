@@ -1,5 +1,6 @@
 """What Slurm says about an allocation and its nodes, read fresh with scontrol each time (SLURM_JOB_NODELIST
 goes stale when a node leaves a --no-kill job), and the requeue request. Every command goes through a Runner."""
+import contextlib
 import logging
 import re
 import signal
@@ -7,8 +8,8 @@ import subprocess
 from dataclasses import dataclass
 from datetime import datetime
 
-from hpcft.errors import SlurmError
-from hpcft.slurm.nodelist import expand
+from hpcft.errors import ConfigError, SlurmError
+from hpcft.slurm.nodelist import expand, expand_range
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
@@ -126,11 +127,8 @@ def ended_tasks(stderr_lines: list[str]) -> dict[str, int]:
     ended: dict[str, set[int]] = {}
     for m in map(_TASK_ERROR.match, stderr_lines):
         if m:
-            tasks = ended.setdefault(m.group(1), set())
-            for part in m.group(2).split(","):
-                low, _, high = part.partition("-")
-                if low.isdigit() and (not high or high.isdigit()):
-                    tasks.update(range(int(low), int(high or low) + 1))
+            with contextlib.suppress(ConfigError):  # not a task list after all: no task of it counted
+                ended.setdefault(m.group(1), set()).update(map(int, expand_range(m.group(2), m.group(0))))
     return {node: len(tasks) for node, tasks in ended.items()}
 
 

@@ -5,8 +5,8 @@ and checksum modules import numpy and crc32c, half of a janitor's start-up on ev
 from typing import Any
 
 _LAZY = {
-    "chunk_crc": "hpcft.store.checksum", "chunk_table": "hpcft.store.checksum", "crc32c": "hpcft.store.checksum", "seal": "hpcft.store.checksum",
-    "seal_key": "hpcft.store.checksum",
+    "chunk_crc": "hpcft.store.checksum", "chunk_table": "hpcft.store.checksum", "crc32c": "hpcft.store.checksum",
+    "seal": "hpcft.store.checksum", "seal_key": "hpcft.store.checksum",
     "ENV_ROOT": "hpcft.store.paths", "job_dir": "hpcft.store.paths", "resolve_root": "hpcft.store.paths",
     "secure_dir": "hpcft.store.paths",
     "Slot": "hpcft.store.slot",

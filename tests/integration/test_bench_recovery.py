@@ -8,7 +8,8 @@ from runs import FAULT_AT, assert_same_result, decisions
 pytestmark = pytest.mark.sandbox
 
 KEYS = {"rank_kill_s", "node_crash_s", "node_crash_from_fault_s", "restore_share", "baseline_relaunch_s",
-        "baseline_relaunch_over_rank_kill", "batch_host_s", "batch_host_total_s", "exception_s", "identical", "phases", "targets", "met", "config"}
+        "baseline_relaunch_over_rank_kill", "batch_host_s", "batch_host_total_s", "exception_s", "identical", "phases",
+        "targets", "met", "config"}
 
 
 @pytest.mark.timeout(900)  # four recoveries in a row, one of them a requeue
