@@ -1,5 +1,7 @@
 """`hpcft.init()`: ranks and device from the job environment, the process groups of a declared layout."""
 import logging
+import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -79,6 +81,23 @@ def default_backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
+def wait_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.005) -> bool:
+    """Wait until something accepts connections on host:port; False at the deadline or for a host that does not
+    resolve. Why: torch's TCPStore client that connects before rank 0 listens sleeps out a backoff of up to a
+    second, which a warm relaunch (every rank started at once) hits every time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(poll_s, 0.5)):
+                return True
+        except socket.gaierror:
+            return False
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+
+
 def init(*, dp: int | None = None, tp: int = 1, pp: int = 1, backend: str | None = None,
          timeout_s: float = 600.0, environ: dict[str, str] | None = None, store: Any = None) -> Context:
     """Join the job: read the launcher's (or torchrun's, Slurm's, a local run's) variables, pick the device,
@@ -90,6 +109,8 @@ def init(*, dp: int | None = None, tp: int = 1, pp: int = 1, backend: str | None
     device = pick_device(env.local_rank)
     backend = backend or default_backend(device)
     if not dist.is_initialized():
+        if store is None and env.rank != 0:
+            wait_listening(env.master_addr, env.master_port, timeout_s)
         where = {"store": store} if store is not None else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
         dist.init_process_group(backend, **where, rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout_s))

@@ -5,7 +5,10 @@ import pytest
 import torch
 
 from hpcft.errors import ConfigError
-from hpcft.runtime import init, resolve_layout
+import threading
+import time
+
+from hpcft.runtime import init, resolve_layout, wait_listening
 
 
 def test_resolve_layout() -> None:
@@ -58,3 +61,21 @@ def test_which_groups_carry_cpu_tensors() -> None:
         assert carries(dist.new_group(backend="gloo"), "cpu")
     finally:
         dist.destroy_process_group()
+
+
+def test_wait_listening_returns_once_the_port_listens_and_gives_up_at_the_deadline() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        late = threading.Timer(0.2, s.listen)
+        t0 = time.monotonic()
+        late.start()
+        assert wait_listening("127.0.0.1", port, timeout_s=5.0)
+        assert 0.15 < time.monotonic() - t0 < 2.0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    t0 = time.monotonic()
+    assert not wait_listening("127.0.0.1", closed, timeout_s=0.2)
+    assert time.monotonic() - t0 < 1.5
+    assert not wait_listening("no-such-host.invalid", port, timeout_s=5.0)
