@@ -268,10 +268,11 @@ class Row:
 class Report:
     """The result of one bench: keyed values for the JSON, the labelled ones also as table rows."""
 
-    def __init__(self, bench: str) -> None:
+    def __init__(self, bench: str, judge: Callable[[dict[str, Any]], dict[str, bool]] | None = None) -> None:
         self.bench = bench
         self.rows: list[Row] = []
         self.extra: dict[str, Any] = {}
+        self.judge = judge  # figures -> {target: met}: under "met", from the medians when runs are combined
 
     def add(self, key: str, value: Any, unit: str = "", label: str = "") -> None:
         """A result value; with a `label` it is also a table row."""
@@ -282,7 +283,10 @@ class Report:
         self.extra[key] = value
 
     def as_dict(self) -> dict[str, Any]:
-        return {"bench": self.bench, **{r.key: r.value for r in self.rows}, **self.extra}
+        out = {"bench": self.bench, **{r.key: r.value for r in self.rows}, **self.extra}
+        if self.judge is not None:
+            out["met"] = self.judge(out)
+        return out
 
     def table(self) -> str:
         rows = [r for r in self.rows if r.label]
@@ -315,6 +319,8 @@ def emit(report: Report | Sequence[Report], as_json: bool, machine: dict[str, An
     if as_json:
         print(tables, file=sys.stderr)
         out = reports[0].as_dict() if len(reports) == 1 else combine([r.as_dict() for r in reports])
+        if len(reports) > 1 and reports[0].judge is not None:
+            out["met"] = reports[0].judge(out)  # the targets are met by the medians, not by the first run
         if machine:
             out["machine"] = machine
         sys.stdout.write(json.dumps(out, sort_keys=False) + "\n")

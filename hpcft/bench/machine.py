@@ -64,7 +64,8 @@ def calibration(settings: CopySettings) -> dict[str, Any]:
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from repeated runs of a bench: each numeric figure is the median over the runs, with its
-    spread (min, max) under `spread`; everything else is the first run's; every run is kept under `runs`."""
+    spread (min, max) under `spread`; a true/false figure (`identical`, `verified`) is true only if it is in every
+    run; everything else is the first run's; every run is kept under `runs`."""
     out = dict(runs[0])
     spread = {}
     for key, value in runs[0].items():
@@ -73,5 +74,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             out[key] = statistics.median(values)
             spread[key] = [min(values), max(values)]
+        elif isinstance(value, bool):
+            out[key] = all(v is True for v in values)
     out.update({"repeats": len(runs), "spread": spread, "runs": runs})
     return out

@@ -84,6 +84,20 @@ def test_emit_json_goes_to_stdout_and_table_to_stderr(capsys):
     assert "a ratio" in err and "0.50x" in err
 
 
+def test_repeated_runs_are_judged_by_their_medians_and_a_flag_must_hold_in_every_run(capsys):
+    def report(seconds: float, same: bool) -> Report:
+        r = Report("demo", judge=lambda f: {"fast": f["seconds"] <= 3.0, "same": f["same"] is True})
+        r.add("seconds", seconds, "s")
+        r.add("same", same)
+        return r
+
+    emit([report(4.0, True), report(2.0, True), report(2.5, False)], as_json=True)
+    out = json.loads(capsys.readouterr()[0])
+    assert out["seconds"] == 2.5 and out["spread"]["seconds"] == [2.0, 4.0]
+    assert out["same"] is False and out["met"] == {"fast": True, "same": False}
+    assert out["runs"][0]["met"] == {"fast": False, "same": True}  # each run keeps its own verdict
+
+
 def test_emit_table_goes_to_stdout(capsys):
     r = Report("demo")
     r.add("ratio", 0.5, "x", "a ratio")
