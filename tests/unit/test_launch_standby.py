@@ -259,3 +259,35 @@ def test_the_standby_options_from_every_place_and_forwarded_by_submit(tmp_path):
                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert script.returncode == 0, script.stderr
     assert "--no-standby --preload torch,numpy" in script.stdout
+
+
+PRELOADED_RESTORE = """import importlib, sys, tempfile
+import torch
+from hpcft.launch.standby import DEFAULT_PRELOAD
+for name in DEFAULT_PRELOAD.split(","):
+    importlib.import_module(name)
+import hpcft
+root = tempfile.mkdtemp()
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.ones(2, 4)).sum().backward()
+opt.step()
+with hpcft.Checkpointer(model, opt, root=root, job_id="preload", auto=False) as ckpt:
+    ckpt.step(0)
+    ckpt.wait()
+before = set(sys.modules)
+fresh = torch.nn.Linear(4, 4)
+with hpcft.Checkpointer(fresh, torch.optim.AdamW(fresh.parameters()), root=root, job_id="preload", auto=False) as ckpt:
+    assert ckpt.restore() == 1
+print("\\n".join(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_a_warm_ranks_first_restore_imports_nothing_the_preload_left_out():
+    # a relaunched rank's restore made the optimizer's state with torch.distributed.checkpoint's helper, whose first
+    # import cost 47-110 ms of every warm relaunch (4 ranks on 2 cores) until the preload carried it
+    got = subprocess.run([sys.executable, "-c", PRELOADED_RESTORE], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    late = [m for m in got.stdout.split() if m.startswith(("torch.distributed", "torch.optim", "hpcft"))
+            and m != "hpcft.snapshot.calibration.measure"]  # a host's first calibration (then cached)
+    assert late == []
