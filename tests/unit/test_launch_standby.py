@@ -261,13 +261,13 @@ def test_the_standby_options_from_every_place_and_forwarded_by_submit(tmp_path):
     assert "--no-standby --preload torch,numpy" in script.stdout
 
 
-PRELOADED_RESTORE = """import importlib, sys, tempfile
+PRELOADED_RESTORE = """import importlib, sys
 import torch
 from hpcft.launch.standby import DEFAULT_PRELOAD
 for name in DEFAULT_PRELOAD.split(","):
     importlib.import_module(name)
 import hpcft
-root = tempfile.mkdtemp()
+root = sys.argv[1]
 model = torch.nn.Linear(4, 4)
 opt = torch.optim.AdamW(model.parameters())
 model(torch.ones(2, 4)).sum().backward()
@@ -283,10 +283,10 @@ print("\\n".join(sorted(set(sys.modules) - before)))
 """
 
 
-def test_a_warm_ranks_first_restore_imports_nothing_the_preload_left_out():
+def test_a_warm_ranks_first_restore_imports_nothing_the_preload_left_out(tmp_path):
     # a relaunched rank's restore made the optimizer's state with torch.distributed.checkpoint's helper, whose first
     # import cost 47-110 ms of every warm relaunch (4 ranks on 2 cores) until the preload carried it
-    got = subprocess.run([sys.executable, "-c", PRELOADED_RESTORE], capture_output=True, text=True, timeout=120)
+    got = subprocess.run([sys.executable, "-c", PRELOADED_RESTORE, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr
     late = [m for m in got.stdout.split() if m.startswith(("torch.distributed", "torch.optim", "hpcft"))
             and m != "hpcft.snapshot.calibration.measure"]  # a host's first calibration (then cached)
