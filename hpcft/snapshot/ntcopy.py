@@ -59,9 +59,10 @@ def _open() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
         lib.hpcft_stream_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         lib.hpcft_stream_copy.restype = None
-        lib.hpcft_copy_crc32c.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32]
-        lib.hpcft_copy_crc32c.restype = ctypes.c_uint32
         lib.hpcft_copy_crc32c_supported.restype = ctypes.c_int
+        for name in ("hpcft_copy_crc32c", "hpcft_stream_copy_crc32c"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32]
+            getattr(lib, name).restype = ctypes.c_uint32
     except (OSError, AttributeError) as exc:
         reason = f"the streaming-store copy kernel {path} cannot be loaded ({exc}); copies use memcpy ({FIX})"
         return None
@@ -119,8 +120,8 @@ def raw_copy_crc(kernel: str = "fused") -> Callable[[int, int, int, int], int]:
     continuing `crc`. `fused` (where it runs) in one pass; otherwise, and for `stream` and `memcpy`, that kernel's
     copy and then the crc32c package over the source, still in cache. Every snapshot, restore and calibration copy
     goes through this one function, whatever the kernel."""
-    if kernel == "fused" and fused_available():
-        return _load().hpcft_copy_crc32c
+    if kernel in ("fused", "stream") and fused_available():  # one C call a segment: a restore makes ~1600
+        return _load().hpcft_copy_crc32c if kernel == "fused" else _load().hpcft_stream_copy_crc32c
     copy = raw_copier("stream" if kernel == "fused" else kernel)
 
     def copy_then_crc(dst: int, src: int, nbytes: int, crc: int) -> int:
