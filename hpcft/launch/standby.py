@@ -29,8 +29,8 @@ from hpcft.launch import progress, zygote
 from hpcft.launch.standby_child import Job, run_child
 
 DEFAULT_PRELOAD = ("torch,torch.nn,torch.optim,torch.distributed,torch.distributed.device_mesh,"
-                   "torch.nn.parallel,torch._dynamo,torch._inductor.config,torch.distributed.checkpoint.state_dict,numpy,"
-                   "hpcft.runtime,hpcft.checkpointer")
+                   "torch.nn.parallel,torch._dynamo,torch._inductor.config,torch.distributed.checkpoint.state_dict,"
+                   "numpy,hpcft.runtime,hpcft.checkpointer")
 STATUS_DIR = "standby"  # <job dir>/standby/<node>.json: each standby's phase, for the supervisor's wait
 _log = logging.getLogger(__name__)
 

@@ -117,8 +117,9 @@ def raw_copier(kernel: str = "stream") -> Callable[[int, int, int], None]:
 
 def raw_copy_crc(kernel: str = "fused") -> Callable[[int, int, int, int], int]:
     """`f(dst, src, nbytes, crc)`: copy between raw addresses (as `raw_copier`) and return the crc32c of the source
-    continuing `crc`. `fused` (where it runs) in one pass; otherwise, and for `stream` and `memcpy`, that kernel's
-    copy and then the crc32c package over the source, still in cache. Every snapshot, restore and calibration copy
+    continuing `crc`. `fused` (where it runs) in one pass, `stream` (where `fused` runs) as one C call: the streaming
+    copy, then the kernel's crc32c over the source, still in cache; otherwise, and for `memcpy`, that copy and then
+    the crc32c package over the source. Every snapshot, restore and calibration copy
     goes through this one function, whatever the kernel."""
     if kernel in ("fused", "stream") and fused_available():  # one C call a segment: a restore makes ~1600
         return _load().hpcft_copy_crc32c if kernel == "fused" else _load().hpcft_stream_copy_crc32c

@@ -286,7 +286,8 @@ print("\\n".join(sorted(set(sys.modules) - before)))
 def test_a_warm_ranks_first_restore_imports_nothing_the_preload_left_out(tmp_path):
     # a relaunched rank's restore made the optimizer's state with torch.distributed.checkpoint's helper, whose first
     # import cost 47-110 ms of every warm relaunch (4 ranks on 2 cores) until the preload carried it
-    got = subprocess.run([sys.executable, "-c", PRELOADED_RESTORE, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    got = subprocess.run([sys.executable, "-c", PRELOADED_RESTORE, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
     assert got.returncode == 0, got.stderr
     late = [m for m in got.stdout.split() if m.startswith(("torch.distributed", "torch.optim", "hpcft"))
             and m != "hpcft.snapshot.calibration.measure"]  # a host's first calibration (then cached)

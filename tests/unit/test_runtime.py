@@ -1,13 +1,12 @@
 """hpcft.init(): layout arithmetic, and a real single-rank gloo init from launcher-style variables."""
 import socket
+import threading
+import time
 
 import pytest
 import torch
 
 from hpcft.errors import ConfigError
-import threading
-import time
-
 from hpcft.runtime import init, resolve_layout, wait_listening
 
 
