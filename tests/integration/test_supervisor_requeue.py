@@ -138,8 +138,11 @@ def test_spares_exhausted_requeues_and_the_restarted_job_resumes_from_its_nodes_
     persist = [e for e in recs if e["event"] == "persist"]
     assert len(persist) == 1 and persist[0]["how"] == "protect+flush" and "lost" in persist[0]["reason"]
     assert persist[0]["done"] is False and "cannot flush" in persist[0]["flush_reason"], persist  # the mesh is broken
-    requeued = [e for e in recs if e["event"] == "requeued"]  # kept out by hpcft, or by Slurm's own DOWN mark
-    assert [e["slurm_excluded"] for e in requeued] in ([slots[2]], [""]) and requeued[0]["allowed"] == "", requeued
+    # both crashed nodes are kept out: by hpcft's ExcNodeList while Slurm still takes them for healthy, else by Slurm's
+    # own DOWN mark, and which of the two it is depends on how long ago each crash was against SlurmdTimeout
+    requeued = [e for e in recs if e["event"] == "requeued"]
+    assert len(requeued) == 1 and requeued[0]["allowed"] == "", requeued
+    assert set(filter(None, requeued[0]["slurm_excluded"].split(","))) <= {slots[1], slots[2]}, requeued
     restart = [e for e in recs if e["event"] == "start"][1]
     assert restart["requeues"] == 1 and restart["kept"] == f"{slots[0]},{spare}"
     new_slots = restart["slots"].split(",")
