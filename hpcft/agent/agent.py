@@ -81,13 +81,16 @@ def _readable(bundle: Bundle, mesh: MeshBase) -> bool:
         return False
 
 
-def keep_newest_protected(job: Path, pins: Pins) -> None:
-    """At start (or after a rebuild): keep pinned the newest step this node holds and has a record of, as a pass
-    would have left it, so that the trainers resuming from it do not recycle it before the next pass."""
+def keep_newest_protected(mesh: MeshBase, job: Path, pins: Pins) -> int | None:
+    """At start (or after a rebuild), collective: keep pinned the newest step that every node holds and has a
+    record of, as a pass would have left it, so that the trainers resuming do not recycle it before the next pass.
+    Agreed, not local: a node's record of a newer step that a lost peer never committed protects nothing."""
     complete, recs = complete_steps(job), records(job)
-    both = sorted(set(complete) & set(recs))
-    if both:
-        pins.keep(pin_targets(both[-1], complete[both[-1]]))
+    everywhere = mesh.allreduce(sorted(set(complete) & set(recs)), both)
+    if not everywhere:
+        return None
+    pins.keep(pin_targets(everywhere[-1], complete[everywhere[-1]]))
+    return everywhere[-1]
 
 
 def protection_lag(complete: dict[int, dict], protected: Iterable[int]) -> tuple[int | None, float | None]:
@@ -281,7 +284,7 @@ def run(cfg: AgentConfig) -> int:
                 raise
             extra = {"rebuilt_step": outcome.step, "rebuilt": list(outcome.rebuilt)}
             print(f"slot={cfg.slot} rebuilt={outcome.step} here={cfg.slot in outcome.rebuilt}", flush=True)
-        keep_newest_protected(job, pins)
+        keep_newest_protected(mesh, job, pins)
         report(status.READY, **extra)
         done = 0
         while cfg.rounds <= 0 or done < cfg.rounds:

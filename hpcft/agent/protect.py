@@ -1,10 +1,12 @@
 """The protect pass (collective over the agents' mesh): for one step every node holds, each node sends
 the pieces of its bundle to their parity holders (xor/rs) or its whole bundle to its partner, and keeps
 what it receives in `<job>/protect/step-<s>.{data,json}`: a record committed by rename, with crc32c
-per chunk. A record on every node of a set means the step is protected; none is ever partially visible."""
+per chunk. A record on every node means the step is protected; none is ever partially visible, and no node lets
+go of an older step (its records, its pinned snapshot) before every node has committed the newer one."""
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable
@@ -61,27 +63,39 @@ def records(job: Path) -> dict[int, Record]:
 def protect_step(mesh: MeshBase, placement: Placement, bundle: Bundle, job: Path, keep: int = 2,
                  started: float | None = None) -> Record:
     """Protect `bundle` (this node's step) with every other agent doing the same step (collective); `started`
-    (perf_counter) is when the pass began, for the event's `seconds` (default: now)."""
+    (perf_counter) is when the pass began, for the event's `seconds` (default: now). Returns once every node has
+    committed its record; StaleStep on every node (each withdrawing its record) if any node's copy was reused."""
     t0 = time.perf_counter() if started is None else started
     scheme = placement.scheme
     sizes = mesh.exchange(placement.exchange_peers(mesh.slot), bundle.size)  # the set's (the partners') sizes
     pdir = protect_dir(job)
-    (pdir / f"step-{bundle.step}.json").unlink(missing_ok=True)  # a rerun: withdraw before overwriting
+    (pdir / f"step-{bundle.step}.json").unlink(missing_ok=True)  # a rerun: unpublish before overwriting
     slot = record_slot(pdir, bundle.step)
     try:
         if scheme.name == "partner":
             held, meta = _partner(mesh, placement, bundle, slot, sizes)
         else:
             held, meta = _parity(mesh, placement, bundle, slot, sizes)
-        if not bundle.still_committed():
-            raise StaleStep(f"step {bundle.step} was overwritten while it was being protected")
-        path = commit_record(pdir, bundle.step, placement, mesh.slot, slot, held, meta)
+        stale = None if bundle.still_committed() else f"step {bundle.step} was overwritten while it was being protected"
+        path = commit_record(pdir, bundle.step, placement, mesh.slot, slot, held, meta) if stale is None else None
     finally:
         slot.close()
+    # the commit barrier: the step is protected once every node has committed its record, and only then may a node
+    # retire its older records (or its caller release the older step's pins). A peer lost here fails the agreement:
+    # the record stays, beside the older ones, for the rebuild to weigh.
+    if not mesh.allreduce(stale is None, operator.and_):
+        withdraw(pdir, bundle.step)
+        raise StaleStep(stale or f"step {bundle.step} was overwritten on another node while it was being protected")
     retire(pdir, keep)
     events.emit("snapshot_protected", step=bundle.step, slot=mesh.slot, scheme=scheme.name, held_bytes=held,
                 sent_bytes=meta["sent_bytes"], seconds=round(time.perf_counter() - t0, 6))
     return Record(bundle.step, path, meta)
+
+
+def withdraw(pdir: Path, step: int) -> None:
+    """Remove this node's record of `step`, manifest first (so it is never torn), its data file recycled."""
+    (pdir / f"step-{step}.json").unlink(missing_ok=True)
+    _recycle(pdir / f"step-{step}.data")
 
 
 class StaleStep(HpcftError):
@@ -229,8 +243,7 @@ def retire(pdir: Path, keep: int) -> None:
     is kept as `spare.data` for the next pass) and any data file without a record (left by a pass that died)."""
     steps = sorted(int(p.stem.split("-")[1]) for p in pdir.glob("step-*.json"))
     for step in steps[:-keep]:
-        (pdir / f"step-{step}.json").unlink(missing_ok=True)
-        _recycle(pdir / f"step-{step}.data")
+        withdraw(pdir, step)
     for data in pdir.glob("step-*.data"):
         if not data.with_suffix(".json").exists():
             _recycle(data)

@@ -24,8 +24,8 @@ from hpcft.agent.mesh import MeshBase
 from hpcft.agent.pins import Pins
 from hpcft.agent.placement import Placement
 from hpcft.agent.protect import (Record, commit_record, parity_meta, partner_meta, protect_dir, record_data, record_slot,
-                                 records, retire)
-from hpcft.errors import IntegrityError, NoCheckpointError
+                                 records, retire, withdraw)
+from hpcft.errors import IntegrityError, NoCheckpointError, StoreError
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class _Local:
             try:
                 self.record_bytes = record_data(recs[step])
                 self.record = recs[step]
-            except (IntegrityError, OSError, ValueError) as exc:
+            except (IntegrityError, StoreError, OSError, ValueError) as exc:  # StoreError: no data file
                 events.emit("rebuild_copy_bad", level=logging.ERROR, step=step, slot=slot, what="record", error=str(exc))
 
     def close(self) -> None:
@@ -139,11 +139,23 @@ def rebuild(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, job_id:
             continue
         events.emit("rebuild_done", slot=mesh.slot, step=step, rebuilt=",".join(map(str, targets)) or "none",
                     here=mesh.slot in targets, seconds=round(time.perf_counter() - t0, 6))
+        _withdraw_newer(job, step, mesh.slot)
         return Outcome(step, tuple(targets))
     events.emit("rebuild_failed", level=logging.ERROR, slot=mesh.slot, steps=",".join(map(str, steps)),
                 reason="no step is held or reconstructable on every slot; the persistent tier is the last resort")
     raise NoCheckpointError("no in-memory snapshot can be rebuilt on every node (" + "; ".join(reasons) +
                             "); restart from the persistent tier")
+
+
+def _withdraw_newer(job: Path, step: int, slot: int) -> None:
+    """Remove this node's records of steps newer than the rebuilt one: the trainers resume from `step` and write
+    those steps again, so a record of them describes snapshots that will no longer exist."""
+    newer = sorted(s for s in records(job) if s > step)
+    for s in newer:
+        withdraw(protect_dir(job), s)
+    if newer:
+        events.emit("protect_withdrawn", slot=slot, steps=",".join(map(str, newer)),
+                    reason=f"the rebuild resumes from step {step}, older than these records")
 
 
 def _move(mesh: MeshBase, placement: Placement, local: _Local, targets: list[int], job: Path, job_id: str,
