@@ -312,7 +312,8 @@ class Sandbox:
         for name in self.node_names:
             group = self.groups.get(name)
             if group is None or not procs.alive(group.pid, group.start_time) or procs.stopped(group.pid):
-                self.restart_node(name, timeout=timeout)  # a frozen node too (freeze_node)
+                # a frozen node too (freeze_node); not waited for here: a drained one stays drained until resumed
+                self.restart_node(name, timeout=timeout, wait=False)
         held = [n for n, s in self.node_states().items() if s.rstrip("*~#").startswith(("down", "drain", "fail"))]
         if held:
             runner.run(["scontrol", "update", f"NodeName={','.join(held)}", "State=RESUME"], check=False)
