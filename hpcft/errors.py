@@ -17,6 +17,10 @@ class SandboxError(HpcftError):
     """The local Slurm sandbox could not be started, inspected or stopped."""
 
 
+class RendezvousError(HpcftError):
+    """A rank could not reach the job's rendezvous (rank 0's store) in time."""
+
+
 class StoreError(HpcftError):
     """The node-local snapshot store is unusable (permissions, owner, space)."""
 

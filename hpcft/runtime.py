@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hpcft.env import JobEnv, job_env
-from hpcft.errors import ConfigError
+from hpcft.errors import ConfigError, RendezvousError
 
 _log = logging.getLogger(__name__)
 DIMS = ("pp", "dp", "tp")  # outermost to innermost: tensor parallel stays inside a node
@@ -82,8 +82,9 @@ def default_backend(device: torch.device) -> str:
 
 
 def wait_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.005) -> bool:
-    """Wait until something accepts connections on host:port; False at the deadline or for a host that does not
-    resolve. Why: torch's TCPStore client that connects before rank 0 listens sleeps out a backoff of up to a
+    """Wait until something accepts connections on host:port: True; False for a host that does not resolve (torch
+    then says so itself); RendezvousError at the deadline, instead of torch waiting out the same timeout again.
+    Why wait at all: torch's TCPStore client that connects before rank 0 listens sleeps out a backoff of up to a
     second, which a warm relaunch (every rank started at once) hits every time."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -92,9 +93,12 @@ def wait_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.005
                 return True
         except socket.gaierror:
             return False
-        except OSError:
+        except OSError as exc:
             if time.monotonic() >= deadline:
-                return False
+                raise RendezvousError(
+                    f"nothing listens on {host}:{port} (MASTER_ADDR:MASTER_PORT, rank 0's rendezvous) after "
+                    f"{timeout_s:g} s ({exc.strerror or exc}): rank 0 did not start or died before joining (see its "
+                    "log), or MASTER_ADDR/MASTER_PORT name another place than rank 0's node") from None
             time.sleep(poll_s)
 
 

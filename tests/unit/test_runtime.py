@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from hpcft.errors import ConfigError
+from hpcft.errors import ConfigError, RendezvousError
 from hpcft.runtime import init, resolve_layout, wait_listening
 
 
@@ -62,7 +62,7 @@ def test_which_groups_carry_cpu_tensors() -> None:
         dist.destroy_process_group()
 
 
-def test_wait_listening_returns_once_the_port_listens_and_gives_up_at_the_deadline() -> None:
+def test_wait_listening_returns_once_the_port_listens_and_fails_clearly_at_the_deadline() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -75,6 +75,7 @@ def test_wait_listening_returns_once_the_port_listens_and_gives_up_at_the_deadli
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
     t0 = time.monotonic()
-    assert not wait_listening("127.0.0.1", closed, timeout_s=0.2)
+    with pytest.raises(RendezvousError, match=f"nothing listens on 127.0.0.1:{closed} .* after 0.2 s.*rank 0"):
+        wait_listening("127.0.0.1", closed, timeout_s=0.2)
     assert time.monotonic() - t0 < 1.5
     assert not wait_listening("no-such-host.invalid", port, timeout_s=5.0)
