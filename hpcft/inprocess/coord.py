@@ -73,7 +73,9 @@ class Coord:
         self.store.add(f"d/{gen}", 1)
         deadline = time.monotonic() + timeout_s
         while self.store.add(f"d/{gen}", 0) < self.world:
-            if self.faulted(gen):
+            # the key also appears when the last rank finished (below, to wake the watchers): a fault only if some
+            # rank is still not done once it is seen (a faulted rank never counts itself done)
+            if self.faulted(gen) and self.store.add(f"d/{gen}", 0) < self.world:
                 return False
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {self.store.add(f'd/{gen}', 0)} of {self.world} ranks finished within "
