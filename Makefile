@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml setup.py hpcft/snapshot/_ntcopy.c
 	@touch $(STAMP)
 
 test: setup
-	$(VPY) -m pytest -q --durations=25 tests
+	$(VPY) -m pytest -q --durations=60 tests
 
 unit: setup
 	$(VPY) -m pytest -q tests/unit
