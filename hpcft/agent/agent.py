@@ -26,7 +26,7 @@ from hpcft.agent.persist import Flusher
 from hpcft.durable.settings import PersistConfig
 from hpcft.agent.pins import LEASE_S, Pins
 from hpcft.agent.placement import Placement, Scheme, plan
-from hpcft.agent.protect import Record, StaleStep, protect_dir, protect_step, records, retire
+from hpcft.agent.protect import Record, StaleStep, drop_orphans, protect_dir, protect_step, records
 from hpcft.agent.rendezvous import Rendezvous, join
 from hpcft.agent.rebuild import rebuild
 from hpcft.agent.throttle import CPU_SHARE, cpu_cores
@@ -231,7 +231,9 @@ def run(cfg: AgentConfig) -> int:
         os.nice(cfg.nice)  # yield the cores to the trainers: protection is background work
     job = secure_dir(job_dir(resolve_root(cfg.root), cfg.job_id))
     store_pin.announce(job)  # trainers opening their stores from now on keep a spare slot for the pins
-    retire(protect_dir(job), 2)  # data files a killed pass left without a record
+    # data files a killed pass left without a record; no record is retired by count here: after passes that failed
+    # their barrier, the newest step protected on every node may be older than this node's two newest records
+    drop_orphans(protect_dir(job))
     node = socket.gethostname()
     up = uplink.from_env(cfg.secret, tag=cfg.tag, slot=cfg.slot, node=node, job=None if cfg.root else job)
     publish = up.status if up is not None else partial(status.write, cfg.rendezvous, cfg.tag, cfg.slot)

@@ -244,6 +244,11 @@ def retire(pdir: Path, keep: int) -> None:
     steps = sorted(int(p.stem.split("-")[1]) for p in pdir.glob("step-*.json"))
     for step in steps[:-keep]:
         withdraw(pdir, step)
+    drop_orphans(pdir)
+
+
+def drop_orphans(pdir: Path) -> None:
+    """Recycle the data files without a record (left by a pass that died or withdrew); every record stays."""
     for data in pdir.glob("step-*.data"):
         if not data.with_suffix(".json").exists():
             _recycle(data)

@@ -1,6 +1,6 @@
 """Record files: retired data files are recycled (their faulted-in pages reused), never left torn."""
 
-from hpcft.agent.protect import SPARE, record_slot, retire
+from hpcft.agent.protect import SPARE, drop_orphans, record_slot, retire
 
 
 def test_a_retired_record_file_becomes_the_next_pass_data_file(tmp_path):
@@ -18,6 +18,17 @@ def test_a_retired_record_file_becomes_the_next_pass_data_file(tmp_path):
     finally:
         slot.close()
     assert (tmp_path / "step-4.data").exists()
+
+
+def test_at_start_only_the_data_files_without_a_record_go(tmp_path):
+    """Three records after two passes failed their barrier (4 protected everywhere, 5 and 6 here only): all stay."""
+    for step in (4, 5, 6):
+        (tmp_path / f"step-{step}.json").write_text("{}")
+        (tmp_path / f"step-{step}.data").write_bytes(b"r")
+    (tmp_path / "step-7.data").write_bytes(b"x")  # a dead pass's data without a record
+    drop_orphans(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        SPARE, "step-4.data", "step-4.json", "step-5.data", "step-5.json", "step-6.data", "step-6.json"]
 
 
 def test_protection_lag_in_steps_and_seconds() -> None:
