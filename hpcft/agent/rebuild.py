@@ -151,8 +151,9 @@ def _withdraw_newer(job: Path, step: int, slot: int) -> None:
     """Remove this node's records of steps newer than the rebuilt one: the trainers resume from `step` and write
     those steps again, so a record of them describes snapshots that will no longer exist."""
     newer = sorted(s for s in records(job) if s > step)
+    pdir = protect_dir(job)
     for s in newer:
-        withdraw(protect_dir(job), s)
+        withdraw(pdir, s)
     if newer:
         events.emit("protect_withdrawn", slot=slot, steps=",".join(map(str, newer)),
                     reason=f"the rebuild resumes from step {step}, older than these records")
