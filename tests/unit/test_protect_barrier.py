@@ -26,24 +26,29 @@ NODES = 3
 PLACEMENT = plan(NODES, Scheme("xor", group=NODES))
 
 
+RANKS_PER_NODE = 2  # a node's bundle holds every local rank's snapshot, as on a GPU node
+
+
 class Node:
-    """One node: its root (its /dev/shm), its rank's store, its agent's mesh and pins."""
+    """One node: its root (its /dev/shm), its ranks' stores, its agent's mesh and pins."""
 
     def __init__(self, tmp: Path, slot: int):
         self.slot, self.root = slot, tmp / f"n{slot}"
         self.root.mkdir()
         self.job = secure_dir(job_dir(self.root, "7"))
         store_pin.announce(self.job)
-        self.store = RankStore("7", slot, root=self.root)
+        self.ranks = [slot * RANKS_PER_NODE + i for i in range(RANKS_PER_NODE)]
+        self.stores = [RankStore("7", r, root=self.root) for r in self.ranks]
         self.pins = Pins(f"agent slot {slot}", lease=30)
         self.mesh: Mesh | None = None
 
     def snapshot(self, step: int, nbytes: int = 50_000) -> None:
-        slot = self.store.begin(nbytes)
-        data = np.random.default_rng(100 * step + self.slot).integers(0, 256, nbytes, dtype=np.uint8)
-        slot.array[:nbytes] = data
-        self.store.commit(slot, {"step": step, "rank": self.slot, "data_bytes": nbytes, "time": 1.5e9 + step,
-                                 "chunks": chunk_table(data, 10_000, seal_key({"step": step}))})
+        for rank, store in zip(self.ranks, self.stores):
+            slot = store.begin(nbytes)
+            data = np.random.default_rng(100 * step + rank).integers(0, 256, nbytes, dtype=np.uint8)
+            slot.array[:nbytes] = data
+            store.commit(slot, {"step": step, "rank": rank, "data_bytes": nbytes, "time": 1.5e9 + step,
+                                "chunks": chunk_table(data, 10_000, seal_key({"step": step}))})
 
     def kept(self, step: int) -> bool:
         """Is `step`'s snapshot pinned in this node's store (as the newest protected step)?"""
@@ -54,7 +59,8 @@ class Node:
         self.pins.close()
         if self.mesh is not None:
             self.mesh.close()
-        self.store.close()
+        for store in self.stores:
+            store.close()
 
 
 def _connect(nodes: list[Node], rdv: Path, tag: str) -> None:
@@ -126,7 +132,7 @@ def test_a_step_reused_on_one_node_is_withdrawn_everywhere_and_the_last_protecte
     _first_protected(nodes)
 
     def reuse(_mesh, bundle):  # the trainers rewrote the slot under the pass (their pin broken)
-        path = bundle.held[2].manifest_path
+        path = bundle.held[max(bundle.held)].manifest_path  # one of the node's ranks
         path.write_bytes(path.read_bytes() + b" ")
 
     _on_slot(monkeypatch, 2, reuse)
