@@ -3,6 +3,7 @@ ranks under mpirun (Open MPI over TCP on this machine) running the agreements, b
 a give-up, with the slots in the reverse of the ranks' order."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,7 +55,9 @@ def _mpirun(scenario: str, n: int = 4) -> list[dict]:
     if os.geteuid() == 0:
         argv[1:1] = ["--allow-run-as-root"]
     done = subprocess.run(argv, env={**os.environ, **OPEN_MPI_TCP_ENV}, capture_output=True, text=True, timeout=240)
-    got = [json.loads(line[3:]) for line in done.stdout.splitlines() if line.startswith("OUT")]
+    # mpirun forwards the ranks' output in chunks, not lines: two ranks' records can share a line
+    decode = json.JSONDecoder().raw_decode
+    got = [decode(done.stdout, m.end() - 1)[0] for m in re.finditer(r"OUT\{", done.stdout)]
     assert len(got) == n, done.stdout[-3000:] + done.stderr[-3000:]
     return sorted(got, key=lambda o: o["slot"])
 
