@@ -11,6 +11,7 @@ import logging
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from hpcft.agent.rendezvous import BACKLOG, _raise_fd_limit
 from hpcft.agent.transport import _FRAME, MAX_HEADER, Channel, Listener, TransportError
 
 _log = logging.getLogger(__name__)
+DRAIN_S = 2.0  # at close, the longest spent reading what the agents sent last
 RECV_BUFFER = 64 << 10  # per connection: reports are small (the transport's default of 4 MiB is for bulk data)
 
 
@@ -62,15 +64,26 @@ class ReportServer:
 
     def _serve(self) -> None:
         while not self._stopped:
-            for key, _ in self._sel.select(1.0):
-                if key.fileobj is self._wake_r:
-                    self._wake_r.recv(4096)
-                    with self._lock:
-                        new, self._new = self._new, []
-                    for ch in new:
-                        self._sel.register(ch.sock, selectors.EVENT_READ, (ch, bytearray()))
-                else:
-                    self._read(*key.data)
+            self._pass(1.0)
+        # the run ends: what the agents sent before they exited (their last report, "stopped") may still sit in
+        # the sockets' buffers; it is read before the view's last write, not dropped with the connections
+        deadline = time.monotonic() + DRAIN_S
+        while self._pass(0.0) and time.monotonic() < deadline:
+            pass
+
+    def _pass(self, timeout: float) -> bool:
+        """Serve what is ready within `timeout`; False if nothing was."""
+        ready = self._sel.select(timeout)
+        for key, _ in ready:
+            if key.fileobj is self._wake_r:
+                self._wake_r.recv(4096)
+                with self._lock:
+                    new, self._new = self._new, []
+                for ch in new:
+                    self._sel.register(ch.sock, selectors.EVENT_READ, (ch, bytearray()))
+            else:
+                self._read(*key.data)
+        return bool(ready)
 
     def _read(self, ch: Channel, buf: bytearray) -> None:
         try:

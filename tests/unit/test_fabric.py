@@ -105,6 +105,29 @@ def test_an_uplink_coalesces_its_reports_sends_a_new_phase_at_once_and_its_last_
     fabric.close()
 
 
+def test_the_last_report_still_in_the_socket_when_the_run_ends_reaches_the_log(tmp_path):
+    """CI: an agent's "stopped" was sent before it exited, but the service stopped reading first; `hpcft status`
+    after the run said "protecting". Here the service's thread is kept from reading until the run ends."""
+    fabric, secret = _fabric(tmp_path)
+    up = Uplink(fabric.server.address, secret, tag="0", slot=0, node="n1", every=0.1)
+    up.status(phase="protecting", staged=3)
+    _until(lambda: fabric.view.reports("0").get(0, {}).get("phase") == "protecting")
+    server, select = fabric.server, fabric.server._sel.select
+
+    def busy(timeout):  # a descheduled service thread: nothing read while the run goes on
+        if not server._stopped:
+            time.sleep(min(timeout, 0.05))
+            return []
+        return select(timeout)
+    server._sel.select = busy
+    server._wake_w.send(b"x")  # out of the select it is in, into the busy one
+    time.sleep(0.2)
+    up.status(phase="stopped", staged=3)
+    up.close()
+    fabric.close()
+    assert agent_status.read(fabric.job_dir / "agents", "0")[0]["phase"] == "stopped"
+
+
 def test_events_travel_to_the_supervisors_events_file_and_the_log_serves_status_and_progress(tmp_path):
     fabric, secret = _fabric(tmp_path)
     up = Uplink(fabric.server.address, secret, tag="1", slot=0, node="n1", progress=lambda: {0: (3, 0.1)},
