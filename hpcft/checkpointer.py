@@ -21,6 +21,7 @@ from hpcft import events
 from hpcft.env import DEFAULT_JOB_ID, job_env
 from hpcft.errors import CheckpointError, ConfigError
 from hpcft.inprocess import record as restart_record
+from hpcft.inprocess import shield
 from hpcft.snapshot import calibration, copiers, groups, rng, state, timing
 from hpcft.snapshot.engine import SnapshotEngine, Stats
 from hpcft.durable import catalog, local, resume
@@ -107,18 +108,22 @@ class Checkpointer:
             raise ConfigError("auto snapshots need an optimizer; pass auto=False and call ckpt.step(it)")
 
     # the two optimizer hooks -----------------------------------------------------------------------------
+    # Both run in an in-process restart's shield (hpcft.inprocess.shield): a peer's fault interrupts this rank
+    # after its snapshot has started, not half-way, so the step's snapshot commits when the Checkpointer closes.
     def _pre_step(self, *_: Any) -> None:
         if not self._quiet:
-            self.timer.ended()
-            self.engine.guard()
+            with shield.section():
+                self.timer.ended()
+                self.engine.guard()
 
     def _post_step(self, *_: Any) -> None:
         if self._quiet:
             return
-        self.completed += 1
-        if self.completed % self.every == 0:
-            self._snapshot()
-        self.timer.started()
+        with shield.section():
+            self.completed += 1
+            if self.completed % self.every == 0:
+                self._snapshot()
+            self.timer.started()
 
     # public API --------------------------------------------------------------------------------------------
     def step(self, it: int) -> None:
@@ -132,15 +137,16 @@ class Checkpointer:
             self._warned = True
             _log.warning("ckpt.step(%d): the optimizer hook counted %d steps; numbering by the loop from now on",
                          it, self.completed)
-        self.completed = it + 1
-        if self.optimizer is None:  # no pre-step hook closes the step
-            self.timer.ended()
-        if self.completed % self.every == 0:
-            self.engine.guard()
-            self._snapshot()
-            if self.optimizer is None:  # no pre-step hook to order the next update after the copy
+        with shield.section():
+            self.completed = it + 1
+            if self.optimizer is None:  # no pre-step hook closes the step
+                self.timer.ended()
+            if self.completed % self.every == 0:
                 self.engine.guard()
-        self.timer.started()
+                self._snapshot()
+                if self.optimizer is None:  # no pre-step hook to order the next update after the copy
+                    self.engine.guard()
+            self.timer.started()
 
     def _snapshot(self) -> None:
         t0 = time.perf_counter()  # the training thread's time from here on is the snapshot's
@@ -157,8 +163,9 @@ class Checkpointer:
 
     def snapshot(self) -> None:
         """Take a snapshot of the current state now, as step `completed` (e.g. before a planned exit)."""
-        self.engine.guard()
-        self._snapshot()
+        with shield.section():
+            self.engine.guard()
+            self._snapshot()
 
     def wait(self) -> None:
         """Block until the last snapshot is committed (or has failed, with its event)."""

@@ -18,7 +18,7 @@ from typing import Any
 from hpcft import events
 from hpcft.env import job_env
 from hpcft.errors import HpcftError
-from hpcft.inprocess import abort, record
+from hpcft.inprocess import abort, record, shield
 from hpcft.inprocess.coord import Coord, Watcher
 from hpcft.inprocess.policy import RestartOptions, describe, verdict
 
@@ -113,6 +113,7 @@ class _Runner:
             try:
                 with self._lock:
                     self._running = False
+                    shield.cancel(self._tid)
                     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), None)
                 break
             except Interrupted as e:
@@ -126,7 +127,10 @@ class _Runner:
             if not self._running or gen != self.gen:
                 return
             abort.interrupt()
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), ctypes.py_object(Interrupted))
+            shield.deliver(self._tid, self._interrupt)  # at once, or where a snapshot's start or guard ends
+
+    def _interrupt(self) -> None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), ctypes.py_object(Interrupted))
 
     def _recover(self, exc: BaseException | None) -> str:
         """After a fault in this generation: publish, tear down, decide, meet at the barrier. Returns the first

@@ -45,7 +45,9 @@ def test_a_raise_restarts_every_rank_in_process_and_the_coordinators_node_crash_
     started = {r["rank"]: r["pid"] for r in _records(out, "start") if r["run"] == "0.0"}
     assert sorted(r["rank"] for r in inits) == [0, 1, 2, 3]
     assert all(started[r["rank"]] == r["pid"] for r in inits), "generation 1 ran in the first launch's processes"
-    assert {r["step"] for r in _records(out, "restored") if r.get("gen") == 1} == {RAISE_AT}, "nothing lost"
+    assert {r["step"] for r in _records(out, "restored") if r.get("gen") == 1} == {RAISE_AT}, \
+        "nothing lost: " + "\n".join(json.dumps(r) for w in ("step", "raise", "restored") for r in _records(out, w)
+                                      if r["step"] <= RAISE_AT) + told(out)
 
     gave_up = [e for e in events.read(out / "job") if e["event"] == "inprocess_giveup"]
     # the second node's ranks find the store gone (or are stopped by the relaunch first): said, at ERROR
