@@ -232,11 +232,14 @@ def reports(nodes: str, seconds: float, as_json: bool, runs: int) -> None:
               help="The node crash: its processes killed (their connections close at once, which peers notice at "
                    "once), or silent (frozen: no connection closes, nothing answers, as after a power loss), "
                    "powered off once the supervisor decided.")
+@click.option("--reference", type=click.Path(file_okay=False), default=None,
+              help="The output directory of a finished fault-free run of the same job (--steps, --width, --layers; "
+                   "its final.pt) to compare the faulted runs with, instead of making one first.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout; the table goes to stderr.")
 @RUNS
 def recovery(directory: str | None, steps: int, fault_at: int, step_delay: float, width: int, layers: int,
-             poll_interval: float, keep: str | None, baselines: tuple[str, ...], crash: str, as_json: bool,
-             runs: int) -> None:
+             poll_interval: float, keep: str | None, baselines: tuple[str, ...], crash: str, reference: str | None,
+             as_json: bool, runs: int) -> None:
     """Fault → first step after it, in the sandbox: rank kill, node crash, batch host, and what a user does
     without hpcft (torch.save, relaunch in the allocation or requeue, torch.load)."""
     from hpcft.bench.recovery import RecoveryOptions, run
@@ -246,5 +249,5 @@ def recovery(directory: str | None, steps: int, fault_at: int, step_delay: float
         raise click.UsageError("--keep keeps one run's output: give it with --runs 1")
     opts = RecoveryOptions(dir=directory, steps=steps, fault_at=fault_at, step_delay=step_delay, width=width,
                            layers=layers, poll_interval=poll_interval, keep=keep, baselines=baselines or NAMES,
-                           crash=crash)
+                           crash=crash, reference=reference)
     _run(as_json, lambda: run(opts), runs)

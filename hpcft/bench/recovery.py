@@ -19,7 +19,8 @@ Runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spare nod
 - baselines (hpcft/bench/recovery_baselines.py): a plain batch job that `torch.save`s every step, one rank killed;
   its batch script runs srun again in the same allocation (`relaunch`, what a user would do: the fair one), or
   `scontrol requeue`s the job (`requeue`), and the next launch `torch.load`s the checkpoint.
-A fault-free run of the same job comes first: every faulted run must end with its parameters and data position,
+A fault-free run of the same job comes first (or `--reference` names a finished one, e.g. the test suite's
+`dp_reference`): every faulted run must end with its parameters and data position,
 bit for bit (`identical`, and `resumed_identical` in each run's phases). Every total runs from the fault itself.
 Each is split into consecutive phases: detection (fault → the supervisor's decision, or → the baseline's script
 reacting), relaunch (→ every rank is ready to restore: srun, Python + torch import, process group, model, optimizer
@@ -74,6 +75,7 @@ class RecoveryOptions:
     keep: str | None = None         # keep the runs' output here (else a temp dir, removed unless a run fails)
     baselines: tuple[str, ...] = recovery_baselines.NAMES  # which baselines to run
     crash: str = "kill"             # how the node crash comes: killed (its connections closed) or silent (frozen)
+    reference: str | None = None    # a finished fault-free run of the same job (its final.pt): none made here
 
     def __post_init__(self) -> None:
         if not 0 < self.fault_at < self.steps - 1:
@@ -86,6 +88,10 @@ class RecoveryOptions:
                               f"(got {sorted(unknown) or 'none'})")
         if self.crash not in CRASHES:
             raise ConfigError(f"--crash takes {' or '.join(CRASHES)} (got {self.crash!r})")
+        if self.reference is not None and not (Path(self.reference) / "final.pt").is_file():
+            raise ConfigError(f"--reference {self.reference}: no final.pt there; give the output directory of a "
+                              "finished fault-free run of the same job (--steps, --width, --layers), or leave it out "
+                              "and the bench makes one")
         if self.keep and Path(self.keep).exists() and any(Path(self.keep).iterdir()):
             raise ConfigError(f"--keep {self.keep} is not empty: name a new or empty directory (nothing is overwritten)")
 
@@ -174,8 +180,11 @@ def _identical(out: Path, ref: Path) -> bool:
     import torch
 
     got, want = (torch.load(d / "final.pt", map_location="cpu", weights_only=True) for d in (out, ref))
-    return got["seen"] == want["seen"] and got["params"].keys() == want["params"].keys() and all(
-        torch.equal(got["params"][k], v) for k, v in want["params"].items())
+    shapes = [{k: tuple(v.shape) for k, v in run["params"].items()} for run in (got, want)]
+    if shapes[0] != shapes[1]:  # another model: a wrong --reference, not a recovery that went wrong
+        raise ConfigError(f"the fault-free run in {ref} trained another model than the run in {out} (parameter "
+                          "shapes differ): give --reference a run of the same --width and --layers")
+    return got["seen"] == want["seen"] and all(torch.equal(got["params"][k], v) for k, v in want["params"].items())
 
 
 def rank_kill(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
@@ -345,7 +354,8 @@ def run(opts: RecoveryOptions) -> Report:
         with _sandbox(opts.dir) as sb:
             sb.heal()
             try:
-                fault_free(sb, opts, work / "fault-free")
+                if opts.reference is None:
+                    fault_free(sb, opts, work / "fault-free")
                 kill = rank_kill(sb, opts, work / "rank-kill")
                 exc = exception(sb, opts, work / "exception")
                 crash = node_crash(sb, opts, work / "node-crash")
@@ -360,8 +370,9 @@ def run(opts: RecoveryOptions) -> Report:
     except HpcftError as exc:  # the runs' job output and events are what tells why: keep them
         raise HpcftError(f"{exc} (the runs' output is kept in {work})") from exc
     faulted = {"rank_kill": kill, "exception": exc, "node_crash": crash, "batch_host": host}
+    reference = Path(opts.reference) if opts.reference is not None else work / "fault-free"
     for name, ph in faulted.items():
-        ph["resumed_identical"] = _identical(work / name.replace("_", "-"), work / "fault-free")
+        ph["resumed_identical"] = _identical(work / name.replace("_", "-"), reference)
     identical = all(ph["resumed_identical"] for ph in faulted.values())
     if not identical:
         events.emit("bench_result_differs", level=logging.ERROR, runs=",".join(

@@ -30,7 +30,7 @@ def dp_reference(sandbox, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def recovery_bench(sandbox, tmp_path_factory) -> Bench:
+def recovery_bench(sandbox, dp_reference, tmp_path_factory) -> Bench:
     """`hpcft bench recovery --json --keep DIR` once per session, on the DP job and model of `dp_reference` (16 steps,
     train_job.py's width 32 and 2 layers): its four recoveries (a killed rank, a crashed node — silent, as a power loss is: frozen, then killed once the
     supervisor decided —, a crashed batch host,
@@ -40,7 +40,8 @@ def recovery_bench(sandbox, tmp_path_factory) -> Bench:
     keep = tmp_path_factory.mktemp("recovery-bench")
     argv = [sys.executable, "-m", "hpcft.cli", "bench", "recovery", "--json", "--dir", str(sandbox.dir),
             "--keep", str(keep), "--steps", str(STEPS), "--fault-at", str(FAULT_AT), "--step-delay", "0.1",
-            "--width", "32", "--layers", "2", "--baseline", "relaunch", "--crash", "silent"]
+            "--width", "32", "--layers", "2", "--baseline", "relaunch", "--crash", "silent",
+            "--reference", str(dp_reference)]  # the session's fault-free run: the bench makes none of its own
     done = subprocess.run(argv, capture_output=True, text=True, timeout=850)
     assert done.returncode == 0, done.stderr[-4000:]
     return Bench(json.loads(done.stdout), done.stderr, keep)

@@ -92,6 +92,25 @@ def test_recovery_keep_refuses_a_directory_with_something_in_it(tmp_path):
         RecoveryOptions(keep=str(tmp_path))
 
 
+def test_recovery_reference_must_be_a_finished_run_of_the_same_model(tmp_path):
+    import torch
+
+    from hpcft.bench.recovery import RecoveryOptions, _identical
+    from hpcft.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no final.pt there"):
+        RecoveryOptions(reference=str(tmp_path))
+    runs = {}
+    for name, width in (("ref", 4), ("same", 4), ("other", 8)):
+        runs[name] = tmp_path / name
+        runs[name].mkdir()
+        torch.save({"seen": {"samples": 3}, "params": {"0.weight": torch.ones(width, width)}}, runs[name] / "final.pt")
+    RecoveryOptions(reference=str(runs["ref"]))
+    assert _identical(runs["same"], runs["ref"])
+    with pytest.raises(ConfigError, match="trained another model"):
+        _identical(runs["other"], runs["ref"])
+
+
 def test_recovery_baselines_are_named_and_their_scripts_react_as_a_user_would(tmp_path):
     """Argument building only (the runs are the sandbox bench's): relaunch runs srun again in the same allocation,
     requeue asks Slurm; each first records when it reacted, under the run tag of the launch after it."""
