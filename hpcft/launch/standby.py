@@ -10,6 +10,7 @@ checks both (`fork_unsafe`) and refuses, which sends the wrapper down its cold p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -25,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcft import events
-from hpcft.launch import progress, zygote
+from hpcft.launch import autogroup, progress, zygote
 from hpcft.launch.standby_child import Job, run_child
+from hpcft.slurm.nodelist import expand
 
 DEFAULT_PRELOAD = ("torch,torch.nn,torch.optim,torch.distributed,torch.distributed.device_mesh,"
                    "torch.nn.parallel,torch._dynamo,torch._inductor.config,torch.distributed.checkpoint.state_dict,"
@@ -333,12 +335,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job-dir", required=True, help="hpcft run's job directory (status files, events)")
     ap.add_argument("--job", default=os.environ.get("HPCFT_JOB_ID") or os.environ.get("SLURM_JOB_ID"))
     ap.add_argument("--preload", default=DEFAULT_PRELOAD, help="comma-separated modules to import before serving")
+    ap.add_argument("--spares", default="", help="the spare nodes (a Slurm hostlist): on one of them the preload runs "
+                    "at the lowest priority against other sessions, yielding to the active nodes' where they share "
+                    "cores")
     args = ap.parse_args(argv)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    spare = node in expand(args.spares) if args.spares else False
     standby = Standby(job_id=args.job or "local", node=node, start_env=dict(os.environ))
     modules = [m.strip() for m in args.preload.split(",") if m.strip()]
     try:
-        seconds = preload(modules)
+        with autogroup.lowered() if spare else contextlib.nullcontext(False) as behind:
+            seconds = preload(modules)
         copy_method, calibrate_s = calibrate()  # before the thread baseline: its pool's threads are joined by then
         standby.baseline_threads = native_threads()
         why = fork_unsafe(standby.baseline_threads)
@@ -354,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                  threads=standby.baseline_threads, socket=str(path))
     events.emit("standby_ready", log_dir=args.job_dir, node=node, import_s=round(seconds, 3),
                 modules=len(sys.modules), threads=standby.baseline_threads, copy_method=copy_method,
-                calibrate_s=round(calibrate_s, 3))
+                calibrate_s=round(calibrate_s, 3), spare=spare, yielded=behind)
     job = standby.serve()
     if job is None:
         write_status(args.job_dir, node, phase="stopped", served=standby.served, refused=standby.refused)

@@ -32,15 +32,17 @@ def cpus_per_node(environ: Mapping[str, str]) -> int | None:
 
 
 def standby_argv(nodes: Sequence[str], *, python: str, job_dir: str, preload: str,
-                 cpus: int | None = None) -> list[str]:
+                 cpus: int | None = None, spares: Sequence[str] = ()) -> list[str]:
     """One standby on each of `nodes`. --overlap: beside every other step; --kill-on-bad-exit=0 and --no-kill: a
     lost task or node does not end the others; the node's CPUs (`cpus`) and no binding, so that a child can take
-    the CPU affinity its rank's task was given (a step's cpuset bounds its processes)."""
+    the CPU affinity its rank's task was given (a step's cpuset bounds its processes). The standbys of `spares`
+    import behind the active nodes' (hpcft/launch/autogroup.py), which the next launch waits for."""
     n = len(nodes)
     return ["srun", f"--job-name={STANDBY_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={compress(list(nodes))}", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL",
             *([f"--cpus-per-task={cpus}"] if cpus else []), "--cpu-bind=none",
-            python, "-m", "hpcft.launch.standby", "--job-dir", job_dir, "--preload", preload]
+            python, "-m", "hpcft.launch.standby", "--job-dir", job_dir, "--preload", preload,
+            *(["--spares", compress(list(spares))] if spares else [])]
 
 
 def read_status(job_dir: Path, nodes: Sequence[str], since: float) -> dict[str, dict]:
@@ -71,8 +73,9 @@ class Standbys:
         self._since = 0.0
         self._waited = True  # for the step running: only its start is waited for
 
-    def ensure(self, nodes: Sequence[str], env: Mapping[str, str]) -> None:
-        """A standby step on `nodes`, unless one runs (started again when a node loss ended it)."""
+    def ensure(self, nodes: Sequence[str], env: Mapping[str, str], spares: Sequence[str] = ()) -> None:
+        """A standby step on `nodes`, unless one runs (started again when a node loss ended it); those of `spares`
+        (not waited for) import at the lowest priority."""
         if not self.enabled or (self.proc is not None and self.proc.poll() is None):
             return
         if self.proc is not None:
@@ -81,7 +84,7 @@ class Standbys:
         (self.job_dir / STATUS_DIR).mkdir(exist_ok=True)
         self._since, self.nodes, self._waited = time.time(), list(nodes), False
         argv = standby_argv(nodes, python=self.python, job_dir=str(self.job_dir), preload=self.preload,
-                            cpus=self.cpus)
+                            cpus=self.cpus, spares=spares)
         with open(self.job_dir / "standby.log", "ab") as log:
             self.proc = self.runner.popen(argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
         self.emit("standby_launch", nodes=compress(list(nodes)), preload=self.preload)

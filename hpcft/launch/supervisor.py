@@ -285,7 +285,7 @@ class Supervisor:
         try:  # the environment staged first (--stage-env): the janitors remove it, the other steps start from it
             self.stage.ensure([*layout.slots, *layout.spares], env, (self, self.standbys, self.agents))
             self.janitor.ensure([*layout.slots, *layout.spares], env)
-            self.standbys.ensure([*layout.slots, *layout.spares], env)
+            self.standbys.ensure([*layout.slots, *layout.spares], env, spares=layout.spares)
             if self.cfg.with_agents:
                 failure = self.agents.start(layout, restart_count, env)
                 if failure is not None:

@@ -232,6 +232,28 @@ def test_the_standby_step_covers_the_nodes_with_their_cpus():
                          "--nodelist=n[1-2,5]", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL"]
     assert argv[10:] == ["--cpus-per-task=8", "--cpu-bind=none", "/py", "-m", "hpcft.launch.standby", "--job-dir",
                          "/j", "--preload", "torch"]
+    spared = standby_argv(["n1", "n2", "n5", "n6"], python="/py", job_dir="/j", preload="torch", spares=["n5", "n6"])
+    assert spared[-2:] == ["--spares", "n[5-6]"]
+
+
+def test_a_spare_standby_imports_behind_the_others_then_gives_its_priority_back():
+    """The real /proc/self/autogroup, in a session of its own (a standby's, as srun starts it); unprivileged too."""
+    script = ("import os; os.setsid(); from hpcft.launch import autogroup as a; b = a.current()\n"
+              "with a.lowered() as low: inside = a.current()\n"
+              "print(b, low, inside, a.current())")
+    cmds = [[sys.executable, "-c", script]]
+    if os.geteuid() == 0 and os.path.exists("/usr/bin/setpriv"):  # a user's job: no privilege to lower a nice
+        cmds.append(["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmds[0]])
+    for cmd in cmds:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+        if done.returncode != 0 and "Permission denied" in done.stderr and cmd is not cmds[0]:
+            pytest.skip("nobody cannot run this venv's Python here")
+        assert done.returncode == 0, done.stderr
+        before, low, inside, after = done.stdout.split()
+        if before == "None":
+            pytest.skip("no /proc/self/autogroup: a kernel without CONFIG_SCHED_AUTOGROUP")
+        assert (low, inside, after) == ("True", "19", before), (cmd[0], done.stdout)
 
 
 def test_what_a_rank_leaves_in_its_group_ends_with_it(node, tmp_path):
