@@ -6,9 +6,8 @@ sandbox); on a node of its own nothing competes and the nice costs nothing."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 _log = logging.getLogger(__name__)
@@ -37,16 +36,28 @@ def _set(path: Path, nice: int) -> bool:
     return False
 
 
-@contextmanager
-def lowered(nice: int = 19, path: Path = PATH) -> Iterator[bool]:
-    """Run the block at autogroup nice `nice`, then restore the nice it had; yields whether it was lowered (False,
-    nothing changed, where the kernel has no autogroups or refuses)."""
+class Lowered:
+    """The session's nice while lowered; `restore()` (idempotent, from any thread) gives the old one back."""
+
+    def __init__(self, path: Path, before: int, nice: int):
+        self.path, self.before, self.nice = path, before, nice
+        self.since = time.monotonic()
+        self.held_s: float | None = None  # how long it stayed lowered, once restored
+        self._lock = threading.Lock()
+
+    def restore(self) -> None:
+        with self._lock:
+            if self.held_s is not None:
+                return
+            self.held_s = time.monotonic() - self.since
+            if not _set(self.path, self.before):
+                _log.warning("could not restore the autogroup nice %d (it stays %d)", self.before, self.nice)
+
+
+def lower(nice: int = 19, path: Path = PATH) -> Lowered | None:
+    """Lower this session to autogroup nice `nice`; None (nothing changed) where the kernel has no autogroups, the
+    session is already that low, or the write is refused."""
     before = current(path)
     if before is None or before >= nice or not _set(path, nice):
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        if not _set(path, before):
-            _log.warning("could not restore the autogroup nice %d (it stays %d)", before, nice)
+        return None
+    return Lowered(path, before, nice)

@@ -10,7 +10,6 @@ checks both (`fork_unsafe`) and refuses, which sends the wrapper down its cold p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import logging
@@ -41,6 +40,12 @@ def status_path(job_dir: str | os.PathLike, node: str) -> Path:
     return Path(job_dir) / STATUS_DIR / f"{node}.json"
 
 
+def active_ready_path(job_dir: str | os.PathLike) -> Path:
+    """Touched by the supervisor when its wait for the active slots' standbys ends (standbys.Standbys.wait): one file
+    the spares' standbys look at, not one per node (hundreds on a shared file system)."""
+    return Path(job_dir) / STATUS_DIR / "active-ready"
+
+
 def write_status(job_dir: str | os.PathLike, node: str, **fields) -> None:
     path = status_path(job_dir, node)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,6 +67,41 @@ def preload(modules: list[str]) -> float:
         except Exception as exc:  # noqa: BLE001 - any failure of a user's module is reported the same way
             raise ImportError(f"--preload {name}: {type(exc).__name__}: {exc}") from exc
     return time.monotonic() - started
+
+
+def _active_ready(marker: Path, since: float, done: threading.Event, behind: autogroup.Lowered,
+                  timeout: float) -> None:
+    """Watcher of a spare's preload: give the priority back once the supervisor's wait for the active slots'
+    standbys has ended (`marker` touched at or after `since`: the launch waits for those, nobody for this one), or
+    after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not done.wait(0.2) and time.monotonic() < deadline:
+        try:
+            if marker.stat().st_mtime >= since:
+                break
+        except OSError:
+            continue
+    behind.restore()
+
+
+def _preload_behind(modules: list[str], job_dir: str, node: str, spares: list[str], since: float,
+                    timeout: float = 120.0) -> tuple[float, autogroup.Lowered | None]:
+    """`preload(modules)`; on one of `spares`, behind the active nodes' standbys: this session at the lowest priority
+    until the supervisor has them ready (`active_ready_path`), so that where nodes share cores they get them first;
+    on a node of its own nothing competes. The watcher thread ends before this returns (see fork_unsafe)."""
+    behind = autogroup.lower() if node in spares else None
+    if behind is None:
+        return preload(modules), None
+    done = threading.Event()
+    watcher = threading.Thread(target=_active_ready, args=(active_ready_path(job_dir), since, done, behind, timeout),
+                               name="hpcft-standby-behind", daemon=True)
+    watcher.start()
+    try:
+        return preload(modules), behind
+    finally:
+        done.set()
+        watcher.join()
+        behind.restore()
 
 
 def calibrate() -> tuple[str, float]:
@@ -336,16 +376,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job", default=os.environ.get("HPCFT_JOB_ID") or os.environ.get("SLURM_JOB_ID"))
     ap.add_argument("--preload", default=DEFAULT_PRELOAD, help="comma-separated modules to import before serving")
     ap.add_argument("--spares", default="", help="the spare nodes (a Slurm hostlist): on one of them the preload runs "
-                    "at the lowest priority against other sessions, yielding to the active nodes' where they share "
-                    "cores")
+                    "at the lowest priority against other sessions until the supervisor has the active nodes' "
+                    "standbys ready, yielding to them where they share cores")
+    ap.add_argument("--since", type=float, default=0.0, help="the step's start (epoch s): an older marker of the "
+                    "active standbys' readiness is an earlier step's")
     args = ap.parse_args(argv)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    spare = node in expand(args.spares) if args.spares else False
+    spares = expand(args.spares) if args.spares else []
     standby = Standby(job_id=args.job or "local", node=node, start_env=dict(os.environ))
     modules = [m.strip() for m in args.preload.split(",") if m.strip()]
     try:
-        with autogroup.lowered() if spare else contextlib.nullcontext(False) as behind:
-            seconds = preload(modules)
+        seconds, behind = _preload_behind(modules, args.job_dir, node, spares, args.since)
         copy_method, calibrate_s = calibrate()  # before the thread baseline: its pool's threads are joined by then
         standby.baseline_threads = native_threads()
         why = fork_unsafe(standby.baseline_threads)
@@ -361,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                  threads=standby.baseline_threads, socket=str(path))
     events.emit("standby_ready", log_dir=args.job_dir, node=node, import_s=round(seconds, 3),
                 modules=len(sys.modules), threads=standby.baseline_threads, copy_method=copy_method,
-                calibrate_s=round(calibrate_s, 3), spare=spare, yielded=behind)
+                calibrate_s=round(calibrate_s, 3), spare=node in spares,
+                **({"yielded_s": round(behind.held_s or 0.0, 3)} if behind is not None else {}))
     job = standby.serve()
     if job is None:
         write_status(args.job_dir, node, phase="stopped", served=standby.served, refused=standby.refused)

@@ -11,11 +11,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from hpcft.launch.standby import STATUS_DIR, status_path
+from hpcft.launch.standby import STATUS_DIR, active_ready_path, status_path
 from hpcft.launch.zygote import ENV_STANDBY
 from hpcft.slurm.nodelist import compress
 from hpcft.slurm.runner import Runner
 
+_log = logging.getLogger(__name__)
 STANDBY_STEP_NAME = "hpcft-standby"
 READY_TIMEOUT_S = 120.0  # the standbys' import (torch's, under load); past it the trainers of the late nodes go cold
 
@@ -32,17 +33,18 @@ def cpus_per_node(environ: Mapping[str, str]) -> int | None:
 
 
 def standby_argv(nodes: Sequence[str], *, python: str, job_dir: str, preload: str,
-                 cpus: int | None = None, spares: Sequence[str] = ()) -> list[str]:
+                 cpus: int | None = None, spares: Sequence[str] = (), since: float | None = None) -> list[str]:
     """One standby on each of `nodes`. --overlap: beside every other step; --kill-on-bad-exit=0 and --no-kill: a
     lost task or node does not end the others; the node's CPUs (`cpus`) and no binding, so that a child can take
     the CPU affinity its rank's task was given (a step's cpuset bounds its processes). The standbys of `spares`
-    import behind the active nodes' (hpcft/launch/autogroup.py), which the next launch waits for."""
+    import behind the active nodes' (hpcft/launch/autogroup.py), which the next launch waits for, until `wait` has
+    them ready (its marker touched at or after `since`, the step's start)."""
     n = len(nodes)
     return ["srun", f"--job-name={STANDBY_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={compress(list(nodes))}", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL",
             *([f"--cpus-per-task={cpus}"] if cpus else []), "--cpu-bind=none",
             python, "-m", "hpcft.launch.standby", "--job-dir", job_dir, "--preload", preload,
-            *(["--spares", compress(list(spares))] if spares else [])]
+            *(["--spares", compress(list(spares)), "--since", f"{since or 0:.3f}"] if spares else [])]
 
 
 def read_status(job_dir: Path, nodes: Sequence[str], since: float) -> dict[str, dict]:
@@ -84,7 +86,7 @@ class Standbys:
         (self.job_dir / STATUS_DIR).mkdir(exist_ok=True)
         self._since, self.nodes, self._waited = time.time(), list(nodes), False
         argv = standby_argv(nodes, python=self.python, job_dir=str(self.job_dir), preload=self.preload,
-                            cpus=self.cpus, spares=spares)
+                            cpus=self.cpus, spares=spares, since=self._since)
         with open(self.job_dir / "standby.log", "ab") as log:
             self.proc = self.runner.popen(argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
         self.emit("standby_launch", nodes=compress(list(nodes)), preload=self.preload)
@@ -106,6 +108,10 @@ class Standbys:
                     or time.monotonic() > started + timeout or interrupted():
                 break
             time.sleep(0.2)
+        try:  # the spares' standbys import behind these until now (standby._preload_behind)
+            active_ready_path(self.job_dir).touch()
+        except OSError as exc:
+            _log.warning("cannot tell the spares' standbys that the active ones are up: %s", exc)
         ready = sorted(n for n, r in found.items() if r.get("phase") == "ready")
         missing = [n for n in nodes if n not in ready]
         why = "; ".join(f"{n}: {found[n].get('error')}" if n in found else

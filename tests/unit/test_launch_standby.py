@@ -232,28 +232,66 @@ def test_the_standby_step_covers_the_nodes_with_their_cpus():
                          "--nodelist=n[1-2,5]", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL"]
     assert argv[10:] == ["--cpus-per-task=8", "--cpu-bind=none", "/py", "-m", "hpcft.launch.standby", "--job-dir",
                          "/j", "--preload", "torch"]
-    spared = standby_argv(["n1", "n2", "n5", "n6"], python="/py", job_dir="/j", preload="torch", spares=["n5", "n6"])
-    assert spared[-2:] == ["--spares", "n[5-6]"]
 
 
-def test_a_spare_standby_imports_behind_the_others_then_gives_its_priority_back():
-    """The real /proc/self/autogroup, in a session of its own (a standby's, as srun starts it); unprivileged too."""
-    script = ("import os; os.setsid(); from hpcft.launch import autogroup as a; b = a.current()\n"
-              "with a.lowered() as low: inside = a.current()\n"
-              "print(b, low, inside, a.current())")
+def test_a_spare_standby_imports_behind_the_others_until_they_are_ready_then_gives_its_priority_back():
+    """The real /proc/self/autogroup, in a session of its own (a standby's, as srun starts it), also unprivileged:
+    a spare's preload runs at nice 19 until the supervisor's marker of the active standbys' readiness is newer than
+    the step's start (an older one is an earlier step's), then at its old nice, and its watcher thread is gone."""
+    top = Path(tempfile.mkdtemp(prefix="hpcft-autogroup-"))  # not under pytest's 0700 tmp: user nobody runs here
+    job = top / "job"
+    job.mkdir()
+    (top / "slow_import.py").write_text("import time\ntime.sleep(2)\n")  # a preload of 2 s
+    os.chmod(top, 0o755)
+    os.chmod(job, 0o777)
+    try:
+        _behind_in_a_session(top, job)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    spared = standby_argv(["n1", "n5"], python="/py", job_dir="/j", preload="torch", spares=["n5"], since=12.5)
+    assert spared[-4:] == ["--spares", "n5", "--since", "12.500"]
+
+
+def _behind_in_a_session(top: Path, job: Path) -> None:
+    script = f"""
+import os, threading, time
+os.setsid()
+from hpcft.launch import autogroup, standby
+marker = standby.active_ready_path({str(job)!r})
+marker.parent.mkdir(exist_ok=True)
+marker.touch()
+os.utime(marker, (time.time() - 60, time.time() - 60))  # an earlier step's
+since = time.time()
+seen = []
+def supervisor():  # its wait for the active nodes' standbys ends 1 s after the step started
+    time.sleep(0.5)
+    seen.append(autogroup.current())
+    time.sleep(0.5)
+    marker.touch()
+threading.Thread(target=supervisor).start()
+before = autogroup.current()
+_, behind = standby._preload_behind(["slow_import"], {str(job)!r}, "n3", ["n3"], since, timeout=30)
+if behind is None:
+    print("none", before)
+else:
+    print(before, seen[0], autogroup.current(), round(behind.held_s, 1), threading.active_count())
+"""
+    env = {**os.environ, "PYTHONPATH": f"{Path(__file__).resolve().parents[2]}:{top}"}
     cmds = [[sys.executable, "-c", script]]
     if os.geteuid() == 0 and os.path.exists("/usr/bin/setpriv"):  # a user's job: no privilege to lower a nice
         cmds.append(["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmds[0]])
     for cmd in cmds:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-        if done.returncode != 0 and "Permission denied" in done.stderr and cmd is not cmds[0]:
-            pytest.skip("nobody cannot run this venv's Python here")
+        for p in job.iterdir():
+            p.unlink() if p.is_file() else shutil.rmtree(p)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
         assert done.returncode == 0, done.stderr
-        before, low, inside, after = done.stdout.split()
-        if before == "None":
+        out = done.stdout.split()
+        if out[0] == "none":
             pytest.skip("no /proc/self/autogroup: a kernel without CONFIG_SCHED_AUTOGROUP")
-        assert (low, inside, after) == ("True", "19", before), (cmd[0], done.stdout)
+        before, during, after, held, threads = out
+        assert (during, after) == ("19", before), (cmd[0], done.stdout)
+        assert 0.8 <= float(held) <= 1.8, done.stdout  # until the others were ready (1 s), not the import (2 s)
+        assert threads == "1", "the watcher thread outlived the preload"
 
 
 def test_what_a_rank_leaves_in_its_group_ends_with_it(node, tmp_path):
