@@ -79,9 +79,11 @@ def test_a_slowed_node_is_named_a_straggler_and_evicted_onto_a_spare_a_short_pau
     assert ready[-1][1] and "n5" in next(e for e in log if e["event"] == "agents_ready" and e["rebuild"])["rebuilt"]
     summary = next(e for e in log if e["event"] == "summary")
     # the steps the trainers made past the protected step are redone, and said (WARNING), now that the supervisor's
-    # view of progress is exact (the agents report it until stopped); nothing protected is lost
-    protected = re.search(r"step (\d+) protected", made[0]["reason"]).group(1)
-    assert summary["lost"] == "" or f"resumed from step {protected} after" in summary["lost"], summary
+    # view of progress is exact (the agents report it until stopped); nothing protected is lost: the resume is from
+    # the step protected at the decision or a newer one the agents protected before they stopped (CI: 6, then 7)
+    protected = int(re.search(r"step (\d+) protected", made[0]["reason"]).group(1))
+    resumed = re.search(r"resumed from step (\d+) after", summary["lost"])
+    assert summary["lost"] == "" or (resumed and int(resumed.group(1)) >= protected), summary
     assert_same_result(out, dp_reference)
     print(f"\nstraggler: named {named[0]['time'] - min(e['time'] for e in log if e['event'] == 'launch'):.1f} s after "
           f"the launch (ratio {named[0]['ratio']}), evicted {made[0]['time'] - named[0]['time']:.1f} s after that")
