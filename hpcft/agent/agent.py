@@ -9,6 +9,7 @@ import operator
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Collection, Iterable
@@ -242,7 +243,10 @@ def run(cfg: AgentConfig) -> int:
     mesh: MeshBase | None = None
     beat: Heartbeat | None = None
 
+    said: list[str] = []  # the phases reported, newest last
+
     def report(phase: str, **fields) -> None:
+        said.append(phase)
         versions = local_versions(job)
         complete, recs, by_rank = complete_steps(job, versions), records(job), _by_rank(versions)
         lag_steps, lag_s = protection_lag(complete, recs)
@@ -272,6 +276,15 @@ def run(cfg: AgentConfig) -> int:
     budget = LagBudget(mesh.throttle.cpu, max(mesh.throttle.cpu, cfg.lag_cores), cfg.lag_bound) \
         if cfg.lag_bound else None
     drained, wake = threading.Event(), threading.Event()
+
+    def stopping() -> None:
+        """Asked to stop: no second SIGTERM may cut the cleanup or the last report short (the uplink sends it at
+        exit), and "stopped" is said once."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if said[-1] != status.STOPPED:
+            report(status.STOPPED)
+
     threading.Thread(target=_watch_requests, args=(status.drain_path(cfg.rendezvous, cfg.tag),
                                                   status.stop_path(cfg.rendezvous, cfg.tag), mesh, drained, wake),
                      daemon=True, name="hpcft-agent-requests").start()
@@ -312,11 +325,11 @@ def run(cfg: AgentConfig) -> int:
                 wake.wait(cfg.interval)
                 wake.clear()
     except Stopped:
-        report(status.STOPPED)
+        stopping()
         raise
     except HpcftError as exc:
         if status.stop_path(cfg.rendezvous, cfg.tag).exists():  # a peer that stopped first closed the mesh
-            report(status.STOPPED)
+            stopping()  # before our own SIGTERM (_watch_requests) lands in the cleanup
             raise Stopped from exc
         silence = _silence(beat) if not isinstance(exc, NoCheckpointError) else None
         failure = exc if silence is None or isinstance(exc, PeerSilent) else silence
@@ -329,6 +342,8 @@ def run(cfg: AgentConfig) -> int:
             raise failure from exc
         raise
     finally:
+        if isinstance(sys.exc_info()[1], Stopped) and said[-1] != status.FAILED:
+            stopping()  # a SIGTERM that landed in the handlers above, before their report; a failure said stays
         if beat is not None:
             beat.close()
         pins.close()
