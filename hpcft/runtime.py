@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from hpcft.env import JobEnv, job_env
 from hpcft.errors import ConfigError, RendezvousError
+from hpcft.store import prefetch
 
 _log = logging.getLogger(__name__)
 DIMS = ("pp", "dp", "tp")  # outermost to innermost: tensor parallel stays inside a node
@@ -113,8 +114,10 @@ def init(*, dp: int | None = None, tp: int = 1, pp: int = 1, backend: str | None
     device = pick_device(env.local_rank)
     backend = backend or default_backend(device)
     if not dist.is_initialized():
-        if store is None and env.rank != 0:
-            wait_listening(env.master_addr, env.master_port, timeout_s)
+        if store is None:
+            prefetch.ahead(env.job_id, env.rank)  # a relaunch's snapshot, mapped while the ranks meet
+            if env.rank != 0:
+                wait_listening(env.master_addr, env.master_port, timeout_s)
         where = {"store": store} if store is not None else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
         dist.init_process_group(backend, **where, rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout_s))

@@ -20,7 +20,7 @@ from hpcft.durable import catalog, local, reader
 from hpcft.errors import CheckpointError, IntegrityError
 from hpcft.snapshot.restore import Loader, held_everywhere_each
 from hpcft.snapshot.state import Entry
-from hpcft.store import Version, crc32c
+from hpcft.store import Version, crc32c, prefetch
 
 MEMORY, NVME, DURABLE = "memory", "nvme", "durable"
 _PREFER = {MEMORY: 0, NVME: 1, DURABLE: 2}
@@ -71,6 +71,16 @@ def restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Path
     state); `check_meta` checks what the caller will apply. After a load, every version this rank holds in memory
     that is newer than the step loaded (or a second copy of it) is withdrawn (event `version_withdrawn`): training
     writes those steps anew. IntegrityError if candidates existed but none could be loaded."""
+    try:
+        return _restore(loader, entries_fn, persist, check_meta, world_size, local_root)
+    finally:
+        prefetch.release()  # what hpcft.init mapped ahead and the load did not adopt
+
+
+def _restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Path | None,
+             check_meta: Callable[[dict[str, Any]], None] | None, world_size: int,
+             local_root: Path | None) -> Restored | None:
+    """`restore`, the mapped-ahead slots aside."""
     store = loader.store
     t0 = time.perf_counter()
     held = store.versions()

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcft.errors import StoreError, StoreFullError
+from hpcft.store import prefetch
 from hpcft.store.paths import open_file
 
 GRAIN = 1 << 20  # sizes are rounded up to this, so small layout changes do not regrow the file
@@ -33,8 +34,10 @@ class Slot:
         self._populated = False
         self.array = np.empty(0, dtype=np.uint8)
         size = os.fstat(self._fd).st_size
-        if size:  # an existing file: its reader (a restore, an agent) maps pages as it reads them
-            self._map(size, populate=False)
+        if size:  # an existing file: its reader (a restore, an agent) maps pages as it reads them, unless a
+            # relaunched rank's init mapped them ahead (hpcft.store.prefetch; read-write, so never for a reader)
+            ahead = None if readonly else prefetch.adopt(path, self._fd, size)
+            self._map(size, populate=ahead is not None, adopted=ahead)
 
     @property
     def size(self) -> int:
@@ -72,12 +75,12 @@ class Slot:
         self._unmap()
         self._map(size, populate=True)
 
-    def _map(self, size: int, populate: bool) -> None:
+    def _map(self, size: int, populate: bool, adopted: mmap.mmap | None = None) -> None:
         # MAP_POPULATE maps every page in this one call, on this thread: right for a writer, which will write
         # them all; a reader does better without (read faults map 16 pages at once, on the threads reading)
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         prot = mmap.PROT_READ | (0 if self.readonly else mmap.PROT_WRITE)
-        self._mm = mmap.mmap(self._fd, size, flags=flags, prot=prot)
+        self._mm = adopted or mmap.mmap(self._fd, size, flags=flags, prot=prot)
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self._populated = populate
         self.generation += 1

@@ -11,7 +11,8 @@ from hpcft.snapshot import ntcopy
 SNAPSHOT_KEYS = {"overhead_hpcft", "overhead_torch_save", "overhead_dcp_async", "blocked_s_per_snapshot",
                  "copy_vs_memcpy", "dcp_async_form", "snapshot_bytes", "config", "variants", "copy_threads",
                  "copy_calibration", "machine"}
-RESTORE_KEYS = {"restore_vs_memcpy", "speedup_vs_dcp", "speedup_vs_torch_load", "verified", "state_bytes",
+RESTORE_KEYS = {"restore_vs_memcpy", "restore_vs_memcpy_cold", "restore_vs_memcpy_prefetched", "prefetch_s",
+                "speedup_vs_dcp", "speedup_vs_torch_load", "verified", "state_bytes",
                 "restore_threads", "copy_calibration", "machine"}
 
 
