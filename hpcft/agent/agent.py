@@ -243,10 +243,11 @@ def run(cfg: AgentConfig) -> int:
     mesh: MeshBase | None = None
     beat: Heartbeat | None = None
 
-    said: list[str] = []  # the phases reported, newest last
+    said = ""  # the phase reported last
 
     def report(phase: str, **fields) -> None:
-        said.append(phase)
+        nonlocal said
+        said = phase
         versions = local_versions(job)
         complete, recs, by_rank = complete_steps(job, versions), records(job), _by_rank(versions)
         lag_steps, lag_s = protection_lag(complete, recs)
@@ -282,7 +283,7 @@ def run(cfg: AgentConfig) -> int:
         exit), and "stopped" is said once."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if said[-1] != status.STOPPED:
+        if said != status.STOPPED:
             report(status.STOPPED)
 
     threading.Thread(target=_watch_requests, args=(status.drain_path(cfg.rendezvous, cfg.tag),
@@ -342,7 +343,7 @@ def run(cfg: AgentConfig) -> int:
             raise failure from exc
         raise
     finally:
-        if isinstance(sys.exc_info()[1], Stopped) and said[-1] != status.FAILED:
+        if isinstance(sys.exc_info()[1], Stopped) and said != status.FAILED:
             stopping()  # a SIGTERM that landed in the handlers above, before their report; a failure said stays
         if beat is not None:
             beat.close()
