@@ -96,6 +96,7 @@ class Checkpointer:
         self.completed = 0  # optimizer steps applied to the live state
         self.extra: dict | None = None
         self._quiet = False  # hooks ignore optimizer steps hpcft itself makes
+        self._in_step = False  # the pre-step hook opened a shielded section the post-step hook closes
         self._warned = False
         self._hooks = []
         self.timer = timing.StepTimer(timing.clock_for(device))  # the rank's own share of a step (stragglers)
@@ -108,22 +109,33 @@ class Checkpointer:
             raise ConfigError("auto snapshots need an optimizer; pass auto=False and call ckpt.step(it)")
 
     # the two optimizer hooks -----------------------------------------------------------------------------
-    # Both run in an in-process restart's shield (hpcft.inprocess.shield): a peer's fault interrupts this rank
-    # after its snapshot has started, not half-way, so the step's snapshot commits when the Checkpointer closes.
+    # The optimizer's step, from the pre-step hook to the end of the post-step one, is an in-process restart's
+    # shielded section (hpcft.inprocess.shield): a peer's fault interrupts this rank after the step's snapshot has
+    # started, not in the update or half-way through the start, so the snapshot commits when the Checkpointer closes.
     def _pre_step(self, *_: Any) -> None:
         if not self._quiet:
-            with shield.section():
-                self.timer.ended()
-                self.engine.guard()
+            self._leave_step()  # a previous step that raised before its post-step hook
+            shield.enter()
+            self._in_step = True
+            self.timer.ended()
+            self.engine.guard()
 
     def _post_step(self, *_: Any) -> None:
         if self._quiet:
             return
-        with shield.section():
-            self.completed += 1
-            if self.completed % self.every == 0:
-                self._snapshot()
-            self.timer.started()
+        try:
+            with shield.section():  # also where no pre-step hook opened one (hooks added mid-step)
+                self.completed += 1
+                if self.completed % self.every == 0:
+                    self._snapshot()
+                self.timer.started()
+        finally:
+            self._leave_step()
+
+    def _leave_step(self) -> None:
+        if self._in_step:
+            self._in_step = False
+            shield.leave()
 
     # public API --------------------------------------------------------------------------------------------
     def step(self, it: int) -> None:
@@ -222,8 +234,11 @@ class Checkpointer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self._loader.close()
-        self.engine.close()
+        try:
+            self._loader.close()
+            self.engine.close()
+        finally:
+            self._leave_step()  # a step that raised left its section open: closed after the snapshot is finished
 
     def __enter__(self) -> "Checkpointer":
         return self

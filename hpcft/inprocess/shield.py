@@ -15,22 +15,34 @@ _depth: dict[int, int] = {}  # thread ident -> sections entered
 _deferred: dict[int, Callable[[], None]] = {}  # thread ident -> its interrupt, waiting for the section's end
 
 
+def enter() -> None:
+    """Open a section on this thread (for a section spanning two calls, e.g. an optimizer's pre- and post-step
+    hooks); `leave()` closes it."""
+    tid = threading.get_ident()
+    _depth[tid] = _depth.get(tid, 0) + 1
+
+
+def leave() -> None:
+    """Close this thread's innermost section; leaving the outermost fires an interrupt parked meanwhile."""
+    tid = threading.get_ident()
+    left = _depth[tid] - 1
+    if left:
+        _depth[tid] = left
+        return
+    del _depth[tid]
+    fire = _deferred.pop(tid, None)
+    if fire is not None:
+        fire()
+
+
 @contextmanager
 def section() -> Iterator[None]:
     """Run the block with interrupts aimed at this thread deferred to its end (nested sections: the outermost)."""
-    tid = threading.get_ident()
-    _depth[tid] = _depth.get(tid, 0) + 1
+    enter()
     try:
         yield
     finally:
-        left = _depth[tid] - 1
-        if left:
-            _depth[tid] = left
-        else:
-            del _depth[tid]
-            fire = _deferred.pop(tid, None)
-            if fire is not None:
-                fire()
+        leave()
 
 
 def deliver(tid: int, fire: Callable[[], None]) -> bool:
