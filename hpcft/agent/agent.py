@@ -292,15 +292,16 @@ def run(cfg: AgentConfig) -> int:
     try:
         beat = _listen_for_silence(cfg, mesh, meet, node, wake)
         extra = {}
-        if cfg.rebuild:
-            try:
-                outcome = rebuild(mesh, placement, job, pins, cfg.job_id, cfg.root)
-            except NoCheckpointError as exc:
-                report(status.FAILED, reason="no_checkpoint", error=str(exc))
-                raise
-            extra = {"rebuilt_step": outcome.step, "rebuilt": list(outcome.rebuilt)}
-            print(f"slot={cfg.slot} rebuilt={outcome.step} here={cfg.slot in outcome.rebuilt}", flush=True)
-        keep_newest_protected(mesh, job, pins)
+        with mesh.throttle.uncapped():  # the trainers wait for this: no cap, and none of it billed to the rounds
+            if cfg.rebuild:
+                try:
+                    outcome = rebuild(mesh, placement, job, pins, cfg.job_id, cfg.root)
+                except NoCheckpointError as exc:
+                    report(status.FAILED, reason="no_checkpoint", error=str(exc))
+                    raise
+                extra = {"rebuilt_step": outcome.step, "rebuilt": list(outcome.rebuilt)}
+                print(f"slot={cfg.slot} rebuilt={outcome.step} here={cfg.slot in outcome.rebuilt}", flush=True)
+            keep_newest_protected(mesh, job, pins)
         report(status.READY, **extra)
         done = 0
         while cfg.rounds <= 0 or done < cfg.rounds:

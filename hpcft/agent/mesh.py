@@ -188,24 +188,31 @@ class Mesh(MeshBase):
         try:
             if bad:
                 raise TransportError(f"slot {slot} was asked to connect to slots {bad}, outside 0..{size - 1}")
-            lower = sorted(j for j in wanted if j < slot)
-            where = meet.meet(tag, slot, self.address, lower, timeout)  # once the lower ones have registered
-            for j in lower:
-                peer_host, port = where[j].rsplit(":", 1)
-                ch = connect(secret, peer_host, int(port), timeout=_left(deadline), throttle=self.throttle)
-                ch.send({"hello": slot, "tag": tag})
-                self.peers[j] = ch
-            for _ in range(sum(1 for j in wanted if j > slot)):
-                ch = self.listener.accept(_left(deadline))
-                header, _ = ch.recv()
-                j = int(header["hello"])
-                if j not in wanted or j in self.peers:
-                    ch.close()
-                    raise TransportError(f"agent {j} joined mesh {tag} of slot {slot}, which expects {sorted(wanted)}")
-                self.peers[j] = ch
+            with self.throttle.uncapped():  # meeting the peers is no protection work: the trainers wait for it
+                self._connect(secret, meet, tag, wanted, deadline, timeout)
         except Exception:
             self.close()
             raise
+
+    def _connect(self, secret: bytes, meet: Rendezvous, tag: str, wanted: set[int], deadline: float,
+                 timeout: float) -> None:
+        """Meet the lower slots (connect) and the higher ones (accept), each channel keyed by its slot."""
+        slot = self.slot
+        lower = sorted(j for j in wanted if j < slot)
+        where = meet.meet(tag, slot, self.address, lower, timeout)  # once the lower ones have registered
+        for j in lower:
+            peer_host, port = where[j].rsplit(":", 1)
+            ch = connect(secret, peer_host, int(port), timeout=_left(deadline), throttle=self.throttle)
+            ch.send({"hello": slot, "tag": tag})
+            self.peers[j] = ch
+        for _ in range(sum(1 for j in wanted if j > slot)):
+            ch = self.listener.accept(_left(deadline))
+            header, _ = ch.recv()
+            j = int(header["hello"])
+            if j not in wanted or j in self.peers:
+                ch.close()
+                raise TransportError(f"agent {j} joined mesh {tag} of slot {slot}, which expects {sorted(wanted)}")
+            self.peers[j] = ch
 
     def close(self) -> None:
         super().close()

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from hpcft.errors import ConfigError
 
@@ -28,10 +29,31 @@ class Throttle:
         self._last = clock()
         self._cpu_last = cpu_clock()
         self.slept = 0.0  # seconds spent waiting on either cap (reported by the bench)
+        self._released = False
 
     def release(self) -> None:
         """Lift both caps for good (nothing left to spare: the trainers have stopped)."""
+        self._released = True
         self.rate = self.cpu = 0.0
+
+    @contextmanager
+    def uncapped(self) -> Iterator[None]:
+        """Work that neither cap slows nor bills, because the trainers wait on it (the agents' start, a rebuild):
+        capped at 1 % of a core, a rebuild's 30 ms of CPU cost 3 s of recovery, and the debt then stalled
+        protection for as long again. The caps hold again after it, as if they had been idle all along."""
+        rate, cpu = self.rate, self.cpu
+        self.rate = self.cpu = 0.0
+        try:
+            yield
+        finally:
+            if not self._released:
+                self.rate, self.cpu = rate, cpu
+            self.forgive()
+
+    def forgive(self) -> None:
+        """Start the accounts afresh: nothing spent so far counts, both buckets full."""
+        self._last, self._cpu_last = self._clock(), self._cpu_clock()
+        self._tokens, self._cpu_tokens = float(self.burst), self.cpu
 
     def take(self, nbytes: int) -> None:
         """Account for `nbytes` about to be sent or encoded; wait as long as the caps require."""

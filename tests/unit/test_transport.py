@@ -152,6 +152,32 @@ def test_cpu_cap_waits_until_the_cpu_spent_fits_the_share():
         cpu_cores(0.5, -1)
 
 
+def test_work_the_trainers_wait_for_is_neither_capped_nor_billed_to_the_rounds_after_it():
+    """CI: a rebuild's CPU, capped at 1 % of a core, took seconds of the recovery, and its debt then kept the agents
+    from protecting anything for the rest of a run."""
+    now, cpu, slept = [0.0], [0.0], []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    throttle = Throttle(1000.0, burst=1000, clock=lambda: now[0], sleep=sleep, cpu=0.01, cpu_clock=lambda: cpu[0])
+    with throttle.uncapped():
+        cpu[0] += 5.0  # a rebuild: 5 core-s, 1 MB sent
+        throttle.take(1_000_000)
+        assert slept == []
+        now[0] += 6.0
+    cpu[0] += 0.01  # the first round afterwards: within the burst, as after an idle spell
+    throttle.take(1000)
+    assert slept == [] and (throttle.cpu, throttle.rate) == (0.01, 1000.0)
+    cpu[0] += 0.02  # 20 ms over the cap: 2 s at 0.01 cores, as ever
+    throttle.take(0)
+    assert slept == [pytest.approx(2.0)]
+    with throttle.uncapped():
+        throttle.release()  # a drain meanwhile: the caps stay lifted
+    assert (throttle.cpu, throttle.rate) == (0.0, 0.0)
+
+
 def test_idle_and_slow_drip_clients_delay_no_peer(listener, event_dir):
     """50 clients that connect and send nothing and 50 that send a byte now and then stay open while 8 peers of the
     job connect one after another: each handshake completes within 1 s (before, each stalled client held the accept
