@@ -353,7 +353,11 @@ class AgentSteps:
                     p.wait(timeout=self.cfg.kill_grace)
             except subprocess.TimeoutExpired:
                 how = "killed"
+        asked = how != "exited" and ask and not killed
         self._stop_steps({AGENT_STEP_NAME: self.proc, **self.hosted_procs}, lost=not ask)
         self.hosted_procs = {}
-        self.emit("agents_stopped", exit_code=self.proc.returncode, how=how)
+        # asked (healthy agents): none runs now, so none is "protecting", whether or not its last report came
+        marked = self.view.ended(self.tag, how) if asked and self.view is not None else []
+        self.emit("agents_stopped", exit_code=self.proc.returncode, how=how,
+                  **({"unreported": ",".join(map(str, marked))} if marked else {}))
         self.proc = None

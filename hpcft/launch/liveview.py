@@ -10,11 +10,13 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from hpcft.agent.status import FAILED, STOPPED
 from hpcft.agent.uplink import KEEPALIVE_S, patch
 
 KEEP_TAGS = 8  # launches whose agents' statuses are kept (the log stays bounded across many relaunches)
 LOG_MIN_S = 1.0  # the bounded log is replaced at most once a second …
 LOG_BYTES_PER_S = 1 << 20  # … and at most this many bytes a second on average (a large job's log, less often)
+TERMINAL = (STOPPED, FAILED)  # an agent's last phases
 BLIND_S = 3 * KEEPALIVE_S  # no report from any node for this long: the view is lost, not the job's progress
 
 
@@ -39,6 +41,7 @@ class LiveView:
         self._progress: dict[int, tuple[int, float | None, float]] = {}  # rank -> (step, ready_s, changed at)
         self.version = 0  # moves with every change (the log is written only when it moved)
         self.heard: float | None = None  # when the newest report (an empty one included) arrived
+        self._ended: set[str] = set()  # launches whose agents the supervisor has seen end (`ended`)
 
     def apply(self, msg: Mapping[str, Any], now: float) -> None:
         """One node's report (`Uplink._message`): its status delta, its ranks' progress."""
@@ -48,7 +51,10 @@ class LiveView:
                 tag, slot = str(msg["tag"]), int(msg["slot"])
                 slots = self._agents.setdefault(tag, {})
                 base = {} if msg.get("full") else slots.get(slot, {})
-                slots[slot] = patch(base, msg["set"], list(msg.get("drop") or ()))
+                new = patch(base, msg["set"], list(msg.get("drop") or ()))
+                if tag in self._ended and new.get("phase") not in TERMINAL:  # a report read after the step ended
+                    new["phase"] = slots.get(slot, {}).get("phase", new.get("phase"))
+                slots[slot] = new
                 for old in list(self._agents)[:-KEEP_TAGS]:
                     del self._agents[old]
             for rank, (step, ready) in (msg.get("progress") or {}).items():
@@ -59,9 +65,25 @@ class LiveView:
                 self._progress[r] = (int(step), None if ready is None else float(ready), changed)
             self.version += 1
 
+    def ended(self, tag: str, how: str) -> list[int]:
+        """The supervisor stopped launch `tag`'s agents (`how`: asked, killed after the grace): a slot whose last
+        report is not terminal (the agent was killed before it said `stopped`, or that report was lost) is marked
+        `stopped`, with `stopped_by` naming the supervisor; a report of the launch read later cannot revive it. The
+        slots so marked."""
+        with self._lock:
+            self._ended.add(tag)
+            marked = []
+            for slot, report in self._agents.get(tag, {}).items():
+                if report.get("phase") not in TERMINAL:
+                    report.update(phase=STOPPED, stopped_by="supervisor", how=how, last_phase=report.get("phase"))
+                    marked.append(slot)
+            self.version += bool(marked)
+            return marked
+
     def forget(self, tag: str) -> None:
         """Drop the statuses of launch `tag` (a launch reusing a tag must not see the old agents' reports)."""
         with self._lock:
+            self._ended.discard(tag)
             if self._agents.pop(tag, None) is not None:
                 self.version += 1
 

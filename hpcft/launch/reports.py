@@ -21,6 +21,7 @@ from hpcft.agent.transport import _FRAME, MAX_HEADER, Channel, Listener, Transpo
 
 _log = logging.getLogger(__name__)
 DRAIN_S = 2.0  # at close, the longest spent reading what the agents sent last
+QUIET_S = 0.25  # … and the longest with nothing to read (a node whose agent still runs)
 RECV_BUFFER = 64 << 10  # per connection: reports are small (the transport's default of 4 MiB is for bulk data)
 
 
@@ -66,9 +67,10 @@ class ReportServer:
         while not self._stopped:
             self._pass(1.0)
         # the run ends: what the agents sent before they exited (their last report, "stopped") may still sit in
-        # the sockets' buffers; it is read before the view's last write, not dropped with the connections
+        # the sockets' buffers or be on its way; it is read before the view's last write, up to each node's close
+        # (its agent has ended), for at most DRAIN_S, or until QUIET_S passes with nothing to read
         deadline = time.monotonic() + DRAIN_S
-        while self._pass(0.0) and time.monotonic() < deadline:
+        while self.connections and time.monotonic() < deadline and self._pass(QUIET_S):
             pass
 
     def _pass(self, timeout: float) -> bool:

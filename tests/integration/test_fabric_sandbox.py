@@ -73,8 +73,8 @@ def test_a_protected_run_with_several_tasks_per_node_writes_nothing_per_step_und
                             text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     view = json.loads(status.stdout)
-    assert [n["phase"] for n in view["nodes"]] == ["stopped"] * 3, \
-        [e for e in events.read(job) if e["event"] in ("agents_stopped", "agent_failed", "decision")]
+    assert [n["phase"] for n in view["nodes"]] == ["stopped"] * 3, "\n".join(
+        json.dumps(e) for e in events.read(job) if e["event"] in ("agents_stopped", "agent_failed", "decision"))
     assert {r: s for r, (s, _) in progress.read(job).items()} == dict.fromkeys(range(3 * TASKS), STEPS)
 
 

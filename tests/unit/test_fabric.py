@@ -1,6 +1,7 @@
 """Progress and status over the network (issue #16 item 3): the deltas a node sends, the supervisor's live view
 (fake clock), the bounded log's pace, and a real uplink talking to a real report service over TCP."""
 import json
+import threading
 import time
 
 from hpcft import events
@@ -9,6 +10,7 @@ from hpcft.agent import status as agent_status
 from hpcft.agent.uplink import Uplink, delta, patch
 from hpcft.launch import progress
 from hpcft.launch.fabric import Fabric
+from hpcft.launch.reports import DRAIN_S
 from hpcft.launch.liveview import BLIND_S, KEEP_TAGS, LOG_BYTES_PER_S, LiveView, Rounds, blind, next_write
 from hpcft.status import collect
 
@@ -38,6 +40,29 @@ def test_the_view_merges_deltas_and_a_step_it_already_holds_is_no_progress():
     assert view.reached(world=4) == 6
     view.apply({"tag": "0", "slot": 1, "full": True, "set": {"phase": "stopped", "time": 7.0}}, now=104.0)
     assert view.reports("0")[1] == {"phase": "stopped", "time": 7.0}  # a whole status replaces the old one
+
+
+def test_agents_the_supervisor_stopped_are_stopped_in_the_view_and_a_late_report_does_not_revive_them():
+    """CI: agents killed after --kill-grace never said "stopped", and `hpcft status` after the run said
+    "protecting" for nodes whose agents were gone."""
+    view = LiveView()
+    for slot, phase in enumerate(("protecting", "stopped", "failed")):
+        view.apply({"tag": "2", "slot": slot, "full": True, "set": {"phase": phase, "time": 5.0}}, now=100.0)
+    view.apply({"tag": "1", "slot": 0, "full": True, "set": {"phase": "protecting", "time": 4.0}}, now=100.0)
+    before = view.version
+    assert view.ended("2", "killed") == [0] and view.version > before
+    assert view.reports("2")[0] == {"phase": "stopped", "time": 5.0, "stopped_by": "supervisor", "how": "killed",
+                                    "last_phase": "protecting"}
+    assert [view.reports("2")[s]["phase"] for s in (1, 2)] == ["stopped", "failed"]  # their own word stays
+    assert view.reports("1")[0]["phase"] == "protecting"  # another launch's
+    assert view.reports(None)[0]["time"] == 5.0  # no newer than what the node said: the newest launch still wins
+    view.apply({"tag": "2", "slot": 0, "set": {"phase": "protecting", "protected": 9}}, now=101.0)  # sent before
+    assert view.reports("2")[0]["phase"] == "stopped" and view.reports("2")[0]["protected"] == 9
+    view.apply({"tag": "2", "slot": 0, "set": {"phase": "stopped"}}, now=102.0)
+    assert view.ended("2", "asked") == [] and view.reports("2")[0]["how"] == "killed"
+    view.forget("2")
+    view.apply({"tag": "2", "slot": 0, "full": True, "set": {"phase": "ready", "time": 9.0}}, now=103.0)
+    assert view.reports("2")[0]["phase"] == "ready"  # a rerun of the tag starts afresh
 
 
 def test_the_view_keeps_a_bounded_number_of_launches_and_forgets_a_rerun_tag():
@@ -126,6 +151,27 @@ def test_the_last_report_still_in_the_socket_when_the_run_ends_reaches_the_log(t
     up.close()
     fabric.close()
     assert agent_status.read(fabric.job_dir / "agents", "0")[0]["phase"] == "stopped"
+
+
+def test_a_last_report_on_its_way_when_the_run_ends_is_waited_for_until_the_node_closes(tmp_path):
+    """The service stops reading only once every node has closed (its agent ended) or nothing came for QUIET_S:
+    a report sent just after close() began, still reaches the log."""
+    fabric, secret = _fabric(tmp_path)
+    up = Uplink(fabric.server.address, secret, tag="0", slot=0, node="n1", every=0.1)
+    up.status(phase="protecting", staged=3)
+    _until(lambda: fabric.view.reports("0").get(0, {}).get("phase") == "protecting")
+
+    def late():
+        time.sleep(0.1)
+        up.status(phase="stopped", staged=3)
+        up.close()
+    t = threading.Thread(target=late)
+    t.start()
+    started = time.monotonic()
+    fabric.close()
+    t.join()
+    assert agent_status.read(fabric.job_dir / "agents", "0")[0]["phase"] == "stopped"
+    assert time.monotonic() - started < DRAIN_S + 1
 
 
 def test_events_travel_to_the_supervisors_events_file_and_the_log_serves_status_and_progress(tmp_path):
