@@ -30,7 +30,7 @@ from hpcft.agent.placement import Placement, Scheme, plan
 from hpcft.agent.protect import Record, StaleStep, drop_orphans, protect_dir, protect_step, records
 from hpcft.agent.rendezvous import Rendezvous, join
 from hpcft.agent.rebuild import rebuild
-from hpcft.agent.throttle import CPU_SHARE, cpu_cores
+from hpcft.agent.throttle import CPU_SHARE, chore, cpu_cores
 from hpcft.errors import HpcftError, IntegrityError, NoCheckpointError
 from hpcft.store import job_dir, resolve_root, secure_dir
 from hpcft.store import pin as store_pin
@@ -286,9 +286,8 @@ def run(cfg: AgentConfig) -> int:
         if said != status.STOPPED:
             report(status.STOPPED)
 
-    threading.Thread(target=_watch_requests, args=(status.drain_path(cfg.rendezvous, cfg.tag),
-                                                  status.stop_path(cfg.rendezvous, cfg.tag), mesh, drained, wake),
-                     daemon=True, name="hpcft-agent-requests").start()
+    chore(_watch_requests, status.drain_path(cfg.rendezvous, cfg.tag), status.stop_path(cfg.rendezvous, cfg.tag), mesh,
+          drained, wake, name="hpcft-agent-requests").start()
     try:
         beat = _listen_for_silence(cfg, mesh, meet, node, wake)
         extra = {}

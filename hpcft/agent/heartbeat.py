@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.rendezvous import Rendezvous
+from hpcft.agent.throttle import chore
 from hpcft.agent.transport import TransportError
 
 _log = logging.getLogger(__name__)
@@ -74,9 +75,8 @@ class Heartbeat:
         self._named = threading.Lock()
         self._sending = threading.Lock()  # the beats and the goodbye share each peer's socket: whole frames only
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._listen, args=(j,), daemon=True, name=f"hpcft-beat-from-{j}")
-                         for j in self.mesh.peers]
-        self._threads.append(threading.Thread(target=self._beat, daemon=True, name="hpcft-beat"))
+        self._threads = [chore(self._listen, j, name=f"hpcft-beat-from-{j}") for j in self.mesh.peers]
+        self._threads.append(chore(self._beat, name="hpcft-beat"))
         for t in self._threads:
             t.start()
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from hpcft.agent.throttle import chore
 from hpcft.errors import StoreError
 from hpcft.store import pin as store_pin
 
@@ -29,7 +30,7 @@ class Pins:
         self._kept: set[Path] = set()  # held as the newest protected step
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._renew, name="hpcft-pins", daemon=True)
+        self._thread = chore(self._renew, name="hpcft-pins")
         self._thread.start()
 
     @contextmanager

@@ -14,7 +14,6 @@ import queue
 import selectors
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +22,7 @@ import numpy as np
 
 from hpcft import events
 from hpcft.agent.link import NOTICE, Link, PeerGaveUp, TransportError, gave_up, notice  # noqa: F401 (re-exported)
-from hpcft.agent.throttle import Throttle
+from hpcft.agent.throttle import Throttle, chore
 
 _log = logging.getLogger(__name__)
 MAGIC = b"HPCFT-AGENT/2\n"  # /2: the server sends its verdict (ACCEPTED / REFUSED) before its proof
@@ -155,7 +154,7 @@ class Listener:
         self.address = self.sock.getsockname()[:2]
         self._ready: queue.Queue[Channel | None] = queue.Queue()
         self._handshakes = Handshakes(self.sock, secret, self._admit, handshake_s)
-        self._thread = threading.Thread(target=self._handshakes.run, name=f"hpcft-accept-{self.port}", daemon=True)
+        self._thread = chore(self._handshakes.run, name=f"hpcft-accept-{self.port}")
         self._thread.start()
 
     @property

@@ -21,6 +21,7 @@ from hpcft.env import REPORTS
 from hpcft.store import progress as store_progress
 
 from hpcft.agent.rendezvous import Rendezvous
+from hpcft.agent.throttle import chore
 from hpcft.agent.transport import Channel, TransportError
 
 ENV = REPORTS  # exported by hpcft run
@@ -62,7 +63,7 @@ class Uplink:
         self._sent_ranks: dict[str, list] = {}
         self._failures = 0
         self.sent = 0  # messages sent (for tests and the scale figures)
-        self._thread = threading.Thread(target=self._run, daemon=True, name="hpcft-uplink")
+        self._thread = chore(self._run, name="hpcft-uplink")
         self._thread.start()
 
     @property
