@@ -18,6 +18,7 @@ from hpcft import events
 from hpcft.agent import status as agent_status
 from hpcft.bench import train_job
 from hpcft.errors import HpcftError, SlurmError
+from hpcft.launch import progress
 from hpcft.sandbox.cli import dir_option, sandbox_dir
 from hpcft.sandbox.cluster import Sandbox, ensure_up
 from hpcft.sandbox.config import SandboxConfig
@@ -25,6 +26,7 @@ from hpcft.sandbox.config import SandboxConfig
 STEPS, DELAY = 30, 0.3
 TP = 2  # ranks per node, tensor parallel inside a node as on a GPU node (Frontier runs 8)
 BACKEND = "cuda:gloo"  # hpcft.init's backend: on a CPU, groups that refuse CPU tensors, as NCCL/RCCL ones do
+LEFT = 10  # steps at least still to train when the node is crashed
 NODES = 4  # the training's allocation, whatever the sandbox's size: 3 nodes train, 1 is the spare
 
 
@@ -92,8 +94,12 @@ def train_through_a_crash(sb: Sandbox, say: Callable[[str], None]) -> int:
         protected = _wait_protected(job_dir, active, proc)
         first = next(e for e in events.read(job_dir) if e["event"] == "start")
         crashed = first["slots"].split(",")[1]
-        say(f"    the agents have protected step {protected} on every node; crashing {crashed} "
-            f"(its slurmd, its {TP} ranks and its /dev/shm)")
+        reached = max((step for step, _ in progress.read(job_dir).values()), default=0)
+        if reached > STEPS - LEFT:  # a crash now may land after the training's end: it would show nothing
+            raise HpcftError(f"the agents protected their first step only when the trainers were at step {reached} of "
+                             f"{STEPS}: too late to crash a node while they train (is this machine loaded?)")
+        say(f"    the agents have protected step {protected} on every node (the trainers are at step {reached} of "
+            f"{STEPS}); crashing {crashed} (its slurmd, its {TP} ranks and its /dev/shm)")
         sb.crash_node(crashed)
         code = proc.wait(timeout=300)
     except (HpcftError, subprocess.TimeoutExpired) as exc:
