@@ -72,16 +72,16 @@ class Throttle:
 
     @contextmanager
     def uncapped(self) -> Iterator[None]:
-        """Work that neither cap slows nor bills, because the trainers wait on it (the agents' start, a rebuild):
+        """Work the CPU cap neither slows nor bills, because the trainers wait on it (the agents' start, a rebuild):
         capped at 1 % of a core, a rebuild's 30 ms of CPU cost 3 s of recovery, and the debt then stalled
-        protection for as long again. The caps hold again after it, as if they had been idle all along."""
-        rate, cpu = self.rate, self.cpu
-        self.rate = self.cpu = 0.0
+        protection for as long again. The CPU cap exists to spare the trainers' cores; the byte cap, a share of a
+        network that other jobs use too, still holds. Both accounts start afresh after it."""
+        cpu, self.cpu = self.cpu, 0.0
         try:
             yield
         finally:
             if not self._released:
-                self.rate, self.cpu = rate, cpu
+                self.cpu = cpu
             self.forgive()
 
     def forgive(self) -> None:
