@@ -122,6 +122,19 @@ def _sandbox(directory: str | None) -> Iterator[Any]:
         shutil.rmtree(own, ignore_errors=True)
 
 
+def keep_logs(sb: Any, into: Path) -> list[Path]:
+    """Copy the sandbox's logs (slurmctld, every slurmd, munged) into `into`; the copies made (best effort: a log
+    that cannot be read is skipped, the failure being reported is the bench's own)."""
+    into.mkdir(parents=True, exist_ok=True)
+    kept = []
+    for log in sb.log_files():
+        try:
+            kept.append(Path(shutil.copy2(log, into / log.name)))
+        except OSError:
+            continue
+    return kept
+
+
 def _supervised(sb, opts: RecoveryOptions, out: Path, *options: str, **env: str) -> subprocess.Popen:
     """`salloc -N6 --no-kill hpcft run --spares 2 … OPTIONS -- python train_job.py` in the sandbox."""
     out.mkdir(parents=True, exist_ok=True)
@@ -365,6 +378,9 @@ def run(opts: RecoveryOptions) -> Report:
                 for name in opts.baselines:
                     sb.heal()
                     base[name] = recovery_baselines.run(name, sb, opts, work / f"baseline-{name}")
+            except HpcftError:
+                keep_logs(sb, work / "sandbox-logs")  # Slurm's side of it, gone with the bench's own sandbox
+                raise
             finally:
                 sb.heal()
     except HpcftError as exc:  # the runs' job output and events are what tells why: keep them

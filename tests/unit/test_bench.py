@@ -93,6 +93,25 @@ def test_recovery_keep_refuses_a_directory_with_something_in_it(tmp_path):
         RecoveryOptions(keep=str(tmp_path))
 
 
+def test_a_failed_recovery_bench_keeps_the_sandboxs_logs_with_its_runs(tmp_path):
+    """The bench's own sandbox goes with its end: on a failure its Slurm logs are copied beside the runs' output
+    (a batch-host run once failed with nothing left to tell why). A log gone meanwhile is skipped."""
+    from hpcft.bench.recovery import keep_logs
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "slurmctld.log").write_text("ctld\n")
+    (logs / "slurmd-n3.log").write_text("n3\n")
+
+    class Logs:  # what keep_logs uses of a Sandbox
+        def log_files(self):
+            return [logs / "slurmctld.log", logs / "slurmd-n3.log", logs / "gone.log"]
+
+    kept = keep_logs(Logs(), tmp_path / "runs" / "sandbox-logs")
+    assert sorted(p.name for p in kept) == ["slurmctld.log", "slurmd-n3.log"]
+    assert (tmp_path / "runs" / "sandbox-logs" / "slurmd-n3.log").read_text() == "n3\n"
+
+
 def test_recovery_reference_must_be_a_finished_run_of_the_same_model(tmp_path):
     import torch
 
