@@ -135,7 +135,7 @@ def _node(slot: int, rep: dict[str, Any] | None, now: float, stale: float) -> No
     age = max(0.0, now - float(rep.get("time", 0)))
     phase = rep.get("phase", "?")
     return NodeView(slot, rep.get("node"), phase, round(age, 3),
-                    fresh=phase not in (agent_status.FAILED, agent_status.STOPPED) and age <= stale, staged=rep.get("staged"),
+                    fresh=phase not in agent_status.TERMINAL and age <= stale, staged=rep.get("staged"),
                     protected=rep.get("protected"), persisted=rep.get("persisted"), local=rep.get("local"), lag_steps=rep.get("lag_steps"),
                     lag_s=rep.get("lag_s"), cpu_cores=rep.get("cpu_cores"),
                     ranks={str(r): list(v) for r, v in (rep.get("versions") or {}).items()}, error=rep.get("error"))

@@ -19,6 +19,7 @@ from hpcft.store.paths import replace_file
 
 REBUILDING, READY, PROTECTING, FAILED = "rebuilding", "ready", "protecting", "failed"
 STOPPED = "stopped"  # asked to stop (SIGTERM): the node's data was intact when the agent left
+TERMINAL = (STOPPED, FAILED)  # an agent's last phases: it runs no more
 _NAME = re.compile(r"agent-(.+)-(\d+)\.status$")
 LOG = "status.json"  # the supervisor's bounded log, in the job directory (the rendezvous directory's parent)
 

@@ -10,13 +10,12 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from hpcft.agent.status import FAILED, STOPPED
+from hpcft.agent.status import STOPPED, TERMINAL
 from hpcft.agent.uplink import KEEPALIVE_S, patch
 
 KEEP_TAGS = 8  # launches whose agents' statuses are kept (the log stays bounded across many relaunches)
 LOG_MIN_S = 1.0  # the bounded log is replaced at most once a second …
 LOG_BYTES_PER_S = 1 << 20  # … and at most this many bytes a second on average (a large job's log, less often)
-TERMINAL = (STOPPED, FAILED)  # an agent's last phases
 BLIND_S = 3 * KEEPALIVE_S  # no report from any node for this long: the view is lost, not the job's progress
 
 
