@@ -19,9 +19,10 @@ def fresh(monkeypatch: pytest.MonkeyPatch):
     return ntcopy
 
 
-# around the fused kernel's block sizes (three lanes of 32 KiB, 4 KiB, 256 B) and their sums, plus a head
-SIZES = (0, 1, 31, 33, 767, 768, 769, 4095, 4096, 4097, 12288 + 768 + 5, 70000, 3 * 32768, 3 * 32768 + 12288 + 64,
-         1 << 19, (1 << 20) - 3)
+# around the fused kernel's block sizes (four lanes of 32 KiB, 4 KiB, 256 B) and their sums, plus a head; the
+# copies' prefetches reach past a segment's end, which must stay harmless (a prefetch never faults)
+SIZES = (0, 1, 31, 33, 767, 1023, 1024, 1025, 4095, 4096, 4097, 16384 + 1024 + 5, 70000, 4 * 32768 - 1, 4 * 32768,
+         4 * 32768 + 16384 + 1024 + 64, 1 << 19, (1 << 20) - 3)
 
 
 def _copies_exactly(kernels: tuple[str, ...] = ntcopy.KERNELS) -> None:
