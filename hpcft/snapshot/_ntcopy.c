@@ -235,3 +235,41 @@ uint32_t hpcft_copy_crc32c(void *dst, const void *src, size_t n, uint32_t crc) {
     return crc;
 #endif
 }
+
+/* A restore worker's whole loop in one call, so that no Python runs (and no GIL is taken) between the chunks of a
+ * restore: each worker takes the next chunk from `*next` (shared by every worker; atomic), copies its segments with
+ * the kernel `kind` (its index in calibration's KERNELS: 0 fused, 1 stream, 2 memcpy), checksums the padding between and after them from the source, and
+ * stores the chunk's crc32c sealed with `key` (hpcft.store.checksum.seal: the crc continued over key's 4 bytes,
+ * little-endian) in crcs[i]. Chunk i is the source's bytes [bounds[i], bounds[i + 1]) and its segments are
+ * first[i] .. first[i + 1] - 1: segment j copies n[j] bytes from base + off[j] to the address dst[j]. The caller
+ * compares the crcs with the manifest's. Only where hpcft_copy_crc32c_supported(). */
+void hpcft_load_chunks(const char *base, const uint64_t *dst, const uint64_t *off, const uint64_t *n,
+                       const uint64_t *first, const uint64_t *bounds, uint64_t count, uint64_t *next, uint32_t key,
+                       uint32_t *crcs, int kind) {
+#if defined(__x86_64__)
+    uint8_t k[4] = {key & 0xff, (key >> 8) & 0xff, (key >> 16) & 0xff, key >> 24};
+    for (;;) {
+        uint64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (i >= count) return;
+        uint64_t pos = bounds[i];
+        uint32_t crc = 0;
+        for (uint64_t j = first[i]; j < first[i + 1]; j++) {
+            if (off[j] > pos) crc = hpcft_crc32c(base + pos, off[j] - pos, crc);
+            void *d = (void *)(uintptr_t)dst[j];
+            if (kind == 0) {
+                crc = hpcft_copy_crc32c(d, base + off[j], n[j], crc);
+            } else {
+                if (kind == 1) hpcft_stream_copy(d, base + off[j], n[j]);
+                else memcpy(d, base + off[j], n[j]);
+                crc = hpcft_crc32c(base + off[j], n[j], crc);
+            }
+            pos = off[j] + n[j];
+        }
+        if (bounds[i + 1] > pos) crc = hpcft_crc32c(base + pos, bounds[i + 1] - pos, crc);
+        crcs[i] = hpcft_crc32c(k, 4, crc);
+    }
+#else
+    (void)base; (void)dst; (void)off; (void)n; (void)first; (void)bounds; (void)count; (void)next; (void)key;
+    (void)crcs; (void)kind;
+#endif
+}

@@ -63,6 +63,9 @@ def _open() -> ctypes.CDLL | None:
         for name in ("hpcft_copy_crc32c", "hpcft_stream_copy_crc32c"):
             getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32]
             getattr(lib, name).restype = ctypes.c_uint32
+        p = ctypes.c_void_p
+        lib.hpcft_load_chunks.argtypes = [p, p, p, p, p, p, ctypes.c_uint64, p, ctypes.c_uint32, p, ctypes.c_int]
+        lib.hpcft_load_chunks.restype = None
     except (OSError, AttributeError) as exc:
         reason = f"the streaming-store copy kernel {path} cannot be loaded ({exc}); copies use memcpy ({FIX})"
         return None
@@ -129,6 +132,34 @@ def raw_copy_crc(kernel: str = "fused") -> Callable[[int, int, int, int], int]:
         copy(dst, src, nbytes)
         return crc32c((ctypes.c_char * nbytes).from_address(src), crc) if nbytes else crc
     return copy_then_crc
+
+
+class ChunkLoad:
+    """One restore's chunks for `hpcft_load_chunks`: every worker calls `run()` (the GIL is released for the whole
+    call) and they share one counter, so a worker slowed by other load takes fewer chunks; then `crcs` holds each
+    chunk's sealed crc32c. `dst` (each segment's destination address), `off`, `n`, `first` and `bounds` are uint64
+    arrays laid out as plan.Table's; the caller keeps the source and every destination alive and in bounds."""
+
+    def __init__(self, kernel: str, base: int, dst: np.ndarray, off: np.ndarray, n: np.ndarray, first: np.ndarray,
+                 bounds: np.ndarray, key: int):
+        self._lib = _load()
+        self._kind = KERNELS.index(kernel) if kernel in KERNELS else 0
+        self._arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in (dst, off, n, first, bounds)]
+        self.count = len(bounds) - 1
+        self.crcs = np.zeros(self.count, dtype=np.uint32)
+        self._next = np.zeros(1, dtype=np.uint64)
+        self._base, self._key = base, key
+
+    def run(self) -> None:
+        lib, (dst, off, n, first, bounds) = self._lib, self._arrays
+        lib.hpcft_load_chunks(self._base, address(dst), address(off), address(n), address(first), address(bounds),
+                              self.count, address(self._next), self._key, address(self.crcs), self._kind)
+
+
+def chunk_load(kernel: str) -> type[ChunkLoad] | None:
+    """ChunkLoad where its C loop runs here (the kernel library built, a CPU with SSE4.2 and AVX2), else None: the
+    caller copies chunk by chunk through `raw_copy_crc` instead."""
+    return ChunkLoad if fused_available() else None
 
 
 def address(a: np.ndarray) -> int:

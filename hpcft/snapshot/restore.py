@@ -113,6 +113,9 @@ class Loader:
         self.threads = max(1, threads)
         self.copy = ntcopy.raw_copier(kernel)  # the replicated shares' scatter (checked as a whole before)
         self.copy_crc = ntcopy.raw_copy_crc(kernel)
+        self.kernel = kernel
+        self._chunk_load = ntcopy.chunk_load(kernel)  # the whole copy in C, where it runs (into host memory)
+        self._dst: tuple[plan.Grid, _Sinks, np.ndarray] | None = None  # the segments' destinations, for the last grid
         self._pool: ThreadPoolExecutor | None = None
         # kept while the live entries are the same list (snapshot.view hands out one list per layout): the sinks,
         # and the grids of the manifests (the same dict while its file is unchanged, store.manifest.ReadCache) that
@@ -199,23 +202,31 @@ class Loader:
     def _local(self, version: Version, grid: plan.Grid, sinks: _Sinks) -> int:
         """Copy every chunk of this rank's data file (laid out as `grid`, checked against the manifest) into the
         live tensors and verify its sealed crc32c. The workers (this thread and `threads - 1` pool threads) take
-        chunks from one counter and plan each as they take it: no plan is built before the copy starts, and a
-        worker slowed by other load takes fewer chunks."""
+        chunks from one counter, so a worker slowed by other load takes fewer: in one C call each
+        (`ntcopy.ChunkLoad`, the grid's segments as arrays) where every destination is host memory, else chunk by
+        chunk from Python (device or strided sinks, or no kernel library), planning each as they take it."""
         recorded, step, key = version.manifest["chunks"], version.step, seal_key(version.manifest)
         size, total = grid.chunk_bytes, grid.nbytes
+        take = itertools.count().__next__  # atomic under the GIL: each chunk goes to exactly one worker
         data = self.store.slot(version.slot, create=False).array
         if data.size < total:
             raise IntegrityError(f"data file of rank {self.store.rank} holds {data.size} bytes, its manifest {total}")
-        take = itertools.count().__next__  # atomic under the GIL: each chunk goes to exactly one worker
-        copy_crc, base = self.copy_crc, ntcopy.address(data)
+        base = ntcopy.address(data)
+        dst = self._destinations(grid, sinks)
+        if dst is not None:
+            load = self._chunk_load(self.kernel, base, dst, *grid.table()[2:], key)
+            self._run(lambda: load.run() or [])
+            lost = [i for i, (got, r) in enumerate(zip(load.crcs.tolist(), recorded)) if got != r[2]]
+        else:
+            lost = self._run(lambda: self._chunks(grid, sinks, data, base, key, recorded, take))
+        if lost:
+            events.emit("chunk_lost", level=logging.ERROR, rank=self.store.rank, step=step,
+                        chunks=len(lost), first_offset=lost[0] * size, path=str(self.store.dir))
+            raise IntegrityError(f"{len(lost)} chunk(s) of rank {self.store.rank}'s data fail their crc32c")
+        return total
 
-        def work() -> list[int]:
-            lost = []
-            while (i := take()) < grid.count:
-                if seal(_load_chunk(copy_crc, data, base, grid.chunk(i), sinks), key) != recorded[i][2]:
-                    lost.append(i)
-            return lost
-
+    def _run(self, work: Callable[[], list[int]]) -> list[int]:
+        """`work()` on this thread and `threads - 1` pool threads at once; the chunks they found lost, in order."""
         if self._pool is None and self.threads > 1:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="hpcft-restore")
         futures = [self._pool.submit(work) for _ in range(self.threads - 1)]
@@ -223,12 +234,34 @@ class Loader:
             lost = work()
         finally:
             wait(futures)
-        lost = sorted(lost + [i for f in futures for i in f.result()])
-        if lost:
-            events.emit("chunk_lost", level=logging.ERROR, rank=self.store.rank, step=step,
-                        chunks=len(lost), first_offset=lost[0] * size, path=str(self.store.dir))
-            raise IntegrityError(f"{len(lost)} chunk(s) of rank {self.store.rank}'s data fail their crc32c")
-        return total
+        return sorted(lost + [i for f in futures for i in f.result()])
+
+    def _chunks(self, grid: plan.Grid, sinks: _Sinks, data: np.ndarray, base: int, key: int, recorded: list,
+                take: Callable[[], int]) -> list[int]:
+        """One worker's chunks, copied segment by segment from Python (device or strided sinks, no C loop here)."""
+        lost = []
+        while (i := take()) < grid.count:
+            if seal(_load_chunk(self.copy_crc, data, base, grid.chunk(i), sinks), key) != recorded[i][2]:
+                lost.append(i)
+        return lost
+
+    def _destinations(self, grid: plan.Grid, sinks: _Sinks) -> np.ndarray | None:
+        """Each segment's destination address, where the C loop can take the copy (every sink an address in host
+        memory); None otherwise. Kept for the last grid and layout: a warm restore computes nothing."""
+        if self._chunk_load is None:
+            return None
+        if self._dst is not None and self._dst[0] is grid and self._dst[1] is sinks:
+            return self._dst[2]
+        table = grid.table()
+        used = np.unique(table.source).tolist()
+        where = [sinks[i] for i in used]
+        if not all(isinstance(w, int) for w in where):
+            return None
+        addresses = np.zeros(len(sinks.entries), dtype=np.uint64)
+        addresses[used] = where
+        dst = addresses[table.source.astype(np.intp)] + table.start
+        self._dst = (grid, sinks, dst)
+        return dst
 
     def _exchange(self, version: Version, rep: Sequence[Entry], sinks: _Sinks, first: int) -> None:
         """Each member broadcasts its verified share; the others scatter it into their replicas (the

@@ -60,7 +60,13 @@ def test_restore_is_bitwise_over_many_chunks(shm_root: Path, monkeypatch: pytest
     assert want.keys() == got.keys() and [k for k in want if not torch.equal(want[k], got[k])] == []
 
 
-def test_bad_middle_chunk_fails_its_version(shm_root: Path) -> None:
+@pytest.mark.parametrize("in_c", [True, False])
+def test_bad_middle_chunk_fails_its_version(shm_root: Path, monkeypatch: pytest.MonkeyPatch, in_c: bool) -> None:
+    """In the C loop (every sink in host memory) and chunk by chunk from Python alike."""
+    if in_c and not ntcopy.fused_available():
+        pytest.skip(f"no C copy loop here: {ntcopy.reason or 'the CPU lacks SSE4.2/AVX2'}")
+    if not in_c:
+        monkeypatch.setattr(ntcopy, "chunk_load", lambda kernel: None)
     net, opt = _model(0)
     with Checkpointer(net, opt, root=shm_root, job_id="j", chunk_bytes=4096, threads=2) as ckpt:
         _train(net, opt, 1)
@@ -75,3 +81,21 @@ def test_bad_middle_chunk_fails_its_version(shm_root: Path) -> None:
         assert again.restore() == 1
         got = _state(net2, opt2)
     assert all(torch.equal(first[k], got[k]) for k in first)
+
+
+def test_the_c_loop_takes_a_restore_into_host_memory_and_plans_as_python_does(shm_root: Path) -> None:
+    """Where the kernel library runs, a restore into host tensors (a strided one's staging buffer included) is one C
+    call per worker, over the same segments as the chunk-by-chunk plan."""
+    if not ntcopy.fused_available():
+        pytest.skip(f"no C copy loop here: {ntcopy.reason or 'the CPU lacks SSE4.2/AVX2'}")
+    net, opt = _model(0)
+    with Checkpointer(net, opt, root=shm_root, job_id="j", chunk_bytes=4096, threads=2) as ckpt:
+        _train(net, opt, 2)
+        ckpt.wait()
+        assert ckpt.restore() == 2
+        grid, sinks, dst = ckpt._loader._dst
+        table = grid.table()
+        segments = [s for i in range(grid.count) for s in grid.chunk(i).segments]
+        assert [(s.source, s.start, s.offset, s.nbytes) for s in segments] == \
+            list(zip(*(a.tolist() for a in table[:4])))
+        assert dst.tolist() == [sinks[s.source] + s.start for s in segments]
