@@ -79,7 +79,7 @@ def check_structure(m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry
     """The snapshot holds the live state's entries, in the live order, split over the same data-parallel group;
     CheckpointError naming the first difference (saved side, live side) otherwise."""
     saved = [(e["name"], e["dtype"], e["shape"], e.get("placement")) for e in m["entries"]]
-    live = [(e.name, d["dtype"], d["shape"], d.get("placement")) for e, d in ((e, e.describe()) for e in own)]
+    live = [e.key() for e in own]
     if saved != live:
         i = next(i for i in range(max(len(saved), len(live)))
                  if i >= min(len(saved), len(live)) or saved[i] != live[i])

@@ -28,11 +28,15 @@ class Entry:
     def nbytes(self) -> int:  # read per entry by every plan and check: computed once (`local`'s size is fixed)
         return self.local.numel() * self.local.element_size()
 
+    def key(self) -> tuple[str, str, list[int], dict[str, Any] | None]:
+        """(name, dtype, shape, placement): what a snapshot's entry must say to be restored into this one."""
+        return self.name, str(self.local.dtype).removeprefix("torch."), list(self.local.shape), self.placement or None
+
     def describe(self) -> dict[str, Any]:
-        d = {"name": self.name, "dtype": str(self.local.dtype).removeprefix("torch."),
-             "shape": list(self.local.shape), "nbytes": self.nbytes, "replicated": self.replicated}
-        if self.placement:
-            d["placement"] = self.placement
+        name, dtype, shape, placement = self.key()
+        d = {"name": name, "dtype": dtype, "shape": shape, "nbytes": self.nbytes, "replicated": self.replicated}
+        if placement:
+            d["placement"] = placement
         return d
 
 
