@@ -46,6 +46,8 @@ def test_restore_is_bitwise_over_many_chunks(shm_root: Path, monkeypatch: pytest
                                              kernel: str) -> None:
     monkeypatch.setenv("HPCFT_NTCOPY", kernel)
     monkeypatch.setattr(ntcopy, "_tried", False)
+    monkeypatch.setattr(ntcopy, "_lib", None)  # put back afterwards: the tests after this one keep the kernel
+    monkeypatch.setattr(ntcopy, "reason", ntcopy.reason)
     net, opt = _model(0)
     assert not net.strided.is_contiguous()
     with Checkpointer(net, opt, root=shm_root, job_id="j", chunk_bytes=4096, threads=threads) as ckpt:
