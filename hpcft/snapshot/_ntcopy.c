@@ -236,16 +236,17 @@ uint32_t hpcft_copy_crc32c(void *dst, const void *src, size_t n, uint32_t crc) {
 #endif
 }
 
-/* A restore worker's whole loop in one call, so that no Python runs (and no GIL is taken) between the chunks of a
- * restore: each worker takes the next chunk from `*next` (shared by every worker; atomic), copies its segments with
- * the kernel `kind` (its index in calibration's KERNELS: 0 fused, 1 stream, 2 memcpy), checksums the padding between and after them from the source, and
- * stores the chunk's crc32c sealed with `key` (hpcft.store.checksum.seal: the crc continued over key's 4 bytes,
- * little-endian) in crcs[i]. Chunk i is the source's bytes [bounds[i], bounds[i + 1]) and its segments are
- * first[i] .. first[i + 1] - 1: segment j copies n[j] bytes from base + off[j] to the address dst[j]. The caller
- * compares the crcs with the manifest's. Only where hpcft_copy_crc32c_supported(). */
-void hpcft_load_chunks(const char *base, const uint64_t *dst, const uint64_t *off, const uint64_t *n,
-                       const uint64_t *first, const uint64_t *bounds, uint64_t count, uint64_t *next, uint32_t key,
-                       uint32_t *crcs, int kind) {
+/* A worker's whole share of a snapshot's or a restore's chunks in one call, so that no Python runs (and no GIL is
+ * taken) between chunks: each worker takes the next chunk from `*next` (shared by every worker; atomic), copies its
+ * segments with the kernel `kind` (its index in calibration's KERNELS: 0 fused, 1 stream, 2 memcpy), checksums the
+ * padding between and after them in the slot, and stores the chunk's crc32c in crcs[i], sealed with `key` where
+ * `sealed` (hpcft.store.checksum.seal: the crc continued over key's 4 bytes, little-endian). Chunk i is the slot's
+ * bytes [bounds[i], bounds[i + 1]) and its segments are first[i] .. first[i + 1] - 1: segment j is n[j] bytes at
+ * slot + off[j] and at the address addr[j], copied into the slot (`to_slot`, a snapshot) or out of it (a restore).
+ * Only where hpcft_copy_crc32c_supported(). */
+void hpcft_copy_chunks(char *slot, const uint64_t *addr, const uint64_t *off, const uint64_t *n, const uint64_t *first,
+                       const uint64_t *bounds, uint64_t count, uint64_t *next, uint32_t key, int sealed, uint32_t *crcs,
+                       int kind, int to_slot) {
 #if defined(__x86_64__)
     uint8_t k[4] = {key & 0xff, (key >> 8) & 0xff, (key >> 16) & 0xff, key >> 24};
     for (;;) {
@@ -254,22 +255,24 @@ void hpcft_load_chunks(const char *base, const uint64_t *dst, const uint64_t *of
         uint64_t pos = bounds[i];
         uint32_t crc = 0;
         for (uint64_t j = first[i]; j < first[i + 1]; j++) {
-            if (off[j] > pos) crc = hpcft_crc32c(base + pos, off[j] - pos, crc);
-            void *d = (void *)(uintptr_t)dst[j];
+            if (off[j] > pos) crc = hpcft_crc32c(slot + pos, off[j] - pos, crc);
+            char *there = (char *)(uintptr_t)addr[j];
+            char *d = to_slot ? slot + off[j] : there;
+            const char *s = to_slot ? there : slot + off[j];
             if (kind == 0) {
-                crc = hpcft_copy_crc32c(d, base + off[j], n[j], crc);
+                crc = hpcft_copy_crc32c(d, s, n[j], crc);
             } else {
-                if (kind == 1) hpcft_stream_copy(d, base + off[j], n[j]);
-                else memcpy(d, base + off[j], n[j]);
-                crc = hpcft_crc32c(base + off[j], n[j], crc);
+                if (kind == 1) hpcft_stream_copy(d, s, n[j]);
+                else memcpy(d, s, n[j]);
+                crc = hpcft_crc32c(s, n[j], crc);
             }
             pos = off[j] + n[j];
         }
-        if (bounds[i + 1] > pos) crc = hpcft_crc32c(base + pos, bounds[i + 1] - pos, crc);
-        crcs[i] = hpcft_crc32c(k, 4, crc);
+        if (bounds[i + 1] > pos) crc = hpcft_crc32c(slot + pos, bounds[i + 1] - pos, crc);
+        crcs[i] = sealed ? hpcft_crc32c(k, 4, crc) : crc;
     }
 #else
-    (void)base; (void)dst; (void)off; (void)n; (void)first; (void)bounds; (void)count; (void)next; (void)key;
-    (void)crcs; (void)kind;
+    (void)slot; (void)addr; (void)off; (void)n; (void)first; (void)bounds; (void)count; (void)next; (void)key;
+    (void)sealed; (void)crcs; (void)kind; (void)to_slot;
 #endif
 }

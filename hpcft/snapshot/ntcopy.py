@@ -64,8 +64,9 @@ def _open() -> ctypes.CDLL | None:
             getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32]
             getattr(lib, name).restype = ctypes.c_uint32
         p = ctypes.c_void_p
-        lib.hpcft_load_chunks.argtypes = [p, p, p, p, p, p, ctypes.c_uint64, p, ctypes.c_uint32, p, ctypes.c_int]
-        lib.hpcft_load_chunks.restype = None
+        i = ctypes.c_int
+        lib.hpcft_copy_chunks.argtypes = [p, p, p, p, p, p, ctypes.c_uint64, p, ctypes.c_uint32, i, p, i, i]
+        lib.hpcft_copy_chunks.restype = None
     except (OSError, AttributeError) as exc:
         reason = f"the streaming-store copy kernel {path} cannot be loaded ({exc}); copies use memcpy ({FIX})"
         return None
@@ -134,32 +135,34 @@ def raw_copy_crc(kernel: str = "fused") -> Callable[[int, int, int, int], int]:
     return copy_then_crc
 
 
-class ChunkLoad:
-    """One restore's chunks for `hpcft_load_chunks`: every worker calls `run()` (the GIL is released for the whole
-    call) and they share one counter, so a worker slowed by other load takes fewer chunks; then `crcs` holds each
-    chunk's sealed crc32c. `dst` (each segment's destination address), `off`, `n`, `first` and `bounds` are uint64
-    arrays laid out as plan.Table's; the caller keeps the source and every destination alive and in bounds."""
+class ChunkCopy:
+    """One snapshot's or restore's chunks for `hpcft_copy_chunks`: every worker calls `run()` (the GIL is released for
+    the whole call) and they share one counter, so a worker slowed by other load takes fewer chunks; then `crcs` holds
+    each chunk's crc32c of its bytes in the slot, sealed with `key` where one is given (checksum.seal). `addr` (each
+    segment's address outside the slot), `off`, `n`, `first` and `bounds` are laid out as plan.Table's; `to_slot`:
+    into the slot (a snapshot), else out of it. The caller keeps the slot and every tensor alive and in bounds."""
 
-    def __init__(self, kernel: str, base: int, dst: np.ndarray, off: np.ndarray, n: np.ndarray, first: np.ndarray,
-                 bounds: np.ndarray, key: int):
+    def __init__(self, kernel: str, slot: int, addr: np.ndarray, off: np.ndarray, n: np.ndarray, first: np.ndarray,
+                 bounds: np.ndarray, key: int | None = None, to_slot: bool = False):
         self._lib = _load()
         self._kind = KERNELS.index(kernel) if kernel in KERNELS else 0
-        self._arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in (dst, off, n, first, bounds)]
+        self._arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in (addr, off, n, first, bounds)]
         self.count = len(bounds) - 1
         self.crcs = np.zeros(self.count, dtype=np.uint32)
         self._next = np.zeros(1, dtype=np.uint64)
-        self._base, self._key = base, key
+        self._slot, self._key, self._to_slot = slot, key, to_slot
 
     def run(self) -> None:
-        lib, (dst, off, n, first, bounds) = self._lib, self._arrays
-        lib.hpcft_load_chunks(self._base, address(dst), address(off), address(n), address(first), address(bounds),
-                              self.count, address(self._next), self._key, address(self.crcs), self._kind)
+        lib, (addr, off, n, first, bounds) = self._lib, self._arrays
+        lib.hpcft_copy_chunks(self._slot, address(addr), address(off), address(n), address(first), address(bounds),
+                              self.count, address(self._next), self._key or 0, self._key is not None,
+                              address(self.crcs), self._kind, self._to_slot)
 
 
-def chunk_load(kernel: str) -> type[ChunkLoad] | None:
-    """ChunkLoad where its C loop runs here (the kernel library built, a CPU with SSE4.2 and AVX2), else None: the
+def chunk_copy(kernel: str) -> type[ChunkCopy] | None:
+    """ChunkCopy where its C loop runs here (the kernel library built, a CPU with SSE4.2 and AVX2), else None: the
     caller copies chunk by chunk through `raw_copy_crc` instead."""
-    return ChunkLoad if fused_available() else None
+    return ChunkCopy if fused_available() else None
 
 
 def address(a: np.ndarray) -> int:

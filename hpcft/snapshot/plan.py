@@ -178,6 +178,17 @@ def _table(spans: Sequence[tuple[int, int, int, int]], nbytes: int, chunk_bytes:
                  (b - a).astype(u64), np.searchsorted(a, bounds, side="left").astype(u64), bounds.astype(u64))
 
 
+def table_of(chunks: Sequence[Chunk]) -> Table:
+    """The Table of a list of planned chunks (consecutive, as `chunks` cuts them): a loop over their segments, for a
+    caller that holds the list and makes its table once per layout."""
+    segs = [s for c in chunks for s in c.segments]
+    cols = [np.array(col, dtype=np.uint64) for col in zip(*segs)] if segs else [np.zeros(0, dtype=np.uint64)] * 4
+    first = np.cumsum([0] + [len(c.segments) for c in chunks]).astype(np.uint64)
+    bounds = np.array([c.offset for c in chunks] + ([chunks[-1].offset + chunks[-1].nbytes] if chunks else [0]),
+                      dtype=np.uint64)
+    return Table(*cols, first, bounds)
+
+
 def chunks(pieces: Sequence[Piece], nbytes: int, chunk_bytes: int) -> list[Chunk]:
     """Cut [0, nbytes) into chunks of `chunk_bytes` (last one shorter) with the segments each covers.
     Small pieces share a chunk (one checksum, one task); large ones span several."""

@@ -114,7 +114,7 @@ class Loader:
         self.copy = ntcopy.raw_copier(kernel)  # the replicated shares' scatter (checked as a whole before)
         self.copy_crc = ntcopy.raw_copy_crc(kernel)
         self.kernel = kernel
-        self._chunk_load = ntcopy.chunk_load(kernel)  # the whole copy in C, where it runs (into host memory)
+        self._chunk_copy = ntcopy.chunk_copy(kernel)  # the whole copy in C, where it runs (into host memory)
         self._dst: tuple[plan.Grid, _Sinks, np.ndarray] | None = None  # the segments' destinations, for the last grid
         self._pool: ThreadPoolExecutor | None = None
         # kept while the live entries are the same list (snapshot.view hands out one list per layout): the sinks,
@@ -203,7 +203,7 @@ class Loader:
         """Copy every chunk of this rank's data file (laid out as `grid`, checked against the manifest) into the
         live tensors and verify its sealed crc32c. The workers (this thread and `threads - 1` pool threads) take
         chunks from one counter, so a worker slowed by other load takes fewer: in one C call each
-        (`ntcopy.ChunkLoad`, the grid's segments as arrays) where every destination is host memory, else chunk by
+        (`ntcopy.ChunkCopy`, the grid's segments as arrays) where every destination is host memory, else chunk by
         chunk from Python (device or strided sinks, or no kernel library), planning each as they take it."""
         recorded, step, key = version.manifest["chunks"], version.step, seal_key(version.manifest)
         size, total = grid.chunk_bytes, grid.nbytes
@@ -214,7 +214,7 @@ class Loader:
         base = ntcopy.address(data)
         dst = self._destinations(grid, sinks)
         if dst is not None:
-            load = self._chunk_load(self.kernel, base, dst, *grid.table()[2:], key)
+            load = self._chunk_copy(self.kernel, base, dst, *grid.table()[2:], key)
             self._run(lambda: load.run() or [])
             lost = [i for i, (got, r) in enumerate(zip(load.crcs.tolist(), recorded)) if got != r[2]]
         else:
@@ -248,7 +248,7 @@ class Loader:
     def _destinations(self, grid: plan.Grid, sinks: _Sinks) -> np.ndarray | None:
         """Each segment's destination address, where the C loop can take the copy (every sink an address in host
         memory); None otherwise. Kept for the last grid and layout: a warm restore computes nothing."""
-        if self._chunk_load is None:
+        if self._chunk_copy is None:
             return None
         if self._dst is not None and self._dst[0] is grid and self._dst[1] is sinks:
             return self._dst[2]

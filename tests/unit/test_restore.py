@@ -68,7 +68,7 @@ def test_bad_middle_chunk_fails_its_version(shm_root: Path, monkeypatch: pytest.
     if in_c and not ntcopy.fused_available():
         pytest.skip(f"no C copy loop here: {ntcopy.reason or 'the CPU lacks SSE4.2/AVX2'}")
     if not in_c:
-        monkeypatch.setattr(ntcopy, "chunk_load", lambda kernel: None)
+        monkeypatch.setattr(ntcopy, "chunk_copy", lambda kernel: None)
     net, opt = _model(0)
     with Checkpointer(net, opt, root=shm_root, job_id="j", chunk_bytes=4096, threads=2) as ckpt:
         _train(net, opt, 1)
@@ -101,3 +101,25 @@ def test_the_c_loop_takes_a_restore_into_host_memory_and_plans_as_python_does(sh
         assert [(s.source, s.start, s.offset, s.nbytes) for s in segments] == \
             list(zip(*(a.tolist() for a in table[:4])))
         assert dst.tolist() == [sinks[s.source] + s.start for s in segments]
+
+
+def test_a_snapshot_in_the_c_loop_writes_and_seals_what_the_python_path_does(shm_root: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same state snapshotted by each workers' C call and chunk by chunk from Python: the same bytes in the slot
+    and the same chunk table (crc32c of each chunk's bytes, padding included, sealed)."""
+    if not ntcopy.fused_available():
+        pytest.skip(f"no C copy loop here: {ntcopy.reason or 'the CPU lacks SSE4.2/AVX2'}")
+    got = []
+    for in_c in (True, False):
+        if not in_c:
+            monkeypatch.setattr(ntcopy, "chunk_copy", lambda kernel: None)
+        net, opt = _model(0)
+        _train(net, opt, 1)
+        with Checkpointer(net, opt, root=shm_root, job_id=f"c{in_c}", chunk_bytes=4096, threads=2,
+                          auto=False) as ckpt:
+            assert (ckpt.engine.copier._chunk_copy is not None) == in_c
+            ckpt.step(0)
+            ckpt.wait()
+            v = ckpt.store.versions()[-1]
+            got.append((v.manifest["chunks"], bytes(ckpt.store.slot(v.slot).array[:v.manifest["data_bytes"]])))
+    assert got[0] == got[1]

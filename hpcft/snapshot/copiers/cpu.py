@@ -7,7 +7,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hpcft.snapshot import ntcopy
+from hpcft.snapshot import ntcopy, plan
 from hpcft.snapshot.plan import Chunk
 from hpcft.store import Slot, chunk_crc, crc32c
 
@@ -15,14 +15,19 @@ from hpcft.store import Slot, chunk_crc, crc32c
 class CpuTransfer:
     """Futures of the worker threads; the result is the per-chunk crc list."""
 
-    def __init__(self, futures: list[Future], nchunks: int):
+    def __init__(self, futures: list[Future], nchunks: int, crcs: np.ndarray | None = None):
         self._futures = futures
         self._n = nchunks
+        self._crcs = crcs  # where the workers ran the C loop (ntcopy.ChunkCopy): its crcs, the futures return none
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 
     def result(self, timeout: float | None = None) -> list[int]:
+        if self._crcs is not None:
+            for f in self._futures:
+                f.result(timeout)
+            return self._crcs.tolist()
         crcs = [0] * self._n
         for f in self._futures:
             for i, c in f.result(timeout):
@@ -82,6 +87,8 @@ class CpuCopier:
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpcft-copy")
         self._sources: Sequence[torch.Tensor] | None = None
         self._views: tuple[list[np.ndarray], list[int]] = ([], [])
+        self._chunk_copy = ntcopy.chunk_copy(kernel) if not delay_per_chunk else None  # the whole copy in C
+        self._planned: tuple[Sequence[Chunk], Sequence[torch.Tensor], plan.Table, np.ndarray] | None = None
 
     def _arrays(self, sources: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], list[int]]:
         """NumPy views of the sources and their addresses, made once per sources list (one per layout)."""
@@ -90,20 +97,34 @@ class CpuCopier:
             self._sources, self._views = sources, (arrays, [ntcopy.address(a) for a in arrays])
         return self._views
 
+    def _plan(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk]) -> tuple[plan.Table, np.ndarray]:
+        """The chunks' table and each segment's source address, made once per layout (its chunks and sources)."""
+        if self._planned is None or self._planned[0] is not chunks or self._planned[1] is not sources:
+            table = plan.table_of(chunks)
+            addrs = np.array(self._arrays(sources)[1], dtype=np.uint64)
+            self._planned = (chunks, sources, table, addrs[table.source.astype(np.intp)] + table.start)
+        return self._planned[2], self._planned[3]
+
     def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> CpuTransfer:
-        job = _Job(*self._arrays(sources), chunks, slot.array, self.delay_per_chunk, self.kernel)
+        crcs = None
+        if self._chunk_copy is not None:  # each worker's share in one C call, no GIL between chunks
+            table, addr = self._plan(sources, chunks)
+            job = self._chunk_copy(self.kernel, ntcopy.address(slot.array), addr, *table[2:], to_slot=True)
+            run, crcs = (lambda: job.run() or []), job.crcs
+        else:
+            run = _Job(*self._arrays(sources), chunks, slot.array, self.delay_per_chunk, self.kernel).run
         if self.overlap:
-            return CpuTransfer([self._pool.submit(job.run) for _ in range(min(self.threads, len(chunks)) or 1)],
-                               len(chunks))
+            return CpuTransfer([self._pool.submit(run) for _ in range(min(self.threads, len(chunks)) or 1)],
+                               len(chunks), crcs)
         # the training thread waits anyway: it copies too, next to threads - 1 pool threads
-        futures = [self._pool.submit(job.run) for _ in range(min(self.threads, len(chunks)) - 1)]
+        futures = [self._pool.submit(run) for _ in range(min(self.threads, len(chunks)) - 1)]
         mine: Future = Future()
         try:
-            mine.set_result(job.run())
+            mine.set_result(run())
         except Exception as exc:  # reported by the commit thread, as a pool thread's would be
             mine.set_exception(exc)
         wait(futures)
-        return CpuTransfer(futures + [mine], len(chunks))
+        return CpuTransfer(futures + [mine], len(chunks), crcs)
 
     def guard(self, transfer: CpuTransfer) -> None:
         transfer.result()
