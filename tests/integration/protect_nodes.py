@@ -123,6 +123,12 @@ def mpi_result(logs: Path, i: int) -> subprocess.CompletedProcess:
                                        mpi_log(logs, i, "out").read_text(), mpi_log(logs, i, "err").read_text())
 
 
+def _mpi_files(logs: Path) -> str:
+    """What each rank of a failed mpirun left in `logs` (the tail of its out and err, its rc), for the message."""
+    found = sorted(logs.iterdir()) if logs.is_dir() else []
+    return "; ".join(f"{p.name}: {p.read_text(errors='replace')[-800:]!r}" for p in found) or "none"
+
+
 def run_agents(cluster: Cluster, scheme: Scheme, tag: str, *extra: str,
                transport: str = "tcp") -> list[subprocess.CompletedProcess]:
     """The agents of every node run to their end over `transport`: each one's output and exit status."""
@@ -130,7 +136,8 @@ def run_agents(cluster: Cluster, scheme: Scheme, tag: str, *extra: str,
         proc, logs = start_mpi_agents(cluster, scheme, tag, *extra)
         out, _ = proc.communicate(timeout=240)
         if not all(mpi_log(logs, i, "rc").exists() for i in range(NODES)):
-            raise AssertionError(f"mpirun ran no agent to its end: {out[-3000:]}")
+            raise AssertionError(f"mpirun (exit {proc.returncode}) ran no agent to its end; its output: "
+                                 f"{out[-3000:]!r}; the agents' files: {_mpi_files(logs)}")
         return [mpi_result(logs, i) for i in range(NODES)]
     procs = start_agents(cluster, scheme, tag, *extra)
     out = []
