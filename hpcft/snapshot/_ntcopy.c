@@ -261,9 +261,10 @@ void hpcft_copy_chunks(char *slot, const uint64_t *addr, const uint64_t *off, co
             const char *s = to_slot ? there : slot + off[j];
             if (kind == 0) {
                 crc = hpcft_copy_crc32c(d, s, n[j], crc);
+            } else if (kind == 1) {
+                crc = hpcft_stream_copy_crc32c(d, s, n[j], crc);
             } else {
-                if (kind == 1) hpcft_stream_copy(d, s, n[j]);
-                else memcpy(d, s, n[j]);
+                memcpy(d, s, n[j]);
                 crc = hpcft_crc32c(s, n[j], crc);
             }
             pos = off[j] + n[j];

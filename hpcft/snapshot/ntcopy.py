@@ -13,6 +13,7 @@ checkout never installed), copies are libc's memcpy, with one warning per proces
 memcpy on purpose. Same bytes, same results either way.
 """
 import ctypes
+import functools
 import importlib.machinery
 import logging
 import os
@@ -144,8 +145,10 @@ class ChunkCopy:
 
     def __init__(self, kernel: str, slot: int, addr: np.ndarray, off: np.ndarray, n: np.ndarray, first: np.ndarray,
                  bounds: np.ndarray, key: int | None = None, to_slot: bool = False):
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown copy kernel {kernel!r}: one of {', '.join(KERNELS)}")
         self._lib = _load()
-        self._kind = KERNELS.index(kernel) if kernel in KERNELS else 0
+        self._kind = KERNELS.index(kernel)  # hpcft_copy_chunks's `kind`
         self._arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in (addr, off, n, first, bounds)]
         self.count = len(bounds) - 1
         self.crcs = np.zeros(self.count, dtype=np.uint32)
@@ -159,10 +162,10 @@ class ChunkCopy:
                               address(self.crcs), self._kind, self._to_slot)
 
 
-def chunk_copy(kernel: str) -> type[ChunkCopy] | None:
-    """ChunkCopy where its C loop runs here (the kernel library built, a CPU with SSE4.2 and AVX2), else None: the
-    caller copies chunk by chunk through `raw_copy_crc` instead."""
-    return ChunkCopy if fused_available() else None
+def chunk_copy(kernel: str) -> Callable[..., ChunkCopy] | None:
+    """ChunkCopy with `kernel` (the rest of its arguments to come) where its C loop runs here (the kernel library
+    built, a CPU with SSE4.2 and AVX2), else None: the caller copies chunk by chunk through `raw_copy_crc` instead."""
+    return functools.partial(ChunkCopy, kernel) if fused_available() else None
 
 
 def address(a: np.ndarray) -> int:

@@ -113,7 +113,6 @@ class Loader:
         self.threads = max(1, threads)
         self.copy = ntcopy.raw_copier(kernel)  # the replicated shares' scatter (checked as a whole before)
         self.copy_crc = ntcopy.raw_copy_crc(kernel)
-        self.kernel = kernel
         self._chunk_copy = ntcopy.chunk_copy(kernel)  # the whole copy in C, where it runs (into host memory)
         self._dst: tuple[plan.Grid, _Sinks, np.ndarray] | None = None  # the segments' destinations, for the last grid
         self._pool: ThreadPoolExecutor | None = None
@@ -207,17 +206,17 @@ class Loader:
         chunk from Python (device or strided sinks, or no kernel library), planning each as they take it."""
         recorded, step, key = version.manifest["chunks"], version.step, seal_key(version.manifest)
         size, total = grid.chunk_bytes, grid.nbytes
-        take = itertools.count().__next__  # atomic under the GIL: each chunk goes to exactly one worker
         data = self.store.slot(version.slot, create=False).array
         if data.size < total:
             raise IntegrityError(f"data file of rank {self.store.rank} holds {data.size} bytes, its manifest {total}")
         base = ntcopy.address(data)
         dst = self._destinations(grid, sinks)
         if dst is not None:
-            load = self._chunk_copy(self.kernel, base, dst, *grid.table()[2:], key)
+            load = self._chunk_copy(base, dst, *grid.table()[2:], key)
             self._run(lambda: load.run() or [])
             lost = [i for i, (got, r) in enumerate(zip(load.crcs.tolist(), recorded)) if got != r[2]]
         else:
+            take = itertools.count().__next__  # atomic under the GIL: each chunk goes to exactly one worker
             lost = self._run(lambda: self._chunks(grid, sinks, data, base, key, recorded, take))
         if lost:
             events.emit("chunk_lost", level=logging.ERROR, rank=self.store.rank, step=step,

@@ -91,3 +91,33 @@ def test_strided_and_mismatched() -> None:
     assert np.array_equal(dst[::2], src[::2]) and not dst[1::2].any()
     with pytest.raises(ValueError, match="100 bytes into 99"):
         ntcopy.copy(dst[:99], src[:100])
+
+
+@pytest.mark.parametrize("kernel", ntcopy.KERNELS)
+@pytest.mark.parametrize("to_slot", [True, False])
+def test_the_chunk_loop_copies_and_checksums_as_the_crc32c_package_with_every_kernel(kernel: str,
+                                                                                      to_slot: bool) -> None:
+    """hpcft_copy_chunks, both directions and every kernel: padding between and after segments checksummed from the
+    slot, segments copied whole, each chunk's crc sealed with the key (checksum.seal) or left raw."""
+    from hpcft.snapshot import plan
+    from hpcft.store import seal
+
+    make = ntcopy.chunk_copy(kernel)
+    if make is None:
+        pytest.skip(f"no C copy loop here: {ntcopy.reason or 'the CPU lacks SSE4.2/AVX2'}")
+    rng = np.random.default_rng(3)
+    sizes = [5, 0, 4096, 70000, 1, 3 * 32768 + 17]
+    lay = plan.layout(sizes, [], 0, 1)
+    grid = plan.Grid(lay.pieces, lay.nbytes, 4096)
+    slot = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
+    outside = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    table = grid.table()
+    addr = np.array([ntcopy.address(a) for a in outside], dtype=np.uint64)[table.source.astype(np.intp)] + table.start
+    for key in (None, 0xDEADBEEF):
+        job = make(ntcopy.address(slot), addr, *table[2:], key, to_slot=to_slot)
+        job.run()
+        for i in range(grid.count):
+            want = crc32c(slot[int(table.bounds[i]):int(table.bounds[i + 1])])
+            assert int(job.crcs[i]) == (want if key is None else seal(want, key)), (kernel, i)
+        for p in lay.pieces:
+            assert np.array_equal(slot[p.offset:p.offset + p.stop - p.start], outside[p.source][p.start:p.stop])

@@ -109,7 +109,7 @@ class CpuCopier:
         crcs = None
         if self._chunk_copy is not None:  # each worker's share in one C call, no GIL between chunks
             table, addr = self._plan(sources, chunks)
-            job = self._chunk_copy(self.kernel, ntcopy.address(slot.array), addr, *table[2:], to_slot=True)
+            job = self._chunk_copy(ntcopy.address(slot.array), addr, *table[2:], to_slot=True)
             run, crcs = (lambda: job.run() or []), job.crcs
         else:
             run = _Job(*self._arrays(sources), chunks, slot.array, self.delay_per_chunk, self.kernel).run
