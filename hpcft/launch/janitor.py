@@ -34,7 +34,7 @@ from hpcft.errors import HpcftError
 from hpcft.launch.clean import clean
 from hpcft.launch.stage_paths import ENV_NODE_DIR
 from hpcft.launch.zygote import socket_dir
-from hpcft.slurm.state import is_bad, job_info, node_states
+from hpcft.slurm.state import is_lost, job_info, node_states
 from hpcft.slurm.nodelist import compress
 from hpcft.slurm.runner import Runner
 from hpcft.store.paths import job_dir, resolve_root
@@ -246,8 +246,9 @@ def _watch_supervisor(job: str, job_dir_: Path, run: str, flag: Path) -> None:
         state = node_states(runner, [host]).get(host, "UNKNOWN") if host else "UNKNOWN"
     except HpcftError:
         return  # Slurm did not answer: ask again at the next check
-    if not info.batch or (host in info.nodes and not is_bad(state)):
-        return  # not a batch job (salloc: nothing to requeue), or a slow filesystem or busy supervisor
+    if not info.batch or (host in info.nodes and not is_lost(state)):
+        return  # not a batch job (salloc: nothing to requeue), or a slow filesystem or busy supervisor (a drained
+        # batch host too: it still runs hpcft run)
     try:  # one janitor acts: the first to create the claim
         os.close(os.open(job_dir_ / f"batch-host-lost-run-{run}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:

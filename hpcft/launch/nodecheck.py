@@ -25,30 +25,46 @@ class NodeCheck:
                  emit: Callable[..., None]):
         self.runner, self.job_id, self.environ = runner, job_id, environ
         self.probe_timeout, self.emit = probe_timeout, emit
+        self._closed: dict[str, str] = {}  # {node: state} of the closed nodes last said
 
-    def bad(self, nodes: Sequence[str], *, probe: bool, found_by: str | None = None,
+    def bad(self, nodes: Sequence[str], *, probe: bool, closed: bool = True, found_by: str | None = None,
             suspected: Mapping[str, str] | None = None, controls: Sequence[str] = ()) -> dict[str, str]:
         """Slurm's bad nodes among `nodes`; with `probe` and none found, those that fail the probe (probed beside
-        `controls`, which time a healthy answer: `probe`). `found_by` (e.g. what made the supervisor look) and
-        `suspected` ({node: what made it a suspect}) go into the events."""
+        `controls`, which time a healthy answer: `probe`). `closed`: a node Slurm gives no new work (drained, a
+        reboot asked for) counts as bad, as it must when a launch is to be made; without, it is only said (one
+        `node_closed` event) and the step that runs on it goes on. `found_by` (e.g. what made the supervisor look)
+        and `suspected` ({node: what made it a suspect}) go into the events."""
         try:
-            bad = slurmstate.bad_nodes(self.runner, self.job_id, list(nodes))
+            health = slurmstate.node_health(self.runner, self.job_id, list(nodes))
         except SlurmError as exc:
             _log.warning("node check failed: %s", exc)
-            bad = {}
+            health = slurmstate.Health({}, {})
+        if not closed:
+            self._say_closed(health.closed)
+        bad = health.bad if closed else health.lost
         if probe and not bad:
-            bad = self.probe(nodes, controls)
+            bad = self.probe(nodes, controls, closed=closed)
         for node, why in bad.items():
             self.emit("node_bad", level=logging.WARNING, node=node, state=why,
                       **({"found_by": found_by} if found_by else {}),
                       **({"suspected": suspected[node]} if suspected and node in suspected else {}))
         return bad
 
-    def probe(self, nodes: Sequence[str], controls: Sequence[str] = ()) -> dict[str, str]:
+    def _say_closed(self, closed: Mapping[str, str]) -> None:
+        """One `node_closed` event per node and state: an admin's drain or `scontrol reboot ASAP` of a running node
+        is no failure (it answers, its memory holds the snapshots), but the run's log must show why it is left."""
+        for node, state in closed.items():
+            if self._closed.get(node) != state:
+                self.emit("node_closed", level=logging.WARNING, node=node, state=state,
+                          action="kept: its tasks and agent keep running; a node check after a failure counts it "
+                                 "bad (a spare takes its slot), and Slurm leaves it out of the next allocation")
+        self._closed = dict(closed)
+
+    def probe(self, nodes: Sequence[str], controls: Sequence[str] = (), *, closed: bool = True) -> dict[str, str]:
         """Run a trivial task on each node (and each of `controls`) at once; a node that does not answer in time is
         bad: within --probe-timeout, or, once every control has answered, within a few times their slowest answer
         (policy.probe_deadline: a frozen node is named in seconds, not at the timeout). Slurm stays a second source
-        meanwhile: a node it marks bad while its probe is pending is bad at once."""
+        meanwhile: a node it marks bad (`closed`: or closed) while its probe is pending is bad at once."""
         controls = [c for c in controls if c not in nodes]
         started = time.monotonic()
         pending = {n: self.runner.popen(probe_argv([n]), env=dict(self.environ), stdout=subprocess.PIPE,
@@ -72,7 +88,7 @@ class NodeCheck:
                 "" if timed is None else f" (--probe-timeout {self.probe_timeout:g} s; {len(timed)} other node(s) "
                                          f"answered within {max(timed):.2f} s)")
             marked = {n: late for n in pending} if now - started >= waited else \
-                self._slurm_marked(list(pending)) if pending and now >= ask_slurm else {}
+                self._slurm_marked(list(pending), closed) if pending and now >= ask_slurm else {}
             if now >= ask_slurm:
                 ask_slurm = now + SLURM_EVERY_S
             for node, why in marked.items():
@@ -82,10 +98,11 @@ class NodeCheck:
             time.sleep(0.05 if pending else 0)
         return bad
 
-    def _slurm_marked(self, nodes: list[str]) -> dict[str, str]:
+    def _slurm_marked(self, nodes: list[str], closed: bool) -> dict[str, str]:
         try:
+            health = slurmstate.node_health(self.runner, self.job_id, nodes)
             return {n: f"{why} (Slurm, while the probe waited)"
-                    for n, why in slurmstate.bad_nodes(self.runner, self.job_id, nodes).items()}
+                    for n, why in (health.bad if closed else health.lost).items()}
         except SlurmError as exc:
             _log.warning("node check failed: %s", exc)
             return {}

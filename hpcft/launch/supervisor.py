@@ -81,7 +81,8 @@ class Supervisor:
         self.fabric = Fabric(self.job_dir, self.emit)  # the nodes' progress and status, over the network
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
                                  interrupted=self._terminated, view=self.fabric.view,
-                                 check_nodes=lambda layout, probe: self.nodes.bad(layout.slots, probe=probe))
+                                 check_nodes=lambda layout, probe: self.nodes.bad(layout.slots, probe=probe,
+                                                                                 closed=False))
         self.agent_loss = AgentLoss(self.agents, self.nodes, self.emit, self._terminated)
         self.reshaper = elastic.Reshaper(cfg, self.agents, self.janitor, self.emit)
         self.reshaped: dict[str, list[str]] = {"shrunk": [], "grown": []}  # each elastic shrink / grow, for the summary
@@ -366,7 +367,7 @@ class Supervisor:
                 self.emit("signal", level=logging.WARNING, signal="USR1", meaning="stale", ignored=True, reason=stale)
                 self._signal = None
                 self._wake.clear()
-            bad = self.nodes.bad(layout.slots, probe=False)
+            bad = self.nodes.bad(layout.slots, probe=False, closed=False)  # a drain alone stops nothing
             if bad:
                 return Event.nodes_lost(bad)
             suspects = self.agents.lost(layout)

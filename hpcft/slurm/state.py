@@ -13,7 +13,14 @@ from hpcft.slurm.nodelist import expand, expand_range
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
-BAD_STATE_WORDS = ("DOWN", "DRAIN", "NOT_RESPONDING", "FAIL", "POWER", "REBOOT")
+# A node's state words (`scontrol show node`: 'MIXED+DRAIN', 'IDLE+POWERED_DOWN'; sinfo's suffixes too). Lost: it
+# cannot run the job's tasks now. Closed: it runs them, but Slurm gives it no new work (an admin's drain, a health
+# check's, `scontrol reboot ASAP`, a requested power-down): the running steps go on, the next allocation leaves it.
+LOST_STATE_WORDS = ("DOWN", "NOT_RESPONDING", "POWERED_DOWN", "POWERING_DOWN", "POWER_UP", "POWERING_UP",
+                    "REBOOT_ISSUED", "FUTURE")
+CLOSED_STATE_PREFIXES = ("DRAIN", "FAIL", "REBOOT", "POWER_DOWN", "INVALID_REG", "ERROR")  # DRAINING, FAILING…
+LOST_SUFFIXES = "*~%#^"  # sinfo: not responding, powered down, powering down, powering up, reboot issued
+CLOSED_SUFFIXES = "@!"  # sinfo: reboot pending, power-down pending
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z/:]+)=(\S*)")
 _TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
 _STEP_REFUSED = re.compile(r"^srun: error: Unable to create step for job \S+: (.+)$")
@@ -92,28 +99,62 @@ def node_states(runner: Runner, nodes: list[str]) -> dict[str, str]:
     return states
 
 
+def _words(state: str) -> list[str]:
+    return [w.rstrip("*~%#^!$@") for w in state.upper().split("+")]
+
+
+def is_lost(state: str) -> bool:
+    """The node cannot run the job's tasks now: DOWN, NOT_RESPONDING (sinfo's `*`), powered down or booting,
+    rebooting."""
+    return any(c in state for c in LOST_SUFFIXES) or any(w in LOST_STATE_WORDS for w in _words(state))
+
+
+def is_closed(state: str) -> bool:
+    """Slurm gives the node no new work, though what runs on it goes on: DRAIN(ING/ED), FAIL(ING), a reboot or
+    power-down asked for once its jobs end."""
+    return any(c in state for c in CLOSED_SUFFIXES) or any(w.startswith(CLOSED_STATE_PREFIXES) for w in _words(state))
+
+
 def is_bad(state: str) -> bool:
-    """DOWN, DRAIN(ED/ING), NOT_RESPONDING, FAIL… (also Slurm's `*` suffix for not responding)."""
-    upper = state.upper()
-    return upper.endswith("*") or any(word in upper for word in BAD_STATE_WORDS)
+    """Not a node to start new work on: lost or closed."""
+    return is_lost(state) or is_closed(state)
 
 
-def bad_nodes(runner: Runner, job_id: str, nodes: list[str]) -> dict[str, str]:
-    """Which of `nodes` are unusable now, and why: a bad state, or no longer in the job's allocation."""
+@dataclass(frozen=True)
+class Health:
+    """What Slurm says of some of a job's nodes: {node: why} of the lost ones (a lost state, or no longer in the
+    allocation) and of the closed ones (alive, but given no new work)."""
+    lost: dict[str, str]
+    closed: dict[str, str]
+
+    @property
+    def bad(self) -> dict[str, str]:
+        return {**self.lost, **self.closed}
+
+
+def node_health(runner: Runner, job_id: str, nodes: list[str]) -> Health:
+    """Slurm's view of `nodes` of job `job_id`, read fresh."""
     try:
         in_job = set(job_info(runner, job_id).nodes)
     except SlurmError as exc:
         _log.warning("cannot read job %s: %s", job_id, exc)
         in_job = set(nodes)
     states = node_states(runner, nodes)
-    found = {}
+    lost, closed = {}, {}
     for node in nodes:
         state = states.get(node, "UNKNOWN")
         if node not in in_job:
-            found[node] = f"left the allocation (state {state})"
-        elif is_bad(state):
-            found[node] = state
-    return found
+            lost[node] = f"left the allocation (state {state})"
+        elif is_lost(state):
+            lost[node] = state
+        elif is_closed(state):
+            closed[node] = state
+    return Health(lost, closed)
+
+
+def bad_nodes(runner: Runner, job_id: str, nodes: list[str]) -> dict[str, str]:
+    """Which of `nodes` are unusable for new work now, and why: lost or closed (node_health)."""
+    return node_health(runner, job_id, nodes).bad
 
 
 def task_errors(stderr_lines: list[str]) -> list[str]:

@@ -48,7 +48,7 @@ class _Runner:
 def _check(frozen: set[str], timeout: float) -> NodeCheck:
     said: list = []
     check = NodeCheck(_Runner(frozen), "1", {}, timeout, lambda *a, **k: said.append((a, k)))
-    check._slurm_marked = lambda nodes: {}  # no Slurm here: only the probe decides
+    check._slurm_marked = lambda nodes, closed: {}  # no Slurm here: only the probe decides
     return check
 
 
