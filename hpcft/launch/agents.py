@@ -328,7 +328,7 @@ class AgentSteps:
         is broken and the decision kills them anyway): one lost-node grace for both, not one after the other, ended
         once `settled()` (srun reported every trainer task of the other nodes ended). `stop` then only reports it.
         (An evicted straggler's agents are healthy: asked later, as ever.)"""
-        lost = bool(event and event.bad_nodes)
+        lost = bool(event and event.lost_nodes)  # a closed node's agent is well: asked later, like the others
         if not lost or event.kind is Kind.STRAGGLER:
             self._stop_steps(trainers, lost=lost, settled=settled)
             return

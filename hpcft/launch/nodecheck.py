@@ -26,10 +26,11 @@ class NodeCheck:
         self.runner, self.job_id, self.environ = runner, job_id, environ
         self.probe_timeout, self.emit = probe_timeout, emit
         self._closed: dict[str, str] = {}  # {node: state} of the closed nodes last said
+        self.closed_now: dict[str, str] = {}  # the closed nodes the last check found (bad ones or not)
 
     def bad(self, nodes: Sequence[str], *, probe: bool, closed: bool = True, found_by: str | None = None,
             suspected: Mapping[str, str] | None = None, controls: Sequence[str] = ()) -> dict[str, str]:
-        """Slurm's bad nodes among `nodes`; with `probe` and none found, those that fail the probe (probed beside
+        """Slurm's bad nodes among `nodes`; with `probe` and none lost, those that fail the probe (probed beside
         `controls`, which time a healthy answer: `probe`). `closed`: a node Slurm gives no new work (drained, a
         reboot asked for) counts as bad, as it must when a launch is to be made; without, it is only said (one
         `node_closed` event) and the step that runs on it goes on. `found_by` (e.g. what made the supervisor look)
@@ -39,11 +40,13 @@ class NodeCheck:
         except SlurmError as exc:
             _log.warning("node check failed: %s", exc)
             health = slurmstate.Health({}, {})
+        self.closed_now = dict(health.closed)
         if not closed:
             self._say_closed(health.closed)
-        bad = health.bad if closed else health.lost
-        if probe and not bad:
-            bad = self.probe(nodes, controls, closed=closed)
+        bad = dict(health.bad if closed else health.lost)
+        rest = [n for n in nodes if n not in bad]
+        if probe and not health.lost and rest:  # a closed node may hide a dead one: the others are probed still
+            bad.update(self.probe(rest, controls, closed=closed))
         for node, why in bad.items():
             self.emit("node_bad", level=logging.WARNING, node=node, state=why,
                       **({"found_by": found_by} if found_by else {}),

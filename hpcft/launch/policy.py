@@ -4,7 +4,7 @@ No Slurm, no clock of its own (`now` is passed in), so every branch is tested wi
 (hpcft/launch/supervisor.py) is the mechanism that gathers the event and carries the decision out."""
 import enum
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from hpcft import events
@@ -66,12 +66,20 @@ class Event:
     failed_tasks: tuple[str, ...] = ()   # srun's own words, e.g. "n2: task 1: Exited with exit code 3"
     detail: str = ""
     returned: tuple[str, ...] = ()       # NODES_RETURNED: the nodes to take back, as policy_grow chose them
+    closed: tuple[str, ...] = ()         # those of bad_nodes that are alive (drained…): their agents still work
+
+    @property
+    def lost_nodes(self) -> tuple[str, ...]:
+        """The bad nodes that are gone (their agents with them): the mesh is broken only when one is."""
+        return tuple(n for n in self.bad_nodes if n not in self.closed)
 
     @classmethod
-    def nodes_lost(cls, bad: Mapping[str, str], exit_code: int | None = None) -> "Event":
-        """NODE_FAILED for the bad nodes found ({node: why}), each named with its reason in the detail."""
+    def nodes_lost(cls, bad: Mapping[str, str], exit_code: int | None = None,
+                   closed: Iterable[str] = ()) -> "Event":
+        """NODE_FAILED for the bad nodes found ({node: why}), each named with its reason in the detail; `closed`:
+        those of them Slurm only closed (NodeCheck.closed_now)."""
         return cls(Kind.NODE_FAILED, exit_code=exit_code, bad_nodes=tuple(bad),
-                   detail="; ".join(f"{n}: {w}" for n, w in bad.items()))
+                   detail="; ".join(f"{n}: {w}" for n, w in bad.items()), closed=tuple(n for n in closed if n in bad))
 
 
 @dataclass(frozen=True)

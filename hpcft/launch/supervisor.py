@@ -7,6 +7,7 @@ every one is ready (after a node replacement: has rebuilt the lost snapshots ont
 What must outlive a requeue (relaunch count, excluded nodes, which node held which slot) is kept in
 <job dir>/state.json, so that a requeued run puts every node that comes back into the slot its memory holds.
 Before a requeue the agents protect and flush the newest snapshot (AgentSteps.persist)."""
+import dataclasses
 import getpass
 import logging
 import os
@@ -181,11 +182,11 @@ class Supervisor:
             record(decision, event, state, str(self.job_dir))
             self.grow_watch.lost(event.bad_nodes)  # every loss counts against taking a node back (--grow-max-losses)
             if decision.action is Action.REQUEUE:
-                self._persist_before_requeue(event)
+                self._persist_before_requeue(event)  # with a closed node's agent too: it still runs
             # a relaunch does not wait for a flush under way (its node-local copies stay for the next one); a shrink
             # lost a node, whose agent no flush can wait for; a grow flushes with them first (Reshaper.grow)
             if decision.action is not Action.GROW:  # an evicted straggler's agent is healthy: asked like the others
-                self.agents.stop(ask=not event.bad_nodes or event.kind is Kind.STRAGGLER,
+                self.agents.stop(ask=not event.lost_nodes or event.kind is Kind.STRAGGLER,
                                  flush=decision.action not in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK,
                                                                Action.EVICT))
             self.preflight.poll(self.agents.reports, now=True, expected=self.agents.nodes(layout))  # their final reports
@@ -274,7 +275,7 @@ class Supervisor:
             self.persist()
             self.emit("persist", done=True, how="hook", seconds=round(time.monotonic() - started, 3))
             return
-        self.agents.persist(event.bad_nodes)
+        self.agents.persist(event.lost_nodes)
 
     # -- one step -----------------------------------------------------------------------------------------
     def _run_step(self, layout: Layout, restart_count: int) -> Event:
@@ -325,8 +326,7 @@ class Supervisor:
         refused = slurmstate.step_refusal(lines) if event.kind is Kind.TASK_FAILED else None
         if refused:
             return Event(Kind.STEP_REFUSED, exit_code=proc.returncode, failed_tasks=failed, detail=refused)
-        return Event(event.kind, exit_code=proc.returncode, bad_nodes=event.bad_nodes, failed_tasks=failed,
-                     detail=event.detail, returned=event.returned)
+        return dataclasses.replace(event, exit_code=proc.returncode, failed_tasks=failed)
 
     def _env(self, layout: Layout, restart_count: int) -> dict[str, str]:
         """The steps' environment for one launch on `layout` (the agents' and the trainers')."""
@@ -355,7 +355,7 @@ class Supervisor:
                     return Event(Kind.SUCCESS, exit_code=0)
                 bad = self.nodes.bad(layout.slots, probe=True)
                 if bad:
-                    return Event.nodes_lost(bad, exit_code=code)
+                    return Event.nodes_lost(bad, exit_code=code, closed=self.nodes.closed_now)
                 return Event(Kind.TASK_FAILED, exit_code=code)
             if self._signal is not None:
                 if self._signal != signal.SIGUSR1:

@@ -92,6 +92,38 @@ def test_a_hung_rank_is_detected_killed_and_the_job_resumes_from_memory(healthy_
     assert_same_result(out, dp_reference)
 
 
+def test_a_drained_node_trains_on_and_a_later_failure_gives_its_slot_to_a_spare_with_its_agent_asked_to_stop(
+        healthy_sandbox, dp_reference, tmp_path):
+    """An admin's drain (or `scontrol reboot ASAP`) of a running node is no failure: the step goes on, once said
+    (`node_closed`). When rank 0 then raises, the node check counts the drained node bad: a spare takes its slot, its
+    agent (alive) is asked to stop rather than killed, and every rank resumes from memory, bit-identical."""
+    out = tmp_path / "drained"
+    hold = out / "go"
+    proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", HOLD_AT="6", HOLD_FILE=str(hold),
+                  RAISE_AT="12", RAISE_RANK="0", MAX_RESTARTS="0")  # no in-process restart: the step fails
+    try:
+        wait_protected(out, timeout=180)
+        healthy_sandbox.runner().run(["scontrol", "update", "NodeName=n3", "State=DRAIN", "Reason=hpcft-test admin"])
+        wait(lambda: any(e["event"] == "node_closed" and e["node"] == "n3" for e in events.read(out / "job")),
+             "the supervisor to see the drain", 60, story=out)
+    finally:
+        hold.touch()
+    code, output = _finish(proc, timeout=300)
+    assert code == 0, output[-4000:]
+    log = events.read(out / "job")
+    made = decisions(out / "job")
+    assert [(d["action"], d["cause"], d["replaced"]) for d in made] == [("replace", "node_failed", "n3:n5"),
+                                                                         ("done", "success", "")], output[-4000:]
+    bad = [e for e in log if e["event"] == "node_bad"]
+    assert [(e["node"], e["state"]) for e in bad] == [("n3", "MIXED+DRAIN")], bad
+    stopped = next(e for e in log if e["event"] == "agents_stopped")
+    assert stopped["how"] == "asked" and stopped["exit_code"] == 0, stopped
+    ready = agents_ready(out / "job", "1")
+    assert ready["rebuilt"] == "n5" and ready["step"] >= 7, ready
+    assert set(resumed_from(out).values()) == {ready["step"]}
+    assert_same_result(out, dp_reference)
+
+
 def test_a_node_lost_while_the_agents_rebuild_is_found_by_the_supervisor_not_by_slurm(healthy_sandbox, tmp_path):
     out = tmp_path / "startup"
     hold = out / "go"

@@ -3,6 +3,7 @@ no new work: an admin's drain, `scontrol reboot ASAP`), hpcft/slurm/state.py; an
 a closed node's step running and says so once (hpcft/launch/nodecheck.py). The integration test that drains a
 running job's nodes is test_supervisor_requeue.py's durable-tier test."""
 import subprocess
+import sys
 
 import pytest
 
@@ -38,8 +39,15 @@ class _Slurm:
     """Answers scontrol's `show job` and `show node` for a job on frontier0000[1-4] (a narrow unit test of reading
     Slurm's words; the real scontrol runs in the integration tests)."""
 
-    def __init__(self, states: dict[str, str], nodelist: str = "frontier[00001-00004]"):
-        self.states, self.nodelist = states, nodelist
+    def __init__(self, states: dict[str, str], nodelist: str = "frontier[00001-00004]", frozen: frozenset = frozenset()):
+        self.states, self.nodelist, self.frozen, self.probed = states, nodelist, frozen, []
+
+    def popen(self, argv, *, env=None, **kwargs):  # the probe's srun: a healthy node echoes its name
+        node = argv[argv.index("-w") + 1] if "-w" in argv else next(a.split("=", 1)[1] for a in argv
+                                                                   if a.startswith("--nodelist="))
+        self.probed.append(node)
+        script = "import time; time.sleep(600)" if node in self.frozen else f"print({node!r})"
+        return subprocess.Popen([sys.executable, "-c", script], **kwargs)
 
     def run(self, argv, check=True):
         if argv[:3] == ["scontrol", "show", "job"]:
@@ -72,7 +80,12 @@ def test_the_watch_keeps_a_drained_node_says_so_once_and_a_check_after_a_failure
     assert [(k, f["node"], f["state"]) for k, f in said] == [("node_closed", "frontier00002", "MIXED+DRAIN")]
     slurm.states["frontier00002"] = "MIXED+DRAIN+REBOOT_REQUESTED"  # a new state is said again
     assert check.bad(NODES, probe=False, closed=False) == {} and len(said) == 2
-    assert check.bad(NODES, probe=True) == {"frontier00002": "MIXED+DRAIN+REBOOT_REQUESTED"}  # no probe: Slurm's
-    assert said[-1][0] == "node_bad"
+    assert check.bad(NODES, probe=True) == {"frontier00002": "MIXED+DRAIN+REBOOT_REQUESTED"}  # after a failure
+    assert said[-1][0] == "node_bad" and check.closed_now == {"frontier00002": "MIXED+DRAIN+REBOOT_REQUESTED"}
+    assert sorted(slurm.probed) == ["frontier00001", "frontier00003", "frontier00004"]  # the others are probed
+    slurm.frozen = frozenset({"frontier00004"})  # a dead node Slurm has not marked yet hides behind no drain
+    check.probe_timeout = 1.0
+    assert check.bad(NODES, probe=True) == {"frontier00002": "MIXED+DRAIN+REBOOT_REQUESTED",
+                                            "frontier00004": "probe did not answer within 1 s"}
     slurm.states["frontier00003"] = "DOWN+NOT_RESPONDING"  # lost stops the step, with or without closed
     assert check.bad(NODES, probe=False, closed=False) == {"frontier00003": "DOWN+NOT_RESPONDING"}
