@@ -101,6 +101,13 @@ def start(sandbox, out: Path, allocate: int, *args: str, per_node: int = 1, step
     return sandbox.runner().popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def finished_ok(proc: subprocess.Popen, out: Path, timeout: float = 150) -> tuple[list[dict], list[dict], str]:
+    """`finish` for a run that must exit 0: its events, its decisions and its output."""
+    code, output = finish(proc, timeout=timeout)
+    assert code == 0, output[-4000:]
+    return events.read(out / "job"), decisions(out / "job"), output
+
+
 def finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
     """`hpcft run`'s exit code and output; the test fails if it runs past `timeout`."""
     try:

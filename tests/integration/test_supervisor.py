@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from runs import FAULT_AT, agents_ready, assert_same_result, decisions, resumed_from, wait, wait_protected
+from runs import FAULT_AT, agents_ready, assert_same_result, decisions, finished_ok, resumed_from, wait, wait_protected
 from runs import finish as _finish
 from runs import start_spared as _start
 
@@ -108,10 +108,7 @@ def test_a_drained_node_trains_on_and_a_later_failure_gives_its_slot_to_a_spare_
              "the supervisor to see the drain", 60, story=out)
     finally:
         hold.touch()
-    code, output = _finish(proc, timeout=300)
-    assert code == 0, output[-4000:]
-    log = events.read(out / "job")
-    made = decisions(out / "job")
+    log, made, output = finished_ok(proc, out, timeout=300)
     assert [(d["action"], d["cause"], d["replaced"]) for d in made] == [("replace", "node_failed", "n3:n5"),
                                                                          ("done", "success", "")], output[-4000:]
     bad = [e for e in log if e["event"] == "node_bad"]

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from runs import JOB, assert_same_result, decisions, finish, resumed_from, start, wait, wait_protected
+from runs import JOB, assert_same_result, decisions, finished_ok, resumed_from, start, wait, wait_protected
 
 from hpcft import events
 from hpcft.agent import status as agent_status
@@ -70,10 +70,7 @@ def test_a_node_lost_without_spare_shrinks_the_job_from_memory_and_it_grows_back
         wait(lambda: any(d["action"] == "grow" for d in decisions(out / "job")), "the grow", 120, story=out)
     finally:
         hold_shrunk.touch()
-    code, output = finish(proc, timeout=300)
-    assert code == 0, output[-4000:]
-    log = events.read(out / "job")
-    made = decisions(out / "job")
+    log, made, output = finished_ok(proc, out, timeout=300)
     assert [d["action"] for d in made] == ["shrink", "grow", "done"], output[-4000:]
     assert (made[0]["cause"], made[0]["nodes_from"], made[0]["nodes_to"]) == ("node_failed", 4, 3)
     assert (made[1]["cause"], made[1]["nodes_from"], made[1]["nodes_to"]) == ("nodes_returned", 3, 4)

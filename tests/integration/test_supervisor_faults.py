@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from runs import assert_same_result, decisions, finish, start_spared, wait, wait_progress, wait_protected
+from runs import assert_same_result, decisions, finish, finished_ok, start_spared, wait, wait_progress, wait_protected
 
 from hpcft import events
 from hpcft.agent import status as agent_status
@@ -116,11 +116,8 @@ def test_an_agent_killed_while_the_trainers_run_is_restarted_alone_while_the_tra
              "the agents restarted alone", 180, story=out)
     finally:
         hold.touch()
-    code, output = finish(proc, timeout=240)
-    assert code == 0, output[-4000:]
-    log = events.read(out / "job")
-    made = [(d["action"], d["cause"]) for d in decisions(out / "job")]
-    assert made == [("done", "success")], output[-4000:]  # no relaunch
+    log, made, output = finished_ok(proc, out, timeout=240)
+    assert [(d["action"], d["cause"]) for d in made] == [("done", "success")], output[-4000:]  # no relaunch
     failed = [e for e in log if e["event"] == "agents_failed"]
     assert len(failed) == 1 and failed[0]["level"] == "ERROR" and "restart alone" in failed[0]["action"], failed
     assert not [e for e in log if e["event"] == "node_bad"], "every node answered the probe"
