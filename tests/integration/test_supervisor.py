@@ -4,6 +4,7 @@ relaunched on the same nodes and resumes from local memory; a crashed node's slo
 found by the watchdog, the step killed and relaunched; --max-restarts reached ends with a summary.
 All that finish must end with parameters bit-identical to an uninterrupted run. The killed rank and the crashed
 node are the runs of the session's recovery bench (conftest.py), which makes exactly these recoveries."""
+import json
 import os
 import signal
 import subprocess
@@ -114,9 +115,9 @@ def test_a_drained_node_trains_on_and_a_later_failure_gives_its_slot_to_a_spare_
     bad = [e for e in log if e["event"] == "node_bad"]
     assert [(e["node"], e["state"]) for e in bad] == [("n3", "MIXED+DRAIN")], bad
     stopped = next(e for e in log if e["event"] == "agents_stopped")
-    assert stopped["how"] == "asked" and stopped["exit_code"] == 0, stopped
+    assert stopped["how"] == "asked" and stopped["exit_code"] == 0, json.dumps(stopped)
     ready = agents_ready(out / "job", "1")
-    assert ready["rebuilt"] == "n5" and ready["step"] >= 7, ready
+    assert ready["rebuilt"] == "n5" and ready["step"] >= 7, json.dumps(ready)
     assert set(resumed_from(out).values()) == {ready["step"]}
     assert_same_result(out, dp_reference)
 

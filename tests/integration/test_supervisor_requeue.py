@@ -326,7 +326,7 @@ def test_a_job_requeued_onto_other_nodes_resumes_from_the_durable_tier(healthy_s
     made = [(e["action"], e["cause"]) for e in recs if e["event"] == "decision"]
     assert made == [("requeue", "walltime"), ("done", "success")], made
     persist = next(e for e in recs if e["event"] == "persist")
-    assert persist["done"] is True and persist["durable"] >= 6, persist
+    assert persist["done"] is True and persist["durable"] >= 6, json.dumps(persist)  # a str: pytest cuts a dict short
     assert _restored(out, "1.") == {persist["durable"]}
     source = [e for e in recs if e["event"] == "restore_source"]
     assert source and source[-1]["source"] == "durable" and "node-local" in source[-1]["reason"], source
