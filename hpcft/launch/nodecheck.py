@@ -59,8 +59,8 @@ class NodeCheck:
         for node, state in closed.items():
             if self._closed.get(node) != state:
                 self.emit("node_closed", level=logging.WARNING, node=node, state=state,
-                          action="kept: its tasks and agent keep running; a node check after a failure counts it "
-                                 "bad (a spare takes its slot), and Slurm leaves it out of the next allocation")
+                          action="kept: its tasks and agent keep running; after a failure a spare takes its slot "
+                                 "if one is left, and Slurm leaves it out of the next allocation")
         self._closed = dict(closed)
 
     def probe(self, nodes: Sequence[str], controls: Sequence[str] = (), *, closed: bool = True) -> dict[str, str]:

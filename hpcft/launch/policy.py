@@ -138,18 +138,23 @@ def decide(event: Event, state: State, now: float) -> Decision:
         return Decision(Action.STOP, f"{event.kind.value} after {state.restarts} restart(s), the limit "
                         f"(--max-restarts {state.max_restarts})", state.layout, EXIT_GAVE_UP)
     layout, replaced, why, shrink = state.layout, {}, event.kind.value, ""
-    if event.bad_nodes:
+    bad = _leaving(state.layout, event)
+    kept = [n for n in event.bad_nodes if n not in bad]  # closed, with no spare for them: they keep their slots
+    if bad:
         try:
-            layout, replaced = state.layout.replace(list(event.bad_nodes))
+            layout, replaced = state.layout.replace(list(bad))
         except NoSpareError as exc:
-            shrunk = state.layout.shrink(event.bad_nodes)
+            shrunk = state.layout.shrink(bad)
             if state.min_nodes is None or len(shrunk.slots) < state.min_nodes:
-                excluded = tuple(dict.fromkeys(state.layout.excluded + event.bad_nodes))
+                excluded = tuple(dict.fromkeys(state.layout.excluded + bad))
                 floor = "" if state.min_nodes is None else \
                     f"; {len(shrunk.slots)} node(s) left, fewer than --min-nodes {state.min_nodes}"
                 return requeue_or_stop(replace(state, layout=replace(state.layout, excluded=excluded)), str(exc) + floor)
             layout, shrink = shrunk, str(exc)
-        why = f"{why} on {','.join(event.bad_nodes)}"
+        why = f"{why} on {','.join(bad)}"
+    if kept:
+        why = (f"{why}; closed node(s) {','.join(kept)} keep their slots: no spare is left for them, and they still "
+               "run the job (Slurm leaves them out of the next allocation)")
     # Near the end of the walltime a relaunch would not get far: requeue, if that is possible at all.
     if state.requeue_allowed and state.end_time is not None and state.end_time - now < state.requeue_margin:
         left = max(0.0, state.end_time - now)
@@ -161,7 +166,18 @@ def decide(event: Event, state: State, now: float) -> Decision:
     if replaced:
         moves = ", ".join(f"{a}->{b}" for a, b in replaced.items())
         return Decision(Action.REPLACE, f"{why}: spare takes the slot ({moves})", layout, replaced=replaced)
-    return Decision(Action.RELAUNCH, f"{why}: nodes healthy, relaunch on the same nodes", layout)
+    return Decision(Action.RELAUNCH, f"{why}: {'no node lost' if kept else 'nodes healthy'}, relaunch on the same "
+                    "nodes", layout)
+
+
+def _leaving(layout: Layout, event: Event) -> tuple[str, ...]:
+    """The event's bad nodes to take out of the slots: every lost one, and a closed one (drained, a reboot asked for:
+    it still runs the job) only while a spare is left for it once the lost ones have theirs; a closed node that
+    keeps its slot beats a shrink or a requeue."""
+    lost = event.lost_nodes
+    free = sum(s not in event.bad_nodes for s in layout.spares) - sum(n in layout.slots for n in lost)
+    closed = [n for n in event.bad_nodes if n in event.closed and n in layout.slots]
+    return lost + tuple(closed[:max(0, free)])
 
 
 def stale_signal(*, requeued_run: bool, progressed: bool, time_left: float | None, margin: float) -> str | None:

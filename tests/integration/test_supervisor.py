@@ -13,6 +13,7 @@ import sys
 import pytest
 from runs import FAULT_AT, agents_ready, assert_same_result, decisions, finished_ok, resumed_from, wait, wait_protected
 from runs import finish as _finish
+from runs import start
 from runs import start_spared as _start
 
 from hpcft import events
@@ -93,15 +94,20 @@ def test_a_hung_rank_is_detected_killed_and_the_job_resumes_from_memory(healthy_
     assert_same_result(out, dp_reference)
 
 
-def test_a_drained_node_trains_on_and_a_later_failure_gives_its_slot_to_a_spare_with_its_agent_asked_to_stop(
-        healthy_sandbox, dp_reference, tmp_path):
+@pytest.mark.parametrize("spares", [2, 0])
+def test_a_drained_node_trains_on_and_after_a_failure_gives_its_slot_to_a_spare_or_keeps_it(
+        healthy_sandbox, dp_reference, tmp_path, spares):
     """An admin's drain (or `scontrol reboot ASAP`) of a running node is no failure: the step goes on, once said
-    (`node_closed`). When rank 0 then raises, the node check counts the drained node bad: a spare takes its slot, its
-    agent (alive) is asked to stop rather than killed, and every rank resumes from memory, bit-identical."""
+    (`node_closed`). When rank 0 then raises, the node check counts the drained node bad: a spare takes its slot and
+    the agents rebuild it there; with no spare it keeps its slot (Slurm lets the job's new steps on it), rather than
+    a requeue. Either way its agent (alive) is asked to stop, not killed, and every rank resumes from memory,
+    bit-identical."""
     out = tmp_path / "drained"
     hold = out / "go"
-    proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", HOLD_AT="6", HOLD_FILE=str(hold),
-                  RAISE_AT="12", RAISE_RANK="0", MAX_RESTARTS="0")  # no in-process restart: the step fails
+    fault = dict(HOLD_AT="6", HOLD_FILE=str(hold), RAISE_AT="12", RAISE_RANK="0",
+                 MAX_RESTARTS="0")  # no in-process restart: the step fails
+    proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", **fault) if spares else \
+        start(healthy_sandbox, out, 4, "--spares", "0", "--protect", "xor", "--group", "4", **fault)
     try:
         wait_protected(out, timeout=180)
         healthy_sandbox.runner().run(["scontrol", "update", "NodeName=n3", "State=DRAIN", "Reason=hpcft-test admin"])
@@ -110,15 +116,19 @@ def test_a_drained_node_trains_on_and_a_later_failure_gives_its_slot_to_a_spare_
     finally:
         hold.touch()
     log, made, output = finished_ok(proc, out, timeout=300)
-    assert [(d["action"], d["cause"], d["replaced"]) for d in made] == [("replace", "node_failed", "n3:n5"),
-                                                                         ("done", "success", "")], output[-4000:]
+    first = ("replace", "node_failed", "n3:n5") if spares else ("relaunch", "node_failed", "")
+    assert [(d["action"], d["cause"], d["replaced"]) for d in made] == [first, ("done", "success", "")], output[-4000:]
     bad = [e for e in log if e["event"] == "node_bad"]
     assert [(e["node"], e["state"]) for e in bad] == [("n3", "MIXED+DRAIN")], bad
     stopped = next(e for e in log if e["event"] == "agents_stopped")
     assert stopped["how"] == "asked" and stopped["exit_code"] == 0, json.dumps(stopped)
-    ready = agents_ready(out / "job", "1")
-    assert ready["rebuilt"] == "n5" and ready["step"] >= 7, json.dumps(ready)
-    assert set(resumed_from(out).values()) == {ready["step"]}
+    launches = [e["slots"] for e in log if e["event"] == "launch"]
+    assert launches == ["n1,n2,n3,n4", "n1,n2,n5,n4" if spares else "n1,n2,n3,n4"], launches
+    resumed = set(resumed_from(out).values())
+    assert len(resumed) == 1 and resumed.pop() >= 7, "every rank resumes from the same step, from memory"
+    if spares:
+        ready = agents_ready(out / "job", "1")
+        assert ready["rebuilt"] == "n5" and set(resumed_from(out).values()) == {ready["step"]}, json.dumps(ready)
     assert_same_result(out, dp_reference)
 
 

@@ -51,6 +51,26 @@ def test_failed_node_is_replaced_by_a_spare_in_its_slot():
     assert d.layout.slots == ("n1", "n2", "n5", "n4") and d.layout.excluded == ("n3",)
 
 
+def test_a_closed_node_found_bad_takes_a_spare_while_one_is_left_else_keeps_its_slot():
+    """A drained node (closed: it still runs the job) counted bad after a failure: a spare takes its slot if one
+    is left once the lost nodes have theirs; without, it keeps its slot, no requeue, no shrink."""
+    drained = Event.nodes_lost({"n3": "MIXED+DRAIN"}, closed=["n3"])
+    assert drained.lost_nodes == () and drained.closed == ("n3",)
+    d = decide(drained, state(), NOW)
+    assert d.action is Action.REPLACE and d.replaced == {"n3": "n5"}
+    used, _ = LAYOUT.replace(["n1"])  # no spare left
+    for elastic in (None, 2):
+        d = decide(drained, state(layout=used, min_nodes=elastic), NOW)
+        assert d.action is Action.RELAUNCH and d.layout == used, d
+        assert "closed node(s) n3 keep their slots" in d.reason and "no node lost" in d.reason, d.reason
+    both = Event.nodes_lost({"n2": "probe failed", "n3": "MIXED+DRAIN"}, closed=["n3"])  # the one spare: the lost
+    d = decide(both, state(), NOW)
+    assert d.action is Action.REPLACE and d.replaced == {"n2": "n5"} and "n3" in d.layout.slots, d
+    assert "closed node(s) n3 keep their slots" in d.reason, d.reason
+    d = decide(both, state(layout=used), NOW)  # no spare: the lost node requeues, the drained one is not excluded
+    assert d.action is Action.REQUEUE and "n2" in d.layout.excluded and "n3" not in d.layout.excluded, d
+
+
 def test_no_spare_left_persists_and_requeues_with_the_node_excluded():
     used, _ = LAYOUT.replace(["n1"])
     d = decide(Event(Kind.NODE_FAILED, bad_nodes=("n2",)), state(layout=used), NOW)
