@@ -45,9 +45,17 @@ def test_a_raise_restarts_every_rank_in_process_and_the_coordinators_node_crash_
     started = {r["rank"]: r["pid"] for r in _records(out, "start") if r["run"] == "0.0"}
     assert sorted(r["rank"] for r in inits) == [0, 1, 2, 3]
     assert all(started[r["rank"]] == r["pid"] for r in inits), "generation 1 ran in the first launch's processes"
-    assert {r["step"] for r in _records(out, "restored") if r.get("gen") == 1} == {RAISE_AT}, \
-        "nothing lost: " + "\n".join(json.dumps(r) for w in ("step", "raise", "restored") for r in _records(out, w)
-                                      if r["step"] <= RAISE_AT) + told(out)
+    # nothing lost: generation 1 restores one step, no older than the newest every rank said it completed (a step
+    # record follows that step's snapshot start, which the interrupt does not cut) and no newer than the raise. A
+    # rank still in step RAISE_AT - 1 when rank 3 raised has no snapshot RAISE_AT: CI once saw ranks 1 and 2 cut
+    # in their optimizer step, and every rank rightly restored RAISE_AT - 1.
+    gen0 = [r for r in _records(out, "step") if r["run"] == "0.0" and r.get("gen") == 0]  # the first launch's
+    done = min(max(r["step"] for r in gen0 if r["rank"] == rank) for rank in range(4)) + 1  # loop step s: snapshot s+1
+    restored = {r["step"] for r in _records(out, "restored") if r.get("gen") == 1}
+    assert len(restored) == 1 and done <= min(restored) <= RAISE_AT, \
+        f"nothing lost (every rank completed {done}): " + "\n".join(
+            json.dumps(r) for w in ("step", "raise", "restored") for r in _records(out, w) if r["step"] <= RAISE_AT) \
+        + told(out)
 
     gave_up = [e for e in events.read(out / "job") if e["event"] == "inprocess_giveup"]
     # the second node's ranks find the store gone (or are stopped by the relaunch first): said, at ERROR
