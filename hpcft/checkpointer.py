@@ -27,7 +27,7 @@ from hpcft.snapshot.engine import SnapshotEngine, Stats
 from hpcft.durable import catalog, local, resume
 from hpcft.snapshot.restore import Loader
 from hpcft.snapshot.view import StateView
-from hpcft.store import RankStore
+from hpcft.store import RankStore, prefetch
 from hpcft.store.writer import writer_id
 
 _log = logging.getLogger(__name__)
@@ -74,6 +74,9 @@ class Checkpointer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.job_id = str(job_id or job_env().job_id)
         self._shared_id = not job_id and self.job_id == DEFAULT_JOB_ID  # any local run may have written this store
+        # a relaunch's newest snapshot, mapped while the rest of this and restore()'s set-up runs (the restore's Slot
+        # adopts it, helping with what is left); a no-op where hpcft.init started it already or nothing is stored
+        prefetch.ahead(self.job_id, self.rank, root)
         self._writer = writer_id()
         self.comm = groups.comm(dp_group)
         self.group = self.comm.dp
@@ -237,6 +240,7 @@ class Checkpointer:
         try:
             self._loader.close()
             self.engine.close()
+            prefetch.release()  # a mapping made ahead for a restore that never came
         finally:
             self._leave_step()  # a step that raised left its section open: closed after the snapshot is finished
 

@@ -13,7 +13,10 @@
  * x^(8 * lane bytes) mod P, a table lookup per byte of the crc. Lanes of 32 KiB keep each lane inside long runs of
  * pages for the prefetchers (4 KiB lanes ran at 0.6x the 32 KiB lanes' speed here), 4 KiB and 256 bytes take what
  * is left of a chunk. Both copies ask for the source PREFETCH bytes ahead of the line they copy (+8 % fused, +20 %
- * for the plain streaming copy, same VM): the hardware prefetchers stop at page boundaries, the loop does not. */
+ * for the plain streaming copy, same VM): the hardware prefetchers stop at page boundaries, the loop does not.
+ *
+ * hpcft_copy_chunks: a whole snapshot's or restore's chunks, one call a worker; hpcft_populate: a fresh mapping's
+ * pages mapped in bulk by several threads together (each at its definition). */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -276,4 +279,31 @@ void hpcft_copy_chunks(char *slot, const uint64_t *addr, const uint64_t *off, co
     (void)slot; (void)addr; (void)off; (void)n; (void)first; (void)bounds; (void)count; (void)next; (void)key;
     (void)sealed; (void)crcs; (void)kind; (void)to_slot;
 #endif
+}
+
+/* hpcft_populate: map the pages of the `n` bytes at `base` (a shared file mapping) into the page table, `piece` bytes
+ * per madvise(MADV_POPULATE_READ), for every thread that calls it on the same range: each takes the next piece from
+ * `*next` (atomic) until none is left, counts each piece it finished in `*done` and each refused one in `*failed`.
+ * The loop is here, not in Python, so a thread populating ahead of a restore needs no GIL between pieces (the
+ * restore's Python set-up holds it for milliseconds at a time) and the thread that adopts the mapping can take
+ * pieces beside it (hpcft.store.prefetch.Pieces). */
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+void hpcft_populate(char *base, uint64_t n, uint64_t piece, uint64_t *next, uint64_t *done, uint64_t *failed) {
+    for (;;) {
+        uint64_t off = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) * piece;
+        if (off >= n) return;
+        uint64_t len = n - off < piece ? n - off : piece;
+#if defined(__linux__)
+        if (madvise(base + off, len, MADV_POPULATE_READ) != 0) __atomic_fetch_add(failed, 1, __ATOMIC_RELAXED);
+#else
+        (void)len;
+        __atomic_fetch_add(failed, 1, __ATOMIC_RELAXED);
+#endif
+        __atomic_fetch_add(done, 1, __ATOMIC_RELEASE);
+    }
 }

@@ -68,6 +68,9 @@ def _open() -> ctypes.CDLL | None:
         i = ctypes.c_int
         lib.hpcft_copy_chunks.argtypes = [p, p, p, p, p, p, ctypes.c_uint64, p, ctypes.c_uint32, i, p, i, i]
         lib.hpcft_copy_chunks.restype = None
+        u64 = ctypes.c_uint64
+        lib.hpcft_populate.argtypes = [p, u64, u64, p, p, p]
+        lib.hpcft_populate.restype = None
     except (OSError, AttributeError) as exc:
         reason = f"the streaming-store copy kernel {path} cannot be loaded ({exc}); copies use memcpy ({FIX})"
         return None
@@ -166,6 +169,13 @@ def chunk_copy(kernel: str) -> Callable[..., ChunkCopy] | None:
     """ChunkCopy with `kernel` (the rest of its arguments to come) where its C loop runs here (the kernel library
     built, a CPU with SSE4.2 and AVX2), else None: the caller copies chunk by chunk through `raw_copy_crc` instead."""
     return functools.partial(ChunkCopy, kernel) if fused_available() else None
+
+
+def populate_loop() -> Callable[[int, int, int, int, int, int], None] | None:
+    """`hpcft_populate(base, n, piece, next, done, failed)` where the kernel library is loaded (hpcft.store.prefetch's
+    pieces populated with no GIL between them), else None."""
+    lib = _load()
+    return None if lib is None else lib.hpcft_populate
 
 
 def address(a: np.ndarray) -> int:

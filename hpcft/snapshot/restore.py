@@ -16,7 +16,7 @@ from hpcft.errors import CheckpointError, IntegrityError, ManifestError, StoreEr
 from hpcft.snapshot import ntcopy, plan, schema
 from hpcft.snapshot.groups import Group
 from hpcft.snapshot.state import Entry, grains
-from hpcft.store import RankStore, Version, chunk_crc, crc32c, seal, seal_key
+from hpcft.store import RankStore, Version, chunk_crc, crc32c, prefetch, seal, seal_key
 
 _log = logging.getLogger(__name__)
 OK, LOST, MISMATCH = 0, 1, 2
@@ -206,10 +206,15 @@ class Loader:
         chunk from Python (device or strided sinks, or no kernel library), planning each as they take it."""
         recorded, step, key = version.manifest["chunks"], version.step, seal_key(version.manifest)
         size, total = grid.chunk_bytes, grid.nbytes
-        data = self.store.slot(version.slot, create=False).array
+        slot = self.store.slot(version.slot, create=False)
+        data = slot.array
         if data.size < total:
             raise IntegrityError(f"data file of rank {self.store.rank} holds {data.size} bytes, its manifest {total}")
         base = ntcopy.address(data)
+        if not slot.populated:  # mapped here, not ahead: its pages in bulk first, by every worker (prefetch.Pieces)
+            pieces = prefetch.Pieces(base, data.size)
+            self._run(lambda: pieces.work() or [])
+            slot.populated = not pieces.failed
         dst = self._destinations(grid, sinks)
         if dst is not None:
             load = self._chunk_copy(base, dst, *grid.table()[2:], key)

@@ -31,7 +31,8 @@ class Slot:
         self.generation = 0  # bumped whenever the mapping moves (copiers re-register pinned memory)
         self._fd = open_file(path, os.O_RDONLY if readonly else os.O_RDWR, create=create and not readonly)
         self._mm: mmap.mmap | None = None
-        self._populated = False
+        self.populated = False  # every page of the mapping is in the page table (mapped with MAP_POPULATE, adopted
+        # from the prefetch, or populated by a restore)
         self.array = np.empty(0, dtype=np.uint8)
         size = os.fstat(self._fd).st_size
         if size:  # an existing file: its reader (a restore, an agent) maps pages as it reads them, unless a
@@ -69,7 +70,7 @@ class Slot:
     def prefault(self) -> None:
         """Map every page of a slot opened lazily before a snapshot is written into it, so that the copy never
         takes page faults (done in the background by `RankStore.preallocate`)."""
-        if self._populated or not self.size or self.readonly:
+        if self.populated or not self.size or self.readonly:
             return
         size = self.size
         self._unmap()
@@ -82,7 +83,7 @@ class Slot:
         prot = mmap.PROT_READ | (0 if self.readonly else mmap.PROT_WRITE)
         self._mm = adopted or mmap.mmap(self._fd, size, flags=flags, prot=prot)
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
-        self._populated = populate
+        self.populated = populate
         self.generation += 1
 
     def _unmap(self) -> None:
