@@ -69,9 +69,9 @@ class _Sinks:
             view = self.staging.get(i)
             if view is None:
                 view = self.entries[i].local
-                if view.device.type != "cpu":  # a CPU tensor is its address (no view to make: a relaunch's first
-                    view = view.reshape(-1).view(torch.uint8)  # restore makes hundreds, ~5 us each)
-            sink = self._made[i] = view.data_ptr() if view.device.type == "cpu" else view
+                if not view.is_cpu:  # a CPU tensor is its address (no view to make: a relaunch's first restore
+                    view = view.reshape(-1).view(torch.uint8)  # makes hundreds, ~5 us each; nor a device object)
+            sink = self._made[i] = view.data_ptr() if view.is_cpu else view
         return sink
 
     def finish(self) -> None:
