@@ -73,6 +73,19 @@ def _counts(text: str, what: str, option: str, example: str) -> tuple[int, ...]:
     return counts
 
 
+DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+                      help="Where the model lives (cuda: a CUDA or ROCm GPU through torch.cuda).")
+
+
+def _check_device(device: str) -> None:
+    """UsageError where `device` is a GPU that torch does not see."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError("--device cuda: torch sees no CUDA/ROCm GPU here; use --device cpu")
+
+
 @click.group()
 def bench() -> None:
     """Benchmarks. With --json each prints one JSON object on stdout and the table on stderr."""
@@ -84,8 +97,7 @@ def bench() -> None:
               help="Measured training steps per variant.")
 @click.option("--block", type=click.IntRange(min=1), default=2, show_default=True,
               help="Consecutive steps of one variant before switching to the next.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where the model trains (cuda: a CUDA or ROCm GPU through torch.cuda).")
+@DEVICE
 @click.option("--batch", type=click.IntRange(min=1), default=None,
               help="Sequences per step [default: the shape's, 4]; a GPU needs more for a realistic step.")
 @click.option("--flush-every", type=click.IntRange(min=0), default=5, show_default=True,
@@ -95,11 +107,7 @@ def snapshot(params: int, warmup: int, threads: int, root: str | None, as_json: 
     """Step-time overhead of checkpointing every step: hpcft vs torch.save vs dcp.async_save."""
     from hpcft.bench.snapshot import SnapshotOptions, run
 
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise click.UsageError("--device cuda: torch sees no CUDA/ROCm GPU here; use --device cpu")
+    _check_device(device)
     opts = SnapshotOptions(params=params, steps=steps, warmup=warmup, block=block, threads=threads, root=root,
                            device=device, batch=batch, flush_every=flush_every)
     _run(as_json, lambda: run(opts), runs, threads)
@@ -109,11 +117,14 @@ def snapshot(params: int, warmup: int, threads: int, root: str | None, as_json: 
 @common_options
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
               help="Measured restores per path.")
-def restore(params: int, warmup: int, threads: int, root: str | None, as_json: bool, runs: int, repeats: int) -> None:
-    """Restore bandwidth of hpcft from shm vs dcp.load and torch.load from local disk."""
+@DEVICE
+def restore(params: int, warmup: int, threads: int, root: str | None, as_json: bool, runs: int, repeats: int,
+            device: str) -> None:
+    """Restore bandwidth of hpcft from shm vs dcp.load and torch.load from local disk (into a GPU with --device)."""
     from hpcft.bench.restore import RestoreOptions, run
 
-    opts = RestoreOptions(params=params, repeats=repeats, warmup=warmup, threads=threads, root=root)
+    _check_device(device)
+    opts = RestoreOptions(params=params, repeats=repeats, warmup=warmup, threads=threads, root=root, device=device)
     _run(as_json, lambda: run(opts), runs, threads)
 
 

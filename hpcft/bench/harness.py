@@ -153,19 +153,22 @@ class Memcpy(Variant):
         self.src = self.dst = np.empty(0, dtype=np.uint8)
 
 
-class DeviceToHost(Variant):
-    """The GPU reference: one copy of `nbytes` from device memory into pinned host memory, waited for
-    (cudaMemcpy/hipMemcpy through torch), the fastest way the bytes of a snapshot can leave the device."""
+class DeviceCopy(Variant):
+    """The GPU reference: one copy of `nbytes` between device memory and pinned host memory, waited for
+    (cudaMemcpy/hipMemcpy through torch): the fastest way a snapshot's bytes can leave the device (device→host) or a
+    restore's reach it (`to_device`)."""
 
-    name, label = "memcpy", "device→pinned host copy"
+    name = "memcpy"
 
-    def __init__(self, nbytes: int, device: str) -> None:
+    def __init__(self, nbytes: int, device: str, to_device: bool = False) -> None:
         import torch
 
         self.nbytes = nbytes
         self.device = torch.device(device)
-        self.src = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
-        self.dst = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.label = "pinned host→device copy" if to_device else "device→pinned host copy"
+        on_device = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
+        pinned = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.src, self.dst = (pinned, on_device) if to_device else (on_device, pinned)
 
     def run_once(self, index: int) -> None:
         import torch
@@ -177,10 +180,10 @@ class DeviceToHost(Variant):
         self.src = self.dst = None
 
 
-def memcpy_reference(nbytes: int, device: str = "cpu", threads: int = 1) -> Variant:
-    """The bandwidth reference for a state on `device`: host memcpy with `threads` threads on a CPU, device→host
-    on a GPU."""
-    return Memcpy(nbytes, threads) if device == "cpu" else DeviceToHost(nbytes, device)
+def memcpy_reference(nbytes: int, device: str = "cpu", threads: int = 1, to_device: bool = False) -> Variant:
+    """The bandwidth reference for a state on `device`: host memcpy with `threads` threads on a CPU; on a GPU the copy
+    between the device and pinned host memory, device→host (a snapshot) or host→device (`to_device`, a restore)."""
+    return Memcpy(nbytes, threads) if device == "cpu" else DeviceCopy(nbytes, device, to_device)
 
 
 # ---------------------------------------------------------------- environment

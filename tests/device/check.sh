@@ -2,7 +2,7 @@
 # The GPU check, run on a lent GPU machine from the repository root (no Slurm there, no network), on ROCm
 # (rocm-smi, hip-python) and CUDA (nvidia-smi) machines alike: the device copy path's tests, a 2-process job
 # through hpcft.init → Checkpointer → restore → relaunch when two or more GPUs are visible, then
-# `hpcft bench snapshot` on the GPU (BENCH=0 skips the long bench). Results go to $OUT (default ./device-out).
+# `hpcft bench snapshot` and `hpcft bench restore` on the GPU (BENCH=0 skips the long benches). Results go to $OUT (default ./device-out).
 # Wheels for that machine's Python (crc32c, zfec, hip-python) may be carried in .whl/ (docs/benchmarks.md).
 set -u
 OUT=${OUT:-device-out}; mkdir -p "$OUT"
@@ -53,3 +53,7 @@ timeout 90 bin/hpcft bench snapshot --device cuda --params 1M --steps 2 --root "
 timeout 330 bin/hpcft bench snapshot --device cuda --params "$PARAMS" --batch "$BATCH" --steps "$STEPS" --block "$BLOCK" --root "$root" \
     --json >"$OUT/snapshot-gpu.json" 2>"$OUT/snapshot-gpu.err"
 echo "bench rc=$?"; cat "$OUT/snapshot-gpu.err" | tail -40
+# the restore of the same state from the host store into device memory, against a pinned host->device copy
+timeout 240 bin/hpcft bench restore --device cuda --params "$PARAMS" --repeats 3 --root "$root" \
+    --json >"$OUT/restore-gpu.json" 2>"$OUT/restore-gpu.err"
+echo "restore bench rc=$?"; tail -25 "$OUT/restore-gpu.err"

@@ -76,6 +76,14 @@ def test_table_on_stdout_without_json(tmp_path):
     assert "speedup over dcp.load" in proc.stdout
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible: the bench would run on it")
+@pytest.mark.parametrize("which", ["snapshot", "restore"])
+def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path, which: str):
+    proc = hpcft("bench", which, *TINY, "--device", "cuda", root=tmp_path)
+    assert proc.returncode == 2 and "torch sees no CUDA/ROCm GPU here; use --device cpu" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_bad_params_is_a_clear_error(tmp_path):
     proc = hpcft("bench", "snapshot", "--params", "lots", root=tmp_path)
     assert proc.returncode != 0

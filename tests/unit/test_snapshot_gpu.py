@@ -50,3 +50,17 @@ def test_device_snapshots_are_the_state_after_their_step(root: Path, backend: st
         assert again.restore() == 4
         for e in collect(model2, opt2, None):
             assert torch.equal(e.local.cpu(), refs[4][e.name]), e.name
+
+
+@gpu
+def test_the_restore_bench_loads_the_host_store_into_the_gpu_bit_for_bit(root: Path) -> None:
+    """`hpcft bench restore --device cuda`: every path restores into device memory, checked bitwise by the bench."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "hpcft.cli", "bench", "restore", "--device", "cuda", "--params", "1M",
+                           "--repeats", "1", "--json", "--root", str(root)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["verified"] and result["config"]["device"] == "cuda" and result["restore_vs_memcpy"] > 0
