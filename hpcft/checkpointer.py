@@ -76,7 +76,7 @@ class Checkpointer:
         self._shared_id = not job_id and self.job_id == DEFAULT_JOB_ID  # any local run may have written this store
         # a relaunch's newest snapshot, mapped while the rest of this and restore()'s set-up runs (the restore's Slot
         # adopts it, helping with what is left); a no-op where hpcft.init started it already or nothing is stored
-        prefetch.ahead(self.job_id, self.rank, root)
+        prefetch.ahead(self.job_id, self.rank, root, threads=prefetch.threads(busy=1))
         self._writer = writer_id()
         self.comm = groups.comm(dp_group)
         self.group = self.comm.dp

@@ -115,7 +115,8 @@ def init(*, dp: int | None = None, tp: int = 1, pp: int = 1, backend: str | None
     backend = backend or default_backend(device)
     if not dist.is_initialized():
         if store is None:
-            prefetch.ahead(env.job_id, env.rank)  # a relaunch's snapshot, mapped while the ranks meet
+            # a relaunch's snapshot, mapped while the ranks meet (this thread only waits for them meanwhile)
+            prefetch.ahead(env.job_id, env.rank, threads=prefetch.threads())
             if env.rank != 0:
                 wait_listening(env.master_addr, env.master_port, timeout_s)
         where = {"store": store} if store is not None else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}

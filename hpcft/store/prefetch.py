@@ -1,9 +1,10 @@
 """A relaunched rank's newest snapshot, mapped ahead. A fresh mapping of a slot takes a page fault per 16 pages as the
-restore first reads it: 10-15 ms of a 240 MB restore on the 2-core sandbox, seconds for the tens of GB a Frontier
-rank holds. `hpcft.init` starts `ahead()` before the process group's rendezvous, so those faults are taken while the
-rank waits for its peers. The Slot that opens the same file adopts the mapping (`adopt`: same device, inode and size);
-whatever no Slot adopted is dropped after the restore (`release`). Nothing here creates, writes or judges a file:
-which version is loaded, and whether its bytes are good, stays the restore's (manifests and checksums)."""
+restore first reads it: 10-15 ms of a 600 MB restore on the 2-core sandbox, seconds for the tens of GB a Frontier
+rank holds. `hpcft.init` starts `ahead()` before the process group's rendezvous, and a Checkpointer as it is made, so
+those pages are mapped while the rank waits for its peers and while its restore sets up. The Slot that opens the same
+file adopts the mapping (`adopt`: same device, inode and size), populating what is left beside the prefetch thread
+(`Pieces`); whatever no Slot adopted is dropped after the restore (`release`). Nothing here creates, writes or judges
+a file: which version is loaded, and whether its bytes are good, stays the restore's (manifests and checksums)."""
 from __future__ import annotations
 
 import ctypes
@@ -106,9 +107,22 @@ def newest_slot(directory: Path) -> Path | None:
     return directory / f"slot-{best[1]}.data" if best else None
 
 
+MAX_THREADS = 4  # populating threads of one rank at most: the kernel's page-table work stops scaling past a few
+
+
+def threads(busy: int = 0) -> int:
+    """How many threads to populate with: the cores this process may run on (a Slurm task's --cpus-per-task; a
+    Frontier rank has 7), less `busy` ones kept for the caller's own work, at least 1 and at most MAX_THREADS."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, cores - busy))
+
+
 def ahead(job_id: str, rank: int, root: str | os.PathLike | None = None, threads: int = 1) -> threading.Thread | None:
-    """Map and populate rank `rank`'s newest slot of job `job_id` in a daemon thread (with `threads` - 1 helpers, each
-    populating its share of the file); None where the rank holds none (a fresh run) or it is already under way."""
+    """Map and populate rank `rank`'s newest slot of job `job_id` in a daemon thread (with `threads` - 1 helpers, all
+    taking pieces of the file); None where the rank holds none (a fresh run) or it is already under way."""
     try:
         path = newest_slot(rank_dir(job_dir(resolve_root(root), job_id), rank))
     except (OSError, KeyError, HpcftError):  # no store here (a fresh run), no user name: nothing to map ahead

@@ -212,3 +212,12 @@ def test_a_checkpointer_maps_its_newest_snapshot_ahead_and_a_restore_populates_w
             assert str(slot.path) == path
         finally:
             again.close()
+
+
+@pytest.mark.parametrize("cores,busy,want", [(7, 0, 4), (7, 1, 4), (2, 0, 2), (2, 1, 1), (1, 1, 1)])
+def test_the_populating_threads_follow_the_cores_the_task_may_run_on(monkeypatch, cores: int, busy: int,
+                                                                     want: int) -> None:
+    """A Frontier rank (7 cores of its own) populates with 4 threads; the 2-core sandbox's Checkpointer, whose own
+    thread is busy with the restore's set-up, with 1 beside it."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert prefetch.threads(busy) == want
