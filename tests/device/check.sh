@@ -2,7 +2,8 @@
 # The GPU check, run on a lent GPU machine from the repository root (no Slurm there, no network), on ROCm
 # (rocm-smi, hip-python) and CUDA (nvidia-smi) machines alike: the device copy path's tests, a 2-process job
 # through hpcft.init → Checkpointer → restore → relaunch when two or more GPUs are visible, then
-# `hpcft bench snapshot` and `hpcft bench restore` on the GPU (BENCH=0 skips the long benches). Results go to $OUT (default ./device-out).
+# `hpcft bench snapshot` and `hpcft bench restore` on the GPU (BENCH=0 skips the long benches). Results go to $OUT
+# (default ./device-out).
 # Wheels for that machine's Python (crc32c, zfec, hip-python) may be carried in .whl/ (docs/benchmarks.md).
 set -u
 OUT=${OUT:-device-out}; mkdir -p "$OUT"
