@@ -130,7 +130,7 @@ class HpcftPrefetchedRestore(HpcftColdRestore):
 
         super().prepare(index)
         t0 = time.perf_counter()
-        thread = prefetch.ahead("bench", 0, self.root)
+        thread = prefetch.ahead("bench", 0, self.root, threads=prefetch.threads())  # as hpcft.init does
         if thread is None:
             raise CheckpointError(f"bench restore: no slot to map ahead under {self.root}")
         thread.join()
