@@ -59,8 +59,8 @@ def test_the_restore_bench_loads_the_host_store_into_the_gpu_bit_for_bit(root: P
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "hpcft.cli", "bench", "restore", "--device", "cuda", "--params", "1M",
-                           "--repeats", "1", "--json", "--root", str(root)], capture_output=True, text=True, timeout=240)
+    args = ["bench", "restore", "--device", "cuda", "--params", "1M", "--repeats", "1", "--json", "--root", str(root)]
+    proc = subprocess.run([sys.executable, "-m", "hpcft.cli", *args], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["verified"] and result["config"]["device"] == "cuda" and result["restore_vs_memcpy"] > 0
