@@ -113,11 +113,9 @@ MAX_THREADS = 4  # populating threads of one rank at most: the kernel's page-tab
 def threads(busy: int = 0) -> int:
     """How many threads to populate with: the cores this process may run on (a Slurm task's --cpus-per-task; a
     Frontier rank has 7), less `busy` ones kept for the caller's own work, at least 1 and at most MAX_THREADS."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, cores - busy))
+    from hpcft.snapshot.calibration.cache import usable_cores  # imported late, as the kernels are: it imports the store
+
+    return max(1, min(MAX_THREADS, usable_cores() - busy))
 
 
 def ahead(job_id: str, rank: int, root: str | os.PathLike | None = None, threads: int = 1) -> threading.Thread | None:
