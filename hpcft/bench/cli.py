@@ -102,14 +102,16 @@ def bench() -> None:
               help="Sequences per step [default: the shape's, 4]; a GPU needs more for a realistic step.")
 @click.option("--flush-every", type=click.IntRange(min=0), default=5, show_default=True,
               help="Steps between the durable flushes of the hpcft_flush variant (0: leave that variant out).")
+@click.option("--baselines/--no-baselines", default=True, show_default=True,
+              help="Also time torch.save and dcp.async_save every step (on a GPU each costs seconds a step).")
 def snapshot(params: int, warmup: int, threads: int, root: str | None, as_json: bool, runs: int, steps: int,
-             block: int, device: str, batch: int | None, flush_every: int) -> None:
+             block: int, device: str, batch: int | None, flush_every: int, baselines: bool) -> None:
     """Step-time overhead of checkpointing every step: hpcft vs torch.save vs dcp.async_save."""
     from hpcft.bench.snapshot import SnapshotOptions, run
 
     _check_device(device)
     opts = SnapshotOptions(params=params, steps=steps, warmup=warmup, block=block, threads=threads, root=root,
-                           device=device, batch=batch, flush_every=flush_every)
+                           device=device, batch=batch, flush_every=flush_every, baselines=baselines)
     _run(as_json, lambda: run(opts), runs, threads)
 
 

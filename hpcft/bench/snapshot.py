@@ -33,13 +33,15 @@ class SnapshotOptions:
     device: str = "cpu"
     batch: int | None = None
     flush_every: int = 5  # the hpcft_flush variant's agent flushes every this many steps (0: no such variant)
+    baselines: bool = True  # torch.save and dcp.async_save too (on a GPU each costs seconds a step)
 
 
 def _build(opts: SnapshotOptions, where: Scratch) -> tuple[Trainer, list[Checkpointing]]:
     trainer = Trainer(config_for_params(opts.params, opts.batch), device=opts.device)
     trainer.step()  # Adam state exists from here on, so every variant copies the same bytes
-    variants = [NoCheckpoint(trainer), Hpcft(trainer, where.shm), TorchSave(trainer, where.disk),
-                DcpAsync(trainer, where.disk)]
+    variants = [NoCheckpoint(trainer), Hpcft(trainer, where.shm)]
+    if opts.baselines:
+        variants += [TorchSave(trainer, where.disk), DcpAsync(trainer, where.disk)]
     if opts.flush_every:
         variants.append(HpcftFlush(trainer, where.shm, where.disk / "persist", opts.flush_every))
     return trainer, variants
@@ -110,15 +112,20 @@ def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: 
     hp = by_name["hpcft"]
     measured = [v for i, v in hp.training_blocked.items() if i >= opts.warmup]
     r = Report("snapshot")
+    ran = by_name.keys()
     r.add("overhead_hpcft", overhead(timings, "hpcft", "none"), "%", "hpcft every step, step-time overhead")
-    r.add("overhead_torch_save", overhead(timings, "torch_save", "none"), "%", "torch.save every step")
-    r.add("overhead_dcp_async", overhead(timings, "dcp_async", "none"), "%", "dcp.async_save every step")
+    r.add("overhead_torch_save", overhead(timings, "torch_save", "none") if "torch_save" in ran else None, "%",
+          "torch.save every step")
+    r.add("overhead_dcp_async", overhead(timings, "dcp_async", "none") if "dcp_async" in ran else None, "%",
+          "dcp.async_save every step")
     over = {k: r.as_dict()[f"overhead_{k}"] for k in ("hpcft", "dcp_async")}
-    r.add("dcp_async_vs_hpcft_overhead", over["dcp_async"] / over["hpcft"] if over["hpcft"] > 0 else None, "x",
+    r.add("dcp_async_vs_hpcft_overhead",
+          over["dcp_async"] / over["hpcft"] if over["dcp_async"] is not None and over["hpcft"] > 0 else None, "x",
           "dcp.async_save overhead ÷ hpcft overhead")
     r.add("step_s_none", timings.median("none"), "s", "median step, no checkpointing")
     for k, text in (("hpcft", "hpcft"), ("torch_save", "torch.save"), ("dcp_async", "dcp.async_save")):
-        r.add(f"cpu_overhead_{k}", cpu_overhead(timings, k, "none"), "%", f"{text}, process CPU-time overhead")
+        r.add(f"cpu_overhead_{k}", cpu_overhead(timings, k, "none") if k in ran else None, "%",
+              f"{text}, process CPU-time overhead")
     r.add("step_cpu_s_none", timings.cpu_median("none"), "s", "median step CPU time (all threads), no checkpointing")
     r.add("blocked_s_per_snapshot", statistics.median(measured), "s",
           "hpcft blocked per snapshot (start + pre-step wait)")
@@ -129,10 +136,10 @@ def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: 
           "hpcft copy on the training thread per snapshot (a CPU copier without overlap; 0 otherwise)")
     r.add("blocked_fraction_hpcft", statistics.median(measured) / timings.median("none"), "%",
           "hpcft blocked time ÷ step (overhead without CPU contention)")
-    r.add("blocked_s_torch_save", by_name["torch_save"].blocked_median(opts.warmup), "s",
-          "torch.save blocked per call")
-    r.add("blocked_s_dcp_async", by_name["dcp_async"].blocked_median(opts.warmup), "s",
-          "dcp.async_save blocked per call (wait + stage)")
+    r.add("blocked_s_torch_save", by_name["torch_save"].blocked_median(opts.warmup) if "torch_save" in ran else None,
+          "s", "torch.save blocked per call")
+    r.add("blocked_s_dcp_async", by_name["dcp_async"].blocked_median(opts.warmup) if "dcp_async" in ran else None,
+          "s", "dcp.async_save blocked per call (wait + stage)")
     ref = f"{copy.threads}-thread memcpy (hpcft's copy threads)" if opts.device == "cpu" else "device→pinned host copy"
     r.add("copy_vs_memcpy", copy.idle / copy.memcpy, "x", f"hpcft copy+crc bandwidth ÷ {ref}")
     r.add("copy_vs_memcpy_1_thread", copy.idle / copy.memcpy1, "x", "the same ÷ 1-thread memcpy (earlier figures)")
@@ -141,6 +148,7 @@ def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: 
     r.add("copy_GBps_in_training", copy.training / GB, "GB/s", "hpcft copy+crc bandwidth during training")
     r.add("memcpy_GBps", copy.memcpy / GB, "GB/s", f"{ref}, same bytes")
     r.add("backend", hp.ckpt.backend, "", "hpcft copy backend")
+    r.add("checksums", hp.ckpt.engine.copier.checksums, "", "where hpcft computes chunk checksums (host or device)")
     r.add("copy_threads", copy.threads, "", "hpcft copy threads (and the reference memcpy's)")
     r.add("snapshot_bytes", copy.snapshot_bytes, "B", "bytes per hpcft snapshot")
     r.add("state_bytes", trainer.state_bytes(), "B", "bytes of model + optimizer state")
