@@ -1,0 +1,114 @@
+"""crc32c as linear algebra over GF(2), so that a chunk's checksum can be assembled from checksums of its pieces
+computed anywhere (a GPU kernel, a host loop) in any order: the same value `crc32c` gives, so nothing that verifies
+a store changes.
+
+With no initial value and no final xor (the *raw* crc), crc32c is linear: raw(a ‖ b) = A^|b|(raw(a)) ⊕ raw(b), where
+A^n, "n zero bytes more", is a 32×32 bit matrix; leading zero bytes leave a raw crc unchanged; and
+crc32c(m) = raw(m) ⊕ A^|m|(0xFFFFFFFF) ⊕ 0xFFFFFFFF. An operator is held as its 32 columns (uint32: the image of
+bit j), and applied through four 256-entry tables, one per byte of its argument (`tables`), as a GPU kernel does.
+"""
+from functools import lru_cache
+
+import numpy as np
+
+POLY = 0x82F63B78  # crc32c (Castagnoli), bit-reflected
+ONES = 0xFFFFFFFF
+U32 = np.uint32
+
+
+def _byte_table() -> np.ndarray:
+    t = np.arange(256, dtype=np.uint64)
+    for _ in range(8):
+        t = np.where(t & 1, (t >> 1) ^ POLY, t >> 1)
+    return t.astype(U32)
+
+
+BYTE_TABLE = _byte_table()
+
+
+def apply(op: np.ndarray, v: "int | np.ndarray") -> "int | np.ndarray":
+    """op(v) for an operator given by its columns: the xor of the columns of v's set bits (v: int or uint32 array)."""
+    arr = np.asarray(v, dtype=U32)
+    bits = (arr[..., None] >> np.arange(32, dtype=U32)) & U32(1)
+    out = np.bitwise_xor.reduce(np.where(bits.astype(bool), op, U32(0)), axis=-1).astype(U32)
+    return int(out) if np.ndim(v) == 0 else out
+
+
+def compose(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The operator a∘b (b first)."""
+    return apply(a, b)
+
+
+@lru_cache(maxsize=None)
+def _one_byte() -> np.ndarray:
+    cols = np.left_shift(U32(1), np.arange(32, dtype=U32))
+    return (BYTE_TABLE[cols & U32(0xFF)] ^ (cols >> U32(8))).astype(U32)
+
+
+def identity() -> np.ndarray:
+    return np.left_shift(U32(1), np.arange(32, dtype=U32))
+
+
+@lru_cache(maxsize=64)
+def zeros(nbytes: int) -> np.ndarray:
+    """A^nbytes: what `nbytes` zero bytes more do to a raw crc (square and multiply over A's powers of two)."""
+    out, sq, n = identity(), _one_byte(), nbytes
+    while n:
+        if n & 1:
+            out = compose(sq, out)
+        n >>= 1
+        if n:
+            sq = compose(sq, sq)
+    out.setflags(write=False)
+    return out
+
+
+def tables(op: np.ndarray) -> np.ndarray:
+    """uint32[4, 256]: table k maps byte value i to op(i << 8k), so op(v) = ⊕_k tables[k][byte k of v]."""
+    i = np.arange(256, dtype=U32)
+    return np.stack([apply(op, i << U32(8 * k)) for k in range(4)])
+
+
+@lru_cache(maxsize=None)
+def log_tables(bits: int = 40) -> np.ndarray:
+    """uint32[bits, 4, 256]: the tables of A^(2^b), b < bits: A^n of any n < 2^bits is a product of some of them."""
+    out, op = [], _one_byte()
+    for _ in range(bits):
+        out.append(tables(op))
+        op = compose(op, op)
+    arr = np.stack(out)
+    arr.setflags(write=False)
+    return arr
+
+
+def apply_tables(tab: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """op(v) through op's four byte tables (uint32 arrays)."""
+    v = np.asarray(v, dtype=U32)
+    return (tab[0][v & 0xFF] ^ tab[1][(v >> U32(8)) & 0xFF] ^ tab[2][(v >> U32(16)) & 0xFF]
+            ^ tab[3][v >> U32(24)]).astype(U32)
+
+
+def shift(v: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """A^n[i](v[i]) for arrays of raw crcs and byte counts (each < 2^40)."""
+    v, n = np.asarray(v, dtype=U32).copy(), np.asarray(n, dtype=np.uint64)
+    logs = log_tables()
+    for b in range(int(n.max()).bit_length() if n.size else 0):
+        on = ((n >> np.uint64(b)) & np.uint64(1)).astype(bool)
+        if on.any():
+            v[on] = apply_tables(logs[b], v[on])
+    return v
+
+
+def raw(data: np.ndarray) -> np.ndarray:
+    """Raw crcs of the rows of a uint8 matrix, byte by byte (for short rows: a row's leading zeros change nothing,
+    so rows of unequal length are padded in front)."""
+    s = np.zeros(data.shape[0], dtype=U32)
+    for j in range(data.shape[1]):
+        s = BYTE_TABLE[(s ^ data[:, j]) & U32(0xFF)] ^ (s >> U32(8))
+    return s.astype(U32)
+
+
+def finish(raw_crc: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """crc32c of messages of `nbytes` bytes from their raw crcs: the initial value's part and the final xor."""
+    return (np.asarray(raw_crc, dtype=U32) ^ shift(np.full(np.shape(nbytes), ONES, dtype=U32), nbytes)
+            ^ U32(ONES)).astype(U32)
