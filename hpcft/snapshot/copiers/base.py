@@ -26,6 +26,7 @@ class Copier(Protocol):
     name: str
     chunk_bytes: int  # default checksum granularity for this backend (a Checkpointer may override it)
     overlap: bool  # False: `start` copies on the calling (training) thread and returns when the bytes are in
+    checksums: str  # where chunk checksums are computed: "host" (as bytes land) or "device" (before they leave it)
 
     def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> Transfer:
         """Begin copying: `sources` are flat uint8 views of the state, `chunks` say what goes where."""

@@ -73,6 +73,7 @@ class CpuCopier:
     `delay_per_chunk` (seconds) slows each chunk down, for tests that need a wide copy window."""
 
     name = "cpu"
+    checksums = "host"
     # Small enough that a chunk just copied is still in L2 (2 MiB here) when it is checksummed, and on
     # restore still there when it is copied after its check; large enough that the per-chunk Python and
     # GIL hand-offs stay few. Copy + crc32c of 600 MB with 2 threads: 0.9-1.0x memcpy with 256 KiB-1 MiB

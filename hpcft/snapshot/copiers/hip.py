@@ -1,12 +1,13 @@
 """hip backend: hip-python `hipMemcpyAsync` on a `hipStreamNonBlocking` stream into `hipHostRegister`ed
 shm pages, ordered against torch's compute stream with HIP events. Thin on purpose: every HIP call goes
 through `_call`, which checks its return code; the events' lifetimes are the shared logic's (stream.py)."""
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
 from hpcft.deps import require
 from hpcft.errors import CheckpointError
+from hpcft.snapshot import devcrc
 from hpcft.snapshot.copiers.stream import StreamCopier
 
 
@@ -18,7 +19,7 @@ class HipCopier(StreamCopier):
         self.device = torch.device(device)
         self._call("hipSetDevice", self.device.index or 0)
         self.stream = self._call("hipStreamCreateWithFlags", self.hip.hipStreamNonBlocking)
-        super().__init__(max_inflight_bytes, crc_threads)
+        super().__init__(max_inflight_bytes, crc_threads, devcrc.for_device(self.device))
 
     def _call(self, name: str, *args: Any) -> Any:
         """`hip.<name>(*args)`: hip-python returns (hipError_t, *values); the value(s), or a CheckpointError
@@ -59,6 +60,10 @@ class HipCopier(StreamCopier):
     def _copy(self, host: torch.Tensor, offset: int, src: torch.Tensor, start: int, nbytes: int) -> None:
         self._call("hipMemcpyAsync", host.data_ptr() + offset, src.data_ptr() + start, nbytes,
                    self.hip.hipMemcpyKind.hipMemcpyDeviceToHost, self.stream)
+
+    def _on_copy_stream(self) -> ContextManager:
+        """The device checksum's kernel goes on this stream, through torch (Triton launches on torch's stream)."""
+        return torch.cuda.stream(torch.cuda.ExternalStream(int(self.stream), device=self.device))
 
     def _record(self) -> Any:
         return self._recorded(self.stream)

@@ -1,22 +1,31 @@
 """The GPU copy level shared by the torch and hip backends: an issuer thread with a cap on bytes in
-flight, a per-chunk completion event, a checksum per chunk once it has landed in host memory (on a
-small pool of threads: one thread's crc32c is slower than a device→host DMA, and must not throttle it).
+flight, a per-chunk completion event, and each chunk's checksum: computed by the device from the bytes it
+holds, before they are copied (hpcft.snapshot.devcrc), where that kernel can run; else once the chunk has
+landed in host memory, on a small pool of threads (one thread's crc32c is slower than a device→host DMA, and a
+pool of four still holds an H200's copy to half its speed).
 
 A backend supplies four primitives (`_record_ready`, `_copy`, `_record`, `_synchronize`) and the
 device-side wait used by `guard`; everything else lives here once, including every event's lifetime: each
 event a snapshot creates is released (`_release`) once its last user is done with it, on success and on
 failure alike, so a long run holds no more events than one snapshot needs.
 """
+import contextlib
+import logging
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
+import numpy as np
 import torch
 
+from hpcft import events
 from hpcft.errors import CheckpointError
+from hpcft.snapshot import devcrc
 from hpcft.snapshot.plan import Chunk
 from hpcft.store import Slot, crc32c
+
+_log = logging.getLogger(__name__)
 
 
 class StreamTransfer:
@@ -37,6 +46,22 @@ class StreamTransfer:
         return crcs
 
 
+class _Staged:
+    """Host-resident segments gathered by one `torch.cat` into `buffer` at the snapshot boundary, placed into the slot
+    by the issuer thread afterwards."""
+
+    def __init__(self, sources: Sequence[torch.Tensor], segments: Sequence[Any]):
+        self.sources = [sources[s.source][s.start:s.start + s.nbytes] for s in segments]
+        self.buffer = torch.empty(sum(s.nbytes for s in segments), dtype=torch.uint8)
+        self._array = self.buffer.numpy()
+        los = np.cumsum([0] + [s.nbytes for s in segments])
+        self._moves = [(int(lo), s.offset, s.nbytes) for lo, s in zip(los, segments)]
+
+    def place(self, slot: np.ndarray) -> None:
+        for lo, offset, nbytes in self._moves:
+            slot[offset:offset + nbytes] = self._array[lo:lo + nbytes]
+
+
 class StreamCopier:
     """Base of the device backends; subclasses implement the primitives below."""
 
@@ -45,12 +70,21 @@ class StreamCopier:
     overlap = True  # the device copies on its side stream while the next step runs
     event_bytes = 64 << 20  # one completion event per this many bytes (at most a quarter of the cap)
 
-    def __init__(self, max_inflight_bytes: int = 256 << 20, crc_threads: int = 2):
+    def __init__(self, max_inflight_bytes: int = 256 << 20, crc_threads: int = 2,
+                 device_crc: devcrc.DeviceCrc | None = None):
         self.cap = max_inflight_bytes
         self._issuer = ThreadPoolExecutor(1, thread_name_prefix="hpcft-issue")
         self._crc = ThreadPoolExecutor(max(1, crc_threads), thread_name_prefix="hpcft-crc")
         self._pinned: dict[str, tuple[int, int, int]] = {}  # slot path -> (generation, ptr, size)
-        self._host_plan: tuple[Sequence[Chunk], set[int], list] | None = None
+        self._host_plan: tuple[Sequence[Chunk], set[int], list, dict] | None = None
+        self.device_crc = device_crc  # None: the host checksums what lands
+        self._crc_plan: tuple[Sequence[Chunk], Sequence[torch.Tensor], devcrc.Plan] | None = None
+        self._zeroed: dict[str, tuple[int, Sequence[Chunk]]] = {}  # slot path -> (generation, chunks) whose gaps are 0
+
+    @property
+    def checksums(self) -> str:
+        """Where chunk checksums are computed: 'device' (before the copy) or 'host' (after it)."""
+        return "device" if self.device_crc is not None else "host"
 
     # primitives -------------------------------------------------------------------------------------
     def _register(self, ptr: int, size: int) -> None: raise NotImplementedError
@@ -63,6 +97,7 @@ class StreamCopier:
     def _synchronize(self, event: Any) -> None: raise NotImplementedError
     def _compute_waits(self, event: Any) -> None: raise NotImplementedError
     def _release(self, event: Any) -> None: pass  # free an event nothing uses any more (torch's free themselves)
+    def _on_copy_stream(self) -> ContextManager: return contextlib.nullcontext()  # torch's current stream = the copy stream
 
     def _on_host(self, t: torch.Tensor) -> bool:
         """State the host itself updates (e.g. the optimizer's step counters of GPU parameters live on the
@@ -85,29 +120,67 @@ class StreamCopier:
 
     def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> StreamTransfer:
         host = self._pin(slot)
-        on_host, segments = self._host_segments(sources, chunks)
-        for s in segments:
-            host[s.offset:s.offset + s.nbytes].copy_(sources[s.source][s.start:s.start + s.nbytes])
+        on_host, staged = self._host_copies(sources, chunks, slot)
+        if staged is not None:  # one call for the ~100 step counters of a 200M-parameter AdamW; the issuer places them
+            torch.cat(staged.sources, out=staged.buffer)
         ready = self._record_ready()
         transfer = StreamTransfer(sources)
-        transfer.future = self._issuer.submit(self._issue, transfer, chunks, slot, host, ready, on_host)
+        transfer.future = self._issuer.submit(self._issue, transfer, chunks, slot, host, ready, on_host, staged)
         return transfer
 
-    def _host_segments(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk]) -> tuple[set[int], list]:
-        """The host-resident sources and their segments, kept while the engine passes the same chunk list (it
-        caches one per layout), so the training thread does not walk every chunk at every snapshot."""
+    def _host_copies(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk],
+                     slot: Slot) -> tuple[set[int], "_Staged | None"]:
+        """The host-resident sources and their segments staged for one `torch.cat` (a buffer of each slot's own, as
+        a slot's issue may still be placing them when the next snapshot stages into another), kept while the engine
+        passes the same chunk list (it caches one per layout), so that the training thread neither walks every
+        chunk nor slices every segment at every snapshot."""
         if self._host_plan is None or self._host_plan[0] is not chunks:
             on_host = {i for i, t in enumerate(sources) if self._on_host(t)}
-            self._host_plan = (chunks, on_host, [s for c in chunks for s in c.segments if s.source in on_host])
-        return self._host_plan[1], self._host_plan[2]
+            segments = [s for c in chunks for s in c.segments if s.source in on_host]
+            self._host_plan = (chunks, on_host, segments, {})
+        _, on_host, segments, staged = self._host_plan
+        if not segments:
+            return on_host, None
+        if str(slot.path) not in staged:
+            staged[str(slot.path)] = _Staged(sources, segments)
+        return on_host, staged[str(slot.path)]
+
+    def _device_plan(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], on_host: set[int],
+                     slot: Slot) -> devcrc.Plan | None:
+        """The device checksum's plan of this layout (made once per chunk list), with the slot's gaps zeroed once
+        per slot and layout; None where the host checksums."""
+        if self.device_crc is None:
+            return None
+        if self._crc_plan is None or self._crc_plan[0] is not chunks or self._crc_plan[1] is not sources:
+            self._crc_plan = (chunks, sources, self.device_crc.plan(sources, chunks, on_host))
+        key = str(slot.path)
+        if self._zeroed.get(key) != (slot.generation, chunks):
+            devcrc.zero_gaps(slot.array, chunks)
+            self._zeroed[key] = (slot.generation, chunks)
+        return self._crc_plan[2]
+
+    def _launch_crc(self, plan: devcrc.Plan) -> devcrc.Plan | None:
+        """Queue the device checksum on the copy stream; on a failure (no compiler for the kernel, say) say so once
+        and checksum on the host from now on."""
+        try:
+            with self._on_copy_stream():
+                self.device_crc.launch(plan)
+            return plan
+        except Exception as exc:
+            self.device_crc = None
+            events.emit("device_checksum_off", level=logging.WARNING, error=f"{type(exc).__name__}: {exc}",
+                        fallback="crc32c on the host after each chunk lands")
+            return None
 
     def _issue(self, transfer: StreamTransfer, chunks: Sequence[Chunk], slot: Slot, host: torch.Tensor,
-               ready: Any, on_host: set[int]) -> list[int]:
-        """Issue the device bytes as few, large copies (a tensor's consecutive segments merged across
-        chunks), one completion event per `event_bytes`; checksum chunks as their event completes."""
+               ready: Any, on_host: set[int], staged: "_Staged | None" = None) -> list[int]:
+        """Order the copy stream after `ready`; the device checksum first (it reads the state before any copy),
+        then the device bytes as few, large copies (a tensor's consecutive segments merged across chunks), one
+        completion event per `event_bytes`; with host checksums, chunks are checksummed as their event completes."""
         crcs: list[Future | None] = [None] * len(chunks)
         inflight: deque = deque()  # (event, chunks [landed, upto) complete with it, bytes)
         landed = 0
+        plan = None
 
         def land() -> int:  # those chunks are in host memory: their bytes no longer count as in flight
             nonlocal landed
@@ -116,59 +189,71 @@ class StreamCopier:
                 self._synchronize(event)
             finally:
                 self._release(event)
-            for j in range(landed, upto):
+            for j in range(landed, upto) if plan is None else ():
                 c = chunks[j]
                 crcs[j] = self._crc.submit(crc32c, slot.array[c.offset:c.offset + c.nbytes])
             landed = upto
             return nbytes
 
+        if staged is not None:
+            staged.place(slot.array)
         try:
-            self._issue_all(transfer, chunks, host, ready, on_host, inflight, land)
+            try:
+                plan = self._device_plan(transfer.sources, chunks, on_host, slot)
+                try:
+                    self._wait_ready(ready)
+                finally:
+                    self._release(ready)
+                plan = plan and self._launch_crc(plan)
+                # with the device's checksums nothing waits for a chunk to land: all copies go at once, so that the
+                # next optimizer step's guard, which waits until they are issued, does not wait for the copy itself
+                self._issue_all(transfer, chunks, host, on_host, inflight, land, capped=plan is None)
+            finally:
+                self._record_done(transfer)
             while inflight:
                 land()
         finally:  # what a failure left in flight: nothing will wait on those events
             while inflight:
                 self._release(inflight.popleft()[0])
+        if plan is not None:  # the device's answer landed before the last event
+            return devcrc.finish(plan, slot.array)
         return [f.result() for f in crcs]
 
-    def _issue_all(self, transfer: StreamTransfer, chunks: Sequence[Chunk], host: torch.Tensor, ready: Any,
-                   on_host: set[int], inflight: deque, land: Callable[[], int]) -> None:
-        """Issue every copy after `ready`, an event per `event_bytes` into `inflight`, then the transfer's
-        done event (recorded even after a failure, so that the next step still waits for what was issued)."""
-        every = max(1, min(self.event_bytes, self.cap // 4))
+    def _issue_all(self, transfer: StreamTransfer, chunks: Sequence[Chunk], host: torch.Tensor, on_host: set[int],
+                   inflight: deque, land: Callable[[], int], capped: bool = True) -> None:
+        """Issue every copy, an event per `event_bytes` into `inflight`, no more than `cap` bytes in flight (`capped`)
+        or all of them and one event."""
+        every = max(1, min(self.event_bytes, self.cap // 4)) if capped else float("inf")
+        run: list[int] | None = None  # [source, start, offset, nbytes] still being extended
+        pending = since = 0
+        for i, chunk in enumerate(chunks):
+            for s in chunk.segments:
+                if s.source in on_host:
+                    continue
+                if run and run[0] == s.source and run[1] + run[3] == s.start and run[2] + run[3] == s.offset:
+                    run[3] += s.nbytes
+                    continue
+                if run:
+                    self._copy(host, run[2], transfer.sources[run[0]], run[1], run[3])
+                run = [s.source, s.start, s.offset, s.nbytes]
+            since += chunk.nbytes
+            if since >= every or i == len(chunks) - 1:
+                if run:
+                    self._copy(host, run[2], transfer.sources[run[0]], run[1], run[3])
+                    run = None
+                inflight.append((self._record(), i + 1, since))
+                pending, since = pending + since, 0
+                while capped and pending > self.cap and len(inflight) > 1:
+                    pending -= land()
+
+    def _record_done(self, transfer: StreamTransfer) -> None:
+        """The transfer's done event, recorded after whatever was issued, even after a failure (the next step
+        still waits for it); `issued` set either way."""
         try:
-            try:
-                self._wait_ready(ready)
-            finally:
-                self._release(ready)
-            run: list[int] | None = None  # [source, start, offset, nbytes] still being extended
-            pending = since = 0
-            for i, chunk in enumerate(chunks):
-                for s in chunk.segments:
-                    if s.source in on_host:
-                        continue
-                    if run and run[0] == s.source and run[1] + run[3] == s.start and run[2] + run[3] == s.offset:
-                        run[3] += s.nbytes
-                        continue
-                    if run:
-                        self._copy(host, run[2], transfer.sources[run[0]], run[1], run[3])
-                    run = [s.source, s.start, s.offset, s.nbytes]
-                since += chunk.nbytes
-                if since >= every or i == len(chunks) - 1:
-                    if run:
-                        self._copy(host, run[2], transfer.sources[run[0]], run[1], run[3])
-                        run = None
-                    inflight.append((self._record(), i + 1, since))
-                    pending, since = pending + since, 0
-                    while pending > self.cap and len(inflight) > 1:
-                        pending -= land()
             transfer.done_event = self._record()
+        except Exception:  # the device is gone; guard falls back to a host wait
+            _log.debug("no done event could be recorded", exc_info=True)
         finally:
-            if transfer.done_event is None:  # failed mid-way: still order the next step after what was issued
-                try:
-                    transfer.done_event = self._record()
-                except Exception:  # the device is gone; guard falls back to a host wait
-                    pass
             transfer.issued.set()
 
     def guard(self, transfer: StreamTransfer) -> None:

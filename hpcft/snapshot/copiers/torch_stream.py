@@ -1,10 +1,11 @@
 """torch backend (CUDA and ROCm, both `torch.cuda`): non_blocking copies on a dedicated stream into shm
 pages registered with cudaHostRegister (hipHostRegister on ROCm builds)."""
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
 from hpcft.errors import CheckpointError
+from hpcft.snapshot import devcrc
 from hpcft.snapshot.copiers.stream import StreamCopier
 
 
@@ -12,7 +13,7 @@ class TorchCopier(StreamCopier):
     name = "torch"
 
     def __init__(self, device: torch.device, max_inflight_bytes: int = 256 << 20, crc_threads: int = 2):
-        super().__init__(max_inflight_bytes, crc_threads)
+        super().__init__(max_inflight_bytes, crc_threads, devcrc.for_device(device))
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
         self._cudart = torch.cuda.cudart()
@@ -38,6 +39,9 @@ class TorchCopier(StreamCopier):
         # `host` views the registered pages, so torch takes them for pinned memory: cudaMemcpyAsync
         with torch.cuda.stream(self.stream):
             host[offset:offset + nbytes].copy_(src[start:start + nbytes], non_blocking=True)
+
+    def _on_copy_stream(self) -> ContextManager:
+        return torch.cuda.stream(self.stream)
 
     def _record(self) -> Any:
         event = torch.cuda.Event()
