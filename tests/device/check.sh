@@ -2,12 +2,18 @@
 # The GPU check, run on a lent GPU machine from the repository root (no Slurm there, no network), on ROCm
 # (rocm-smi, hip-python) and CUDA (nvidia-smi) machines alike: the device copy path's tests, a 2-process job
 # through hpcft.init → Checkpointer → restore → relaunch when two or more GPUs are visible, then
-# `hpcft bench snapshot` and `hpcft bench restore` on the GPU (BENCH=0 skips the long benches). Results go to $OUT
-# (default ./device-out).
+# `hpcft bench snapshot` and `hpcft bench restore` on the GPU (BENCH=0 skips the long benches; BASELINES=0 leaves
+# torch.save and dcp.async_save out of the snapshot bench, seconds a step each at 200M; PROBE=1 adds
+# tests/device/probe.py: the device checksum's rate, a profile of the snapshot calls, copy and host-checksum rates;
+# RESTORE=0 skips the restore bench). Results go to $OUT (default ./device-out).
 # Wheels for that machine's Python (crc32c, zfec, hip-python) may be carried in .whl/ (docs/benchmarks.md).
 set -u
 OUT=${OUT:-device-out}; mkdir -p "$OUT"
 PARAMS=${PARAMS:-200M}; BATCH=${BATCH:-24}; STEPS=${STEPS:-12}; BLOCK=${BLOCK:-4}; BENCH=${BENCH:-1}
+BASELINES=${BASELINES:-1}; PROBE=${PROBE:-0}; TESTS=${TESTS:-1}; SMOKE=${SMOKE:-1}
+# the device tool brings back at most 8 files: everything also goes back as one archive
+trap 'tar -C "$OUT" -czf /tmp/device-out.tgz . && rm -f "$OUT"/*.err "$OUT"/*.txt && mv /tmp/device-out.tgz "$OUT/all.tgz"' EXIT
+base=--baselines; [ "$BASELINES" = 0 ] && base=--no-baselines
 SITE=/tmp/site; mkdir -p "$SITE"
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -40,7 +46,7 @@ cat "$OUT/env.txt"
 need=$(python3 -c "import sys; p=sys.argv[1].upper(); print(int(float(p.rstrip('MG')) * {'M': 1e6, 'G': 1e9}.get(p[-1], 1)) * 12 * 3 // 1024)" "$PARAMS")
 root=/dev/shm; [ "$(df -k --output=avail /dev/shm | tail -1)" -gt "$need" ] || root=/tmp
 echo "store root: $root"
-timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_snapshot_gpu.py tests/unit/test_snapshot_stream.py \
+[ "$TESTS" = 0 ] || timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_snapshot_gpu.py tests/unit/test_snapshot_stream.py \
     tests/unit/test_snapshot_hip.py 2>&1 | tee "$OUT/pytest.txt"
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
 if [ "$ngpu" -ge 2 ]; then
@@ -48,13 +54,21 @@ if [ "$ngpu" -ge 2 ]; then
 else
     echo "two-process job: skipped ($ngpu GPU(s) visible, it needs 2)" | tee "$OUT/two-rank.txt"
 fi
-timeout 90 bin/hpcft bench snapshot --device cuda --params 1M --steps 2 --root "$root" --json \
-    >"$OUT/smoke.json" 2>"$OUT/smoke.err" && echo "smoke bench: ok" || { echo "smoke bench failed:"; tail -30 "$OUT/smoke.err"; }
+if [ "$SMOKE" = 1 ]; then
+    timeout 90 bin/hpcft bench snapshot --device cuda --params 1M --steps 2 $base --root "$root" --json \
+        >"$OUT/smoke.json" 2>"$OUT/smoke.err" && echo "smoke bench: ok" || { echo "smoke bench failed:"; tail -30 "$OUT/smoke.err"; }
+fi
 [ "$BENCH" = 0 ] && { echo "bench: skipped (BENCH=0)"; exit 0; }
+if [ "$PROBE" = 1 ]; then
+    for what in ${PROBES:-kernel start rates}; do
+        timeout 120 python3 tests/device/probe.py $what --params "$PARAMS" --batch "$BATCH" 2>&1 | tee "$OUT/probe-$what.txt"
+    done
+fi
 timeout 330 bin/hpcft bench snapshot --device cuda --params "$PARAMS" --batch "$BATCH" --steps "$STEPS" --block "$BLOCK" --root "$root" \
-    --json >"$OUT/snapshot-gpu.json" 2>"$OUT/snapshot-gpu.err"
+    $base --flush-every "${FLUSH_EVERY:-5}" --runs "${RUNS:-1}" --json >"$OUT/snapshot-gpu.json" 2>"$OUT/snapshot-gpu.err"
 echo "bench rc=$?"; cat "$OUT/snapshot-gpu.err" | tail -40
 # the restore of the same state from the host store into device memory, against a pinned host->device copy
+[ "${RESTORE:-1}" = 0 ] && exit 0
 timeout 240 bin/hpcft bench restore --device cuda --params "$PARAMS" --repeats 3 --root "$root" \
     --json >"$OUT/restore-gpu.json" 2>"$OUT/restore-gpu.err"
 echo "restore bench rc=$?"; tail -25 "$OUT/restore-gpu.err"
