@@ -52,6 +52,14 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def source(e: Entry) -> torch.Tensor:
+    """What a snapshot copies for `e`: its bytes in place, or a contiguous copy of its own (refreshed at every
+    snapshot by `Prepared.stage`) for a strided tensor and for one that changes outside the optimizer's step."""
+    if e.boundary and e.local.is_contiguous() and e.nbytes:
+        return e.local.clone().reshape(-1).view(torch.uint8)
+    return byte_view(e.local)
+
+
 def signature(entries: Sequence[Entry]) -> int:
     """crc32c of the names, dtypes and shapes: equal on every member iff their layouts agree."""
     text = "|".join(f"{e.name}:{e.local.dtype}:{tuple(e.local.shape)}" for e in entries)
@@ -70,16 +78,20 @@ class Prepared:
     rep_signature: int
     described: dict[str, Any] | None = None
     entries: Sequence[Entry] | None = None  # the list it was prepared from
-    strided: list[tuple[Entry, torch.Tensor]] = field(init=False)  # with their sources: the entries `stage` refreshes
+    staged: tuple[list[torch.Tensor], list[torch.Tensor]] = field(init=False)  # (copies, live): what `stage` refreshes
 
     def __post_init__(self) -> None:
-        self.strided = [(e, src) for e, src in zip(self.own + self.rep, self.sources) if not e.local.is_contiguous()]
+        pairs = [(src.view(e.local.dtype).view(e.local.shape), e.local)
+                 for e, src in zip(self.own + self.rep, self.sources) if e.nbytes and src.data_ptr() != e.local.data_ptr()]
+        self.staged = ([c for c, _ in pairs], [live for _, live in pairs])
 
     def stage(self) -> None:
-        """Refresh the contiguous copies that stand in for strided tensors: `sources` is cached across
-        snapshots, and such a copy holds the values of the step it was made at, not the current one."""
-        for e, src in self.strided:
-            src.view(e.local.dtype).view(e.local.shape).copy_(e.local)
+        """Refresh the copies that stand in for strided tensors and buffers (`source`), in one call: `sources` is
+        cached across snapshots, and such a copy holds the values of the step it was made at, not the current one.
+        On a GPU the copy is queued on the compute stream before the snapshot's ready event, so the next forward
+        pass, which may update a buffer, comes after it."""
+        if self.staged[0]:
+            torch._foreach_copy_(*self.staged)
 
 
 class SnapshotEngine:
@@ -117,7 +129,7 @@ class SnapshotEngine:
         own = [e for e in entries if not (split and e.replicated)]
         member, members = (self.group.member, self.group.size) if rep else (0, 1)
         lay = plan.layout([e.nbytes for e in own], [e.nbytes for e in rep], member, members, grains(rep))
-        sources = [byte_view(e.local) for e in own + rep]
+        sources = [source(e) for e in own + rep]
         sig = signature(rep)
         if rep and sig != self._checked_signature:
             self._check_group_agrees(sig)

@@ -23,6 +23,9 @@ class Entry:
     local: torch.Tensor
     replicated: bool  # identical on every member of the data-parallel group
     placement: dict[str, Any] | None = None
+    # changed outside the optimizer's step (a buffer: BatchNorm's statistics change in the forward pass), so the next
+    # step's guard does not keep it still while the copy reads it: a snapshot copies it at the boundary
+    boundary: bool = False
 
     @functools.cached_property
     def nbytes(self) -> int:  # read per entry by every plan and check: computed once (`local`'s size is fixed)
@@ -108,7 +111,8 @@ def collect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     for name, t in model.state_dict().items():
         if isinstance(t, torch.Tensor):
             rep = name in params and rep_param[id(params[name])] and _replicated(t, dp_ranks)
-            out.append(Entry(f"model/{name}", _local(t), rep, _placement(t) if _is_dtensor(t) else None))
+            out.append(Entry(f"model/{name}", _local(t), rep, _placement(t) if _is_dtensor(t) else None,
+                             boundary=name not in params))
     if optimizer is not None:
         names = {id(p): n for n, p in params.items()}
         for group in optimizer.param_groups:

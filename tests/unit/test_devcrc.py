@@ -3,7 +3,7 @@ of hpcft.snapshot.devcrc, run by Triton's interpreter on the CPU (the same kerne
 chunk the crc32c of its bytes in the slot: pieces of any length anywhere in memory, chunks cut through tensors,
 host-held bytes, padding that held other bytes; through the GPU copiers' shared logic as through the kernel alone."""
 import importlib.util
-import sys
+import os
 
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ from hpcft import events
 from hpcft.snapshot import devcrc, plan
 from hpcft.snapshot.copiers.base import crc_chunks
 from hpcft.snapshot.engine import byte_view
-from hpcft.store import crc32c, crcmath
+from hpcft.store import crc32c, crcmath, seal, seal_key
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed (make setup installs it)")
@@ -39,12 +39,10 @@ def test_operators_compose() -> None:
 
 
 @pytest.fixture
-def interpreted(monkeypatch: pytest.MonkeyPatch):
-    """The kernel module imported under Triton's interpreter (CPU tensors), and dropped again afterwards."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    sys.modules.pop("hpcft.snapshot._crc_kernel", None)
-    yield
-    sys.modules.pop("hpcft.snapshot._crc_kernel", None)
+def interpreted():
+    """Triton's interpreter (CPU tensors), which tests/unit/conftest.py turns on before triton is first imported."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is off (a GPU is visible: tests/unit/test_snapshot_gpu.py runs the kernel)")
 
 
 def _state() -> list[torch.Tensor]:
@@ -135,8 +133,44 @@ def test_a_kernel_that_cannot_run_hands_the_checksums_to_the_host(interpreted, s
 
 
 def test_no_device_checksum_off_a_gpu_or_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert devcrc.for_device(torch.device("cpu")) is None
     monkeypatch.setenv("HPCFT_DEVICE_CRC", "0")
     ok, why = devcrc.available(torch.device("cuda"))
     assert not ok and "HPCFT_DEVICE_CRC=0" in why
+
+
+@pytest.mark.parametrize("on_device", [False, pytest.param(True, marks=needs_triton)])
+def test_a_buffer_the_next_forward_changes_is_snapshotted_as_it_was_at_the_step(request, shm_root, on_device) -> None:
+    """BatchNorm's statistics change in the forward pass, which runs while a GPU snapshot is still being copied (the
+    guard holds only the optimizer's step back): the snapshot holds a buffer's value at its step, and its chunk
+    checksums (the device's, taken before the copies) match the bytes that landed."""
+    import threading
+
+    from test_snapshot_stream import HostStream
+
+    from hpcft.snapshot.engine import SnapshotEngine
+    from hpcft.snapshot.state import Entry
+    from hpcft.store import RankStore
+
+    if on_device:
+        request.getfixturevalue("interpreted")
+    weight, stats = torch.randn(300), torch.zeros(50)
+    entries = [Entry("model/w", weight, False), Entry("model/bn.running_mean", stats, False, boundary=True)]
+    busy = threading.Event()
+    copier = HostStream(cap=1 << 20, device_busy=busy)
+    if on_device:
+        copier.device_crc = devcrc.DeviceCrc(torch.device("cpu"), lanes=16, words=4)
+    engine = SnapshotEngine(RankStore("j", 0, root=shm_root), copier, chunk_bytes=512)
+    assert engine.snapshot(1, entries, {})
+    stats.add_(1.0)  # the next forward pass, while the copy has not run yet
+    busy.set()
+    engine.wait()
+    version = engine.store.versions()[-1]
+    data = engine.store.slot(version.slot).array
+    saved = {e["name"]: torch.from_numpy(data[e["offset"]:e["offset"] + e["nbytes"]].copy()).view(torch.float32)
+             for e in version.manifest["entries"]}
+    assert torch.equal(saved["model/bn.running_mean"], torch.zeros(50))
+    assert torch.equal(saved["model/w"], weight)
+    key = seal_key(version.manifest)
+    assert all(seal(crc32c(data[o:o + n]), key) == c for o, n, c in version.manifest["chunks"])
+    engine.close()
