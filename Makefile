@@ -5,8 +5,10 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.hpcft-installed
 DEBS    := slurm-wlm slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix2 lmod iproute2 gcc
 TORCH   ?= torch==2.13.0
+# Triton runs the GPU checksum kernel's tests on the CPU (its interpreter); GPU builds of torch bring their own
+TRITON  ?= triton==3.6.0
 
-.PHONY: setup debs venv test unit demo clean-venv
+.PHONY: setup debs venv testdeps test unit demo clean-venv
 
 setup: debs $(STAMP)
 
@@ -27,10 +29,13 @@ $(STAMP): pyproject.toml setup.py hpcft/snapshot/_ntcopy.c
 	@$(VPY) -c "from hpcft.snapshot import ntcopy; ok, why = ntcopy.probe(); ok or print('WARNING:', why)"
 	@touch $(STAMP)
 
-test: setup
+testdeps: setup
+	@$(VPY) -c "import triton" 2>/dev/null || $(VPY) -m pip install -q "$(TRITON)"
+
+test: testdeps
 	$(VPY) -m pytest -q --durations=60 tests
 
-unit: setup
+unit: testdeps
 	$(VPY) -m pytest -q tests/unit
 
 demo: setup

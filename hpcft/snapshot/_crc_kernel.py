@@ -28,7 +28,7 @@ def crc_pieces(base, starts, lens, afters, out, step_tab, lane_tab, log_tab,
         pos = (k * LANES + lane)[:, None] * 4 + byte[None, :]
         b = tl.load(base + start + (pos - pad), mask=pos >= pad, other=0).to(tl.int32)
         acc = _apply(step_tab, acc) ^ tl.sum(b << (byte[None, :] * 8), axis=1)  # A^(4·LANES)(acc) ⊕ word
-    # lane l's sum still lacks its words' own A^4 and the 4·(LANES - 1 - l) bytes after its last word: A^(4·(LANES - l))
+    # lane l's sum lacks its words' own A^4 and the 4·(LANES - 1 - l) bytes after its last word: A^(4·(LANES - l))
     acc = _apply(lane_tab + lane * 1024, acc)
     crc = tl.xor_sum(acc, axis=0)
     for bit in tl.static_range(BITS):  # A^after(crc): the piece moved to its place in its chunk

@@ -43,7 +43,7 @@ def available(device: torch.device) -> tuple[bool, str]:
     """(True, "") where the kernel can run on `device`; else False and why (the host checksums then)."""
     if os.environ.get("HPCFT_DEVICE_CRC", "1") == "0":
         return False, "HPCFT_DEVICE_CRC=0"
-    if torch.device(device).type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+    if torch.device(device).type != "cuda":
         return False, f"the state is on {device}, not a GPU"
     try:
         import triton  # noqa: F401
@@ -58,7 +58,7 @@ def _i32(a: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=8)
 def _host_tables(lanes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The kernel's tables: one step of a lane (4·lanes bytes), each lane's distance to the piece's end, and A^(2^b)."""
+    """The kernel's tables: a lane's step (4·lanes bytes), each lane's distance to its piece's end, and A^(2^b)."""
     per_lane = np.stack([cm.tables(cm.zeros(4 * (lanes - lane))) for lane in range(lanes)])
     return _i32(cm.tables(cm.zeros(4 * lanes))), _i32(per_lane), _i32(cm.log_tables(SHIFT_BITS))
 
@@ -112,7 +112,8 @@ class DeviceCrc:
         constant = cm.finish(np.zeros(len(chunks), dtype=np.uint32), sizes)
         dev = dict(device=self.device)
         return Plan(base, torch.tensor(starts, dtype=torch.int64, **dev), torch.tensor(lens, dtype=torch.int32, **dev),
-                    torch.tensor(afters, dtype=torch.int64, **dev), np.array(chunk, dtype=np.int64), constant, tuple(np.array(col, dtype=np.int64) for col in zip(*host)) if host else (),
+                    torch.tensor(afters, dtype=torch.int64, **dev), np.array(chunk, dtype=np.int64), constant,
+                    tuple(np.array(col, dtype=np.int64) for col in zip(*host)) if host else (),
                     torch.empty(len(starts), dtype=torch.int32, pin_memory=self.device.type == "cuda"))
 
     def launch(self, plan: Plan) -> None:

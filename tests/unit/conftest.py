@@ -6,8 +6,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from hpcft.store import RankStore
+
+if not torch.cuda.is_available():
+    # Triton reads this when it is first imported, by whichever test: its interpreter then runs the GPU checksum
+    # kernel on CPU tensors (tests/unit/test_devcrc.py); on a GPU the kernel is compiled as in production
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -97,7 +97,7 @@ class StreamCopier:
     def _synchronize(self, event: Any) -> None: raise NotImplementedError
     def _compute_waits(self, event: Any) -> None: raise NotImplementedError
     def _release(self, event: Any) -> None: pass  # free an event nothing uses any more (torch's free themselves)
-    def _on_copy_stream(self) -> ContextManager: return contextlib.nullcontext()  # torch's current stream = the copy stream
+    def _on_copy_stream(self) -> ContextManager: return contextlib.nullcontext()  # torch's stream := the copy stream
 
     def _on_host(self, t: torch.Tensor) -> bool:
         """State the host itself updates (e.g. the optimizer's step counters of GPU parameters live on the
