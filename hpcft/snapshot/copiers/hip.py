@@ -62,8 +62,12 @@ class HipCopier(StreamCopier):
                    self.hip.hipMemcpyKind.hipMemcpyDeviceToHost, self.stream)
 
     def _on_copy_stream(self) -> ContextManager:
-        """The device checksum's kernel goes on this stream, through torch (Triton launches on torch's stream)."""
-        return torch.cuda.stream(torch.cuda.ExternalStream(int(self.stream), device=self.device))
+        """The device checksum's kernel goes on this stream, through torch (Triton launches on torch's stream).
+        hip-python's handles give their address by `int()` (or `as_c_void_p()` in releases without `__int__`); a
+        failure here turns the device checksum off for this copier, loudly (StreamCopier._launch_crc)."""
+        handle = self.stream
+        address = int(handle) if hasattr(handle, "__int__") else handle.as_c_void_p().value
+        return torch.cuda.stream(torch.cuda.ExternalStream(address, device=self.device))
 
     def _record(self) -> Any:
         return self._recorded(self.stream)
