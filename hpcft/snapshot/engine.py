@@ -13,12 +13,13 @@ import torch
 import torch.distributed as dist
 
 from hpcft import events
-from hpcft.errors import CheckpointError, StoreError
+from hpcft.errors import CheckpointError
 from hpcft.snapshot import plan
 from hpcft.snapshot.copiers import Copier, Transfer
+from hpcft.snapshot.copiers.base import SlotClaim, SlotUnavailable
 from hpcft.snapshot.groups import Group
 from hpcft.snapshot.state import Entry, grains
-from hpcft.store import RankStore, Slot, crc32c, seal, seal_key
+from hpcft.store import RankStore, crc32c, seal, seal_key
 
 _log = logging.getLogger(__name__)
 
@@ -159,30 +160,33 @@ class SnapshotEngine:
         self._drain()
         prep = self.prepare(entries)
         prep.stage()
-        try:
-            slot = self.store.begin(prep.layout.nbytes)
-        except StoreError as exc:
-            self.stats.skipped += 1
-            events.emit("snapshot_skipped", level=logging.ERROR, rank=self.store.rank, step=step, error=str(exc))
-            self._count_start(t0)
-            return False
         manifest = self._manifest(step, prep, meta)
+        nbytes = prep.layout.nbytes
+        claim = SlotClaim(lambda: self.store.begin(nbytes))  # taken by the copier, right before it writes
         t_copy = time.perf_counter()
         try:
-            self._transfer = self.copier.start(prep.sources, prep.chunks, slot)
-        except Exception as exc:  # e.g. pinning refused: no snapshot this step, training goes on
-            self.stats.failed += 1
-            events.emit("snapshot_failed", level=logging.ERROR, rank=self.store.rank, step=step,
-                        error=f"{type(exc).__name__}: {exc}")
+            self._transfer = self.copier.start(prep.sources, prep.chunks, claim)
+        except Exception as exc:  # no slot, or e.g. pinning refused: no snapshot this step, training goes on
+            self._not_taken(step, exc)
             self._count_start(t0)
             return False
         inline = 0.0 if self.copier.overlap else time.perf_counter() - t_copy
-        self._pending = self._committer.submit(self._commit, self._transfer, slot, manifest, prep, t_copy, late)
+        self._pending = self._committer.submit(self._commit, self._transfer, claim, manifest, prep, t_copy, late)
         if prep.layout.nbytes > self._allocated:  # the other slots, off the training thread, once
             self._allocated = prep.layout.nbytes
             self._prealloc = self._committer.submit(self.store.preallocate, prep.layout.nbytes)
         self.stats.last_blocked_s = self._count_start(t0, inline)
         return True
+
+    def _not_taken(self, step: int, exc: Exception) -> None:
+        """Count and report a snapshot that did not happen: skipped (no slot) or failed (anything else)."""
+        if isinstance(exc, SlotUnavailable):
+            self.stats.skipped += 1
+            events.emit("snapshot_skipped", level=logging.ERROR, rank=self.store.rank, step=step, error=str(exc))
+        else:
+            self.stats.failed += 1
+            events.emit("snapshot_failed", level=logging.ERROR, rank=self.store.rank, step=step,
+                        error=f"{type(exc).__name__}: {exc}")
 
     def _count_start(self, t0: float, inline_copy: float = 0.0) -> float:
         blocked = time.perf_counter() - t0
@@ -219,7 +223,7 @@ class SnapshotEngine:
         return {"step": step, "rank": self.store.rank, "time": time.time(), "backend": self.copier.name,
                 **prep.described, **meta}
 
-    def _commit(self, transfer: Transfer, slot: Slot, manifest: dict[str, Any], prep: Prepared, t0: float,
+    def _commit(self, transfer: Transfer, claim: SlotClaim, manifest: dict[str, Any], prep: Prepared, t0: float,
                 late: Callable[[], dict[str, Any]] | None = None) -> None:
         step = manifest["step"]
         try:
@@ -229,11 +233,9 @@ class SnapshotEngine:
             copy_s = time.perf_counter() - t0
             key = seal_key(manifest)
             manifest["chunks"] = [[c.offset, c.nbytes, seal(crc, key)] for c, crc in zip(prep.chunks, crcs)]
-            self.store.commit(slot, manifest)
+            self.store.commit(claim(), manifest)
         except Exception as exc:
-            self.stats.failed += 1
-            events.emit("snapshot_failed", level=logging.ERROR, rank=self.store.rank, step=step,
-                        error=f"{type(exc).__name__}: {exc}")
+            self._not_taken(step, exc)
             return
         s = self.stats
         s.snapshots += 1

@@ -11,7 +11,7 @@ import torch
 
 from hpcft import events
 from hpcft.snapshot import devcrc, plan
-from hpcft.snapshot.copiers.base import crc_chunks
+from hpcft.snapshot.copiers.base import SlotClaim, crc_chunks
 from hpcft.snapshot.engine import byte_view
 from hpcft.store import crc32c, crcmath, seal, seal_key
 
@@ -104,7 +104,7 @@ def test_the_stream_copier_checksums_on_the_device(interpreted, slot) -> None:
     copier.device_crc = devcrc.DeviceCrc(torch.device("cpu"), lanes=16, words=4)
     copier._crc.submit = None  # the host's pool must not be asked
     for _ in range(2):  # the second snapshot reuses the plan and finds the gaps zeroed
-        transfer = copier.start(sources, chunks, slot)
+        transfer = copier.start(sources, chunks, SlotClaim.of(slot))
         copier.guard(transfer)
         assert transfer.result() == crc_chunks(slot.array, chunks)
     assert copier.checksums == "device"
@@ -124,7 +124,7 @@ def test_a_kernel_that_cannot_run_hands_the_checksums_to_the_host(interpreted, s
     copier = HostStream(cap=1 << 20)
     copier.device_crc = devcrc.DeviceCrc(torch.device("cpu"), lanes=16, words=4)
     monkeypatch.setattr(copier.device_crc, "launch", lambda p: (_ for _ in ()).throw(RuntimeError("no compiler")))
-    transfer = copier.start(sources, chunks, slot)
+    transfer = copier.start(sources, chunks, SlotClaim.of(slot))
     copier.guard(transfer)
     assert transfer.result() == crc_chunks(slot.array, chunks)
     assert copier.checksums == "host" and [k for k, _ in seen] == ["device_checksum_off"]

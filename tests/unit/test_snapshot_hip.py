@@ -14,6 +14,7 @@ from hpcft.checkpointer import Checkpointer
 from hpcft.errors import CheckpointError
 from hpcft.snapshot import copiers, plan
 from hpcft.snapshot.copiers.base import crc_chunks
+from hpcft.snapshot.copiers.base import SlotClaim
 from hpcft.snapshot.copiers.hip import HipCopier
 from hpcft.snapshot.state import collect
 
@@ -99,7 +100,7 @@ def _attempt(sources, chunks, slot) -> list[CheckpointError]:
 
     copier = run(OnFakeDevice, torch.device("cpu"), 16 << 10)
     if copier is not None:
-        transfer = run(copier.start, sources, chunks, slot)
+        transfer = run(copier.start, sources, chunks, SlotClaim.of(slot))
         if transfer is not None:
             run(copier.guard, transfer)
             if run(transfer.result) is not None:

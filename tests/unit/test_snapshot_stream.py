@@ -7,6 +7,7 @@ import torch
 
 from hpcft.snapshot import plan
 from hpcft.snapshot.copiers.base import crc_chunks
+from hpcft.snapshot.copiers.base import SlotClaim
 from hpcft.snapshot.copiers.stream import StreamCopier
 
 
@@ -65,7 +66,7 @@ def _work(n_tensors: int = 12, size: int = 5000):
 def test_cap_checksums_and_guard(slot) -> None:
     sources, lay, chunks = _work()
     copier = HostStream(cap=3 * 4096)
-    transfer = copier.start(sources, chunks, slot)
+    transfer = copier.start(sources, chunks, SlotClaim.of(slot))
     copier.guard(transfer)
     crcs = transfer.result()
     assert copier.peak <= 3 * 4096 + 4096  # never more than the cap plus the chunk being issued
@@ -79,7 +80,7 @@ def test_cap_checksums_and_guard(slot) -> None:
 def test_failure_mid_issue_still_orders_the_next_step(slot) -> None:
     sources, _, chunks = _work()
     copier = HostStream(cap=1 << 30, fail_at=5)
-    transfer = copier.start(sources, chunks, slot)
+    transfer = copier.start(sources, chunks, SlotClaim.of(slot))
     copier.guard(transfer)  # the copies issued before the failure are still waited for
     assert len(copier.compute_waited) == 1
     with pytest.raises(RuntimeError, match="device lost"):
@@ -94,7 +95,7 @@ def test_guard_without_event_raises(slot) -> None:
 
     sources, _, chunks = _work()
     copier = NoEvents(cap=1 << 30)
-    transfer = copier.start(sources, chunks, slot)
+    transfer = copier.start(sources, chunks, SlotClaim.of(slot))
     with pytest.raises(RuntimeError, match="no events"):
         copier.guard(transfer)
     copier.close()
@@ -110,7 +111,7 @@ def test_host_resident_state_is_copied_at_start(slot) -> None:
     at_step = counter.clone()
     busy = threading.Event()
     copier = HostStream(cap=1 << 20, host_resident=[counter], device_busy=busy)
-    transfer = copier.start(sources, chunks, slot)
+    transfer = copier.start(sources, chunks, SlotClaim.of(slot))
     counter.add_(1)  # the next optimizer step, on the host, while the device is still busy
     busy.set()
     copier.guard(transfer)
@@ -120,3 +121,39 @@ def test_host_resident_state_is_copied_at_start(slot) -> None:
     assert crcs == crc_chunks(slot.array, chunks)
     assert copier.copies == len(sources) - 1
     copier.close()
+
+
+def test_the_issuing_thread_takes_the_slot_and_a_snapshot_without_one_is_skipped(shm_root, monkeypatch) -> None:
+    """On a GPU the slot is taken (its old version withdrawn: pin reads, unlinks) by the issuing thread, right before
+    it writes, not by the training thread at the boundary; when none can be taken the snapshot is skipped with
+    `snapshot_skipped`, the next step's guard still returns, and the next snapshot is taken."""
+    from hpcft import events
+    from hpcft.errors import StoreError
+    from hpcft.snapshot.engine import SnapshotEngine
+    from hpcft.snapshot.state import Entry
+    from hpcft.store import RankStore
+
+    seen = []
+    monkeypatch.setattr(events, "emit", lambda kind, **f: seen.append(kind))
+    store = RankStore("j", 0, root=shm_root)
+    takers, refuse = [], [False]
+    begin = store.begin
+
+    def taking(nbytes):
+        takers.append(threading.current_thread().name)
+        if refuse[0]:
+            raise StoreError("every reusable slot is pinned")
+        return begin(nbytes)
+
+    store.begin = taking
+    engine = SnapshotEngine(store, HostStream(cap=1 << 20), chunk_bytes=512)
+    entries = [Entry("model/w", torch.randn(300), False)]
+    for step in (1, 2, 3):
+        refuse[0] = step == 2
+        assert engine.snapshot(step, entries, {})
+        engine.guard()
+        engine.wait()
+    assert all(name.startswith("hpcft-issue") for name in takers) and len(takers) == 3
+    assert [v.step for v in store.versions()] == [1, 3]
+    assert seen.count("snapshot_skipped") == 1 and engine.stats.skipped == 1 and engine.stats.snapshots == 2
+    engine.close()

@@ -1,11 +1,48 @@
 """The copy level's one interface: move chunks of state bytes into a store slot, checksum each chunk."""
-from typing import Protocol, Sequence
+import threading
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 
+from hpcft.errors import StoreError
 from hpcft.snapshot.plan import Chunk
 from hpcft.store import Slot
+
+
+class SlotUnavailable(StoreError):
+    """No slot could be taken for a snapshot (every reusable one pinned, no space, ...): it is skipped."""
+
+
+class SlotClaim:
+    """The slot a snapshot writes, taken (`RankStore.begin`: pick, withdraw its version, size it) once, by whoever
+    writes first: a CPU copier on the training thread, a GPU copier on its issuing thread, so that the training
+    thread does not spend a begin's file operations (pin reads, unlinks) at the boundary. The old version is
+    withdrawn right before its bytes are overwritten either way."""
+
+    def __init__(self, take: Callable[[], Slot]):
+        self._take = take
+        self._lock = threading.Lock()
+        self.slot: Slot | None = None
+
+    @classmethod
+    def of(cls, slot: Slot) -> "SlotClaim":
+        """A claim of a slot already taken."""
+        claim = cls(lambda: slot)
+        claim.slot = slot
+        return claim
+
+    def __call__(self) -> Slot:
+        """The slot, taken now if it was not yet; SlotUnavailable if none can be."""
+        with self._lock:
+            if self.slot is None:
+                try:
+                    self.slot = self._take()
+                except SlotUnavailable:
+                    raise
+                except StoreError as exc:
+                    raise SlotUnavailable(str(exc)) from exc
+            return self.slot
 
 
 class Transfer(Protocol):
@@ -28,8 +65,9 @@ class Copier(Protocol):
     overlap: bool  # False: `start` copies on the calling (training) thread and returns when the bytes are in
     checksums: str  # where chunk checksums are computed: "host" (as bytes land) or "device" (before they leave it)
 
-    def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> Transfer:
-        """Begin copying: `sources` are flat uint8 views of the state, `chunks` say what goes where."""
+    def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], claim: SlotClaim) -> Transfer:
+        """Begin copying: `sources` are flat uint8 views of the state, `chunks` say what goes where, into the slot
+        `claim` takes (SlotUnavailable from `start` or from the transfer's result: the snapshot is skipped)."""
 
     def guard(self, transfer: Transfer) -> None:
         """Order the next optimizer step after `transfer`'s reads of the state."""

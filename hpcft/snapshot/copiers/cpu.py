@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 from hpcft.snapshot import ntcopy, plan
+from hpcft.snapshot.copiers.base import SlotClaim
 from hpcft.snapshot.plan import Chunk
-from hpcft.store import Slot, chunk_crc, crc32c
+from hpcft.store import chunk_crc, crc32c
 
 
 class CpuTransfer:
@@ -106,8 +107,8 @@ class CpuCopier:
             self._planned = (chunks, sources, table, addrs[table.source.astype(np.intp)] + table.start)
         return self._planned[2], self._planned[3]
 
-    def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> CpuTransfer:
-        crcs = None
+    def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], claim: SlotClaim) -> CpuTransfer:
+        slot, crcs = claim(), None
         if self._chunk_copy is not None:  # each worker's share in one C call, no GIL between chunks
             table, addr = self._plan(sources, chunks)
             job = self._chunk_copy(ntcopy.address(slot.array), addr, *table[2:], to_slot=True)

@@ -45,6 +45,7 @@ class HipCopier(StreamCopier):
         return event
 
     def _register(self, ptr: int, size: int) -> None:
+        self._call("hipSetDevice", self.device.index or 0)  # the current device is per thread: the issuer's
         self._call("hipHostRegister", ptr, size, self.hip.hipHostRegisterDefault)
 
     def _unregister(self, ptr: int) -> None:

@@ -22,6 +22,7 @@ import torch
 from hpcft import events
 from hpcft.errors import CheckpointError
 from hpcft.snapshot import devcrc
+from hpcft.snapshot.copiers.base import SlotClaim
 from hpcft.snapshot.plan import Chunk
 from hpcft.store import Slot, crc32c
 
@@ -76,7 +77,7 @@ class StreamCopier:
         self._issuer = ThreadPoolExecutor(1, thread_name_prefix="hpcft-issue")
         self._crc = ThreadPoolExecutor(max(1, crc_threads), thread_name_prefix="hpcft-crc")
         self._pinned: dict[str, tuple[int, int, int]] = {}  # slot path -> (generation, ptr, size)
-        self._host_plan: tuple[Sequence[Chunk], set[int], list, dict] | None = None
+        self._host_plan: tuple[Sequence[Chunk], set[int], _Staged | None] | None = None
         self.device_crc = device_crc  # None: the host checksums what lands
         self._crc_plan: tuple[Sequence[Chunk], Sequence[torch.Tensor], devcrc.Plan] | None = None
         self._zeroed: dict[str, tuple[int, Sequence[Chunk]]] = {}  # slot path -> (generation, chunks) whose gaps are 0
@@ -101,7 +102,7 @@ class StreamCopier:
 
     def _on_host(self, t: torch.Tensor) -> bool:
         """State the host itself updates (e.g. the optimizer's step counters of GPU parameters live on the
-        CPU): no device event orders those updates, so such bytes are copied at once, in `start`."""
+        CPU): no device event orders those updates, so such bytes are gathered at once, in `start`."""
         return t.device.type == "cpu"
 
     # shared logic -----------------------------------------------------------------------------------
@@ -118,32 +119,28 @@ class StreamCopier:
             self._pinned[key] = (slot.generation, ptr, slot.size)
         return host
 
-    def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], slot: Slot) -> StreamTransfer:
-        host = self._pin(slot)
-        on_host, staged = self._host_copies(sources, chunks, slot)
+    def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], claim: SlotClaim) -> StreamTransfer:
+        """At the boundary only what must be: the host-held bytes gathered, the ready event; the slot is taken and
+        pinned, the bytes placed and the copies issued by the issuing thread."""
+        on_host, staged = self._host_copies(sources, chunks)
         if staged is not None:  # one call for the ~100 step counters of a 200M-parameter AdamW; the issuer places them
             torch.cat(staged.sources, out=staged.buffer)
         ready = self._record_ready()
         transfer = StreamTransfer(sources)
-        transfer.future = self._issuer.submit(self._issue, transfer, chunks, slot, host, ready, on_host, staged)
+        transfer.future = self._issuer.submit(self._issue, transfer, chunks, claim, ready, on_host, staged)
         return transfer
 
-    def _host_copies(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk],
-                     slot: Slot) -> tuple[set[int], "_Staged | None"]:
-        """The host-resident sources and their segments staged for one `torch.cat` (a buffer of each slot's own, as
-        a slot's issue may still be placing them when the next snapshot stages into another), kept while the engine
-        passes the same chunk list (it caches one per layout), so that the training thread neither walks every
-        chunk nor slices every segment at every snapshot."""
+    def _host_copies(self, sources: Sequence[torch.Tensor],
+                     chunks: Sequence[Chunk]) -> tuple[set[int], "_Staged | None"]:
+        """The host-resident sources and their segments staged for one `torch.cat`, kept while the engine passes the
+        same chunk list (it caches one per layout), so that the training thread neither walks every chunk nor slices
+        every segment at every snapshot. One buffer serves every snapshot: the next one begins only once this one's
+        issue has placed it (the engine drains a snapshot before it starts the next)."""
         if self._host_plan is None or self._host_plan[0] is not chunks:
             on_host = {i for i, t in enumerate(sources) if self._on_host(t)}
             segments = [s for c in chunks for s in c.segments if s.source in on_host]
-            self._host_plan = (chunks, on_host, segments, {})
-        _, on_host, segments, staged = self._host_plan
-        if not segments:
-            return on_host, None
-        if str(slot.path) not in staged:
-            staged[str(slot.path)] = _Staged(sources, segments)
-        return on_host, staged[str(slot.path)]
+            self._host_plan = (chunks, on_host, _Staged(sources, segments) if segments else None)
+        return self._host_plan[1], self._host_plan[2]
 
     def _device_plan(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], on_host: set[int],
                      slot: Slot) -> devcrc.Plan | None:
@@ -172,15 +169,17 @@ class StreamCopier:
                         fallback="crc32c on the host after each chunk lands")
             return None
 
-    def _issue(self, transfer: StreamTransfer, chunks: Sequence[Chunk], slot: Slot, host: torch.Tensor,
-               ready: Any, on_host: set[int], staged: "_Staged | None" = None) -> list[int]:
-        """Order the copy stream after `ready`; the device checksum first (it reads the state before any copy),
-        then the device bytes as few, large copies (a tensor's consecutive segments merged across chunks), one
-        completion event per `event_bytes`; with host checksums, chunks are checksummed as their event completes."""
+    def _issue(self, transfer: StreamTransfer, chunks: Sequence[Chunk], claim: SlotClaim, ready: Any,
+               on_host: set[int], staged: "_Staged | None" = None) -> list[int]:
+        """Take the slot (its old version withdrawn now, right before its bytes are overwritten), pin it, place the
+        host-held bytes; order the copy stream after `ready`; the device checksum first (it reads the state before
+        any copy), then the device bytes as few, large copies (a tensor's consecutive segments merged across
+        chunks), one completion event per `event_bytes`; with host checksums, chunks are checksummed as their
+        event completes."""
         crcs: list[Future | None] = [None] * len(chunks)
         inflight: deque = deque()  # (event, chunks [landed, upto) complete with it, bytes)
         landed = 0
-        plan = None
+        plan = slot = None
 
         def land() -> int:  # those chunks are in host memory: their bytes no longer count as in flight
             nonlocal landed
@@ -195,12 +194,14 @@ class StreamCopier:
             landed = upto
             return nbytes
 
-        if staged is not None:
-            staged.place(slot.array)
         try:
             try:
-                plan = self._device_plan(transfer.sources, chunks, on_host, slot)
                 try:
+                    slot = claim()
+                    host = self._pin(slot)
+                    if staged is not None:
+                        staged.place(slot.array)
+                    plan = self._device_plan(transfer.sources, chunks, on_host, slot)
                     self._wait_ready(ready)
                 finally:
                     self._release(ready)

@@ -19,7 +19,8 @@ class TorchCopier(StreamCopier):
         self._cudart = torch.cuda.cudart()
 
     def _register(self, ptr: int, size: int) -> None:
-        rc = self._cudart.cudaHostRegister(ptr, size, 0)
+        with torch.cuda.device(self.device):  # the issuing thread's current device is not the training thread's
+            rc = self._cudart.cudaHostRegister(ptr, size, 0)
         if int(rc) != 0:
             raise CheckpointError(f"cudaHostRegister of {size} bytes of the store failed (error {int(rc)}); "
                                   "is the locked-memory limit (ulimit -l) too low?")
