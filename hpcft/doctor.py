@@ -102,6 +102,7 @@ def _optional() -> list[Check]:
     built, detail = ntcopy.probe()
     checks.append(Check("copy kernel", built, detail if built else f"not built: {detail}"))
     checks.append(_copy_method())
+    checks.append(_checksums())
     try:
         from hip import hip  # noqa: F401
         import hip as hip_pkg
@@ -123,6 +124,23 @@ def _optional() -> list[Check]:
     except Exception as exc:
         checks.append(Check("mpi4py", False, f"installed but unusable: {exc}"))
     return checks
+
+
+def _checksums() -> Check:
+    """Where a GPU snapshot's chunk checksums are computed: by the device before the copy (hpcft.snapshot.devcrc,
+    where Triton imports) or by host threads as chunks land (several times slower than an H200's copy)."""
+    import torch
+
+    from hpcft.snapshot import devcrc
+
+    if not torch.cuda.is_available():
+        return Check("snapshot checksums", True, "on the host, in each chunk's copy (no GPU visible)")
+    ok, why = devcrc.available(torch.device("cuda"))
+    if ok:
+        import triton
+
+        return Check("snapshot checksums", True, f"on the GPU, before each copy (Triton {triton.__version__})")
+    return Check("snapshot checksums", True, f"on the host as each chunk lands ({why}): slower than the device's copy")
 
 
 def _copy_method() -> Check:

@@ -174,3 +174,11 @@ def test_a_buffer_the_next_forward_changes_is_snapshotted_as_it_was_at_the_step(
     key = seal_key(version.manifest)
     assert all(seal(crc32c(data[o:o + n]), key) == c for o, n, c in version.manifest["chunks"])
     engine.close()
+
+
+def test_doctor_says_where_checksums_are_computed() -> None:
+    from hpcft.doctor import _checksums
+
+    check = _checksums()
+    assert check.ok and check.name == "snapshot checksums"
+    assert ("on the GPU" in check.detail) == (torch.cuda.is_available() and devcrc.available(torch.device("cuda"))[0])
