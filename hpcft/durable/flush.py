@@ -1,7 +1,7 @@
 """Write one rank's snapshot of one step into a durable checkpoint directory: its chunks as torch.save records
 (`__<rank>_0.distcp`, read by plain `dcp.load`) straight from the store, and a JSON sidecar
 (`.hpcft/rank-<rank>.json`) listing each chunk with its place and a crc32c carried over from the store's chunk
-checksums (see hpcft.durable.crc): hpcft reads a durable checkpoint back without unpickling anything."""
+checksums (see hpcft.store.crcmath): hpcft reads a durable checkpoint back without unpickling anything."""
 from __future__ import annotations
 
 import logging
@@ -11,10 +11,10 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from hpcft import events
-from hpcft.durable import crc, files, items
+from hpcft.durable import files, items
 from hpcft.durable.envelope import envelope
 from hpcft.errors import IntegrityError
-from hpcft.store import crc32c, seal, seal_key
+from hpcft.store import crc32c, crcmath, seal, seal_key
 from hpcft.store import manifest as mf
 from hpcft.store.paths import read_file
 
@@ -44,7 +44,7 @@ def _chunks_verified(data: np.ndarray, chunks: Sequence[Sequence[int]], its: Seq
             inside = j < len(its) and its[j].src <= pos
             end = min(hi, its[j].src + its[j].nbytes) if inside else min(hi, its[j].src if j < len(its) else hi)
             c = crc32c(data[pos:end])
-            run = c if pos == lo else crc.combine(run, c, end - pos)
+            run = c if pos == lo else crcmath.combine(run, c, end - pos)
             parts.append((pos, end, j if inside else None, c))
             pos = end
         if seal(run, key) != recorded:
@@ -89,8 +89,8 @@ def write_rank(manifest: dict[str, Any], data: np.ndarray, ckpt: Path, *, pace: 
             tail = suffix if b == it.src + it.nbytes else b""
             if head:
                 starts[i] = pos
-            crcs[i] = crc.combine(crcs[i], c, b - a)
-            whole = crc32c(tail, crc.combine(crc32c(head, whole), c, b - a))
+            crcs[i] = crcmath.combine(crcs[i], c, b - a)
+            whole = crc32c(tail, crcmath.combine(crc32c(head, whole), c, b - a))
             put(*(x for x in (head, data[a:b], tail) if len(x)))
     finally:
         files.finish(fd, path, sync)

@@ -1,19 +1,64 @@
-"""crc32c as linear algebra over GF(2), so that a chunk's checksum can be assembled from checksums of its pieces
-computed anywhere (a GPU kernel, a host loop) in any order: the same value `crc32c` gives, so nothing that verifies
-a store changes.
+"""crc32c arithmetic over GF(2), so that a checksum can be assembled from checksums of its parts computed anywhere
+(a GPU kernel, the durable tier's sub-ranges) and still equal what `crc32c` gives: nothing that verifies a store
+changes.
 
-With no initial value and no final xor (the *raw* crc), crc32c is linear: raw(a ‖ b) = A^|b|(raw(a)) ⊕ raw(b), where
-A^n, "n zero bytes more", is a 32×32 bit matrix; leading zero bytes leave a raw crc unchanged; and
-crc32c(m) = raw(m) ⊕ A^|m|(0xFFFFFFFF) ⊕ 0xFFFFFFFF. An operator is held as its 32 columns (uint32: the image of
-bit j), and applied through four 256-entry tables, one per byte of its argument (`tables`), as a GPU kernel does.
+With no initial value and no final xor (the *raw* crc), crc32c is linear: raw(a ‖ b) = A^|b|(raw(a)) ⊕ raw(b),
+where A^n, "n zero bytes more", multiplies by x^(8n) modulo the polynomial; leading zero bytes leave a raw crc
+unchanged; crc32c(m) = raw(m) ⊕ A^|m|(0xFFFFFFFF) ⊕ 0xFFFFFFFF; and for whole crc32c values
+crc32c(a ‖ b) = A^|b|(crc32c(a)) ⊕ crc32c(b) (zlib's crc32_combine). The scalar functions serve one value at a time;
+an operator held as its 32 columns (uint32: the image of bit j) is applied through four 256-entry tables, one per
+byte of its argument (`tables`), as a GPU kernel does, and to whole arrays at once (`shift`).
 """
-from functools import lru_cache
+from __future__ import annotations
+
+import functools
 
 import numpy as np
 
 POLY = 0x82F63B78  # crc32c (Castagnoli), bit-reflected
+ONE = 1 << 31  # x^0 in the reflected representation
 ONES = 0xFFFFFFFF
 U32 = np.uint32
+
+
+def multiply(a: int, b: int) -> int:
+    """a · b modulo the polynomial (reflected)."""
+    m, p = ONE, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ POLY if b & 1 else b >> 1
+
+
+def _powers() -> list[int]:
+    out, p = [], 1 << 30  # x^1
+    for _ in range(64):
+        out.append(p)  # x^(2^k)
+        p = multiply(p, p)
+    return out
+
+
+_X2N = _powers()
+
+
+@functools.lru_cache(maxsize=4096)
+def x8n(nbytes: int) -> int:
+    """x^(8 · nbytes) modulo the polynomial: what `nbytes` zero bytes more multiply a crc by."""
+    p, k, n = ONE, 3, nbytes
+    while n:
+        if n & 1:
+            p = multiply(_X2N[k % 64], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32c(A + B) from crc1 = crc32c(A), crc2 = crc32c(B) and len2 = len(B)."""
+    return multiply(x8n(len2), crc1) ^ crc2
 
 
 def _byte_table() -> np.ndarray:
@@ -26,6 +71,15 @@ def _byte_table() -> np.ndarray:
 BYTE_TABLE = _byte_table()
 
 
+@functools.lru_cache(maxsize=64)
+def zeros(nbytes: int) -> np.ndarray:
+    """The operator A^nbytes as its 32 columns."""
+    c = x8n(nbytes)
+    out = np.array([multiply(c, 1 << j) for j in range(32)], dtype=U32)
+    out.setflags(write=False)
+    return out
+
+
 def apply(op: np.ndarray, v: "int | np.ndarray") -> "int | np.ndarray":
     """op(v) for an operator given by its columns: the xor of the columns of v's set bits (v: int or uint32 array)."""
     arr = np.asarray(v, dtype=U32)
@@ -34,49 +88,16 @@ def apply(op: np.ndarray, v: "int | np.ndarray") -> "int | np.ndarray":
     return int(out) if np.ndim(v) == 0 else out
 
 
-def compose(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The operator a∘b (b first)."""
-    return apply(a, b)
-
-
-@lru_cache(maxsize=None)
-def _one_byte() -> np.ndarray:
-    cols = np.left_shift(U32(1), np.arange(32, dtype=U32))
-    return (BYTE_TABLE[cols & U32(0xFF)] ^ (cols >> U32(8))).astype(U32)
-
-
-def identity() -> np.ndarray:
-    return np.left_shift(U32(1), np.arange(32, dtype=U32))
-
-
-@lru_cache(maxsize=64)
-def zeros(nbytes: int) -> np.ndarray:
-    """A^nbytes: what `nbytes` zero bytes more do to a raw crc (square and multiply over A's powers of two)."""
-    out, sq, n = identity(), _one_byte(), nbytes
-    while n:
-        if n & 1:
-            out = compose(sq, out)
-        n >>= 1
-        if n:
-            sq = compose(sq, sq)
-    out.setflags(write=False)
-    return out
-
-
 def tables(op: np.ndarray) -> np.ndarray:
     """uint32[4, 256]: table k maps byte value i to op(i << 8k), so op(v) = ⊕_k tables[k][byte k of v]."""
     i = np.arange(256, dtype=U32)
     return np.stack([apply(op, i << U32(8 * k)) for k in range(4)])
 
 
-@lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def log_tables(bits: int = 40) -> np.ndarray:
     """uint32[bits, 4, 256]: the tables of A^(2^b), b < bits: A^n of any n < 2^bits is a product of some of them."""
-    out, op = [], _one_byte()
-    for _ in range(bits):
-        out.append(tables(op))
-        op = compose(op, op)
-    arr = np.stack(out)
+    arr = np.stack([tables(zeros(1 << b)) for b in range(bits)])
     arr.setflags(write=False)
     return arr
 

@@ -34,8 +34,11 @@ def test_operators_compose() -> None:
     v = np.array([0xDEADBEEF, 1, 0x80000000], dtype=np.uint32)
     assert (crcmath.apply(crcmath.zeros(1000), v) == crcmath.shift(v, np.full(3, 1000))).all()
     assert (crcmath.apply_tables(crcmath.tables(crcmath.zeros(12)), v) == crcmath.apply(crcmath.zeros(12), v)).all()
-    assert (crcmath.apply(crcmath.compose(crcmath.zeros(5), crcmath.zeros(7)), v)
-            == crcmath.apply(crcmath.zeros(12), v)).all()
+    twelve = crcmath.apply(crcmath.zeros(12), v)
+    assert (crcmath.apply(crcmath.zeros(5), crcmath.apply(crcmath.zeros(7), v)) == twelve).all()
+    a, b = b"scalar and", b" vectorised forms agree"
+    assert crcmath.combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b) == int(crcmath.shift(
+        np.array([crc32c(a)]), np.array([len(b)]))[0]) ^ crc32c(b)
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import hpcft
-from hpcft.durable import catalog, commit, crc, envelope, files, flush, items
+from hpcft.durable import catalog, commit, envelope, files, flush, items
 from hpcft.errors import IntegrityError, StoreError
 from hpcft.snapshot.state import ensure_optimizer_state
-from hpcft.store import crc32c
+from hpcft.store import crc32c, crcmath
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -43,7 +43,7 @@ def test_crc_combine_equals_the_crc_of_the_concatenation() -> None:
     rng = random.Random(2)
     for _ in range(100):
         a, b = os.urandom(rng.randint(0, 5000)), os.urandom(rng.randint(0, 5000))
-        assert crc.combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
+        assert crcmath.combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
 
 
 @pytest.mark.parametrize("dtype", sorted(envelope.STORAGE))
