@@ -45,7 +45,7 @@ class Profile:
 # TORCH_GLOO_LAZY_INIT=1: the gloo half of the `cpu:gloo,cuda:nccl` groups (and hpcft's own gloo groups) connects a
 # pair of ranks when a collective first uses it, not every pair at creation (a full mesh of 75,000 ranks would not
 # fit in file descriptors). TRITON_CACHE_DIR: the kernel of hpcft's device checksum (hpcft.snapshot.devcrc) is compiled
-# at a process's first snapshot and cached; on node-local /tmp, not in a home directory that every node writes at once.
+# when a process makes its Checkpointer, and cached; on node-local /tmp, not a home directory every node writes at once.
 GPU_ENV = {"TORCH_GLOO_LAZY_INIT": "1", "TRITON_CACHE_DIR": "/tmp/hpcft-triton-{user}-{job}"}
 FRONTIER_RCCL_ENV = {
     "NCCL_CROSS_NIC": "1",

@@ -185,3 +185,29 @@ def test_doctor_says_where_checksums_are_computed() -> None:
     check = _checksums()
     assert check.ok and check.name == "snapshot checksums"
     assert ("on the GPU" in check.detail) == (torch.cuda.is_available() and devcrc.available(torch.device("cuda"))[0])
+
+
+@needs_triton
+def test_the_kernel_is_compiled_before_the_first_snapshot(interpreted, slot, monkeypatch) -> None:
+    """`copiers.make` has the issuing thread compile the kernel at once; a kernel that cannot be built turns the device
+    checksum off there, with its event, before any snapshot."""
+    from test_snapshot_stream import HostStream
+
+    launched, seen = [], []
+    copier = HostStream(cap=1 << 20)
+    copier.device_crc = devcrc.DeviceCrc(torch.device("cpu"), lanes=16, words=4)
+    real = copier.device_crc.launch
+    monkeypatch.setattr(copier.device_crc, "launch", lambda p: launched.append(p.pieces) or real(p))
+    copier.warm_up()
+    copier._issuer.submit(lambda: None).result()
+    assert launched == [1] and copier.checksums == "device"
+    copier.close()
+
+    monkeypatch.setattr(events, "emit", lambda kind, **f: seen.append(kind))
+    broken = HostStream(cap=1 << 20)
+    broken.device_crc = devcrc.DeviceCrc(torch.device("cpu"), lanes=16, words=4)
+    monkeypatch.setattr(broken.device_crc, "launch", lambda p: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    broken.warm_up()
+    broken._issuer.submit(lambda: None).result()
+    assert broken.checksums == "host" and seen == ["device_checksum_off"]
+    broken.close()

@@ -51,12 +51,12 @@ def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads
         overlap = cpu_overlap(threads) if overlap is None else overlap
         return CpuCopier(threads=threads, delay_per_chunk=delay_per_chunk, overlap=overlap, kernel=kernel)
     if backend == "torch":
-        from hpcft.snapshot.copiers.torch_stream import TorchCopier
-
-        return TorchCopier(device, max_inflight_bytes, crc_threads=threads)
-    from hpcft.snapshot.copiers.hip import HipCopier
-
-    return HipCopier(device, max_inflight_bytes, crc_threads=threads)
+        from hpcft.snapshot.copiers.torch_stream import TorchCopier as Stream
+    else:
+        from hpcft.snapshot.copiers.hip import HipCopier as Stream
+    copier = Stream(device, max_inflight_bytes, crc_threads=threads)
+    copier.warm_up()
+    return copier
 
 
 __all__ = ["BACKENDS", "Copier", "CpuCopier", "Transfer", "choose", "cpu_overlap", "default_threads", "make"]

@@ -23,7 +23,8 @@ from hpcft import events
 from hpcft.errors import CheckpointError
 from hpcft.snapshot import devcrc
 from hpcft.snapshot.copiers.base import SlotClaim
-from hpcft.snapshot.plan import Chunk
+from hpcft.snapshot.plan import Chunk, layout
+from hpcft.snapshot.plan import chunks as plan_chunks
 from hpcft.store import Slot, crc32c
 
 _log = logging.getLogger(__name__)
@@ -155,6 +156,23 @@ class StreamCopier:
             devcrc.zero_gaps(slot.array, chunks)
             self._zeroed[key] = (slot.generation, chunks)
         return self._crc_plan[2]
+
+    def warm_up(self) -> None:
+        """Have the issuing thread compile the device checksum's kernel now (Triton: a second or two, the first time
+        on a machine) rather than at the first snapshot, which the next step's guard would wait for."""
+        if self.device_crc is not None:
+            self._issuer.submit(self._warm)
+
+    def _warm(self) -> None:
+        src = torch.zeros(256, dtype=torch.uint8, device=self.device_crc.device)
+        chunks = plan_chunks(layout([256], [], 0, 1).pieces, 256, 256)
+        warm = self.device_crc.plan([src], chunks, set())
+        if self._launch_crc(warm) is not None:  # a failure turned the device checksum off, with its event
+            event = self._record()  # the plan's tensors are dropped once the kernel has run
+            try:
+                self._synchronize(event)
+            finally:
+                self._release(event)
 
     def _launch_crc(self, plan: devcrc.Plan) -> devcrc.Plan | None:
         """Queue the device checksum on the copy stream; on a failure (no compiler for the kernel, say) say so once
