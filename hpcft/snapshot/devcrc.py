@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from hpcft.snapshot.plan import Chunk
+from hpcft.store import chunk_crc
 from hpcft.store import crcmath as cm
 
 _log = logging.getLogger(__name__)
@@ -145,12 +146,11 @@ def finish(plan: Plan, slot: np.ndarray) -> list[int]:
 
 def zero_gaps(slot: np.ndarray, chunks: Sequence[Chunk]) -> None:
     """Write zeros over the bytes of `chunks` that no segment covers (alignment padding), which the device's crc takes
-    for zeros; a slot that held another layout may hold anything there."""
+    for zeros; a slot that held another layout may hold anything there. The gaps are the ones `chunk_crc` walks (the
+    host's checksum of a chunk), here with nothing to checksum."""
+    def zero(lo: int, hi: int, crc: int) -> int:
+        slot[lo:hi] = 0
+        return crc
+
     for c in chunks:
-        pos = c.offset
-        for s in c.segments:
-            if s.offset > pos:
-                slot[pos:s.offset] = 0
-            pos = s.offset + s.nbytes
-        if pos < c.offset + c.nbytes:
-            slot[pos:c.offset + c.nbytes] = 0
+        chunk_crc(c, zero, lambda s, crc: crc)

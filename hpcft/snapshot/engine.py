@@ -83,7 +83,8 @@ class Prepared:
 
     def __post_init__(self) -> None:
         pairs = [(src.view(e.local.dtype).view(e.local.shape), e.local)
-                 for e, src in zip(self.own + self.rep, self.sources) if e.nbytes and src.data_ptr() != e.local.data_ptr()]
+                 for e, src in zip(self.own + self.rep, self.sources)
+                 if e.nbytes and src.data_ptr() != e.local.data_ptr()]
         self.staged = ([c for c, _ in pairs], [live for _, live in pairs])
 
     def stage(self) -> None:
