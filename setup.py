@@ -21,5 +21,7 @@ class BuildKernel(build_ext):
                   "C compiler (e.g. gcc) and reinstall hpcft.", file=sys.stderr)
 
 
-setup(ext_modules=[Extension(KERNEL, ["hpcft/snapshot/_ntcopy.c"], optional=True)],
+# -O3 named here: a CFLAGS in the environment (a site's compiler module, a Spack environment) replaces Python's own
+# flags, optimisation included, and the kernel built at -O0 copied at a quarter of its speed (2-core Xeon VM)
+setup(ext_modules=[Extension(KERNEL, ["hpcft/snapshot/_ntcopy.c"], optional=True, extra_compile_args=["-O3"])],
       cmdclass={"build_ext": BuildKernel})
