@@ -4,7 +4,8 @@
 # through hpcft.init → Checkpointer → restore → relaunch when two or more GPUs are visible, then
 # `hpcft bench snapshot` and `hpcft bench restore` on the GPU (BENCH=0 skips the long benches; BASELINES=0 leaves
 # torch.save and dcp.async_save out of the snapshot bench, seconds a step each at 200M; PROBE=1 adds
-# tests/device/probe.py: the device checksum's rate, a profile of the snapshot calls, copy and host-checksum rates;
+# tests/device/probe.py: the device checksum's rate, a profile of the snapshot calls, copy and host-checksum rates,
+# with PROBES="... restore" a warm and a relaunch's restore into the GPU timed and profiled;
 # RESTORE=0 skips the restore bench). Results go to $OUT (default ./device-out).
 # Wheels for that machine's Python (crc32c, zfec, hip-python) may be carried in .whl/ (docs/benchmarks.md).
 set -u

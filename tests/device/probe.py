@@ -1,7 +1,8 @@
 """Where a GPU snapshot's time goes (#15 item 3), on a lent GPU machine: `rates`: the device→host copy into
 registered /dev/shm pages alone, the host crc32c of those bytes on 1..8 threads alone and while the copy runs;
 `kernel`: the device checksum's rate and its equality with the host's crc32c; `start`: a profile of the training
-thread's snapshot calls; `bench`: the snapshot bench's hpcft variant, with `--no-crc` the host checksum left out.
+thread's snapshot calls; `restore`: a warm and a relaunch's restore into the GPU, timed and profiled; `bench`: the
+snapshot bench's hpcft variant, with `--no-crc` the host checksum left out.
 Prints one JSON object per measurement."""
 import argparse
 import json
@@ -127,6 +128,52 @@ def start_profile(params: int, batch: int) -> None:
         ckpt.close()
 
 
+def restore_profile(params: int, batch: int, root: str) -> None:
+    """Where a restore into the GPU goes: the warm restore (the same Checkpointer) and the relaunch's (a new
+    Checkpointer + `restore()`; 0.65 s against 0.14 s warm on an H200, half a second unexplained), each timed three
+    times and profiled once (cumulative: the Checkpointer's construction, the store's mapping, the copies)."""
+    import cProfile
+    import pstats
+    import tempfile
+
+    from hpcft.bench.model import Trainer, config_for_params
+    from hpcft.checkpointer import Checkpointer
+
+    trainer = Trainer(config_for_params(params, batch), device="cuda")
+    trainer.step()
+    with tempfile.TemporaryDirectory(dir=root) as where:
+        def made() -> Checkpointer:
+            return Checkpointer(trainer.model, trainer.optimizer, every=1, keep=2, root=where, job_id="probe",
+                                auto=False)
+
+        def timed(cold: bool, prof: "cProfile.Profile | None" = None) -> dict[str, float]:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if prof:
+                prof.enable()
+            ckpt = made() if cold else warm
+            t1 = time.perf_counter()
+            ckpt.restore()
+            torch.cuda.synchronize()
+            if prof:
+                prof.disable()
+            t2 = time.perf_counter()
+            if cold:
+                ckpt.close()
+            return {"construct_ms": 1e3 * (t1 - t0), "restore_ms": 1e3 * (t2 - t1)}
+
+        warm = made()
+        warm.step(0)
+        warm.wait()
+        for cold in (False, True):
+            runs = [timed(cold) for _ in range(3)]
+            print(json.dumps({"probe": "restore", "cold": cold, "runs": runs}))
+            prof = cProfile.Profile()
+            timed(cold, prof)
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(30)
+        warm.close()
+
+
 def bench(no_crc: bool, params: int, batch: int, steps: int, block: int, root: str) -> None:
     from hpcft.bench.snapshot import SnapshotOptions, run
 
@@ -144,7 +191,7 @@ def bench(no_crc: bool, params: int, batch: int, steps: int, block: int, root: s
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["rates", "bench", "kernel", "start"])
+    ap.add_argument("what", choices=["rates", "bench", "kernel", "start", "restore"])
     ap.add_argument("--bytes", type=float, default=2.4e9)
     ap.add_argument("--no-crc", action="store_true")
     ap.add_argument("--params", type=lambda t: float(t[:-1]) * 1e6 if t[-1] in "Mm" else float(t), default=200e6)
@@ -160,5 +207,7 @@ if __name__ == "__main__":
         kernel(int(a.bytes))
     elif a.what == "start":
         start_profile(int(a.params), a.batch)
+    elif a.what == "restore":
+        restore_profile(int(a.params), a.batch, a.root)
     else:
         bench(a.no_crc, int(a.params), a.batch, a.steps, a.block, a.root)
