@@ -130,10 +130,13 @@ class Memcpy(Variant):
     name = "memcpy"
 
     def __init__(self, nbytes: int, threads: int = 1) -> None:
-        self.nbytes, self.threads = nbytes, max(1, threads)
+        self._split(nbytes, threads)
         self.label = f"memcpy, {self.threads} thread{'s' if self.threads > 1 else ''}"
         self.src = np.ones(nbytes, dtype=np.uint8)
         self.dst = np.ones(nbytes, dtype=np.uint8)  # written now, so no page faults in the timed copies
+
+    def _split(self, nbytes: int, threads: int) -> None:
+        self.nbytes, self.threads = nbytes, max(1, threads)
         self._cuts = np.linspace(0, nbytes, self.threads + 1, dtype=np.int64)
         self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
 
@@ -151,6 +154,55 @@ class Memcpy(Variant):
         if self._pool is not None:
             self._pool.shutdown()
         self.src = self.dst = np.empty(0, dtype=np.uint8)
+
+
+class StoreMemcpy(Memcpy):
+    """The same memcpy out of a store data file's own shared mapping into memory from torch's allocator: the restore's
+    reference on the memory it really reads and writes (the store's pages: 4 KiB on a tmpfs without huge pages, where
+    `Memcpy`'s numpy buffers get 2 MiB pages from transparent huge pages). `fresh`: every call maps the file anew, as
+    a relaunched process does, and the copy faults its pages in (unmapped again untimed, before the next call)."""
+
+    def __init__(self, path: Path, nbytes: int, threads: int = 1, fresh: bool = False) -> None:
+        import mmap
+
+        import torch
+
+        self._split(nbytes, threads)
+        self.name = "memcpy_shm_fresh" if fresh else "memcpy_shm"
+        self.label = f"memcpy out of {'a fresh' if fresh else 'the'} mapping of the store's file, {self.threads} " \
+                     f"thread{'s' if self.threads > 1 else ''}"
+        self.path, self.fresh, self._mmap = path, fresh, mmap
+        self._mm: Any = None
+        self._tensor = torch.ones(nbytes, dtype=torch.uint8)  # written now: no page faults on this side
+        self.dst = self._tensor.numpy()
+        self._map()
+
+    def _map(self) -> None:
+        with open(self.path, "rb") as f:
+            self._mm = self._mmap.mmap(f.fileno(), self.nbytes, flags=self._mmap.MAP_SHARED, prot=self._mmap.PROT_READ)
+        self.src = np.frombuffer(self._mm, dtype=np.uint8)
+        if not self.fresh:
+            self.src[::self._mmap.PAGESIZE].sum()  # every page in this mapping's page table, once
+
+    def _unmap(self) -> None:
+        self.src = np.empty(0, dtype=np.uint8)
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+    def prepare(self, index: int) -> None:
+        if self.fresh:
+            self._unmap()
+
+    def run_once(self, index: int) -> None:
+        if self.fresh:
+            self._map()
+        super().run_once(index)
+
+    def close(self) -> None:
+        super().close()
+        self._unmap()
+        self._tensor = None
 
 
 class DeviceCopy(Variant):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from hpcft.bench import baselines, machine
-from hpcft.bench.harness import (GB, Report, Timings, Variant, local_process_group, memcpy_reference,
+from hpcft.bench.harness import (GB, Report, StoreMemcpy, Timings, Variant, local_process_group, memcpy_reference,
                                  run_interleaved, scratch, set_threads)
 from hpcft.bench.model import Trainer, config_for_params
 from hpcft.errors import CheckpointError
@@ -160,12 +160,18 @@ def run(opts: RestoreOptions) -> Report:
             reference = [t.clone() for t in source.state_tensors()]
             state_bytes = source.state_bytes()
             prefetched = HpcftPrefetchedRestore(_trained(opts), reference, where.shm)
+            threads = ckpt.copy_settings.restore.threads
             variants = [HpcftRestore(source, reference, ckpt), HpcftColdRestore(_trained(opts), reference, where.shm),
                         prefetched,
                         DcpLoad(_trained(opts), reference, where.disk / "dcp"),
                         TorchLoad(_trained(opts), reference, where.disk / "ckpt.pt"),
                         # as many threads as the restore on a CPU; pinned host -> device on a GPU
-                        memcpy_reference(state_bytes, opts.device, ckpt.copy_settings.restore.threads, to_device=True)]
+                        memcpy_reference(state_bytes, opts.device, threads, to_device=True)]
+            if opts.device == "cpu":  # the same copy out of the store's own file, mapped once and mapped anew
+                [newest] = ckpt.store.versions()[-1:]
+                data = ckpt.store.dir / f"slot-{newest.slot}.data"
+                variants += [StoreMemcpy(data, newest.manifest["data_bytes"], threads, fresh)
+                             for fresh in (False, True)]
             try:
                 timings = run_interleaved(variants, opts.repeats, opts.warmup, block=1)
             finally:
@@ -187,6 +193,13 @@ def _report(opts: RestoreOptions, trainer: Trainer, timings: Timings, state_byte
                                                               "hpcft_prefetched"))
     r = Report("restore")
     r.add("restore_vs_memcpy", mc / hp, "x", "hpcft restore bandwidth ÷ memcpy with as many threads")
+    if "memcpy_shm" in timings.samples:
+        shm, fresh = timings.median("memcpy_shm"), timings.median("memcpy_shm_fresh")
+        r.add("restore_vs_memcpy_shm", shm / hp, "x", "the same against memcpy out of the store file's own mapping")
+        r.add("restore_vs_memcpy_shm_cold", fresh / cold, "x", "a relaunch's against memcpy out of a fresh mapping "
+              "of it")
+        r.add("memcpy_shm_s", shm, "s", "memcpy out of the store's mapping into torch memory, median")
+        r.add("memcpy_shm_fresh_s", fresh, "s", "the same out of a fresh mapping (mapped in the timed call), median")
     r.add("speedup_vs_dcp", dcp / hp, "x", "hpcft restore speedup over dcp.load")
     r.add("speedup_vs_torch_load", tl / hp, "x", "hpcft restore speedup over torch.load")
     r.add("restore_vs_memcpy_cold", mc / cold, "x", "the same for a relaunch: open the store (map the slot) + restore")

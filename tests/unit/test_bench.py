@@ -12,6 +12,7 @@ SNAPSHOT_KEYS = {"overhead_hpcft", "overhead_torch_save", "overhead_dcp_async", 
                  "copy_vs_memcpy", "dcp_async_form", "snapshot_bytes", "config", "variants", "copy_threads",
                  "copy_calibration", "machine"}
 RESTORE_KEYS = {"restore_vs_memcpy", "restore_vs_memcpy_cold", "restore_vs_memcpy_prefetched", "prefetch_s",
+                "restore_vs_memcpy_shm", "restore_vs_memcpy_shm_cold", "memcpy_shm_s", "memcpy_shm_fresh_s",
                 "speedup_vs_dcp", "speedup_vs_torch_load", "verified", "state_bytes",
                 "restore_threads", "copy_calibration", "machine"}
 
@@ -63,7 +64,8 @@ def test_restore_json_contract(tmp_path):
     result = one_json_object(proc.stdout)
     assert RESTORE_KEYS <= result.keys()
     assert result["verified"] is True
-    for key in ("restore_vs_memcpy", "speedup_vs_dcp", "speedup_vs_torch_load"):
+    for key in ("restore_vs_memcpy", "speedup_vs_dcp", "speedup_vs_torch_load", "restore_vs_memcpy_shm",
+                "restore_vs_memcpy_shm_cold"):
         assert result[key] > 0, key
     assert result["restore_threads"] == calibrated_threads(result, "restore")
     assert list(tmp_path.iterdir()) == []
