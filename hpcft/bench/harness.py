@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import socket
@@ -131,7 +132,7 @@ class Memcpy(Variant):
 
     def __init__(self, nbytes: int, threads: int = 1) -> None:
         self._split(nbytes, threads)
-        self.label = f"memcpy, {self.threads} thread{'s' if self.threads > 1 else ''}"
+        self.label = f"memcpy, {self._threads_text()}"
         self.src = np.ones(nbytes, dtype=np.uint8)
         self.dst = np.ones(nbytes, dtype=np.uint8)  # written now, so no page faults in the timed copies
 
@@ -139,6 +140,9 @@ class Memcpy(Variant):
         self.nbytes, self.threads = nbytes, max(1, threads)
         self._cuts = np.linspace(0, nbytes, self.threads + 1, dtype=np.int64)
         self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+
+    def _threads_text(self) -> str:
+        return f"{self.threads} thread{'s' if self.threads > 1 else ''}"
 
     def _part(self, i: int) -> None:
         lo, hi = self._cuts[i], self._cuts[i + 1]
@@ -163,26 +167,24 @@ class StoreMemcpy(Memcpy):
     a relaunched process does, and the copy faults its pages in (unmapped again untimed, before the next call)."""
 
     def __init__(self, path: Path, nbytes: int, threads: int = 1, fresh: bool = False) -> None:
-        import mmap
-
         import torch
 
         self._split(nbytes, threads)
         self.name = "memcpy_shm_fresh" if fresh else "memcpy_shm"
-        self.label = f"memcpy out of {'a fresh' if fresh else 'the'} mapping of the store's file, {self.threads} " \
-                     f"thread{'s' if self.threads > 1 else ''}"
-        self.path, self.fresh, self._mmap = path, fresh, mmap
-        self._mm: Any = None
+        self.label = f"memcpy out of {'a fresh' if fresh else 'the'} mapping of the store's file, " \
+                     f"{self._threads_text()}"
+        self.path, self.fresh = path, fresh
+        self._mm: mmap.mmap | None = None
         self._tensor = torch.ones(nbytes, dtype=torch.uint8)  # written now: no page faults on this side
         self.dst = self._tensor.numpy()
         self._map()
 
     def _map(self) -> None:
         with open(self.path, "rb") as f:
-            self._mm = self._mmap.mmap(f.fileno(), self.nbytes, flags=self._mmap.MAP_SHARED, prot=self._mmap.PROT_READ)
+            self._mm = mmap.mmap(f.fileno(), self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         self.src = np.frombuffer(self._mm, dtype=np.uint8)
         if not self.fresh:
-            self.src[::self._mmap.PAGESIZE].sum()  # every page in this mapping's page table, once
+            self.src[::mmap.PAGESIZE].sum()  # every page in this mapping's page table, once
 
     def _unmap(self) -> None:
         self.src = np.empty(0, dtype=np.uint8)
