@@ -4,6 +4,7 @@ decides when to look and what a bad node means."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,7 @@ from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
 SLURM_EVERY_S = 1.0  # while probes are pending: Slurm's view of their nodes this often
+UNLAUNCHED_FACTOR = 3.0  # a probe whose step the controller has not created yet waits this × --probe-timeout
 
 
 class NodeCheck:
@@ -65,41 +67,69 @@ class NodeCheck:
 
     def probe(self, nodes: Sequence[str], controls: Sequence[str] = (), *, closed: bool = True) -> dict[str, str]:
         """Run a trivial task on each node (and each of `controls`) at once; a node that does not answer in time is
-        bad: within --probe-timeout, or, once every control has answered, within a few times their slowest answer
-        (policy.probe_deadline: a frozen node is named in seconds, not at the timeout). Slurm stays a second source
-        meanwhile: a node it marks bad (`closed`: or closed) while its probe is pending is bad at once."""
+        bad: within --probe-timeout of srun sending it the task, or, once every control has answered, within a few
+        times their slowest answer (policy.probe_deadline: a frozen node is named in seconds, not at the timeout).
+        Until srun has sent the task (`srun --verbose` says so) the controller is what is slow, not the node: that
+        wait (an srun that gave up on the controller is started again) counts against the node only past
+        UNLAUNCHED_FACTOR × --probe-timeout. Slurm stays a second source meanwhile: a node it marks bad (`closed`:
+        or closed) while its probe is pending is bad at once."""
         controls = [c for c in controls if c not in nodes]
         started = time.monotonic()
-        pending = {n: self.runner.popen(probe_argv([n]), env=dict(self.environ), stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, text=True) for n in [*nodes, *controls]}
-        answered: dict[str, float] = {}  # control: seconds to its answer
+        pending: dict[str, _Probe | None] = {n: self._start(n) for n in [*nodes, *controls]}
+        again: dict[str, float] = {}  # node: when its probe's srun, which gave up on the controller, starts again
+        answered: dict[str, float] = {}  # control: seconds from its launch to its answer
         ask_slurm = started + SLURM_EVERY_S
         bad: dict[str, str] = {}
+        unlaunched = UNLAUNCHED_FACTOR * self.probe_timeout
         while pending:
-            for node, p in list(pending.items()):
-                if p.poll() is not None:
-                    out, _ = p.communicate()
-                    if p.returncode != 0 or out.strip() != node:
-                        bad[node] = f"probe failed (exit status {p.returncode})"
-                    if node in controls:
-                        answered[node] = time.monotonic() - started
-                    del pending[node]
             now = time.monotonic()
+            for node, at in list(again.items()):
+                if now >= at:
+                    pending[node] = self._start(node)
+                    del again[node]
+            for node, p in list(pending.items()):
+                if p is None:
+                    continue
+                if p.proc.poll() is None:
+                    p.read(now, node)
+                    continue
+                out = p.end(now, node)
+                if p.proc.returncode != 0 and p.launched is None and now - started < unlaunched:  # srun gave up
+                    # before asking the node (the controller timed out, or was not there): the node is not judged yet
+                    _log.info("probe of %s: srun ended before launching its task (%s); again", node, p.error())
+                    pending[node], again[node] = None, p.began + SLURM_EVERY_S
+                    continue
+                if p.proc.returncode != 0 or out.strip() != node:
+                    bad[node] = f"probe failed (exit status {p.proc.returncode}{p.error(': ')})"
+                if node in controls:
+                    answered[node] = now - (p.launched or started)
+                del pending[node]
             timed = [answered[c] for c in controls] if controls and len(answered) == len(controls) else None
             waited = probe_deadline(self.probe_timeout, timed)
-            late = f"probe did not answer within {waited:.3g} s" + (
-                "" if timed is None else f" (--probe-timeout {self.probe_timeout:g} s; {len(timed)} other node(s) "
-                                         f"answered within {max(timed):.2f} s)")
-            marked = {n: late for n in pending} if now - started >= waited else \
-                self._slurm_marked(list(pending), closed) if pending and now >= ask_slurm else {}
+            late = {n: f"probe did not answer within {waited:.3g} s" + (
+                        "" if timed is None else f" (--probe-timeout {self.probe_timeout:g} s; {len(timed)} other "
+                                                 f"node(s) answered within {max(timed):.2f} s)")
+                    for n, p in pending.items() if p and p.launched is not None and now - p.launched >= waited}
+            late.update({n: f"Slurm did not launch the probe's task within {unlaunched:.3g} s ({UNLAUNCHED_FACTOR:g}"
+                            f" × --probe-timeout {self.probe_timeout:g} s{p.error('; ') if p else ''})"
+                         for n, p in pending.items() if not (p and p.launched) and now - started >= unlaunched})
+            rest = [n for n in pending if n not in late]
+            marked = {**(self._slurm_marked(rest, closed) if rest and now >= ask_slurm else {}), **late}
             if now >= ask_slurm:
                 ask_slurm = now + SLURM_EVERY_S
             for node, why in marked.items():
-                pending[node].kill()
-                pending.pop(node).communicate()
+                p = pending.pop(node)
+                again.pop(node, None)
+                if p is not None:
+                    p.end(now, node, kill=True)
                 bad[node] = why
             time.sleep(0.05 if pending else 0)
         return bad
+
+    def _start(self, node: str) -> _Probe:
+        """The probe's srun on `node`."""
+        return _Probe(self.runner.popen(probe_argv([node]), env=dict(self.environ), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE))
 
     def _slurm_marked(self, nodes: list[str], closed: bool) -> dict[str, str]:
         try:
@@ -109,3 +139,40 @@ class NodeCheck:
         except SlurmError as exc:
             _log.warning("node check failed: %s", exc)
             return {}
+
+
+class _Probe:
+    """One node's probe: its srun, what srun said on stderr so far (read without blocking), and when srun said it
+    sent the node the task (None: not yet)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.began = proc, time.monotonic()
+        self.said = b""
+        self.launched: float | None = None
+        os.set_blocking(proc.stderr.fileno(), False)
+
+    def read(self, now: float, node: str) -> None:
+        try:
+            while chunk := os.read(self.proc.stderr.fileno(), 65536):
+                self.said += chunk
+        except BlockingIOError:
+            pass
+        if self.launched is None and node in slurmstate.launched_on(self.said.decode(errors="replace")):
+            self.launched = now
+
+    def end(self, now: float, node: str, kill: bool = False) -> str:
+        """Its stdout, once its srun ended (`kill`: killed now); what it said read to the end, its pipes closed."""
+        if kill:
+            self.proc.kill()
+        self.proc.wait()
+        self.read(now, node)
+        out = self.proc.stdout.read() if self.proc.stdout else ""
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
+        return out.decode(errors="replace") if isinstance(out, bytes) else out
+
+    def error(self, prefix: str = "") -> str:
+        """srun's last error line, after `prefix`; '' when it said none."""
+        lines = [ln for ln in self.said.decode(errors="replace").splitlines() if "error" in ln.lower()]
+        return f"{prefix}{lines[-1].strip()[:200]}" if lines else ""

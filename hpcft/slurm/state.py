@@ -24,6 +24,9 @@ CLOSED_SUFFIXES = "@!"  # sinfo: reboot pending, power-down pending
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z/:]+)=(\S*)")
 _TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
 _STEP_REFUSED = re.compile(r"^srun: error: Unable to create step for job \S+: (.+)$")
+# `srun --verbose`, once the controller created the step and srun sends its tasks to a node (20.11+: 'launching
+# StepId=7.3 on host n2, 1 tasks: 0'; older: 'launching 7.3 on host n2, …')
+_LAUNCHING = re.compile(r"^srun: (?:\S+: )*launching (?:StepId=)?\S+ on host (\S+?),", re.MULTILINE)
 # step-creation refusals that another try may not meet (the controller or the nodes, not the step's options)
 TRANSIENT_REFUSALS = ("timed out", "not responding", "try again", "unable to contact", "required node not available",
                       "busy", "completing", "communication", "socket")
@@ -171,6 +174,12 @@ def ended_tasks(stderr_lines: list[str]) -> dict[str, int]:
             with contextlib.suppress(ConfigError):  # not a task list after all: no task of it counted
                 ended.setdefault(m.group(1), set()).update(map(int, expand_range(m.group(2), m.group(0))))
     return {node: len(tasks) for node, tasks in ended.items()}
+
+
+def launched_on(verbose_stderr: str) -> set[str]:
+    """The nodes `srun --verbose` says it has sent the step's tasks to: the controller answered, the step exists,
+    and what happens next is up to those nodes."""
+    return set(_LAUNCHING.findall(verbose_stderr))
 
 
 def step_refusal(stderr_lines: list[str]) -> str | None:

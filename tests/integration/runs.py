@@ -30,12 +30,17 @@ def wait(predicate, what: str, timeout: float, story: Path | None = None) -> Non
 def told(out: Path, events_kept: int = 40, lines_kept: int = 60) -> str:
     """What a job in `out` said (its newest events and output lines and its agents' status), for a failure."""
     recs = events.read(out / "job") if (out / "job").is_dir() else []
-    said = [" ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "job"))[:300] for e in recs[-events_kept:]]
+    t0 = recs[0]["time"] if recs else 0.0  # each event's time since the job's first, to tell what waited on what
+    said = [f"+{e.get('time', t0) - t0:.1f}s "
+            + " ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "job"))[:300] for e in recs[-events_kept:]]
     log = out / "job.out"
     lines = log.read_text(errors="replace").splitlines()[-lines_kept:] if log.exists() else ["(no job.out)"]
     agents = {tag: agent_status.read(out / "job" / "agents", tag) for tag in "0123"}
+    logs = sorted((out / "job").glob("agents-*.log"), key=lambda p: p.stat().st_mtime)[-2:]  # what srun said of them
+    steps = [f"{p.name}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines_kept // 3:]) for p in logs]
     return ("\n--- events ---\n" + "\n".join(said) + "\n--- job.out ---\n" + "\n".join(lines)
-            + "\n--- agents ---\n" + "\n".join(f"{t}: {s}" for t, s in agents.items() if s))
+            + "\n--- agents ---\n" + "\n".join(f"{t}: {s}" for t, s in agents.items() if s)
+            + "\n--- agents' steps ---\n" + "\n".join(steps))
 
 
 def wait_progress(job_dir: Path, rank: int, step: int, timeout: float = 90) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import fake_probe  # tests/unit is on sys.path (pytest's rootdir insertion)
+
 from hpcft.agent import status as agent_status
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.transport import TransportError
@@ -198,9 +200,7 @@ class _FrozenCluster(Runner):
         return subprocess.CompletedProcess(argv, 0, out, "")
 
     def popen(self, argv, **kw):
-        node = next(a.split("=", 1)[1] for a in argv if a.startswith("--nodelist="))
-        cmd = ["sleep", "600"] if node == "n3" else ["echo", node]
-        return subprocess.Popen(cmd, stdout=kw.get("stdout"), stderr=kw.get("stderr"), text=True)
+        return fake_probe.probe(argv, {"n3"}, stdout=kw.get("stdout"), stderr=kw.get("stderr"))
 
 
 def test_a_probe_still_waiting_for_a_frozen_node_ends_when_slurm_marks_it():

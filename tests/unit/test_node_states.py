@@ -3,9 +3,10 @@ no new work: an admin's drain, `scontrol reboot ASAP`), hpcft/slurm/state.py; an
 a closed node's step running and says so once (hpcft/launch/nodecheck.py). The integration test that drains a
 running job's nodes is test_supervisor_requeue.py's durable-tier test."""
 import subprocess
-import sys
 
 import pytest
+
+import fake_probe  # tests/unit is on sys.path (pytest's rootdir insertion)
 
 from hpcft.launch.nodecheck import NodeCheck
 from hpcft.slurm import state as slurmstate
@@ -43,11 +44,8 @@ class _Slurm:
         self.states, self.nodelist, self.frozen, self.probed = states, nodelist, frozen, []
 
     def popen(self, argv, *, env=None, **kwargs):  # the probe's srun: a healthy node echoes its name
-        node = argv[argv.index("-w") + 1] if "-w" in argv else next(a.split("=", 1)[1] for a in argv
-                                                                   if a.startswith("--nodelist="))
-        self.probed.append(node)
-        script = "import time; time.sleep(600)" if node in self.frozen else f"print({node!r})"
-        return subprocess.Popen([sys.executable, "-c", script], **kwargs)
+        self.probed.append(fake_probe.node_of(argv))
+        return fake_probe.probe(argv, self.frozen, **kwargs)
 
     def run(self, argv, check=True):
         if argv[:3] == ["scontrol", "show", "job"]:

@@ -2,11 +2,11 @@
 `probe_deadline`, `control_nodes`; hpcft/launch/nodecheck.py): a node silent past --loss-timeout that does not
 answer a probe its peers answer at once is bad within seconds, not at --probe-timeout; a slow cluster slows the
 controls too, and the suspect gets longer."""
-import subprocess
-import sys
 import time
 
 import pytest
+
+import fake_probe  # tests/unit is on sys.path (pytest's rootdir insertion)
 
 from hpcft.launch import nodecheck
 from hpcft.launch.nodecheck import NodeCheck
@@ -32,22 +32,19 @@ def test_controls_are_the_suspects_neighbours_and_never_suspects():
 
 
 class _Runner:
-    """Runs a command per node instead of the probe's srun (the probe's argv is tested in test_launch_srun): a
-    healthy node echoes its name, a frozen one never answers."""
+    """Runs a command per node instead of the probe's srun (the probe's argv is tested in test_launch_golden): a
+    healthy node echoes its name, a frozen one never answers, an unlaunched one's step is never created."""
 
-    def __init__(self, frozen: set[str]):
-        self.frozen = frozen
+    def __init__(self, frozen: set[str], unlaunched: set[str] = frozenset()):
+        self.frozen, self.unlaunched = frozen, unlaunched
 
     def popen(self, argv, *, env=None, **kwargs):
-        node = argv[argv.index("-w") + 1] if "-w" in argv else next(a.split("=", 1)[1] for a in argv
-                                                                   if a.startswith("--nodelist="))
-        script = "import time; time.sleep(600)" if node in self.frozen else f"print({node!r})"
-        return subprocess.Popen([sys.executable, "-c", script], **kwargs)
+        return fake_probe.probe(argv, self.frozen, self.unlaunched, **kwargs)
 
 
-def _check(frozen: set[str], timeout: float) -> NodeCheck:
+def _check(frozen: set[str], timeout: float, unlaunched: set[str] = frozenset()) -> NodeCheck:
     said: list = []
-    check = NodeCheck(_Runner(frozen), "1", {}, timeout, lambda *a, **k: said.append((a, k)))
+    check = NodeCheck(_Runner(frozen, unlaunched), "1", {}, timeout, lambda *a, **k: said.append((a, k)))
     check._slurm_marked = lambda nodes, closed: {}  # no Slurm here: only the probe decides
     return check
 
@@ -65,3 +62,16 @@ def test_a_suspect_that_answers_is_not_bad_and_a_frozen_control_leaves_the_timeo
     assert _check(set(), timeout=30.0).probe(["n3"], controls=["n2"]) == {}
     bad = _check({"n2", "n3"}, timeout=1.0).probe(["n3"], controls=["n2"])  # no control answered: the timeout
     assert sorted(bad) == ["n2", "n3"] and bad["n3"] == "probe did not answer within 1 s", bad
+
+
+def test_a_probe_whose_step_the_controller_has_not_created_is_not_the_nodes_fault_until_a_longer_wait(monkeypatch):
+    """A busy slurmctld (hundreds of nodes' steps at once) delays the probe's step: the node has not been asked yet,
+    so --probe-timeout does not run for it; past UNLAUNCHED_FACTOR × the timeout it is bad, and the reason says
+    Slurm never launched the task. A node that was asked and is silent is still bad at the timeout."""
+    monkeypatch.setattr(nodecheck, "SLURM_EVERY_S", 3600.0)
+    started = time.monotonic()
+    bad = _check({"n2"}, timeout=1.0, unlaunched={"n3"}).probe(["n2", "n3"])
+    took = time.monotonic() - started
+    assert bad["n2"] == "probe did not answer within 1 s", bad
+    assert bad["n3"].startswith("Slurm did not launch the probe's task within 3 s"), bad
+    assert nodecheck.UNLAUNCHED_FACTOR * 1.0 <= took < 20.0
