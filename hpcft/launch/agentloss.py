@@ -5,7 +5,9 @@ answer): a node that fails the probe is lost
 (`node_failed`: a spare takes its slot). When every node answers, the agents failed on their own: while the trainers
 run, the agents alone are restarted (a fresh mesh on the same nodes, nothing rebuilt: every node's store is intact)
 and the trainers keep training; only when that fails, or has happened `ALONE_PER_LAUNCH` times in one launch, is the
-run relaunched from memory (`agent_failed`)."""
+run relaunched from memory (`agent_failed`). Agents whose step ended before they were ready, on nodes that all answer,
+are launched once more before the trainers start (`agents_again`): nothing is lost yet, and a Slurm hiccup at the
+step's start (a task launch that failed on one node) must not cost a relaunch."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from hpcft.errors import CheckpointError
-from hpcft.launch.agents import AgentSteps
+from hpcft.launch.agents import AgentSteps, StepEnded
 from hpcft.launch.layout import Layout
 from hpcft.launch.nodecheck import NodeCheck
 from hpcft.launch.policy import Event, Kind, control_nodes
@@ -69,6 +71,21 @@ class AgentLoss:
                   transport=self.agents.cfg.agent_transport, restarted="the agents' whole step",
                   **({"reason": str(failure), "action": "relaunch from memory"} if failure else {}))
         return None if failure is None else self.not_ready(layout, failure)
+
+    def before_training(self, layout: Layout, failure: CheckpointError, restart_count: int,
+                        env: Mapping[str, str]) -> Event | None:
+        """The agents could not get ready before the trainers start: `not_ready`'s event, except that a step that
+        ended on nodes which all answer is launched once more (None: that one is ready, the trainers may start).
+        Not when srun itself was killed: its step's agents may still run, and two sets must never share a store."""
+        event = self.not_ready(layout, failure)
+        if event.kind is not Kind.AGENT_FAILED or not isinstance(failure, StepEnded) or (failure.exit_status or 0) < 0:
+            return event
+        old = self.agents.tag
+        self.emit("agents_again", level=logging.WARNING, tag=old, reason=str(failure),
+                  action="every node answers: the agents' step is launched once more before the trainers start")
+        self.agents.stop(ask=False, flush=False)
+        again = self.agents.start(layout, restart_count, dict(env), tag=f"{old}-again")
+        return None if again is None else self.not_ready(layout, again)
 
     def not_ready(self, layout: Layout, exc: CheckpointError) -> Event:
         """The policy's view of agents that could not get ready: a bad node, or an agent failure on healthy nodes."""

@@ -39,6 +39,15 @@ def agent_mpi(cfg: RunConfig) -> str | None:
     return cfg.agent_mpi or profiles.get(cfg.profile).agent_mpi
 
 
+class StepEnded(CheckpointError):
+    """The agents' step ended before every agent was ready; `exit_status`: srun's (negative: srun itself was killed
+    by that signal, and the step's tasks may outlive it)."""
+
+    def __init__(self, message: str, exit_status: int | None):
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
 PROBE_EVERY_S = 5.0  # while the agents get ready: a probe of the slots' nodes this often (scontrol every poll)
 
 
@@ -190,8 +199,8 @@ class AgentSteps:
                 if time.monotonic() > deadline:
                     raise CheckpointError(f"{exc} (--protect-timeout {self.cfg.protect_timeout:g} s)") from None
             if proc is None or proc.poll() is not None:
-                raise CheckpointError(f"the agents' step ended (exit status {proc and proc.returncode}) before every "
-                                      f"agent was ready; see {self.job_dir / f'agents-{tag}.log'}")
+                raise StepEnded(f"the agents' step ended (exit status {proc and proc.returncode}) before every "
+                                f"agent was ready; see {self.job_dir / f'agents-{tag}.log'}", proc and proc.returncode)
             if self._interrupted():
                 raise CheckpointError("interrupted by SIGTERM")
             probe = time.monotonic() >= probe_at

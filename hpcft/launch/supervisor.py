@@ -290,8 +290,9 @@ class Supervisor:
             self.standbys.ensure([*layout.slots, *layout.spares], env, spares=layout.spares)
             if self.cfg.with_agents:
                 failure = self.agents.start(layout, restart_count, env)
-                if failure is not None:
-                    event = self.agent_loss.not_ready(layout, failure)
+                event = None if failure is None else \
+                    self.agent_loss.before_training(layout, failure, restart_count, env)
+                if event is not None:
                     self.agents.stop()
                     return event
             self.standbys.wait(layout.slots, interrupted=self._terminated)

@@ -179,3 +179,39 @@ def test_a_frozen_node_is_named_by_the_agents_heartbeats_and_confirmed_by_the_pr
           f"(--loss-timeout {loss:g}), the supervisor probing it {heard['time'] - frozen:.2f} s after, declared lost "
           f"{bad[0]['time'] - frozen:.2f} s after (--probe-timeout 5)")
     assert_same_result(out, dp_reference)
+
+
+def test_an_agents_step_that_ends_before_its_agents_are_ready_is_launched_once_more_and_the_run_goes_on(
+        healthy_sandbox, dp_reference, tmp_path):
+    """The agents' step of the first launch ends before its agents are ready, the nodes all answering (CI once saw
+    srun exit 141 there: a task of it died of SIGPIPE): here its srun gets SIGPIPE, on which srun kills the step
+    and exits. The step is launched once more before the trainers start; no relaunch, nothing lost."""
+    out = tmp_path / "agents-again"
+    proc = start_spared(healthy_sandbox, out, verbose=False)
+    try:
+        wait(lambda: _agents_srun(out) is not None, "the agents' srun", 60, story=out)
+        os.kill(_agents_srun(out), signal.SIGPIPE)
+        log, made, output = finished_ok(proc, out, timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [(d["action"], d["cause"]) for d in made] == [("done", "success")], output[-4000:]  # no relaunch
+    again = [e for e in log if e["event"] == "agents_again"]
+    assert len(again) == 1 and again[0]["tag"] == "0" and again[0]["level"] == "WARNING", again
+    assert [e["tag"] for e in log if e["event"] == "agents_ready"] == ["0-again"]
+    assert [e["event"] for e in log].count("launch") == 1 and not [e for e in log if e["event"] == "node_bad"]
+    assert_same_result(out, dp_reference)
+
+
+def _agents_srun(out) -> int | None:
+    """The pid of the first launch's agents' srun on this machine, once it runs and before its agents are ready."""
+    if any(e["event"] == "agents_ready" for e in events.read(out / "job")) if (out / "job").is_dir() else False:
+        raise AssertionError("the agents got ready before their srun could be signalled")
+    for entry in os.listdir("/proc"):
+        try:
+            argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0") if entry.isdigit() else []
+        except OSError:
+            continue
+        if argv[:1] == [b"srun"] and b"--job-name=hpcft-agent" in argv and str(out).encode() in b" ".join(argv):
+            return int(entry)
+    return None

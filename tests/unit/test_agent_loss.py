@@ -207,3 +207,35 @@ def test_a_probe_still_waiting_for_a_frozen_node_ends_when_slurm_marks_it():
     checks = NodeCheck(_FrozenCluster(marks_after=1.0), "7", {}, probe_timeout=600, emit=lambda *a, **k: None)
     bad = checks.probe(["n1", "n2", "n3"])
     assert set(bad) == {"n3"} and "NOT_RESPONDING (Slurm, while the probe waited)" in bad["n3"], bad
+
+
+def test_an_agents_step_that_ended_before_ready_on_healthy_nodes_is_launched_once_more_before_the_trainers():
+    from hpcft.errors import CheckpointError
+    from hpcft.launch.agentloss import AgentLoss
+    from hpcft.launch.agents import StepEnded
+    from hpcft.launch.policy import Kind
+
+    layout = Layout(slots=("frontier00041", "frontier00042"), spares=())
+    ended = StepEnded("the agents' step ended (exit status 141) before every agent was ready", 141)
+    said: list = []
+    agents = _Agents([None])
+    loss = AgentLoss(agents, _Nodes({}), lambda kind, **f: said.append((kind, f)), interrupted=lambda: False)
+    assert loss.before_training(layout, ended, 0, {}) is None  # the second try is ready: the trainers start
+    assert agents.calls == [("stop", False, False), ("start", "0-again")]
+    assert said[0][0] == "agents_again" and said[0][1]["level"] == logging.WARNING and "141" in said[0][1]["reason"]
+
+    agents = _Agents([StepEnded("the agents' step ended (exit status 1) before every agent was ready", 1)])
+    loss = AgentLoss(agents, _Nodes({}), lambda kind, **f: None, interrupted=lambda: False)
+    event = loss.before_training(layout, ended, 0, {})  # once only: the second failure is the launch's
+    assert event.kind is Kind.AGENT_FAILED and "exit status 1" in event.detail and len(agents.calls) == 2
+
+    agents = _Agents([])
+    lost = AgentLoss(agents, _Nodes({"frontier00042": "probe did not answer within 15 s"}), lambda kind, **f: None,
+                     interrupted=lambda: False).before_training(layout, ended, 0, {})
+    assert lost.kind is Kind.NODE_FAILED and lost.bad_nodes == ("frontier00042",) and agents.calls == []
+    failed = AgentLoss(agents, _Nodes({}), lambda kind, **f: None, interrupted=lambda: False).before_training(
+        layout, CheckpointError("agent of slot 1 failed: bad manifest"), 0, {})  # an agent's own error: no retry
+    assert failed.kind is Kind.AGENT_FAILED and agents.calls == []
+    killed = AgentLoss(agents, _Nodes({}), lambda kind, **f: None, interrupted=lambda: False).before_training(
+        layout, StepEnded("the agents' step ended (exit status -9)", -9), 0, {})  # srun killed: its agents may live on
+    assert killed.kind is Kind.AGENT_FAILED and agents.calls == []
