@@ -13,9 +13,11 @@ Runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spare nod
   answers) the node is frozen (SIGSTOP) instead and powered off (killed) once the supervisor has decided; with
   `kill` (the default) its processes die at once and the kernel closes their connections, which the agents notice
   at once: a lower bound that a real crash does not give;
-- batch host: `hpcft submit --protect xor` (4 nodes, no spare), the batch script's node (slot 0) crashed once a
-  step is protected → the janitors requeue the job, which resumes from the survivors' memory; `batch_host_s` is
-  the time from Slurm marking the node bad to the requeue;
+- batch host: `hpcft submit --protect xor` (4 nodes, no spare), the batch script's node (slot 0) lost once a
+  step is protected, as at a power loss (frozen, then powered off once the job is requeued: its srun processes
+  killed at once instead would end the janitors' step themselves, which no real crash does) → the janitors
+  requeue the job, which resumes from the survivors' memory; `batch_host_s` is the time from Slurm marking the
+  node bad to the requeue;
 - baselines (hpcft/bench/recovery_baselines.py): a plain batch job that `torch.save`s every step, one rank killed;
   its batch script runs srun again in the same allocation (`relaunch`, what a user would do: the fair one), or
   `scontrol requeue`s the job (`requeue`), and the next launch `torch.load`s the checkpoint.
@@ -40,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -250,7 +252,7 @@ def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     timeline.wait(lambda: _protected(out / "job" / "agents", held), f"version {held} protected by every agent",
                   opts.timeout, proc)
     node = f"n{VICTIM_RANK + 1}"  # slot i of the 6-node allocation n1..n6 is node n{i+1}
-    fault, down = _crash(sb, node, silent=opts.crash == "silent", job_dir=out / "job")
+    fault, down = _crash(sb, node, silent=opts.crash == "silent", decided=lambda at: _decided(out / "job", at))
     hold.touch()
     _finish(proc, out, opts.timeout)
     marked = _marked(down, node, fault)
@@ -267,10 +269,12 @@ def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     return result
 
 
-def _crash(sb, node: str, *, silent: bool = False, job_dir: Path | None = None) -> tuple[float, dict[str, Any]]:
+def _crash(sb, node: str, *, silent: bool = False, decided: Callable[[float], float] | None = None,
+           off_at_mark: bool = True) -> tuple[float, dict[str, Any]]:
     """Crash `node` now; (the time, a dict that a thread fills with when and how Slurm marks it bad). `silent`:
-    freeze it (nothing closes, nothing answers) and power it off (kill) once `job_dir`'s supervisor has decided or
-    Slurm has marked it bad, whichever comes first."""
+    freeze it (nothing closes, nothing answers, as at a power loss) and power it off (kill) once `decided(fault)`
+    returns (it raises HpcftError until then: the supervisor's decision, the janitors' requeue) or, with
+    `off_at_mark`, once Slurm has marked it bad, whichever comes first."""
     down: dict[str, Any] = {}
 
     def watch_state() -> None:
@@ -288,9 +292,9 @@ def _crash(sb, node: str, *, silent: bool = False, job_dir: Path | None = None) 
 
     def power_off(fault: float) -> None:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and "t" not in down:
+        while time.monotonic() < deadline and not (off_at_mark and "t" in down):
             with contextlib.suppress(HpcftError):
-                _decided(job_dir, fault)
+                decided(fault)
                 break
             time.sleep(0.1)
         sb.crash_node(node)
@@ -332,7 +336,11 @@ def batch_host(sb, opts: RecoveryOptions, out: Path) -> dict[str, Any]:
         timeline.wait_victim(out, opts)
         timeline.wait(lambda: _protected(out / "job" / "agents", opts.fault_at + 1), "the step protected", opts.timeout)
         host = slurmstate.job_info(runner, job_id).batch_host
-        fault, down = _crash(sb, host)
+        # a power loss: the node's processes stop where they are, and it is powered off once the janitors have
+        # requeued the job. Killed at once instead, they close their sockets and pipes while the other nodes run,
+        # which a real crash never does: srun's shepherd on it, or the step's other nodes losing that node's
+        # slurmstepd, then ended the janitors' step on every node within ~2 s, in ~1 bench run in 4
+        fault, down = _crash(sb, host, silent=True, decided=lambda at: _requeued(out / "job", at), off_at_mark=False)
         hold.touch()
         timeline.wait(lambda: slurmstate.job_ended(runner, job_id), "the requeued job to end", opts.timeout)
     finally:

@@ -33,7 +33,7 @@ def dp_reference(sandbox, tmp_path_factory) -> Path:
 def recovery_bench(sandbox, dp_reference, tmp_path_factory) -> Bench:
     """`hpcft bench recovery --json --keep DIR` once per session, on the DP job and model of `dp_reference` (16 steps,
     train_job.py's width 32 and 2 layers): its four recoveries (a killed rank, a crashed node — silent, as a power loss is: frozen, then killed once the
-    supervisor decided —, a crashed batch host,
+    supervisor decided —, a lost batch host (frozen, powered off once the janitors requeued),
     the torch.save + srun-again baseline; the requeue baseline is left out: Slurm's credential expiry adds its 10 s) are the runs the tests of those recoveries check, against that reference, instead of
     making each again. The bench heals the sandbox before and after. Tests using it take `timeout(900)`: the first
     one pays for the four runs."""

@@ -277,7 +277,8 @@ def test_a_job_that_ends_completed_failed_or_cancelled_leaves_nothing_in_node_me
 def test_a_lost_batch_host_is_requeued_by_the_janitors_and_the_job_resumes_from_what_survives(recovery_bench,
                                                                                              dp_reference):
     # the recovery bench's batch-host run (conftest.py): `hpcft submit --nodes 4 --spares 0 --protect xor`, the batch
-    # script's node crashed once every agent had protected step FAULT_AT + 1
+    # script's node lost (a power loss: frozen, powered off after the requeue) once every agent had protected step
+    # FAULT_AT + 1
     out = recovery_bench.runs / "batch-host"
     recs = events.read(out / "job")
     starts = [e for e in recs if e["event"] == "start"]
