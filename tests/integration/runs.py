@@ -50,10 +50,9 @@ def wait_progress(job_dir: Path, rank: int, step: int, timeout: float = 90) -> N
 
 def wait_protected(out: Path, tag: str | None = None, slots: int = 4, timeout: float = 90,
                    above: int | None = None) -> int:
-    """The step every agent of launch `tag` (default: the newest launch whose agents got ready, which is the first
-    launch's or, when its agents' step failed to start, their second try's) has protected, once it is at most one snapshot behind the newest the
-    trainers completed (> 0): their store keeps two versions, so an older protected step may be recycled before
-    a crash. Progress first, then the agents' status (rewritten once per round). With `above`: once every agent
+    """The step every agent of launch `tag` (default: `newest_ready`) has protected, once it is at most one snapshot
+    behind the newest the trainers completed (> 0): their store keeps two versions, so an older protected step may
+    be recycled before a crash. Progress first, then the agents' status (rewritten once per round). With `above`: once every agent
     has protected a step newer than `above`, however far the trainers are ahead (an agent keeps its newest
     protected step pinned, so a crash still finds it; catching up with trainers faster than a protection round
     may never happen)."""
@@ -62,13 +61,19 @@ def wait_protected(out: Path, tag: str | None = None, slots: int = 4, timeout: f
     def caught_up() -> bool:
         newest = max((int(p.read_text() or -1) for p in out.glob("progress.*")), default=-1) if above is None \
             else above + 1
-        ready = [e["tag"] for e in events.read(out / "job") if e["event"] == "agents_ready"] if tag is None else [tag]
-        found[:] = [s.get("protected") for s in agent_status.read(out / "job" / "agents", ready[-1]).values()] \
+        ready = newest_ready(out / "job") if tag is None else tag
+        found[:] = [s.get("protected") for s in agent_status.read(out / "job" / "agents", ready).values()] \
             if ready else []
         return len(found) == slots and all(d is not None and d > 0 and d >= newest for d in found)
 
     wait(caught_up, f"the agents of launch {tag or '(the newest ready)'} to keep up", timeout, story=out)
     return min(found)
+
+
+def newest_ready(job_dir: Path) -> str | None:
+    """The tag of the newest launch whose agents got ready (a first launch's is "0", or "0-again" when its agents'
+    step had to be launched twice), if any."""
+    return next((e["tag"] for e in reversed(events.read(job_dir)) if e["event"] == "agents_ready"), None)
 
 
 def agents_ready(job_dir: Path, tag: str) -> dict | None:

@@ -13,7 +13,8 @@ import subprocess
 import sys
 
 import pytest
-from runs import JOB, assert_same_result, decisions, finished_ok, resumed_from, start, wait, wait_protected
+from runs import (JOB, assert_same_result, decisions, finished_ok, newest_ready, resumed_from, start, wait,
+                  wait_protected)
 
 from hpcft import events
 from hpcft.agent import status as agent_status
@@ -53,6 +54,7 @@ def test_a_node_lost_without_spare_shrinks_the_job_from_memory_and_it_grows_back
     try:
         protected = wait_protected(out, slots=4, timeout=300, above=HOLD_AT)  # the newest snapshot (step numbers count
         # optimizer steps done: loop step HOLD_AT is snapshot HOLD_AT + 1)
+        first = newest_ready(out / "job")  # the 4-node job's agents
         slots = next(e for e in events.read(out / "job") if e["event"] == "launch")["slots"].split(",")
         lost = slots[2]  # not the first: the batch host keeps the supervisor
         healthy_sandbox.crash_node(lost)
@@ -78,7 +80,7 @@ def test_a_node_lost_without_spare_shrinks_the_job_from_memory_and_it_grows_back
     assert shrink["ok"] and shrink["hosted"] == f"2:{slots[3]}" and shrink["source"] == "memory+parity", shrink
     # the newest protected step, from memory: no earlier flush existed (--persist-every 100), and it is the step
     # the lost node's agent last reported protected or newer
-    lost_report = agent_status.read(out / "job" / "agents", "0")[2]
+    lost_report = agent_status.read(out / "job" / "agents", first)[2]
     assert shrink["step"] == shrink["durable"] >= max(protected, lost_report["protected"])
     (grow,) = [e for e in log if e["event"] == "grow"]
     assert grow["ok"] and grow["returned"] == lost and grow["step"] == grow["durable"] == HOLD_SHRUNK + 1, grow

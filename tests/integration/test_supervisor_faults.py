@@ -10,7 +10,8 @@ import subprocess
 import sys
 import time
 
-from runs import assert_same_result, decisions, finish, finished_ok, start_spared, wait, wait_progress, wait_protected
+from runs import (assert_same_result, decisions, finish, finished_ok, newest_ready, start_spared, wait, wait_progress,
+                  wait_protected)
 
 from hpcft import events
 from hpcft.agent import status as agent_status
@@ -111,7 +112,8 @@ def test_an_agent_killed_while_the_trainers_run_is_restarted_alone_while_the_tra
     try:
         wait_protected(out, slots=4, timeout=120, above=0)
         assert not (out / "final.pt").exists(), "the job ended before the agent was killed"
-        os.kill(agent_status.read(out / "job" / "agents", "0")[2]["pid"], signal.SIGKILL)  # n3's agent, not its node
+        os.kill(agent_status.read(out / "job" / "agents", newest_ready(out / "job"))[2]["pid"], signal.SIGKILL)  # n3's
+        # agent, not its node
         wait(lambda: any(e["event"] == "agents_restart" for e in events.read(out / "job")),
              "the agents restarted alone", 180, story=out)
     finally:
