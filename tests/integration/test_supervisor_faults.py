@@ -191,7 +191,7 @@ def test_an_agents_step_that_ends_before_its_agents_are_ready_is_launched_once_m
     out = tmp_path / "agents-again"
     proc = start_spared(healthy_sandbox, out, verbose=False)
     try:
-        wait(lambda: _agents_srun(out) is not None, "the agents' srun", 60, story=out)
+        wait(lambda: _agents_srun(out) is not None, "the agents' srun, its tasks started", 60, story=out)
         os.kill(_agents_srun(out), signal.SIGPIPE)
         log, made, output = finished_ok(proc, out, timeout=240)
     finally:
@@ -206,14 +206,20 @@ def test_an_agents_step_that_ends_before_its_agents_are_ready_is_launched_once_m
 
 
 def _agents_srun(out) -> int | None:
-    """The pid of the first launch's agents' srun on this machine, once it runs and before its agents are ready."""
-    if any(e["event"] == "agents_ready" for e in events.read(out / "job")) if (out / "job").is_dir() else False:
+    """The pid of the first launch's agents' srun on this machine, once its tasks started (an `agent_start`: srun
+    handles signals by then) and before its agents are ready; not its shepherd (a fork of srun with the same
+    command line, which cancels the step when srun dies)."""
+    said = [e["event"] for e in events.read(out / "job")] if (out / "job").is_dir() else []
+    if "agents_ready" in said:
         raise AssertionError("the agents got ready before their srun could be signalled")
+    if "agent_start" not in said:
+        return None
+    found: dict[int, int] = {}  # pid: parent pid
     for entry in os.listdir("/proc"):
         try:
             argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0") if entry.isdigit() else []
+            if argv[:1] == [b"srun"] and b"--job-name=hpcft-agent" in argv and str(out).encode() in b" ".join(argv):
+                found[int(entry)] = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
         except OSError:
             continue
-        if argv[:1] == [b"srun"] and b"--job-name=hpcft-agent" in argv and str(out).encode() in b" ".join(argv):
-            return int(entry)
-    return None
+    return next((pid for pid, parent in found.items() if parent not in found), None)
