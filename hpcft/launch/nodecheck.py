@@ -75,55 +75,52 @@ class NodeCheck:
         or closed) while its probe is pending is bad at once."""
         controls = [c for c in controls if c not in nodes]
         started = time.monotonic()
-        pending: dict[str, _Probe | None] = {n: self._start(n) for n in [*nodes, *controls]}
-        again: dict[str, float] = {}  # node: when its probe's srun, which gave up on the controller, starts again
+        pending = {n: self._start(n) for n in [*nodes, *controls]}
+        again: dict[str, _Probe] = {}  # node: its ended probe, whose srun gave up on the controller (started again)
         answered: dict[str, float] = {}  # control: seconds from its launch to its answer
         ask_slurm = started + SLURM_EVERY_S
         bad: dict[str, str] = {}
         unlaunched = UNLAUNCHED_FACTOR * self.probe_timeout
-        while pending:
+        while pending or again:
             now = time.monotonic()
-            for node, at in list(again.items()):
-                if now >= at:
-                    pending[node] = self._start(node)
-                    del again[node]
+            for node in [n for n, p in again.items() if now >= p.began + SLURM_EVERY_S]:
+                pending[node] = self._start(node)
+                del again[node]
             for node, p in list(pending.items()):
-                if p is None:
-                    continue
                 if p.proc.poll() is None:
                     p.read(now, node)
                     continue
                 out = p.end(now, node)
+                del pending[node]
                 if p.proc.returncode != 0 and p.launched is None and now - started < unlaunched:  # srun gave up
                     # before asking the node (the controller timed out, or was not there): the node is not judged yet
                     _log.info("probe of %s: srun ended before launching its task (%s); again", node, p.error())
-                    pending[node], again[node] = None, p.began + SLURM_EVERY_S
+                    again[node] = p
                     continue
                 if p.proc.returncode != 0 or out.strip() != node:
                     bad[node] = f"probe failed (exit status {p.proc.returncode}{p.error(': ')})"
                 if node in controls:
                     answered[node] = now - (p.launched or started)
-                del pending[node]
             timed = [answered[c] for c in controls] if controls and len(answered) == len(controls) else None
             waited = probe_deadline(self.probe_timeout, timed)
             late = {n: f"probe did not answer within {waited:.3g} s" + (
                         "" if timed is None else f" (--probe-timeout {self.probe_timeout:g} s; {len(timed)} other "
                                                  f"node(s) answered within {max(timed):.2f} s)")
-                    for n, p in pending.items() if p and p.launched is not None and now - p.launched >= waited}
+                    for n, p in pending.items() if p.launched is not None and now - p.launched >= waited}
             late.update({n: f"Slurm did not launch the probe's task within {unlaunched:.3g} s ({UNLAUNCHED_FACTOR:g}"
-                            f" × --probe-timeout {self.probe_timeout:g} s{p.error('; ') if p else ''})"
-                         for n, p in pending.items() if not (p and p.launched) and now - started >= unlaunched})
-            rest = [n for n in pending if n not in late]
+                            f" × --probe-timeout {self.probe_timeout:g} s{p.error('; ')})"
+                         for n, p in {**pending, **again}.items()
+                         if p.launched is None and now - started >= unlaunched})
+            rest = [n for n in [*pending, *again] if n not in late]
             marked = {**(self._slurm_marked(rest, closed) if rest and now >= ask_slurm else {}), **late}
             if now >= ask_slurm:
                 ask_slurm = now + SLURM_EVERY_S
             for node, why in marked.items():
-                p = pending.pop(node)
+                if node in pending:
+                    pending.pop(node).end(now, node, kill=True)
                 again.pop(node, None)
-                if p is not None:
-                    p.end(now, node, kill=True)
                 bad[node] = why
-            time.sleep(0.05 if pending else 0)
+            time.sleep(0.05 if pending or again else 0)
         return bad
 
     def _start(self, node: str) -> _Probe:
