@@ -1,17 +1,20 @@
 """Where a job's snapshots live, and the checks that keep other users out of them."""
 import errno
 import getpass
+import logging
 import os
 import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from hpcft import events
 from hpcft.errors import ConfigError, StoreError
 
 ENV_ROOT = "HPCFT_STORE_ROOT"
 DEFAULT_ROOT = "/dev/shm"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_roots_checked: set[Path] = set()  # store roots `_check_root` looked at in this process
 
 
 def resolve_root(root: str | os.PathLike | None = None) -> Path:
@@ -19,7 +22,25 @@ def resolve_root(root: str | os.PathLike | None = None) -> Path:
     base = Path(root or os.environ.get(ENV_ROOT) or DEFAULT_ROOT)
     if not base.is_dir():
         raise ConfigError(f"store root {base} is not a directory; create it or set {ENV_ROOT} to one that exists")
+    _check_root(base)
     return base
+
+
+def _check_root(base: Path) -> None:
+    """Event `store_root_unsafe` (once per root and process) when any user may write to `base` and its sticky bit is
+    off: another user could then delete or rename a job's store directory in it."""
+    if base in _roots_checked:
+        return
+    _roots_checked.add(base)
+    try:
+        mode = os.stat(base).st_mode
+    except OSError:
+        return  # gone again: the store's own checks say so
+    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        events.emit("store_root_unsafe", level=logging.WARNING, path=str(base), mode=f"{stat.S_IMODE(mode):04o}",
+                    reason="any user may write to this directory and its sticky bit is off: another user can delete "
+                           "or rename a job's store in it, and the job would then restart from step 0",
+                    fix=f"chmod +t {base} (as its owner), or choose another root ({ENV_ROOT})")
 
 
 def job_dir(base: Path, job_id: str, user: str | None = None) -> Path:
