@@ -165,8 +165,11 @@ def _by_rank(versions: dict[int, dict]) -> dict[int, list[int]]:
 
 def _steer(budget: LagBudget, mesh: MeshBase, cfg: AgentConfig, lag: int | None) -> None:
     """Apply the lag bound's CPU cap for the next round (event `protect_budget` when it moves), and say once when the
-    ceiling cannot meet the bound on this node (`protect_lag_unmet`)."""
+    ceiling cannot meet the bound on this node (`protect_lag_unmet`). Over the bound, the CPU spent so far is
+    forgiven: the next round starts at once instead of paying a debt at the old cap."""
     cap, unmet = budget.update(lag)
+    if lag is not None and lag > budget.bound:  # the bound wins over the cap: no sleep on CPU spent before
+        mesh.throttle.forgive()
     if cap != mesh.throttle.cpu:
         mesh.throttle.cpu = cap
         events.emit("protect_budget", slot=cfg.slot, cores=round(cap, 4), lag=lag, bound=cfg.lag_bound)
@@ -220,6 +223,12 @@ def _mesh(cfg: AgentConfig, meet: Rendezvous, peers: Collection[int]) -> MeshBas
     return Mesh(cfg.slot, cfg.slots, cfg.secret, meet, host=cfg.host, bind=cfg.bind, tag=cfg.tag, **kw)
 
 
+def _flush_round(flusher: Flusher, mesh: MeshBase, job: Path, scheme: Scheme) -> None:
+    """The flush's collective step (`Flusher.busy` is the same on every agent, so they call it alike)."""
+    complete = complete_steps(job)
+    flusher.round(mesh, complete, sorted(records(job) if scheme.name != "none" else complete))
+
+
 class Stopped(BaseException):
     """SIGTERM (python -m hpcft.agent installs the handler): the supervisor or Slurm stops the agents. Not an
     HpcftError: it unwinds the agent through its cleanup, and being asked to stop is not a failure."""
@@ -244,13 +253,16 @@ def run(cfg: AgentConfig) -> int:
     beat: Heartbeat | None = None
 
     said = ""  # the phase reported last
+    guarded, guarded_since = None, time.time()  # the newest protected step, and since when (`hpcft status`: a stall)
 
     def report(phase: str, **fields) -> None:
-        nonlocal said
+        nonlocal said, guarded, guarded_since
         said = phase
         versions = local_versions(job)
         complete, recs, by_rank = complete_steps(job, versions), records(job), _by_rank(versions)
         lag_steps, lag_s = protection_lag(complete, recs)
+        if (max(recs) if recs else None) != guarded:
+            guarded, guarded_since = max(recs) if recs else None, time.time()
         publish(node=node, phase=phase, scheme=cfg.scheme.name,
                 group=cfg.scheme.group, losses=cfg.scheme.losses, distance=cfg.scheme.distance, slots=cfg.slots,
                 interval=cfg.interval, staged=max(complete) if complete else None,
@@ -262,6 +274,7 @@ def run(cfg: AgentConfig) -> int:
                 ranks={str(r): max(v) for r, v in by_rank.items()},
                 versions={str(r): sorted(v) for r, v in by_rank.items()},
                 staged_steps=sorted(complete), protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s,
+                protected_since=guarded_since, lag_bound=cfg.lag_bound,
                 **nodemem.figures(job), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
@@ -308,13 +321,16 @@ def run(cfg: AgentConfig) -> int:
                 raise silence
             mesh.pace()  # the rounds' own CPU (all-gathers, status, manifest reads) counts against the cap
             rec = None
+            if flusher.busy:  # first, so that a flush past the store frees it for this round's pass
+                _flush_round(flusher, mesh, job, cfg.scheme)
             if not flusher.pinning and cfg.scheme.name != "none":  # the same on every agent (collective rounds)
                 try:
                     rec = protect_newest(mesh, placement, job, pins)
                 except StaleStep as exc:  # after the exchange, so the mesh is still in step
                     events.emit("protect_stale", slot=cfg.slot, reason=str(exc))
+            if not flusher.busy:  # then a new one when due, which sees this round's pass
+                _flush_round(flusher, mesh, job, cfg.scheme)
             complete, recs = complete_steps(job), records(job)
-            flusher.round(mesh, complete, sorted(recs if cfg.scheme.name != "none" else complete))
             if budget is not None and not drained.is_set():
                 _steer(budget, mesh, cfg, protection_lag(complete, recs)[0])
             done += 1

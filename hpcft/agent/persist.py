@@ -7,6 +7,7 @@ trainers take no part. While a flush reads the store no new protection pass star
 has more than two slots pinned (the flushed step and one pass: see hpcft.agent.pins)."""
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import threading
@@ -19,7 +20,7 @@ from hpcft import events
 from hpcft.agent.bundle import Held, both, map_readonly, pin_targets
 from hpcft.agent.mesh import MeshBase
 from hpcft.agent.pins import Pins
-from hpcft.agent.throttle import Throttle
+from hpcft.agent.throttle import Throttle, chore, unbilled
 from hpcft.durable import catalog, commit, files, flush, local
 from hpcft.durable.settings import PersistConfig
 from hpcft.errors import HpcftError
@@ -74,6 +75,8 @@ class Flusher:
         mine = local.copies(self.local, self.root)
         self.local_step: int | None = mine[-1].step if mine else None  # this node's newest first-level copy
         self._released = False  # every node's flush is past the store (from the last all-reduce: the same everywhere)
+        if self.root is not None and slot == 0:  # the committer: torch's import (~2 s of CPU) now, off the rounds
+            chore(importlib.import_module, "torch.distributed.checkpoint.filesystem", name="hpcft-commit-import").start()
         newest = catalog.newest(self.root) if self.root else None
         self.durable: int | None = newest.step if newest else None
         self.served: str | None = None  # the newest request id served (the same on every agent)
@@ -145,8 +148,7 @@ class Flusher:
         tmp = self.root / catalog.tmp_name(step, flush_id)
         events.emit("flush_start", step=step, slot=self.slot, path=str(tmp), reason=why,
                     local=str(self.local) if self.local else None)
-        self._thread = threading.Thread(target=self._write, args=(step, held, tmp), daemon=True,
-                                        name="hpcft-flush")
+        self._thread = chore(self._write, step, held, tmp, name="hpcft-flush")  # its CPU is not protection's
         self._thread.start()
 
     def _write(self, step: int, held: dict[int, Held], tmp: Path) -> None:
@@ -197,7 +199,8 @@ class Flusher:
         error = "; ".join(failed)
         if not failed and self.slot == 0:
             try:
-                commit.commit(tmp, self.root, step, self._world, self.job_id, self.cfg.keep)
+                with unbilled():
+                    commit.commit(tmp, self.root, step, self._world, self.job_id, self.cfg.keep)
             except HpcftError as exc:
                 error = f"commit: {exc}"
         outcome = mesh.allgather([error, self._bytes])  # once per flush: slot 0's commit outcome reaches everyone
