@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 STAGED, PROTECTED, PERSISTED = "staged", "protected", "persisted"
 HEALTHY, DEGRADED, AT_RISK, STOPPED, UNPROTECTED = "healthy", "degraded", "at risk", "stopped", "unprotected"
+BEHIND = "behind"  # every member fresh, but protection stopped keeping up with the trainers (a stall)
 MIN_STALE_S = 30.0
+MIN_STALL_S = 10.0  # protection not advanced for this long (or 5 rounds) while the trainers went on: a stall
 
 
 @dataclass
@@ -52,7 +54,7 @@ class SetView:
     members: list[int]
     health: str
     missing: list[int]
-    protected_step: int | None
+    protected_step: int | None  # the newest step every member holds and has a record of
     detail: str
 
 
@@ -77,6 +79,9 @@ class JobView:
     nodes: list[NodeView]
     sets: list[SetView]
     stragglers: list[StragglerView] = field(default_factory=list)
+    training: int | None = None  # the newest step the trainers completed (their progress, else the newest staged)
+    steps_at_risk: int | None = None  # what a node lost now would cost: training − the newest step it could resume
+    warnings: list[str] = field(default_factory=list)
 
 
 def collect(rendezvous: str | Path, tag: str | None = None, stale_after: float | None = None,
@@ -89,7 +94,10 @@ def collect(rendezvous: str | Path, tag: str | None = None, stale_after: float |
         raise ConfigError(f"{where} is not a directory; pass the job directory or its agents/ rendezvous directory")
     if not any(where.glob("agent-*.status")) and (where / "agents").is_dir():
         where = where / "agents"  # the job directory of `hpcft run` (its agents' rendezvous is <job dir>/agents)
+    log = agent_status.read_log(where)
     reports = agent_status.read(where, tag)
+    if tag is None:
+        reports = _newest_launch(reports)
     if not reports:
         raise ConfigError(f"no agent reports in {where}: neither the supervisor's {agent_status.LOG} nor status files "
                           f"(agent-<tag>-<slot>.status)"
@@ -104,16 +112,70 @@ def collect(rendezvous: str | Path, tag: str | None = None, stale_after: float |
     nodes = [_node(s, reports.get(s), now, stale) for s in range(slots)]
     placement = plan(slots, scheme) if scheme.name != "none" else None
     _mark_steps(nodes, placement, reports)
-    sets = [_set_view(placement, pset.index, list(pset.members), nodes, reports) for pset in placement.sets] \
+    record = events.read(where.parent) if where.parent.is_dir() else []
+    cleaned = _cleaned(record)
+    sets = [_set_view(placement, pset.index, list(pset.members), nodes, reports, cleaned) for pset in placement.sets] \
         if placement else []
-    return JobView(str(where), tag, asdict(scheme), stale, nodes, sets, stragglers(where.parent))
+    view = JobView(str(where), tag, asdict(scheme), stale, nodes, sets, stragglers(record))
+    _judge_lag(view, reports, log, now, max(MIN_STALL_S, 5 * interval))
+    return view
 
 
-def stragglers(job_dir: Path) -> list[StragglerView]:
-    """The stragglers named in the job's events and not cleared since (a new launch judges afresh; an evicted one
-    stays, marked)."""
+def _newest_launch(reports: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The reports of the launch that reported last: an older launch's slot (before an elastic shrink, or a relaunch
+    whose agents have not reported yet) is not a node of this one."""
+    if not reports:
+        return reports
+    tag = max(reports.values(), key=lambda r: r.get("time", 0)).get("tag")
+    return {s: r for s, r in reports.items() if r.get("tag") == tag}
+
+
+def _cleaned(record: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The supervisor's `cleaned` event, when the job's stores left the nodes' memory after its newest launch."""
+    found = None
+    for e in record:
+        if e.get("event") in ("launch", "agents_launch"):
+            found = None
+        elif e.get("event") == "cleaned" and e.get("exit_code") == 0:
+            found = e
+    return found
+
+
+def _judge_lag(view: JobView, reports: dict[int, dict[str, Any]], log: dict[str, Any], now: float,
+               stall_s: float) -> None:
+    """The steps a node lost now would cost (`steps_at_risk`), and a warning, and sets marked `behind`, when
+    protection trails the trainers past the agents' lag bound or has not advanced for `stall_s` while they went on."""
+    live = [n for n in view.nodes if n.fresh]
+    progress = [int(v[0]) for v in (log.get("progress") or {}).values() if v]
+    staged = [n.staged for n in live if n.staged is not None]
+    view.training = max(progress or staged) if progress or staged else None
+    if view.training is None or not view.sets:
+        return
+    guarded = [s.protected_step for s in view.sets]
+    durable = max((n.persisted for n in view.nodes if n.persisted is not None), default=None)
+    floors = [f for f in (None if None in guarded else min(guarded), durable) if f is not None]
+    view.steps_at_risk = max(0, view.training - max(floors)) if floors else view.training
+    bound = max((int(r["lag_bound"]) for r in reports.values() if r.get("lag_bound")), default=None)
+    since = max((float(r["protected_since"]) for r in reports.values() if r.get("protected_since")), default=None)
+    still = None if since is None else now - since
+    if bound is not None and view.steps_at_risk > bound:
+        why = f"over the agents' lag bound of {bound} (--protect-lag)"
+    elif view.steps_at_risk >= 2 and still is not None and still > stall_s:
+        why = f"protection has not advanced for {still:.0f} s while the trainers went on"
+    else:
+        return
+    view.warnings.append(f"protection trails the trainers by {view.steps_at_risk} steps ({why}): a node lost now "
+                         f"loses them; see the agents' events (protect_*, flush_*) in the job's events.jsonl")
+    for s in view.sets:
+        if s.health == HEALTHY and (s.protected_step is None or s.protected_step < view.training - 1):
+            s.health, s.detail = BEHIND, f"every member fresh, but protection trails the trainers at {view.training}"
+
+
+def stragglers(record: list[dict[str, Any]]) -> list[StragglerView]:
+    """The stragglers named in the job's events (`record`) and not cleared since (a new launch judges afresh; an
+    evicted one stays, marked)."""
     named: dict[str, StragglerView] = {}
-    for e in events.read(job_dir) if job_dir.is_dir() else []:
+    for e in record:
         kind = e.get("event")
         if kind == "straggler":
             named[e["node"]] = StragglerView(e["node"], str(e.get("ranks", "")), e.get("ready_s", 0.0),
@@ -142,7 +204,11 @@ def _node(slot: int, rep: dict[str, Any] | None, now: float, stale: float) -> No
 
 
 def _records(reports: dict[int, dict[str, Any]], slot: int) -> set[int]:
-    return set((reports.get(slot) or {}).get("protected_steps") or [])
+    """The steps `slot` holds a protection record of and still holds the snapshot of (a record of a step its ranks no
+    longer hold, left by a run that restarted from further back, protects nothing)."""
+    rep = reports.get(slot) or {}
+    held = {int(s) for steps in (rep.get("versions") or {}).values() for s in steps}
+    return set(rep.get("protected_steps") or []) & held
 
 
 def _guards(placement: Placement, slot: int) -> list[int]:
@@ -167,12 +233,15 @@ def _mark_steps(nodes: list[NodeView], placement: Placement | None, reports: dic
 
 
 def _set_view(placement: Placement, index: int, members: list[int], nodes: list[NodeView],
-              reports: dict[int, dict[str, Any]]) -> SetView:
+              reports: dict[int, dict[str, Any]], cleaned: dict[str, Any] | None) -> SetView:
     common = set.intersection(*(_records(reports, m) for m in members))
     step = max(common) if common else None
     stopped = [m for m in members if nodes[m].phase == agent_status.STOPPED]
     missing = [m for m in members if not nodes[m].fresh and m not in stopped]
     if not missing:
+        if stopped and cleaned is not None:
+            return SetView(index, members, STOPPED, [], step, "the job ended and its snapshots were removed from the "
+                           "nodes' memory (event cleaned); what is left is the durable tier's (persisted)")
         if stopped:
             return SetView(index, members, STOPPED, [], step, "the agents were asked to stop (the job ended or is "
                            "between launches); the data they reported is in their nodes' memory unless a node was "
@@ -206,13 +275,15 @@ def as_dict(view: JobView) -> dict[str, Any]:
 def render(view: JobView) -> str:
     """The human table."""
     sc = view.scheme
-    lines = [f"rendezvous {view.rendezvous}  launch {view.tag or 'newest'}  scheme {sc['name']}"
+    lines = [f"WARNING: {w}" for w in view.warnings]
+    lines += [f"rendezvous {view.rendezvous}  launch {view.tag or 'newest'}  scheme {sc['name']}"
              + (f" (group {sc['group']}, losses {sc['losses']})" if sc["name"] in ("xor", "rs") else "")
              + (f" (distance {sc['distance']})" if sc["name"] == "partner" else ""),
              f"{'slot':>4}  {'node':<14} {'phase':<11} {'heartbeat':>9}  {'staged':>6} {'protected':>9} "
              f"{'persisted':>9} {'nvme':>5} {'lag':>12}  versions (rank: steps)"]
     for n in view.nodes:
-        age = "-" if n.heartbeat_age_s is None else f"{n.heartbeat_age_s:.1f} s" + ("" if n.fresh else "!")
+        old = n.heartbeat_age_s is not None and n.heartbeat_age_s > view.stale_after_s
+        age = "-" if n.heartbeat_age_s is None else f"{n.heartbeat_age_s:.1f} s" + ("!" if old else "")
         versions = "; ".join(f"{r}: " + ",".join(f"{s}{_mark(n.steps.get(str(s)))}" for s in steps)
                              for r, steps in sorted(n.ranks.items(), key=lambda kv: int(kv[0])))
         lag = "-" if n.lag_steps is None else f"{n.lag_steps}" + ("" if n.lag_s is None else f" ({n.lag_s:.1f} s)")
@@ -221,6 +292,9 @@ def render(view: JobView) -> str:
     for s in view.sets:
         lines.append(f"set {s.index} slots {','.join(map(str, s.members))}: {s.health}"
                      f" (newest step protected on all: {_opt(s.protected_step)}; {s.detail})")
+    if view.training is not None:
+        lines.append(f"trainers at step {view.training}; steps at risk (lost if a node were lost now): "
+                     f"{_opt(view.steps_at_risk)}")
     for v in view.stragglers:
         lines.append(f"straggler {v.node} ranks {v.ranks}: ready {v.ready_s:.3f} s vs the peers' {v.peers_s:.3f} s "
                      f"({v.ratio:.2f}x)" + (", evicted onto a spare" if v.evicted else ""))
