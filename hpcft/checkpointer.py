@@ -27,7 +27,7 @@ from hpcft.snapshot.engine import SnapshotEngine, Stats
 from hpcft.durable import catalog, local, resume
 from hpcft.snapshot.restore import Loader
 from hpcft.snapshot.view import StateView
-from hpcft.store import RankStore, prefetch
+from hpcft.store import RankStore, owner, prefetch
 from hpcft.store.writer import writer_id
 
 _log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class Checkpointer:
                  exports; see docs/durable.md).
     persist_local: this node's first level of the durable tier, read by restore() before `persist_dir` (default:
                    $HPCFT_PERSIST_LOCAL, else $HPCFT_NVME/hpcft-persist where that exists; `none`: not read).
+    adopt: a job whose snapshots restore() takes besides this job's own (default: $HPCFT_ADOPT, which
+           `hpcft run --adopt JOB` exports); another job's are refused (event `restore_foreign`; hpcft.store.owner).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -62,7 +64,8 @@ class Checkpointer:
                  max_inflight_bytes: int = 256 << 20, chunk_bytes: int | None = None, threads: int | None = None,
                  on_restore: Callable[[dict | None], None] | None = None, auto: bool = True,
                  delay_per_chunk: float = 0.0, overlap: bool | None = None,
-                 persist_dir: str | os.PathLike | None = None, persist_local: str | os.PathLike | None = None):
+                 persist_dir: str | os.PathLike | None = None, persist_local: str | os.PathLike | None = None,
+                 adopt: str | None = None):
         if every < 1:
             raise ConfigError(f"every must be at least 1 (got {every})")
         if extra is not None and not callable(extra):
@@ -73,11 +76,12 @@ class Checkpointer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.job_id = str(job_id or job_env().job_id)
-        self._shared_id = not job_id and self.job_id == DEFAULT_JOB_ID  # any local run may have written this store
         # a relaunch's newest snapshot, mapped while the rest of this and restore()'s set-up runs (the restore's Slot
         # adopts it, helping with what is left); a no-op where hpcft.init started it already or nothing is stored
         prefetch.ahead(self.job_id, self.rank, root, threads=prefetch.threads(busy=1))
         self._writer = writer_id()
+        shared = not job_id and self.job_id == DEFAULT_JOB_ID  # any local run may have written this store
+        self.owner = owner.Owner(self.job_id, self._writer if shared else None, owner.adoption(adopt))
         self.comm = groups.comm(dp_group)
         self.group = self.comm.dp
         self._view = StateView(model, optimizer, frozenset(self.group.ranks) if self.group else None)
@@ -201,18 +205,17 @@ class Checkpointer:
                 self._quiet = False
             return self._view.entries()
 
-        got = resume.restore(self._loader, live, self.persist_dir, self._check_meta, self.world, self.persist_local)
+        got = resume.restore(self._loader, live, self.persist_dir, self._check_meta, self.world, self.persist_local,
+                             self.owner)
         if got is None:
             self.completed, self.extra = 0, None
             restart_record.restored(0)  # an in-process restart's event, if one is under way
             return 0
         m = got.meta
-        if self._shared_id and m.get("writer") != self._writer:
-            events.emit("restore_foreign", level=logging.WARNING, rank=self.rank, step=got.step,
-                        writer=str(m.get("writer")), store=str(self.store.dir),
-                        advice=f"this run has the default job id {DEFAULT_JOB_ID!r} and resumes step {got.step}, "
-                               "written by another process; if that was another run, pass job_id= or set "
-                               "HPCFT_JOB_ID")
+        taken = owner.stranger(m, self.owner, durable=got.source != resume.MEMORY)
+        if taken is not None:  # adopted, or another job's durable checkpoint: loaded, and said
+            events.emit("restore_adopted", level=logging.WARNING, rank=self.rank, step=got.step, source=got.source,
+                        job=taken.job, writer=taken.writer or "", own_job=self.job_id, reason=taken.why)
         rng.restore(m["rng"])
         state.apply_optimizer_meta(self.model, self.optimizer, m.get("optim") or {})
         self.completed, self.extra = got.step, copy.deepcopy(m.get("extra"))  # the manifest is the store's cache

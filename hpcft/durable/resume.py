@@ -21,6 +21,7 @@ from hpcft.errors import CheckpointError, IntegrityError
 from hpcft.snapshot.restore import Loader, held_everywhere_each
 from hpcft.snapshot.state import Entry
 from hpcft.store import Version, crc32c, prefetch
+from hpcft.store.owner import Owner, refuse
 
 MEMORY, NVME, DURABLE = "memory", "nvme", "durable"
 _PREFER = {MEMORY: 0, NVME: 1, DURABLE: 2}
@@ -65,25 +66,29 @@ def why(first: tuple[int, str], memory: Sequence[int], durable: Sequence[int], f
 
 def restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Path | None,
             check_meta: Callable[[dict[str, Any]], None] | None = None, world_size: int = 1,
-            local_root: Path | None = None) -> Restored | None:
+            local_root: Path | None = None, owner: Owner | None = None) -> Restored | None:
     """Load the newest step complete on every rank from memory, this node's first level `local_root` or `persist`
     (collective; see the module docstring); None on a fresh run. `entries_fn()` gives the live entries (called once, after the caller created optimizer
     state); `check_meta` checks what the caller will apply. After a load, every version this rank holds in memory
     that is newer than the step loaded (or a second copy of it) is withdrawn (event `version_withdrawn`): training
-    writes those steps anew. IntegrityError if candidates existed but none could be loaded."""
+    writes those steps anew; memory versions that are not `owner`'s to take are refused, left in place
+    (hpcft.store.owner). IntegrityError if candidates existed but none could be loaded."""
     try:
-        return _restore(loader, entries_fn, persist, check_meta, world_size, local_root)
+        return _restore(loader, entries_fn, persist, check_meta, world_size, local_root, owner)
     finally:
         prefetch.release()  # what hpcft.init mapped ahead and the load did not adopt
 
 
 def _restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Path | None,
              check_meta: Callable[[dict[str, Any]], None] | None, world_size: int,
-             local_root: Path | None) -> Restored | None:
+             local_root: Path | None, owner: Owner | None) -> Restored | None:
     """`restore`, the mapped-ahead slots aside."""
     store = loader.store
     t0 = time.perf_counter()
     held = store.versions()
+    if owner is not None:
+        refused = refuse(((v.step, v.manifest) for v in held), owner, rank=store.rank, path=str(store.dir))
+        held = [v for v in held if v.step not in refused]
     durables = {d.step: d for d in catalog.checkpoints(persist)}
     mine = local.usable(local_root, persist, store.rank, world_size, durables)
     (memory, in_memory), (durable, on_disk), (nvme, on_nvme) = held_everywhere_each(

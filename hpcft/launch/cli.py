@@ -108,6 +108,8 @@ def _run_options(f):
         click.option("--copy", default=None,
                      help="The trainers' CPU snapshot/restore copy method, as HPCFT_COPY: auto (calibrated per host, "
                           "the default), default, or pinned, e.g. stream,threads=2,chunk=1M."),
+        click.option("--adopt", default=None, metavar="JOB",
+                     help="Resume from job JOB's snapshots in the nodes' memory too (another job's are refused)."),
     ]
     for option in reversed(options):
         f = option(f)

@@ -76,6 +76,8 @@ class RunConfig:
     copy: the CPU snapshot/restore copy method for every trainer, exported as HPCFT_COPY
     (default `auto`: measured once per host and cached; `default`: hpcft's built-in method; or pinned, e.g.
     `stream,threads=2,chunk=1M` — hpcft/snapshot/calibration).
+    adopt: a job whose in-memory snapshots the trainers' restore and the agents' rebuild take besides this job's own
+    (another job's are refused: hpcft/store/owner.py), exported as HPCFT_ADOPT.
     """
 
     nodes: int | None = None
@@ -128,6 +130,7 @@ class RunConfig:
     stage_dir: str | None = None
     stage_cache: str | None = None
     copy: str | None = None
+    adopt: str | None = None
 
     @property
     def protected(self) -> bool:
@@ -344,8 +347,9 @@ def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:
 
 
 def copy_env(cfg: RunConfig) -> dict[str, str]:
-    """The trainers' copy method (`copy`), where the run's options set one (else HPCFT_COPY passes through as is)."""
-    return {env_name("copy"): cfg.copy} if cfg.copy else {}
+    """What the run's options set for the trainers' store (else HPCFT_<NAME> passes through as is): the copy method
+    (`copy`) and the job whose snapshots a restore adopts (`adopt`; the agents' rebuild reads it too)."""
+    return {env_name(key): getattr(cfg, key) for key in ("copy", "adopt") if getattr(cfg, key)}
 
 
 def durable_dir(cfg: RunConfig, job_dir: Path) -> Path | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hpcft import events
 from hpcft.agent import protect
 from hpcft.agent.agent import keep_newest_protected, protect_newest
 from hpcft.agent.bundle import complete_steps, pin_targets
@@ -42,13 +43,15 @@ class Node:
         self.pins = Pins(f"agent slot {slot}", lease=30)
         self.mesh: Mesh | None = None
 
-    def snapshot(self, step: int, nbytes: int = 50_000) -> None:
+    def snapshot(self, step: int, nbytes: int = 50_000, job: str | None = None) -> None:
+        """Every rank's version of `step`; with `job`, its manifests name that job (else no job, as by hand)."""
         for rank, store in zip(self.ranks, self.stores):
             slot = store.begin(nbytes)
             data = np.random.default_rng(100 * step + rank).integers(0, 256, nbytes, dtype=np.uint8)
             slot.array[:nbytes] = data
             store.commit(slot, {"step": step, "rank": rank, "data_bytes": nbytes, "time": 1.5e9 + step,
-                                "chunks": chunk_table(data, 10_000, seal_key({"step": step}))})
+                                "chunks": chunk_table(data, 10_000, seal_key({"step": step})),
+                                **({"job_id": job} if job else {})})
 
     def kept(self, step: int) -> bool:
         """Is `step`'s snapshot pinned in this node's store (as the newest protected step)?"""
@@ -192,3 +195,24 @@ def test_after_a_node_lost_mid_pass_the_rebuild_finds_a_step_and_drops_the_recor
     assert 3 not in records(nodes[0].job)  # the trainers resume from 2 and write 3 anew
     assert all(2 in complete_steps(n.job) and 2 in records(n.job) for n in nodes)
     assert _on_all(nodes, lambda n: keep_newest_protected(n.mesh, n.job, n.pins)) == [2] * NODES
+
+
+def test_the_rebuild_skips_a_step_of_another_job_and_leaves_it_in_place(nodes, monkeypatch, tmp_path):
+    monkeypatch.setenv("HPCFT_EVENT_DIR", str(tmp_path / "events"))
+    monkeypatch.delenv("HPCFT_ADOPT", raising=False)
+    for n in nodes:
+        n.snapshot(1, job="7")
+    assert [r.step for r in _on_all(nodes, _protect)] == [1] * NODES
+    for n in nodes:  # job A's step 2 copied into every node's store, and protected by the agents
+        n.snapshot(2, job="A")
+    assert [r.step for r in _on_all(nodes, _protect)] == [2] * NODES
+    nodes[2].close()  # a replacement node in slot 2: nothing of the job in its memory
+    shutil.rmtree(nodes[2].root)
+    nodes[2] = Node(tmp_path, 2)
+    _connect(nodes, tmp_path / "rdv", "after")
+    out = _on_all(nodes, lambda n: rebuild(n.mesh, PLACEMENT, n.job, n.pins, "7", str(n.root)))
+    assert [(o.step, o.rebuilt) for o in out] == [(1, (2,))] * NODES, out  # its own step, not job A's newer one
+    assert all(2 in complete_steps(n.job) for n in nodes[:2])  # job A's versions stay where they were
+    assert 2 not in complete_steps(nodes[2].job)
+    refused = [e for e in events.read(tmp_path / "events") if e["event"] == "restore_foreign"]
+    assert {e["slot"] for e in refused} == {0, 1} and {(e["job"], e["level"]) for e in refused} == {("A", "ERROR")}

@@ -1,6 +1,6 @@
 """The store against careless and hostile input, on real files: symlinks, FIFOs, directories and other users' files
 where a slot's files go; a store that runs out of space and gets it back; a relaunch with a smaller `keep`; two
-writers of one rank store; a run with the default job id resuming state another process wrote."""
+writers of one rank store; a run with the default job id refusing state another process wrote."""
 import os
 import shutil
 import subprocess
@@ -187,11 +187,11 @@ def test_a_second_writer_of_a_rank_store_is_refused(root: Path) -> None:
     Checkpointer(*_model(), root=root, job_id="j").close()  # the other writer is gone: free again
 
 
-def test_default_job_id_warns_when_it_resumes_another_processstate_of(root: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("HPCFT_JOB_ID", "HPCFT_RANK", "RANK", "SLURM_PROCID", "SLURM_JOB_ID"):
+def test_default_job_id_refuses_another_process_state_unless_adopted(shm_root: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HPCFT_JOB_ID", "HPCFT_RANK", "RANK", "SLURM_PROCID", "SLURM_JOB_ID", "HPCFT_ADOPT"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HPCFT_STORE_ROOT", str(root))
+    monkeypatch.setenv("HPCFT_STORE_ROOT", str(shm_root))
     other = textwrap.dedent("""
         import torch, hpcft
         model = torch.nn.Linear(8, 4)
@@ -201,13 +201,16 @@ def test_default_job_id_warns_when_it_resumes_another_processstate_of(root: Path
             opt.step()
     """)
     subprocess.run([sys.executable, "-c", other], check=True, env=dict(os.environ), timeout=120)
+    with Checkpointer(*_model()) as ckpt:  # another run with the default job id: not this one's to resume
+        assert ckpt.job_id == "local" and ckpt.restore() == 0
+    (refused,) = [e for e in events.read(tmp_path / "events") if e["event"] == "restore_foreign"]
+    assert refused["level"] == "ERROR" and "job_id=" in refused["advice"] and "adopt='local'" in refused["advice"]
     model, opt = _model()
-    with Checkpointer(model, opt) as ckpt:
-        assert ckpt.job_id == "local" and ckpt.restore() == 1
+    with Checkpointer(model, opt, adopt="local") as ckpt:  # told to: taken, and said
+        assert ckpt.restore() == 1
         _step(model, opt, 1)
         ckpt.wait()
-    warned = [e for e in events.read(tmp_path / "events") if e["event"] == "restore_foreign"]
-    assert len(warned) == 1 and "job_id=" in warned[0]["advice"]
-    with Checkpointer(*_model()) as again:  # state this process wrote: no warning
+    assert _kinds(tmp_path).count("restore_adopted") == 1
+    with Checkpointer(*_model()) as again:  # state this process wrote is its own; the other's step 1 refused again
         assert again.restore() == 2
-    assert _kinds(tmp_path).count("restore_foreign") == 1
+    assert _kinds(tmp_path).count("restore_foreign") == 2 and _kinds(tmp_path).count("restore_adopted") == 1
