@@ -33,6 +33,14 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+def entries_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """A copy of a plain model's and optimizer's tensors by hpcft entry name (`model/<n>`, `optim/<param>/<key>`)."""
+    out = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+    for p, n in zip(model.parameters(), dict(model.named_parameters())):
+        out.update({f"optim/{n}/{k}": v.clone() for k, v in opt.state[p].items()})
+    return out
+
+
 def flush_rank(store, version, persist: Path, world: int, job: str) -> Path:
     """Write one rank's `version` into the flush directory of its step under `persist` (what an agent does); with
     world 1, commit it too. The flush directory."""

@@ -12,7 +12,7 @@ from hpcft.cli import main
 from hpcft.durable import boxes, catalog, commit, export
 from hpcft.durable.boxes import Box
 from hpcft.durable.resume import order
-from multiproc.durable_read import flush_rank, same  # tests/ is on sys.path (tests/conftest.py)
+from multiproc.durable_read import entries_of, flush_rank, same  # tests/ is on sys.path (tests/conftest.py)
 
 
 def test_overlap_and_tiling() -> None:
@@ -63,13 +63,6 @@ def _train(model, opt, steps: int, start: int = 0) -> None:
         opt.zero_grad()
 
 
-def _state(model, opt) -> dict:
-    out = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
-    for p, n in zip(model.parameters(), dict(model.named_parameters())):
-        out.update({f"optim/{n}/{k}": v.clone() for k, v in opt.state[p].items()})
-    return out
-
-
 @pytest.fixture
 def saved(shm_root: Path, tmp_path: Path) -> tuple[Path, dict]:
     """Job `a` trains 3 steps; steps 2 and 3 are flushed to tmp_path/persist; the state after each step."""
@@ -81,7 +74,7 @@ def saved(shm_root: Path, tmp_path: Path) -> tuple[Path, dict]:
         for step in (1, 2, 3):
             _train(model, opt, step, step - 1)
             ck.wait()
-            refs[step] = (_state(model, opt), torch.get_rng_state())
+            refs[step] = (entries_of(model, opt), torch.get_rng_state())
             if step > 1:
                 flush_rank(ck.store, ck.store.versions()[-1], persist, world=1, job="a")
     return persist, refs
@@ -100,7 +93,7 @@ def test_the_durable_tier_wins_when_memory_holds_only_an_older_step(shm_root: Pa
     torch.manual_seed(99)
     with Checkpointer(model, opt, root=shm_root, job_id="b", persist_dir=persist) as ck:
         assert ck.restore() == 3 and ck.extra == {"pos": 7}
-    now = _state(model, opt)
+    now = entries_of(model, opt)
     assert now.keys() == refs[3][0].keys() and all(same(refs[3][0][k], now[k]) for k in now)
     assert torch.equal(torch.get_rng_state(), refs[3][1])
     (source,) = [e for e in events.read(tmp_path / "events") if e["event"] == "restore_source"]
@@ -112,7 +105,7 @@ def test_memory_wins_at_an_equal_step(shm_root: Path, tmp_path: Path, saved) -> 
     model, opt = _model()
     with Checkpointer(model, opt, root=shm_root, job_id="a", persist_dir=persist) as ck:
         assert ck.restore() == 3
-    now = _state(model, opt)
+    now = entries_of(model, opt)
     assert all(same(refs[3][0][k], now[k]) for k in now)
     (source,) = [e for e in events.read(tmp_path / "events") if e["event"] == "restore_source"]
     assert source["source"] == "memory" and source["reason"].endswith("(durable newest 3)")
@@ -131,7 +124,7 @@ def test_a_chunk_failing_its_crc_falls_back_to_the_older_checkpoint(shm_root: Pa
     model, opt = _model()
     with Checkpointer(model, opt, root=shm_root, job_id="c", persist_dir=persist) as ck:
         assert ck.restore() == 2
-    now = _state(model, opt)
+    now = entries_of(model, opt)
     assert all(same(refs[2][0][k], now[k]) for k in now)
     kinds = _kinds(tmp_path)
     assert {"durable_chunk_lost", "durable_lost", "restore_fallback"} <= set(kinds)
