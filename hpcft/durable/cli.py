@@ -19,7 +19,8 @@ from hpcft.errors import ConfigError
 @click.option("--from", "source", type=click.Path(path_type=Path), default=None,
               help=f"The persist directory (default: ${catalog.ENV_PERSIST}).")
 @click.option("--step", type=int, default=None, help="The step to export (default: the newest complete one).")
-@click.option("--no-verify", is_flag=True, help="dcp: skip reading every chunk to check its crc32c first.")
+@click.option("--no-verify", is_flag=True,
+              help="dcp: skip reading every chunk to check its crc32c first (the sidecars' seal is still checked).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was done as JSON.")
 def export(dest: Path, fmt: str, source: Path | None, step: int | None, no_verify: bool, as_json: bool) -> None:
     """Copy a complete durable checkpoint out of a persist directory (an ended job's, or any)."""
@@ -32,5 +33,8 @@ def export(dest: Path, fmt: str, source: Path | None, step: int | None, no_verif
     if as_json:
         click.echo(json.dumps(done))
         return
+    if done.get("unsealed"):
+        click.echo(f"warning: {done['unsealed']} sidecar(s) were written by an hpcft older than the seal: their "
+                   "metadata is checked by nothing but its own checksum", err=True)
     how = "" if fmt == "torch" else " (hard links)" if done.get("linked") else " (copies)"
     click.echo(f"exported step {done['step']} from {done['from']} to {done['to']} as {fmt}{how}")

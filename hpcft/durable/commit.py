@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from hpcft import events
-from hpcft.durable import catalog, files
-from hpcft.durable.flush import read_sidecar, sidecar_dir
+from hpcft.durable import catalog, files, seal
+from hpcft.durable.flush import (CRC, DATA, DTYPE, ENTRY, FQN, LENGTH, NBYTES, OFFSETS, RECORD, SHAPE,  # noqa: F401
+                                 SIZES, read_sidecar, sidecar_dir)
 from hpcft.errors import StoreError
 from hpcft.store import manifest as mf
 
 GROUPS_FILE = "__optim_groups.distcp"
-# a sidecar row: fqn, entry, dtype, global shape, offsets, sizes, data offset, nbytes, crc, record offset, length
-FQN, ENTRY, DTYPE, SHAPE, OFFSETS, SIZES, DATA, NBYTES, CRC, RECORD, LENGTH = range(11)
 
 
 def sidecars(tmp: Path, world: int) -> dict[int, dict[str, Any]]:
@@ -90,7 +89,7 @@ def dcp_metadata(tmp: Path, sides: dict[int, dict[str, Any]], rows: dict[str, li
                                             torch.Size(first[SHAPE]), chunks)
         kind, _, rest = name.partition(".")
         planner[name] = ("optim", "state", *rest[len("state."):].rsplit(".", 1)) if kind == "optim" else (kind, rest)
-    groups = _param_groups(sides[min(sides)]["meta"])
+    groups = _param_groups(seal.meta(sides[min(sides)], sidecar_dir(tmp) / f"rank-{min(sides):05d}.json"))
     if groups:
         path = tmp / GROUPS_FILE
         fd = files.create(path)
@@ -130,7 +129,7 @@ def commit(tmp: Path, root: Path, step: int, world: int, job: str, keep: int) ->
     metadata = dcp_metadata(tmp, sides, rows)
     index = {"step": step, "world": world, "job": job, "time": time.time(), "ranks": sorted(sides),
              "files": [s["file"] for _, s in sorted(sides.items())], "ambiguous": sorted(ambiguous),
-             "bytes": sum(s["file_bytes"] for s in sides.values())}
+             "bytes": sum(s["file_bytes"] for s in sides.values()), "sealed": all(map(seal.sealed, sides.values()))}
     files.put(sidecar_dir(tmp) / catalog.INDEX, mf.encode(index, catalog.CKPT_FORMAT))
     files.put(tmp / ".metadata", metadata)
     files.sync_dir(sidecar_dir(tmp))

@@ -42,11 +42,13 @@ def _fresh(dest: Path) -> None:
         raise ConfigError(f"{dest} exists and is not an empty directory: export never overwrites; choose a new path")
 
 
-def verify(ckpt: Checkpoint) -> int:
-    """Read every chunk of every rank and check its crc32c (IntegrityError at the first that fails); bytes read."""
+def verify(ckpt: Checkpoint, data: bool = True) -> int:
+    """Check every rank's sidecar against its seal (ManifestError) and, with `data`, read every chunk and check its
+    crc32c (IntegrityError at the first that fails); bytes read."""
     for r in range(ckpt.world):
         for row in ckpt.side(r)["items"]:
-            ckpt.read(r, row)
+            if data:
+                ckpt.read(r, row)
     return ckpt.nbytes
 
 
@@ -114,8 +116,9 @@ def full_state(ckpt: Checkpoint) -> dict[str, Any]:
     return {"model": model, "optim": {"state": optim_state, "param_groups": groups}}
 
 
-def export_torch(durable: catalog.Durable, dest: Path) -> None:
-    """One `torch.save` file of `full_state` at `dest` (which must not exist), written beside it and renamed."""
+def export_torch(durable: catalog.Durable, dest: Path) -> int:
+    """One `torch.save` file of `full_state` at `dest` (which must not exist), written beside it and renamed; the
+    number of sidecars read that were written before the seal."""
     if dest.exists() or dest.is_symlink():
         raise ConfigError(f"{dest} exists: export never overwrites; choose a new file name")
     ckpt = Checkpoint(durable)
@@ -131,6 +134,7 @@ def export_torch(durable: catalog.Durable, dest: Path) -> None:
         raise StoreError(f"cannot write {dest}: {exc.strerror or exc}") from exc
     finally:
         tmp.unlink(missing_ok=True)
+    return ckpt.unsealed
 
 
 def export(root: Path, dest: Path, fmt: str = "dcp", step: int | None = None, check: bool = True) -> dict[str, Any]:
@@ -141,14 +145,16 @@ def export(root: Path, dest: Path, fmt: str = "dcp", step: int | None = None, ch
     durable = pick(root, step)
     out: dict[str, Any] = {"step": durable.step, "from": str(durable.path), "to": str(dest), "format": fmt}
     if fmt == "torch":
-        export_torch(durable, dest)  # the reader verifies every chunk it assembles
+        out["unsealed"] = export_torch(durable, dest)  # the reader verifies every sidecar and chunk it assembles
         return out
     _fresh(dest)
+    ckpt = Checkpoint(durable)
+    try:
+        verified = verify(ckpt, data=check)  # the sidecars' seals always: they cost no data read
+    finally:
+        ckpt.close()
     if check:
-        ckpt = Checkpoint(durable)
-        try:
-            out["verified_bytes"] = verify(ckpt)
-        finally:
-            ckpt.close()
+        out["verified_bytes"] = verified
+    out["unsealed"] = ckpt.unsealed
     out["linked"] = export_dcp(durable, dest)
     return out

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from hpcft import events
-from hpcft.durable import boxes, catalog, items
+from hpcft.durable import boxes, catalog, items, seal
 from hpcft.durable.boxes import Box
 from hpcft.durable.commit import (CRC, DATA, DTYPE, FQN, LENGTH, NBYTES, OFFSETS, RECORD, SHAPE, SIZES,
                                   chunks_by_fqn)
-from hpcft.durable.flush import data_name, read_sidecar, sidecar_dir
+from hpcft.durable.flush import UNSEALED_FORMAT, data_name, read_sidecar, sidecar_dir
 from hpcft.errors import CheckpointError, HpcftError, IntegrityError, ManifestError
 from hpcft.snapshot.restore import LOST, MISMATCH, OK, agree
 from hpcft.snapshot.state import Entry
@@ -66,18 +66,38 @@ class Checkpoint:
         self._fds: dict[int, int] = {}
         self.nbytes = 0
         self.ambiguous: set[str] = set()  # names several ranks saved with their own content (known after `every`)
+        self.sealed = durable.index.get("sealed") is True  # every sidecar carries the seal (hpcft.durable.seal)
+        self.unsealed = 0  # sidecars read that were written before the seal
 
     def side(self, rank: int) -> dict[str, Any]:
+        """Rank `rank`'s sidecar, checked against the seal it carries; its `meta` is what the seal covers."""
         if rank not in self._sides:
             path = sidecar_dir(self.dir(rank)) / f"rank-{rank:05d}.json"
             s = read_sidecar(path)
             if s.get("rank") != rank or s.get("step") != self.step or s.get("file") != data_name(rank) \
-                    or not isinstance(s.get("items"), list) or not isinstance(s.get("meta"), dict):
+                    or not isinstance(s.get("items"), list):
                 raise ManifestError(f"{path} is not rank {rank}'s sidecar of step {self.step}")
             for row in s["items"]:
                 check_row(row, str(path))
+            if seal.sealed(s):
+                s = {**s, "meta": seal.applied(seal.check(s, path, self.step, self.world))}
+            else:
+                self._unsealed(path)
+            if not isinstance(s.get("meta"), dict):
+                raise ManifestError(f"{path} is not rank {rank}'s sidecar of step {self.step}: it has no meta")
             self._sides[rank] = s
         return self._sides[rank]
+
+    def _unsealed(self, path: Path) -> None:
+        """A sidecar written before the seal: refused where the index says every sidecar was sealed (it was replaced),
+        else read as that hpcft wrote it, with a warning (its rows and meta are trusted: nothing binds them)."""
+        if self.sealed:
+            raise ManifestError(f"{path} is not sealed ({UNSEALED_FORMAT}), but its checkpoint's index says every "
+                                "sidecar was: it was replaced or rewritten")
+        self.unsealed += 1
+        events.emit("durable_unsealed", level=logging.WARNING, step=self.step, path=str(path),
+                    reason="written by an hpcft older than the seal: its rows and what a restore applies are "
+                           "checked by nothing but the sidecar's own checksum")
 
     def dir(self, rank: int) -> Path:
         """Where rank `rank`'s sidecar and data file are read: the node-local copy if it holds them."""
