@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 
+from hpcft.agent.link import COUNT, Either, ProtocolError
 from hpcft.agent.mesh import Mesh
 from hpcft.agent.rendezvous import Rendezvous
 from hpcft.agent.throttle import chore
@@ -25,6 +26,7 @@ _log = logging.getLogger(__name__)
 LOSS_TIMEOUT_S = 3.0  # the default: a peer silent this long is a suspect (`hpcft run --loss-timeout`)
 MAX_PERIOD_S = 0.5
 STARVED_S = 0.5  # the beat loop woke this much (or a period, if longer) after it meant to: this agent was paused
+BEAT = Either({"beat": COUNT}, {"bye": 1})  # what a neighbour sends on a beat connection
 
 
 class PeerSilent(TransportError):
@@ -84,13 +86,15 @@ class Heartbeat:
         ch = self.mesh.channel(peer)
         while not self._stop.is_set():
             try:
-                header, _ = ch.recv()
-            except TransportError:
+                header, _ = ch.recv(shape=BEAT, what="a heartbeat")
+            except TransportError as exc:
+                if isinstance(exc, ProtocolError):  # a neighbour that breaks the protocol is lost as a closed one
+                    _log.warning("%s", exc)
                 self.closed.add(peer)
                 if not self._stop.is_set() and not self.stopping():  # the peer went without its goodbye
                     self._name(peer, round(time.monotonic() - self.heard[peer], 3), "closed")
                 return
-            if header.get("bye"):
+            if "bye" in header:
                 self.closed.add(peer)  # an orderly close (stopped, done, failed and unwinding): not a loss
                 return
             self.heard[peer] = time.monotonic()

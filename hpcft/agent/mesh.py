@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -17,8 +18,8 @@ import numpy as np
 from hpcft import events
 from hpcft.agent.rendezvous import Rendezvous, join
 from hpcft.agent.throttle import Throttle
-from hpcft.agent.link import Link, PeerGaveUp, TransportError, notice
-from hpcft.agent.transport import Listener, connect
+from hpcft.agent.link import Link, PeerGaveUp, ProtocolError, TransportError, mismatch, notice
+from hpcft.agent.transport import Channel, Listener, connect
 
 _log = logging.getLogger(__name__)
 
@@ -55,9 +56,11 @@ class MeshBase:
         with _blaming(peer):
             self._channel(peer).send_parts(header, parts)
 
-    def recv(self, peer: int, into: np.ndarray | None = None) -> tuple[dict[str, Any], np.ndarray]:
+    def recv(self, peer: int, into: np.ndarray | None = None, shape: Any = object,
+             what: str = "a message") -> tuple[dict[str, Any], np.ndarray]:
+        """The next message from `peer`, its header checked against `shape` (link.mismatch), its errors naming it."""
         with _blaming(peer):
-            return self._channel(peer).recv(into)
+            return self._channel(peer).recv(into, shape, what)
 
     def channel(self, peer: int) -> Link:
         return self._channel(peer)
@@ -69,67 +72,77 @@ class MeshBase:
             raise TransportError(f"slot {self.slot} has no connection to slot {peer}: it exchanges data only with "
                                  f"{sorted(self.peers)} (placement.exchange_peers and the overlay)") from None
 
-    def allgather(self, value: Any) -> list[Any]:
+    def allgather(self, value: Any, shape: Any = object) -> list[Any]:
         """Every agent's `value` (JSON-able, small), indexed by slot: in round k each agent sends the 2^k newest values
         it knows to slot + 2^k and receives as many from slot − 2^k (`_rounds`). What each agent receives is the N
-        values: use `allreduce` where a combination of them is all that is needed."""
+        values: use `allreduce` where a combination of them is all that is needed. Every value received must fit
+        `shape` (link.mismatch), and each round must carry exactly the slots of its sender's window."""
         known = {self.slot: value}
 
         def send(step: int) -> list[list[Any]]:
-            return [[j, known[j]] for j in ((self.slot - k) % self.size for k in range(min(step, self.size - step)))]
+            return [[j, known[j]] for j in self._window(self.slot, step)]
+
+        def expect(step: int) -> tuple:
+            return tuple((j, shape) for j in self._window((self.slot - step) % self.size, step))
 
         def merge(_step: int, got: list[list[Any]]) -> None:
-            known.update((int(j), v) for j, v in got)
+            known.update(got)
 
-        self._rounds("allgather", send, merge)
+        self._rounds("allgather", send, merge, expect)
         return [known[j] for j in range(self.size)]
 
-    def allreduce(self, value: Any, combine: Callable[[Any, Any], Any]) -> Any:
+    def _window(self, sender: int, step: int) -> list[int]:
+        """The slots whose values `sender` passes on in round `step` of an all-gather: its own and the newest before."""
+        return [(sender - k) % self.size for k in range(min(step, self.size - step))]
+
+    def allreduce(self, value: Any, combine: Callable[[Any, Any], Any], shape: Any = object) -> Any:
         """Every agent's `value` combined (JSON-able): one partial result per round, so each agent sends and receives
         ⌈log2 N⌉ messages of one value's size. `combine` must be associative, commutative and idempotent (min, max,
-        intersection, union, all): when N is not a power of two the last round's windows overlap."""
+        intersection, union, all): when N is not a power of two the last round's windows overlap. Every partial
+        result received must fit `shape` (link.mismatch); one that `combine` cannot take is the sender's error too."""
         acc = [value]
 
         def merge(_step: int, got: Any) -> None:
             acc[0] = combine(acc[0], got)
 
-        self._rounds("allreduce", lambda _step: acc[0], merge)
+        self._rounds("allreduce", lambda _step: acc[0], merge, lambda _step: shape)
         return acc[0]
 
-    def exchange(self, peers: Collection[int], value: Any) -> dict[int, Any]:
+    def exchange(self, peers: Collection[int], value: Any, shape: Any = object) -> dict[int, Any]:
         """`value` (JSON-able, small) sent to each of `peers` (a symmetric relation: each of them sends this agent
-        theirs) and theirs received: {slot: value}, this one's included. A failure is handled as an agreement's."""
+        theirs) and theirs received: {slot: value}, this one's included, each fitting `shape` (link.mismatch). A
+        failure is handled as an agreement's."""
         got = {self.slot: value}
         try:
             for j in sorted(peers):
-                with _blaming(j):
-                    self._channel(j).send({"exchange": value})
+                self.send(j, {"exchange": value})
             for j in sorted(peers):
-                with _blaming(j):
-                    header, _ = self._channel(j).recv()
-                if "exchange" not in header:
-                    raise TransportError(f"agent {j} sent {sorted(header)} during an exchange of values")
+                header, _ = self.recv(j, shape={"exchange": shape}, what="a message in an exchange of values")
                 got[j] = header["exchange"]
         except TransportError as exc:
             self.give_up(exc)
             raise
         return got
 
-    def _rounds(self, kind: str, send: Callable[[int], Any], merge: Callable[[int, Any], None]) -> None:
-        """The ⌈log2 N⌉ rounds of an agreement over the overlay: `send(2^k)` to slot + 2^k, `merge(2^k, what slot −
-        2^k sent)`. An agent that fails tells its connections whom it lost before shutting them down (`give_up`),
-        so every agent fails within log2 N hops naming the same lost slot."""
+    def _rounds(self, kind: str, send: Callable[[int], Any], merge: Callable[[int, Any], None],
+                expect: Callable[[int], Any]) -> None:
+        """The ⌈log2 N⌉ rounds of an agreement over the overlay: `send(2^k)` to slot + 2^k, `merge(2^k, what
+        slot − 2^k sent)`, which must fit `expect(2^k)`. An agent that fails tells its connections whom it lost before
+        shutting them down (`give_up`), so every agent fails within log2 N hops naming the same lost slot."""
         step = 1
         try:
             while step < self.size:
                 dst, src = (self.slot + step) % self.size, (self.slot - step) % self.size
-                with _blaming(dst):
-                    self._channel(dst).send({kind: send(step), "round": step})
-                with _blaming(src):
-                    header, _ = self._channel(src).recv()
-                if kind not in header or header.get("round") != step:
-                    raise TransportError(f"agent {src} sent {sorted(header)} during round {step} of an {kind}")
-                merge(step, header[kind])
+                self.send(dst, {kind: send(step), "round": step})
+                header, _ = self.recv(src, shape={kind: expect(step), "round": step},
+                                      what=f"a message in round {step} of an {kind}")
+                try:
+                    merge(step, header[kind])
+                except (TypeError, ValueError, KeyError, AttributeError) as exc:  # what a caller's `shape` let through
+                    err = ProtocolError(f"the agent of slot {src} sent, in round {step} of an {kind}, a value this "
+                                        f"agent cannot take ({type(exc).__name__}: {exc}); protocol error")
+                    err.peer_slot = src
+                    raise err from exc
                 step *= 2
         except TransportError as exc:
             self.give_up(exc)
@@ -196,23 +209,50 @@ class Mesh(MeshBase):
 
     def _connect(self, secret: bytes, meet: Rendezvous, tag: str, wanted: set[int], deadline: float,
                  timeout: float) -> None:
-        """Meet the lower slots (connect) and the higher ones (accept), each channel keyed by its slot."""
+        """Meet the lower slots (connect, saying who this agent is and where it registered) and the higher ones
+        (accept, each hello checked against the directory: `_admit`), each channel keyed by its slot. A connection
+        counts once the slot it reached has welcomed it; a refused one fails here, told why, not in a later round."""
         slot = self.slot
         lower = sorted(j for j in wanted if j < slot)
-        where = meet.meet(tag, slot, self.address, lower, timeout)  # once the lower ones have registered
+        where = meet.meet(tag, slot, self.address, sorted(wanted), timeout)  # once all of them have registered
         for j in lower:
-            peer_host, port = where[j].rsplit(":", 1)
-            ch = connect(secret, peer_host, int(port), timeout=_left(deadline), throttle=self.throttle)
-            ch.send({"hello": slot, "tag": tag})
-            self.peers[j] = ch
-        for _ in range(sum(1 for j in wanted if j > slot)):
-            ch = self.listener.accept(_left(deadline))
-            header, _ = ch.recv()
-            j = int(header["hello"])
+            with _blaming(j):
+                ch = connect(secret, *_host_port(where[j]), timeout=_left(deadline), throttle=self.throttle)
+                self.peers[j] = ch  # closed with the mesh from here on
+                ch.slot = j
+                ch.send({"hello": slot, "tag": tag, "to": j, "addr": self.address})
+        for _ in range(len(wanted) - len(lower)):
+            self._admit(self.listener.accept(_left(deadline)), tag, wanted, where, deadline)
+        for j in lower:  # read after accepting, so that no agent's start waits on a chain of lower ones
+            with _blaming(j):  # a refusal arrives as the refuser's give-up notice (PeerGaveUp)
+                _recv_by(self.peers[j], deadline, {"welcome": j}, "its answer to this agent's hello")
+
+    def _admit(self, ch: Channel, tag: str, wanted: set[int], where: dict[int, str], deadline: float) -> None:
+        """Key `ch` by the slot its hello claims, and welcome it; or refuse it (told why, so it fails at once) and
+        raise: a hello that is malformed, for another launch or slot, from a slot this one does not expect or has
+        already, or from an address other than the one that slot registered at the directory."""
+        claimed = {"hello": range(self.slot + 1, self.size), "tag": tag, "to": self.slot, "addr": str}
+        try:
+            header = _recv_by(ch, deadline, object, "a hello")
+            if mismatch(header.get("hello"), claimed["hello"]) is None:
+                ch.slot = header["hello"]  # whoever it is, the slot it claims: its errors name that slot
+            ch.check(header, claimed, "a hello")
+            j = header["hello"]
             if j not in wanted or j in self.peers:
-                ch.close()
-                raise TransportError(f"agent {j} joined mesh {tag} of slot {slot}, which expects {sorted(wanted)}")
-            self.peers[j] = ch
+                raise ProtocolError(f"the agent of slot {j} ({ch.peer}) joined mesh {tag} of slot {self.slot}, which "
+                                    f"expects {sorted(wanted)} and has {sorted(self.peers)} already")
+            if header["addr"] != where[j]:
+                raise ProtocolError(f"{ch.peer} claims slot {j} from {header['addr']!r}, but slot {j} registered "
+                                    f"{where[j]!r} at the agents' directory")
+        except TransportError as exc:
+            if exc.peer_slot is None:
+                exc.peer_slot = ch.slot
+            ch.tell(notice(self.slot, self.slot, f"slot {self.slot} refused this connection: {exc}"))
+            ch.close()
+            raise
+        self.peers[j] = ch
+        with _blaming(j):
+            ch.send({"welcome": self.slot})
 
     def close(self) -> None:
         super().close()
@@ -223,6 +263,24 @@ class Mesh(MeshBase):
 
 def _left(deadline: float) -> float:
     return max(1.0, deadline - time.monotonic())
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """`host:port` as the directory gave it, checked (a ProtocolError naming the address otherwise)."""
+    host, _, port = address.rpartition(":")
+    if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
+        raise ProtocolError(f"the address {address!r} registered at the agents' directory is not host:port")
+    return host, int(port)
+
+
+def _recv_by(ch: Channel, deadline: float, shape: Any, what: str) -> dict[str, Any]:
+    """The header of `ch`'s next message, checked against `shape`, by `deadline` (a TransportError after it): while
+    the mesh forms, an authenticated peer that says nothing holds no agent up for longer."""
+    ch.sock.settimeout(_left(deadline))
+    try:
+        return ch.recv(shape=shape, what=what)[0]
+    finally:
+        ch.sock.settimeout(None)
 
 
 @contextmanager

@@ -56,6 +56,8 @@ class MpiMesh(MeshBase):
         comm = self.world.comm
         self.peers = {j: MpiLink(self.world, comm, ranks[j], f"slot {j} (MPI rank {ranks[j]})", self.throttle)
                       for j in wanted}
+        for j, link in self.peers.items():
+            link.slot = j
         events.emit("mesh_mpi", slot=slot, rank=self.world.rank, size=size, library=self.world.version,
                     peers=len(self.peers))
 

@@ -18,12 +18,14 @@ from pathlib import Path
 
 from hpcft import events
 from hpcft.agent.iface import iface_address
+from hpcft.agent.link import COUNT, Either
 from hpcft.agent.transport import HANDSHAKE_S, Channel, Listener, TransportError, connect
 from hpcft.store.paths import replace_file
 
 ENV = "HPCFT_AGENT_DIRECTORY"  # host[,host…]:port of the job's directory (exported by hpcft run)
 TRY_S = 5.0  # the most one of the directory's addresses may take to answer before the next is tried
 BACKLOG = 4096  # every agent of a launch registers at once (twice: its data mesh and its heartbeats)
+REGISTER = {"register": {"tag": str, "slot": COUNT, "addr": str}, "want": [COUNT], "timeout": int | float}
 _log = logging.getLogger(__name__)
 
 
@@ -84,21 +86,20 @@ class Directory:
             try:
                 with self._lock:
                     self._take(ch)
-            except (TransportError, ValueError, KeyError, TypeError) as exc:
+            except TransportError as exc:
                 events.emit("directory_bad_request", level=logging.WARNING, peer=ch.peer, error=str(exc))
                 ch.close()
             self._expire(time.monotonic())
 
     def _take(self, ch: Channel) -> None:
         ch.sock.settimeout(HANDSHAKE_S)
-        header, _ = ch.recv()
-        reg = header["register"]
-        tag, slot, addr = str(reg["tag"]), int(reg["slot"]), str(reg["addr"])
-        want = [int(j) for j in header["want"]]
+        header, _ = ch.recv(shape=REGISTER, what="a registration")
+        reg, want = header["register"], header["want"]
+        tag, slot = reg["tag"], reg["slot"]
         ch.sock.settimeout(None)
-        self.known[(tag, slot)] = addr
-        ask = _Ask(ch, tag, want, time.monotonic() + float(header.get("timeout", 60.0)),
-                   {j for j in want if (tag, j) not in self.known})
+        self.known[(tag, slot)] = reg["addr"]
+        missing = {j for j in want if (tag, j) not in self.known}
+        ask = _Ask(ch, tag, want, time.monotonic() + header["timeout"], missing)
         for other in self._waiting.pop((tag, slot), []):
             other.missing.discard(slot)
             if not other.missing:
@@ -168,12 +169,14 @@ class Rendezvous:
             raise TransportError(f"the agents' directory at {self.address} did not answer slot {slot}: {exc}") from exc
         finally:
             ch.close()
-        if header.get("missing"):
+        ch.check(header, {"missing": [Either(*want)], "peers": dict}, "its answer")
+        if header["missing"]:
             err = TransportError(f"the agents of slots {header['missing']} did not register at the directory "
                                  f"{self.address} within {timeout:g} s; are they running?")
-            err.peer_slot = int(header["missing"][0])
+            err.peer_slot = header["missing"][0]
             raise err
-        return {int(j): a for j, a in header["peers"].items()}
+        ch.check(header, {"peers": {str(j): str for j in want}}, "its answer")
+        return {j: header["peers"][str(j)] for j in want}
 
     def _connect(self, timeout: float) -> Channel:
         """A channel to the directory: its addresses tried in turn (the one that answers is kept first)."""
