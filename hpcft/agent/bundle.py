@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcft import events
+from hpcft.agent.link import COUNT, mismatch
 from hpcft.agent.throttle import Throttle
 from hpcft.errors import IntegrityError, StoreError
 from hpcft.store import crc32c, seal, seal_key
@@ -27,6 +28,7 @@ from hpcft.store.paths import open_file, read_file
 _LEN = struct.Struct("!Q")
 _RANK = re.compile(r"rank-(\d{5})$")
 _SLOT = re.compile(r"slot-(\d+)\.json$")
+_HEADER = {"step": COUNT, "ranks": [{"rank": COUNT, "manifest_bytes": COUNT, "data_bytes": COUNT}]}
 
 
 @dataclass(frozen=True)
@@ -194,14 +196,16 @@ def parse(payload: np.ndarray, step: int) -> list[Part]:
     try:
         (hlen,) = _LEN.unpack(payload[:_LEN.size].tobytes())
         header = json.loads(payload[_LEN.size:_LEN.size + hlen].tobytes())
-        ranks = header["ranks"]
-    except (struct.error, ValueError, KeyError, TypeError) as exc:
+    except (struct.error, ValueError, RecursionError) as exc:
         raise IntegrityError(f"bundle of step {step}: unreadable header ({exc})") from exc
-    if header.get("step") != step:
-        raise IntegrityError(f"bundle holds step {header.get('step')}, expected step {step}")
+    problem = mismatch(header, _HEADER, "header")
+    if problem is not None:
+        raise IntegrityError(f"bundle of step {step}: {problem}")
+    if header["step"] != step:
+        raise IntegrityError(f"bundle holds step {header['step']}, expected step {step}")
     parts, off = [], _LEN.size + hlen
-    for entry in ranks:
-        mlen, dlen = int(entry["manifest_bytes"]), int(entry["data_bytes"])
+    for entry in header["ranks"]:
+        mlen, dlen = entry["manifest_bytes"], entry["data_bytes"]
         raw = payload[off:off + mlen].tobytes()
         data = payload[off + mlen:off + mlen + dlen]
         off += mlen + dlen
@@ -219,7 +223,7 @@ def parse(payload: np.ndarray, step: int) -> list[Part]:
             if seal(crc32c(data[lo:lo + n]), key) != crc:
                 raise IntegrityError(f"bundle of step {step}: rank {entry['rank']} chunk at offset {lo} fails its "
                                      "crc32c")
-        parts.append(Part(int(entry["rank"]), raw, manifest, data))
+        parts.append(Part(entry["rank"], raw, manifest, data))
     return parts
 
 

@@ -24,7 +24,7 @@ from hpcft.agent.codec import CHUNK as FOLD
 from hpcft.agent.codec import XorFold, codec_for
 from hpcft.agent.mesh import MeshBase
 from hpcft.agent.placement import Placement, ProtectionSet
-from hpcft.agent.link import Link
+from hpcft.agent.link import COUNT, Link
 from hpcft.errors import HpcftError, IntegrityError
 from hpcft.store import Slot, crc32c, secure_dir
 from hpcft.store.slot import GROW_PIECE
@@ -67,7 +67,7 @@ def protect_step(mesh: MeshBase, placement: Placement, bundle: Bundle, job: Path
     committed its record; StaleStep on every node (each withdrawing its record) if any node's copy was reused."""
     t0 = time.perf_counter() if started is None else started
     scheme = placement.scheme
-    sizes = mesh.exchange(placement.exchange_peers(mesh.slot), bundle.size)  # the set's (the partners') sizes
+    sizes = mesh.exchange(placement.exchange_peers(mesh.slot), bundle.size, COUNT)  # the set's (the partners') sizes
     pdir = protect_dir(job)
     (pdir / f"step-{bundle.step}.json").unlink(missing_ok=True)  # a rerun: unpublish before overwriting
     slot = record_slot(pdir, bundle.step)
@@ -83,7 +83,7 @@ def protect_step(mesh: MeshBase, placement: Placement, bundle: Bundle, job: Path
     # the commit barrier: the step is protected once every node has committed its record, and only then may a node
     # retire its older records (or its caller release the older step's pins). A peer lost here fails the agreement:
     # the record stays, beside the older ones, for the rebuild to weigh.
-    if not mesh.allreduce(stale is None, operator.and_):
+    if not mesh.allreduce(stale is None, operator.and_, bool):
         withdraw(pdir, bundle.step)
         raise StaleStep(stale or f"step {bundle.step} was overwritten on another node while it was being protected")
     retire(pdir, keep)
@@ -139,7 +139,9 @@ def _partner(mesh: MeshBase, placement: Placement, bundle: Bundle, slot: Slot, s
     slot.ensure(max(1, sizes[src]), pace=mesh.pace)
     with ThreadPoolExecutor(1) as pool, mesh.all_or_nothing():  # abort before the pool waits
         sent = pool.submit(mesh.send, dst, {"step": bundle.step, "kind": "bundle"}, bundle.piece(0, bundle.size))
-        mesh.recv(src, into=slot.array[:sizes[src]])
+        _, got = mesh.recv(src, into=slot.array[:sizes[src]], shape={"step": bundle.step, "kind": "bundle"},
+                           what=f"a copy of its bundle of step {bundle.step}")
+        mesh.channel(src).check({"bytes": got.size}, {"bytes": sizes[src]}, "a copy of its bundle")
         sent.result()
     return sizes[src], partner_meta(src, sizes[src], bundle.size)
 
@@ -192,9 +194,8 @@ def _parity(mesh: MeshBase, placement: Placement, bundle: Bundle, slot: Slot, si
         for s in mine:
             if d in pset.data_positions(s):
                 header, plen = ch.recv_header()
-                if header.get("stripe") != s or header.get("step") != bundle.step or plen > nbytes:
-                    raise HpcftError(f"agent {pset.members[d]} sent {header} ({plen} bytes), expected stripe {s} "
-                                     f"of step {bundle.step} (at most {nbytes} bytes)")
+                ch.check({**header, "bytes": plen}, {"stripe": s, "step": bundle.step, "bytes": range(nbytes + 1)},
+                         f"a piece of stripe {s} of step {bundle.step}")
                 take(d, s, ch, plen)
 
     with ThreadPoolExecutor(1 + len(senders)) as pool, mesh.all_or_nothing():  # abort before the pool waits

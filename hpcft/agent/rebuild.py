@@ -22,6 +22,7 @@ from hpcft import events
 from hpcft.agent import stripes
 from hpcft.agent.bundle import Bundle, complete_steps, parse, unpack
 from hpcft.agent.codec import Unrecoverable, codec_for
+from hpcft.agent.link import COUNT
 from hpcft.agent.mesh import MeshBase
 from hpcft.agent.pins import Pins
 from hpcft.agent.placement import Placement
@@ -29,6 +30,10 @@ from hpcft.agent.protect import (Record, commit_record, parity_meta, partner_met
                                  records, retire, withdraw)
 from hpcft.errors import IntegrityError, NoCheckpointError, StoreError
 from hpcft.store.owner import Owner, adoption, refuse
+
+
+LENGTH = range(-1, COUNT.stop)  # a length sent in a rebuild's header; -1: nothing of that kind follows
+HELD = {"bundles": [COUNT], "records": [COUNT], "foreign": [COUNT]}  # each slot's steps, all-gathered to start
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,7 @@ def rebuild(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, job_id:
     recs = {s: r for s, r in records(job).items() if _fits(r.meta, placement, mesh.slot)}
     foreign = refuse(((s, h.manifest) for s, by_rank in complete.items() for h in by_rank.values()),
                      Owner(job_id, adopt=adoption()), slot=mesh.slot, path=str(job))
-    every = mesh.allgather({"bundles": sorted(complete), "records": sorted(recs), "foreign": sorted(foreign)})
+    every = mesh.allgather({"bundles": sorted(complete), "records": sorted(recs), "foreign": sorted(foreign)}, HELD)
     refused = {s for h in every for s in h["foreign"]}
     steps = sorted({s for h in every for s in h["bundles"] + h["records"]} - refused, reverse=True)
     if not steps:
@@ -118,7 +123,7 @@ def rebuild(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, job_id:
     for step in steps:
         local = _Local(step, complete, recs, mesh.slot, pins)
         try:
-            flags = mesh.allgather([local.bundle is not None, local.record is not None])
+            flags = mesh.allgather([local.bundle is not None, local.record is not None], (bool, bool))
             gone = [slot for slot, f in enumerate(flags) if not f[0]]
             if gone and not any(f[1] for f in flags):  # the usual case for the newest step or two: say so
                 reasons.append(f"step {step}: not protected yet")
@@ -135,7 +140,7 @@ def rebuild(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, job_id:
             error = None
             if targets:
                 error = _move(mesh, placement, local, targets, job, job_id, root)
-            errors = mesh.allgather(error)
+            errors = mesh.allgather(error, str | None)
         finally:
             local.close()
         if any(errors):
@@ -173,7 +178,7 @@ def _move(mesh: MeshBase, placement: Placement, local: _Local, targets: list[int
     incoming = [(src, what) for src, dst, what in senders if dst == mesh.slot]
     with ThreadPoolExecutor(1) as pool, mesh.all_or_nothing():  # abort before the pool waits
         sent = pool.submit(_send, mesh, local, mine)
-        got = _receive(mesh, incoming) if mesh.slot in targets else {}
+        got = _receive(mesh, incoming, local.step) if mesh.slot in targets else {}
         sent.result()
     if mesh.slot not in targets:
         return None
@@ -213,11 +218,14 @@ def _send(mesh: MeshBase, local: _Local, jobs: list[tuple[int, str]]) -> None:
         mesh.send(dst, header, (b.piece(0, b.size) if b else []) + ([r] if r is not None else []))
 
 
-def _receive(mesh: MeshBase, incoming: list[tuple[int, str]]) -> dict[int, dict[str, Any]]:
+def _receive(mesh: MeshBase, incoming: list[tuple[int, str]], step: int) -> dict[int, dict[str, Any]]:
     """{source slot: {"bundle": array|None, "record": array|None, "meta": dict|None}}, in parallel per source."""
+    expected = {"rebuild": step, "bundle": LENGTH, "record": LENGTH, "meta": dict | None}
+
     def one(src: int) -> dict[str, Any]:
-        header, payload = mesh.recv(src)
-        nb, nr = int(header["bundle"]), int(header["record"])
+        header, payload = mesh.recv(src, shape=expected, what=f"its part of the rebuild of step {step}")
+        nb, nr = header["bundle"], header["record"]
+        mesh.channel(src).check({"bytes": payload.size}, {"bytes": max(nb, 0) + max(nr, 0)}, "its rebuild payload")
         return {"bundle": payload[:nb] if nb >= 0 else None,
                 "record": payload[max(nb, 0):max(nb, 0) + nr] if nr >= 0 else None, "meta": header.get("meta")}
 
@@ -246,10 +254,11 @@ def _rebuild_here(mesh: MeshBase, placement: Placement, step: int, got: dict[int
         held, meta = (theirs, partner_meta(src, int(theirs.size), 0)) if theirs is not None else (None, None)
     else:
         pset = placement.set_of(me)
-        metas = [g["meta"] for g in got.values() if g["meta"]]
+        metas = [(src, g["meta"]) for src, g in got.items() if g["meta"]]
         if not metas:
             raise IntegrityError(f"no surviving member of set {pset.index} sent a record of step {step}")
-        sizes = [int(x) for x in metas[0]["sizes"]]
+        src, meta = metas[0]
+        sizes = mesh.channel(src).check(meta, {"sizes": (COUNT,) * pset.size}, "its record's layout")["sizes"]
         payloads = [got[m]["bundle"] if m in got else None for m in pset.members]
         parities = [got[m]["record"] if m in got else None for m in pset.members]
         for pos, p in enumerate(payloads):

@@ -2,19 +2,27 @@
 identity or one already connected, and a malformed message in an agreement, an exchange or a protection/rebuild
 transfer are each a TransportError that names the peer (its slot where it has one), raised promptly on every side
 involved, never a hang nor a raw KeyError/ValueError/TypeError. Real meshes on loopback, fakes on raw channels."""
+import json
 import operator
+import struct
 import threading
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from test_agent_mesh import SECRET, _meshes  # tests/unit is on sys.path (pytest's rootdir insertion)
 
-from hpcft.agent.bundle import both
+from hpcft.agent.bundle import both, parse
 from hpcft.agent.link import PeerGaveUp
 from hpcft.agent.mesh import Mesh
+from hpcft.agent.placement import Scheme, plan
+from hpcft.agent.protect import _partner, record_slot
+from hpcft.agent.rebuild import _receive
 from hpcft.agent.rendezvous import Directory, Rendezvous
 from hpcft.agent.transport import TransportError, connect
+from hpcft.errors import IntegrityError
 
 PROMPT_S = 10.0  # "promptly": every side has its error well within this
 
@@ -168,3 +176,46 @@ def test_a_malformed_round_or_value_is_a_transport_error_naming_the_sender(tmp_p
     finally:
         for m in meshes:
             m.close()
+
+
+@pytest.mark.parametrize("header, payload", [
+    ({"rebuild": 3, "bundle": "x", "record": -1, "meta": None}, b""),
+    ({"rebuild": 3, "record": -1, "meta": None}, b""),
+    ({"rebuild": 3, "bundle": 100, "record": -1, "meta": None}, b"abc"),  # announces more than it carries
+    ({"rebuild": 3, "bundle": 3, "record": -1, "meta": [1]}, b"abc"),
+    ({"rebuild": 2, "bundle": 3, "record": -1, "meta": None}, b"abc"),  # another step's
+])
+def test_a_malformed_rebuild_transfer_is_a_transport_error_naming_the_sender(tmp_path, header, payload):
+    meshes = _meshes(2, tmp_path)
+    try:
+        waiting = _background(lambda: _receive(meshes[0], [(1, "set")], 3))
+        meshes[1].send(0, header, [np.frombuffer(payload, dtype=np.uint8)])
+        err = waiting(PROMPT_S)
+        assert isinstance(err, TransportError) and err.peer_slot == 1, err
+    finally:
+        for m in meshes:
+            m.close()
+
+
+def test_a_partner_copy_of_another_step_is_a_transport_error(tmp_path):
+    meshes = _meshes(2, tmp_path)
+    placement = plan(2, Scheme("partner", distance=1))
+    bundle = SimpleNamespace(step=3, size=8, piece=lambda lo, hi: [np.zeros(hi - lo, dtype=np.uint8)])
+    (tmp_path / "protect").mkdir()
+    slot = record_slot(tmp_path / "protect", 3)
+    try:
+        waiting = _background(lambda: _partner(meshes[0], placement, bundle, slot, {0: 8, 1: 8}))
+        meshes[1].send(0, {"step": 99, "kind": "bundle"}, [np.ones(8, dtype=np.uint8)])
+        err = waiting(PROMPT_S)
+        assert isinstance(err, TransportError) and err.peer_slot == 1, err
+    finally:
+        slot.close()
+        for m in meshes:
+            m.close()
+
+
+@pytest.mark.parametrize("ranks", [[{"rank": 0}], [7], "all", [{"rank": "0", "manifest_bytes": 0, "data_bytes": 0}]])
+def test_a_bundle_whose_header_is_malformed_is_an_integrity_error(ranks):
+    head = json.dumps({"step": 3, "ranks": ranks}).encode()
+    with pytest.raises(IntegrityError, match="bundle of step 3"):
+        parse(np.frombuffer(struct.pack("!Q", len(head)) + head, dtype=np.uint8), 3)
