@@ -80,7 +80,7 @@ class JobView:
     sets: list[SetView]
     stragglers: list[StragglerView] = field(default_factory=list)
     training: int | None = None  # the newest step the trainers completed (their progress, else the newest staged)
-    steps_at_risk: int | None = None  # what a node lost now would cost: training − the newest step it could resume
+    steps_at_risk: int | None = None  # staged steps a node lost now would cost: newest staged − newest resumable
     warnings: list[str] = field(default_factory=list)
 
 
@@ -154,18 +154,20 @@ def _judge_lag(view: JobView, reports: dict[int, dict[str, Any]], log: dict[str,
     guarded = [s.protected_step for s in view.sets]
     durable = max((n.persisted for n in view.nodes if n.persisted is not None), default=None)
     floors = [f for f in (None if None in guarded else min(guarded), durable) if f is not None]
-    view.steps_at_risk = max(0, view.training - max(floors)) if floors else view.training
+    newest = max(staged, default=view.training)  # the trainers' step in flight is lost whatever protection does
+    view.steps_at_risk = max(0, newest - max(floors)) if floors else newest
     bound = max((int(r["lag_bound"]) for r in reports.values() if r.get("lag_bound")), default=None)
-    since = max((float(r["protected_since"]) for r in reports.values() if r.get("protected_since")), default=None)
+    since = max((float(r["behind_since"]) for r in reports.values() if r.get("behind_since")), default=None)
     still = None if since is None else now - since
+    behind = view.training - max(floors) if floors else view.training
     if bound is not None and view.steps_at_risk > bound:
         why = f"over the agents' lag bound of {bound} (--protect-lag)"
-    elif view.steps_at_risk >= 2 and still is not None and still > stall_s:
+    elif behind >= 2 and still is not None and still > stall_s:
         why = f"protection has not advanced for {still:.0f} s while the trainers went on"
     else:
         return
-    view.warnings.append(f"protection trails the trainers by {view.steps_at_risk} steps ({why}): a node lost now "
-                         f"loses them; see the agents' events (protect_*, flush_*) in the job's events.jsonl")
+    view.warnings.append(f"protection trails the trainers by {behind} steps ({why}): a node lost now loses them; "
+                         f"see the agents' events (protect_*, flush_*) in the job's events.jsonl")
     for s in view.sets:
         if s.health == HEALTHY and (s.protected_step is None or s.protected_step < view.training - 1):
             s.health, s.detail = BEHIND, f"every member fresh, but protection trails the trainers at {view.training}"

@@ -5,6 +5,7 @@ No state of its own: everything is read from the store."""
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import os
 import signal
@@ -101,13 +102,40 @@ def protection_lag(complete: dict[int, dict], protected: Iterable[int]) -> tuple
     if not complete or not done:
         return None, None
     newest, guarded = max(complete), max(done)
-
-    def when(step: int) -> float | None:
-        t = next(iter(complete[step].values())).manifest.get("time")
-        return float(t) if isinstance(t, (int, float)) else None
-
-    a, b = when(newest), when(guarded)
+    a, b = _taken(complete, newest), _taken(complete, guarded)
     return newest - guarded, None if a is None or b is None else round(max(0.0, a - b), 3)
+
+
+def _taken(complete: dict[int, dict], step: int) -> float | None:
+    """When the snapshot of `step` was taken (its manifest's time), if known."""
+    t = next(iter(complete[step].values())).manifest.get("time")
+    return float(t) if isinstance(t, (int, float)) else None
+
+
+def step_seconds(complete: dict[int, dict]) -> float | None:
+    """The trainers' pace: seconds per step between this node's two newest snapshots, if known."""
+    steps = sorted(complete)[-2:]
+    if len(steps) < 2:
+        return None
+    a, b = _taken(complete, steps[0]), _taken(complete, steps[1])
+    return None if a is None or b is None or b <= a else (b - a) / (steps[1] - steps[0])
+
+
+def foreseen_lag(lag: int | None, per_step: float | None, round_s: float) -> int | None:
+    """The lag the next pass would leave if it started now and took as long as this round (a step of margin): what
+    a lag bound steers the CPU cap by, so that the cap rises before the bound is crossed, not after."""
+    if lag is None:
+        return None
+    return lag + 1 + (math.ceil(round_s / per_step) if per_step else 0)
+
+
+def pause(interval: float, bound: int | None, lag: int | None, per_step: float | None, round_s: float) -> float:
+    """Seconds to wait before the next round: the interval, or with a lag bound, short enough that the next pass
+    (as long as this round) ends before the trainers stage more than `bound` steps past the newest protected one,
+    a step of margin kept."""
+    if bound is None or per_step is None:
+        return interval
+    return min(interval, max(0.0, (bound - 1 - (lag or 0)) * per_step - round_s))
 
 
 @dataclass(frozen=True)
@@ -163,12 +191,14 @@ def _by_rank(versions: dict[int, dict]) -> dict[int, list[int]]:
     return out
 
 
-def _steer(budget: LagBudget, mesh: MeshBase, cfg: AgentConfig, lag: int | None) -> None:
-    """Apply the lag bound's CPU cap for the next round (event `protect_budget` when it moves), and say once when the
-    ceiling cannot meet the bound on this node (`protect_lag_unmet`). Over the bound, the CPU spent so far is
-    forgiven: the next round starts at once instead of paying a debt at the old cap."""
+def _steer(budget: LagBudget, mesh: MeshBase, cfg: AgentConfig, lag: int | None) -> bool:
+    """Apply the lag bound's CPU cap for the next round from the `lag` foreseen (`foreseen_lag`; event `protect_budget`
+    when the cap moves), and say once when the ceiling cannot meet the bound on this node (`protect_lag_unmet`). Over
+    the bound (True), the bound wins over the cap: the CPU spent so far is forgiven, and the next round starts at
+    once instead of after the interval."""
     cap, unmet = budget.update(lag)
-    if lag is not None and lag > budget.bound:  # the bound wins over the cap: no sleep on CPU spent before
+    over = lag is not None and lag > budget.bound
+    if over:
         mesh.throttle.forgive()
     if cap != mesh.throttle.cpu:
         mesh.throttle.cpu = cap
@@ -177,6 +207,7 @@ def _steer(budget: LagBudget, mesh: MeshBase, cfg: AgentConfig, lag: int | None)
         events.emit("protect_lag_unmet", level=logging.WARNING, slot=cfg.slot, lag=lag, bound=cfg.lag_bound,
                     cores=round(cap, 4), advice="the agent's CPU at --lag-cores cannot keep protection within the "
                     "bound on this node: raise --lag-cores or the bound, or protect with a cheaper scheme")
+    return over
 
 
 def _listen_for_silence(cfg: AgentConfig, mesh: MeshBase, meet: Rendezvous, node: str,
@@ -253,16 +284,17 @@ def run(cfg: AgentConfig) -> int:
     beat: Heartbeat | None = None
 
     said = ""  # the phase reported last
-    guarded, guarded_since = None, time.time()  # the newest protected step, and since when (`hpcft status`: a stall)
+    guarded, behind_since = None, time.time()  # the newest protected step; since when it trails without advancing
 
     def report(phase: str, **fields) -> None:
-        nonlocal said, guarded, guarded_since
+        nonlocal said, guarded, behind_since
         said = phase
         versions = local_versions(job)
         complete, recs, by_rank = complete_steps(job, versions), records(job), _by_rank(versions)
         lag_steps, lag_s = protection_lag(complete, recs)
-        if (max(recs) if recs else None) != guarded:
-            guarded, guarded_since = max(recs) if recs else None, time.time()
+        newest = max(recs) if recs else None
+        if newest != guarded or not lag_steps:  # advanced, or nothing newer staged: no stall (`hpcft status`)
+            guarded, behind_since = newest, time.time()
         publish(node=node, phase=phase, scheme=cfg.scheme.name,
                 group=cfg.scheme.group, losses=cfg.scheme.losses, distance=cfg.scheme.distance, slots=cfg.slots,
                 interval=cfg.interval, staged=max(complete) if complete else None,
@@ -274,7 +306,7 @@ def run(cfg: AgentConfig) -> int:
                 ranks={str(r): max(v) for r, v in by_rank.items()},
                 versions={str(r): sorted(v) for r, v in by_rank.items()},
                 staged_steps=sorted(complete), protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s,
-                protected_since=guarded_since, lag_bound=cfg.lag_bound,
+                behind_since=behind_since, lag_bound=cfg.lag_bound,
                 **nodemem.figures(job), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
@@ -320,7 +352,7 @@ def run(cfg: AgentConfig) -> int:
             if (silence := _silence(beat)) is not None:
                 raise silence
             mesh.pace()  # the rounds' own CPU (all-gathers, status, manifest reads) counts against the cap
-            rec = None
+            rec, began = None, time.monotonic()
             if flusher.busy:  # first, so that a flush past the store frees it for this round's pass
                 _flush_round(flusher, mesh, job, cfg.scheme)
             if not flusher.pinning and cfg.scheme.name != "none":  # the same on every agent (collective rounds)
@@ -331,15 +363,17 @@ def run(cfg: AgentConfig) -> int:
             if not flusher.busy:  # then a new one when due, which sees this round's pass
                 _flush_round(flusher, mesh, job, cfg.scheme)
             complete, recs = complete_steps(job), records(job)
-            if budget is not None and not drained.is_set():
-                _steer(budget, mesh, cfg, protection_lag(complete, recs)[0])
+            lag, per_step, round_s = protection_lag(complete, recs)[0], step_seconds(complete), time.monotonic() - began
+            over = budget is not None and not drained.is_set() and _steer(budget, mesh, cfg,
+                                                                          foreseen_lag(lag, per_step, round_s))
             done += 1
             if up is None:  # under hpcft run the supervisor has it: no line per round in the job's agents log
                 print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)
             report(status.PROTECTING, **extra)
-            # draining: rounds back to back while they protect something; else woken by a drain or a silent peer
-            if (cfg.rounds <= 0 or done < cfg.rounds) and (not drained.is_set() or rec is None):
-                wake.wait(cfg.interval)
+            # draining or over the lag bound: rounds back to back while they protect something; else woken by a drain
+            # or a silent peer
+            if (cfg.rounds <= 0 or done < cfg.rounds) and (not (drained.is_set() or over) or rec is None):
+                wake.wait(pause(cfg.interval, cfg.lag_bound, lag, per_step, round_s))
                 wake.clear()
     except Stopped:
         stopping()

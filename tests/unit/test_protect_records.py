@@ -1,5 +1,9 @@
 """Record files: retired data files are recycled (their faulted-in pages reused), never left torn."""
 
+import time
+
+import pytest
+
 from hpcft.agent.protect import SPARE, drop_orphans, record_slot, retire
 
 
@@ -60,3 +64,34 @@ def test_a_lag_bound_raises_the_cpu_cap_to_its_ceiling_and_lowers_it_back() -> N
         b.update(0)
     assert b.cap == 0.01  # never below the budget given
     assert LagBudget(floor=0, ceiling=1, bound=3).update(50) == (0, False)  # uncapped stays uncapped
+
+
+def test_a_lag_bound_steers_by_the_lag_the_next_pass_will_leave_and_shortens_the_wait() -> None:
+    from hpcft.agent.agent import foreseen_lag, pause
+
+    # passes of 1 s (a capped agent) against steps of 0.4 s: lag 2 now is 2 + 1 + 3 when the next pass ends
+    assert foreseen_lag(2, 0.4, 1.0) == 6 and foreseen_lag(1, 0.4, 0.05) == 3 and foreseen_lag(None, 0.4, 1) is None
+    assert pause(1.0, None, 0, 0.4, 0.1) == 1.0  # no bound: the interval
+    assert pause(1.0, 3, 0, 0.4, 0.1) == pytest.approx(0.7)  # 2 steps of slack, less the round's own time
+    assert pause(1.0, 3, 2, 0.4, 0.1) == 0.0 and pause(1.0, 30, 0, 0.4, 0.1) == 1.0
+    assert pause(1.0, 3, 0, None, 0.1) == 1.0  # pace unknown (one snapshot so far)
+
+
+def test_work_run_unbilled_or_on_a_chore_thread_is_not_charged_to_the_cpu_cap() -> None:
+    """A flush (its thread a chore, slot 0's commit `unbilled`) once charged ~2 CPU-s to a 0.01-core cap."""
+    from hpcft.agent.throttle import billed_cpu, chore, unbilled
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    before = billed_cpu()
+    with unbilled():
+        burn(0.3)
+    t = chore(burn, 0.3, name="test-burn")
+    t.start()
+    t.join()
+    assert billed_cpu() - before < 0.1
+    burn(0.2)
+    assert billed_cpu() - before >= 0.2
