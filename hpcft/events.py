@@ -4,8 +4,10 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 _log = logging.getLogger("hpcft.events")
@@ -44,14 +46,73 @@ def write(record: dict, log_dir: str | os.PathLike | None = None) -> None:
         append(target, record)
 
 
-def append(log_dir: str | os.PathLike, record: dict) -> None:
-    """Append one JSON record to `log_dir`/events.jsonl."""
+KEPT = 10_000  # events kept in memory per event record that cannot be written
+
+
+@dataclass
+class Unwritten:
+    """Events that could not be appended to `path`: the newest KEPT lines, how many older ones were dropped, why."""
+    path: Path
+    error: str
+    lines: deque = field(default_factory=lambda: deque(maxlen=KEPT))
+    dropped: int = 0
+
+    def keep(self, line: str) -> None:
+        self.dropped += len(self.lines) == KEPT
+        self.lines.append(line)
+
+
+_unwritten: dict[Path, Unwritten] = {}
+
+
+def append(log_dir: str | os.PathLike, record: dict) -> bool:
+    """Append one JSON record to `log_dir`/events.jsonl, after those kept while it could not be written; False when it
+    cannot be (full disk, quota, a directory in its place): the record is kept in memory, bounded, and said once.
+    Nothing that decides or trains may die of its log (every event is also a line of this process's log)."""
     path = Path(log_dir) / "events.jsonl"
     line = json.dumps(record, default=str, sort_keys=False) + "\n"
     with _lock:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(line)
+        kept = _unwritten.get(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _append_whole(path, ("".join(kept.lines) + line if kept else line).encode())
+        except OSError as exc:
+            if kept is None:
+                kept = _unwritten[path] = Unwritten(path, str(exc))
+                _log.error("cannot write the event record %s (%s): its events are kept in memory (the newest %d) "
+                           "and written once it can be; each is also a line of this log", path, exc, KEPT)
+            kept.keep(line)
+            return False
+        if kept is not None:
+            del _unwritten[path]
+            _log.warning("the event record %s is written again: %d event(s) kept meanwhile written, %d lost",
+                         path, len(kept.lines), kept.dropped)
+    return True
+
+
+def _append_whole(path: Path, data: bytes) -> None:
+    """Append `data` or nothing: a write cut short (ENOSPC) is cut back, so that no torn line is left."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(fd)
+
+
+def unwritten() -> list[Unwritten]:
+    """The event records that cannot be written now (for a run's summary)."""
+    with _lock:
+        return list(_unwritten.values())
 
 
 def forward(sink: Callable[[dict], bool] | None) -> None:
@@ -63,6 +124,8 @@ def forward(sink: Callable[[dict], bool] | None) -> None:
 def read(log_dir: str | os.PathLike) -> list[dict]:
     """All events recorded in `log_dir`, oldest first (for status views and tests)."""
     path = Path(log_dir) / "events.jsonl"
-    if not path.exists():
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # none, or not a record (`append` says so)
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -24,6 +24,7 @@ from hpcft.launch.policy import hung
 from hpcft.launch.reports import ReportServer
 from hpcft.store.paths import replace_file
 
+RETRY_S = 5.0  # between tries to write the bounded log while it cannot be written (a full disk)
 _log = logging.getLogger(__name__)
 
 
@@ -40,6 +41,7 @@ class Fabric:
         self.server: ReportServer | None = None
         self.writes = 0  # log replacements (for tests)
         self._written = -1  # the view's version in the log
+        self.unwritable: str | None = None  # why the log cannot be written now (a full disk), for the summary
         self._next = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -95,9 +97,16 @@ class Fabric:
         data = json.dumps(self.view.dump(self.clock()), separators=(",", ":")).encode()
         try:
             replace_file(self.path, data, self.path.with_name(f".{LOG}.{os.getpid()}"))
-        except OSError as exc:
-            _log.warning("cannot write %s: %s", self.path, exc)
+        except OSError as exc:  # said once, tried again every RETRY_S: supervising never depends on it
+            if self.unwritable is None:
+                _log.error("cannot write %s (%s): `hpcft status` shows the last view written until it can be; "
+                           "tried again every %g s", self.path, exc, RETRY_S)
+            self.unwritable = str(exc)
+            self._next = time.monotonic() + RETRY_S
             return False
+        if self.unwritable is not None:
+            _log.warning("%s is written again", self.path)
+            self.unwritable = None
         self._written = version
         self.writes += 1
         self._next = next_write(time.monotonic(), len(data))

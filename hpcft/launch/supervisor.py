@@ -65,6 +65,7 @@ class Supervisor:
         self.job_dir = Path(cfg.job_dir or Path.cwd() / f"hpcft-{self.job_id}").resolve()
         self.job_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.job_dir / "state.json"
+        self._state_unwritten: str | None = None  # why state.json could not be written last (a full disk)
         self._signal: int | None = None
         self._wake = threading.Event()
         self._started = time.time()
@@ -158,7 +159,7 @@ class Supervisor:
         self.preflight = Preflight(self.cfg, self.profile, self.environ, self.emit, self.job_id)
         self._site_env = self.preflight.start(len(layout.slots))  # RCCL's plugin; the memory plan
         saved.slots = list(layout.slots)  # now: a run that dies with its batch host has said where its data is
-        saved.save(self.state_path)
+        self._save(saved)
         self._requeued_run = saved.requeues > 0
         if self._requeued_run:
             self._why_launch = f"requeued run {saved.requeues}"
@@ -202,9 +203,9 @@ class Supervisor:
                 saved.grows += grew  # a grow (or its failure's relaunch) is no restart: --max-restarts counts failures
                 saved.evictions += evicted  # nor is an eviction
                 saved.restarts += not (grew or evicted)
-                saved.save(self.state_path)
+                self._save(saved)
                 continue
-            saved.save(self.state_path)
+            self._save(saved)
             if decision.action is not Action.REQUEUE:  # the job is over: nothing of it stays in node memory
                 self._clean_up([*layout.slots, *layout.spares, *self.stragglers.evicted])
             return self._finish(decision, saved)
@@ -212,15 +213,20 @@ class Supervisor:
     def _finish(self, decision: Decision, saved: Persisted) -> int:
         if decision.action is Action.REQUEUE:
             saved.requeues += 1
-            saved.save(self.state_path)
+            self._save(saved)
         self._summary(decision.action, decision.reason, saved, decision.exit_code)
         if decision.action is Action.REQUEUE:
             # in this order: what the next run needs is on disk before the requeue's SIGTERM reaches this process
             self.emit("requeue", level=logging.WARNING, excluded=",".join(saved.excluded), reason=decision.reason)
-            requeue_flag(self.job_dir, self._slurm_run).touch()  # the janitors keep the stores for the next run
+            try:
+                requeue_flag(self.job_dir, self._slurm_run).touch()  # the janitors keep the stores for the next run
+            except OSError as exc:
+                self.emit("requeue_flag_unwritten", level=logging.ERROR, error=str(exc),
+                          consequence="the janitors remove the stores at the requeue: the next run resumes from the "
+                                      "durable tier, not from memory")
             done = slurmstate.requeue(self.runner, self.job_id, saved.excluded)
             saved.slurm_excluded = done.excluded
-            saved.save(self.state_path)
+            self._save(saved)
             self.emit("requeued", level=logging.WARNING if done.allowed else logging.INFO,
                       slurm_excluded=",".join(done.excluded), allowed=",".join(done.allowed),
                       reason="nodes Slurm itself marked bad are not put into ExcNodeList: Slurm allocates them only "
@@ -241,14 +247,40 @@ class Supervisor:
         step 0 after progress existed)."""
         from_zero = any(loss.resumed_from == 0 for loss in self.lost)
         inproc = sum(e["event"] == "inprocess_restart" and e.get("rank") == 0 for e in events.read(self.job_dir))
+        unwritten = self._unwritten()
         level = (logging.ERROR if action is Action.STOP or from_zero
                  else logging.WARNING if self.lost or any(self.reshaped.values()) or self.stragglers.evicted or inproc
-                 or action is Action.REQUEUE
+                 or action is Action.REQUEUE or unwritten
                  else logging.INFO)
         lost = "; ".join(loss.line() for loss in self.lost)
         self.emit("summary", level=level, action=action.value, reason=reason, restarts=saved.restarts,
                   requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=exit_code, lost=lost, inprocess_restarts=inproc,  # the ranks' own (hpcft.restartable)
-                  **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines}, **self.stragglers.summary())
+                  **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines}, **self.stragglers.summary(),
+                  **({"unwritten": unwritten} if unwritten else {}))
+
+    def _save(self, saved: Persisted) -> None:
+        """state.json for the next run. A job directory that cannot take it (a full disk) costs this run nothing:
+        said once (ERROR `state_unwritten`) and in the summary; a requeued run would read the state written last."""
+        try:
+            saved.save(self.state_path)
+        except OSError as exc:
+            if self._state_unwritten is None:
+                self.emit("state_unwritten", level=logging.ERROR, path=str(self.state_path), error=str(exc),
+                          consequence="a requeued run reads the state written last: the restarts, requeues and "
+                                      "excluded nodes since then are not known to it")
+            self._state_unwritten = str(exc)
+        else:
+            self._state_unwritten = None
+
+    def _unwritten(self) -> str:
+        """What the run could not write to its job directory (a full disk, a quota): its events and status log."""
+        said = [f"{len(u.lines) + u.dropped} event(s) not in {u.path} ({u.error}; they are in this output)"
+                for u in events.unwritten()]
+        if self.fabric.unwritable:
+            said.append(f"{self.fabric.path} not updated ({self.fabric.unwritable})")
+        if self._state_unwritten:
+            said.append(f"{self.state_path} not updated ({self._state_unwritten})")
+        return "; ".join(said)
 
     def _reshape(self, decision: Decision, event: Event, state: State, launches: int) -> Decision:
         """Carry a shrink or grow out (hpcft/launch/elastic.py): the decision, or what replaced it if it failed."""
