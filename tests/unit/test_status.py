@@ -104,7 +104,7 @@ def test_a_protection_stall_is_a_warning_with_the_steps_at_risk_not_a_healthy_se
     (tmp_path / "agents").mkdir()
     for s in range(4):  # protection stuck at 5 for a minute while the trainers reached 12
         _report(tmp_path / "agents", s, staged=12, protected=5, versions={str(s): [5, 11, 12]}, protected_steps=[4, 5],
-                protected_since=time.time() - 60)
+                behind_since=time.time() - 60)
     (tmp_path / agent_status.LOG).write_text(json.dumps({"progress": {str(r): [12, 0.3, time.time()]
                                                                       for r in range(4)}}))
     view = collect(tmp_path)
@@ -115,12 +115,12 @@ def test_a_protection_stall_is_a_warning_with_the_steps_at_risk_not_a_healthy_se
     assert json.loads(out.output)["steps_at_risk"] == 7
     for s in range(4):  # protection that keeps up: 1 step at risk, healthy, no warning
         _report(tmp_path / "agents", s, staged=12, protected=11, versions={str(s): [11, 12]}, protected_steps=[10, 11],
-                protected_since=time.time() - 0.5)
+                behind_since=time.time() - 0.5)
     view = collect(tmp_path)
     assert (view.steps_at_risk, [s.health for s in view.sets], view.warnings) == (1, [HEALTHY], [])
     for s in range(4):  # past the agents' lag bound: a warning however recent the last pass
         _report(tmp_path / "agents", s, staged=12, protected=8, versions={str(s): [8, 12]}, protected_steps=[8],
-                protected_since=time.time() - 0.5, lag_bound=3)
+                behind_since=time.time() - 0.5, lag_bound=3)
     assert "over the agents' lag bound of 3" in collect(tmp_path).warnings[0]
 
 
