@@ -88,10 +88,13 @@ class AgentLoss:
         return None if again is None else self.not_ready(layout, again)
 
     def not_ready(self, layout: Layout, exc: CheckpointError) -> Event:
-        """The policy's view of agents that could not get ready: a bad node, or an agent failure on healthy nodes."""
+        """The policy's view of agents that could not get ready: a bad node (the agents' suspects probed beside
+        controls, as while training, else every slot), or an agent failure on healthy nodes."""
         if self.interrupted():
             return Event(Kind.WALLTIME, detail="SIGTERM")
-        bad = self.agents.bad_nodes or self.nodes.bad(layout.slots, probe=True)
+        named = self.agents.lost(layout) or {}  # the peers the agents' heartbeats named: probed as while training
+        bad = self.agents.bad_nodes or (self.suspects_lost(layout, named) if 0 < len(named) < len(layout.slots)
+                                        else self.nodes.bad(layout.slots, probe=True))
         if bad:
             return Event.nodes_lost(bad)
         return Event(Kind.AGENT_FAILED, detail=str(exc))

@@ -53,13 +53,15 @@ PROBE_EVERY_S = 5.0  # while the agents get ready: a probe of the slots' nodes t
 
 class AgentSteps:
     """One job's agents' steps. `emit` records events, `stop_steps` stops {step name: srun} (the supervisor's
-    SIGTERM-then-kill), `interrupted` says whether `hpcft run` got SIGTERM, `check_nodes(layout, probe)` returns
-    the bad nodes among the slots (the supervisor's scontrol check, and its probe when `probe`); `view`, the
+    SIGTERM-then-kill), `interrupted` says whether `hpcft run` got SIGTERM, `check_nodes(layout, probe, until)` returns
+    the bad nodes among the slots (the supervisor's scontrol check, and its probe when `probe`, cut short once
+    `until()`); `view`, the
     supervisor's live view of the agents' reports (without it, their status files)."""
 
     def __init__(self, cfg: RunConfig, runner: Runner, job_dir: Path, python: str, *, emit: Callable[..., None],
                  stop_steps: Callable[[Mapping[str, subprocess.Popen]], None], interrupted: Callable[[], bool],
-                 check_nodes: Callable[[Layout, bool], dict[str, str]], view: LiveView | None = None):
+                 check_nodes: Callable[[Layout, bool, Callable[[], bool]], dict[str, str]],
+                 view: LiveView | None = None):
         self.cfg, self.runner, self.job_dir, self.python = cfg, runner, job_dir, python
         self.view = view  # the agents' statuses as they report them over the network (launch/fabric.py)
         self.emit, self._stop_steps, self._interrupted, self._check_nodes = emit, stop_steps, interrupted, check_nodes
@@ -204,7 +206,10 @@ class AgentSteps:
             if self._interrupted():
                 raise CheckpointError("interrupted by SIGTERM")
             probe = time.monotonic() >= probe_at
-            self.bad_nodes = self._check_nodes(layout, probe)
+            # an agent that fails meanwhile (its heartbeats named a peer) ends the probe: its suspect is probed next,
+            # timed against its peers (AgentLoss.not_ready), as while training
+            self.bad_nodes = self._check_nodes(layout, probe, lambda: any(
+                r.get("phase") == agent_status.FAILED for r in self._read(tag).values()))
             if self.bad_nodes:
                 raise CheckpointError("node(s) lost while the agents got ready: " +
                                       "; ".join(f"{n}: {why}" for n, why in self.bad_nodes.items()))

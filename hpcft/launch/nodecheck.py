@@ -31,12 +31,13 @@ class NodeCheck:
         self.closed_now: dict[str, str] = {}  # the closed nodes the last check found (bad ones or not)
 
     def bad(self, nodes: Sequence[str], *, probe: bool, closed: bool = True, found_by: str | None = None,
-            suspected: Mapping[str, str] | None = None, controls: Sequence[str] = ()) -> dict[str, str]:
+            suspected: Mapping[str, str] | None = None, controls: Sequence[str] = (),
+            until: Callable[[], bool] | None = None) -> dict[str, str]:
         """Slurm's bad nodes among `nodes`; with `probe` and none lost, those that fail the probe (probed beside
         `controls`, which time a healthy answer: `probe`). `closed`: a node Slurm gives no new work (drained, a
         reboot asked for) counts as bad, as it must when a launch is to be made; without, it is only said (one
         `node_closed` event) and the step that runs on it goes on. `found_by` (e.g. what made the supervisor look)
-        and `suspected` ({node: what made it a suspect}) go into the events."""
+        and `suspected` ({node: what made it a suspect}) go into the events. `until`: see `probe`."""
         try:
             health = slurmstate.node_health(self.runner, self.job_id, list(nodes))
         except SlurmError as exc:
@@ -48,7 +49,7 @@ class NodeCheck:
         bad = dict(health.bad if closed else health.lost)
         rest = [n for n in nodes if n not in bad]
         if probe and not health.lost and rest:  # a closed node may hide a dead one: the others are probed still
-            bad.update(self.probe(rest, controls, closed=closed))
+            bad.update(self.probe(rest, controls, closed=closed, until=until))
         for node, why in bad.items():
             self.emit("node_bad", level=logging.WARNING, node=node, state=why,
                       **({"found_by": found_by} if found_by else {}),
@@ -65,14 +66,16 @@ class NodeCheck:
                                  "if one is left, and Slurm leaves it out of the next allocation")
         self._closed = dict(closed)
 
-    def probe(self, nodes: Sequence[str], controls: Sequence[str] = (), *, closed: bool = True) -> dict[str, str]:
+    def probe(self, nodes: Sequence[str], controls: Sequence[str] = (), *, closed: bool = True,
+              until: Callable[[], bool] | None = None) -> dict[str, str]:
         """Run a trivial task on each node (and each of `controls`) at once; a node that does not answer in time is
         bad: within --probe-timeout of srun sending it the task, or, once every control has answered, within a few
         times their slowest answer (policy.probe_deadline: a frozen node is named in seconds, not at the timeout).
         Until srun has sent the task (`srun --verbose` says so) the controller is what is slow, not the node: that
         wait (an srun that gave up on the controller is started again) counts against the node only past
         UNLAUNCHED_FACTOR × --probe-timeout. Slurm stays a second source meanwhile: a node it marks bad (`closed`:
-        or closed) while its probe is pending is bad at once."""
+        or closed) while its probe is pending is bad at once. A probe made for no suspicion ends, judging nothing
+        more, once `until()` is true (a better-informed check is due: the agents named a suspect)."""
         controls = [c for c in controls if c not in nodes]
         started = time.monotonic()
         pending = {n: self._start(n) for n in [*nodes, *controls]}
@@ -83,6 +86,10 @@ class NodeCheck:
         unlaunched = UNLAUNCHED_FACTOR * self.probe_timeout
         while pending or again:
             now = time.monotonic()
+            if until is not None and until():
+                for node, p in pending.items():
+                    p.end(now, node, kill=True)
+                return bad
             for node in [n for n, p in again.items() if now >= p.began + SLURM_EVERY_S]:
                 pending[node] = self._start(node)
                 del again[node]

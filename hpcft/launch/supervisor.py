@@ -83,8 +83,8 @@ class Supervisor:
         self.fabric = Fabric(self.job_dir, self.emit)  # the nodes' progress and status, over the network
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
                                  interrupted=self._terminated, view=self.fabric.view,
-                                 check_nodes=lambda layout, probe: self.nodes.bad(layout.slots, probe=probe,
-                                                                                 closed=False))
+                                 check_nodes=lambda layout, probe, until: self.nodes.bad(
+                                     layout.slots, probe=probe, closed=False, until=until))
         self.agent_loss = AgentLoss(self.agents, self.nodes, self.emit, self._terminated)
         self.reshaper = elastic.Reshaper(cfg, self.agents, self.janitor, self.emit)
         self.reshaped: dict[str, list[str]] = {"shrunk": [], "grown": []}  # each elastic shrink / grow, for the summary
@@ -325,7 +325,7 @@ class Supervisor:
                 event = None if failure is None else \
                     self.agent_loss.before_training(layout, failure, restart_count, env)
                 if event is not None:
-                    self.agents.stop()
+                    self.agents.stop(ask=not event.lost_nodes)  # a lost node's mesh is broken: no grace to wait
                     return event
             self.standbys.wait(layout.slots, interrupted=self._terminated)
             argv = trainer_argv(layout, self.profile, self.command, python=self.python, extra=self.cfg.srun_args)

@@ -18,6 +18,7 @@ from runs import start_spared as _start
 
 from hpcft import events
 from hpcft.agent import status as agent_status
+from hpcft.launch.steps import LOST_NODE_GRACE_S
 
 
 def test_the_run_checks_its_memory_plan_with_every_nodes_real_snapshot_size(dp_reference):
@@ -161,6 +162,11 @@ def test_a_node_lost_while_the_agents_rebuild_is_found_by_the_supervisor_not_by_
     # (which ends the agents' step, as a fixed wait for the mesh would)
     bad = [e for e in events.read(out / "job") if e["event"] == "node_bad" and e["node"] == "n5"]
     assert bad and not any("DOWN" in e["state"] for e in bad), bad
+    # as while training (#34: this cost ~25 s): the agents' suspect probed beside controls, not at --probe-timeout,
+    # and the broken agents' step killed at once, not asked to stop for --kill-grace
+    assert "other node(s) answered within" in bad[0]["state"] and bad[0].get("found_by") == "agents", bad
+    stopped = next(e for e in events.read(out / "job") if e["event"] == "agents_stopped" and e["time"] > bad[0]["time"])
+    assert stopped["how"] == "killed" and stopped["time"] - bad[0]["time"] < LOST_NODE_GRACE_S + 1, stopped
     ready = agents_ready(out / "job", "2")
     assert ready["rebuilt"] == "n6" and ready["step"] >= protected, ready
     assert set(resumed_from(out).values()) == {ready["step"]}

@@ -123,7 +123,11 @@ class _Agents:
 
     def __init__(self, outcomes: list):
         self.tag, self.bad_nodes, self.outcomes, self.calls = "0", {}, outcomes, []
+        self.named: dict[str, str] = {}  # the peers failed agents named ({node: why}), as AgentSteps.lost says
         self.cfg = RunConfig()  # the run's options, as AgentSteps has them (its transport)
+
+    def lost(self, layout):
+        return self.named or None
 
     def stop(self, ask: bool = True, flush: bool = True) -> None:
         self.calls.append(("stop", ask, flush))
@@ -140,6 +144,7 @@ class _Nodes:
 
     def bad(self, nodes, *, probe, found_by=None, suspected=None, controls=()):
         self.asked.append((tuple(nodes), found_by, dict(suspected or {})))
+        self.controls = tuple(controls)
         return {n: w for n, w in self.bad_ones.items() if n in nodes}
 
 
@@ -239,3 +244,21 @@ def test_an_agents_step_that_ended_before_ready_on_healthy_nodes_is_launched_onc
     killed = AgentLoss(agents, _Nodes({}), lambda kind, **f: None, interrupted=lambda: False).before_training(
         layout, StepEnded("the agents' step ended (exit status -9)", -9), 0, {})  # srun killed: its agents may live on
     assert killed.kind is Kind.AGENT_FAILED and agents.calls == []
+
+
+def test_a_peer_the_agents_named_before_they_were_ready_is_probed_beside_controls_as_while_training():
+    """A node lost while the agents rebuild cost ~25 s: every slot was probed without controls (the frozen node
+    answered at the probe timeout), then the agents' step was asked to stop for --kill-grace."""
+    from hpcft.errors import CheckpointError
+    from hpcft.launch.agentloss import AgentLoss
+    from hpcft.launch.policy import Kind
+
+    layout = Layout(slots=("frontier00041", "frontier00042", "frontier00043", "frontier00044"), spares=())
+    agents = _Agents([])
+    agents.named = {"frontier00043": "agent of slot 1 lost it: the agent of slot 2 was silent for 3.3 s"}
+    nodes = _Nodes({"frontier00043": "probe did not answer within 1 s"})
+    event = AgentLoss(agents, nodes, lambda kind, **f: None, interrupted=lambda: False).before_training(
+        layout, CheckpointError("agent of slot 1 failed: the agent of slot 2 was silent for 3.3 s"), 0, {})
+    assert event.kind is Kind.NODE_FAILED and event.bad_nodes == ("frontier00043",)
+    assert nodes.asked == [(("frontier00043",), "agents", agents.named)]
+    assert nodes.controls and "frontier00043" not in nodes.controls
