@@ -75,3 +75,12 @@ def test_a_probe_whose_step_the_controller_has_not_created_is_not_the_nodes_faul
     assert bad["n2"] == "probe did not answer within 1 s", bad
     assert bad["n3"].startswith("Slurm did not launch the probe's task within 3 s"), bad
     assert nodecheck.UNLAUNCHED_FACTOR * 1.0 <= took < 20.0
+
+
+def test_a_probe_for_no_suspicion_ends_judging_nothing_once_until_says_a_better_check_is_due(monkeypatch):
+    """While the agents get ready, every slot is probed every few seconds; an agent that fails meanwhile names its
+    suspect, which is probed beside controls next: the blind probe must not hold that up to --probe-timeout."""
+    monkeypatch.setattr(nodecheck, "SLURM_EVERY_S", 3600.0)
+    started = time.monotonic()
+    bad = _check({"n3"}, timeout=60.0).probe(["n1", "n2", "n3"], until=lambda: time.monotonic() - started > 1.0)
+    assert bad == {} and time.monotonic() - started < 10.0
