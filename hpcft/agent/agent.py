@@ -23,6 +23,7 @@ from hpcft.agent import status, uplink
 from hpcft.agent.budget import LagBudget
 from hpcft.agent.bundle import Bundle, both, complete_steps, local_versions, pin_targets
 from hpcft.agent.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
+from hpcft.agent.link import COUNT
 from hpcft.agent.mesh import Mesh, MeshBase
 from hpcft.agent.persist import Flusher
 from hpcft.durable.settings import PersistConfig
@@ -37,6 +38,7 @@ from hpcft.store import job_dir, resolve_root, secure_dir
 from hpcft.store import pin as store_pin
 
 _log = logging.getLogger(__name__)
+STEPS = [COUNT]  # what an agreement on steps carries (link.mismatch): a peer's malformed list is its TransportError
 
 
 def protect_newest(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, keep: int = 2) -> Record | None:
@@ -45,8 +47,8 @@ def protect_newest(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, 
     before the pin (event `protect_missed`), or if a node found its copy damaged (event `protect_skipped`)."""
     started = time.perf_counter()
     complete = complete_steps(job)
-    held = mesh.allreduce(sorted(complete), both)  # held everywhere: log2 N messages of one list each
-    done = mesh.allreduce(sorted(records(job)), both)
+    held = mesh.allreduce(sorted(complete), both, STEPS)  # held everywhere: log2 N messages of one list each
+    done = mesh.allreduce(sorted(records(job)), both, STEPS)
     # the newest `keep` steps held everywhere (the records kept): an older one would be retired right after its
     # pass and protected again the next round, forever
     todo = sorted(set(held[-keep:]) - set(done))
@@ -57,7 +59,7 @@ def protect_newest(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, 
     try:
         with pins.holding(bundle.pin_targets()):
             ok = _readable(bundle, mesh)
-            if not mesh.allreduce(ok, operator.and_):
+            if not mesh.allreduce(ok, operator.and_, bool):
                 return None
             rec = protect_step(mesh, placement, bundle, job, keep, started)
             pins.keep(bundle.pin_targets())  # held until a newer step is protected: a node loss finds this one
@@ -88,7 +90,7 @@ def keep_newest_protected(mesh: MeshBase, job: Path, pins: Pins) -> int | None:
     record of, as a pass would have left it, so that the trainers resuming do not recycle it before the next pass.
     Agreed, not local: a node's record of a newer step that a lost peer never committed protects nothing."""
     complete, recs = complete_steps(job), records(job)
-    everywhere = mesh.allreduce(sorted(set(complete) & set(recs)), both)
+    everywhere = mesh.allreduce(sorted(set(complete) & set(recs)), both, STEPS)
     if not everywhere:
         return None
     pins.keep(pin_targets(everywhere[-1], complete[everywhere[-1]]))

@@ -18,6 +18,7 @@ from typing import Any
 
 from hpcft import events
 from hpcft.agent.bundle import Held, both, map_readonly, pin_targets
+from hpcft.agent.link import COUNT, Either
 from hpcft.agent.mesh import MeshBase
 from hpcft.agent.pins import Pins
 from hpcft.agent.throttle import Throttle, chore, unbilled
@@ -26,6 +27,9 @@ from hpcft.durable.settings import PersistConfig
 from hpcft.errors import HpcftError
 
 IDLE, RUNNING, DRAINING, DONE, FAILED = "idle", "running", "draining", "done", "failed"
+# a round's flush vote, merged (`vote`, `combine`), as a peer must send it (link.mismatch)
+VOTE = {"failed": [(COUNT, str)], "running": bool, "busy": bool, "asked": [str], "id": (COUNT, str),
+        "durable": Either(COUNT, None), "protected": [COUNT], "complete": [COUNT], "world": COUNT}
 
 
 def request_path(rendezvous: str | Path, tag: str) -> Path:
@@ -115,7 +119,7 @@ class Flusher:
         asked = _read_request(self.rendezvous, self.tag)
         mine = vote(self.slot, self._state, self._error, asked, uuid.uuid4().hex[:8], self.durable,
                     [s for s in protected if s in complete][-4:], sorted(complete)[-4:], _world(complete))
-        states = mesh.allreduce(mine, combine)  # log2 N messages of one vote each, whatever the job's size
+        states = mesh.allreduce(mine, combine, VOTE)  # log2 N messages of one vote each, whatever the job's size
         if self._step is not None:
             self._progress(mesh, states)
             return
@@ -203,7 +207,7 @@ class Flusher:
                     commit.commit(tmp, self.root, step, self._world, self.job_id, self.cfg.keep)
             except HpcftError as exc:
                 error = f"commit: {exc}"
-        outcome = mesh.allgather([error, self._bytes])  # once per flush: slot 0's commit outcome reaches everyone
+        outcome = mesh.allgather([error, self._bytes], (str, COUNT))  # once per flush: slot 0's commit outcome
         error = next((e for e, _ in outcome if e), "")
         seconds = time.perf_counter() - self._started
         nbytes = sum(b for _, b in outcome)

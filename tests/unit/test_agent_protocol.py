@@ -14,9 +14,13 @@ import pytest
 
 from test_agent_mesh import SECRET, _meshes  # tests/unit is on sys.path (pytest's rootdir insertion)
 
+from hpcft.agent.agent import STEPS
 from hpcft.agent.bundle import both, parse
 from hpcft.agent.link import PeerGaveUp
 from hpcft.agent.mesh import Mesh
+from hpcft.agent.persist import VOTE
+from hpcft.agent.persist import combine as persist_combine
+from hpcft.agent.persist import vote as persist_vote
 from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.protect import _partner, record_slot
 from hpcft.agent.rebuild import _receive
@@ -143,6 +147,10 @@ def test_a_second_connection_claiming_one_slot_is_refused_and_told():
         served.close()
 
 
+def _vote() -> dict:
+    return persist_vote(0, "idle", "", None, "abcd", None, [1, 2], [1, 2, 3], 2)
+
+
 def _gather(m):
     return m.allgather(0)
 
@@ -165,6 +173,12 @@ def _reduce(m):
     (lambda m: m.allgather({"held": [1]}, shape={"held": [int]}), {"allgather": [[1, {"held": ["1"]}]], "round": 1}),
     (lambda m: m.allgather({"held": [1]}, shape={"held": [int]}), {"allgather": [[1, {}]], "round": 1}),
     (lambda m: m.allreduce(True, operator.and_, shape=bool), {"allreduce": 1, "round": 1}),
+    # the agents' own agreements: the steps held (agent.STEPS) and the flush's vote (persist.VOTE)
+    (lambda m: m.allreduce([1, 2], both, shape=STEPS), {"allreduce": [1, -2], "round": 1}),
+    (lambda m: m.allreduce(_vote(), persist_combine, shape=VOTE), {"allreduce": {**_vote(), "durable": "3"},
+                                                                   "round": 1}),
+    (lambda m: m.allreduce(_vote(), persist_combine, shape=VOTE), {"allreduce": {**_vote(), "failed": [[1]]},
+                                                                   "round": 1}),
 ])
 def test_a_malformed_round_or_value_is_a_transport_error_naming_the_sender(tmp_path, call, sent):
     meshes = _meshes(2, tmp_path)
