@@ -81,6 +81,7 @@ class _Local:
         self.bundle: Bundle | None = None
         self.record: Record | None = None
         self.record_bytes: np.ndarray | None = None
+        self.record_damaged = False  # this node has a record of the step, but it failed its checks
         self._pinned = ExitStack()
         if step in complete:
             bundle = Bundle(step, complete[step])
@@ -99,6 +100,7 @@ class _Local:
                 self.record_bytes = record_data(recs[step])
                 self.record = recs[step]
             except (IntegrityError, StoreError, OSError, ValueError) as exc:  # StoreError: no data file
+                self.record_damaged = True
                 events.emit("rebuild_copy_bad", level=logging.ERROR, step=step, slot=slot, what="record", error=str(exc))
 
     def close(self) -> None:
@@ -123,8 +125,16 @@ def rebuild(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, job_id:
     for step in steps:
         local = _Local(step, complete, recs, mesh.slot, pins)
         try:
-            flags = mesh.allgather([local.bundle is not None, local.record is not None], (bool, bool))
+            flags = mesh.allgather([local.bundle is not None, local.record is not None, local.record_damaged],
+                                   (bool, bool, bool))
             gone = [slot for slot, f in enumerate(flags) if not f[0]]
+            damaged = [slot for slot, f in enumerate(flags) if f[2]]
+            if gone and damaged and not any(f[1] for f in flags):  # protected once, its records unusable now
+                reasons.append(f"step {step}: the protection records of slot(s) {damaged} are damaged")
+                events.emit("rebuild_fallback", level=logging.WARNING, slot=mesh.slot, step=step,
+                            reason=f"step {step} was protected, but the records of slot(s) {damaged} are damaged "
+                                   f"(rebuild_copy_bad) and slot(s) {gone} lost their copy: trying an older step")
+                continue
             if gone and not any(f[1] for f in flags):  # the usual case for the newest step or two: say so
                 reasons.append(f"step {step}: not protected yet")
                 events.emit("rebuild_fallback", slot=mesh.slot, step=step,
@@ -134,8 +144,9 @@ def rebuild(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, job_id:
             try:
                 targets = lost_slots(placement, [f[0] for f in flags], [f[1] for f in flags])
             except Unrecoverable as exc:
-                reasons.append(f"step {step}: {exc}")
-                events.emit("rebuild_fallback", level=logging.WARNING, slot=mesh.slot, step=step, reason=str(exc))
+                why = str(exc) + (f" (the records of slot(s) {damaged} are damaged)" if damaged else "")
+                reasons.append(f"step {step}: {why}")
+                events.emit("rebuild_fallback", level=logging.WARNING, slot=mesh.slot, step=step, reason=why)
                 continue
             error = None
             if targets:
