@@ -283,7 +283,7 @@ class AgentSteps:
         deadline = started + self.cfg.protect_timeout
         if bad_nodes:
             why = (f"node(s) {','.join(bad_nodes)} lost: the newest step their sets protected before is what "
-                   "the next allocation can rebuild, or the newest durable one")
+                   "the next allocation can rebuild")
         elif self.cfg.protected:
             why = self.drain(deadline)
         else:
@@ -291,8 +291,12 @@ class AgentSteps:
         durable, flush_why = None, "no durable tier (--persist-dir none)"
         if self.cfg.persisting and not bad_nodes:  # a lost node's agent broke the mesh: no flush is possible
             durable, flush_why = self.flush(deadline)
-        elif self.cfg.persisting:
-            flush_why = "a node was lost: the agents cannot flush together; the newest durable step stays"
+        elif self.cfg.persisting:  # the newest step the agents last reported durable (no request was made)
+            reports = list(self._read(self.tag).values())
+            durable = agent_persist.outcome(reports, rid="", slots=len(reports))[1]
+            flush_why = "a node was lost: the agents cannot flush together; " + (
+                f"the durable step {durable} stays" if durable is not None else
+                "no step is durable yet: the next allocation has only what the nodes' memory holds")
         done, protected = why is None or flush_why is None, self.protected()
         self.emit("persist", level=logging.INFO if done else logging.WARNING, done=done,
                   how="protect+flush" if self.cfg.protected and self.cfg.persisting else
