@@ -161,6 +161,7 @@ class Overhead:
     snapshots: int
     stale: int
     behind_s: float | None
+    at_risk_max: int | None
     every_s: float | None
     snapshot_bytes: int
 
@@ -258,6 +259,7 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
                         protected=len(mine), snapshots=snapshots,
                         stale=sum(1 for e in window if e["event"] == "protect_stale" and e.get("slot") == 0),
                         behind_s=statistics.median(behind) if behind else None,
+                        at_risk_max=steps_at_risk_max(committed, [(e["time"], e["step"]) for e in mine]),
                         every_s=statistics.median(b["time"] - a["time"] for a, b in zip(mine, mine[1:]))
                         if len(mine) > 1 else None,
                         snapshot_bytes=snapshot_bytes)
@@ -266,6 +268,16 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
             p.kill()
             p.wait()
         ckpt.close()
+
+
+def steps_at_risk_max(committed: dict[int, float], passes: list[tuple[float, int]]) -> int | None:
+    """The most snapshots a node lost at any moment of the window would have cost: before each pass completes
+    (time, step protected), the newest step committed by then minus the step the previous pass protected."""
+    worst = None
+    for (_, guarded), (until, _) in zip(passes, passes[1:]):
+        newest = max((s for s, t in committed.items() if t <= until), default=guarded)
+        worst = max(worst or 0, newest - guarded)
+    return worst
 
 
 def _sent_over_state(scheme: Scheme) -> float:
@@ -335,6 +347,7 @@ def _scheme_record(opts: ProtectOptions, scheme: Scheme, base: Path) -> dict:
         # bound it to 3: a pass costs agent_cpu_s_per_snapshot core-seconds, lasts that over the cap, and a
         # snapshot waits on average half a pass for the next one to start: lag ≈ 1.5 passes
         "steps_at_risk": ov.behind_s / ov.interval if ov.behind_s is not None and ov.interval else None,
+        "steps_at_risk_max": ov.at_risk_max,
         "cores_for_3_steps_at_risk_model": (ov.agent_cpu_s * ov.snapshot_bytes / 1e9) / (3 * ov.interval / 1.5)
         if ov.agent_cpu_s and ov.interval else None,
         "protect_passes_during_training": ov.protected,
@@ -373,6 +386,8 @@ def run(opts: ProtectOptions) -> Report:
                    f"{s}: a snapshot's age when its protection completes (median)")
         report.add(f"{s}_steps_at_risk", rec["steps_at_risk"], "",
                    f"{s}: that age in snapshot intervals: what a node loss rolls back (measured)")
+        report.add(f"{s}_steps_at_risk_max", rec["steps_at_risk_max"], "",
+                   f"{s}: the most snapshots a node lost at any moment of the window would have cost (measured)")
         report.add(f"{s}_cores_for_3_steps_at_risk_model", rec["cores_for_3_steps_at_risk_model"], "",
                    f"{s}: agent CPU cap (cores) for at most 3 intervals at risk (model: 1.5 passes of measured CPU)")
     report.note("schemes", out)

@@ -172,3 +172,12 @@ def test_inprocess_phases_add_up_to_the_raise_to_first_step_time() -> None:
     parts = ("detection_s", "abort_barrier_s", "new_groups_s", "restore_s", "first_step_s")
     assert sum(ph[p] for p in parts) == pytest.approx(ph["total_s"])
     assert ph["restore_s"] == pytest.approx(0.05) and ph["first_step_s"] == pytest.approx(0.77)
+
+
+def test_the_protect_bench_measures_the_most_steps_a_node_loss_would_have_cost() -> None:
+    from hpcft.bench.protect import steps_at_risk_max
+
+    committed = {s: float(s) for s in range(1, 13)}  # a snapshot a second
+    # passes complete at 3.5 (step 2), 5.5 (step 5), 10.5 (step 9, after a stall): before the last, 10 - 5 at risk
+    assert steps_at_risk_max(committed, [(3.5, 2), (5.5, 5), (10.5, 9)]) == 5
+    assert steps_at_risk_max(committed, [(3.5, 2)]) is None  # one pass measures nothing
