@@ -19,6 +19,7 @@ from hpcft.agent import status as agent_status
 from hpcft.bench import train_job
 from hpcft.errors import HpcftError, SlurmError
 from hpcft.launch import progress
+from hpcft.launch.config import LOST_PROGRESS_EXIT as LOST_EXIT  # the default: the demo runs on it
 from hpcft.sandbox.cli import dir_option, sandbox_dir
 from hpcft.sandbox.cluster import Sandbox, ensure_up
 from hpcft.sandbox.config import SandboxConfig
@@ -135,10 +136,12 @@ def _report(job_dir: Path, out: Path, code: int, crashed: str, say: Callable[[st
                 "trainers")
     timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     resumed = sorted({r["step"] for r in timeline if r["what"] == "restored" and r["run"] != "0.0"})
+    summary = next((e for e in reversed(log) if e["event"] == "summary"), {})
+    lost = f" ({summary.get('steps_lost')} step(s) after the protected one trained again)" if code == LOST_EXIT else ""
     say(f"    every rank resumed from step {', '.join(map(str, resumed)) or '?'} (from memory, {crashed}'s ranks' "
-        f"snapshots rebuilt on the spare) and the job finished: exit status {code}, parameters in {out / 'final.pt'}; "
-        f"{crashed} is back in the sandbox")
-    return 0 if code == 0 and resumed and min(resumed) > 0 else 1
+        f"snapshots rebuilt on the spare) and the job finished: exit status {code}{lost}, parameters in "
+        f"{out / 'final.pt'}; {crashed} is back in the sandbox")
+    return 0 if code in (0, LOST_EXIT) and resumed and min(resumed) > 0 else 1
 
 
 def _indent(text: str) -> str:

@@ -110,6 +110,9 @@ def _run_options(f):
                           "the default), default, or pinned, e.g. stream,threads=2,chunk=1M."),
         click.option("--adopt", default=None, metavar="JOB",
                      help="Resume from job JOB's snapshots in the nodes' memory too (another job's are refused)."),
+        click.option("--lost-progress-exit", type=int, default=None, metavar="N",
+                     help="Exit status of a run that finished but lost progress on the way (default "
+                          f"{config.LOST_PROGRESS_EXIT}; 0: exit 0)."),
     ]
     for option in reversed(options):
         f = option(f)

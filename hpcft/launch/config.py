@@ -14,6 +14,8 @@ from hpcft.launch.standby import DEFAULT_PRELOAD
 from hpcft.snapshot.calibration.policy import default_choice, parse_override
 
 CONFIG_ENV = "HPCFT_CONFIG"
+LOST_PROGRESS_EXIT = 6  # after hpcft's own 1, 3, 4, 5; not the shell's or a signal's (126 and up)
+OWN_EXITS = (1, 2, 3, 4, 5)  # hpcft's and click's exit statuses, which a lost-progress exit must not look like
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class RunConfig:
     `stream,threads=2,chunk=1M` — hpcft/snapshot/calibration).
     adopt: a job whose in-memory snapshots the trainers' restore and the agents' rebuild take besides this job's own
     (another job's are refused: hpcft/store/owner.py), exported as HPCFT_ADOPT.
+    lost_progress_exit: the exit status of a run that finished but lost progress on the way (resumed from an older
+    step than its trainers had reached, or from step 0), so that it cannot pass for a clean success (0: exit 0).
     """
 
     nodes: int | None = None
@@ -131,6 +135,7 @@ class RunConfig:
     stage_cache: str | None = None
     copy: str | None = None
     adopt: str | None = None
+    lost_progress_exit: int = LOST_PROGRESS_EXIT
 
     @property
     def protected(self) -> bool:
@@ -280,6 +285,9 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{key} must be positive bytes/s (got {getattr(cfg, key)})")
     if cfg.protect_lag is not None and cfg.protect_lag < 1:
         raise ConfigError(f"protect_lag must be at least 1 step (got {cfg.protect_lag})")
+    if cfg.lost_progress_exit in OWN_EXITS or not 0 <= cfg.lost_progress_exit < 126:
+        raise ConfigError(f"lost_progress_exit must be 0 (off) or an exit status from 6 to 125: 1-5 are hpcft run's "
+                          f"other statuses, 126 and up the shell's and signals' (got {cfg.lost_progress_exit})")
     if cfg.persist_every < 1 or cfg.persist_keep < 1:
         raise ConfigError(f"persist_every and persist_keep must be at least 1 (got {cfg.persist_every}, "
                           f"{cfg.persist_keep})")

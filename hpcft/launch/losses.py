@@ -1,23 +1,23 @@
 """Progress lost across a launch, as the supervisor sees it: the newest snapshot step every rank had completed
-before the launch (the supervisor's live view of their progress, hpcft/launch/liveview.py `reached`) against the step the launch's ranks restored
-(the Checkpointer's `restore_done` / `restore_none` events in the job directory). A launch that resumes from an
-older step lost the steps in between; one that starts from step 0 after progress existed lost everything, which
-must never pass for a success (docs/supervisor.md, "Lost progress")."""
+when the trainers' previous launch ended (the supervisor's live view of their progress, hpcft/launch/liveview.py
+`reached`, read then: once the next launch's agents have rebuilt a lost node's store they report its older step)
+against the step the launch's ranks restored (the Checkpointer's `restore_done` / `restore_none` events in the job
+directory). A launch that resumes from an older step lost the steps in between; one that starts from step 0 after
+progress existed lost everything, which must never pass for a success (docs/supervisor.md, "Lost progress")."""
 from __future__ import annotations
 
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 
-
 @dataclass(frozen=True)
 class Loss:
-    reached: int        # the newest snapshot step every rank had completed before the launch
-    resumed_from: int   # the step the launch's ranks restored (0: nothing, a restart from scratch)
+    reached: int        # the newest snapshot step every rank had completed before the failure
+    resumed_from: int   # the step the next launch's ranks restored (0: nothing, a restart from scratch)
     reason: str         # why the launch happened, and why it could not resume from `reached`
 
     @property
@@ -27,25 +27,110 @@ class Loss:
     def line(self) -> str:
         """The summary's line for this loss."""
         return (f"{self.steps_lost} step(s) lost: resumed from step {self.resumed_from} after step {self.reached} "
-                f"had been reached ({self.reason})")
+                f"had been reached" + (f" ({self.reason})" if self.reason else ""))
+
+
+def loss(reached: int | None, resumed_from: int | None, reason: str) -> Loss | None:
+    """The one count of lost progress, on every path: the steps the trainers had reached before a failure minus the
+    step the next launch resumed from. None when nothing was lost, or either step is unknown."""
+    if reached is None or resumed_from is None or resumed_from >= reached:
+        return None
+    return Loss(reached, resumed_from, reason)
+
+
+def steps_lost(lost: Sequence[Loss]) -> int:
+    return sum(x.steps_lost for x in lost)
+
+
+def exit_status(code: int, lost: Sequence[Loss], lost_exit: int) -> int:
+    """`hpcft run`'s exit status: `lost_exit` (--lost-progress-exit; 0: off) for a run that otherwise succeeded but
+    lost steps on the way, so that it cannot pass for a clean success; any other status as it is."""
+    return lost_exit if code == 0 and lost_exit and steps_lost(lost) else code
+
+
+@dataclass
+class PreviousRun:
+    """A requeued run's word on the run before it, which lost its batch host (and `hpcft run` with it): said at its
+    start (`previous_run`) and in its summary, with what it cost once the first launch's ranks have restored."""
+    node: str
+    state: str
+    reached: int | None  # the step the previous run's trainers had reached (the log it left)
+    silent_s: float | None = None  # how long its supervisor had been silent when the janitors requeued the job
+    resumed: int | None = None  # the step this run's trainers resumed from
+
+    @classmethod
+    def lost_batch_host(cls, records: Sequence[dict], reached: int | None) -> PreviousRun | None:
+        """The previous run, if the janitors requeued it for its lost batch host (`batch_host_lost action=requeue`
+        after its `start`; `records`: the job's events, oldest first, read before this run's own `start`)."""
+        for record in reversed(records):
+            if record.get("event") == "start":
+                return None
+            if record.get("event") == "batch_host_lost" and record.get("action") == "requeue":
+                return cls(str(record.get("node", "?")), str(record.get("state", "?")), reached,
+                           record.get("silent_s"))
+        return None
+
+    def what(self) -> str:
+        return f"the previous run lost its batch host {self.node} ({self.state}), and hpcft run with it"
+
+    def reason(self) -> str:
+        """The start's word: what happened, and what the run resumes from."""
+        reached = f"its trainers had reached step {self.reached}; " if self.reached is not None else ""
+        silent = f" after {self.silent_s} s of silence" if self.silent_s is not None else ""
+        return (f"{self.what()}: its janitors requeued the job{silent}; {reached}this run resumes from what the "
+                "other nodes hold (event progress_lost says what is lost)")
+
+    def summary(self) -> str:
+        """The summary's word: what happened and what it cost (losses.loss, as every other loss)."""
+        if self.resumed is None:
+            return f"{self.what()}; this run's trainers never resumed"
+        cost = loss(self.reached, self.resumed, "")
+        return f"{self.what()}; " + (cost.line() if cost else f"no step lost: resumed from step {self.resumed}")
 
 
 class RestoreWatch:
     """One launch's restore, read from the job's events.jsonl as the ranks record it (incrementally: only the
-    lines written since the last poll are read). `poll` returns the Loss once known, or None."""
+    lines written since the last poll are read). `poll` returns the Loss once known, or None; `reached_after` is
+    what the trainers had reached when the launch ended (the next launch's `before`)."""
 
     def __init__(self, job_dir: str | os.PathLike, world: int, *, since: float, before: int | None, reason: str):
         self.path = Path(job_dir) / "events.jsonl"
         self.world, self.since, self.before, self.reason = world, since, before, reason
         self._offset = self.path.stat().st_size if self.path.exists() else 0
         self._restored: dict[int, int] = {}
-        self.done = not before  # nothing to lose: no step had been reached
+        self.resumed: int | None = None  # the step every rank restored (the lowest), once each has
+        self.done = False  # the loss, if any, has been returned
 
     def poll(self) -> Loss | None:
         """The launch's loss, once every rank restored (or one found nothing to restore); None until then, and
         None for a launch that lost nothing. Returns a loss at most once."""
-        if self.done:
+        self._read()
+        if self.done or self.resumed is None:
             return None
+        self.done = True
+        return loss(self.before, self.resumed, self.reason)
+
+    def reached_after(self, view: int | None) -> int | None:
+        """What the trainers had reached when the launch ended, `view` being the live view's `reached` then: a
+        launch whose ranks never all restored advanced nothing, and the step `before` it stands."""
+        self._read()
+        if self.resumed is None:
+            return self.before
+        return self.resumed if view is None else max(self.resumed, view)
+
+    def say(self, emit: Callable[..., None], lost: list[Loss]) -> None:
+        """Say it loudly, once (`progress_lost`, ERROR after a restart from step 0), when the launch's ranks resumed
+        from an older step than the one they had reached; the loss is added to `lost` (the run's summary)."""
+        found = self.poll()
+        if found is None:
+            return
+        lost.append(found)
+        emit("progress_lost", level=logging.ERROR if found.resumed_from == 0 else logging.WARNING,
+             reached=found.reached, resumed_from=found.resumed_from, steps_lost=found.steps_lost, reason=found.reason)
+
+    def _read(self) -> None:
+        if self.resumed is not None:
+            return
         for record in self._new_records():
             if record.get("time", 0) < self.since or "rank" not in record:
                 continue
@@ -53,21 +138,8 @@ class RestoreWatch:
                 self._restored = {r: 0 for r in range(self.world)}
             elif record.get("event") == "restore_done":
                 self._restored.setdefault(int(record["rank"]), int(record["step"]))
-        if len(self._restored) < self.world:
-            return None
-        self.done = True
-        resumed = min(self._restored.values())
-        return Loss(self.before, resumed, self.reason) if resumed < self.before else None
-
-    def say(self, emit: Callable[..., None], lost: list[Loss]) -> None:
-        """Say it loudly, once (`progress_lost`, ERROR after a restart from step 0), when the launch's ranks resumed
-        from an older step than the one they had reached; the loss is added to `lost` (the run's summary)."""
-        loss = self.poll()
-        if loss is None:
-            return
-        lost.append(loss)
-        emit("progress_lost", level=logging.ERROR if loss.resumed_from == 0 else logging.WARNING,
-             reached=loss.reached, resumed_from=loss.resumed_from, steps_lost=loss.steps_lost, reason=loss.reason)
+        if len(self._restored) >= self.world:
+            self.resumed = min(self._restored.values())
 
     def _new_records(self) -> list[dict]:
         try:

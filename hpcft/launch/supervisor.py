@@ -74,6 +74,8 @@ class Supervisor:
         self._stop_steps = self._stopper.stop
         self._why_launch = "first launch"  # why the next launch happens: the reason of a loss it may cause
         self.lost: list[losses.Loss] = []  # progress lost in this run, for its summary
+        self._reached: int | None = None  # the step the trainers had reached when their last launch ended
+        self.previous: losses.PreviousRun | None = None  # how the previous run ended, when it lost its batch host
         self.janitor = Janitor(self.runner, self.job_dir, python, self._stop_steps)
         self.standbys = Standbys(self.runner, self.job_dir, python, cfg.preload, self.environ, emit=self.emit,
                                  stop_steps=self._stop_steps, enabled=cfg.standby)
@@ -152,6 +154,8 @@ class Supervisor:
         elastic.check_floor(self.cfg, len(layout.slots))
         self.cfg = self.agents.cfg = self.base_cfg = resolve_protect(self.cfg, len(layout.slots))
         self.grow_watch.target = len(layout.slots)
+        self._requeued_run = saved.requeues > 0
+        self._previous_run(layout, saved.requeues)  # before this run's `start`: it reads the previous run's events
         self.emit("start", slots=",".join(layout.slots), spares=",".join(layout.spares),
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
                   kept=",".join(kept), profile=self.profile.name, protect=self.cfg.protect, group=self.cfg.group,
@@ -160,9 +164,6 @@ class Supervisor:
         self._site_env = self.preflight.start(len(layout.slots))  # RCCL's plugin; the memory plan
         saved.slots = list(layout.slots)  # now: a run that dies with its batch host has said where its data is
         self._save(saved)
-        self._requeued_run = saved.requeues > 0
-        if self._requeued_run:
-            self._why_launch = f"requeued run {saved.requeues}"
         self.fabric.start(agent_iface(self.cfg))
         if self.cfg.with_agents:
             self.agents.prepare()
@@ -210,11 +211,25 @@ class Supervisor:
                 self._clean_up([*layout.slots, *layout.spares, *self.stragglers.evicted])
             return self._finish(decision, saved)
 
+    def _previous_run(self, layout: Layout, requeues: int) -> None:
+        """What this run takes over: the step the trainers had reached (a requeued run's view comes from the log the
+        previous run left) and, when the previous run lost its batch host, that, said at once (`previous_run`)."""
+        self._reached = self.fabric.view.reached(layout.world_size)
+        if not requeues:
+            return
+        self._why_launch = f"requeued run {requeues}"
+        self.previous = losses.PreviousRun.lost_batch_host(events.read(self.job_dir), self._reached)
+        if self.previous is not None:
+            self._why_launch += f": {self.previous.what()}"
+            self.emit("previous_run", level=logging.WARNING, node=self.previous.node, state=self.previous.state,
+                      reached=self._reached, reason=self.previous.reason())
+
     def _finish(self, decision: Decision, saved: Persisted) -> int:
         if decision.action is Action.REQUEUE:
             saved.requeues += 1
             self._save(saved)
-        self._summary(decision.action, decision.reason, saved, decision.exit_code)
+        code = losses.exit_status(int(decision.exit_code or 0), self.lost, self.cfg.lost_progress_exit)
+        self._summary(decision.action, decision.reason, saved, code)
         if decision.action is Action.REQUEUE:
             # in this order: what the next run needs is on disk before the requeue's SIGTERM reaches this process
             self.emit("requeue", level=logging.WARNING, excluded=",".join(saved.excluded), reason=decision.reason)
@@ -227,13 +242,9 @@ class Supervisor:
             done = slurmstate.requeue(self.runner, self.job_id, saved.excluded)
             saved.slurm_excluded = done.excluded
             self._save(saved)
-            self.emit("requeued", level=logging.WARNING if done.allowed else logging.INFO,
-                      slurm_excluded=",".join(done.excluded), allowed=",".join(done.allowed),
-                      reason="nodes Slurm itself marked bad are not put into ExcNodeList: Slurm allocates them only "
-                             "once back in service" + ("; nor are those the job cannot start without (too few "
-                                                       "nodes in service in its partition or reservation)"
-                                                       if done.allowed else ""))
-        return int(decision.exit_code or 0)
+            self.emit("requeued", level=logging.WARNING if done.allowed or done.unexcluded else logging.INFO,
+                      slurm_excluded=",".join(done.excluded), allowed=",".join(done.allowed), reason=done.reason())
+        return code
 
     def _clean_up(self, nodes: list[str]) -> None:
         """Remove the job's stores from every node's memory (hpcft/launch/janitor.py): no site epilog needed."""
@@ -243,20 +254,23 @@ class Supervisor:
                   exit_code=code, by=self.janitor.cleaned_by, seconds=round(time.monotonic() - started, 3))
 
     def _summary(self, action: Action, reason: str, saved: Persisted, exit_code: int | None) -> None:
-        """The run's last word: how it ended, and every loss of progress (ERROR when it gave up or restarted from
-        step 0 after progress existed)."""
+        """The run's last word: how it ended, every loss of progress (`lost`, each counted by losses.loss) and how
+        the previous run ended when it lost its batch host (ERROR when it gave up or restarted from step 0 after
+        progress existed)."""
         from_zero = any(loss.resumed_from == 0 for loss in self.lost)
         inproc = sum(e["event"] == "inprocess_restart" and e.get("rank") == 0 for e in events.read(self.job_dir))
         unwritten = self._unwritten()
         level = (logging.ERROR if action is Action.STOP or from_zero
                  else logging.WARNING if self.lost or any(self.reshaped.values()) or self.stragglers.evicted or inproc
-                 or action is Action.REQUEUE or unwritten
+                 or action is Action.REQUEUE or unwritten or self.previous
                  else logging.INFO)
         lost = "; ".join(loss.line() for loss in self.lost)
         self.emit("summary", level=level, action=action.value, reason=reason, restarts=saved.restarts,
-                  requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=exit_code, lost=lost, inprocess_restarts=inproc,  # the ranks' own (hpcft.restartable)
-                  **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines}, **self.stragglers.summary(),
-                  **({"unwritten": unwritten} if unwritten else {}))
+                  requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=exit_code, lost=lost,
+                  steps_lost=losses.steps_lost(self.lost), inprocess_restarts=inproc,  # the ranks' own (restartable)
+                  **({"previous_run": self.previous.summary()} if self.previous else {}),
+                  **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines},
+                  **self.stragglers.summary(), **({"unwritten": unwritten} if unwritten else {}))
 
     def _save(self, saved: Persisted) -> None:
         """state.json for the next run. A job directory that cannot take it (a full disk) costs this run nothing:
@@ -332,7 +346,7 @@ class Supervisor:
             why = self._why_launch + (f"; the agents could not rebuild: {self.agents.no_checkpoint}"
                                       if self.agents.no_checkpoint else "")
             watch = losses.RestoreWatch(self.job_dir, layout.world_size, since=time.time(), reason=why,
-                                        before=self.fabric.view.reached(layout.world_size))
+                                        before=self._reached)  # read when the last launch ended, not now (see losses)
             self.emit("launch", restart=restart_count, slots=",".join(layout.slots), world=layout.world_size,
                       master=f"{layout.master}:{env['MASTER_PORT']}")
             launched = time.time()
@@ -351,6 +365,9 @@ class Supervisor:
                     for node in layout.slots if node not in event.bad_nodes))  # with the agents' after a loss
                 reader.join(timeout=5)
             watch.say(self.emit, self.lost)
+            self._reached = watch.reached_after(self.fabric.view.reached(layout.world_size))
+            if self.previous is not None and self.previous.resumed is None:
+                self.previous.resumed = watch.resumed  # what the lost batch host cost, once its ranks have restored
         except BaseException:
             self.agents.stop()
             raise

@@ -5,7 +5,7 @@ import logging
 import re
 import signal
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from hpcft.errors import ConfigError, SlurmError
@@ -234,6 +234,27 @@ def affordable(exclude: list[str], states: dict[str, str], where: Placement) -> 
 class Requeued:
     excluded: list[str]  # what hpcft put into the job's ExcNodeList
     allowed: list[str]   # found bad by hpcft but left allowed: without them too few nodes are left in service
+    reported: dict[str, str] = field(default_factory=dict)  # {node found bad by hpcft: its state, as Slurm said}
+    unexcluded: list[str] = field(default_factory=list)  # to be excluded, but `scontrol update` failed
+
+    def reason(self) -> str:
+        """What became of each node found bad, in the words of what Slurm reported of it."""
+        def named(nodes: list[str]) -> str:
+            return ", ".join(f"{n} ({self.reported.get(n) or 'no state reported'})" for n in nodes)
+
+        kept = set(self.excluded) | set(self.allowed) | set(self.unexcluded)
+        marked = [n for n, state in self.reported.items() if n not in kept and state]
+        unknown = [n for n, state in self.reported.items() if n not in kept and not state]
+        said = [f"{named(self.excluded)} put into ExcNodeList: found bad by hpcft, while Slurm took it for healthy"
+                if self.excluded else "",
+                f"{named(marked)} not put into ExcNodeList: Slurm itself reports it out of service and allocates "
+                "it only once back" if marked else "",
+                f"{named(unknown)} not put into ExcNodeList: Slurm reported nothing of it" if unknown else "",
+                f"{named(self.allowed)} left allowed although found bad by hpcft: the job cannot start without it "
+                "(too few nodes in service in its partition or reservation)" if self.allowed else "",
+                f"{named(self.unexcluded)} could not be put into ExcNodeList (scontrol update failed)"
+                if self.unexcluded else ""]
+        return "; ".join(filter(None, said)) or "no node was found bad: nothing to keep out of the next allocation"
 
 
 def requeue(runner: Runner, job_id: str, exclude: list[str]) -> Requeued:
@@ -253,18 +274,19 @@ def requeue(runner: Runner, job_id: str, exclude: list[str]) -> Requeued:
         except SlurmError as exc:
             _log.warning("cannot read where job %s may be placed (%s): every suspect node is excluded", job_id, exc)
     states = node_states(runner, list(dict.fromkeys([*exclude, *where.pool])))
-    suspects = [n for n in exclude if not is_bad(states.get(n, "DOWN"))]
+    suspects = [n for n in exclude if not is_bad(states.get(n, "DOWN"))]  # no state: not one to keep out by name
     keep_out = affordable(suspects, states, where)
     allowed = [n for n in suspects if n not in keep_out]
+    reported = {n: states.get(n, "") for n in exclude}
     code, out = _unkillable(runner, ["scontrol", "requeue", job_id])
     if code != 0:
         raise SlurmError(f"'scontrol requeue {job_id}' failed with exit status {code}: {out[-2000:]}")
     if not keep_out:
-        return Requeued([], allowed)
+        return Requeued([], allowed, reported)
     merged = ",".join(dict.fromkeys([*where.excluded, *keep_out]))  # the user's --exclude stays
     code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"])
     if code != 0:
         _log.warning("could not exclude %s from job %s's next allocation (exit status %s): %s", keep_out, job_id,
                      code, out)
-        return Requeued([], allowed)
-    return Requeued(keep_out, allowed)
+        return Requeued([], allowed, reported, keep_out)
+    return Requeued(keep_out, allowed, reported)

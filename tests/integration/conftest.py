@@ -1,6 +1,7 @@
 """What the sandbox tests share beyond the sandbox: one fault-free run of the 4-rank DP job, and one run of the
 recovery bench whose kept runs are inspected by the tests of the recoveries it makes."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,11 @@ from typing import NamedTuple
 
 import pytest
 from runs import FAULT_AT, STEPS, decisions, finish, start_spared
+
+# A run that recovers but lost a step or two exits with `--lost-progress-exit` (6) by default; these tests judge a
+# loss by its events and summary, so their runs exit 0 on it. test_supervisor_faults.py's restart from step 0 unsets
+# it for its own run, and checks the default status.
+os.environ.setdefault("HPCFT_LOST_PROGRESS_EXIT", "0")
 
 
 class Bench(NamedTuple):

@@ -20,11 +20,12 @@ from hpcft.agent import status as agent_status
 def test_a_restart_from_step_0_after_a_node_loss_is_an_error_and_a_summary_line(healthy_sandbox, dp_reference,
                                                                                tmp_path):
     out = tmp_path / "lost"
-    proc = start_spared(healthy_sandbox, out, "--protect", "none", delay=0.1, verbose=False)
+    proc = start_spared(healthy_sandbox, out, "--protect", "none", delay=0.1, verbose=False,
+                        HPCFT_LOST_PROGRESS_EXIT="")  # the default, which conftest.py turns off for the other runs
     wait_progress(out / "job", 2, 6)
     healthy_sandbox.crash_node("n3")
     code, output = finish(proc)
-    assert code == 0, output[-4000:]
+    assert code == 6, output[-4000:]  # the command finished, but the run lost progress: not a clean success
     made = decisions(out / "job")  # the spare takes the crashed node's slot, every rank keeps its role
     assert [d["action"] for d in made] == ["replace", "done"], output[-4000:]
     assert made[0]["cause"] == "node_failed" and made[0]["replaced"] == "n3:n5"
@@ -37,6 +38,7 @@ def test_a_restart_from_step_0_after_a_node_loss_is_an_error_and_a_summary_line(
     assert "n3" in lost[0]["reason"] and "--protect none" in lost[0]["reason"], lost
     summary = [e for e in log if e["event"] == "summary"]
     assert len(summary) == 1 and summary[0]["action"] == "done" and "from step 0" in summary[0]["lost"], summary
+    assert summary[0]["exit_code"] == 6 and summary[0]["steps_lost"] == lost[0]["steps_lost"], summary
     # what a person reads without -v: every decision, the loss and the summary
     for line in ("event=decision action=replace", "event=decision action=done", "event=progress_lost",
                  "event=summary"):

@@ -35,4 +35,7 @@ def test_resuming_from_the_newest_step_loses_nothing_and_an_older_one_the_steps_
     for rank in (0, 1):
         events.emit("restore_done", log_dir=tmp_path, rank=rank, step=6)
     assert older.poll().steps_lost == 2
-    assert losses.RestoreWatch(tmp_path, 2, since=time.time(), before=None, reason="first launch").done
+    first = losses.RestoreWatch(tmp_path, 2, since=time.time(), before=None, reason="first launch")
+    assert first.reached_after(None) is None  # its ranks have not restored: nothing reached
+    events.emit("restore_none", log_dir=tmp_path, rank=0)
+    assert first.poll() is None and first.reached_after(5) == 5  # nothing to lose; then what its trainers reached
