@@ -143,6 +143,7 @@ def _supervised(sb, opts: RecoveryOptions, out: Path, *options: str, **env: str)
     argv = ["salloc", f"-N{ACTIVE + SPARES}", "--no-kill", "-t", "15", sys.executable, "-m", "hpcft.cli", "run",
             "--spares", str(SPARES), "--job-dir", str(out / "job"), "--poll-interval", str(opts.poll_interval),
             "--kill-grace", str(opts.kill_grace), "--probe-timeout", str(opts.probe_timeout), "--requeue-margin", "30",
+            "--lost-progress-exit", "0",  # a recovery redoes the steps past its snapshot: the bench measures that
             *options, "--", sys.executable, str(JOB)]
     return sb.runner().popen(argv, env=timeline.job_env(opts, out, **env), stdout=open(out / "run.log", "ab"),
                              stderr=subprocess.STDOUT)
