@@ -21,7 +21,7 @@ from pathlib import Path
 from hpcft import events, nodemem
 from hpcft.agent import status, uplink
 from hpcft.agent.budget import LagBudget
-from hpcft.agent.bundle import Bundle, both, complete_steps, local_versions, pin_targets
+from hpcft.agent.bundle import Bundle, both, complete_steps, local_versions, owned, pin_targets
 from hpcft.agent.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
 from hpcft.agent.link import COUNT
 from hpcft.agent.mesh import Mesh, MeshBase
@@ -36,6 +36,7 @@ from hpcft.agent.throttle import CPU_SHARE, chore, cpu_cores
 from hpcft.errors import HpcftError, IntegrityError, NoCheckpointError
 from hpcft.store import job_dir, resolve_root, secure_dir
 from hpcft.store import pin as store_pin
+from hpcft.store.owner import Owner, adoption
 
 _log = logging.getLogger(__name__)
 STEPS = [COUNT]  # what an agreement on steps carries (link.mismatch): a peer's malformed list is its TransportError
@@ -256,9 +257,10 @@ def _mesh(cfg: AgentConfig, meet: Rendezvous, peers: Collection[int]) -> MeshBas
     return Mesh(cfg.slot, cfg.slots, cfg.secret, meet, host=cfg.host, bind=cfg.bind, tag=cfg.tag, **kw)
 
 
-def _flush_round(flusher: Flusher, mesh: MeshBase, job: Path, scheme: Scheme) -> None:
-    """The flush's collective step (`Flusher.busy` is the same on every agent, so they call it alike)."""
-    complete = complete_steps(job)
+def _flush_round(flusher: Flusher, mesh: MeshBase, job: Path, scheme: Scheme, owner: Owner) -> None:
+    """The flush's collective step (`Flusher.busy` is the same on every agent, so they call it alike), over this
+    job's own steps only (`bundle.owned`)."""
+    complete = owned(complete_steps(job), owner)
     flusher.round(mesh, complete, sorted(records(job) if scheme.name != "none" else complete))
 
 
@@ -324,6 +326,7 @@ def run(cfg: AgentConfig) -> int:
     budget = LagBudget(mesh.throttle.cpu, max(mesh.throttle.cpu, cfg.lag_cores), cfg.lag_bound) \
         if cfg.lag_bound else None
     drained, wake = threading.Event(), threading.Event()
+    owner = Owner(cfg.job_id, adopt=adoption())  # whose steps the flush may write under this job's name
 
     def stopping() -> None:
         """Asked to stop: no second SIGTERM may cut the cleanup or the last report short (the uplink sends it at
@@ -356,14 +359,14 @@ def run(cfg: AgentConfig) -> int:
             mesh.pace()  # the rounds' own CPU (all-gathers, status, manifest reads) counts against the cap
             rec, began = None, time.monotonic()
             if flusher.busy:  # first, so that a flush past the store frees it for this round's pass
-                _flush_round(flusher, mesh, job, cfg.scheme)
+                _flush_round(flusher, mesh, job, cfg.scheme, owner)
             if not flusher.pinning and cfg.scheme.name != "none":  # the same on every agent (collective rounds)
                 try:
                     rec = protect_newest(mesh, placement, job, pins)
                 except StaleStep as exc:  # after the exchange, so the mesh is still in step
                     events.emit("protect_stale", slot=cfg.slot, reason=str(exc))
             if not flusher.busy:  # then a new one when due, which sees this round's pass
-                _flush_round(flusher, mesh, job, cfg.scheme)
+                _flush_round(flusher, mesh, job, cfg.scheme, owner)
             complete, recs = complete_steps(job), records(job)
             lag, per_step, round_s = protection_lag(complete, recs)[0], step_seconds(complete), time.monotonic() - began
             over = budget is not None and not drained.is_set() and _steer(budget, mesh, cfg,

@@ -23,6 +23,7 @@ from hpcft.errors import IntegrityError, StoreError
 from hpcft.store import crc32c, seal, seal_key
 from hpcft.store import manifest as mf
 from hpcft.store import pin as store_pin
+from hpcft.store.owner import Owner, stranger
 from hpcft.store.paths import open_file, read_file
 
 _LEN = struct.Struct("!Q")
@@ -91,6 +92,13 @@ def complete_steps(job: Path, versions: dict[int, dict[int, Held]] | None = None
     versions = local_versions(job) if versions is None else versions
     ranks = {r for by_rank in versions.values() for r in by_rank}
     return dict(sorted((s, v) for s, v in versions.items() if set(v) == ranks))
+
+
+def owned(complete: dict[int, dict[int, Held]], owner: Owner) -> dict[int, dict[int, Held]]:
+    """The steps of `complete` whose every version is `owner`'s, or adopted (hpcft.store.owner): what the agents may
+    flush into this job's durable tier, where another job's versions copied into the store would pass for its own."""
+    return {s: held for s, held in complete.items()
+            if all((who := stranger(h.manifest, owner)) is None or who.taken for h in held.values())}
 
 
 def common(lists: list[list[int]]) -> set[int]:

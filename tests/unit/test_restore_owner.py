@@ -151,3 +151,19 @@ def test_hpcft_run_adopt_reaches_the_trainers_and_the_agents(tmp_path: Path, mon
     assert out.exit_code == 0, out.output
     assert "--adopt 4242" in out.output
     assert "--adopt" in CliRunner().invoke(cli.run, ["--help"]).output
+
+
+def test_the_agents_flush_only_their_own_jobs_steps_into_its_durable_tier():
+    """Another job's versions copied into every node's store are protected like any bytes, but a flush would write
+    them into this job's durable tier, where a later restore would take them as this job's."""
+    from types import SimpleNamespace
+
+    from hpcft.agent.bundle import owned
+    from hpcft.store.owner import Owner
+
+    def held(job):
+        return {0: SimpleNamespace(manifest={"job_id": job}), 1: SimpleNamespace(manifest={"job_id": job})}
+
+    complete = {1: held("7"), 2: held("A"), 3: {0: held("7")[0], 1: held("A")[1]}, 4: {0: SimpleNamespace(manifest={})}}
+    assert sorted(owned(complete, Owner("7"))) == [1, 4]  # a manifest that records no job is not checked
+    assert sorted(owned(complete, Owner("7", adopt="A"))) == [1, 2, 3, 4]
