@@ -7,7 +7,6 @@ trainers take no part. While a flush reads the store no new protection pass star
 has more than two slots pinned (the flushed step and one pass: see hpcft.agent.pins)."""
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import threading
@@ -26,7 +25,7 @@ from hpcft.durable import catalog, commit, files, flush, local
 from hpcft.durable.settings import PersistConfig
 from hpcft.errors import HpcftError
 
-IDLE, RUNNING, DRAINING, DONE, FAILED = "idle", "running", "draining", "done", "failed"
+IDLE, RUNNING, DRAINING, PREPARING, DONE, FAILED = "idle", "running", "draining", "preparing", "done", "failed"
 # a round's flush vote, merged (`vote`, `combine`), as a peer must send it (link.mismatch)
 VOTE = {"failed": [(COUNT, str)], "running": bool, "busy": bool, "asked": [str], "id": (COUNT, str),
         "durable": Either(COUNT, None), "protected": [COUNT], "complete": [COUNT], "world": COUNT}
@@ -79,8 +78,6 @@ class Flusher:
         mine = local.copies(self.local, self.root)
         self.local_step: int | None = mine[-1].step if mine else None  # this node's newest first-level copy
         self._released = False  # every node's flush is past the store (from the last all-reduce: the same everywhere)
-        if self.root is not None and slot == 0:  # the committer: torch's import (~2 s of CPU) now, off the rounds
-            chore(importlib.import_module, "torch.distributed.checkpoint.filesystem", name="hpcft-commit-import").start()
         newest = catalog.newest(self.root) if self.root else None
         self.durable: int | None = newest.step if newest else None
         self.served: str | None = None  # the newest request id served (the same on every agent)
@@ -108,7 +105,8 @@ class Flusher:
 
     @property
     def phase(self) -> str | None:
-        """`running` (writing from the store), `draining` (node-local copy to the shared file system), or None."""
+        """`running` (writing from the store), `draining` (node-local copy to the shared file system), `preparing`
+        (slot 0 loading what the commit needs), or None."""
         return self._state if self.busy else None
 
     def round(self, mesh: MeshBase, complete: dict[int, dict[int, Held]], protected: list[int]) -> None:
@@ -168,8 +166,11 @@ class Flusher:
                             seconds=round(time.perf_counter() - self._started, 3))
                 self._state = DRAINING
                 local.drain(copy, tmp, pace=self._pace, sync=self.cfg.sync)
+            if self.slot == 0:  # the committer loads what the commit needs here, past the store, not on the rounds'
+                self._state = PREPARING  # thread: torch's import cost the first commit ~2 s of every agent's rounds
+                commit.prepare()  # (not at the agent's start: an agent stopped mid-import lingers until it ends)
             self._state = DONE
-        except (HpcftError, OSError) as exc:
+        except (HpcftError, OSError, ImportError) as exc:
             self._error = f"drain to {self.root}: {exc}" if self._state == DRAINING else str(exc)
             self._state = FAILED
 
@@ -231,7 +232,7 @@ def vote(slot: int, state: str, error: str, asked: str | None, flush_id: str, du
          protected: list[int], complete: list[int], world: int) -> dict[str, Any]:
     """One agent's part of a round's flush decision, as `combine` merges it (pure)."""
     return {"failed": [[slot, error]] if state == FAILED else [], "running": state == RUNNING,
-            "busy": state in (RUNNING, DRAINING), "asked": [] if asked is None else [asked], "id": [slot, flush_id],
+            "busy": state in (RUNNING, DRAINING, PREPARING), "asked": [] if asked is None else [asked], "id": [slot, flush_id],
             "durable": durable, "protected": protected, "complete": complete, "world": world}
 
 

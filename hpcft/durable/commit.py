@@ -66,6 +66,12 @@ def _param_groups(meta: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def prepare() -> None:
+    """Import what `dcp_metadata` needs (torch's DCP classes: ~2 CPU-s the first time), where the caller chooses to
+    pay for it: the node agents, on their flush thread rather than the thread of their collective rounds."""
+    from torch.distributed.checkpoint import filesystem, metadata  # noqa: F401
+
+
 def dcp_metadata(tmp: Path, sides: dict[int, dict[str, Any]], rows: dict[str, list[tuple[int, list]]]) -> bytes:
     """DCP's `.metadata` (a pickled Metadata, as FileSystemWriter writes it) for the chunks in `rows`; the optimizer's
     param groups (rank 0's) are written to GROUPS_FILE as DCP byte items."""
