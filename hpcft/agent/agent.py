@@ -5,7 +5,6 @@ No state of its own: everything is read from the store."""
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import os
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from hpcft import events, nodemem
 from hpcft.agent import status, uplink
-from hpcft.agent.budget import LagBudget
+from hpcft.agent.budget import LagBudget, foreseen_lag, pause
 from hpcft.agent.bundle import Bundle, both, complete_steps, local_versions, owned, pin_targets
 from hpcft.agent.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
 from hpcft.agent.link import COUNT
@@ -122,23 +121,6 @@ def step_seconds(complete: dict[int, dict]) -> float | None:
         return None
     a, b = _taken(complete, steps[0]), _taken(complete, steps[1])
     return None if a is None or b is None or b <= a else (b - a) / (steps[1] - steps[0])
-
-
-def foreseen_lag(lag: int | None, per_step: float | None, round_s: float) -> int | None:
-    """The lag the next pass would leave if it started now and took as long as this round (a step of margin): what
-    a lag bound steers the CPU cap by, so that the cap rises before the bound is crossed, not after."""
-    if lag is None:
-        return None
-    return lag + 1 + (math.ceil(round_s / per_step) if per_step else 0)
-
-
-def pause(interval: float, bound: int | None, lag: int | None, per_step: float | None, round_s: float) -> float:
-    """Seconds to wait before the next round: the interval, or with a lag bound, short enough that the next pass
-    (as long as this round) ends before the trainers stage more than `bound` steps past the newest protected one,
-    a step of margin kept."""
-    if bound is None or per_step is None:
-        return interval
-    return min(interval, max(0.0, (bound - 1 - (lag or 0)) * per_step - round_s))
 
 
 @dataclass(frozen=True)
@@ -257,11 +239,12 @@ def _mesh(cfg: AgentConfig, meet: Rendezvous, peers: Collection[int]) -> MeshBas
     return Mesh(cfg.slot, cfg.slots, cfg.secret, meet, host=cfg.host, bind=cfg.bind, tag=cfg.tag, **kw)
 
 
-def _flush_round(flusher: Flusher, mesh: MeshBase, job: Path, scheme: Scheme, owner: Owner) -> None:
-    """The flush's collective step (`Flusher.busy` is the same on every agent, so they call it alike), over this
-    job's own steps only (`bundle.owned`)."""
-    complete = owned(complete_steps(job), owner)
-    flusher.round(mesh, complete, sorted(records(job) if scheme.name != "none" else complete))
+def _flush_round(flusher: Flusher, mesh: MeshBase, complete: dict[int, dict], recs: Iterable[int], scheme: Scheme,
+                 owner: Owner) -> None:
+    """The flush's collective step (`Flusher.busy` is the same on every agent, so they call it alike) over the node's
+    complete steps and records, this job's own steps only (`bundle.owned`)."""
+    mine = owned(complete, owner)
+    flusher.round(mesh, mine, sorted(recs if scheme.name != "none" else mine))
 
 
 class Stopped(BaseException):
@@ -359,15 +342,15 @@ def run(cfg: AgentConfig) -> int:
             mesh.pace()  # the rounds' own CPU (all-gathers, status, manifest reads) counts against the cap
             rec, began = None, time.monotonic()
             if flusher.busy:  # first, so that a flush past the store frees it for this round's pass
-                _flush_round(flusher, mesh, job, cfg.scheme, owner)
+                _flush_round(flusher, mesh, complete_steps(job), records(job), cfg.scheme, owner)
             if not flusher.pinning and cfg.scheme.name != "none":  # the same on every agent (collective rounds)
                 try:
                     rec = protect_newest(mesh, placement, job, pins)
                 except StaleStep as exc:  # after the exchange, so the mesh is still in step
                     events.emit("protect_stale", slot=cfg.slot, reason=str(exc))
-            if not flusher.busy:  # then a new one when due, which sees this round's pass
-                _flush_round(flusher, mesh, job, cfg.scheme, owner)
             complete, recs = complete_steps(job), records(job)
+            if not flusher.busy:  # then a new one when due, which sees this round's pass
+                _flush_round(flusher, mesh, complete, recs, cfg.scheme, owner)
             lag, per_step, round_s = protection_lag(complete, recs)[0], step_seconds(complete), time.monotonic() - began
             over = budget is not None and not drained.is_set() and _steer(budget, mesh, cfg,
                                                                           foreseen_lag(lag, per_step, round_s))

@@ -1,10 +1,12 @@
 """Pure policy: the agent's CPU cap under a bound on the protection lag (`--lag-bound`). The user sets the budget
 (`--cpu-share`/`--cpu-cores`) or the lag bound; with a bound, the budget is the floor and the cap rises while the
 newest protected step trails the newest staged one by more than the bound, up to a ceiling, and falls back once
-the lag is well within it. The agent reports the cap in force (the budget the bound needs) and warns when the
-ceiling cannot meet the bound on this node."""
+the lag is well within it, steered by the lag the next pass would leave (`foreseen_lag`); the wait between rounds
+follows the trainers' pace (`pause`). The agent reports the cap in force (the budget the bound needs) and warns
+when the ceiling cannot meet the bound on this node."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 RAISE, LOWER = 2.0, 1.5  # the factors the cap moves by, one round at a time
@@ -35,3 +37,20 @@ class LagBudget:
             if 2 * lag <= self.bound:
                 self.cap = max(self.floor, self.cap / LOWER)
         return self.cap, self.over == UNMET_ROUNDS
+
+
+def foreseen_lag(lag: int | None, per_step: float | None, round_s: float) -> int | None:
+    """The lag the next pass would leave if it started now and took as long as this round (a step of margin): what
+    a lag bound steers the CPU cap by, so that the cap rises before the bound is crossed, not after."""
+    if lag is None:
+        return None
+    return lag + 1 + (math.ceil(round_s / per_step) if per_step else 0)
+
+
+def pause(interval: float, bound: int | None, lag: int | None, per_step: float | None, round_s: float) -> float:
+    """Seconds to wait before the next round: the interval, or with a lag bound, short enough that the next pass
+    (as long as this round) ends before the trainers stage more than `bound` steps past the newest protected one,
+    a step of margin kept."""
+    if bound is None or per_step is None:
+        return interval
+    return min(interval, max(0.0, (bound - 1 - (lag or 0)) * per_step - round_s))

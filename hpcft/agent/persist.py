@@ -232,7 +232,8 @@ def vote(slot: int, state: str, error: str, asked: str | None, flush_id: str, du
          protected: list[int], complete: list[int], world: int) -> dict[str, Any]:
     """One agent's part of a round's flush decision, as `combine` merges it (pure)."""
     return {"failed": [[slot, error]] if state == FAILED else [], "running": state == RUNNING,
-            "busy": state in (RUNNING, DRAINING, PREPARING), "asked": [] if asked is None else [asked], "id": [slot, flush_id],
+            "busy": state in (RUNNING, DRAINING, PREPARING), "asked": [] if asked is None else [asked],
+            "id": [slot, flush_id],
             "durable": durable, "protected": protected, "complete": complete, "world": world}
 
 

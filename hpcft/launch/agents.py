@@ -55,8 +55,7 @@ class AgentSteps:
     """One job's agents' steps. `emit` records events, `stop_steps` stops {step name: srun} (the supervisor's
     SIGTERM-then-kill), `interrupted` says whether `hpcft run` got SIGTERM, `check_nodes(layout, probe, until)` returns
     the bad nodes among the slots (the supervisor's scontrol check, and its probe when `probe`, cut short once
-    `until()`); `view`, the
-    supervisor's live view of the agents' reports (without it, their status files)."""
+    `until()`); `view`, the supervisor's live view of the agents' reports (without it, their status files)."""
 
     def __init__(self, cfg: RunConfig, runner: Runner, job_dir: Path, python: str, *, emit: Callable[..., None],
                  stop_steps: Callable[[Mapping[str, subprocess.Popen]], None], interrupted: Callable[[], bool],

@@ -67,7 +67,7 @@ def test_a_lag_bound_raises_the_cpu_cap_to_its_ceiling_and_lowers_it_back() -> N
 
 
 def test_a_lag_bound_steers_by_the_lag_the_next_pass_will_leave_and_shortens_the_wait() -> None:
-    from hpcft.agent.agent import foreseen_lag, pause
+    from hpcft.agent.budget import foreseen_lag, pause
 
     # passes of 1 s (a capped agent) against steps of 0.4 s: lag 2 now is 2 + 1 + 3 when the next pass ends
     assert foreseen_lag(2, 0.4, 1.0) == 6 and foreseen_lag(1, 0.4, 0.05) == 3 and foreseen_lag(None, 0.4, 1) is None
