@@ -18,8 +18,8 @@ from hpcft import events
 from hpcft.agent import status as agent_status
 from hpcft.bench import train_job
 from hpcft.errors import HpcftError, SlurmError
-from hpcft.launch import progress
-from hpcft.launch.config import LOST_PROGRESS_EXIT as LOST_EXIT  # the default: the demo runs on it
+from hpcft.launch.node import progress
+from hpcft.launch.config.options import LOST_PROGRESS_EXIT as LOST_EXIT  # the default: the demo runs on it
 from hpcft.sandbox.cli import dir_option, sandbox_dir
 from hpcft.sandbox.cluster import Sandbox, ensure_up
 from hpcft.sandbox.config import SandboxConfig

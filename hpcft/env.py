@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from hpcft.errors import ConfigError
 from hpcft.slurm.nodelist import expand
 
-REPORTS = "HPCFT_REPORTS"  # host[,host…]:port of the supervisor's report service (hpcft/agent/uplink.py)
+REPORTS = "HPCFT_REPORTS"  # host[,host…]:port of the supervisor's report service (hpcft/agent/transport/uplink.py)
 AGENTS_REPORT = "HPCFT_AGENTS_REPORT"  # 1: the node agents report their node's progress; 0: the task wrapper does
 
 PORT_BASE, PORT_SPAN = 20000, 20000

@@ -18,7 +18,7 @@ from hpcft.agent import status as agent_status
 from hpcft.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hpcft.agent.placement import Placement
+    from hpcft.agent.protection.placement import Placement
 
 STAGED, PROTECTED, PERSISTED = "staged", "protected", "persisted"
 HEALTHY, DEGRADED, AT_RISK, STOPPED, UNPROTECTED = "healthy", "degraded", "at risk", "stopped", "unprotected"
@@ -87,7 +87,7 @@ class JobView:
 def collect(rendezvous: str | Path, tag: str | None = None, stale_after: float | None = None,
             now: float | None = None) -> JobView:
     """Everything `hpcft status` shows, from the status files under `rendezvous` (launch `tag`, or the newest)."""
-    from hpcft.agent.placement import Scheme, plan  # here, so `hpcft --help` stays light
+    from hpcft.agent.protection.placement import Scheme, plan  # here, so `hpcft --help` stays light
 
     where = Path(rendezvous)
     if not where.is_dir():
@@ -249,8 +249,8 @@ def _set_view(placement: Placement, index: int, members: list[int], nodes: list[
                            "between launches); the data they reported is in their nodes' memory unless a node was "
                            "lost since")
         return SetView(index, members, HEALTHY, [], step, "every member fresh")
-    from hpcft.agent.codec import Unrecoverable
-    from hpcft.agent.rebuild import lost_slots
+    from hpcft.agent.protection.codec import Unrecoverable
+    from hpcft.agent.protection.rebuild import lost_slots
 
     alive = [s not in missing for s in range(placement.slots)]  # judge this set's losses alone
     why = ", ".join(f"slot {m} {_why(nodes[m])}" for m in missing)

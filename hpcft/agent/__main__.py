@@ -9,14 +9,14 @@ import signal
 import socket
 import sys
 
-from hpcft.agent import iface
-from hpcft.agent import secret as job_secret
+from hpcft.agent.transport import iface
+from hpcft.agent.transport import secret as job_secret
 from hpcft.agent.agent import AgentConfig, Stopped, run
-from hpcft.agent.heartbeat import LOSS_TIMEOUT_S
+from hpcft.agent.transport.heartbeat import LOSS_TIMEOUT_S
 from hpcft.durable.settings import PersistConfig
-from hpcft.agent.pins import LEASE_S
-from hpcft.agent.placement import Scheme
-from hpcft.agent.throttle import CPU_SHARE
+from hpcft.agent.protection.pins import LEASE_S
+from hpcft.agent.protection.placement import Scheme
+from hpcft.agent.transport.throttle import CPU_SHARE
 from hpcft.errors import ConfigError, HpcftError, NoCheckpointError
 from hpcft.store import job_dir, resolve_root, secure_dir
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-share", type=float, default=CPU_SHARE, help="cap on the agent's CPU time: this fraction "
                     "of the cores it may run on, on average (default %(default)s; 0: none)")
     ap.add_argument("--cpu-cores", type=float, default=None, help="cap on the agent's CPU time in cores, instead of "
-                    "--cpu-share (for trainers computing on the CPU: see hpcft/launch/profiles.py)")
+                    "--cpu-share (for trainers computing on the CPU: see hpcft/launch/config/profiles.py)")
     ap.add_argument("--lag-bound", type=int, default=None, help="protection lag in steps to keep to: the CPU cap "
                     "rises above --cpu-share/--cpu-cores while the lag exceeds it (default: a fixed cap)")
     ap.add_argument("--lag-cores", type=float, default=1.0, help="the most cores --lag-bound may raise the cap to")

@@ -18,20 +18,21 @@ from functools import partial
 from pathlib import Path
 
 from hpcft import events, nodemem
-from hpcft.agent import status, uplink
-from hpcft.agent.budget import LagBudget, foreseen_lag, pause
-from hpcft.agent.bundle import Bundle, both, complete_steps, local_versions, owned, pin_targets
-from hpcft.agent.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
-from hpcft.agent.link import COUNT
-from hpcft.agent.mesh import Mesh, MeshBase
-from hpcft.agent.persist import Flusher
+from hpcft.agent import status
+from hpcft.agent.transport import uplink
+from hpcft.agent.protection.budget import LagBudget, foreseen_lag, pause
+from hpcft.agent.protection.bundle import Bundle, both, complete_steps, local_versions, owned, pin_targets
+from hpcft.agent.transport.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
+from hpcft.agent.transport.link import COUNT
+from hpcft.agent.transport.mesh import Mesh, MeshBase
+from hpcft.agent.protection.flush import Flusher
 from hpcft.durable.settings import PersistConfig
-from hpcft.agent.pins import LEASE_S, Pins
-from hpcft.agent.placement import Placement, Scheme, plan
-from hpcft.agent.protect import Record, StaleStep, drop_orphans, protect_dir, protect_step, records
-from hpcft.agent.rendezvous import Rendezvous, join
-from hpcft.agent.rebuild import rebuild
-from hpcft.agent.throttle import CPU_SHARE, chore, cpu_cores
+from hpcft.agent.protection.pins import LEASE_S, Pins
+from hpcft.agent.protection.placement import Placement, Scheme, plan
+from hpcft.agent.protection.protect import Record, StaleStep, drop_orphans, protect_dir, protect_step, records
+from hpcft.agent.transport.rendezvous import Rendezvous, join
+from hpcft.agent.protection.rebuild import rebuild
+from hpcft.agent.transport.throttle import CPU_SHARE, chore, cpu_cores
 from hpcft.errors import HpcftError, IntegrityError, NoCheckpointError
 from hpcft.store import job_dir, resolve_root, secure_dir
 from hpcft.store import pin as store_pin
@@ -233,7 +234,7 @@ def _mesh(cfg: AgentConfig, meet: Rendezvous, peers: Collection[int]) -> MeshBas
     """The mesh over the configured transport: TCP channels met through `meet`, or an MPI communicator."""
     kw = {"rate": cfg.rate, "cpu": cpu_cores(cfg.cpu_share, cfg.cpu_cores), "timeout": cfg.timeout, "peers": peers}
     if cfg.transport == "mpi":
-        from hpcft.agent.mpimesh import MpiMesh  # mpi4py only where asked for
+        from hpcft.agent.transport.mpimesh import MpiMesh  # mpi4py only where asked for
 
         return MpiMesh(cfg.slot, cfg.slots, host=cfg.host, **kw)
     return Mesh(cfg.slot, cfg.slots, cfg.secret, meet, host=cfg.host, bind=cfg.bind, tag=cfg.tag, **kw)

@@ -154,9 +154,9 @@ def protect(params: int, warmup: int, threads: int, root: str | None, as_json: b
             interval: float | None, rate: float | None, cpu_share: float | None, cpu_cores: float | None, nice: int,
             window: float, schemes: tuple[str, ...]) -> None:
     """Cross-node protection per scheme: encode vs memcpy, bytes sent/stored vs state, rebuild time, step overhead."""
-    from hpcft.agent.throttle import CPU_SHARE
+    from hpcft.agent.transport.throttle import CPU_SHARE
     from hpcft.bench.protect import ProtectOptions, run
-    from hpcft.launch import profiles
+    from hpcft.launch.config import profiles
 
     if cpu_share is not None and cpu_cores is not None:
         raise click.UsageError("give --cpu-share or --cpu-cores, not both")

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcft.agent import secret as job_secret
+from hpcft.agent.transport import secret as job_secret
 from hpcft.agent import status as agent_status
 from hpcft.bench.snapshot_variants import Hpcft
 from hpcft.durable import files, flush

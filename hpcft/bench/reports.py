@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcft.agent import secret as job_secret
-from hpcft.agent.transport import connect
+from hpcft.agent.transport import secret as job_secret
+from hpcft.agent.transport.tcp import connect
 from hpcft.bench.harness import Report
 
 
@@ -83,7 +83,7 @@ def _cpu() -> float:
 
 def measure(nodes: int, ranks: int, seconds: float) -> dict[str, Any]:
     """One N: the supervisor's figures while N nodes report once a second (see module doc)."""
-    from hpcft.launch.fabric import Fabric
+    from hpcft.launch.fabric.service import Fabric
 
     with tempfile.TemporaryDirectory(prefix="hpcft-bench-reports-") as tmp:
         fabric = Fabric(Path(tmp), emit=lambda *a, **k: None)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcft.agent import secret as job_secret
-from hpcft.agent.mesh import overlay
-from hpcft.agent.rendezvous import Directory
+from hpcft.agent.transport import secret as job_secret
+from hpcft.agent.transport.mesh import overlay
+from hpcft.agent.transport.rendezvous import Directory
 from hpcft.bench.harness import Report
 from hpcft.errors import HpcftError
 

@@ -12,12 +12,12 @@ import struct
 import sys
 import time
 
-from hpcft.agent import secret as job_secret
-from hpcft.agent.bundle import both
-from hpcft.agent.heartbeat import Heartbeat
-from hpcft.agent.mesh import Mesh
-from hpcft.agent.placement import Scheme, plan
-from hpcft.agent.rendezvous import Rendezvous
+from hpcft.agent.transport import secret as job_secret
+from hpcft.agent.protection.bundle import both
+from hpcft.agent.transport.heartbeat import Heartbeat
+from hpcft.agent.transport.mesh import Mesh
+from hpcft.agent.protection.placement import Scheme, plan
+from hpcft.agent.transport.rendezvous import Rendezvous
 
 _TCP_BYTES = struct.Struct("QQ")  # struct tcp_info: tcpi_bytes_acked, tcpi_bytes_received (Linux >= 4.1)
 _TCP_BYTES_AT = 120

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from hpcft import events
-from hpcft.agent import secret as job_secret
-from hpcft.agent.placement import Scheme
+from hpcft.agent.transport import secret as job_secret
+from hpcft.agent.protection.placement import Scheme
 from hpcft.bench.harness import Report, scratch
 from hpcft.bench.protect import JOB, NODES, SCHEMES, _commit
 from hpcft.errors import ConfigError, HpcftError

@@ -1,7 +1,7 @@
 """Click commands of the launcher: `hpcft run`, `hpcft submit`, `hpcft clean` — parse, call, print."""
 import click
 
-from hpcft.launch import config
+from hpcft.launch.config import options as config
 
 
 def _run_options(f):
@@ -169,7 +169,7 @@ def submit(config_file, command, walltime, account, partition, job_name, output,
     and NVMe come from the config file's [site] table, the flags overriding it (docs/supervisor.md)."""
     from dataclasses import replace
 
-    from hpcft.launch import site as site_config
+    from hpcft.launch.config import site as site_config
     from hpcft.launch.submit import SubmitSpec, render, submit as sbatch
     from hpcft.slurm.runner import default_runner
 
@@ -199,7 +199,7 @@ def submit(config_file, command, walltime, account, partition, job_name, output,
 @click.option("--force", is_flag=True, help="Remove even if Slurm says a requeue is pending.")
 def clean(job_id, user, root, force) -> None:
     """Remove a job's snapshots from this node's memory unless a requeue is pending (as slurm/epilog.sh does)."""
-    from hpcft.launch.clean import clean as clean_store
+    from hpcft.launch.node.clean import clean as clean_store
     from hpcft.slurm.runner import default_runner
 
     path, removed, why = clean_store(job_id, runner=default_runner(), user=user, root=root, force=force)
@@ -215,7 +215,7 @@ def flush(job_dir, wait_s) -> None:
     import time
     from pathlib import Path
 
-    from hpcft.agent import persist
+    from hpcft.agent.protection import flush as persist
     from hpcft.agent import status as agent_status
 
     rendezvous = Path(job_dir) / "agents"

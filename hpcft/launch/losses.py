@@ -1,5 +1,5 @@
 """Progress lost across a launch, as the supervisor sees it: the newest snapshot step every rank had completed
-when the trainers' previous launch ended (the supervisor's live view of their progress, hpcft/launch/liveview.py
+when the trainers' previous launch ended (the supervisor's live view of their progress, hpcft/launch/fabric/liveview.py
 `reached`, read then: once the next launch's agents have rebuilt a lost node's store they report its older step)
 against the step the launch's ranks restored (the Checkpointer's `restore_done` / `restore_none` events in the job
 directory). A launch that resumes from an older step lost the steps in between; one that starts from step 0 after

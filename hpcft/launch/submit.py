@@ -7,9 +7,9 @@ from pathlib import Path
 
 from hpcft.env import NVME_ENV
 from hpcft.errors import ConfigError, SlurmError
-from hpcft.launch import profiles
-from hpcft.launch.netplugin import DIRS_ENV
-from hpcft.launch.site import SiteConfig
+from hpcft.launch.config import profiles
+from hpcft.launch.config.netplugin import DIRS_ENV
+from hpcft.launch.config.site import SiteConfig
 from hpcft.slurm.runner import Runner
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "slurm"

@@ -1,8 +1,8 @@
 """The run loop of `hpcft run`: launch the trainers' srun step, watch it, ask the policy, carry out its decision.
 
 Watching means: the step's exit (with srun's per-task errors), the nodes of the active slots (scontrol, read
-fresh), training progress (the nodes' reports over the network, hpcft/launch/fabric.py) for --hang-timeout, and
-Slurm's warning signal SIGUSR1. With agents, each launch first starts them (hpcft/launch/agents.py) and waits until
+fresh), training progress (the nodes' reports over the network, hpcft/launch/fabric/service.py) for --hang-timeout, and
+Slurm's warning signal SIGUSR1. With agents, each launch first starts them (hpcft/launch/steps/agents.py) and waits until
 every one is ready (after a node replacement: has rebuilt the lost snapshots onto the spare), then the trainers.
 What must outlive a requeue (relaunch count, excluded nodes, which node held which slot) is kept in
 <job dir>/state.json, so that a requeued run puts every node that comes back into the slot its memory holds.
@@ -21,24 +21,27 @@ from pathlib import Path
 
 from hpcft import events
 from hpcft.errors import ConfigError, HpcftError, SlurmError
-from hpcft.launch import elastic, losses, profiles, stage
-from hpcft.launch.grow import GrowWatch
-from hpcft.launch.agentloss import AgentLoss
-from hpcft.launch.agents import AgentSteps, agent_iface
-from hpcft.launch.fabric import Fabric
+from hpcft.launch import reshape as elastic
+from hpcft.launch import losses
+from hpcft.launch.config import profiles
+from hpcft.launch.steps import stage
+from hpcft.launch.watch.grow import GrowWatch
+from hpcft.launch.steps.agentloss import AgentLoss
+from hpcft.launch.steps.agents import AgentSteps, agent_iface
+from hpcft.launch.fabric.service import Fabric
 from hpcft.durable.catalog import ENV_PERSIST
 from hpcft.durable.local import ENV_LOCAL
-from hpcft.launch.config import RunConfig, copy_env, durable_dir, resolve_protect
-from hpcft.launch.janitor import Janitor, requeue_flag, start_heartbeat
-from hpcft.launch.layout import Layout
-from hpcft.launch.persisted import Persisted
-from hpcft.launch.policy import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
-from hpcft.launch.preflight import Preflight
-from hpcft.launch.nodecheck import NodeCheck
-from hpcft.launch.srun import TRAIN_STEP_NAME, step_env, trainer_argv
-from hpcft.launch.standbys import Standbys
-from hpcft.launch.steps import StepStopper, tee
-from hpcft.launch.stragglers import StragglerWatch
+from hpcft.launch.config.options import RunConfig, copy_env, durable_dir, resolve_protect
+from hpcft.launch.node.janitor import Janitor, requeue_flag, start_heartbeat
+from hpcft.launch.policy.layout import Layout
+from hpcft.launch.state import Persisted
+from hpcft.launch.policy.failures import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
+from hpcft.launch.steps.preflight import Preflight
+from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.launch.node.srun import TRAIN_STEP_NAME, step_env, trainer_argv
+from hpcft.launch.steps.standbys import Standbys
+from hpcft.launch.steps.stop import StepStopper, tee
+from hpcft.launch.watch.stragglers import StragglerWatch
 from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
 
@@ -247,7 +250,7 @@ class Supervisor:
         return code
 
     def _clean_up(self, nodes: list[str]) -> None:
-        """Remove the job's stores from every node's memory (hpcft/launch/janitor.py): no site epilog needed."""
+        """Remove the job's stores from every node's memory (hpcft/launch/node/janitor.py): no site epilog needed."""
         started = time.monotonic()
         code = self.janitor.finish(nodes, self.environ)
         self.emit("cleaned", level=logging.INFO if code == 0 else logging.WARNING, nodes=",".join(nodes),
@@ -297,7 +300,7 @@ class Supervisor:
         return "; ".join(said)
 
     def _reshape(self, decision: Decision, event: Event, state: State, launches: int) -> Decision:
-        """Carry a shrink or grow out (hpcft/launch/elastic.py): the decision, or what replaced it if it failed."""
+        """Carry a shrink or grow out (hpcft/launch/reshape.py): the decision, or what replaced it if it failed."""
         self.reshaper.cfg = self.cfg
         done, line = self.reshaper.carry_out(decision, event, state, self._env(state.layout, launches),
                                              f"{launches}-shrink", str(self.job_dir))

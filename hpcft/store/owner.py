@@ -1,7 +1,7 @@
 """Whose snapshot is it: a restore takes only the versions its own job wrote, unless told to adopt another job's
 (`adopt=`, $HPCFT_ADOPT, which `hpcft run --adopt JOB` exports to the trainers and the agents). `stranger` decides,
 for every path that picks a version: the trainers' restore from memory (hpcft.durable.resume), the agents' rebuild
-(hpcft.agent.rebuild) and the durable tier, whose directory the user names for later jobs too (read across jobs,
+(hpcft.agent.protection.rebuild) and the durable tier, whose directory the user names for later jobs too (read across jobs,
 and said)."""
 import logging
 import os

@@ -1,7 +1,7 @@
 """What a node's store says about its ranks' training progress: each rank's newest committed step (its manifests)
 and that snapshot's `ready_s` (hpcft/snapshot/timing.py), or what a job wrote itself to the rank's node-local
 progress file ($HPCFT_PROGRESS_FILE, inside the node's job store). Read on the node by its agent (or, in a run
-without agents, by the node's reporter) and sent to the supervisor over the network (hpcft/agent/uplink.py):
+without agents, by the node's reporter) and sent to the supervisor over the network (hpcft/agent/transport/uplink.py):
 nothing about progress is written to the shared file system."""
 from __future__ import annotations
 

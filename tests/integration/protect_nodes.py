@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from hpcft import events, status
-from hpcft.agent import secret as job_secret
+from hpcft.agent.transport import secret as job_secret
 from hpcft.agent import status as agent_status
-from hpcft.agent.bundle import Bundle, complete_steps
-from hpcft.agent.codec import codec_for
-from hpcft.agent.placement import Scheme, plan
-from hpcft.agent.protect import records
-from hpcft.agent.stripes import encode_set, rebuild_partner, rebuild_set
+from hpcft.agent.protection.bundle import Bundle, complete_steps
+from hpcft.agent.protection.codec import codec_for
+from hpcft.agent.protection.placement import Scheme, plan
+from hpcft.agent.protection.protect import records
+from hpcft.agent.protection.stripes import encode_set, rebuild_partner, rebuild_set
 from hpcft.bench.transport import mpirun_argv
 from hpcft.sandbox.config import OPEN_MPI_TCP_ENV
 from hpcft.store import RankStore, chunk_table, job_dir, seal_key

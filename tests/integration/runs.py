@@ -11,7 +11,7 @@ import torch
 from hpcft import events
 from hpcft.agent import status as agent_status
 from hpcft.bench import train_job
-from hpcft.launch import progress
+from hpcft.launch.node import progress
 
 JOB = Path(train_job.__file__)  # the DP job shared with `hpcft bench recovery`
 STEPS = 16

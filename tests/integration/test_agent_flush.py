@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hpcft.agent import secret as job_secret
+from hpcft.agent.transport import secret as job_secret
 from hpcft.agent import status as agent_status
 from hpcft import events
 from hpcft.durable import catalog, local

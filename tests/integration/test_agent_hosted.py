@@ -9,7 +9,7 @@ import sys
 from protect_nodes import JOB, NODES, RANKS_PER_NODE, held, node_files
 from test_agent_protect import cluster  # noqa: F401 (fixture)
 
-from hpcft.agent.placement import Scheme
+from hpcft.agent.protection.placement import Scheme
 from hpcft.store import job_dir
 
 SCHEME = Scheme("xor", group=4)

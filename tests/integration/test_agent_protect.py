@@ -16,11 +16,11 @@ from protect_nodes import (JOB, NODES, RANKS_PER_NODE, Cluster, bundle_bytes, ch
 
 from hpcft import events
 from hpcft.agent import status as agent_status
-from hpcft.agent.bundle import Bundle, complete_steps, local_versions
-from hpcft.agent.codec import codec_for
-from hpcft.agent.placement import Scheme, plan
-from hpcft.agent.protect import records
-from hpcft.agent.stripes import encode_set
+from hpcft.agent.protection.bundle import Bundle, complete_steps, local_versions
+from hpcft.agent.protection.codec import codec_for
+from hpcft.agent.protection.placement import Scheme, plan
+from hpcft.agent.protection.protect import records
+from hpcft.agent.protection.stripes import encode_set
 from hpcft.errors import NoCheckpointError
 from hpcft.store import RankStore, job_dir
 from hpcft.store import pin as store_pin

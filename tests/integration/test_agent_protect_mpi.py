@@ -11,7 +11,7 @@ from protect_nodes import (NODES, Cluster, check_parity, check_partner, check_re
                            mpi_log, mpi_result, run_agents, start_mpi_agents)
 
 from hpcft.agent import status as agent_status
-from hpcft.agent.placement import Scheme
+from hpcft.agent.protection.placement import Scheme
 from hpcft.deps import available
 
 pytestmark = pytest.mark.skipif(not available("mpi4py"), reason="mpi4py is not installed")

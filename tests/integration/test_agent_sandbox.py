@@ -16,14 +16,14 @@ import pytest
 import torch
 from runs import JOB, STEPS, final  # the shared reference's job and steps (conftest.py)
 
-from hpcft.agent import secret as job_secret
+from hpcft.agent.transport import secret as job_secret
 from hpcft.deps import available
 from hpcft.agent import status as agent_status
-from hpcft.agent.launch import agent_argv
-from hpcft.agent.placement import Scheme
-from hpcft.launch.layout import Layout
-from hpcft.launch.profiles import CPU
-from hpcft.launch.srun import step_env, trainer_argv
+from hpcft.agent.step import agent_argv
+from hpcft.agent.protection.placement import Scheme
+from hpcft.launch.policy.layout import Layout
+from hpcft.launch.config.profiles import CPU
+from hpcft.launch.node.srun import step_env, trainer_argv
 from hpcft.sandbox.config import OPEN_MPI_TCP_ENV
 
 pytestmark = pytest.mark.sandbox
@@ -32,7 +32,7 @@ ACTIVE = ["n1", "n2", "n3", "n4"]
 # On one node: sha256 of every committed manifest and of the data it describes, for the step given.
 DUMP = """
 import hashlib, json, sys
-from hpcft.agent.bundle import complete_steps
+from hpcft.agent.protection.bundle import complete_steps
 from hpcft.store import job_dir, resolve_root
 root = resolve_root()
 held = complete_steps(job_dir(root, sys.argv[1])).get(int(sys.argv[2]), {})

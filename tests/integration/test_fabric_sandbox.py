@@ -13,7 +13,7 @@ from pathlib import Path
 from runs import decisions, finish, start
 
 from hpcft import events
-from hpcft.launch import progress
+from hpcft.launch.node import progress
 
 STEPS, DELAY, TASKS = 50, 0.25, 2
 ALLOWED = {"status.json", "supervisor.alive", "events.jsonl"}  # the supervisor's own files, one writer each

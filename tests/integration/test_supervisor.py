@@ -18,7 +18,7 @@ from runs import start_spared as _start
 
 from hpcft import events
 from hpcft.agent import status as agent_status
-from hpcft.launch.steps import LOST_NODE_GRACE_S
+from hpcft.launch.steps.stop import LOST_NODE_GRACE_S
 
 
 def test_the_run_checks_its_memory_plan_with_every_nodes_real_snapshot_size(dp_reference):

@@ -7,9 +7,9 @@ import threading
 
 import numpy as np
 
-from hpcft.agent.link import PeerGaveUp, TransportError
-from hpcft.agent.mpimesh import MpiMesh
-from hpcft.agent.mpiworld import world
+from hpcft.agent.transport.link import PeerGaveUp, TransportError
+from hpcft.agent.transport.mpimesh import MpiMesh
+from hpcft.agent.transport.mpiworld import world
 
 faulthandler.dump_traceback_later(180, exit=True)  # a hang shows its stacks instead of a bare timeout
 SIZE = int(sys.argv[2])

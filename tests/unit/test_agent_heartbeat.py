@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from hpcft import events
-from hpcft.agent import secret as job_secret
+from hpcft.agent.transport import secret as job_secret
 from hpcft.agent import status as agent_status
-from hpcft.agent.heartbeat import period_for
-from hpcft.agent.mesh import overlay as neighbours
+from hpcft.agent.transport.heartbeat import period_for
+from hpcft.agent.transport.mesh import overlay as neighbours
 
 AGENTS = 3
 LOSS_S = 3.0
@@ -96,8 +96,8 @@ def test_a_frozen_peer_is_named_after_the_loss_timeout_and_a_short_pause_is_not(
 
 _PEER = """
 import sys, time
-from hpcft.agent import secret
-from hpcft.agent.heartbeat import Heartbeat
+from hpcft.agent.transport import secret
+from hpcft.agent.transport.heartbeat import Heartbeat
 beat = Heartbeat(1, 2, secret.load(sys.argv[2]), sys.argv[1], timeout=60.0, on_silent=lambda *a: None)
 print("up", flush=True)
 if sys.stdin.readline().strip() == "close":
@@ -113,7 +113,7 @@ def test_a_beat_connection_closed_without_a_goodbye_is_a_loss_at_once_an_orderly
     silent; a peer that closes its heartbeat (asked to stop, done, unwinding a failure) says goodbye first."""
     import threading
 
-    from hpcft.agent.heartbeat import Heartbeat
+    from hpcft.agent.transport.heartbeat import Heartbeat
 
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o700)
@@ -151,7 +151,7 @@ def test_a_beat_connection_closed_without_a_goodbye_is_a_loss_at_once_an_orderly
 
 def test_a_silent_peer_is_named_at_its_deadline_not_at_the_next_beat():
     """Pure timing (a fake clock): the loop wakes at the earliest deadline of a watched peer, or at the next beat."""
-    from hpcft.agent.heartbeat import next_wake, silent_peer
+    from hpcft.agent.transport.heartbeat import next_wake, silent_peer
 
     limit = LOSS_S + period_for(LOSS_S)
     heard = {1: 10.0, 2: 11.0}

@@ -3,8 +3,8 @@ node that has none."""
 import socket
 
 from hpcft import events
-from hpcft.agent.iface import choose, iface_address
-from hpcft.agent.transport import Listener, connect
+from hpcft.agent.transport.iface import choose, iface_address
+from hpcft.agent.transport.tcp import Listener, connect
 
 
 def test_a_named_interface_gives_its_address_for_both_reach_and_bind(tmp_path, monkeypatch):

@@ -13,12 +13,12 @@ import pytest
 import fake_probe  # tests/unit is on sys.path (pytest's rootdir insertion)
 
 from hpcft.agent import status as agent_status
-from hpcft.agent.mesh import Mesh
-from hpcft.agent.transport import TransportError
-from hpcft.launch.agents import AgentSteps
-from hpcft.launch.config import RunConfig
-from hpcft.launch.layout import Layout
-from hpcft.launch.nodecheck import NodeCheck
+from hpcft.agent.transport.mesh import Mesh
+from hpcft.agent.transport.tcp import TransportError
+from hpcft.launch.steps.agents import AgentSteps
+from hpcft.launch.config.options import RunConfig
+from hpcft.launch.policy.layout import Layout
+from hpcft.launch.steps.nodecheck import NodeCheck
 from hpcft.slurm.runner import Runner
 
 SECRET = b"k" * 64
@@ -150,8 +150,8 @@ class _Nodes:
 
 def test_agents_that_fail_on_healthy_nodes_restart_alone_and_a_failed_restart_relaunches():
     from hpcft.errors import CheckpointError
-    from hpcft.launch.agentloss import ALONE_PER_LAUNCH, AgentLoss
-    from hpcft.launch.policy import Kind
+    from hpcft.launch.steps.agentloss import ALONE_PER_LAUNCH, AgentLoss
+    from hpcft.launch.policy.failures import Kind
 
     layout = Layout(slots=("n1", "n2", "n3"), spares=())
     said: list = []
@@ -174,8 +174,8 @@ def test_agents_that_fail_on_healthy_nodes_restart_alone_and_a_failed_restart_re
 
 
 def test_a_suspect_that_fails_the_probe_is_a_lost_node_and_the_agents_are_not_restarted():
-    from hpcft.launch.agentloss import AgentLoss
-    from hpcft.launch.policy import Kind
+    from hpcft.launch.steps.agentloss import AgentLoss
+    from hpcft.launch.policy.failures import Kind
 
     layout = Layout(slots=("n1", "n2", "n3"), spares=())
     agents, nodes = _Agents([]), _Nodes({"n3": "probe did not answer within 5 s"})
@@ -216,9 +216,9 @@ def test_a_probe_still_waiting_for_a_frozen_node_ends_when_slurm_marks_it():
 
 def test_an_agents_step_that_ended_before_ready_on_healthy_nodes_is_launched_once_more_before_the_trainers():
     from hpcft.errors import CheckpointError
-    from hpcft.launch.agentloss import AgentLoss
-    from hpcft.launch.agents import StepEnded
-    from hpcft.launch.policy import Kind
+    from hpcft.launch.steps.agentloss import AgentLoss
+    from hpcft.launch.steps.agents import StepEnded
+    from hpcft.launch.policy.failures import Kind
 
     layout = Layout(slots=("frontier00041", "frontier00042"), spares=())
     ended = StepEnded("the agents' step ended (exit status 141) before every agent was ready", 141)
@@ -250,8 +250,8 @@ def test_a_peer_the_agents_named_before_they_were_ready_is_probed_beside_control
     """A node lost while the agents rebuild cost ~25 s: every slot was probed without controls (the frozen node
     answered at the probe timeout), then the agents' step was asked to stop for --kill-grace."""
     from hpcft.errors import CheckpointError
-    from hpcft.launch.agentloss import AgentLoss
-    from hpcft.launch.policy import Kind
+    from hpcft.launch.steps.agentloss import AgentLoss
+    from hpcft.launch.policy.failures import Kind
 
     layout = Layout(slots=("frontier00041", "frontier00042", "frontier00043", "frontier00044"), spares=())
     agents = _Agents([])

@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
-from hpcft.agent.bundle import both
-from hpcft.agent.mesh import Mesh, overlay
-from hpcft.agent.placement import Scheme, plan
-from hpcft.agent.rendezvous import Directory, Rendezvous
-from hpcft.agent.transport import TransportError
+from hpcft.agent.protection.bundle import both
+from hpcft.agent.transport.mesh import Mesh, overlay
+from hpcft.agent.protection.placement import Scheme, plan
+from hpcft.agent.transport.rendezvous import Directory, Rendezvous
+from hpcft.agent.transport.tcp import TransportError
 
 SECRET = b"m" * 64
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcft.agent.link import TransportError
-from hpcft.agent.mpilink import pieces
-from hpcft.agent.mpimesh import rank_of_slot
-from hpcft.agent.mpiworld import Poller
+from hpcft.agent.transport.link import TransportError
+from hpcft.agent.transport.mpilink import pieces
+from hpcft.agent.transport.mpimesh import rank_of_slot
+from hpcft.agent.transport.mpiworld import Poller
 from hpcft.sandbox.config import OPEN_MPI_TCP_ENV
 
 TASK = Path(__file__).with_name("mpi_mesh_task.py")

@@ -15,17 +15,17 @@ import pytest
 from test_agent_mesh import SECRET, _meshes  # tests/unit is on sys.path (pytest's rootdir insertion)
 
 from hpcft.agent.agent import STEPS
-from hpcft.agent.bundle import both, parse
-from hpcft.agent.link import PeerGaveUp
-from hpcft.agent.mesh import Mesh
-from hpcft.agent.persist import VOTE
-from hpcft.agent.persist import combine as persist_combine
-from hpcft.agent.persist import vote as persist_vote
-from hpcft.agent.placement import Scheme, plan
-from hpcft.agent.protect import _partner, record_slot
-from hpcft.agent.rebuild import _receive
-from hpcft.agent.rendezvous import Directory, Rendezvous
-from hpcft.agent.transport import TransportError, connect
+from hpcft.agent.protection.bundle import both, parse
+from hpcft.agent.transport.link import PeerGaveUp
+from hpcft.agent.transport.mesh import Mesh
+from hpcft.agent.protection.flush import VOTE
+from hpcft.agent.protection.flush import combine as persist_combine
+from hpcft.agent.protection.flush import vote as persist_vote
+from hpcft.agent.protection.placement import Scheme, plan
+from hpcft.agent.protection.protect import _partner, record_slot
+from hpcft.agent.protection.rebuild import _receive
+from hpcft.agent.transport.rendezvous import Directory, Rendezvous
+from hpcft.agent.transport.tcp import TransportError, connect
 from hpcft.errors import IntegrityError
 
 PROMPT_S = 10.0  # "promptly": every side has its error well within this

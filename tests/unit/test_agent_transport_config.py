@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from hpcft.errors import ConfigError
-from hpcft.launch import config
-from hpcft.launch.agents import agent_mpi
+from hpcft.launch.config import options as config
+from hpcft.launch.steps.agents import agent_mpi
 
 
 def test_tcp_is_the_default_and_the_environment_and_cli_override_the_file(tmp_path):
@@ -37,7 +37,7 @@ def test_bad_values_are_refused_by_name(given, named):
 
 def test_mpi_without_mpi4py_is_a_config_error_naming_what_to_install():
     code = ("import sys; sys.modules['mpi4py'] = None\n"
-            "from hpcft.agent import mpiworld\n"
+            "from hpcft.agent.transport import mpiworld\n"
             "try:\n    mpiworld.library()\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert out.startswith("ConfigError --agent-transport mpi:") and "pip install 'hpcft[mpi]'" in out, out
@@ -45,6 +45,6 @@ def test_mpi_without_mpi4py_is_a_config_error_naming_what_to_install():
 
 def test_mpi_with_mpi4py_names_its_library():
     pytest.importorskip("mpi4py")
-    from hpcft.agent import mpiworld
+    from hpcft.agent.transport import mpiworld
 
     assert "MPI" in mpiworld.library()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpcft.errors import ConfigError
-from hpcft.launch import config
+from hpcft.launch.config import options as config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -39,7 +39,7 @@ def test_groups_that_refuse_cpu_tensors(world: int, groups: str, root: Path, tmp
     """The documented flow (init, Checkpointer, restore, steps, relaunch, restore) on a default group that, like
     NCCL/RCCL, refuses CPU tensors: made by hpcft.init() or by the script itself with its own data-parallel group."""
     how = ["--backend", "cuda:gloo"] + (["--user-groups"] if groups == "user" else [])
-    env = {"TORCH_GLOO_LAZY_INIT": "1"} if world == 4 else None  # as the GPU profiles set it (hpcft/launch/profiles.py)
+    env = {"TORCH_GLOO_LAZY_INIT": "1"} if world == 4 else None  # as the GPU profiles set it (hpcft/launch/config/profiles.py)
     first = launch.run(world, "train", "--steps", "5", "--kill-at", "3", "--delay", "0.05", "--save-refs", *how,
                        root=root, out=tmp_path, extra_env=env)
     assert all(r.returncode == -9 for r in first), [r.output[-2000:] for r in first]

@@ -42,7 +42,7 @@ def test_doctor_json_and_missing_essential(tmp_path):
 def test_the_cluster_side_commands_start_without_importing_torch():
     """`hpcft run` (the supervisor), the node agents, the janitors and the task wrapper start on every launch and
     every node: importing torch there costs seconds per start (as long again on a loaded node) for nothing they use."""
-    for module in ("hpcft.cli", "hpcft.agent.__main__", "hpcft.launch.janitor", "hpcft.launch.task"):
+    for module in ("hpcft.cli", "hpcft.agent.__main__", "hpcft.launch.node.janitor", "hpcft.launch.node.task"):
         probe = f"import sys, {module}; print('torch' in sys.modules)"
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
         assert out.returncode == 0, out.stderr

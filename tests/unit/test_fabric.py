@@ -5,13 +5,13 @@ import threading
 import time
 
 from hpcft import events
-from hpcft.agent import secret as job_secret
+from hpcft.agent.transport import secret as job_secret
 from hpcft.agent import status as agent_status
-from hpcft.agent.uplink import Uplink, delta, patch
-from hpcft.launch import progress
-from hpcft.launch.fabric import Fabric
-from hpcft.launch.reports import DRAIN_S
-from hpcft.launch.liveview import BLIND_S, KEEP_TAGS, LOG_BYTES_PER_S, LiveView, Rounds, blind, next_write
+from hpcft.agent.transport.uplink import Uplink, delta, patch
+from hpcft.launch.node import progress
+from hpcft.launch.fabric.service import Fabric
+from hpcft.launch.fabric.reports import DRAIN_S
+from hpcft.launch.fabric.liveview import BLIND_S, KEEP_TAGS, LOG_BYTES_PER_S, LiveView, Rounds, blind, next_write
 from hpcft.status import collect
 
 

@@ -3,7 +3,7 @@ import json
 
 from click.testing import CliRunner
 
-from hpcft.agent import persist
+from hpcft.agent.protection import flush as persist
 from hpcft.agent import status as agent_status
 from hpcft.cli import cli
 
@@ -44,8 +44,8 @@ def _steps(tmp_path, interrupted=False):
     import subprocess
     import sys
 
-    from hpcft.launch.agents import AgentSteps
-    from hpcft.launch.config import RunConfig
+    from hpcft.launch.steps.agents import AgentSteps
+    from hpcft.launch.config.options import RunConfig
 
     emitted = []
     steps = AgentSteps(RunConfig(protect_timeout=30, poll_interval=0.05, kill_grace=0.2), None, tmp_path, "python",

@@ -4,7 +4,7 @@ needs from every agent (pure)."""
 import itertools
 import random
 
-from hpcft.agent.persist import DRAINING, FAILED, IDLE, RUNNING, combine, vote
+from hpcft.agent.protection.flush import DRAINING, FAILED, IDLE, RUNNING, combine, vote
 
 
 def _votes(n: int, seed: int) -> list[dict]:

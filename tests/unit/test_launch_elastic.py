@@ -4,10 +4,10 @@ import pytest
 
 from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK, BatchPlan, batch_plan
 from hpcft.errors import ConfigError
-from hpcft.launch import config
-from hpcft.launch.elastic import check_floor, hosts, shrunk_config, trainer_env
-from hpcft.launch.layout import Layout
-from hpcft.launch.policy import EXIT_REQUEUED, Action, Event, Kind, State, decide, record
+from hpcft.launch.config import options as config
+from hpcft.launch.reshape import check_floor, hosts, shrunk_config, trainer_env
+from hpcft.launch.policy.layout import Layout
+from hpcft.launch.policy.failures import EXIT_REQUEUED, Action, Event, Kind, State, decide, record
 
 NOW = 1_000_000.0
 FOUR = Layout(slots=("n1", "n2", "n3", "n4"), tasks_per_node=2)
@@ -121,7 +121,7 @@ class Recorder:
 
 
 def test_a_shrinks_agents_run_on_the_survivors_with_the_lost_slot_hosted(tmp_path):
-    from hpcft.launch.agents import AgentSteps
+    from hpcft.launch.steps.agents import AgentSteps
 
     runner = Recorder()
     cfg = config.RunConfig(protect="xor", group=4, elastic=True)

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from hpcft.agent.launch import agent_argv
-from hpcft.agent.placement import Scheme
+from hpcft.agent.step import agent_argv
+from hpcft.agent.protection.placement import Scheme
 from hpcft.errors import ConfigError
-from hpcft.launch import netplugin, profiles
-from hpcft.launch.site import SiteConfig
+from hpcft.launch.config import netplugin
+from hpcft.launch.config import profiles
+from hpcft.launch.config.site import SiteConfig
 from hpcft.launch.submit import SubmitSpec, render, walltime_seconds
-from hpcft.launch.layout import Layout
-from hpcft.launch.srun import probe_argv, trainer_argv
+from hpcft.launch.policy.layout import Layout
+from hpcft.launch.node.srun import probe_argv, trainer_argv
 
 GOLDEN = Path(__file__).parent / "golden"
 NODES = [f"frontier{n:05d}" for n in range(10, 16)]

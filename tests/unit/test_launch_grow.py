@@ -1,8 +1,8 @@
 """Growing back as plain data (`hpcft run --elastic --elastic-grow`): when a returned node is taken back (settled, not
 flapping, not too often, not at the walltime's end), to how many nodes, and the policy's grow decision (no Slurm)."""
-from hpcft.launch.layout import Layout
-from hpcft.launch.policy import Action, Event, Kind, State, decide, record
-from hpcft.launch.policy_grow import GrowRules, Seen, choose, lost, observe, settle_for, unsettled
+from hpcft.launch.policy.layout import Layout
+from hpcft.launch.policy.failures import Action, Event, Kind, State, decide, record
+from hpcft.launch.policy.grow import GrowRules, Seen, choose, lost, observe, settle_for, unsettled
 
 RULES = GrowRules(target=4, settle=60, every=300, max_losses=2, margin=300)
 T0 = 1_000_000.0  # the shrink
@@ -94,8 +94,8 @@ class Probe:
 
 
 def test_the_watch_says_each_return_relapse_and_failed_probe_and_grows_only_past_them():
-    from hpcft.launch import config
-    from hpcft.launch.grow import GrowWatch
+    from hpcft.launch.config import options as config
+    from hpcft.launch.watch.grow import GrowWatch
 
     said, now = [], [T0]
     slurm, probe = Slurm(), Probe()
@@ -131,8 +131,8 @@ def test_the_watch_says_each_return_relapse_and_failed_probe_and_grows_only_past
 
 
 def test_the_watch_never_takes_back_a_node_lost_past_max_losses_and_says_so_once():
-    from hpcft.launch import config
-    from hpcft.launch.grow import GrowWatch
+    from hpcft.launch.config import options as config
+    from hpcft.launch.watch.grow import GrowWatch
 
     said, now = [], [T0]
     slurm = Slurm()
@@ -172,8 +172,8 @@ class Janitor:
 
 
 def _grow(tmp_path, persisted):
-    from hpcft.launch import config
-    from hpcft.launch.elastic import Reshaper
+    from hpcft.launch.config import options as config
+    from hpcft.launch.reshape import Reshaper
 
     said, agents, janitor = [], Agents(persisted), Janitor()
     shrunk = Layout(slots=("n1", "n2", "n4"), excluded=("n3",), tasks_per_node=2)

@@ -3,9 +3,10 @@ import pytest
 
 from hpcft.env import job_env
 from hpcft.errors import ConfigError
-from hpcft.launch import config, profiles
-from hpcft.launch.layout import Layout, NoSpareError
-from hpcft.launch.srun import master_port, step_env, task_env
+from hpcft.launch.config import options as config
+from hpcft.launch.config import profiles
+from hpcft.launch.policy.layout import Layout, NoSpareError
+from hpcft.launch.node.srun import master_port, step_env, task_env
 
 NODES = ["n1", "n2", "n3", "n4", "n5", "n6"]
 

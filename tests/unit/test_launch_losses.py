@@ -4,7 +4,7 @@ import time
 
 from hpcft import events
 from hpcft.launch import losses
-from hpcft.launch.liveview import LiveView
+from hpcft.launch.fabric.liveview import LiveView
 
 
 def _progress(steps: dict[int, int]) -> LiveView:

@@ -2,9 +2,9 @@
 import pytest
 
 from hpcft import events
-from hpcft.launch.layout import Layout
+from hpcft.launch.policy.layout import Layout
 from hpcft.slurm import state as slurm_state
-from hpcft.launch.policy import (EXIT_ERROR, EXIT_GAVE_UP, EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUED, Action, Event, Kind, State,
+from hpcft.launch.policy.failures import (EXIT_ERROR, EXIT_GAVE_UP, EXIT_NO_REQUEUE, EXIT_OK, EXIT_REQUEUED, Action, Event, Kind, State,
                                  decide, hung, record, stale_signal)
 
 NOW = 1_000_000.0

@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 
 from hpcft.errors import ConfigError
-from hpcft.launch import config, profiles, stage_node, stage_pack
-from hpcft.launch import stage_paths as paths
-from hpcft.launch.stage import sbcast_argv, stage_argv, wanted
+from hpcft.launch.config import options as config
+from hpcft.launch.config import profiles
+from hpcft.launch.node import stage as stage_node
+from hpcft.launch.steps import stage_pack
+from hpcft.launch.node import stage_paths as paths
+from hpcft.launch.steps.stage import sbcast_argv, stage_argv, wanted
 
 MOUNTS = """\
 22 1 253:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
@@ -167,7 +170,7 @@ def test_the_staging_step_and_the_broadcast_argv():
     assert argv[:10] == ["srun", "--job-name=hpcft-stage", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1",
                          "--nodelist=frontier[00001-00002,00007]", "--overlap", "--kill-on-bad-exit=0", "--no-kill",
                          "--export=ALL"]
-    assert argv[10:] == ["/lustre/env/bin/python", "-m", "hpcft.launch.stage_node", "--root", "/mnt/bb/alice",
+    assert argv[10:] == ["/lustre/env/bin/python", "-m", "hpcft.launch.node.stage", "--root", "/mnt/bb/alice",
                          "--job", "42", "--key", "k", "--bytes", "1000", "--crc", "7", "--python", "bin/python",
                          "--base-from", "/sw/python"]
     assert sbcast_argv("42", "3", archive.path, Path("/mnt/bb/alice/x.tar")) == \
@@ -194,7 +197,7 @@ def test_the_janitors_now_step_removes_the_nodes_copy_and_a_half_removed_one_but
     left.mkdir()
     env = {**os.environ, "HPCFT_STORE_ROOT": str(tmp_path / "shm"), paths.ENV_NODE_DIR: str(copy)}
     (tmp_path / "shm").mkdir()
-    janitor = [sys.executable, "-m", "hpcft.launch.janitor", "--job", "42", "--job-dir", str(tmp_path), "--now"]
+    janitor = [sys.executable, "-m", "hpcft.launch.node.janitor", "--job", "42", "--job-dir", str(tmp_path), "--now"]
     subprocess.run(janitor, env=env, check=True)  # an elastic shrink's wipe: the nodes' copies stay in use
     assert copy.is_dir() and left.is_dir()
     paths.probe_name(tmp_path / "bb", "alice", "42", "n1").touch()
@@ -203,7 +206,7 @@ def test_the_janitors_now_step_removes_the_nodes_copy_and_a_half_removed_one_but
 
 
 def _node_task(root: Path, archive: stage_pack.Archive, node: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "hpcft.launch.stage_node", "--root", str(root), "--job", "7", "--key", archive.key,
+    argv = [sys.executable, "-m", "hpcft.launch.node.stage", "--root", str(root), "--job", "7", "--key", archive.key,
             "--bytes", str(archive.bytes), "--crc", str(archive.crc), "--python", "bin/python", "--wait", "60"]
     env = {**os.environ, "SLURMD_NODENAME": node, "HPCFT_STAGE_VERIFY": ""}  # a bare venv: no torch to import
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)

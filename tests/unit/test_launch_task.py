@@ -6,9 +6,9 @@ import subprocess
 import sys
 import time
 
-from hpcft.launch.fabric import Fabric
-from hpcft.launch.layout import Layout
-from hpcft.launch.srun import step_env
+from hpcft.launch.fabric.service import Fabric
+from hpcft.launch.policy.layout import Layout
+from hpcft.launch.node.srun import step_env
 
 
 def _env(tmp_path, node: str, local: int, **extra) -> dict[str, str]:
@@ -21,17 +21,17 @@ def test_wrapper_sets_slot_ranks_and_execs_the_command(tmp_path):
     code = "import os; print(os.getpid(), os.environ['RANK'], os.environ['HPCFT_RANK'], os.environ['LOCAL_RANK'])"
     env = _env(tmp_path, "n2", 1)
     del env["HPCFT_JOB_DIR"]
-    proc = subprocess.run([sys.executable, "-m", "hpcft.launch.task", "--", sys.executable, "-c", code],
+    proc = subprocess.run([sys.executable, "-m", "hpcft.launch.node.task", "--", sys.executable, "-c", code],
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[1:] == ["3", "3", "1"]
 
 
 def test_wrapper_reports_a_missing_command_and_a_foreign_node(tmp_path):
-    missing = subprocess.run([sys.executable, "-m", "hpcft.launch.task", "--", "/no/such/cmd"],
+    missing = subprocess.run([sys.executable, "-m", "hpcft.launch.node.task", "--", "/no/such/cmd"],
                              env=_env(tmp_path, "n1", 0), capture_output=True, text=True, timeout=60)
     assert missing.returncode == 127 and "cannot run '/no/such/cmd'" in missing.stderr
-    foreign = subprocess.run([sys.executable, "-m", "hpcft.launch.task", "--", "true"],
+    foreign = subprocess.run([sys.executable, "-m", "hpcft.launch.node.task", "--", "true"],
                              env=_env(tmp_path, "n3", 0), capture_output=True, text=True, timeout=60)
     assert foreign.returncode == 2 and "node n3 has no slot" in foreign.stderr
 
@@ -55,7 +55,7 @@ def test_without_agents_the_nodes_first_task_reports_its_ranks_progress_over_the
     fabric.start(None)
     try:
         env = _env(tmp_path, "n2", 0, HPCFT_STORE_ROOT=str(tmp_path / "shm"), **fabric.env(with_agents=False))
-        proc = subprocess.run([sys.executable, "-m", "hpcft.launch.task", "--", sys.executable, "-c",
+        proc = subprocess.run([sys.executable, "-m", "hpcft.launch.node.task", "--", sys.executable, "-c",
                                _children_after(2.5)], env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert {r: s[:2] for r, s in fabric.view.samples().items()} == {2: (5, 0.5), 3: (4, 0.5)}
@@ -76,7 +76,7 @@ def test_with_agents_no_task_forks_a_reporter_and_only_the_first_task_of_a_node_
     for local, agents in ((0, "1"), (1, "0")):
         env = _env(tmp_path, "n2", local, HPCFT_STORE_ROOT=str(tmp_path / "shm"), HPCFT_REPORTS="127.0.0.1:9",
                    HPCFT_AGENTS_REPORT=agents)
-        proc = subprocess.run([sys.executable, "-m", "hpcft.launch.task", "--", sys.executable, "-c",
+        proc = subprocess.run([sys.executable, "-m", "hpcft.launch.node.task", "--", sys.executable, "-c",
                                _children_after(0)], env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert len(proc.stdout.split()) == 1, proc.stdout  # the progress file's path, no child

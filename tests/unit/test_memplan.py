@@ -6,9 +6,12 @@ import pytest
 
 from hpcft.errors import ConfigError
 from hpcft import nodemem
-from hpcft.launch import config, memplan, preflight, profiles
-from hpcft.launch.config import RunConfig
-from hpcft.launch.preflight import Preflight
+from hpcft.launch.config import options as config
+from hpcft.launch.config import memplan
+from hpcft.launch.steps import preflight
+from hpcft.launch.config import profiles
+from hpcft.launch.config.options import RunConfig
+from hpcft.launch.steps.preflight import Preflight
 
 G = 2**30
 

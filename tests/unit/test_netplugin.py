@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from hpcft.doctor import network_checks
-from hpcft.launch import netplugin, profiles
-from hpcft.launch.config import RunConfig
-from hpcft.launch.preflight import Preflight
+from hpcft.launch.config import netplugin
+from hpcft.launch.config import profiles
+from hpcft.launch.config.options import RunConfig
+from hpcft.launch.steps.preflight import Preflight
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from hpcft.agent import status as agent_status
-from hpcft.launch.agents import AgentSteps
-from hpcft.launch.config import RunConfig
+from hpcft.launch.steps.agents import AgentSteps
+from hpcft.launch.config.options import RunConfig
 
 
 @pytest.mark.parametrize("persisted,says,never", [

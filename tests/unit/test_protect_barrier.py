@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from hpcft import events
-from hpcft.agent import protect
+from hpcft.agent.protection import protect
 from hpcft.agent.agent import keep_newest_protected, protect_newest
-from hpcft.agent.bundle import complete_steps, pin_targets
-from hpcft.agent.mesh import Mesh
-from hpcft.agent.pins import Pins
-from hpcft.agent.placement import Scheme, plan
-from hpcft.agent.protect import StaleStep, records
-from hpcft.agent.rebuild import rebuild
-from hpcft.agent.transport import TransportError
+from hpcft.agent.protection.bundle import complete_steps, pin_targets
+from hpcft.agent.transport.mesh import Mesh
+from hpcft.agent.protection.pins import Pins
+from hpcft.agent.protection.placement import Scheme, plan
+from hpcft.agent.protection.protect import StaleStep, records
+from hpcft.agent.protection.rebuild import rebuild
+from hpcft.agent.transport.tcp import TransportError
 from hpcft.store import RankStore, chunk_table, job_dir, seal_key, secure_dir
 from hpcft.store import manifest as mf
 from hpcft.store import pin as store_pin

@@ -4,9 +4,9 @@ import itertools
 import numpy as np
 import pytest
 
-from hpcft.agent.codec import RsCodec, Unrecoverable, XorCodec, XorFold, codec_for, xor_into
-from hpcft.agent.placement import Scheme, plan
-from hpcft.agent.stripes import encode_paced, encode_set, partner_copies, rebuild_partner, rebuild_set
+from hpcft.agent.protection.codec import RsCodec, Unrecoverable, XorCodec, XorFold, codec_for, xor_into
+from hpcft.agent.protection.placement import Scheme, plan
+from hpcft.agent.protection.stripes import encode_paced, encode_set, partner_copies, rebuild_partner, rebuild_set
 from hpcft.errors import ConfigError
 
 RNG = np.random.default_rng(7)

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from hpcft.agent.placement import Scheme, plan, spread
+from hpcft.agent.protection.placement import Scheme, plan, spread
 from hpcft.errors import ConfigError
 
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from hpcft.agent import status as agent_status
-from hpcft.agent.bundle import Bundle, complete_steps, parse, unpack
-from hpcft.agent.codec import Unrecoverable
-from hpcft.agent.placement import Scheme, plan
-from hpcft.agent.rebuild import lost_slots
+from hpcft.agent.protection.bundle import Bundle, complete_steps, parse, unpack
+from hpcft.agent.protection.codec import Unrecoverable
+from hpcft.agent.protection.placement import Scheme, plan
+from hpcft.agent.protection.rebuild import lost_slots
 from hpcft.errors import CheckpointError, IntegrityError, NoCheckpointError
 from hpcft.store import RankStore, chunk_table, job_dir, seal_key
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from hpcft.agent.protect import SPARE, drop_orphans, record_slot, retire
+from hpcft.agent.protection.protect import SPARE, drop_orphans, record_slot, retire
 
 
 def test_a_retired_record_file_becomes_the_next_pass_data_file(tmp_path):
@@ -50,7 +50,7 @@ def test_protection_lag_in_steps_and_seconds() -> None:
 
 
 def test_a_lag_bound_raises_the_cpu_cap_to_its_ceiling_and_lowers_it_back() -> None:
-    from hpcft.agent.budget import UNMET_ROUNDS, LagBudget
+    from hpcft.agent.protection.budget import UNMET_ROUNDS, LagBudget
 
     b = LagBudget(floor=0.01, ceiling=0.08, bound=3)
     assert b.update(None) == (0.01, False)  # nothing protected yet: nothing to measure
@@ -67,7 +67,7 @@ def test_a_lag_bound_raises_the_cpu_cap_to_its_ceiling_and_lowers_it_back() -> N
 
 
 def test_a_lag_bound_steers_by_the_lag_the_next_pass_will_leave_and_shortens_the_wait() -> None:
-    from hpcft.agent.budget import foreseen_lag, pause
+    from hpcft.agent.protection.budget import foreseen_lag, pause
 
     # passes of 1 s (a capped agent) against steps of 0.4 s: lag 2 now is 2 + 1 + 3 when the next pass ends
     assert foreseen_lag(2, 0.4, 1.0) == 6 and foreseen_lag(1, 0.4, 0.05) == 3 and foreseen_lag(None, 0.4, 1) is None
@@ -79,7 +79,7 @@ def test_a_lag_bound_steers_by_the_lag_the_next_pass_will_leave_and_shortens_the
 
 def test_work_run_unbilled_or_on_a_chore_thread_is_not_charged_to_the_cpu_cap() -> None:
     """A flush (its thread a chore, slot 0's commit `unbilled`) once charged ~2 CPU-s to a 0.01-core cap."""
-    from hpcft.agent.throttle import billed_cpu, chore, unbilled
+    from hpcft.agent.transport.throttle import billed_cpu, chore, unbilled
 
     def burn(seconds: float) -> None:
         end = time.thread_time() + seconds

@@ -7,7 +7,7 @@ import pytest
 from test_protect_barrier import PLACEMENT, Node, _connect, _on_all, _protect, nodes  # noqa: F401 - the fixture
 
 from hpcft import events
-from hpcft.agent.rebuild import rebuild
+from hpcft.agent.protection.rebuild import rebuild
 from hpcft.errors import NoCheckpointError
 
 

@@ -10,10 +10,10 @@ import pytest
 
 from hpcft import events
 from hpcft.launch import losses
-from hpcft.launch.config import RunConfig
-from hpcft.launch.layout import Layout
-from hpcft.launch.persisted import Persisted
-from hpcft.launch.policy import EXIT_GAVE_UP, Action, Decision
+from hpcft.launch.config.options import RunConfig
+from hpcft.launch.policy.layout import Layout
+from hpcft.launch.state import Persisted
+from hpcft.launch.policy.failures import EXIT_GAVE_UP, Action, Decision
 from hpcft.launch.supervisor import Supervisor
 
 NODES = ["n1", "n2", "n3"]
@@ -132,7 +132,7 @@ def test_lost_progress_exit_is_an_option_of_hpcft_run_that_cannot_pass_for_anoth
     from click.testing import CliRunner
 
     from hpcft.errors import ConfigError
-    from hpcft.launch import config
+    from hpcft.launch.config import options as config
     from hpcft.launch.cli import run
 
     assert config.RunConfig().lost_progress_exit == 6

@@ -1,10 +1,10 @@
-"""Stopping steps (hpcft/launch/steps.py): a step whose srun does not end on SIGTERM is killed after --kill-grace;
+"""Stopping steps (hpcft/launch/steps/stop.py): a step whose srun does not end on SIGTERM is killed after --kill-grace;
 one with a lost node (whose tasks never answer, so srun would wait the whole grace) after LOST_NODE_GRACE_S."""
 import subprocess
 import sys
 import time
 
-from hpcft.launch.steps import LOST_NODE_GRACE_S, StepStopper
+from hpcft.launch.steps.stop import LOST_NODE_GRACE_S, StepStopper
 from hpcft.slurm import state as slurmstate
 
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from hpcft import events
-from hpcft.agent import secret as job_secret
-from hpcft.agent.throttle import Throttle, cpu_cores
-from hpcft.agent.transport import ACCEPTED, MAGIC, NONCE, AuthError, Listener, TransportError, connect
+from hpcft.agent.transport import secret as job_secret
+from hpcft.agent.transport.throttle import Throttle, cpu_cores
+from hpcft.agent.transport.tcp import ACCEPTED, MAGIC, NONCE, AuthError, Listener, TransportError, connect
 from hpcft.errors import ConfigError
 
 SECRET = b"s" * 64

@@ -1,0 +1,256 @@
+"""One node's snapshot of one step as a single byte string (the unit the agent protects), read from the
+store without opening it for writing: a length-prefixed JSON header, then per local rank its committed
+manifest bytes and its data bytes. Read-only; the trainers keep writing their next versions meanwhile.
+On a replacement node, `parse` + `unpack` turn a rebuilt bundle back into committed rank-store versions."""
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hpcft import events
+from hpcft.agent.transport.link import COUNT, mismatch
+from hpcft.agent.transport.throttle import Throttle
+from hpcft.errors import IntegrityError, StoreError
+from hpcft.store import crc32c, seal, seal_key
+from hpcft.store import manifest as mf
+from hpcft.store import pin as store_pin
+from hpcft.store.owner import Owner, stranger
+from hpcft.store.paths import open_file, read_file
+
+_LEN = struct.Struct("!Q")
+_RANK = re.compile(r"rank-(\d{5})$")
+_SLOT = re.compile(r"slot-(\d+)\.json$")
+_HEADER = {"step": COUNT, "ranks": [{"rank": COUNT, "manifest_bytes": COUNT, "data_bytes": COUNT}]}
+
+
+@dataclass(frozen=True)
+class Held:
+    """A committed version of one rank as found on disk: its manifest (raw bytes and parsed) and data file."""
+    rank: int
+    step: int
+    manifest_path: Path
+    manifest_bytes: bytes
+    manifest: dict
+    data_path: Path
+
+
+# manifest path -> (its file's identity, what was read from it). Manifests are only ever replaced by rename, so an
+# unchanged (inode, size, ctime) is an unchanged manifest: an agent polling every round re-reads only new ones (a
+# 50M-parameter rank's manifest costs ~1.5 ms of CPU to read and check; 8 ranks × 3 reads per round added up to
+# a large part of the agent's CPU cap).
+_SEEN: dict[Path, tuple[tuple[int, int, int], Held]] = {}
+
+
+def local_versions(job: Path) -> dict[int, dict[int, Held]]:
+    """step → rank → Held, for every committed version of every rank directory under the job dir."""
+    found: dict[int, dict[int, Held]] = {}
+    present = set()
+    for rdir in sorted(job.glob("rank-*")):
+        m = _RANK.match(rdir.name)
+        if not m:
+            continue
+        for mpath in rdir.glob("slot-*.json"):
+            if not _SLOT.match(mpath.name):
+                continue
+            try:
+                st = mpath.stat()
+                key = (st.st_ino, st.st_size, st.st_ctime_ns)
+                seen = _SEEN.get(mpath)
+                if seen is not None and seen[0] == key:
+                    held = seen[1]
+                else:
+                    raw = read_file(mpath)
+                    parsed = mf.decode(raw, mpath)
+                    held = Held(int(m.group(1)), int(parsed["step"]), mpath, raw, parsed, mpath.with_suffix(".data"))
+                    _SEEN[mpath] = (key, held)
+            except (OSError, StoreError) as exc:  # withdrawn under us, or torn: not a version
+                _log_skip(mpath, exc)
+                continue
+            present.add(mpath)
+            found.setdefault(held.step, {})[held.rank] = held
+    for gone in [p for p in _SEEN if p.is_relative_to(job) and p not in present]:
+        del _SEEN[gone]
+    return found
+
+
+def _log_skip(path: Path, exc: Exception) -> None:
+    logging.getLogger(__name__).debug("skipping %s: %s", path, exc)
+
+
+def complete_steps(job: Path, versions: dict[int, dict[int, Held]] | None = None) -> dict[int, dict[int, Held]]:
+    """The steps every local rank holds (the node's complete versions), newest last; from `versions`
+    (`local_versions(job)`) when the caller has just read them."""
+    versions = local_versions(job) if versions is None else versions
+    ranks = {r for by_rank in versions.values() for r in by_rank}
+    return dict(sorted((s, v) for s, v in versions.items() if set(v) == ranks))
+
+
+def owned(complete: dict[int, dict[int, Held]], owner: Owner) -> dict[int, dict[int, Held]]:
+    """The steps of `complete` whose every version is `owner`'s, or adopted (hpcft.store.owner): what the agents may
+    flush into this job's durable tier, where another job's versions copied into the store would pass for its own."""
+    return {s: held for s, held in complete.items()
+            if all((who := stranger(h.manifest, owner)) is None or who.taken for h in held.values())}
+
+
+def common(lists: list[list[int]]) -> set[int]:
+    """The steps every agent's list holds (from an all-gather of each one's steps)."""
+    return set.intersection(*(set(x) for x in lists)) if lists else set()
+
+
+def both(a: list[int], b: list[int]) -> list[int]:
+    """The steps in both lists: the combine of an all-reduce of each agent's steps (Mesh.allreduce)."""
+    return sorted(set(a) & set(b))
+
+
+def pin_targets(step: int, held: dict[int, Held]) -> list[tuple[Path, int]]:
+    """(pin file, step) of the slot holding `step` in every rank's store (see `hpcft.store.pin`)."""
+    return [(store_pin.path_of(h.manifest_path), step) for h in held.values()]
+
+
+def map_readonly(path: Path, nbytes: int) -> np.ndarray:
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    fd = open_file(path, os.O_RDONLY)  # StoreError, not a hang, if a FIFO or anything but our file sits there
+    try:
+        # MAP_POPULATE: map every page table entry now, in one call, instead of one fault per 4 KiB page later
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+class Bundle:
+    """The virtual concatenation of a node's parts for one step; `slices(lo, hi)` without copying."""
+
+    def __init__(self, step: int, held: dict[int, Held]):
+        self.step = step
+        self.held = held
+        ranks = sorted(held)
+        header = json.dumps({"step": step, "ranks": [
+            {"rank": r, "manifest_bytes": len(held[r].manifest_bytes),
+             "data_bytes": int(held[r].manifest["data_bytes"])} for r in ranks]}, sort_keys=True).encode()
+        self.parts: list[np.ndarray] = [np.frombuffer(_LEN.pack(len(header)) + header, dtype=np.uint8)]
+        for r in ranks:
+            h = held[r]
+            self.parts.append(np.frombuffer(h.manifest_bytes, dtype=np.uint8))
+            self.parts.append(map_readonly(h.data_path, int(h.manifest["data_bytes"])))
+        self.starts = np.cumsum([0] + [p.size for p in self.parts]).tolist()
+        self.size = self.starts[-1]
+
+    def slices(self, lo: int, hi: int) -> Iterator[np.ndarray]:
+        """Views covering bytes [lo, min(hi, size)) in order."""
+        hi = min(hi, self.size)
+        for part, start in zip(self.parts, self.starts):
+            a, b = max(lo, start), min(hi, start + part.size)
+            if a < b:
+                yield part[a - start:b - start]
+
+    def piece(self, lo: int, hi: int) -> list[np.ndarray]:
+        """Bytes [lo, hi) as views, zero-padded past the end (the padding is the only allocation)."""
+        views = list(self.slices(lo, hi))
+        pad = hi - max(lo, min(hi, self.size))
+        return views + ([np.zeros(pad, dtype=np.uint8)] if pad > 0 else [])
+
+    def verify(self, throttle: Throttle | None = None) -> None:
+        """Check every chunk of every rank's data against its manifest; IntegrityError names the first bad one.
+        With a `throttle`, the checksums are paced like the protection traffic."""
+        for r, h in sorted(self.held.items()):
+            data = self.parts[2 + 2 * sorted(self.held).index(r)]
+            key = seal_key(h.manifest)
+            for off, n, crc in h.manifest["chunks"]:
+                if throttle is not None:
+                    throttle.take(n)
+                if seal(crc32c(data[off:off + n]), key) != crc:
+                    events.emit("chunk_lost", level=logging.ERROR, rank=r, step=self.step, offset=off,
+                                path=str(h.data_path))
+                    raise IntegrityError(f"rank {r} step {self.step}: chunk at offset {off} fails its crc32c")
+
+    def pin_targets(self) -> list[tuple[Path, int]]:
+        """(pin file, step) of every rank's slot holding this step: what the agent pins while it reads them."""
+        return pin_targets(self.step, self.held)
+
+    def still_committed(self) -> bool:
+        """True if every rank's manifest of this step is still the one read (the slot was not reused)."""
+        try:
+            return all(h.manifest_path.read_bytes() == h.manifest_bytes for h in self.held.values())
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self.parts.clear()
+
+
+@dataclass(frozen=True)
+class Part:
+    """One rank's share of a bundle received from elsewhere: its manifest (raw and parsed) and data bytes."""
+    rank: int
+    manifest_bytes: bytes
+    manifest: dict
+    data: np.ndarray
+
+
+def parse(payload: np.ndarray, step: int) -> list[Part]:
+    """Split a bundle's bytes into its ranks' parts, verifying every manifest and every data chunk's crc32c;
+    IntegrityError names the first thing that does not match (the bundle is then treated as lost)."""
+    try:
+        (hlen,) = _LEN.unpack(payload[:_LEN.size].tobytes())
+        header = json.loads(payload[_LEN.size:_LEN.size + hlen].tobytes())
+    except (struct.error, ValueError, RecursionError) as exc:
+        raise IntegrityError(f"bundle of step {step}: unreadable header ({exc})") from exc
+    problem = mismatch(header, _HEADER, "header")
+    if problem is not None:
+        raise IntegrityError(f"bundle of step {step}: {problem}")
+    if header["step"] != step:
+        raise IntegrityError(f"bundle holds step {header['step']}, expected step {step}")
+    parts, off = [], _LEN.size + hlen
+    for entry in header["ranks"]:
+        mlen, dlen = entry["manifest_bytes"], entry["data_bytes"]
+        raw = payload[off:off + mlen].tobytes()
+        data = payload[off + mlen:off + mlen + dlen]
+        off += mlen + dlen
+        if data.size != dlen:
+            raise IntegrityError(f"bundle of step {step} ends inside rank {entry['rank']}'s data")
+        try:
+            manifest = mf.decode(raw, f"<rank {entry['rank']} manifest in bundle>")
+        except StoreError as exc:
+            raise IntegrityError(str(exc)) from exc
+        if manifest["step"] != step or manifest.get("rank", entry["rank"]) != entry["rank"]:
+            raise IntegrityError(f"bundle of step {step}: rank {entry['rank']}'s manifest is for rank "
+                                 f"{manifest.get('rank')} step {manifest['step']}")
+        key = seal_key(manifest)
+        for lo, n, crc in manifest["chunks"]:
+            if seal(crc32c(data[lo:lo + n]), key) != crc:
+                raise IntegrityError(f"bundle of step {step}: rank {entry['rank']} chunk at offset {lo} fails its "
+                                     "crc32c")
+        parts.append(Part(entry["rank"], raw, manifest, data))
+    return parts
+
+
+def unpack(parts: list[Part], job_id: str, root: str | os.PathLike | None = None) -> list[Path]:
+    """Write verified parts into this node's rank stores: data into the slot the manifest names, then the
+    manifest committed by the store's own atomic rename (so a torn unpack is never a version)."""
+    from hpcft.store import RankStore  # the writer side of the store, used only on a replacement node
+
+    written = []
+    for part in parts:
+        store = RankStore(job_id, part.rank, root=root)
+        try:
+            k = int(part.manifest["slot"])
+            store.withdraw(k)
+            slot = store.slot(k)
+            slot.ensure(part.data.size)
+            slot.array[:part.data.size] = part.data
+            store.commit(slot, {k: v for k, v in part.manifest.items() if k not in ("checksum", "format")})
+            written.append(slot.path)
+        finally:
+            store.close()
+    return written

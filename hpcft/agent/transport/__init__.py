@@ -1,0 +1,1 @@
+"""How the agents talk: authenticated TCP or MPI links, the mesh, rendezvous, heartbeats."""

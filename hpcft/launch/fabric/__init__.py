@@ -1,0 +1,1 @@
+"""The nodes' reports to the supervisor over the network and the live view built from them."""

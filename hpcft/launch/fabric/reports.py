@@ -1,0 +1,137 @@
+"""The supervisor's report service: every node's uplink (hpcft/agent/transport/uplink.py) holds one authenticated connection
+to it, and one thread reads them all through a selector, each message framed as the agents' transport frames it
+(a JSON header, no payload), handing every `report` to `take`. A direct connection per node, not a tree over the
+agents' overlay: the supervisor needs each node's own status and each rank's progress, so a tree would forward the
+same bytes through more hops (and lose a subtree with each of its inner agents); what a tree saves is connections,
+and one epoll set holds 9,408 as easily as 8 (docs/supervisor.md, "Progress and status over the network")."""
+from __future__ import annotations
+
+import json
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hpcft import events
+from hpcft.agent.transport.rendezvous import BACKLOG, _raise_fd_limit
+from hpcft.agent.transport.tcp import _FRAME, MAX_HEADER, Channel, Listener, TransportError
+
+_log = logging.getLogger(__name__)
+DRAIN_S = 2.0  # at close, the longest spent reading what the agents sent last
+QUIET_S = 0.25  # … and the longest with nothing to read (a node whose agent still runs)
+RECV_BUFFER = 64 << 10  # per connection: reports are small (the transport's default of 4 MiB is for bulk data)
+
+
+class ReportServer:
+    """Listens on `bind` (a port the kernel picks), reachable at `host` (`address`); `take(report)` is called from the
+    service's thread for every report received."""
+
+    def __init__(self, secret: bytes, take: Callable[[dict[str, Any]], None], *, host: str = "127.0.0.1",
+                 bind: str = "0.0.0.0"):
+        _raise_fd_limit()
+        self.take = take
+        self.listener = Listener(secret, host=bind, backlog=BACKLOG)
+        self.address = f"{host}:{self.listener.port}"
+        self.received = 0  # reports taken (for tests and the scale figures)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._new: list[Channel] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._threads = [threading.Thread(target=self._accept, daemon=True, name="hpcft-reports-accept"),
+                         threading.Thread(target=self._serve, daemon=True, name="hpcft-reports")]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def connections(self) -> int:
+        return len(self._sel.get_map()) - 1
+
+    def _accept(self) -> None:
+        while not self._stopped:
+            try:
+                ch = self.listener.accept(0.5)
+            except TransportError:
+                continue
+            ch.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER)
+            ch.sock.setblocking(False)
+            with self._lock:
+                self._new.append(ch)
+            self._wake_w.send(b"x")
+
+    def _serve(self) -> None:
+        while not self._stopped:
+            self._pass(1.0)
+        # the run ends: what the agents sent before they exited (their last report, "stopped") may still sit in
+        # the sockets' buffers or be on its way; it is read before the view's last write, up to each node's close
+        # (its agent has ended), for at most DRAIN_S, or until QUIET_S passes with nothing to read
+        deadline = time.monotonic() + DRAIN_S
+        while self.connections and time.monotonic() < deadline and self._pass(QUIET_S):
+            pass
+
+    def _pass(self, timeout: float) -> bool:
+        """Serve what is ready within `timeout`; False if nothing was."""
+        ready = self._sel.select(timeout)
+        for key, _ in ready:
+            if key.fileobj is self._wake_r:
+                self._wake_r.recv(4096)
+                with self._lock:
+                    new, self._new = self._new, []
+                for ch in new:
+                    self._sel.register(ch.sock, selectors.EVENT_READ, (ch, bytearray()))
+            else:
+                self._read(*key.data)
+        return bool(ready)
+
+    def _read(self, ch: Channel, buf: bytearray) -> None:
+        try:
+            data = ch.sock.recv(RECV_BUFFER)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the node closed (its agent ended): what it said stays in the view
+            self._drop(ch)
+            return
+        buf += data
+        while len(buf) >= _FRAME.size:
+            hlen, plen = _FRAME.unpack_from(buf)
+            if hlen > MAX_HEADER or plen:
+                events.emit("report_bad", level=logging.WARNING, peer=ch.peer,
+                            reason=f"a frame of {hlen} header and {plen} payload bytes is no report")
+                self._drop(ch)
+                return
+            if len(buf) < _FRAME.size + hlen:
+                return
+            raw = bytes(buf[_FRAME.size:_FRAME.size + hlen])
+            del buf[:_FRAME.size + hlen]
+            try:
+                report = json.loads(raw)["report"]
+                self.take(report)
+                self.received += 1
+            except (ValueError, KeyError, TypeError) as exc:
+                events.emit("report_bad", level=logging.WARNING, peer=ch.peer, reason=f"unreadable report: {exc}")
+
+    def _drop(self, ch: Channel) -> None:
+        try:
+            self._sel.unregister(ch.sock)
+        except (KeyError, ValueError):
+            pass
+        ch.close()
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wake_w.send(b"x")
+        for t in self._threads:
+            t.join(5.0)
+        for key in list(self._sel.get_map().values()):
+            if key.data is not None:
+                key.data[0].close()
+        self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        self.listener.close()

@@ -1,0 +1,61 @@
+"""Training progress as the supervisor sees it: each rank's newest committed step and that snapshot's `ready_s`
+(hpcft/snapshot/timing.py), read on its node from what the Checkpointer already commits (hpcft/store/progress.py)
+and sent over the network (hpcft/agent/transport/uplink.py) by the node's agent, or, in a run without agents, by a reporter
+that the task wrapper of each node's first task forks (`start_reporter`). Training code needs no hook; a job that
+does not use the Checkpointer may write its step to $HPCFT_PROGRESS_FILE, a node-local file. The supervisor keeps
+the view in memory (hpcft/launch/fabric/liveview.py); `read` and `samples` read it back from the job's bounded log."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from pathlib import Path
+
+from hpcft.agent.transport import secret as job_secret
+from hpcft.agent.transport import uplink
+from hpcft.agent.status import read_log
+
+_PR_SET_PDEATHSIG = 1
+
+
+def samples(job_dir: str | os.PathLike) -> dict[int, tuple[int, float | None, float]]:
+    """{rank: (step, ready_s or None, when the supervisor saw it change)} from the job's bounded log."""
+    return {int(r): (int(s), t, float(c)) for r, (s, t, c) in (read_log(job_dir).get("progress") or {}).items()}
+
+
+def read(job_dir: str | os.PathLike) -> dict[int, tuple[int, float]]:
+    """{rank: (step, when it changed)} from the job's bounded log."""
+    return {rank: (step, changed) for rank, (step, _, changed) in samples(job_dir).items()}
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (PR_SET_PDEATHSIG); best effort where prctl is missing."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def start_reporter(job_dir: str, slot: int, store: Path, environ: dict[str, str], interval: float = 1.0) -> int:
+    """Fork the node's progress reporter for a run without agents: it sends the slot's ranks' progress to the
+    supervisor until its parent (the node's first trainer task) dies; returns its pid, 0 in the child never."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        die_with_parent()  # else the getppid() check still ends the loop within one interval
+        parent = os.getppid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        secret = job_secret.load(Path(job_dir) / job_secret.NAME)
+        up = uplink.from_env(secret, tag=f"trainers-{environ.get('HPCFT_RESTART_COUNT', '0')}", slot=slot,
+                             node=environ.get("HPCFT_NODE_NAME", ""), job=store, environ=environ)
+        while up is not None and os.getppid() == parent:
+            time.sleep(interval)
+    except BaseException:  # noqa: BLE001 - the child must never return into the parent's code
+        code = 1
+    finally:
+        os._exit(code)

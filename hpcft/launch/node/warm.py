@@ -1,0 +1,136 @@
+"""The task wrapper's warm path: hand the command to this node's standby (hpcft/launch/node/standby.py) instead of
+starting an interpreter, then stand in for the rank towards srun: its stdio is the rank's (passed over), signals
+srun sends are forwarded, and the wrapper ends as the rank ended (its exit code, or the same signal). When the
+wrapper dies (srun kills the step) the standby kills the rank. Any reason not to (no standby, another command, a
+refusal) returns None with a `trainer_start how=cold` event, and the wrapper execs the command as before. The node
+agents' tasks take the same path (`role="agent"`, events `agent_start`; hpcft/launch/node/handoff.py)."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+from hpcft import events
+from hpcft.errors import HpcftError
+from hpcft.launch.node import zygote
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
+START_TIMEOUT_S = 60.0  # fork and set-up take milliseconds; a standby this slow is treated as absent
+
+
+def _stdio_spec() -> dict:
+    """How this interpreter made its stdio (it was started by srun on the fds, in the environment, a cold `python`
+    would be): the child makes its own the same way."""
+    spec = {}
+    for name in ("stdin", "stdout", "stderr"):
+        stream = getattr(sys, name)
+        spec[name] = {"encoding": getattr(stream, "encoding", None), "errors": getattr(stream, "errors", None),
+                      "line_buffering": getattr(stream, "line_buffering", False),
+                      "write_through": getattr(stream, "write_through", False)}
+    return spec
+
+
+def request(target: zygote.Target, environ: Mapping[str, str]) -> dict:
+    """What the standby needs to become this rank."""
+    return {"python": sys.executable, "target": {**target.__dict__, "args": list(target.args)}, "env": dict(environ),
+            "cwd": os.getcwd(), "umask": _umask(), "affinity": sorted(os.sched_getaffinity(0)),
+            "devices": zygote.reachable_devices(), "stdio": _stdio_spec()}
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _who(environ: Mapping[str, str]) -> dict[str, str | None]:
+    return {"rank": environ.get("HPCFT_RANK"), "node": environ.get("HPCFT_NODE_NAME") or environ.get("SLURMD_NODENAME")}
+
+
+def _cold(why: str, environ: Mapping[str, str], role: str) -> None:
+    # a trainer started cold is time lost; an agent of the first launch usually starts before the standbys are up
+    events.emit(f"{role}_start", level=logging.WARNING if role == "trainer" else logging.INFO, how="cold",
+                **_who(environ), reason=why, action="a new interpreter starts (the standby is on)")
+
+
+def run(command: Sequence[str], environ: Mapping[str, str], role: str = "trainer") -> int | None:
+    """Run `command` in the node's standby and return its exit status (a signal death is re-raised on this
+    process); None when it must run cold (said in a `<role>_start` event when the standby is on)."""
+    if environ.get(zygote.ENV_STANDBY) != "1":
+        return None
+    target, why = zygote.target_of(command, sys.executable, environ.get("PATH"))
+    if target is None or (target.kind == "script" and not os.path.exists(target.name)):
+        _cold(why or f"no script {target.name!r} (the interpreter says why)", environ, role)
+        return None
+    started = time.monotonic()
+    # a signal srun sends before the forwarding is in place (the rank may already run) waits for it, not kills us
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        path = zygote.socket_path(environ.get("HPCFT_JOB_ID", "local"), environ.get("HPCFT_STORE_ROOT") or None)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.settimeout(START_TIMEOUT_S)
+        sock.connect(str(path))
+        if zygote.peer_uid(sock) != os.getuid():
+            raise zygote.ProtocolError(f"the process listening at {path} is not of uid {os.getuid()}")
+        zygote.send(sock, request(target, environ), fds=(0, 1, 2))
+        reply, _ = zygote.receive(sock)
+    except (OSError, HpcftError) as exc:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # the cold exec must not inherit the mask
+        _cold(f"no standby answered: {type(exc).__name__}: {exc}", environ, role)
+        return None
+    if reply is None or "started" not in reply:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        sock.close()  # the standby kills a child whose wrapper is gone
+        _cold(f"the standby refused: {(reply or {}).get('refused', 'it closed the connection')}", environ, role)
+        return None
+    events.emit(f"{role}_start", how="warm", **_who(environ), pid=reply["started"],
+                seconds=round(time.monotonic() - started, 3))
+    return _wait(sock)
+
+
+def run_or_exec(command: Sequence[str], environ: Mapping[str, str], role: str = "trainer") -> int:
+    """`run` in the standby; where it cannot, exec `command` in place of this process (127 if it cannot start)."""
+    code = run(command, environ, role)
+    if code is not None:
+        return code
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        print(f"hpcft {role}: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127
+
+
+def _wait(sock: socket.socket) -> int:
+    """Forward signals to the rank until it ends; end as it did."""
+    sock.settimeout(None)
+
+    def forward(signum: int, _frame) -> None:
+        try:
+            zygote.send(sock, {"signal": signum})
+        except OSError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # what came meanwhile is forwarded now
+    try:
+        reply, _ = zygote.receive(sock)
+    except (OSError, HpcftError) as exc:
+        reply = None
+        print(f"hpcft task: the standby connection failed: {exc}", file=sys.stderr)
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_DFL)
+    if reply is None:
+        print("hpcft task: the standby ended before this rank's process (it dies with the standby)", file=sys.stderr)
+        return 1
+    if "signal" in reply:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(reply["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), reply["signal"])
+        return 128 + reply["signal"]
+    return int(reply.get("exit", 1))

@@ -1,0 +1,100 @@
+"""What the supervisor makes of node agents that failed: the agents are the job's own failure detector (a closed
+connection, or a peer silent past --loss-timeout, agent/heartbeat.py). The nodes they name are probed at once,
+beside a few others that time a healthy answer, without waiting for Slurm to mark them (then every slot, when those
+answer): a node that fails the probe is lost
+(`node_failed`: a spare takes its slot). When every node answers, the agents failed on their own: while the trainers
+run, the agents alone are restarted (a fresh mesh on the same nodes, nothing rebuilt: every node's store is intact)
+and the trainers keep training; only when that fails, or has happened `ALONE_PER_LAUNCH` times in one launch, is the
+run relaunched from memory (`agent_failed`). Agents whose step ended before they were ready, on nodes that all answer,
+are launched once more before the trainers start (`agents_again`): nothing is lost yet, and a Slurm hiccup at the
+step's start (a task launch that failed on one node) must not cost a relaunch."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from hpcft.errors import CheckpointError
+from hpcft.launch.steps.agents import AgentSteps, StepEnded
+from hpcft.launch.policy.layout import Layout
+from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.launch.policy.failures import Event, Kind, control_nodes
+
+ALONE_PER_LAUNCH = 3  # agent restarts without the trainers in one launch before a relaunch instead
+
+
+class AgentLoss:
+    """Turns failed agents into a policy event, or into a restart of the agents alone (None: keep watching)."""
+
+    def __init__(self, agents: AgentSteps, nodes: NodeCheck, emit: Callable[..., None],
+                 interrupted: Callable[[], bool]):
+        self.agents, self.nodes, self.emit, self.interrupted = agents, nodes, emit, interrupted
+        self.alone = 0  # agent restarts without the trainers in the current launch
+
+    def launched(self) -> None:
+        """A new launch of the trainers: its own count of agent restarts."""
+        self.alone = 0
+
+    def suspects_lost(self, layout: Layout, suspects: Mapping[str, str]) -> dict[str, str]:
+        """The nodes among the agents' suspects (then among every slot, when they all answer) that fail the probe."""
+        bad = self.nodes.bad(list(suspects), probe=True, found_by="agents", suspected=suspects,
+                             controls=control_nodes(list(layout.slots), list(suspects)))
+        if not bad and len(suspects) < len(layout.slots):
+            bad = self.nodes.bad(layout.slots, probe=True, found_by="agents")
+        return bad
+
+    def while_training(self, layout: Layout, suspects: Mapping[str, str], restart_count: int,
+                       env: Mapping[str, str]) -> Event | None:
+        """Agents failed while the trainers run: `node_failed` for a lost node; else the agents restarted alone
+        (None: the trainers go on, watched as before), or `agent_failed` when that cannot be done."""
+        why = "; ".join(dict.fromkeys(suspects.values()))
+        self.emit("agents_suspect", level=logging.WARNING, tag=self.agents.tag, nodes=",".join(suspects), reason=why,
+                  action="probe")  # when the supervisor heard of it; node_bad or agents_failed says what it was
+        bad = self.suspects_lost(layout, suspects)
+        if bad:
+            return Event.nodes_lost(bad)
+        alone = self.alone < ALONE_PER_LAUNCH
+        self.emit("agents_failed", level=logging.ERROR, tag=self.agents.tag, reason=why,
+                  action="every node answers: the agents restart alone, the trainers keep training (unprotected "
+                         "until the agents are ready)" if alone else
+                         f"every node answers, but the agents were restarted alone {self.alone} times in this "
+                         "launch: relaunch from memory with fresh agents (unprotected until then)")
+        if not alone:
+            return Event(Kind.AGENT_FAILED, detail=why)
+        started, old = time.monotonic(), self.agents.tag
+        self.agents.stop(ask=False, flush=False)
+        self.alone += 1
+        failure = self.agents.start(layout, restart_count, dict(env), tag=f"{restart_count}-alone{self.alone}")
+        # the whole agents' step, never one agent: over MPI too, where the new step is a fresh MPI world
+        self.emit("agents_restart", level=logging.INFO if failure is None else logging.ERROR, ok=failure is None,
+                  tag=self.agents.tag, replaced=old, trainers="kept", seconds=round(time.monotonic() - started, 3),
+                  transport=self.agents.cfg.agent_transport, restarted="the agents' whole step",
+                  **({"reason": str(failure), "action": "relaunch from memory"} if failure else {}))
+        return None if failure is None else self.not_ready(layout, failure)
+
+    def before_training(self, layout: Layout, failure: CheckpointError, restart_count: int,
+                        env: Mapping[str, str]) -> Event | None:
+        """The agents could not get ready before the trainers start: `not_ready`'s event, except that a step that
+        ended on nodes which all answer is launched once more (None: that one is ready, the trainers may start).
+        Not when srun itself was killed: its step's agents may still run, and two sets must never share a store."""
+        event = self.not_ready(layout, failure)
+        if event.kind is not Kind.AGENT_FAILED or not isinstance(failure, StepEnded) or (failure.exit_status or 0) < 0:
+            return event
+        old = self.agents.tag
+        self.emit("agents_again", level=logging.WARNING, tag=old, reason=str(failure),
+                  action="every node answers: the agents' step is launched once more before the trainers start")
+        self.agents.stop(ask=False, flush=False)
+        again = self.agents.start(layout, restart_count, dict(env), tag=f"{old}-again")
+        return None if again is None else self.not_ready(layout, again)
+
+    def not_ready(self, layout: Layout, exc: CheckpointError) -> Event:
+        """The policy's view of agents that could not get ready: a bad node (the agents' suspects probed beside
+        controls, as while training, else every slot), or an agent failure on healthy nodes."""
+        if self.interrupted():
+            return Event(Kind.WALLTIME, detail="SIGTERM")
+        named = self.agents.lost(layout) or {}  # the peers the agents' heartbeats named: probed as while training
+        bad = self.agents.bad_nodes or (self.suspects_lost(layout, named) if 0 < len(named) < len(layout.slots)
+                                        else self.nodes.bad(layout.slots, probe=True))
+        if bad:
+            return Event.nodes_lost(bad)
+        return Event(Kind.AGENT_FAILED, detail=str(exc))

@@ -1,0 +1,382 @@
+"""The node agents' srun step of each launch of `hpcft run --protect`: launched before the trainers (with a
+rebuild when the slots changed since agents were last ready), waited on until every agent is ready, drained
+before a requeue (the trainers are gone: the newest step is protected without caps), stopped.
+The supervisor (hpcft/launch/supervisor.py) owns the run loop and turns a failure here into a policy event."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from hpcft.agent.transport import mpiworld
+
+from hpcft.agent.transport import rendezvous
+from hpcft.agent.transport import secret as job_secret
+from hpcft.agent import status as agent_status
+from hpcft.agent.step import AGENT_STEP_NAME, agent_argv
+from hpcft.errors import CheckpointError, NoCheckpointError
+from hpcft.launch.config import profiles
+from hpcft.agent.protection import flush as agent_persist
+from hpcft.durable.settings import PersistConfig
+from hpcft.launch.config.options import RunConfig, durable_dir, scheme
+from hpcft.launch.policy.layout import Layout
+from hpcft.launch.fabric.liveview import LiveView
+from hpcft.launch.policy.failures import Event, Kind
+from hpcft.slurm.runner import Runner
+
+
+def agent_iface(cfg: RunConfig) -> str | None:
+    """The interface the agents bind to: --agent-iface, else the profile's ('none': the hostname's address)."""
+    name = cfg.agent_iface or profiles.get(cfg.profile).agent_iface
+    return None if name == "none" else name
+
+
+def agent_mpi(cfg: RunConfig) -> str | None:
+    """The srun MPI plugin of the agents' step with --agent-transport mpi (--agent-mpi, else the profile's); None
+    with tcp."""
+    if cfg.agent_transport != "mpi":
+        return None
+    return cfg.agent_mpi or profiles.get(cfg.profile).agent_mpi
+
+
+class StepEnded(CheckpointError):
+    """The agents' step ended before every agent was ready; `exit_status`: srun's (negative: srun itself was killed
+    by that signal, and the step's tasks may outlive it)."""
+
+    def __init__(self, message: str, exit_status: int | None):
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+PROBE_EVERY_S = 5.0  # while the agents get ready: a probe of the slots' nodes this often (scontrol every poll)
+
+
+class AgentSteps:
+    """One job's agents' steps. `emit` records events, `stop_steps` stops {step name: srun} (the supervisor's
+    SIGTERM-then-kill), `interrupted` says whether `hpcft run` got SIGTERM, `check_nodes(layout, probe, until)` returns
+    the bad nodes among the slots (the supervisor's scontrol check, and its probe when `probe`, cut short once
+    `until()`); `view`, the supervisor's live view of the agents' reports (without it, their status files)."""
+
+    def __init__(self, cfg: RunConfig, runner: Runner, job_dir: Path, python: str, *, emit: Callable[..., None],
+                 stop_steps: Callable[[Mapping[str, subprocess.Popen]], None], interrupted: Callable[[], bool],
+                 check_nodes: Callable[[Layout, bool, Callable[[], bool]], dict[str, str]],
+                 view: LiveView | None = None):
+        self.cfg, self.runner, self.job_dir, self.python = cfg, runner, job_dir, python
+        self.view = view  # the agents' statuses as they report them over the network (launch/fabric.py)
+        self.emit, self._stop_steps, self._interrupted, self._check_nodes = emit, stop_steps, interrupted, check_nodes
+        self.bad_nodes: dict[str, str] = {}  # found while the last launch's agents got ready
+        self.rendezvous = job_dir / "agents"  # the agents' addresses and status files (shared filesystem)
+        self.proc: subprocess.Popen | None = None  # the running step, kept until the supervisor's decision
+        self.hosted_procs: dict[str, subprocess.Popen] = {}  # a shrink's agents standing in for lost slots
+        self.tag = ""
+        self._ready_slots: tuple[str, ...] | None = None  # slots whose agents were last ready
+        self.no_checkpoint: str | None = None  # why the last launch's agents could rebuild nothing, if so
+        self.directory: rendezvous.Directory | None = None  # where every launch's agents meet (over the network)
+        self._killed = False  # the running step was killed with the trainers' (a lost node), not yet reported
+
+    def _read(self, tag: str) -> dict[int, dict]:
+        """{slot: status} of the agents of launch `tag`."""
+        return self.view.reports(tag) if self.view is not None else agent_status.read(self.rendezvous, tag)
+
+    def prepare(self) -> None:
+        """The rendezvous directory (status files), the per-job secret (0600; kept across relaunches and requeues)
+        and the agents' directory service on this host, given as this host's addresses (its --agent-iface one when it
+        has one; rendezvous.addresses), event `agents_directory`."""
+        if agent_mpi(self.cfg):  # before anything is launched: ConfigError naming what to install
+            self.emit("agents_transport", transport="mpi", mpi=agent_mpi(self.cfg), library=mpiworld.library(),
+                      heartbeats="tcp", on_loss="every agent loss ends the agents' whole step; its relaunch is a "
+                      "fresh MPI world (no agent ever rejoins a running one)")
+        self.rendezvous.mkdir(exist_ok=True)
+        secret = job_secret.load(str(job_secret.create(self.job_dir)))
+        if self.directory is None:
+            hosts = rendezvous.addresses(agent_iface(self.cfg))
+            self.directory = rendezvous.Directory(secret, host=",".join(hosts))
+            self.emit("agents_directory", address=self.directory.address)
+
+    def close(self) -> None:
+        """The supervisor ends: stop serving the agents' directory."""
+        if self.directory is not None:
+            self.directory.close()
+            self.directory = None
+
+    def start(self, layout: Layout, restart_count: int, env: Mapping[str, str], *,
+              hosted: Mapping[int, str] | None = None, tag: str | None = None) -> CheckpointError | None:
+        """Launch the agents and wait until every one is ready (after a rebuild when the slots changed since
+        agents were last ready); None, or why they could not get ready (the step is left for `stop`).
+
+        No snapshot rebuildable on every node (NoCheckpointError) is not a failure of the launch: there is no
+        persistent tier yet, so the trainers start from what they can restore (the restore agreement gives
+        step 0 when a node holds nothing) and fresh agents, without a rebuild, protect the run from there.
+
+        `hosted` {slot: surviving node} (an elastic shrink, hpcft/launch/reshape.py): the slots of `layout` whose
+        node is lost get an agent of their own on that survivor (`--hosted`: a store of its own there), which rebuilds
+        the slot's snapshot from parity; nothing is relaunched fresh when that fails."""
+        hosted = dict(hosted or {})
+        rebuild = bool(hosted) or (restart_count > 0 and layout.slots != self._ready_slots)
+        self.tag, self.no_checkpoint, self.bad_nodes = tag or str(restart_count), None, {}
+        self.proc = self._launch(layout, rebuild, env, hosted)
+        running = Layout(slots=tuple(n for i, n in enumerate(layout.slots) if i not in hosted))
+        try:
+            try:
+                ready = self._wait(len(layout.slots), running)
+            except NoCheckpointError as exc:
+                if hosted:
+                    raise
+                self.no_checkpoint = str(exc)
+                self.emit("agents_no_checkpoint", level=logging.WARNING, tag=self.tag, reason=str(exc),
+                          action="trainers start from what they can restore; agents relaunched without rebuild")
+                self._stop_steps({AGENT_STEP_NAME: self.proc})
+                self.tag, rebuild = f"{restart_count}-fresh", False
+                self.proc = self._launch(layout, rebuild, env)
+                ready = self._wait(len(layout.slots), running)
+        except CheckpointError as exc:
+            self.emit("agents_failed", level=logging.WARNING, tag=self.tag, reason=str(exc))
+            return exc
+        self._ready_slots = layout.slots
+        self.emit("agents_ready", tag=self.tag, rebuild=rebuild, step=ready.step,
+                  rebuilt=",".join(hosted.get(i, layout.slots[i]) for i in ready.rebuilt))
+        return None
+
+    def _launch(self, layout: Layout, rebuild: bool, env: Mapping[str, str],
+                hosted: Mapping[int, str] | None = None) -> subprocess.Popen:
+        """`srun … python -m hpcft.agent` on the active slots (hpcft.agent.step), output to the job dir; with
+        `hosted`, on the slots' nodes but those, and one step more per hosted slot on its survivor."""
+        hosted = hosted or {}
+        tag, cfg = self.tag, self.cfg
+        if self.directory is not None:  # a rerun of the tag must not meet old agents' addresses (as the files below)
+            self.directory.forget(tag)
+            env = {**env, rendezvous.ENV: self.directory.address}
+        if self.view is not None:  # nor their reports
+            self.view.forget(tag)
+        for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
+            stale.unlink(missing_ok=True)
+        root = durable_dir(cfg, self.job_dir)
+        persist = PersistConfig(str(root), cfg.persist_every, cfg.persist_keep, cfg.persist_rate) if root else None
+        mpi = agent_mpi(cfg)
+        if mpi and hosted:  # one MPI world is one srun step: the hosted agents' steps could not join it
+            mpi = None
+            self.emit("agents_transport", level=logging.WARNING, tag=tag, transport="tcp", wanted="mpi",
+                      reason="agents standing in for lost slots run as srun steps of their own, which cannot join "
+                             "the others' MPI world: this launch's agents mesh over TCP")
+
+        def argv(nodes: list[str]) -> list[str]:
+            return agent_argv(nodes, rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
+                              scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
+                              cpu_cores=profiles.get(cfg.profile).agent_cpu_cores, persist=persist,
+                              lag_bound=cfg.protect_lag, iface=agent_iface(cfg), layout=layout.slots,
+                              loss_timeout=cfg.loss_timeout, mpi=mpi, wrap=self._wrap()) + ["--tag", tag]
+
+        self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
+                  group=cfg.group, losses=cfg.losses, distance=cfg.distance,
+                  **({"hosted": ",".join(f"{k}:{n}" for k, n in hosted.items())} if hosted else {}))
+        with open(self.job_dir / f"agents-{tag}.log", "ab") as log:
+            for k, node in hosted.items():
+                name = f"{AGENT_STEP_NAME}-hosted-{k}"
+                self.hosted_procs[name] = self.runner.popen(
+                    [f"--job-name={name}" if a.startswith("--job-name=") else a for a in argv([node])] +
+                    ["--slot", str(k), "--slots", str(len(layout.slots)), "--hosted"],
+                    env=dict(env), stdout=log, stderr=subprocess.STDOUT)
+            return self.runner.popen(argv([n for i, n in enumerate(layout.slots) if i not in hosted]), env=dict(env),
+                                     stdout=log, stderr=subprocess.STDOUT)
+
+    def _wait(self, count: int, layout: Layout) -> agent_status.Ready:
+        """hpcft.agent.status.wait_ready, in slices so that an agents' step that ended, a node lost (a node the
+        agents wait for would hold them until their mesh timeout), a SIGTERM or --protect-timeout end the wait.
+        NoCheckpointError as wait_ready; CheckpointError for any other failure. `count` agents; `layout`: the nodes
+        they run on."""
+        tag, proc = self.tag, self.proc
+        deadline = time.monotonic() + self.cfg.protect_timeout
+        probe_at = time.monotonic() + PROBE_EVERY_S
+        while True:
+            try:
+                return agent_status.wait_ready(self.rendezvous, tag, count, timeout=self.cfg.poll_interval,
+                                               reports=self._read)
+            except NoCheckpointError:
+                raise
+            except CheckpointError as exc:
+                reports = self._read(tag).values()
+                if any(r.get("phase") == agent_status.FAILED for r in reports):
+                    raise
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"{exc} (--protect-timeout {self.cfg.protect_timeout:g} s)") from None
+            if proc is None or proc.poll() is not None:
+                raise StepEnded(f"the agents' step ended (exit status {proc and proc.returncode}) before every "
+                                f"agent was ready; see {self.job_dir / f'agents-{tag}.log'}", proc and proc.returncode)
+            if self._interrupted():
+                raise CheckpointError("interrupted by SIGTERM")
+            probe = time.monotonic() >= probe_at
+            # an agent that fails meanwhile (its heartbeats named a peer) ends the probe: its suspect is probed next,
+            # timed against its peers (AgentLoss.not_ready), as while training
+            self.bad_nodes = self._check_nodes(layout, probe, lambda: any(
+                r.get("phase") == agent_status.FAILED for r in self._read(tag).values()))
+            if self.bad_nodes:
+                raise CheckpointError("node(s) lost while the agents got ready: " +
+                                      "; ".join(f"{n}: {why}" for n, why in self.bad_nodes.items()))
+            if probe:
+                probe_at = time.monotonic() + PROBE_EVERY_S
+
+    def drain(self, deadline: float) -> str | None:
+        """Once the trainers have stopped: ask the agents to protect the newest step without caps, and wait until
+        every one reports it protected. None when it is, else why not (their step ended, or `deadline`, a
+        time.monotonic() value, passed)."""
+        stopped = time.time()
+        agent_status.request_drain(self.rendezvous, self.tag)
+        while True:
+            fresh = [r for r in self._read(self.tag).values() if r.get("time", 0) > stopped]
+            if fresh and len(fresh) == len(self._ready_slots or ()):
+                held = set.intersection(*(set(r.get("staged_steps") or ()) for r in fresh))
+                newest = max(held, default=None)
+                if newest is None or all((r.get("protected") or -1) >= newest for r in fresh):
+                    return None
+            if self.proc is None or self.proc.poll() is not None:
+                return "the agents' step ended before protecting the newest step"
+            if time.monotonic() > deadline:
+                return f"the newest step was not protected within --protect-timeout {self.cfg.protect_timeout:g} s"
+            time.sleep(min(self.cfg.poll_interval, 0.5))
+
+    def flush(self, deadline: float) -> tuple[int | None, str | None]:
+        """Ask the agents to flush the newest protected step to the durable tier and wait until every one reports
+        the request served: (the newest durable step, None), or (the newest durable step the agents know of, why
+        the flush did not happen) when their step ended or `deadline` (time.monotonic()) passed."""
+        rid = agent_persist.request(self.rendezvous, self.tag)
+        while True:
+            reports = list(self._read(self.tag).values())
+            served, durable, error = agent_persist.outcome(reports, rid, len(self._ready_slots or ()))
+            if served:
+                return durable, error
+            if self.proc is None or self.proc.poll() is not None:
+                return durable, "the agents' step ended before the flush"
+            if time.monotonic() > deadline:
+                return durable, f"the flush did not finish within --protect-timeout {self.cfg.protect_timeout:g} s"
+            time.sleep(min(self.cfg.poll_interval, 0.5))
+
+    def lost(self, layout: Layout) -> dict[str, str] | None:
+        """While the trainers run: None when the running launch's agents are well. Else {node: why} of the nodes to
+        check: those whose agent a failed agent lost (its report's `peer_slot`: the round's all-gather is the agents'
+        heartbeat), or every slot when no report names one (the step ended, or an agent failed on its own)."""
+        if self.proc is None:
+            return None
+        failed = [r for r in self._read(self.tag).values()
+                  if r.get("phase") == agent_status.FAILED]
+        if not failed and self.proc.poll() is None:
+            return None
+        named = {layout.slots[r["peer_slot"]]: f"agent of slot {r.get('slot')} lost it: {r.get('error')}"
+                 for r in failed if isinstance(r.get("peer_slot"), int) and 0 <= r["peer_slot"] < len(layout.slots)}
+        if named:
+            return named
+        why = "; ".join(f"agent of slot {r.get('slot')} failed: {r.get('error')}" for r in failed) or \
+            f"the agents' step ended (exit status {self.proc.poll()}); see {self.job_dir / f'agents-{self.tag}.log'}"
+        return dict.fromkeys(layout.slots, why)
+
+    def persist(self, bad_nodes: tuple[str, ...] | list[str] = ()) -> tuple[int | None, int | None, str | None]:
+        """Before a requeue (or an elastic grow): let the agents protect the newest snapshot the trainers completed
+        everywhere and flush it to the durable tier (bounded by --protect-timeout), so that the next allocation can
+        rebuild it from the nodes that come back, or read it on entirely new nodes. One `persist` event says what is
+        safe, and why. Returns (the protected step, the durable step, why either is not done; None when both are)."""
+        started = time.monotonic()
+        if self.proc is None:
+            self.emit("persist", level=logging.WARNING, done=False, how="none",
+                      reason="no agents (--protect none, --persist-dir none): the next allocation resumes from "
+                             "what its nodes hold")
+            return None, None, "no agents"
+        deadline = started + self.cfg.protect_timeout
+        if bad_nodes:
+            why = (f"node(s) {','.join(bad_nodes)} lost: the newest step their sets protected before is what "
+                   "the next allocation can rebuild")
+        elif self.cfg.protected:
+            why = self.drain(deadline)
+        else:
+            why = None
+        durable, flush_why = None, "no durable tier (--persist-dir none)"
+        if self.cfg.persisting and not bad_nodes:  # a lost node's agent broke the mesh: no flush is possible
+            durable, flush_why = self.flush(deadline)
+        elif self.cfg.persisting:  # the newest step the agents last reported durable (no request was made)
+            reports = list(self._read(self.tag).values())
+            durable = agent_persist.outcome(reports, rid="", slots=len(reports))[1]
+            flush_why = "a node was lost: the agents cannot flush together; " + (
+                f"the durable step {durable} stays" if durable is not None else
+                "no step is durable yet: the next allocation has only what the nodes' memory holds")
+        done, protected = why is None or flush_why is None, self.protected()
+        self.emit("persist", level=logging.INFO if done else logging.WARNING, done=done,
+                  how="protect+flush" if self.cfg.protected and self.cfg.persisting else
+                  "flush" if self.cfg.persisting else "protect",
+                  protected=protected, durable=durable, seconds=round(time.monotonic() - started, 3),
+                  **({"reason": why} if why else {}), **({"flush_reason": flush_why} if flush_why else {}))
+        return protected, durable, why or flush_why
+
+    def _finish_flush(self) -> None:
+        """A flush under way (its drain from node-local storage, which Frontier wipes at the job's end, above all)
+        finishes before the agents are stopped, for up to --protect-timeout, unless `hpcft run` got SIGTERM (event
+        `flush_wait`)."""
+        started = time.monotonic()
+        waited = False
+        while self.proc is not None and self.proc.poll() is None and not self._interrupted() \
+                and time.monotonic() < started + self.cfg.protect_timeout:  # SIGTERM: Slurm's grace is short
+            if not any(r.get("flushing") for r in self._read(self.tag).values()):
+                break
+            waited = True
+            time.sleep(min(self.cfg.poll_interval, 0.5))
+        if waited:
+            busy = [r for r in self._read(self.tag).values() if r.get("flushing")]
+            self.emit("flush_wait", level=logging.WARNING if busy else logging.INFO, done=not busy,
+                      seconds=round(time.monotonic() - started, 3))
+
+    def reports(self) -> list[dict]:
+        """The status reports of the last launch's agents (each node's phase, steps and memory figures), their final
+        ones once stopped; none without agents."""
+        return list(self._read(self.tag).values()) if self.tag else []
+
+    def nodes(self, layout: Layout) -> int | None:
+        """How many agents report on `layout` (one per active node), or None when the run has no agents."""
+        return len(layout.slots) if self.cfg.with_agents else None
+
+    def _wrap(self) -> list[str]:
+        """The agents' task goes through a node's warm standby when the job runs them (hpcft.launch.node.handoff)."""
+        return [self.python, "-m", "hpcft.launch.node.handoff", "--"] if self.cfg.standby else []
+
+    def protected(self) -> int | None:
+        """The newest step every agent of the last launch reports protected, if each reports one."""
+        steps = [r.get("protected") for r in self._read(self.tag).values()]
+        return min(steps) if steps and None not in steps else None
+
+    def stop_with_trainers(self, trainers: Mapping[str, subprocess.Popen | None], event: Event | None,
+                           settled: Callable[[], bool] | None = None) -> None:
+        """Stop the trainers' step after `event`; when it lost a node, this launch's agents' step with it (their mesh
+        is broken and the decision kills them anyway): one lost-node grace for both, not one after the other, ended
+        once `settled()` (srun reported every trainer task of the other nodes ended). `stop` then only reports it.
+        (An evicted straggler's agents are healthy: asked later, as ever.)"""
+        lost = bool(event and event.lost_nodes)  # a closed node's agent is well: asked later, like the others
+        if not lost or event.kind is Kind.STRAGGLER:
+            self._stop_steps(trainers, lost=lost, settled=settled)
+            return
+        self._killed = self.proc is not None and self.proc.poll() is None
+        self._stop_steps({**trainers, **({AGENT_STEP_NAME: self.proc} if self.proc else {}), **self.hosted_procs},
+                         lost=True, settled=settled)
+
+    def stop(self, ask: bool = True, flush: bool = True) -> None:
+        """Stop the agents' step of the last launch, if it runs: asked to (each agent exits 0 within a poll, after a
+        flush under way when `flush`), for up to --kill-grace, then killed with the step. `ask=False` kills at once
+        (a node was lost: the mesh is broken, and recovery must not wait)."""
+        if self.proc is None:
+            return
+        killed, self._killed = self._killed, False  # already, with the trainers (stop_with_trainers)
+        how = "killed" if killed else "exited" if self.proc.poll() is not None else "asked" if ask else "killed"
+        if how == "asked":
+            if flush:
+                self._finish_flush()
+            agent_status.request_stop(self.rendezvous, self.tag)
+            try:
+                for p in [self.proc, *self.hosted_procs.values()]:
+                    p.wait(timeout=self.cfg.kill_grace)
+            except subprocess.TimeoutExpired:
+                how = "killed"
+        asked = how != "exited" and ask and not killed
+        self._stop_steps({AGENT_STEP_NAME: self.proc, **self.hosted_procs}, lost=not ask)
+        self.hosted_procs = {}
+        # asked (healthy agents): none runs now, so none is "protecting", whether or not its last report came
+        marked = self.view.ended(self.tag, how) if asked and self.view is not None else []
+        self.emit("agents_stopped", exit_code=self.proc.returncode, how=how,
+                  **({"unreported": ",".join(map(str, marked))} if marked else {}))
+        self.proc = None
