@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from hpcft.elastic import ENV_BASE_WORLD, ENV_BATCH
-from hpcft.errors import ConfigError
 from hpcft.launch.steps.agents import AgentSteps
 from hpcft.launch.config.options import RunConfig
 from hpcft.launch.node.janitor import Janitor
@@ -51,26 +50,19 @@ def hosts(old: Layout, lost: Sequence[str]) -> dict[int, str]:
 def shrunk_config(cfg: RunConfig, active: int) -> RunConfig:
     """`cfg` (the run's starting one) for `active` nodes: --nodes follows, protection sets no larger than the nodes
     left (a partner copy on a single node, or a set of one, protects nothing: none)."""
-    cfg = replace(cfg, nodes=active)
+    cfg = cfg.but(nodes=active)
     if active < 2:
-        return replace(cfg, protect="none")
-    if cfg.protect in ("xor", "rs") and cfg.group > active:
-        return replace(cfg, group=active, losses=min(cfg.losses, active - 1))
-    if cfg.protect == "partner" and cfg.distance % active == 0:
-        return replace(cfg, distance=1)
+        return cfg.but(protect="none")
+    if cfg.protection.protect in ("xor", "rs") and cfg.protection.group > active:
+        return cfg.but(group=active, losses=min(cfg.protection.losses, active - 1))
+    if cfg.protection.protect == "partner" and cfg.protection.distance % active == 0:
+        return cfg.but(distance=1)
     return cfg
-
-
-def check_floor(cfg: RunConfig, active: int) -> None:
-    """--min-nodes above the nodes the run starts with (when --nodes was not given: the allocation's) is an error."""
-    if cfg.elastic and cfg.min_nodes is not None and cfg.min_nodes > active:
-        raise ConfigError(f"min_nodes {cfg.min_nodes} is more than the {active} active node(s) this run starts with: "
-                          "lower --min-nodes, or ask for more nodes")
 
 
 def trainer_env(cfg: RunConfig, base_world: int) -> dict[str, str]:
     """What the trainers need to keep their batch arithmetic across a shrink (`hpcft.elastic.batch_plan`)."""
-    return {ENV_BATCH: cfg.elastic_batch, ENV_BASE_WORLD: str(base_world)} if cfg.elastic else {}
+    return {ENV_BATCH: cfg.elastic.elastic_batch, ENV_BASE_WORLD: str(base_world)} if cfg.elastic.elastic else {}
 
 
 @dataclass(frozen=True)
@@ -121,7 +113,7 @@ class Reshaper:
         if failure is not None:
             outcome = Outcome(None, None, f"the lost slot(s) could not be rebuilt on the survivors: {failure}")
         else:
-            durable, error = self.agents.flush(time.monotonic() + self.cfg.protect_timeout)
+            durable, error = self.agents.flush(time.monotonic() + self.cfg.protection.protect_timeout)
             outcome = Outcome(durable, self.agents.protected(), error)
         self.agents.stop(ask=failure is None)
         outcome = self._wipe(outcome, new, env)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcft.errors import ConfigError
+from hpcft.launch.policy.failures import Action
 
 
 @dataclass
@@ -19,6 +20,20 @@ class Persisted:
     slurm_excluded: list[str] = field(default_factory=list)  # what Slurm took into the job's ExcNodeList
     grows: int = 0  # launches of an elastic grow (no restarts: --max-restarts counts failures)
     evictions: int = 0  # launches after a straggler's eviction (no restarts either)
+
+    @property
+    def launches(self) -> int:
+        """Launches before the next one (its tag: keeps the launches' agents, reports and logs apart)."""
+        return self.restarts + self.requeues + self.grows + self.evictions
+
+    def count(self, action: Action) -> None:
+        """Count the launch `action` leads to: a grow or an eviction is no restart (--max-restarts counts failures)."""
+        if action is Action.GROW:
+            self.grows += 1
+        elif action is Action.EVICT:
+            self.evictions += 1
+        else:
+            self.restarts += 1
 
     @classmethod
     def load(cls, path: Path) -> "Persisted":

@@ -31,7 +31,7 @@ from hpcft.launch.steps.agents import AgentSteps, agent_iface
 from hpcft.launch.fabric.service import Fabric
 from hpcft.durable.catalog import ENV_PERSIST
 from hpcft.durable.local import ENV_LOCAL
-from hpcft.launch.config.options import RunConfig, copy_env, durable_dir, resolve_protect
+from hpcft.launch.config.options import RunConfig, check_shape, copy_env, durable_dir
 from hpcft.launch.node.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.state import Persisted
@@ -46,6 +46,7 @@ from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
+RELAUNCHES = (Action.RELAUNCH, Action.REPLACE, Action.SHRINK, Action.GROW, Action.EVICT)  # what launches again
 
 
 class Supervisor:
@@ -64,27 +65,28 @@ class Supervisor:
         if not self.job_id:
             raise ConfigError("hpcft run must run inside a Slurm allocation (sbatch or salloc); "
                               "use `hpcft submit` to create one")
-        self.profile = profiles.get(cfg.profile)
-        self.job_dir = Path(cfg.job_dir or Path.cwd() / f"hpcft-{self.job_id}").resolve()
+        self.profile = profiles.get(cfg.launch.profile)
+        self.job_dir = Path(cfg.launch.job_dir or Path.cwd() / f"hpcft-{self.job_id}").resolve()
         self.job_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.job_dir / "state.json"
         self._state_unwritten: str | None = None  # why state.json could not be written last (a full disk)
         self._signal: int | None = None
         self._wake = threading.Event()
         self._started = time.time()
+        self._launched = False  # whether the run got past its start checks (and may have changed the nodes' memory)
         self._requeued_run = False
-        self._stopper = StepStopper(self.runner, self.job_id, cfg.kill_grace, self.emit)
+        self._stopper = StepStopper(self.runner, self.job_id, cfg.launch.kill_grace, self.emit)
         self._stop_steps = self._stopper.stop
         self._why_launch = "first launch"  # why the next launch happens: the reason of a loss it may cause
         self.lost: list[losses.Loss] = []  # progress lost in this run, for its summary
         self._reached: int | None = None  # the step the trainers had reached when their last launch ended
         self.previous: losses.PreviousRun | None = None  # how the previous run ended, when it lost its batch host
         self.janitor = Janitor(self.runner, self.job_dir, python, self._stop_steps)
-        self.standbys = Standbys(self.runner, self.job_dir, python, cfg.preload, self.environ, emit=self.emit,
-                                 stop_steps=self._stop_steps, enabled=cfg.standby)
+        self.standbys = Standbys(self.runner, self.job_dir, python, cfg.standby.preload, self.environ, emit=self.emit,
+                                 stop_steps=self._stop_steps, enabled=cfg.standby.standby)
         self._slurm_run = 0  # Slurm's restart count of this run
         self._site_env: dict[str, str] = {}  # what the preflight adds to the steps' environment
-        self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.probe_timeout, self.emit)
+        self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.recovery.probe_timeout, self.emit)
         self.fabric = Fabric(self.job_dir, self.emit)  # the nodes' progress and status, over the network
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
                                  interrupted=self._terminated, view=self.fabric.view,
@@ -112,19 +114,26 @@ class Supervisor:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
-        """Run the command until it succeeds, gives up or is requeued; returns `hpcft run`'s exit status."""
+        """Run the command until it succeeds, gives up or is requeued; returns `hpcft run`'s exit status.
+
+        The states: start (the allocation read, the options checked against its shape: a ConfigError here ends the
+        run before any step and leaves the nodes' memory as it is) → launch (the steps started, the trainers watched
+        until an event) → decide (the policy's decision carried out) → launch again, or finish (done, requeue,
+        stop); SIGTERM ends any state."""
         # Handlers first: SIGUSR1's default action would kill us while we still talk to Slurm.
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGUSR1, signal.SIGTERM)}
         try:
-            return self._run()
+            saved, info, layout = self._start()
+            return self._loop(saved, info, layout)
         except HpcftError as exc:  # every run's decisions are recorded, the one that gives up included
             self.emit("decision", level=logging.ERROR, action=Action.STOP.value, cause="error", reason=str(exc),
                       result=EXIT_ERROR)
             self._summary(Action.STOP, str(exc), Persisted.load(self.state_path), EXIT_ERROR)
-            try:  # the job ends here: nothing of it stays in node memory
-                self._clean_up(slurmstate.job_info(self.runner, self.job_id).nodes)
-            except HpcftError as again:
-                _log.warning("could not clean the job's stores up: %s", again)
+            if self._launched:  # the job ends here: nothing of it stays in node memory
+                try:
+                    self._clean_up(slurmstate.job_info(self.runner, self.job_id).nodes)
+                except HpcftError as again:
+                    _log.warning("could not clean the job's stores up: %s", again)
             raise
         finally:
             self.agents.close()
@@ -133,36 +142,39 @@ class Supervisor:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
-    def _run(self) -> int:
+    def _start(self) -> tuple[Persisted, slurmstate.JobInfo, Layout]:
+        """The start state: what the previous runs left, the allocation, the options resolved for its shape, the
+        slots; then the checks before the first launch and the services every launch uses."""
         self._started = time.time()
-        start_heartbeat(self.job_dir)  # the janitors requeue the job when it stops with the batch host
         saved = Persisted.load(self.state_path)
         info = slurmstate.job_info(self.runner, self.job_id)
         saved.requeues = max(saved.requeues, info.restarts)
         self._slurm_run = info.restarts
-        tasks = self.cfg.tasks_per_node or self.profile.tasks_per_node
         # A node found bad in an earlier allocation that Slurm allocates again has returned to service: healthy by
         # Slurm's judgement, and the only way the job may start at all (a reservation of its exact size). Its memory
         # is empty; with protection the agents rebuild its slot's snapshots like a spare's.
         returned = [n for n in saved.excluded if n in info.nodes]
+        saved.excluded = [n for n in saved.excluded if n not in returned]
+        # the allocation's shape decides what the options mean (auto protection, set sizes): refused before any step
+        self.cfg = self.agents.cfg = self.base_cfg = check_shape(self.cfg, len(info.nodes) - len(saved.excluded))
+        layout = Layout.plan(info.nodes, active=self.cfg.launch.nodes, spares=self.cfg.launch.spares,
+                             tasks_per_node=self.cfg.launch.tasks_per_node or self.profile.tasks_per_node,
+                             excluded=saved.excluded, previous=saved.slots)
+        self._launched = True  # from here on the run may have changed the nodes' memory
+        start_heartbeat(self.job_dir)  # the janitors requeue the job when it stops with the batch host
         if returned:
-            saved.excluded = [n for n in saved.excluded if n not in returned]
             self.emit("node_returned", level=logging.WARNING, nodes=",".join(returned),
                       reason="excluded by an earlier run, allocated again by Slurm: used as a healthy node whose "
                              "memory is empty")
-        layout = Layout.plan(info.nodes, active=self.cfg.nodes, spares=self.cfg.spares, tasks_per_node=tasks,
-                             excluded=saved.excluded, previous=saved.slots)
         kept = [n for i, n in enumerate(layout.slots) if saved.slots[i:i + 1] == [n]]
         self.base_world = layout.world_size
-        elastic.check_floor(self.cfg, len(layout.slots))
-        self.cfg = self.agents.cfg = self.base_cfg = resolve_protect(self.cfg, len(layout.slots))
         self.grow_watch.target = len(layout.slots)
         self._requeued_run = saved.requeues > 0
         self._previous_run(layout, saved.requeues)  # before this run's `start`: it reads the previous run's events
         self.emit("start", slots=",".join(layout.slots), spares=",".join(layout.spares),
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
-                  kept=",".join(kept), profile=self.profile.name, protect=self.cfg.protect, group=self.cfg.group,
-                  job_dir=str(self.job_dir))
+                  kept=",".join(kept), profile=self.profile.name, protect=self.cfg.protection.protect,
+                  group=self.cfg.protection.group, job_dir=str(self.job_dir))
         self.preflight = Preflight(self.cfg, self.profile, self.environ, self.emit, self.job_id)
         self._site_env = self.preflight.start(len(layout.slots))  # RCCL's plugin; the memory plan
         saved.slots = list(layout.slots)  # now: a run that dies with its batch host has said where its data is
@@ -170,49 +182,54 @@ class Supervisor:
         self.fabric.start(agent_iface(self.cfg))
         if self.cfg.with_agents:
             self.agents.prepare()
+        return saved, info, layout
+
+    def _loop(self, saved: Persisted, info: slurmstate.JobInfo, layout: Layout) -> int:
+        """Launch, decide, launch again or finish."""
         while True:
-            launches = saved.restarts + saved.requeues + saved.grows + saved.evictions
             self.stragglers.launched(self.cfg, saved.restarts)
-            event = self._run_step(layout, launches)
+            event = self._run_step(layout, saved.launches)
             if self._signal == signal.SIGTERM:
                 self.agents.stop()
                 self.emit("terminated", level=logging.WARNING, reason="SIGTERM (scancel, preemption or requeue)")
                 return 128 + signal.SIGTERM
-            state = State(layout=layout, restarts=saved.restarts, max_restarts=self.cfg.max_restarts,
-                          requeue_allowed=self.cfg.requeue and info.batch and info.requeue,
-                          end_time=slurmstate.job_info(self.runner, self.job_id).end_time,
-                          requeue_margin=self.cfg.requeue_margin,
-                          min_nodes=(self.cfg.min_nodes or 1) if self.cfg.elastic else None)
-            decision = decide(event, state, time.time())
-            record(decision, event, state, str(self.job_dir))
-            self.grow_watch.lost(event.bad_nodes)  # every loss counts against taking a node back (--grow-max-losses)
-            if decision.action is Action.REQUEUE:
-                self._persist_before_requeue(event)  # with a closed node's agent too: it still runs
-            # a relaunch does not wait for a flush under way (its node-local copies stay for the next one); a shrink
-            # lost a node, whose agent no flush can wait for; a grow flushes with them first (Reshaper.grow)
-            if decision.action is not Action.GROW:  # an evicted straggler's agent is healthy: asked like the others
-                self.agents.stop(ask=not event.lost_nodes or event.kind is Kind.STRAGGLER,
-                                 flush=decision.action not in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK,
-                                                               Action.EVICT))
-            self.preflight.poll(self.agents.reports, now=True, expected=self.agents.nodes(layout))  # their final reports
-            grew, evicted = decision.action is Action.GROW, decision.action is Action.EVICT
-            self.stragglers.carried_out(decision, event)
-            if decision.action in (Action.SHRINK, Action.GROW):
-                decision = self._reshape(decision, event, state, launches)
-            self._why_launch = self._launch_reason(decision, event)
+            decision = self._decide(event, layout, saved, info)
             saved.slots = list(layout.slots)  # the nodes that held the slots' snapshots in this run
             layout = decision.layout
             saved.excluded = list(layout.excluded)
-            if decision.action in (Action.RELAUNCH, Action.REPLACE, Action.SHRINK, Action.GROW, Action.EVICT):
-                saved.grows += grew  # a grow (or its failure's relaunch) is no restart: --max-restarts counts failures
-                saved.evictions += evicted  # nor is an eviction
-                saved.restarts += not (grew or evicted)
+            if decision.action in RELAUNCHES:
+                saved.count(decision.action)
                 self._save(saved)
                 continue
             self._save(saved)
             if decision.action is not Action.REQUEUE:  # the job is over: nothing of it stays in node memory
                 self._clean_up([*layout.slots, *layout.spares, *self.stragglers.evicted])
             return self._finish(decision, saved)
+
+    def _decide(self, event: Event, layout: Layout, saved: Persisted, info: slurmstate.JobInfo) -> Decision:
+        """The decide state: the policy's decision on `event`, recorded and carried out up to the next launch (the
+        requeue's flush, the agents stopped, a shrink or grow reshaped)."""
+        state = State(layout=layout, restarts=saved.restarts, max_restarts=self.cfg.recovery.max_restarts,
+                      requeue_allowed=self.cfg.recovery.requeue and info.batch and info.requeue,
+                      end_time=slurmstate.job_info(self.runner, self.job_id).end_time,
+                      requeue_margin=self.cfg.recovery.requeue_margin,
+                      min_nodes=(self.cfg.elastic.min_nodes or 1) if self.cfg.elastic.elastic else None)
+        decision = decide(event, state, time.time())
+        record(decision, event, state, str(self.job_dir))
+        self.grow_watch.lost(event.bad_nodes)  # every loss counts against taking a node back (--grow-max-losses)
+        if decision.action is Action.REQUEUE:
+            self._persist_before_requeue(event)  # with a closed node's agent too: it still runs
+        # a relaunch does not wait for a flush under way (its node-local copies stay for the next one); a shrink
+        # lost a node, whose agent no flush can wait for; a grow flushes with them first (Reshaper.grow)
+        if decision.action is not Action.GROW:  # an evicted straggler's agent is healthy: asked like the others
+            self.agents.stop(ask=not event.lost_nodes or event.kind is Kind.STRAGGLER,
+                             flush=decision.action not in RELAUNCHES)
+        self.preflight.poll(self.agents.reports, now=True, expected=self.agents.nodes(layout))  # their final reports
+        self.stragglers.carried_out(decision, event)
+        if decision.action in (Action.SHRINK, Action.GROW):
+            decision = self._reshape(decision, event, state, saved.launches)
+        self._why_launch = self._launch_reason(decision, event)
+        return decision
 
     def _previous_run(self, layout: Layout, requeues: int) -> None:
         """What this run takes over: the step the trainers had reached (a requeued run's view comes from the log the
@@ -231,7 +248,7 @@ class Supervisor:
         if decision.action is Action.REQUEUE:
             saved.requeues += 1
             self._save(saved)
-        code = losses.exit_status(int(decision.exit_code or 0), self.lost, self.cfg.lost_progress_exit)
+        code = losses.exit_status(int(decision.exit_code or 0), self.lost, self.cfg.recovery.lost_progress_exit)
         self._summary(decision.action, decision.reason, saved, code)
         if decision.action is Action.REQUEUE:
             # in this order: what the next run needs is on disk before the requeue's SIGTERM reaches this process
@@ -313,8 +330,8 @@ class Supervisor:
     def _launch_reason(self, decision: Decision, event: Event) -> str:
         """Why the next launch happens, and what it could lose: the reason carried by a loss it causes."""
         why = decision.reason
-        if event.bad_nodes and not self.cfg.protected:
-            why += f"; nothing protected the lost node's snapshots (--protect {self.cfg.protect})"
+        if event.bad_nodes and not self.cfg.protection.protected:
+            why += f"; nothing protected the lost node's snapshots (--protect {self.cfg.protection.protect})"
         return why
 
     def _persist_before_requeue(self, event: Event) -> None:
@@ -328,24 +345,16 @@ class Supervisor:
 
     # -- one step -----------------------------------------------------------------------------------------
     def _run_step(self, layout: Layout, restart_count: int) -> Event:
-        """One launch: the agents' step when protecting (and the wait for it), then the trainers' step, watched
-        until it ends or must be stopped. The agents' step is left running (self.agents) for the decision: a
-        requeue first waits for their protection; every other path stops them (`AgentSteps.stop`)."""
+        """The launch state: the steps beside the trainers (staging, janitors, standbys, agents: `_ready`), then the
+        trainers' step, watched until it ends or must be stopped. The agents' step is left running (self.agents) for
+        the decision: a requeue first waits for their protection; every other path stops them (`AgentSteps.stop`)."""
         env = self._env(layout, restart_count)
-        proc: subprocess.Popen | None = None
-        try:  # the environment staged first (--stage-env): the janitors remove it, the other steps start from it
-            self.stage.ensure([*layout.slots, *layout.spares], env, (self, self.standbys, self.agents))
-            self.janitor.ensure([*layout.slots, *layout.spares], env)
-            self.standbys.ensure([*layout.slots, *layout.spares], env, spares=layout.spares)
-            if self.cfg.with_agents:
-                failure = self.agents.start(layout, restart_count, env)
-                event = None if failure is None else \
-                    self.agent_loss.before_training(layout, failure, restart_count, env)
-                if event is not None:
-                    self.agents.stop(ask=not event.lost_nodes)  # a lost node's mesh is broken: no grace to wait
-                    return event
-            self.standbys.wait(layout.slots, interrupted=self._terminated)
-            argv = trainer_argv(layout, self.profile, self.command, python=self.python, extra=self.cfg.srun_args)
+        try:
+            event = self._ready(layout, restart_count, env)
+            if event is not None:
+                return event
+            argv = trainer_argv(layout, self.profile, self.command, python=self.python,
+                                extra=self.cfg.launch.srun_args)
             why = self._why_launch + (f"; the agents could not rebuild: {self.agents.no_checkpoint}"
                                       if self.agents.no_checkpoint else "")
             watch = losses.RestoreWatch(self.job_dir, layout.world_size, since=time.time(), reason=why,
@@ -374,12 +383,32 @@ class Supervisor:
         except BaseException:
             self.agents.stop()
             raise
+        return self._ended(event, proc.returncode, lines)
+
+    def _ready(self, layout: Layout, restart_count: int, env: dict[str, str]) -> Event | None:
+        """The steps the trainers need first: the environment staged (--stage-env: the janitors remove it, the other
+        steps start from it), the janitors, the standbys, the agents ready; an event when the agents could not be."""
+        self.stage.ensure([*layout.slots, *layout.spares], env, (self, self.standbys, self.agents))
+        self.janitor.ensure([*layout.slots, *layout.spares], env)
+        self.standbys.ensure([*layout.slots, *layout.spares], env, spares=layout.spares)
+        if self.cfg.with_agents:
+            failure = self.agents.start(layout, restart_count, env)
+            event = None if failure is None else self.agent_loss.before_training(layout, failure, restart_count, env)
+            if event is not None:
+                self.agents.stop(ask=not event.lost_nodes)  # a lost node's mesh is broken: no grace to wait
+                return event
+        self.standbys.wait(layout.slots, interrupted=self._terminated)
+        return None
+
+    @staticmethod
+    def _ended(event: Event, exit_code: int | None, lines: list[str]) -> Event:
+        """The watch's event with the trainers' step's exit and srun's per-task errors (none when hpcft stopped it)."""
         stopped = event.kind in (Kind.NODES_RETURNED, Kind.STRAGGLER)  # the tasks' errors are hpcft's own stop
         failed = () if stopped else tuple(slurmstate.task_errors(lines))
         refused = slurmstate.step_refusal(lines) if event.kind is Kind.TASK_FAILED else None
         if refused:
-            return Event(Kind.STEP_REFUSED, exit_code=proc.returncode, failed_tasks=failed, detail=refused)
-        return dataclasses.replace(event, exit_code=proc.returncode, failed_tasks=failed)
+            return Event(Kind.STEP_REFUSED, exit_code=exit_code, failed_tasks=failed, detail=refused)
+        return dataclasses.replace(event, exit_code=exit_code, failed_tasks=failed)
 
     def _env(self, layout: Layout, restart_count: int) -> dict[str, str]:
         """The steps' environment for one launch on `layout` (the agents' and the trainers')."""
@@ -392,7 +421,7 @@ class Supervisor:
         durable = durable_dir(self.cfg, self.job_dir)
         if durable is not None:
             env[ENV_PERSIST] = str(durable)  # where the trainers' restore finds the durable tier
-            env.update({ENV_LOCAL: self.cfg.persist_local} if self.cfg.persist_local else {})  # and its first level
+            env.update({ENV_LOCAL: self.cfg.durable.persist_local} if self.cfg.durable.persist_local else {})  # and its first level
         return env
 
     def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float, watch: losses.RestoreWatch,
@@ -432,10 +461,10 @@ class Supervisor:
             returned = self.grow_watch.poll(layout)  # --elastic-grow, on a shrunk job
             if returned is not None:
                 return returned
-            why = self.fabric.hung(launched, self.cfg.hang_timeout, self.cfg.start_timeout)
+            why = self.fabric.hung(launched, self.cfg.recovery.hang_timeout, self.cfg.recovery.start_timeout)
             if why:
                 return Event(Kind.HANG, detail=why)
-            self._wake.wait(self.cfg.poll_interval)
+            self._wake.wait(self.cfg.launch.poll_interval)
 
     def _stale_signal(self) -> str | None:
         """Why the USR1 just received is not for this run (policy.stale_signal over fresh Slurm data), or None."""
@@ -447,4 +476,4 @@ class Supervisor:
         now = time.time()
         return stale_signal(requeued_run=self._requeued_run,
                             progressed=self.fabric.view.last_change(self._started) > self._started,
-                            time_left=None if end is None else end - now, margin=self.cfg.requeue_margin)
+                            time_left=None if end is None else end - now, margin=self.cfg.recovery.requeue_margin)

@@ -12,7 +12,7 @@ from hpcft.launch.steps.agents import agent_mpi
 
 
 def test_tcp_is_the_default_and_the_environment_and_cli_override_the_file(tmp_path):
-    assert config.load({}, environ={}).agent_transport == "tcp"
+    assert config.load({}, environ={}).protection.agent_transport == "tcp"
     cfg_file = tmp_path / "run.toml"
     cfg_file.write_text('agent_transport = "tcp"\nagent_mpi = "pmi2"\n')
     from_env = config.load({}, environ={"HPCFT_AGENT_TRANSPORT": "mpi"}, config_file=cfg_file)

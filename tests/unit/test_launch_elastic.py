@@ -5,7 +5,7 @@ import pytest
 from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK, BatchPlan, batch_plan
 from hpcft.errors import ConfigError
 from hpcft.launch.config import options as config
-from hpcft.launch.reshape import check_floor, hosts, shrunk_config, trainer_env
+from hpcft.launch.reshape import hosts, shrunk_config, trainer_env
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.policy.failures import EXIT_REQUEUED, Action, Event, Kind, State, decide, record
 
@@ -50,18 +50,18 @@ def test_a_lost_slot_is_hosted_by_the_next_survivor_and_two_by_different_ones():
 
 
 def test_the_smaller_job_protects_with_sets_it_can_form():
-    cfg = config.RunConfig(nodes=4, protect="xor", group=4, elastic=True)
-    assert (shrunk_config(cfg, 3).nodes, shrunk_config(cfg, 3).group) == (3, 3)
-    assert shrunk_config(cfg, 1).protect == "none"
-    rs = config.RunConfig(protect="rs", group=4, losses=2, elastic=True)
-    assert (shrunk_config(rs, 2).group, shrunk_config(rs, 2).losses) == (2, 1)
-    partner = config.RunConfig(protect="partner", distance=2, elastic=True)
-    assert shrunk_config(partner, 2).distance == 1
+    cfg = config.make(nodes=4, protect="xor", group=4, elastic=True)
+    assert (shrunk_config(cfg, 3).launch.nodes, shrunk_config(cfg, 3).protection.group) == (3, 3)
+    assert shrunk_config(cfg, 1).protection.protect == "none"
+    rs = config.make(protect="rs", group=4, losses=2, elastic=True)
+    assert (shrunk_config(rs, 2).protection.group, shrunk_config(rs, 2).protection.losses) == (2, 1)
+    partner = config.make(protect="partner", distance=2, elastic=True)
+    assert shrunk_config(partner, 2).protection.distance == 1
     assert trainer_env(cfg, 8) == {"HPCFT_ELASTIC_BATCH": KEEP_GLOBAL, "HPCFT_BASE_WORLD": "8"}
-    assert trainer_env(config.RunConfig(), 8) == {}
-    check_floor(config.RunConfig(elastic=True, min_nodes=4), 4)
-    with pytest.raises(ConfigError, match="min_nodes 5 is more than the 4 active"):
-        check_floor(config.RunConfig(elastic=True, min_nodes=5), 4)  # --nodes not given: the allocation's
+    assert trainer_env(config.make(), 8) == {}
+    config.check_shape(config.make(elastic=True, min_nodes=4), 4)
+    with pytest.raises(ConfigError, match="--min-nodes 5 is more than the 4 active"):
+        config.check_shape(config.make(elastic=True, min_nodes=5), 4)  # --nodes not given: the allocation's
 
 
 @pytest.mark.parametrize("cli, words", [
@@ -80,7 +80,7 @@ def test_bad_elastic_options_say_what_to_change(cli, words):
 
 def test_elastic_options_come_from_the_cli_the_environment_or_a_file():
     cfg = config.load({"elastic": True}, environ={"HPCFT_MIN_NODES": "2", "HPCFT_ELASTIC_BATCH": "keep-per-rank"})
-    assert (cfg.elastic, cfg.min_nodes, cfg.elastic_batch) == (True, 2, KEEP_PER_RANK)
+    assert (cfg.elastic.elastic, cfg.elastic.min_nodes, cfg.elastic.elastic_batch) == (True, 2, KEEP_PER_RANK)
     with pytest.raises(ConfigError, match="not a batch policy"):
         config.load({"elastic": True, "elastic_batch": "keep-both"}, environ={})
 
@@ -124,7 +124,7 @@ def test_a_shrinks_agents_run_on_the_survivors_with_the_lost_slot_hosted(tmp_pat
     from hpcft.launch.steps.agents import AgentSteps
 
     runner = Recorder()
-    cfg = config.RunConfig(protect="xor", group=4, elastic=True)
+    cfg = config.make(protect="xor", group=4, elastic=True)
     steps = AgentSteps(cfg, runner, tmp_path, "python", emit=lambda *a, **k: None, stop_steps=lambda s, **kw: None,
                        interrupted=lambda: False, check_nodes=lambda layout, probe: {})
     steps.rendezvous.mkdir()

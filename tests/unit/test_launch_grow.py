@@ -99,7 +99,7 @@ def test_the_watch_says_each_return_relapse_and_failed_probe_and_grows_only_past
 
     said, now = [], [T0]
     slurm, probe = Slurm(), Probe()
-    cfg = config.RunConfig(elastic=True, elastic_grow=True, grow_settle=10, grow_every=50, poll_interval=1)
+    cfg = config.make(elastic=True, elastic_grow=True, grow_settle=10, grow_every=50, poll_interval=1)
     watch = GrowWatch(cfg, slurm, "7", probe, lambda kind, **f: said.append((kind, f)), clock=lambda: now[0])
     watch.target = 4
     shrunk = Layout(slots=("n1", "n2", "n4"), excluded=("n3",), tasks_per_node=2)
@@ -137,7 +137,7 @@ def test_the_watch_never_takes_back_a_node_lost_past_max_losses_and_says_so_once
     said, now = [], [T0]
     slurm = Slurm()
     slurm.states["n3"] = "MIXED"
-    cfg = config.RunConfig(elastic=True, elastic_grow=True, grow_settle=1, grow_every=0, grow_max_losses=1,
+    cfg = config.make(elastic=True, elastic_grow=True, grow_settle=1, grow_every=0, grow_max_losses=1,
                            poll_interval=1)
     watch = GrowWatch(cfg, slurm, "7", Probe(), lambda kind, **f: said.append(kind), clock=lambda: now[0])
     watch.target = 4
@@ -179,7 +179,7 @@ def _grow(tmp_path, persisted):
     shrunk = Layout(slots=("n1", "n2", "n4"), excluded=("n3",), tasks_per_node=2)
     event = Event(Kind.NODES_RETURNED, returned=("n3",), detail="healthy")
     state = State(layout=shrunk, min_nodes=3)
-    reshaper = Reshaper(config.RunConfig(elastic=True), agents, janitor, lambda kind, **f: said.append((kind, f)))
+    reshaper = Reshaper(config.make(elastic=True), agents, janitor, lambda kind, **f: said.append((kind, f)))
     done, line = reshaper.carry_out(decide(event, state, T0), event, state, {}, "t", str(tmp_path))
     return done, line, said[-1], agents, janitor
 

@@ -95,9 +95,9 @@ def test_options_cli_beats_environment_beats_file(tmp_path):
     cfg_file.write_text("spares = 1\nmax-restarts = 7\nhang_timeout = 30\nprofile = 'frontier'\n")
     env = {"HPCFT_SPARES": "2", "HPCFT_HANG_TIMEOUT": "45", "HPCFT_RANK": "3"}  # HPCFT_RANK is not an option
     cfg = config.load({"spares": 3, "hang_timeout": None}, env, cfg_file)
-    assert (cfg.spares, cfg.hang_timeout, cfg.max_restarts, cfg.profile) == (3, 45.0, 7, "frontier")
+    assert (cfg.launch.spares, cfg.recovery.hang_timeout, cfg.recovery.max_restarts, cfg.launch.profile) == (3, 45.0, 7, "frontier")
     assert config.load({}, {"HPCFT_CONFIG": str(cfg_file)}).spares == 1
-    assert config.load({}, {}).spares == 0
+    assert config.load({}, {}).launch.spares == 0
 
 
 def test_unknown_or_bad_option_is_named_with_the_valid_ones(tmp_path):
@@ -115,18 +115,18 @@ def test_protection_options_from_file_environment_and_cli(tmp_path):
     cfg_file = tmp_path / "hpcft.toml"
     cfg_file.write_text("protect = 'rs'\ngroup = 4\nlosses = 2\n")
     cfg = config.load({"protect_rate": None}, {"HPCFT_PROTECT_RATE": "5e8"}, cfg_file)
-    assert (cfg.protect, cfg.group, cfg.losses, cfg.protect_rate, cfg.protected) == ("rs", 4, 2, 5e8, True)
+    assert (cfg.protection.protect, cfg.protection.group, cfg.protection.losses, cfg.protection.protect_rate, cfg.protection.protected) == ("rs", 4, 2, 5e8, True)
     assert config.scheme(cfg).tolerated == 2
-    assert config.load({}, {}).protect == "auto" and config.load({}, {}).protect_rate is None
-    assert not config.load({"protect": "none"}, {}).protected
+    assert config.load({}, {}).protection.protect == "auto" and config.load({}, {}).protection.protect_rate is None
+    assert not config.load({"protect": "none"}, {}).protection.protected
 
 
 @pytest.mark.parametrize("active,want", [(1, ("none", 4)), (2, ("partner", 4)), (3, ("xor", 3)), (4, ("xor", 4)),
                                          (9, ("xor", 4))])
 def test_the_default_protects_wherever_the_allocation_allows_it(active, want):
     cfg = config.resolve_protect(config.load({}, {}), active)
-    assert (cfg.protect, cfg.group) == want
-    assert config.resolve_protect(config.load({"protect": "rs", "losses": 2}, {}), active).protect == "rs"
+    assert (cfg.protection.protect, cfg.protection.group) == want
+    assert config.resolve_protect(config.load({"protect": "rs", "losses": 2}, {}), active).protection.protect == "rs"
 
 
 @pytest.mark.parametrize("options,message", [

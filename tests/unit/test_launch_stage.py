@@ -185,7 +185,7 @@ def test_the_users_setting_wins_over_the_frontier_profiles_default_which_needs_n
     assert wanted(config.load({}, {}), cpu, nvme)[0] is False
     assert wanted(config.load({"stage_env": False}, {}), frontier, nvme) == (False, "--no-stage-env")
     assert wanted(config.load({}, {"HPCFT_STAGE_ENV": "1"}), cpu, {})[0] is True
-    assert config.load({}, {"HPCFT_STAGE_ENV": "no"}).stage_env is False
+    assert config.load({}, {"HPCFT_STAGE_ENV": "no"}).staging.stage_env is False
     with pytest.raises(ConfigError, match="HPCFT_STAGE_ENV"):
         config.load({}, {"HPCFT_STAGE_ENV": "maybe"})
 

@@ -10,7 +10,7 @@ from hpcft.launch.config import options as config
 from hpcft.launch.config import memplan
 from hpcft.launch.steps import preflight
 from hpcft.launch.config import profiles
-from hpcft.launch.config.options import RunConfig
+from hpcft.launch.config.options import RunConfig, make
 from hpcft.launch.steps.preflight import Preflight
 
 G = 2**30
@@ -20,7 +20,7 @@ def test_sizes_are_read_with_units():
     assert memplan.parse_bytes("4096") == 4096
     assert memplan.parse_bytes("64G") == 64 * G and memplan.parse_bytes("1.5TiB") == int(1.5 * 2**40)
     assert memplan.parse_bytes("512 MB") == 512 * 2**20
-    assert config.load({"state_bytes": "120G", "node_memory": "512G"}, environ={}).state_bytes == 120 * G
+    assert config.load({"state_bytes": "120G", "node_memory": "512G"}, environ={}).memory.state_bytes == 120 * G
     with pytest.raises(ConfigError, match="state_bytes='lots' is not a valid"):
         config.load({"state_bytes": "lots"}, environ={})
     with pytest.raises(ConfigError, match="memory_headroom must be a fraction"):
@@ -56,10 +56,10 @@ def _events():
 
 def test_a_given_state_that_cannot_fit_stops_the_run_before_launch(tmp_path):
     got, emit = _events()
-    cfg = RunConfig(protect="xor", group=4, state_bytes=64 * G, node_memory=128 * G)
+    cfg = make(protect="xor", group=4, state_bytes=64 * G, node_memory=128 * G)
     with pytest.raises(ConfigError, match=r"snapshots need 320.0 GiB per node .* --node-memory offers 128.0 GiB"):
         Preflight(cfg, profiles.CPU, {"USER": "u", "HPCFT_STORE_ROOT": str(tmp_path)}, emit, "9").start(4)
-    ok = RunConfig(protect="xor", group=4, state_bytes=16 * G, node_memory=512 * G)
+    ok = make(protect="xor", group=4, state_bytes=16 * G, node_memory=512 * G)
     Preflight(ok, profiles.CPU, {"USER": "u", "HPCFT_STORE_ROOT": str(tmp_path)}, emit, "9").start(4)
     assert got[-1][0] == "memory_plan" and got[-1][1]["checked"] is True and got[-1][1]["needed"] == 80 * G
 
@@ -68,7 +68,7 @@ def test_the_real_tmpfs_is_the_limit(mount_tmpfs):
     """The store root's free space (a real 1600 KiB tmpfs) bounds the plan when no --node-memory is given."""
     root = mount_tmpfs("1600k")
     got, emit = _events()
-    cfg = RunConfig(protect="none", state_bytes=1 << 20, memory_headroom=0.0)
+    cfg = make(protect="none", state_bytes=1 << 20, memory_headroom=0.0)
     with pytest.raises(ConfigError, match=r"3.0 MiB per node = 3 snapshot slots .* this node \(1.\d MiB free"):
         Preflight(cfg, profiles.CPU, {"USER": "u", "HPCFT_STORE_ROOT": str(root)}, emit, "9").start(1)
 
@@ -84,7 +84,7 @@ def test_after_the_first_snapshot_its_real_size_is_checked_once(tmp_path, monkey
     """Without agents: this node's own store (a real directory tree), when the batch host trains."""
     monkeypatch.setattr(preflight, "PLAN_EVERY_S", 0.0)
     got, emit = _events()
-    cfg = RunConfig(protect="none", keep=2, node_memory=1 << 20, memory_headroom=0.0)
+    cfg = make(protect="none", keep=2, node_memory=1 << 20, memory_headroom=0.0)
     pre = Preflight(cfg, profiles.CPU, {"USER": "u", "HPCFT_STORE_ROOT": str(tmp_path)}, emit, "9")
     pre.start(1)
     assert got[-1] == ("memory_plan", {"checked": False,
@@ -109,7 +109,7 @@ def test_the_agents_reports_name_the_tightest_node(tmp_path, monkeypatch):
     tight = {"node": "n2", "snapshot_bytes": 64 * G, "store_bytes": 64 * G, "shm_free": 100 * G,
              "mem_available": 90 * G}
     got, emit = _events()
-    cfg = RunConfig(protect="xor", group=4, memory_headroom=0.1)
+    cfg = make(protect="xor", group=4, memory_headroom=0.1)
     pre = Preflight(cfg, profiles.CPU, {"USER": "u", "HPCFT_STORE_ROOT": str(tmp_path)}, emit, "9")
     pre.poll(lambda: [real, tight])
     kind, fields = got[-1]
@@ -125,7 +125,7 @@ def test_the_plan_waits_for_every_agents_report_until_the_launch_is_over(tmp_pat
     monkeypatch.setattr(preflight, "PLAN_EVERY_S", 0.0)
     early = {"node": "n1", "snapshot_bytes": 1024, "store_bytes": 1024, "shm_free": G, "mem_available": G}
     got, emit = _events()
-    pre = Preflight(RunConfig(protect="xor", group=4), profiles.CPU, {"USER": "u", "HPCFT_STORE_ROOT": str(tmp_path)},
+    pre = Preflight(make(protect="xor", group=4), profiles.CPU, {"USER": "u", "HPCFT_STORE_ROOT": str(tmp_path)},
                     emit, "9")
     pre.poll(lambda: [early, {"node": "n2"}], expected=4)
     assert got == []  # one of four has a snapshot
@@ -134,7 +134,7 @@ def test_the_plan_waits_for_every_agents_report_until_the_launch_is_over(tmp_pat
     assert kind == "memory_plan" and fields["nodes"] == 1 and fields["expected"] == 4 and fields["checked"] is True
     pre.poll(lambda: [early] * 4, expected=4)
     assert len(got) == 1  # once per run
-    every = Preflight(RunConfig(protect="xor", group=4), profiles.CPU,
+    every = Preflight(make(protect="xor", group=4), profiles.CPU,
                       {"USER": "u", "HPCFT_STORE_ROOT": str(tmp_path)}, emit, "9")
     every.poll(lambda: [{**early, "node": f"n{i}"} for i in range(1, 5)], expected=4)
     assert got[-1][1]["nodes"] == 4 and "expected" not in got[-1][1]

@@ -11,7 +11,7 @@ import pytest
 from hpcft.doctor import network_checks
 from hpcft.launch.config import netplugin
 from hpcft.launch.config import profiles
-from hpcft.launch.config.options import RunConfig
+from hpcft.launch.config.options import RunConfig, make
 from hpcft.launch.steps.preflight import Preflight
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,7 +91,7 @@ def test_doctor_command_exits_1_without_the_plugin(tmp_path):
 @pytest.mark.parametrize("nodes, level", [(4, "ERROR"), (1, "WARNING")])
 def test_run_preflight_says_the_plugin_is_missing(tmp_path, nodes, level):
     events = []
-    cfg = RunConfig(profile="frontier", protect="none")
+    cfg = make(profile="frontier", protect="none")
     environ = {"LD_LIBRARY_PATH": str(lib_tree(tmp_path / "lib")), "USER": "u", "HPCFT_STORE_ROOT": str(tmp_path)}
     env = Preflight(cfg, profiles.FRONTIER, environ, lambda kind, **f: events.append((kind, f)), "7").start(nodes)
     assert env == {}
@@ -104,7 +104,7 @@ def test_run_preflight_points_rccl_at_an_installed_plugin(tmp_path):
     events = []
     lib = lib_tree(tmp_path / "plugin", "librccl-net.so")
     environ = {netplugin.DIRS_ENV: str(lib), "USER": "u", "HPCFT_STORE_ROOT": str(tmp_path), "LD_LIBRARY_PATH": "/x"}
-    env = Preflight(RunConfig(profile="frontier", protect="none"), profiles.FRONTIER, environ,
+    env = Preflight(make(profile="frontier", protect="none"), profiles.FRONTIER, environ,
                     lambda kind, **f: events.append((kind, f)), "7").start(2)
     assert env == {"NCCL_NET_PLUGIN": str(lib / "librccl-net.so"), "LD_LIBRARY_PATH": f"{lib}:/x"}
     merged = profiles.env_defaults(profiles.FRONTIER, environ, user="u", job="7", plugin=env)

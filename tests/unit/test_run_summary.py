@@ -10,7 +10,7 @@ import pytest
 
 from hpcft import events
 from hpcft.launch import losses
-from hpcft.launch.config.options import RunConfig
+from hpcft.launch.config.options import RunConfig, make
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.state import Persisted
 from hpcft.launch.policy.failures import EXIT_GAVE_UP, Action, Decision
@@ -50,7 +50,7 @@ class _Slurm:
 
 
 def _supervisor(tmp_path, slurm: _Slurm, **options) -> Supervisor:
-    cfg = RunConfig(job_dir=str(tmp_path / "job"), protect="none", persist_dir="none", standby=False,
+    cfg = make(job_dir=str(tmp_path / "job"), protect="none", persist_dir="none", standby=False,
                     poll_interval=0.05, **options)
     sup = Supervisor(cfg, ["python", "train.py"], runner=slurm, environ={"SLURM_JOB_ID": "7", "USER": "me",
                                                                         "PATH": "/usr/bin:/bin"})
@@ -135,10 +135,10 @@ def test_lost_progress_exit_is_an_option_of_hpcft_run_that_cannot_pass_for_anoth
     from hpcft.launch.config import options as config
     from hpcft.launch.cli import run
 
-    assert config.RunConfig().lost_progress_exit == 6
+    assert config.make().lost_progress_exit == 6
     assert "--lost-progress-exit" in CliRunner().invoke(run, ["--help"]).output
-    assert config.load({"lost_progress_exit": 0}, environ={}).lost_progress_exit == 0
-    assert config.load({}, environ={"HPCFT_LOST_PROGRESS_EXIT": "42"}).lost_progress_exit == 42
+    assert config.load({"lost_progress_exit": 0}, environ={}).recovery.lost_progress_exit == 0
+    assert config.load({}, environ={"HPCFT_LOST_PROGRESS_EXIT": "42"}).recovery.lost_progress_exit == 42
     for taken in (1, 3, 4, 5, 143, 256, -1):  # hpcft's own statuses, a signal's, none at all
         with pytest.raises(ConfigError, match="lost_progress_exit"):
             config.load({"lost_progress_exit": taken}, environ={})

@@ -32,7 +32,7 @@ def test_site_table_is_read_beside_the_run_options(tmp_path):
     s = site.load(path)
     assert s.modules == ("PrgEnv-gnu/8.7.0", "rocm/7.1.1", "rccl-net-plugin") and s.nvme
     assert s.setup == ("conda activate /ccs/proj/abc123/envs/torch",) and s.nvme_dir == "/mnt/bb/$USER"
-    assert config.load(config_file=path, environ={}).spares == 2  # the run options ignore [site]
+    assert config.load(config_file=path, environ={}).launch.spares == 2  # the run options ignore [site]
     assert site.load(None, environ={}) == site.SiteConfig()
 
 

@@ -1,8 +1,10 @@
-"""`hpcft run` options from three places, CLI > environment (HPCFT_<NAME>) > config file (TOML), one dataclass."""
+"""`hpcft run`'s options: one model, typed sections of fields, each with its default and help. The command line
+(launch/config/command.py), the config file, the HPCFT_<NAME> environment variables and the configuration reference
+(docs/configuration.md) are generated from it; precedence CLI > environment > file > default."""
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -10,177 +12,246 @@ from hpcft.agent.transport.heartbeat import LOSS_TIMEOUT_S
 from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK
 from hpcft.errors import ConfigError
 from hpcft.launch.config.memplan import parse_bytes
-from hpcft.launch.node.standby import DEFAULT_PRELOAD
 from hpcft.snapshot.calibration.policy import default_choice, parse_override
 
 CONFIG_ENV = "HPCFT_CONFIG"
 LOST_PROGRESS_EXIT = 6  # after hpcft's own 1, 3, 4, 5; not the shell's or a signal's (126 and up)
 OWN_EXITS = (1, 2, 3, 4, 5)  # hpcft's and click's exit statuses, which a lost-progress exit must not look like
+PROTECT_SCHEMES = ("auto", "none", "partner", "xor", "rs")
+AGENT_TRANSPORTS = ("tcp", "mpi")
+ELASTIC_BATCH = (KEEP_GLOBAL, KEEP_PER_RANK)
+PROFILES = ("cpu", "cuda", "frontier")
+DEFAULT_PRELOAD = ("torch,torch.nn,torch.optim,torch.distributed,torch.distributed.device_mesh,"
+                   "torch.nn.parallel,torch._dynamo,torch._inductor.config,torch.distributed.checkpoint.state_dict,"
+                   "numpy,hpcft.runtime,hpcft.checkpointer")
+
+
+def option(default: Any, help: str, *, daily: bool = False, choices: tuple[str, ...] = (), metavar: str = "",
+           size: bool = False) -> Any:
+    """A field of a section: `help` is its one text (--help, the reference); `daily` shows it in `hpcft run --help`
+    (the rest under --help-all); `size`: bytes, also written 64G or 1.5TiB."""
+    return field(default=default, metadata={"help": help, "daily": daily, "choices": choices, "metavar": metavar,
+                                            "size": size})
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    """Every option of the supervisor; the docstring of each field is its help text in docs/supervisor.md.
+class Launch:
+    """Where the trainers run and how they are started."""
 
-    nodes: active nodes (default: the allocation minus the spares); spares: nodes held back to replace failed
-    ones; profile: frontier | cuda | cpu; tasks_per_node: overrides the profile's; max_restarts: relaunches
-    allowed before giving up (requeues not counted); hang_timeout: seconds without a completed step before
-    the step is killed as hung (0: off); start_timeout: with hang_timeout on, the seconds a launch may take to its
-    first completed step (start-up, process groups, restore) before it counts as hung (0: the hang timeout), so that
-    the hang timeout need not cover a start-up; poll_interval: seconds between checks of the step and the nodes;
-    kill_grace: seconds between SIGTERM and SIGKILL of a step; requeue_margin: with less walltime left than
-    this, persist and requeue instead of relaunching; requeue: allow `scontrol requeue` (else stop);
-    job_dir: where events, decisions and progress go (default ./hpcft-<job id>); srun_args: extra srun
-    options for the trainer step; probe_timeout: seconds a node health probe may take; loss_timeout: seconds without
-    a heartbeat after which a node agent names its peer a suspect, whose node the supervisor then probes (0: no
-    heartbeats, a node is found lost when its connections close or Slurm marks it); protect: auto | none |
-    partner | xor | rs, the node agents' protection scheme (none: no agents step; auto: xor over sets of `group`
-    where 3 or more nodes train, partner on 2, none on 1 — see `resolve_protect`); group, losses, distance:
-    its set size, tolerated losses per set (rs) and partner distance; protect_rate: bytes/s cap on protection
-    traffic (default: the agents' own); protect_timeout: seconds the agents may take to be ready (rebuild
-    included) before the launch counts as failed; protect_lag: a bound in steps on how far the newest protected
-    snapshot may trail the newest staged one: the agents raise their CPU cap (from the profile's) while it is
-    exceeded and report the cap it took (`hpcft status`), warning when even 1 core cannot meet it; persist_dir: the
-    durable tier's directory on a file system every node and the next allocation see (default
-    `<job_dir>/checkpoints`; `none`: no flushing); persist_every: flush once the newest protected step is this many
-    steps past the newest durable one (and always before a requeue); persist_keep: durable checkpoints kept;
-    persist_rate: bytes/s cap on each node's flush writes; persist_local: the durable tier's node-local first level,
-    written first and drained to persist_dir (exported as $HPCFT_PERSIST_LOCAL; `$VAR`s expanded on each node;
-    default: $HPCFT_NVME/hpcft-persist where `hpcft submit --nvme` gave one; `none`: off); agent_iface: the network interface the node agents bind to
-    (default: the profile's, hsn0 on Frontier; a node without it falls back to its hostname's address with a
-    warning event); agent_transport: tcp | mpi, what carries the node agents' bulk data and agreements (mpi: an mpi4py
-    communicator over the site's MPI, the agents' srun step started with --mpi=`agent_mpi`; the heartbeats stay on
-    TCP; hpcft/agent/transport/mpimesh.py); agent_mpi: the srun MPI plugin of the agents' step with mpi (default: the
-    profile's, pmix, cray_shasta on Frontier); keep: the Checkpointer's `keep` (versions kept per rank), for memory planning; state_bytes: one
-    snapshot's bytes on one node (all its ranks), for the memory check before the first launch (unknown: checked
-    after the first snapshot only); node_memory: bytes of memory per node to plan with (default: what the batch
-    host's /dev/shm and MemAvailable offer); memory_headroom: fraction of that memory left to the trainers and the
-    system (hpcft/launch/config/memplan.py); elastic: when a node is lost and no spare is left, continue on fewer nodes
-    (the state resharded from the survivors' memory plus parity, hpcft/launch/reshape.py) instead of requeueing;
-    min_nodes: an elastic job shrinks down to this many active nodes; a loss below it requeues as any other (default 1);
-    elastic_batch: keep-global (the global batch stays, each replica accumulates more micro-batches) or keep-per-rank
-    (each replica's batch stays, the global batch shrinks), exported to the trainers as HPCFT_ELASTIC_BATCH;
-    elastic_grow: a job running shrunk grows back toward `nodes` when nodes of its allocation return to service
-    (hpcft/launch/watch/grow.py, the decision in hpcft/launch/policy/grow.py); grow_settle: seconds a returned node must
-    stay healthy before the job takes it back (doubled for each earlier loss of that node); grow_every: at most one
-    grow per this many seconds after the last shrink or grow; grow_max_losses: a node lost more often than this in
-    the run is not taken back; standby: a warm standby process on every node of the slots and spares, which has
-    imported `preload` and runs each trainer task's `python SCRIPT` / `python -m MODULE` in a forked child, so that a
-    relaunch starts no interpreter (hpcft/launch/node/standby.py; other commands run cold, said in an event); preload:
-    the comma-separated modules the standbys import (default: torch and what its first optimizer and
-    use_deterministic_algorithms import, torch._dynamo included, numpy and hpcft's training side; add the training
-    script's own heavy modules); stage_env: pack the interpreter's environment (its venv or conda env) once, broadcast
-    it with sbcast to node-local storage and start every step from each node's copy (hpcft/launch/steps/stage.py; default:
-    on in the frontier profile where the job has node-local NVMe, else off); stage_dir: that node-local directory,
-    the same path on every node (default $HPCFT_NVME, else /tmp); stage_cache: where the archives are kept between
-    launches and requeues, named by their content (default `<job_dir>/stage`; a directory shared by several jobs
-    reuses one archive for all).
-    copy: the CPU snapshot/restore copy method for every trainer, exported as HPCFT_COPY
-    (default `auto`: measured once per host and cached; `default`: hpcft's built-in method; or pinned, e.g.
-    `stream,threads=2,chunk=1M` — hpcft/snapshot/calibration).
-    adopt: a job whose in-memory snapshots the trainers' restore and the agents' rebuild take besides this job's own
-    (another job's are refused: hpcft/store/owner.py), exported as HPCFT_ADOPT.
-    lost_progress_exit: the exit status of a run that finished but lost progress on the way (resumed from an older
-    step than its trainers had reached, or from step 0), so that it cannot pass for a clean success (0: exit 0).
-    """
+    nodes: int | None = option(None, "Active nodes (default: the allocation minus the spares).", daily=True)
+    spares: int = option(0, "Nodes held back to replace failed ones.", daily=True)
+    profile: str = option("cpu", "Machine profile: tasks per node, srun options, library environment.", daily=True, choices=PROFILES)
+    tasks_per_node: int | None = option(None, "Trainer tasks per node (default: the profile's).")
+    job_dir: str | None = option(None, "Where events, decisions and progress go (default ./hpcft-<job id>).",
+                                 daily=True)
+    srun_args: str = option("", "Extra srun options for the trainers' step, as one string.", daily=True)
+    poll_interval: float = option(1.0, "Seconds between checks of the step and the nodes.")
+    kill_grace: float = option(10.0, "Seconds between SIGTERM and SIGKILL of a step.")
+    copy: str | None = option(None, "The trainers' CPU snapshot/restore copy method, exported as HPCFT_COPY: auto "
+                              "(measured once per host and cached, the default), default, or pinned, e.g. "
+                              "stream,threads=2,chunk=1M (hpcft/snapshot/calibration).")
+    adopt: str | None = option(None, "A job whose snapshots in the nodes' memory the restore and the agents' rebuild "
+                               "take too (another job's are refused), exported as HPCFT_ADOPT.", metavar="JOB")
 
-    nodes: int | None = None
-    spares: int = 0
-    profile: str = "cpu"
-    tasks_per_node: int | None = None
-    max_restarts: int = 3
-    hang_timeout: float = 0.0
-    start_timeout: float = 0.0
-    poll_interval: float = 1.0
-    kill_grace: float = 10.0
-    requeue_margin: float = 300.0
-    requeue: bool = True
-    job_dir: str | None = None
-    srun_args: str = ""
-    probe_timeout: float = 15.0
-    loss_timeout: float = LOSS_TIMEOUT_S
-    protect: str = "auto"
-    group: int = 4
-    losses: int = 1
-    distance: int = 1
-    protect_rate: float | None = None
-    protect_timeout: float = 300.0
-    protect_lag: int | None = None
-    persist_dir: str | None = None
-    persist_every: int = 100
-    persist_keep: int = 2
-    persist_rate: float | None = None
-    persist_local: str | None = None
-    agent_iface: str | None = None
-    agent_transport: str = "tcp"
-    agent_mpi: str | None = None
-    keep: int = 2
-    state_bytes: int | None = None
-    node_memory: int | None = None
-    memory_headroom: float = 0.2
-    elastic: bool = False
-    min_nodes: int | None = None
-    elastic_batch: str = KEEP_GLOBAL
-    elastic_grow: bool = False
-    grow_settle: float = 60.0
-    grow_every: float = 300.0
-    grow_max_losses: int = 2
-    straggler_factor: float = 1.5
-    straggler_window: float = 30.0
-    evict_stragglers: bool = False
-    standby: bool = True
-    preload: str = DEFAULT_PRELOAD
-    stage_env: bool | None = None
-    stage_dir: str | None = None
-    stage_cache: str | None = None
-    copy: str | None = None
-    adopt: str | None = None
-    lost_progress_exit: int = LOST_PROGRESS_EXIT
+
+@dataclass(frozen=True)
+class Recovery:
+    """When a failure is a relaunch, a requeue or the end, and how failures are found."""
+
+    max_restarts: int = option(3, "Relaunches allowed before giving up (requeues not counted).", daily=True)
+    hang_timeout: float = option(0.0, "Seconds without a completed step = hung (0: off).", daily=True)
+    start_timeout: float = option(0.0, "With --hang-timeout: seconds a launch may take to its first completed step "
+                                  "(start-up, process groups, restore) before it counts as hung (0: the hang timeout).")
+    requeue: bool = option(True, "Allow `scontrol requeue` when the walltime nears or no relaunch is possible.")
+    requeue_margin: float = option(300.0, "With less walltime left than this (s), persist and requeue instead of "
+                                   "relaunching.")
+    probe_timeout: float = option(15.0, "Seconds a node health probe may take.")
+    loss_timeout: float = option(LOSS_TIMEOUT_S, "Seconds without a heartbeat after which a node agent names its peer "
+                                 "a suspect, whose node is then probed (0: no heartbeats; a node is lost when its "
+                                 "connections close or Slurm marks it).")
+    lost_progress_exit: int = option(LOST_PROGRESS_EXIT, "Exit status of a run that finished but lost progress on "
+                                     "the way (resumed from an older step than its trainers had reached), so that it "
+                                     "cannot pass for a clean success (0: exit 0).", metavar="N")
+
+
+@dataclass(frozen=True)
+class Protection:
+    """The node agents' in-memory protection across nodes (docs/protection.md)."""
+
+    protect: str = option("auto", "Scheme (auto: xor from 3 nodes, partner on 2, none on 1; none: no agents).", daily=True, choices=PROTECT_SCHEMES)
+    group: int | None = option(None, "Set size for xor and rs (default: 4, or the active nodes where fewer).", daily=True)
+    losses: int = option(1, "Node losses tolerated per set (rs).")
+    distance: int = option(1, "Partner distance in slots (partner).")
+    protect_rate: float | None = option(None, "Bytes/s cap on protection traffic (default: the agents' own).")
+    protect_timeout: float = option(300.0, "Seconds the agents may take to be ready (rebuild included) before the "
+                                    "launch counts as failed.")
+    protect_lag: int | None = option(None, "Steps protection may trail the newest snapshot: the agents' CPU cap rises "
+                                     "while it does (default: a fixed cap).",
+                                     daily=True)
+    agent_iface: str | None = option(None, "Network interface the agents bind to (default: the profile's, hsn0 on "
+                                     "Frontier; a node without it uses its hostname's address, with a warning).")
+    agent_transport: str = option("tcp", "What carries the agents' bulk data and agreements: tcp, or mpi (mpi4py over "
+                                  "the site's MPI; the heartbeats stay on TCP).", choices=AGENT_TRANSPORTS)
+    agent_mpi: str | None = option(None, "With --agent-transport mpi: the srun MPI plugin of the agents' step "
+                                   "(default: the profile's, pmix; cray_shasta on Frontier).")
 
     @property
     def protected(self) -> bool:
         """Whether the node agents protect snapshots across nodes."""
         return self.protect != "none"
 
+
+@dataclass(frozen=True)
+class Memory:
+    """The memory plan checked before the first launch and after the first snapshot (hpcft/launch/config/memplan.py)."""
+
+    keep: int = option(2, "The Checkpointer's keep (versions kept per rank), for the plan.")
+    state_bytes: int | None = option(None, "One snapshot's bytes on one node, all its ranks (e.g. 120G; unknown: "
+                                     "checked after the first snapshot only).", size=True)
+    node_memory: int | None = option(None, "Memory per node to plan with (e.g. 512G; default: what the batch host's "
+                                     "/dev/shm and MemAvailable offer).", size=True)
+    memory_headroom: float = option(0.2, "Fraction of node memory left to the trainers and the system.")
+
+
+@dataclass(frozen=True)
+class Durable:
+    """The agents' flush to the durable tier on a shared file system (docs/durable.md)."""
+
+    persist_dir: str | None = option(None, "The durable tier on a shared file system (default <job dir>/checkpoints; "
+                                     "none: no flushing).", daily=True)
+    persist_every: int = option(100, "Flush every this many protected steps (and before a requeue).", daily=True)
+    persist_keep: int = option(2, "Durable checkpoints kept.")
+    persist_rate: float | None = option(None, "Bytes/s cap on each node's flush writes.")
+    persist_local: str | None = option(None, "The durable tier's node-local first level, written first and drained "
+                                       "to --persist-dir ($VARs expanded on each node; default $HPCFT_NVME/"
+                                       "hpcft-persist where `hpcft submit --nvme` gave one; none: off).")
+
     @property
     def persisting(self) -> bool:
         """Whether the node agents flush to the durable tier (on unless persist_dir is `none`)."""
         return (self.persist_dir or "").lower() != "none"
 
+
+@dataclass(frozen=True)
+class Elastic:
+    """Continuing on fewer nodes when no spare is left, and growing back (hpcft/launch/reshape.py)."""
+
+    elastic: bool = option(False, "With no spare left, continue on fewer nodes instead of requeueing.", daily=True)
+    min_nodes: int | None = option(None, "With --elastic: below this many active nodes, requeue instead (default 1).")
+    elastic_batch: str = option(KEEP_GLOBAL, "What a shrink keeps: the global batch (each replica accumulates more "
+                                "micro-batches) or each replica's batch, exported as HPCFT_ELASTIC_BATCH.",
+                                choices=ELASTIC_BATCH)
+    elastic_grow: bool = option(False, "With --elastic: grow back toward --nodes when nodes of the allocation return "
+                                "to service.")
+    grow_settle: float = option(60.0, "Seconds a returned node must stay healthy before it is taken back (doubled "
+                                "for each earlier loss of that node).")
+    grow_every: float = option(300.0, "At most one grow per this many seconds after the last shrink or grow.")
+    grow_max_losses: int = option(2, "A node lost more often than this in the run is not taken back.")
+
+
+@dataclass(frozen=True)
+class Stragglers:
+    """Finding slow nodes and replacing them (docs/supervisor.md, "Stragglers")."""
+
+    straggler_factor: float = option(1.5, "A node whose ranks' own share of a step is this many times the other "
+                                     "nodes' median is a straggler (0: off).")
+    straggler_window: float = option(30.0, "Seconds of steps judged together.")
+    evict_stragglers: bool = option(False, "Replace a straggler's node with a spare at the next protected step.")
+
+
+@dataclass(frozen=True)
+class Standby:
+    """Warm standby processes: a relaunch starts no interpreter (hpcft/launch/node/standby.py)."""
+
+    standby: bool = option(True, "A warm standby on every node runs the trainers' `python SCRIPT` / `python -m "
+                           "MODULE` in a forked child (other commands run cold, said in an event).")
+    preload: str = option(DEFAULT_PRELOAD, "Comma-separated modules the standbys import before a launch (add the "
+                          "training script's own heavy modules).", metavar="MODULES")
+
+
+@dataclass(frozen=True)
+class Staging:
+    """The Python environment copied to node-local storage and started from there (hpcft/launch/steps/stage.py)."""
+
+    stage_env: bool | None = option(None, "Pack the interpreter's environment once, sbcast it to node-local storage "
+                                    "and start every step from each node's copy (default: on with the frontier "
+                                    "profile and node-local NVMe).")
+    stage_dir: str | None = option(None, "That node-local directory, the same path on every node (default "
+                                   "$HPCFT_NVME, else /tmp).")
+    stage_cache: str | None = option(None, "Where the archives are kept, named by their content (default <job "
+                                     "dir>/stage; a directory shared by several jobs reuses one archive).")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every option of `hpcft run`, by section; a collaborator is handed the section it needs."""
+
+    launch: Launch = field(default_factory=Launch)
+    recovery: Recovery = field(default_factory=Recovery)
+    protection: Protection = field(default_factory=Protection)
+    memory: Memory = field(default_factory=Memory)
+    durable: Durable = field(default_factory=Durable)
+    elastic: Elastic = field(default_factory=Elastic)
+    stragglers: Stragglers = field(default_factory=Stragglers)
+    standby: Standby = field(default_factory=Standby)
+    staging: Staging = field(default_factory=Staging)
+
     @property
     def with_agents(self) -> bool:
         """Whether node agents run next to the trainers: to protect, to flush, or both."""
-        return self.protected or self.persisting
+        return self.protection.protected or self.durable.persisting
+
+    def but(self, **changes: Any) -> "RunConfig":
+        """This configuration with options changed by name (e.g. `cfg.but(nodes=3, group=3)`)."""
+        by_section: dict[str, dict[str, Any]] = {}
+        for name, value in changes.items():
+            by_section.setdefault(section_of(name), {})[name] = value
+        return replace(self, **{s: replace(getattr(self, s), **v) for s, v in by_section.items()})
 
 
-PROTECT_SCHEMES = ("auto", "none", "partner", "xor", "rs")
-AGENT_TRANSPORTS = ("tcp", "mpi")
-ELASTIC_BATCH = (KEEP_GLOBAL, KEEP_PER_RANK)
-KEYS = tuple(f.name for f in fields(RunConfig))
-_TYPES = {f.name: f.type for f in fields(RunConfig)}
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
+OPTIONS: dict[str, tuple[str, Field]] = {f.name: (s, f) for s, cls in SECTIONS.items() for f in fields(cls)}
+KEYS = tuple(OPTIONS)
+
+
+def section_of(name: str) -> str:
+    """The section an option belongs to; ConfigError listing the valid names."""
+    if name not in OPTIONS:
+        raise ConfigError(f"unknown option {name!r}; valid options: {', '.join(KEYS)}")
+    return OPTIONS[name][0]
+
+
+def make(**options: Any) -> RunConfig:
+    """A validated RunConfig from options by name (the defaults for the rest)."""
+    cfg = RunConfig().but(**options)
+    validate(cfg)
+    return cfg
 
 
 def env_name(key: str) -> str:
     return "HPCFT_" + key.upper()
 
 
-SIZE_KEYS = ("state_bytes", "node_memory")  # bytes, also written as 64G, 1.5TiB
+def kind_of(spec: Field) -> str:
+    """An option's type as a word: int, float, bool or str (None allowed or not)."""
+    return spec.type.__name__ if isinstance(spec.type, type) else str(spec.type).split(" ")[0]
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:
-    kind = _TYPES[key]
+    spec = OPTIONS[key][1]
+    kind = kind_of(spec)
     if value is None:
         return None
     try:
-        if key in SIZE_KEYS:
+        if spec.metadata["size"]:
             return parse_bytes(value)
-        if kind in (int, "int", int | None, "int | None"):
+        if kind.startswith("int"):
             if isinstance(value, bool):
                 raise ValueError
             return int(value)
-        if kind in (float, "float", float | None, "float | None"):
+        if kind.startswith("float"):
             return float(value)
-        if kind in (bool, "bool", bool | None, "bool | None"):
+        if kind.startswith("bool"):
             if isinstance(value, bool):
                 return value
             text = str(value).strip().lower()
@@ -191,14 +262,14 @@ def _coerce(key: str, value: Any, where: str) -> Any:
             raise ValueError
         return str(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {key}={value!r} is not a valid {getattr(kind, '__name__', kind)}") from None
+        raise ConfigError(f"{where}: {key}={value!r} is not a valid {kind}") from None
 
 
 def _check_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     out = {}
     for raw, value in data.items():
         key = raw.replace("-", "_")
-        if key not in KEYS:
+        if key not in OPTIONS:
             raise ConfigError(f"{where}: unknown option {raw!r}; valid options: {', '.join(KEYS)}")
         out[key] = _coerce(key, value, where)
     return out
@@ -216,13 +287,22 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def from_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Options from a TOML file: top-level keys, or a [run] table."""
+    """Options from a TOML file: top-level keys, a [run] table, or a table per section ([protection], ...)."""
     p = Path(path)
     data = read_toml(p)
     data.pop("site", None)  # the sbatch script's site settings (hpcft/launch/config/site.py)
     if isinstance(data.get("run"), dict):
         data = data["run"]
-    return _check_keys(data, f"config file {p}")
+    flat = {k: v for k, v in data.items() if not (k in SECTIONS and isinstance(v, dict))}
+    for name in SECTIONS:
+        table = data.get(name)
+        if isinstance(table, dict):
+            wrong = [k for k in table if OPTIONS.get(k.replace("-", "_"), (name,))[0] != name]
+            if wrong:
+                raise ConfigError(f"config file {p}: [{name}] has no option {wrong[0]!r}; its options: "
+                                  f"{', '.join(f.name for f in fields(SECTIONS[name]))}")
+            flat.update(table)
+    return _check_keys(flat, f"config file {p}")
 
 
 def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -241,134 +321,145 @@ def load(cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None
         merged.update(from_file(path))
     merged.update(from_env(env))
     merged.update(_check_keys({k: v for k, v in (cli or {}).items() if v is not None}, "command line"))
-    cfg = replace(RunConfig(), **merged)
-    validate(cfg)
-    return cfg
+    return make(**merged)
 
 
 def validate(cfg: RunConfig) -> None:
-    """Reject values no run can use, naming the option."""
-    if cfg.spares < 0:
-        raise ConfigError(f"spares must be 0 or more (got {cfg.spares})")
-    if cfg.nodes is not None and cfg.nodes < 1:
-        raise ConfigError(f"nodes must be at least 1 (got {cfg.nodes})")
-    if cfg.tasks_per_node is not None and cfg.tasks_per_node < 1:
-        raise ConfigError(f"tasks_per_node must be at least 1 (got {cfg.tasks_per_node})")
-    if cfg.max_restarts < 0:
-        raise ConfigError(f"max_restarts must be 0 or more (got {cfg.max_restarts})")
-    for key in ("hang_timeout", "start_timeout", "kill_grace", "requeue_margin", "protect_timeout", "grow_settle",
-                "grow_every", "grow_max_losses", "loss_timeout", "straggler_factor"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key} must be 0 or more (got {getattr(cfg, key)})")
-    if cfg.keep < 1:
-        raise ConfigError(f"keep must be at least 1 (got {cfg.keep})")
-    for key in ("state_bytes", "node_memory"):
-        if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be a positive number of bytes (got {getattr(cfg, key)})")
-    if not 0 <= cfg.memory_headroom < 1:
-        raise ConfigError(f"memory_headroom must be a fraction in [0, 1) (got {cfg.memory_headroom})")
-    if cfg.poll_interval <= 0 or cfg.probe_timeout <= 0:
-        raise ConfigError("poll_interval and probe_timeout must be positive")
-    from hpcft.launch.config import profiles
-
-    profiles.get(cfg.profile)
-    if cfg.protect not in PROTECT_SCHEMES:
-        raise ConfigError(f"protect={cfg.protect!r} is not a protection scheme; choose one of {', '.join(PROTECT_SCHEMES)}")
-    if cfg.agent_transport not in AGENT_TRANSPORTS:
-        raise ConfigError(f"agent_transport={cfg.agent_transport!r} is not a transport; choose one of "
-                          f"{', '.join(AGENT_TRANSPORTS)}")
-    if cfg.agent_mpi is not None and not cfg.agent_mpi.replace("_", "").isalnum():
-        raise ConfigError(f"agent_mpi={cfg.agent_mpi!r} is not an srun MPI plugin name (srun --mpi=list shows "
+    """Reject values no run can use, naming the option and what to do (the allocation's shape: `check_shape`)."""
+    launch, rec, prot, mem, dur = cfg.launch, cfg.recovery, cfg.protection, cfg.memory, cfg.durable
+    _at_least(0, spares=launch.spares, max_restarts=rec.max_restarts)
+    _at_least(1, nodes=launch.nodes, tasks_per_node=launch.tasks_per_node, keep=mem.keep, group=prot.group,
+              protect_lag=prot.protect_lag, persist_every=dur.persist_every, persist_keep=dur.persist_keep,
+              min_nodes=cfg.elastic.min_nodes)
+    _at_least(0, **{k: getattr(s, k) for s, keys in (
+        (rec, ("hang_timeout", "start_timeout", "requeue_margin", "loss_timeout")), (launch, ("kill_grace",)),
+        (prot, ("protect_timeout", "losses")), (cfg.elastic, ("grow_settle", "grow_every", "grow_max_losses")),
+        (cfg.stragglers, ("straggler_factor",))) for k in keys})
+    for key, value in (("state_bytes", mem.state_bytes), ("node_memory", mem.node_memory),
+                       ("protect_rate", prot.protect_rate), ("persist_rate", dur.persist_rate),
+                       ("poll_interval", launch.poll_interval), ("probe_timeout", rec.probe_timeout),
+                       ("straggler_window", cfg.stragglers.straggler_window), ("distance", prot.distance)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key} must be positive (got {value:g})")
+    if not 0 <= mem.memory_headroom < 1:
+        raise ConfigError(f"memory_headroom must be a fraction in [0, 1) (got {mem.memory_headroom})")
+    for key, value in (("profile", launch.profile), ("protect", prot.protect),
+                       ("agent_transport", prot.agent_transport), ("elastic_batch", cfg.elastic.elastic_batch)):
+        choices = OPTIONS[key][1].metadata["choices"]
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}: choose one")
+    if prot.agent_mpi is not None and not prot.agent_mpi.replace("_", "").isalnum():
+        raise ConfigError(f"agent_mpi={prot.agent_mpi!r} is not an srun MPI plugin name (srun --mpi=list shows "
                           "them: pmix, pmi2, cray_shasta, ...)")
-    for key in ("protect_rate", "persist_rate"):
-        if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be positive bytes/s (got {getattr(cfg, key)})")
-    if cfg.protect_lag is not None and cfg.protect_lag < 1:
-        raise ConfigError(f"protect_lag must be at least 1 step (got {cfg.protect_lag})")
-    if cfg.lost_progress_exit in OWN_EXITS or not 0 <= cfg.lost_progress_exit < 126:
+    if rec.lost_progress_exit in OWN_EXITS or not 0 <= rec.lost_progress_exit < 126:
         raise ConfigError(f"lost_progress_exit must be 0 (off) or an exit status from 6 to 125: 1-5 are hpcft run's "
-                          f"other statuses, 126 and up the shell's and signals' (got {cfg.lost_progress_exit})")
-    if cfg.persist_every < 1 or cfg.persist_keep < 1:
-        raise ConfigError(f"persist_every and persist_keep must be at least 1 (got {cfg.persist_every}, "
-                          f"{cfg.persist_keep})")
+                          f"other statuses, 126 and up the shell's and signals' (got {rec.lost_progress_exit})")
     _validate_elastic(cfg)
     _validate_stragglers(cfg)
-    bad = [m for m in cfg.preload.split(",") if m.strip() and not all(p.isidentifier() for p in m.strip().split("."))]
+    bad = [m for m in cfg.standby.preload.split(",")
+           if m.strip() and not all(p.isidentifier() for p in m.strip().split("."))]
     if bad:
         raise ConfigError(f"preload: {', '.join(map(repr, bad))} is not a module name; give dotted names separated "
                           "by commas, e.g. --preload torch,transformers")
-    if cfg.protected and cfg.protect != "auto":
-        scheme(cfg)  # the agents' own checks (group, losses, distance), before anything is launched
-    if cfg.copy and cfg.copy.strip().lower() not in ("auto", "default"):
-        parse_override(cfg.copy, default_choice(1, "fused"))  # the trainers' own parse, before anything is launched
+    if prot.protect not in ("auto", "none"):
+        scheme(cfg)  # the agents' own checks (losses, distance), before anything is launched
+    if launch.copy and launch.copy.strip().lower() not in ("auto", "default"):
+        parse_override(launch.copy, default_choice(1, "fused"))  # the trainers' own parse, before anything is launched
+
+
+def _at_least(low: int, **values: float | None) -> None:
+    for key, value in values.items():
+        if value is not None and value < low:
+            raise ConfigError(f"{key} must be {'at least 1' if low else '0 or more'} (got {value:g})")
 
 
 def _validate_elastic(cfg: RunConfig) -> None:
     """--elastic needs what a shrink rebuilds and writes from: protection across nodes and a durable tier."""
-    if cfg.elastic_batch not in ELASTIC_BATCH:
-        raise ConfigError(f"elastic_batch={cfg.elastic_batch!r} is not a batch policy; choose one of "
-                          f"{', '.join(ELASTIC_BATCH)}")
-    if cfg.min_nodes is not None and cfg.min_nodes < 1:
-        raise ConfigError(f"min_nodes must be at least 1 (got {cfg.min_nodes})")
-    if cfg.min_nodes is not None and cfg.nodes is not None and cfg.min_nodes > cfg.nodes:
-        raise ConfigError(f"min_nodes {cfg.min_nodes} is more than nodes {cfg.nodes}: an elastic job shrinks from "
+    el, nodes = cfg.elastic, cfg.launch.nodes
+    if el.min_nodes is not None and nodes is not None and el.min_nodes > nodes:
+        raise ConfigError(f"min_nodes {el.min_nodes} is more than nodes {nodes}: an elastic job shrinks from "
                           "--nodes down to --min-nodes; lower --min-nodes or raise --nodes")
-    if not cfg.elastic:
-        if cfg.min_nodes is not None:
+    if not el.elastic:
+        if el.min_nodes is not None:
             raise ConfigError("min_nodes is given without elastic: add --elastic, or drop --min-nodes")
-        if cfg.elastic_grow:
+        if el.elastic_grow:
             raise ConfigError("elastic_grow is given without elastic (only a job that shrank can grow back): add "
                               "--elastic, or drop --elastic-grow")
         return
-    if not cfg.protected:
+    if not cfg.protection.protected:
         raise ConfigError("elastic needs protection across nodes (a shrink rebuilds the lost node's snapshot from "
                           "parity): drop --protect none, or drop --elastic")
-    if not cfg.persisting:
+    if not cfg.durable.persisting:
         raise ConfigError("elastic needs a durable tier (a shrink writes the protected step there and the smaller "
                           "job reshards from it): drop --persist-dir none, or drop --elastic")
 
 
 def _validate_stragglers(cfg: RunConfig) -> None:
-    """A straggler is judged against a factor above 1 over a positive window; an eviction resumes from protection."""
-    if 0 < cfg.straggler_factor <= 1:
+    """A straggler is judged against a factor above 1; an eviction resumes from protection."""
+    st = cfg.stragglers
+    if 0 < st.straggler_factor <= 1:
         raise ConfigError(f"straggler_factor must be above 1 (how many times slower than the peers; got "
-                          f"{cfg.straggler_factor:g}), or 0 to turn the detection off")
-    if cfg.straggler_window <= 0:
-        raise ConfigError(f"straggler_window must be positive seconds (got {cfg.straggler_window:g})")
-    if cfg.evict_stragglers and not cfg.protected:
+                          f"{st.straggler_factor:g}), or 0 to turn the detection off")
+    if st.evict_stragglers and not cfg.protection.protected:
         raise ConfigError("evict_stragglers needs protection across nodes (the spare rebuilds the evicted node's "
                           "snapshot from its peers): drop --protect none, or drop --evict-stragglers")
-    if cfg.evict_stragglers and not cfg.straggler_factor:
+    if st.evict_stragglers and not st.straggler_factor:
         raise ConfigError("evict_stragglers is given with straggler_factor 0 (detection off): set a factor above 1, "
                           "or drop --evict-stragglers")
 
 
+DEFAULT_GROUP = 4  # xor and rs sets of 4 unless fewer nodes train or --group says otherwise
+
+
 def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:
-    """`cfg` with protect=auto made concrete for `active` training nodes: the default protects wherever the
-    allocation allows it — xor over sets of `group` (fewer when fewer nodes train) from 3 nodes on, a partner
-    copy on 2, nothing on 1 (no other node to hold anything). Any other value is returned as given."""
-    if cfg.protect != "auto":
-        return cfg
-    if active >= 3:
-        return replace(cfg, protect="xor", group=min(cfg.group, active), losses=1)
-    return replace(cfg, protect="partner" if active == 2 else "none", distance=1)
+    """`cfg` made concrete for `active` training nodes: auto protects wherever the allocation allows it (xor from 3
+    nodes, a partner on 2, nothing on 1); xor and rs without --group take the largest set up to 4 that the nodes
+    allow. A scheme the nodes cannot carry is a ConfigError saying what to change (`check_shape`)."""
+    prot = cfg.protection
+    if prot.protect == "auto":
+        if active >= 3:
+            return cfg.but(protect="xor", group=min(prot.group or DEFAULT_GROUP, active), losses=1)
+        return cfg.but(protect="partner" if active == 2 else "none", group=None, distance=1)
+    if prot.protect in ("xor", "rs") and prot.group is None:
+        cfg = cfg.but(group=min(DEFAULT_GROUP, active))
+    return cfg
+
+
+def check_shape(cfg: RunConfig, allocated: int) -> RunConfig:
+    """The configuration resolved for an allocation of `allocated` nodes, or ConfigError before anything is launched:
+    nodes and spares that do not fit, a protection scheme the active nodes cannot carry, a floor above them."""
+    launch = cfg.launch
+    active = launch.nodes if launch.nodes is not None else allocated - launch.spares
+    if active + launch.spares > allocated or active < 1:
+        raise ConfigError(f"--nodes {active} and --spares {launch.spares} need {active + launch.spares} nodes; the "
+                          f"allocation has {allocated}: lower --nodes or --spares, or allocate more nodes")
+    if cfg.elastic.elastic and (cfg.elastic.min_nodes or 1) > active:
+        raise ConfigError(f"--min-nodes {cfg.elastic.min_nodes} is more than the {active} active nodes: lower it")
+    cfg = resolve_protect(cfg, active)
+    if cfg.protection.protected:
+        from hpcft.agent.protection.placement import plan
+
+        plan(active, scheme(cfg))  # the agents' own checks (group, losses, distance against the active nodes)
+    return cfg
 
 
 def copy_env(cfg: RunConfig) -> dict[str, str]:
     """What the run's options set for the trainers' store (else HPCFT_<NAME> passes through as is): the copy method
     (`copy`) and the job whose snapshots a restore adopts (`adopt`; the agents' rebuild reads it too)."""
-    return {env_name(key): getattr(cfg, key) for key in ("copy", "adopt") if getattr(cfg, key)}
+    return {env_name(key): getattr(cfg.launch, key) for key in ("copy", "adopt") if getattr(cfg.launch, key)}
 
 
 def durable_dir(cfg: RunConfig, job_dir: Path) -> Path | None:
     """The durable tier's directory: `persist_dir`, else `<job_dir>/checkpoints`; None when flushing is off."""
-    if not cfg.persisting:
+    if not cfg.durable.persisting:
         return None
-    return Path(cfg.persist_dir).resolve() if cfg.persist_dir else job_dir / "checkpoints"
+    return Path(cfg.durable.persist_dir).resolve() if cfg.durable.persist_dir else job_dir / "checkpoints"
 
 
 def scheme(cfg: RunConfig):
-    """The node agents' hpcft.agent.protection.placement.Scheme for `cfg.protect` (ConfigError naming a bad value)."""
+    """The node agents' hpcft.agent.protection.placement.Scheme for the protection section (ConfigError naming a bad
+    value)."""
     from hpcft.agent.protection.placement import Scheme
 
-    return Scheme(cfg.protect, cfg.group, cfg.losses, cfg.distance)
+    prot = cfg.protection
+    return Scheme(prot.protect, prot.group or DEFAULT_GROUP, prot.losses, prot.distance)

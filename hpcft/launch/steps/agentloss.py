@@ -68,7 +68,7 @@ class AgentLoss:
         # the whole agents' step, never one agent: over MPI too, where the new step is a fresh MPI world
         self.emit("agents_restart", level=logging.INFO if failure is None else logging.ERROR, ok=failure is None,
                   tag=self.agents.tag, replaced=old, trainers="kept", seconds=round(time.monotonic() - started, 3),
-                  transport=self.agents.cfg.agent_transport, restarted="the agents' whole step",
+                  transport=self.agents.cfg.protection.agent_transport, restarted="the agents' whole step",
                   **({"reason": str(failure), "action": "relaunch from memory"} if failure else {}))
         return None if failure is None else self.not_ready(layout, failure)
 

@@ -29,16 +29,16 @@ from hpcft.slurm.runner import Runner
 
 def agent_iface(cfg: RunConfig) -> str | None:
     """The interface the agents bind to: --agent-iface, else the profile's ('none': the hostname's address)."""
-    name = cfg.agent_iface or profiles.get(cfg.profile).agent_iface
+    name = cfg.protection.agent_iface or profiles.get(cfg.launch.profile).agent_iface
     return None if name == "none" else name
 
 
 def agent_mpi(cfg: RunConfig) -> str | None:
     """The srun MPI plugin of the agents' step with --agent-transport mpi (--agent-mpi, else the profile's); None
     with tcp."""
-    if cfg.agent_transport != "mpi":
+    if cfg.protection.agent_transport != "mpi":
         return None
-    return cfg.agent_mpi or profiles.get(cfg.profile).agent_mpi
+    return cfg.protection.agent_mpi or profiles.get(cfg.launch.profile).agent_mpi
 
 
 class StepEnded(CheckpointError):
@@ -153,7 +153,7 @@ class AgentSteps:
         for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
             stale.unlink(missing_ok=True)
         root = durable_dir(cfg, self.job_dir)
-        persist = PersistConfig(str(root), cfg.persist_every, cfg.persist_keep, cfg.persist_rate) if root else None
+        persist = PersistConfig(str(root), cfg.durable.persist_every, cfg.durable.persist_keep, cfg.durable.persist_rate) if root else None
         mpi = agent_mpi(cfg)
         if mpi and hosted:  # one MPI world is one srun step: the hosted agents' steps could not join it
             mpi = None
@@ -163,13 +163,13 @@ class AgentSteps:
 
         def argv(nodes: list[str]) -> list[str]:
             return agent_argv(nodes, rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
-                              scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protect_rate,
-                              cpu_cores=profiles.get(cfg.profile).agent_cpu_cores, persist=persist,
-                              lag_bound=cfg.protect_lag, iface=agent_iface(cfg), layout=layout.slots,
-                              loss_timeout=cfg.loss_timeout, mpi=mpi, wrap=self._wrap()) + ["--tag", tag]
+                              scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protection.protect_rate,
+                              cpu_cores=profiles.get(cfg.launch.profile).agent_cpu_cores, persist=persist,
+                              lag_bound=cfg.protection.protect_lag, iface=agent_iface(cfg), layout=layout.slots,
+                              loss_timeout=cfg.recovery.loss_timeout, mpi=mpi, wrap=self._wrap()) + ["--tag", tag]
 
-        self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protect,
-                  group=cfg.group, losses=cfg.losses, distance=cfg.distance,
+        self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protection.protect,
+                  group=cfg.protection.group, losses=cfg.protection.losses, distance=cfg.protection.distance,
                   **({"hosted": ",".join(f"{k}:{n}" for k, n in hosted.items())} if hosted else {}))
         with open(self.job_dir / f"agents-{tag}.log", "ab") as log:
             for k, node in hosted.items():
@@ -187,11 +187,11 @@ class AgentSteps:
         NoCheckpointError as wait_ready; CheckpointError for any other failure. `count` agents; `layout`: the nodes
         they run on."""
         tag, proc = self.tag, self.proc
-        deadline = time.monotonic() + self.cfg.protect_timeout
+        deadline = time.monotonic() + self.cfg.protection.protect_timeout
         probe_at = time.monotonic() + PROBE_EVERY_S
         while True:
             try:
-                return agent_status.wait_ready(self.rendezvous, tag, count, timeout=self.cfg.poll_interval,
+                return agent_status.wait_ready(self.rendezvous, tag, count, timeout=self.cfg.launch.poll_interval,
                                                reports=self._read)
             except NoCheckpointError:
                 raise
@@ -200,7 +200,7 @@ class AgentSteps:
                 if any(r.get("phase") == agent_status.FAILED for r in reports):
                     raise
                 if time.monotonic() > deadline:
-                    raise CheckpointError(f"{exc} (--protect-timeout {self.cfg.protect_timeout:g} s)") from None
+                    raise CheckpointError(f"{exc} (--protect-timeout {self.cfg.protection.protect_timeout:g} s)") from None
             if proc is None or proc.poll() is not None:
                 raise StepEnded(f"the agents' step ended (exit status {proc and proc.returncode}) before every "
                                 f"agent was ready; see {self.job_dir / f'agents-{tag}.log'}", proc and proc.returncode)
@@ -233,8 +233,8 @@ class AgentSteps:
             if self.proc is None or self.proc.poll() is not None:
                 return "the agents' step ended before protecting the newest step"
             if time.monotonic() > deadline:
-                return f"the newest step was not protected within --protect-timeout {self.cfg.protect_timeout:g} s"
-            time.sleep(min(self.cfg.poll_interval, 0.5))
+                return f"the newest step was not protected within --protect-timeout {self.cfg.protection.protect_timeout:g} s"
+            time.sleep(min(self.cfg.launch.poll_interval, 0.5))
 
     def flush(self, deadline: float) -> tuple[int | None, str | None]:
         """Ask the agents to flush the newest protected step to the durable tier and wait until every one reports
@@ -249,8 +249,8 @@ class AgentSteps:
             if self.proc is None or self.proc.poll() is not None:
                 return durable, "the agents' step ended before the flush"
             if time.monotonic() > deadline:
-                return durable, f"the flush did not finish within --protect-timeout {self.cfg.protect_timeout:g} s"
-            time.sleep(min(self.cfg.poll_interval, 0.5))
+                return durable, f"the flush did not finish within --protect-timeout {self.cfg.protection.protect_timeout:g} s"
+            time.sleep(min(self.cfg.launch.poll_interval, 0.5))
 
     def lost(self, layout: Layout) -> dict[str, str] | None:
         """While the trainers run: None when the running launch's agents are well. Else {node: why} of the nodes to
@@ -281,18 +281,18 @@ class AgentSteps:
                       reason="no agents (--protect none, --persist-dir none): the next allocation resumes from "
                              "what its nodes hold")
             return None, None, "no agents"
-        deadline = started + self.cfg.protect_timeout
+        deadline = started + self.cfg.protection.protect_timeout
         if bad_nodes:
             why = (f"node(s) {','.join(bad_nodes)} lost: the newest step their sets protected before is what "
                    "the next allocation can rebuild")
-        elif self.cfg.protected:
+        elif self.cfg.protection.protected:
             why = self.drain(deadline)
         else:
             why = None
         durable, flush_why = None, "no durable tier (--persist-dir none)"
-        if self.cfg.persisting and not bad_nodes:  # a lost node's agent broke the mesh: no flush is possible
+        if self.cfg.durable.persisting and not bad_nodes:  # a lost node's agent broke the mesh: no flush is possible
             durable, flush_why = self.flush(deadline)
-        elif self.cfg.persisting:  # the newest step the agents last reported durable (no request was made)
+        elif self.cfg.durable.persisting:  # the newest step the agents last reported durable (no request was made)
             reports = list(self._read(self.tag).values())
             durable = agent_persist.outcome(reports, rid="", slots=len(reports))[1]
             flush_why = "a node was lost: the agents cannot flush together; " + (
@@ -300,8 +300,8 @@ class AgentSteps:
                 "no step is durable yet: the next allocation has only what the nodes' memory holds")
         done, protected = why is None or flush_why is None, self.protected()
         self.emit("persist", level=logging.INFO if done else logging.WARNING, done=done,
-                  how="protect+flush" if self.cfg.protected and self.cfg.persisting else
-                  "flush" if self.cfg.persisting else "protect",
+                  how="protect+flush" if self.cfg.protection.protected and self.cfg.durable.persisting else
+                  "flush" if self.cfg.durable.persisting else "protect",
                   protected=protected, durable=durable, seconds=round(time.monotonic() - started, 3),
                   **({"reason": why} if why else {}), **({"flush_reason": flush_why} if flush_why else {}))
         return protected, durable, why or flush_why
@@ -313,11 +313,11 @@ class AgentSteps:
         started = time.monotonic()
         waited = False
         while self.proc is not None and self.proc.poll() is None and not self._interrupted() \
-                and time.monotonic() < started + self.cfg.protect_timeout:  # SIGTERM: Slurm's grace is short
+                and time.monotonic() < started + self.cfg.protection.protect_timeout:  # SIGTERM: Slurm's grace is short
             if not any(r.get("flushing") for r in self._read(self.tag).values()):
                 break
             waited = True
-            time.sleep(min(self.cfg.poll_interval, 0.5))
+            time.sleep(min(self.cfg.launch.poll_interval, 0.5))
         if waited:
             busy = [r for r in self._read(self.tag).values() if r.get("flushing")]
             self.emit("flush_wait", level=logging.WARNING if busy else logging.INFO, done=not busy,
@@ -334,7 +334,7 @@ class AgentSteps:
 
     def _wrap(self) -> list[str]:
         """The agents' task goes through a node's warm standby when the job runs them (hpcft.launch.node.handoff)."""
-        return [self.python, "-m", "hpcft.launch.node.handoff", "--"] if self.cfg.standby else []
+        return [self.python, "-m", "hpcft.launch.node.handoff", "--"] if self.cfg.standby.standby else []
 
     def protected(self) -> int | None:
         """The newest step every agent of the last launch reports protected, if each reports one."""
@@ -369,7 +369,7 @@ class AgentSteps:
             agent_status.request_stop(self.rendezvous, self.tag)
             try:
                 for p in [self.proc, *self.hosted_procs.values()]:
-                    p.wait(timeout=self.cfg.kill_grace)
+                    p.wait(timeout=self.cfg.launch.kill_grace)
             except subprocess.TimeoutExpired:
                 how = "killed"
         asked = how != "exited" and ask and not killed

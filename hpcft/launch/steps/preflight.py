@@ -57,17 +57,17 @@ class Preflight:
 
     def _plan(self, state: int) -> memplan.Plan:
         cfg = self.cfg
-        ratio = scheme(cfg).stored_over_state(cfg.group) if cfg.protected else 0.0
-        return memplan.plan(state, cfg.keep, cfg.protect, ratio)
+        ratio = scheme(cfg).stored_over_state(cfg.protection.group) if cfg.protection.protected else 0.0
+        return memplan.plan(state, cfg.memory.keep, cfg.protection.protect, ratio)
 
     def _memory_before(self) -> None:
         cfg = self.cfg
-        if cfg.state_bytes is None:
+        if cfg.memory.state_bytes is None:
             self.emit("memory_plan", checked=False, reason="no --state-bytes: checked once the first snapshot exists")
             return
-        p = self._plan(cfg.state_bytes)
+        p = self._plan(cfg.memory.state_bytes)
         capacity, where = self._capacity()
-        why = memplan.verdict(p, capacity, cfg.memory_headroom, where)
+        why = memplan.verdict(p, capacity, cfg.memory.memory_headroom, where)
         if why:
             raise ConfigError(why)
         self.emit("memory_plan", checked=True, needed=p.needed, capacity=capacity, plan=p.line())
@@ -75,8 +75,8 @@ class Preflight:
     def _capacity(self, figures: Mapping[str, Any] | None = None) -> tuple[int, str]:
         """The memory a node offers the store: --node-memory, else the store's free bytes and MemAvailable (those of
         `figures`, a node's report, plus what its store holds already; else this node's, before the launch)."""
-        if self.cfg.node_memory is not None:
-            return self.cfg.node_memory, "--node-memory"
+        if self.cfg.memory.node_memory is not None:
+            return self.cfg.memory.node_memory, "--node-memory"
         f = figures or {"shm_free": nodemem.fs_free(self.root), "mem_available": nodemem.mem_available(),
                         "store_bytes": 0, "node": "this node"}
         used = f.get("store_bytes") or 0
@@ -106,7 +106,7 @@ class Preflight:
         for figures in nodes:
             p = self._plan(int(figures["snapshot_bytes"]))
             capacity, where = self._capacity(figures)
-            verdicts.append((capacity - p.needed, p, capacity, memplan.verdict(p, capacity, self.cfg.memory_headroom,
+            verdicts.append((capacity - p.needed, p, capacity, memplan.verdict(p, capacity, self.cfg.memory.memory_headroom,
                                                                                 where)))
         _, p, capacity, why = min(verdicts, key=lambda v: v[0])
         self.emit("memory_plan", level=logging.WARNING if why else logging.INFO, checked=True, nodes=len(nodes),

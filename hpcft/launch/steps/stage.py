@@ -37,8 +37,8 @@ UNPACK_TIMEOUT_S = 900.0  # unpack and the verifying `import torch`, on every no
 def wanted(cfg: RunConfig, profile: Profile, environ: Mapping[str, str]) -> tuple[bool, str]:
     """Whether this run stages, and why: the user's setting wins; else the profile's default where the job has
     node-local NVMe ($HPCFT_NVME: Frontier's /mnt/bb/$USER with `hpcft submit --nvme`); else off (pure)."""
-    if cfg.stage_env is not None:
-        return cfg.stage_env, "--stage-env" if cfg.stage_env else "--no-stage-env"
+    if cfg.staging.stage_env is not None:
+        return cfg.staging.stage_env, "--stage-env" if cfg.staging.stage_env else "--no-stage-env"
     if profile.stage_env and environ.get(NVME_ENV):
         return True, f"the {profile.name} profile's default, with node-local NVMe (${NVME_ENV})"
     return False, "off by default"
@@ -69,8 +69,8 @@ class EnvStage:
         self.on, self.why = wanted(cfg, profile, environ)
         self.runner, self.job_dir, self.shared, self.job, self.emit = runner, job_dir, python, job_id, emit
         self.user = environ.get("USER") or getpass.getuser()
-        self.root = paths.stage_root(cfg.stage_dir, environ)
-        self.cache = Path(cfg.stage_cache) if cfg.stage_cache else job_dir / "stage"
+        self.root = paths.stage_root(cfg.staging.stage_dir, environ)
+        self.cache = Path(cfg.staging.stage_cache) if cfg.staging.stage_cache else job_dir / "stage"
         self.node = paths.node_dir(self.root, self.user, job_id)
         self.staged: dict[str, bool] = {}  # node → whether its copy is verified, for the nodes tried in this run
         self.archive: stage_pack.Archive | None = None

@@ -40,8 +40,8 @@ class GrowWatch:
     @property
     def rules(self) -> policy_grow.GrowRules:
         cfg = self.cfg
-        return policy_grow.GrowRules(self.target, cfg.grow_settle, cfg.grow_every, cfg.grow_max_losses,
-                                     cfg.requeue_margin)
+        return policy_grow.GrowRules(self.target, cfg.elastic.grow_settle, cfg.elastic.grow_every, cfg.elastic.grow_max_losses,
+                                     cfg.recovery.requeue_margin)
 
     def lost(self, nodes: Sequence[str]) -> None:
         """The run lost `nodes` (each one loss more, and unhealthy until seen healthy again)."""
@@ -55,9 +55,9 @@ class GrowWatch:
     def poll(self, layout: Layout) -> Event | None:
         """Look (throttled) at the allocation's nodes out of `layout`'s slots; an event when the policy takes some."""
         now = self.clock()
-        if not self.cfg.elastic_grow or len(layout.slots) >= self.target or now < self._next_look:
+        if not self.cfg.elastic.elastic_grow or len(layout.slots) >= self.target or now < self._next_look:
             return None
-        self._next_look = now + max(self.cfg.poll_interval, min(LOOK_EVERY_S, self.cfg.grow_settle / 2))
+        self._next_look = now + max(self.cfg.launch.poll_interval, min(LOOK_EVERY_S, self.cfg.elastic.grow_settle / 2))
         try:
             info = slurmstate.job_info(self.runner, self.job_id)
             out = [n for n in info.nodes if n not in layout.slots]

@@ -29,7 +29,7 @@ class StragglerWatch:
 
     @property
     def rules(self) -> StragglerRules:
-        return StragglerRules(self.cfg.straggler_factor, self.cfg.straggler_window)
+        return StragglerRules(self.cfg.stragglers.straggler_factor, self.cfg.stragglers.straggler_window)
 
     def launched(self, cfg: RunConfig, restarts: int, now: float | None = None) -> None:
         """A new launch on `cfg` (a shrunk job's protection differs): judged afresh, its ranks may have moved."""
@@ -43,9 +43,9 @@ class StragglerWatch:
              now: float | None = None) -> Event | None:
         """Feed the newest samples to the detector and say what it found; an eviction event when one is due."""
         now = time.time() if now is None else now
-        if self.cfg.straggler_factor <= 0 or now < self._next_read:
+        if self.cfg.stragglers.straggler_factor <= 0 or now < self._next_read:
             return self._due(protected)
-        self._next_read = now + self.cfg.straggler_window / 10
+        self._next_read = now + self.cfg.stragglers.straggler_window / 10
         seen = self.samples()
         for rank, (step, ready, mtime) in seen.items():
             if ready is not None and mtime >= self.since and rank < layout.world_size:
@@ -53,14 +53,14 @@ class StragglerWatch:
         new, cleared = self.detector.judge(now)
         reached = min((s for r, (s, _, m) in seen.items() if m >= self.since and r < layout.world_size), default=0)
         for v in new:
-            blocked = eviction_blocked(evict=self.cfg.evict_stragglers, protected=self.cfg.protected,
+            blocked = eviction_blocked(evict=self.cfg.stragglers.evict_stragglers, protected=self.cfg.protection.protected,
                                        spares=len(layout.spares), restarts=self.restarts,
-                                       max_restarts=self.cfg.max_restarts)
+                                       max_restarts=self.cfg.recovery.max_restarts)
             if blocked is None:
                 self.pending[v.node] = (v, reached)
             self.emit("straggler", level=logging.WARNING, node=v.node, ranks=",".join(map(str, v.ranks)),
                       ready_s=round(v.ready_s, 4), peers_s=round(v.peers_s, 4), ratio=round(v.ratio, 2),
-                      factor=self.cfg.straggler_factor, window_s=self.cfg.straggler_window, step=reached,
+                      factor=self.cfg.stragglers.straggler_factor, window_s=self.cfg.stragglers.straggler_window, step=reached,
                       action="evict at the next protected step" if blocked is None else "reported only",
                       **({"reason": blocked} if blocked else {"protect_to": reached}))
         for v in cleared:
@@ -78,7 +78,7 @@ class StragglerWatch:
             if safe is not None and safe >= step:
                 return Event(Kind.STRAGGLER, bad_nodes=(node,),
                              detail=f"{node}: ready_s {v.ready_s:.3f} s = {v.ratio:.2f}x the peers' median "
-                                    f"{v.peers_s:.3f} s (--straggler-factor {self.cfg.straggler_factor:g}); step "
+                                    f"{v.peers_s:.3f} s (--straggler-factor {self.cfg.stragglers.straggler_factor:g}); step "
                                     f"{safe} protected (detected at step {step})")
         return None
 
