@@ -31,7 +31,7 @@ from hpcft.launch.steps.agents import AgentSteps, agent_iface
 from hpcft.launch.fabric.service import Fabric
 from hpcft.durable.catalog import ENV_PERSIST
 from hpcft.durable.local import ENV_LOCAL
-from hpcft.launch.config.options import RunConfig, check_shape, copy_env, durable_dir
+from hpcft.launch.config.options import RunConfig, check_paths, check_shape, copy_env, durable_dir
 from hpcft.launch.node.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.state import Persisted
@@ -67,7 +67,7 @@ class Supervisor:
                               "use `hpcft submit` to create one")
         self.profile = profiles.get(cfg.launch.profile)
         self.job_dir = Path(cfg.launch.job_dir or Path.cwd() / f"hpcft-{self.job_id}").resolve()
-        self.job_dir.mkdir(parents=True, exist_ok=True)
+        check_paths(cfg, self.job_dir)  # before any step: a run that cannot write its directories is refused
         self.state_path = self.job_dir / "state.json"
         self._state_unwritten: str | None = None  # why state.json could not be written last (a full disk)
         self._signal: int | None = None

@@ -16,9 +16,9 @@ def test_tcp_is_the_default_and_the_environment_and_cli_override_the_file(tmp_pa
     cfg_file = tmp_path / "run.toml"
     cfg_file.write_text('agent_transport = "tcp"\nagent_mpi = "pmi2"\n')
     from_env = config.load({}, environ={"HPCFT_AGENT_TRANSPORT": "mpi"}, config_file=cfg_file)
-    assert (from_env.agent_transport, from_env.agent_mpi) == ("mpi", "pmi2")
+    assert (from_env.protection.agent_transport, from_env.protection.agent_mpi) == ("mpi", "pmi2")
     cli = config.load({"agent_transport": "tcp"}, environ={"HPCFT_AGENT_TRANSPORT": "mpi"}, config_file=cfg_file)
-    assert cli.agent_transport == "tcp"
+    assert cli.protection.agent_transport == "tcp"
 
 
 def test_the_srun_plugin_is_the_profile_s_unless_given_and_only_with_mpi():

@@ -45,7 +45,7 @@ def test_doctor_names_a_bad_override(shm_root: Path):
 def test_run_copy_option_layers_and_reaches_the_trainers():
     assert config.load({}, environ={}).launch.copy is None and config.copy_env(config.load({}, environ={})) == {}
     from_env = config.load({}, environ={"HPCFT_COPY": "memcpy"})
-    assert from_env.copy == "memcpy" and config.copy_env(from_env) == {"HPCFT_COPY": "memcpy"}
+    assert from_env.launch.copy == "memcpy" and config.copy_env(from_env) == {"HPCFT_COPY": "memcpy"}
     assert config.load({"copy": "stream,threads=2"}, environ={"HPCFT_COPY": "memcpy"}).launch.copy == "stream,threads=2"
     for fine in ("auto", "default", "snapshot.threads=1,chunk=4M"):
         assert config.load({"copy": fine}, environ={}).launch.copy == fine

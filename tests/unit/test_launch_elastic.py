@@ -81,7 +81,7 @@ def test_bad_elastic_options_say_what_to_change(cli, words):
 def test_elastic_options_come_from_the_cli_the_environment_or_a_file():
     cfg = config.load({"elastic": True}, environ={"HPCFT_MIN_NODES": "2", "HPCFT_ELASTIC_BATCH": "keep-per-rank"})
     assert (cfg.elastic.elastic, cfg.elastic.min_nodes, cfg.elastic.elastic_batch) == (True, 2, KEEP_PER_RANK)
-    with pytest.raises(ConfigError, match="not a batch policy"):
+    with pytest.raises(ConfigError, match="is not one of keep-global, keep-per-rank"):
         config.load({"elastic": True, "elastic_batch": "keep-both"}, environ={})
 
 

@@ -96,7 +96,7 @@ def test_options_cli_beats_environment_beats_file(tmp_path):
     env = {"HPCFT_SPARES": "2", "HPCFT_HANG_TIMEOUT": "45", "HPCFT_RANK": "3"}  # HPCFT_RANK is not an option
     cfg = config.load({"spares": 3, "hang_timeout": None}, env, cfg_file)
     assert (cfg.launch.spares, cfg.recovery.hang_timeout, cfg.recovery.max_restarts, cfg.launch.profile) == (3, 45.0, 7, "frontier")
-    assert config.load({}, {"HPCFT_CONFIG": str(cfg_file)}).spares == 1
+    assert config.load({}, {"HPCFT_CONFIG": str(cfg_file)}).launch.spares == 1
     assert config.load({}, {}).launch.spares == 0
 
 
@@ -121,7 +121,7 @@ def test_protection_options_from_file_environment_and_cli(tmp_path):
     assert not config.load({"protect": "none"}, {}).protection.protected
 
 
-@pytest.mark.parametrize("active,want", [(1, ("none", 4)), (2, ("partner", 4)), (3, ("xor", 3)), (4, ("xor", 4)),
+@pytest.mark.parametrize("active,want", [(1, ("none", None)), (2, ("partner", None)), (3, ("xor", 3)), (4, ("xor", 4)),
                                          (9, ("xor", 4))])
 def test_the_default_protects_wherever_the_allocation_allows_it(active, want):
     cfg = config.resolve_protect(config.load({}, {}), active)
@@ -130,7 +130,7 @@ def test_the_default_protects_wherever_the_allocation_allows_it(active, want):
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"protect": "raid"}, "protect='raid' is not a protection scheme; choose one of auto, none, partner, xor, rs"),
+    ({"protect": "raid"}, "protect='raid' is not one of auto, none, partner, xor, rs: choose one"),
     ({"protect": "xor", "losses": 2}, "xor tolerates exactly one loss"),
     ({"protect": "rs", "group": 2, "losses": 2}, "rs needs 1 <= losses < group"),
     ({"protect": "xor", "protect_rate": 0}, "protect_rate must be positive"),

@@ -11,7 +11,9 @@ from click.testing import CliRunner
 
 from hpcft import events
 from hpcft.checkpointer import Checkpointer
-from hpcft.launch import cli, config
+from hpcft.launch import cli
+from hpcft.launch.config import options as config
+from hpcft.options import Options
 from hpcft.store import RankStore, job_dir
 
 from live_state import same, state_of  # tests/unit is on sys.path (pytest's rootdir insertion)
@@ -42,7 +44,7 @@ def _rank_dir(root: Path, job: str) -> Path:
 def _job_a(root: Path, steps: int = 3) -> dict:
     """Job `A` trains `steps` steps (keep=2: slots 0, 1, 2 hold steps 1, 2, 3); its state after the last."""
     model, opt = _model()
-    with Checkpointer(model, opt, root=root, job_id="A") as ckpt:
+    with Checkpointer(model, opt, Options(root=root, job_id="A")) as ckpt:
         _train(model, opt, steps)
         ckpt.wait()
     return state_of(model, opt)
@@ -62,13 +64,13 @@ def test_another_jobs_version_copied_into_the_store_is_refused_and_left_in_place
                                                                                  tmp_path: Path) -> None:
     _job_a(shm_root)
     model, opt = _model(1)
-    with Checkpointer(model, opt, root=shm_root, job_id="B") as ckpt:  # job B's own step 1, in slot 0
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="B")) as ckpt:  # job B's own step 1, in slot 0
         _train(model, opt, 1)
         ckpt.wait()
         mine = state_of(model, opt)
     copied = _copy_slot(shm_root, 2, "B")  # job A's step 3
     model, opt = _model(5)
-    with Checkpointer(model, opt, root=shm_root, job_id="B") as ckpt:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="B")) as ckpt:
         assert ckpt.restore() == 1 and same(state_of(model, opt), mine)  # its own step, not A's newer one
     (refused,) = _events(tmp_path, "restore_foreign")
     assert refused["level"] == "ERROR" and refused["job"] == "A" and refused["steps"] == "3"
@@ -82,7 +84,7 @@ def test_only_another_jobs_versions_in_memory_restart_from_step_0(shm_root: Path
     RankStore("B", 0, root=shm_root).close()
     _copy_slot(shm_root, 2, "B")
     model, opt = _model(5)
-    with Checkpointer(model, opt, root=shm_root, job_id="B") as ckpt:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="B")) as ckpt:
         assert ckpt.restore() == 0
     assert [e["level"] for e in _events(tmp_path, "restore_foreign")] == ["ERROR"]
 
@@ -96,7 +98,7 @@ def test_adopt_takes_another_jobs_versions_and_says_so(shm_root: Path, tmp_path:
     if how == "environment":
         monkeypatch.setenv("HPCFT_ADOPT", "A")
     model, opt = _model(5)
-    with Checkpointer(model, opt, root=shm_root, job_id="B", **({"adopt": "A"} if how == "argument" else {})) as ckpt:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="B", adopt="A" if how == "argument" else None)) as ckpt:
         assert ckpt.restore() == 3 and same(state_of(model, opt), want)
     assert not _events(tmp_path, "restore_foreign")
     (adopted,) = _events(tmp_path, "restore_adopted")
@@ -109,7 +111,7 @@ def test_adopting_another_job_still_refuses_a_third_ones(shm_root: Path, tmp_pat
     RankStore("B", 0, root=shm_root).close()
     _copy_slot(shm_root, 2, "B")
     model, opt = _model(5)
-    with Checkpointer(model, opt, root=shm_root, job_id="B", adopt="C") as ckpt:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="B", adopt="C")) as ckpt:
         assert ckpt.restore() == 0
     assert [e["job"] for e in _events(tmp_path, "restore_foreign")] == ["A"]
 
@@ -118,13 +120,13 @@ def test_another_jobs_durable_checkpoint_is_taken_and_said(shm_root: Path, tmp_p
     persist = tmp_path / "persist"
     persist.mkdir()
     model, opt = _model()
-    with Checkpointer(model, opt, root=shm_root, job_id="A") as ckpt:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="A")) as ckpt:
         _train(model, opt, 2)
         ckpt.wait()
         flush_rank(ckpt.store, ckpt.store.versions()[-1], persist, world=1, job="A")
     want = state_of(model, opt)
     model, opt = _model(5)
-    with Checkpointer(model, opt, root=shm_root, job_id="B", persist_dir=persist) as ckpt:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="B", persist_dir=persist)) as ckpt:
         assert ckpt.restore() == 2 and same(state_of(model, opt), want)
     (adopted,) = _events(tmp_path, "restore_adopted")
     assert adopted["level"] == "WARNING" and adopted["job"] == "A" and adopted["source"] == "durable"
@@ -135,22 +137,22 @@ def test_another_jobs_durable_checkpoint_is_taken_and_said(shm_root: Path, tmp_p
 def test_a_jobs_own_versions_restore_without_a_word_about_owners(shm_root: Path, tmp_path: Path) -> None:
     want = _job_a(shm_root)
     model, opt = _model(5)
-    with Checkpointer(model, opt, root=shm_root, job_id="A", adopt="Z") as ckpt:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="A", adopt="Z")) as ckpt:
         assert ckpt.restore() == 3 and same(state_of(model, opt), want)
     assert not _events(tmp_path, "restore_foreign") and not _events(tmp_path, "restore_adopted")
 
 
 def test_hpcft_run_adopt_reaches_the_trainers_and_the_agents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     unset = config.load({}, environ={})
-    assert unset.adopt is None and "HPCFT_ADOPT" not in config.copy_env(unset)
+    assert unset.launch.adopt is None and "HPCFT_ADOPT" not in config.copy_env(unset)
     cfg = config.load({"adopt": "4242"}, environ={"HPCFT_ADOPT": "17"})
-    assert cfg.adopt == "4242" and config.copy_env(cfg)["HPCFT_ADOPT"] == "4242"
-    assert config.load({}, environ={"HPCFT_ADOPT": "17"}).adopt == "17"
+    assert cfg.launch.adopt == "4242" and config.copy_env(cfg)["HPCFT_ADOPT"] == "4242"
+    assert config.load({}, environ={"HPCFT_ADOPT": "17"}).launch.adopt == "17"
     monkeypatch.chdir(tmp_path)
     out = CliRunner().invoke(cli.submit, ["--nodes", "2", "--dry-run", "--adopt", "4242", "--", "python", "t.py"])
     assert out.exit_code == 0, out.output
     assert "--adopt 4242" in out.output
-    assert "--adopt" in CliRunner().invoke(cli.run, ["--help"]).output
+    assert "--adopt" in CliRunner().invoke(cli.run, ["--help-all"]).output
 
 
 def test_the_agents_flush_only_their_own_jobs_steps_into_its_durable_tier():
@@ -158,7 +160,7 @@ def test_the_agents_flush_only_their_own_jobs_steps_into_its_durable_tier():
     them into this job's durable tier, where a later restore would take them as this job's."""
     from types import SimpleNamespace
 
-    from hpcft.agent.bundle import owned
+    from hpcft.agent.protection.bundle import owned
     from hpcft.store.owner import Owner
 
     def held(job):

@@ -135,8 +135,8 @@ def test_lost_progress_exit_is_an_option_of_hpcft_run_that_cannot_pass_for_anoth
     from hpcft.launch.config import options as config
     from hpcft.launch.cli import run
 
-    assert config.make().lost_progress_exit == 6
-    assert "--lost-progress-exit" in CliRunner().invoke(run, ["--help"]).output
+    assert config.make().recovery.lost_progress_exit == 6
+    assert "--lost-progress-exit" in CliRunner().invoke(run, ["--help-all"]).output
     assert config.load({"lost_progress_exit": 0}, environ={}).recovery.lost_progress_exit == 0
     assert config.load({}, environ={"HPCFT_LOST_PROGRESS_EXIT": "42"}).recovery.lost_progress_exit == 42
     for taken in (1, 3, 4, 5, 143, 256, -1):  # hpcft's own statuses, a signal's, none at all

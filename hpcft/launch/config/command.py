@@ -81,3 +81,28 @@ def run_options(f: Callable) -> Callable:
 def given(kwargs: dict) -> dict:
     """The model's options among a command's arguments."""
     return {k: v for k, v in kwargs.items() if k in model.OPTIONS}
+
+
+def reference() -> str:
+    """docs/configuration.md: every option by section, with its flag, variable, file key, default and help."""
+    lines = ["# Configuration reference", "",
+             "<!-- generated from hpcft/launch/config/options.py by `python -m hpcft.launch.config.command > "
+             f"{REFERENCE}`; CI fails when it is out of date -->", "",
+             "Every option of `hpcft run` (and `hpcft submit`, which passes them on) has one name, set in three places: "
+             "the command line (`--persist-every 50`), the environment (`HPCFT_PERSIST_EVERY=50`) or the TOML file "
+             "given with `--config` or `$HPCFT_CONFIG` (`persist_every = 50` at the top level, in a `[run]` table or "
+             "in its section's table, `[durable]`). The command line wins over the environment, which wins over the "
+             "file. `hpcft run --help` shows the options of a normal day; `--help-all` shows them all.", ""]
+    for section, cls in model.SECTIONS.items():
+        lines += [f"## {section}", "", cls.__doc__.strip(), "", "| option | default | meaning |", "|---|---|---|"]
+        for spec in fields(cls):
+            default = "" if spec.default in (None, "") else f"`{spec.default}`"
+            choices = f" One of: {', '.join(spec.metadata['choices'])}." if spec.metadata["choices"] else ""
+            lines.append(f"| `{flag(spec.name)}` `{model.env_name(spec.name)}` | {default} | "
+                         f"{spec.metadata['help']}{choices} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference(), end="")

@@ -419,7 +419,7 @@ def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:
     if prot.protect == "auto":
         if active >= 3:
             return cfg.but(protect="xor", group=min(prot.group or DEFAULT_GROUP, active), losses=1)
-        return cfg.but(protect="partner" if active == 2 else "none", group=None, distance=1)
+        return cfg.but(protect="partner" if active == 2 else "none", distance=1)
     if prot.protect in ("xor", "rs") and prot.group is None:
         cfg = cfg.but(group=min(DEFAULT_GROUP, active))
     return cfg
@@ -441,6 +441,23 @@ def check_shape(cfg: RunConfig, allocated: int) -> RunConfig:
 
         plan(active, scheme(cfg))  # the agents' own checks (group, losses, distance against the active nodes)
     return cfg
+
+
+def check_paths(cfg: RunConfig, job_dir: Path) -> None:
+    """The run's shared directories (the job's, the durable tier's, the staging cache) exist or can be made, and take
+    files: refused before any step, not at the first flush hours later."""
+    for key, path in (("job_dir", job_dir), ("persist_dir", durable_dir(cfg, job_dir)),
+                      ("stage_cache", cfg.staging.stage_cache)):
+        if path is None:
+            continue
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"{key} {path} cannot be made ({exc.strerror}): give --{key.replace('_', '-')} a "
+                              "directory you can write on a file system every node sees") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key} {path} is not writable by you: give --{key.replace('_', '-')} a directory you "
+                              "can write")
 
 
 def copy_env(cfg: RunConfig) -> dict[str, str]:
