@@ -20,13 +20,13 @@ debs:
 	fi
 
 # The CPU torch wheel is pinned first so that no CUDA build is pulled in; a site keeps its own ROCm torch.
-# setup.py builds the streaming-store copy kernel into hpcft/snapshot/ (in place: bin/hpcft uses it too)
-$(STAMP): pyproject.toml setup.py hpcft/snapshot/_ntcopy.c
+# setup.py builds the streaming-store copy kernel into hpcft/store/ (in place: bin/hpcft uses it too)
+$(STAMP): pyproject.toml setup.py hpcft/store/_ntcopy.c
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	@$(VPY) -m pip install -q --upgrade pip >/dev/null
 	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH)"
 	@$(VPY) -m pip install -q -e ".[dev,mpi]"
-	@$(VPY) -c "from hpcft.snapshot import ntcopy; ok, why = ntcopy.probe(); ok or print('WARNING:', why)"
+	@$(VPY) -c "from hpcft.store import ntcopy; ok, why = ntcopy.probe(); ok or print('WARNING:', why)"
 	@touch $(STAMP)
 
 testdeps: setup

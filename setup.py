@@ -1,12 +1,12 @@
-"""The one compiled piece of hpcft: the streaming-store copy kernel (hpcft/snapshot/_ntcopy.c), built by
+"""The one compiled piece of hpcft: the streaming-store copy kernel (hpcft/store/_ntcopy.c), built by
 `pip install` as an optional extension. Without a working C compiler the install still succeeds, says so
-on stderr (`pip install -v` shows it), and copies use memcpy (hpcft/snapshot/ntcopy.py warns once)."""
+on stderr (`pip install -v` shows it), and copies use memcpy (hpcft/store/ntcopy.py warns once)."""
 import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-KERNEL = "hpcft.snapshot._ntcopy"
+KERNEL = "hpcft.store._ntcopy"
 
 
 class BuildKernel(build_ext):
@@ -23,5 +23,5 @@ class BuildKernel(build_ext):
 
 # -O3 named here: a CFLAGS in the environment (a site's compiler module, a Spack environment) replaces Python's own
 # flags, optimisation included, and the kernel built at -O0 copied at a quarter of its speed (2-core Xeon VM)
-setup(ext_modules=[Extension(KERNEL, ["hpcft/snapshot/_ntcopy.c"], optional=True, extra_compile_args=["-O3"])],
+setup(ext_modules=[Extension(KERNEL, ["hpcft/store/_ntcopy.c"], optional=True, extra_compile_args=["-O3"])],
       cmdclass={"build_ext": BuildKernel})

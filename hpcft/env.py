@@ -161,6 +161,11 @@ def in_allocation(environ: Mapping[str, str] | None = None) -> bool:
     return bool(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID"))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a Slurm task's -c), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 NVME_ENV = "HPCFT_NVME"  # exported by the batch script of `hpcft submit --nvme` (Frontier: /mnt/bb/$USER)
 
 

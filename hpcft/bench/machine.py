@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcft.env import usable_cores
 from hpcft.snapshot.calibration import CopySettings
-from hpcft.snapshot.calibration.cache import cpu_model, usable_cores
+from hpcft.snapshot.calibration.cache import cpu_model
 
 GB = 1e9
 

@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 from hpcft import events
 from hpcft.errors import CheckpointError, IntegrityError, ManifestError, StoreError
-from hpcft.snapshot import ntcopy, plan, schema
+from hpcft.snapshot import plan, schema
 from hpcft.snapshot.groups import Group
 from hpcft.snapshot.state import Entry, grains
-from hpcft.store import RankStore, Version, chunk_crc, crc32c, prefetch, seal, seal_key
+from hpcft.store import RankStore, Version, chunk_crc, crc32c, ntcopy, prefetch, seal, seal_key
 
 _log = logging.getLogger(__name__)
 OK, LOST, MISMATCH = 0, 1, 2

@@ -18,7 +18,9 @@ from typing import Callable
 
 import numpy as np
 
+from hpcft.env import usable_cores
 from hpcft.errors import HpcftError, StoreError
+from hpcft.store import ntcopy
 from hpcft.store.paths import job_dir, open_file, rank_dir, resolve_root
 
 MADV_POPULATE_READ = 22  # Linux 5.14+: map every page of a range in one call; EINVAL before
@@ -47,7 +49,7 @@ class Pieces:
 
     def work(self) -> None:
         """Populate pieces until none is left; a thread that finds them all done sets `populated`."""
-        loop = _populate_loop()
+        loop = ntcopy.populate_loop()
         if loop is not None:
             at = self._state.ctypes.data
             loop(self.address, self.size, PIECE, at, at + 8, at + 16)
@@ -64,12 +66,6 @@ class Pieces:
                     self._state[2] += not ok
         if int(self._state[1]) >= self.count:
             self.populated.set()
-
-
-def _populate_loop() -> Callable[..., None] | None:
-    from hpcft.snapshot import ntcopy  # the C library of hpcft's kernels (imported late: it imports the store)
-
-    return ntcopy.populate_loop()
 
 
 class _Ahead:
@@ -113,8 +109,6 @@ MAX_THREADS = 4  # populating threads of one rank at most: the kernel's page-tab
 def threads(busy: int = 0) -> int:
     """How many threads to populate with: the cores this process may run on (a Slurm task's --cpus-per-task; a
     Frontier rank has 7), less `busy` ones kept for the caller's own work, at least 1 and at most MAX_THREADS."""
-    from hpcft.snapshot.calibration.cache import usable_cores  # imported late, as the kernels are: it imports the store
-
     return max(1, min(MAX_THREADS, usable_cores() - busy))
 
 

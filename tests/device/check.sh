@@ -41,7 +41,7 @@ python3 setup.py -q build_ext --inplace >"$OUT/kernel-build.txt" 2>&1 || echo "c
   df -h /dev/shm /tmp; echo "ulimit -l: $(ulimit -l)"; nproc
   python3 -c "import torch, crc32c; print('torch', torch.__version__, 'hip', torch.version.hip, 'cuda', torch.version.cuda, torch.cuda.device_count(), 'GPU(s):', torch.cuda.get_device_name())"
   python3 -c "from hip import hip; import hip as h; print('hip-python', getattr(h, '__version__', 'installed'))" 2>/dev/null || echo "hip-python: not importable"
-  python3 -c "from hpcft.snapshot import ntcopy; print('copy kernel:', ntcopy.probe()[1])"; } >"$OUT/env.txt" 2>&1
+  python3 -c "from hpcft.store import ntcopy; print('copy kernel:', ntcopy.probe()[1])"; } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 # the store needs (keep + 1) snapshots of the state: /dev/shm if it holds them, else node-local disk
 need=$(python3 -c "import sys; p=sys.argv[1].upper(); print(int(float(p.rstrip('MG')) * {'M': 1e6, 'G': 1e9}.get(p[-1], 1)) * 12 * 3 // 1024)" "$PARAMS")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hpcft.snapshot import ntcopy
+from hpcft.store import ntcopy
 
 SNAPSHOT_KEYS = {"overhead_hpcft", "overhead_torch_save", "overhead_dcp_async", "blocked_s_per_snapshot",
                  "copy_vs_memcpy", "dcp_async_form", "snapshot_bytes", "config", "variants", "copy_threads",

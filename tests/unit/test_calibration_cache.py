@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from hpcft.env import usable_cores
 from hpcft.errors import ConfigError
-from hpcft.snapshot import calibration, ntcopy
+from hpcft.snapshot import calibration
 from hpcft.snapshot.calibration import cache, measure
 from hpcft.snapshot.calibration.policy import CASES, Choice, Method, Sample, pick
+from hpcft.store import ntcopy
 
 M = 1 << 20
 CANNED = [Sample(c, Method(k, t, M), s, 1 << 26) for c in ("snapshot", "restore", "restore_cold")
@@ -107,8 +109,8 @@ def test_a_corrupt_cache_is_measured_again_and_replaced(path):
 
 
 def test_a_real_calibration_at_a_tiny_size(shm_root):
-    counts = measure.thread_counts(cache.usable_cores())
-    samples = measure.measure(shm_root, cache.usable_cores(), nbytes=4 << 20, chunks=(256 << 10, M), repeats=1)
+    counts = measure.thread_counts(usable_cores())
+    samples = measure.measure(shm_root, usable_cores(), nbytes=4 << 20, chunks=(256 << 10, M), repeats=1)
     cases = {c for cs in CASES.values() for c in cs}
     kernels = ntcopy.kernels()
     first = {(s.case, s.method.kernel, s.method.threads) for s in samples if s.method.chunk_bytes == M}

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from hpcft.checkpointer import Checkpointer
-from hpcft.snapshot import calibration, copiers, ntcopy
+from hpcft.snapshot import calibration, copiers
 from hpcft.snapshot.calibration.policy import Method
+from hpcft.store import ntcopy
 from live_state import same, state_of  # tests/unit is on sys.path (pytest's rootdir insertion)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcft.snapshot import ntcopy
+from hpcft.store import ntcopy
 from hpcft.store import crc32c
 
 
@@ -58,7 +58,7 @@ def test_installed_kernel_loads_and_copies_exactly(fresh, caplog: pytest.LogCapt
 def test_not_built_copies_with_memcpy_and_warns_once(fresh, monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(ntcopy, "kernel_path", lambda: None)
-    with caplog.at_level(logging.WARNING, logger="hpcft.snapshot.ntcopy"):
+    with caplog.at_level(logging.WARNING, logger="hpcft.store.ntcopy"):
         assert not fresh.available()
         _copies_exactly()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -71,7 +71,7 @@ def test_unloadable_kernel_falls_back(fresh, monkeypatch: pytest.MonkeyPatch, tm
     bogus = tmp_path / "_ntcopy.so"
     bogus.write_bytes(b"not an ELF file")
     monkeypatch.setattr(ntcopy, "kernel_path", lambda: bogus)
-    with caplog.at_level(logging.WARNING, logger="hpcft.snapshot.ntcopy"):
+    with caplog.at_level(logging.WARNING, logger="hpcft.store.ntcopy"):
         assert not fresh.available() and "cannot be loaded" in fresh.reason
         _copies_exactly()
     assert len(caplog.records) == 1

@@ -16,7 +16,7 @@ PROBE = """
 import logging, numpy as np
 logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(message)s")
 import hpcft
-from hpcft.snapshot import ntcopy
+from hpcft.store import ntcopy
 print("FILE", hpcft.__file__)
 print("KERNEL", ntcopy.available(), ntcopy.kernel_path())
 a, b = np.arange(1 << 16, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
@@ -59,7 +59,7 @@ def test_install_builds_the_kernel(tmp_path: Path) -> None:
     if not (shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")):
         pytest.skip("no C compiler on this machine")
     _, site = _install(tmp_path, dict(os.environ))
-    built = list((site / "hpcft" / "snapshot").glob("_ntcopy*.so"))
+    built = list((site / "hpcft" / "store").glob("_ntcopy*.so"))
     assert len(built) == 1
     out = _probe(site, dict(os.environ))
     assert f"KERNEL True {built[0]}" in out and "LOG WARNING" not in out
@@ -69,7 +69,7 @@ def test_install_without_a_compiler_warns_and_falls_back(tmp_path: Path) -> None
     env = {**os.environ, "PATH": _bare_path(tmp_path), "CC": "/bin/false"}
     proc, site = _install(tmp_path, env)
     assert "could not build its streaming-store copy kernel" in proc.stdout + proc.stderr
-    assert not list((site / "hpcft" / "snapshot").glob("_ntcopy*.so"))
+    assert not list((site / "hpcft" / "store").glob("_ntcopy*.so"))
     out = _probe(site, env)
     assert "KERNEL False None" in out
     warnings = [line for line in out.splitlines() if line.startswith("LOG WARNING")]
@@ -79,7 +79,7 @@ def test_install_without_a_compiler_warns_and_falls_back(tmp_path: Path) -> None
 RANK = """
 import torch
 from hpcft import Checkpointer
-from hpcft.snapshot import ntcopy
+from hpcft.store import ntcopy
 net = torch.nn.Linear(64, 64)
 opt = torch.optim.AdamW(net.parameters())
 with Checkpointer(net, opt, root=ROOT, job_id="nocc", backend="cpu") as ckpt:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpcft.checkpointer import Checkpointer
-from hpcft.snapshot import ntcopy
+from hpcft.store import ntcopy
 from hpcft.snapshot.state import collect
 
 

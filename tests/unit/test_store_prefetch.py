@@ -15,8 +15,7 @@ import torch
 
 from hpcft.checkpointer import Checkpointer
 from hpcft.runtime import init
-from hpcft.snapshot import ntcopy
-from hpcft.store import RankStore, prefetch
+from hpcft.store import RankStore, ntcopy, prefetch
 
 
 @pytest.fixture(autouse=True)
@@ -141,7 +140,7 @@ def test_pieces_taken_by_several_threads_populate_every_page_once(tmp_path: Path
     if in_c and ntcopy.populate_loop() is None:
         pytest.skip(f"no kernel library here: {ntcopy.reason}")
     if not in_c:
-        monkeypatch.setattr(prefetch, "_populate_loop", lambda: None)
+        monkeypatch.setattr(ntcopy, "populate_loop", lambda: None)
     monkeypatch.setattr(prefetch, "PIECE", 256 << 10)
     nbytes = (5 << 20) + 3 * mmap.PAGESIZE  # a last piece shorter than the others
     mm, address = _fresh_mapping(tmp_path, nbytes)
@@ -166,7 +165,7 @@ def test_a_restore_that_adopts_a_slot_still_being_populated_takes_pieces_beside_
     writer = RankStore("9", 0, root=tmp_path)
     k = _commit(writer, 4, nbytes=8 << 20)
     writer.close()
-    monkeypatch.setattr(prefetch, "_populate_loop", lambda: None)  # the Python loop, whose pieces can be slowed
+    monkeypatch.setattr(ntcopy, "populate_loop", lambda: None)  # the Python loop, whose pieces can be slowed
     monkeypatch.setattr(prefetch, "PIECE", 1 << 20)
     by: list[str] = []
     real = prefetch._madvise

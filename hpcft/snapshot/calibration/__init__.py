@@ -15,9 +15,10 @@ from pathlib import Path
 
 from hpcft.errors import ConfigError, StoreError
 from hpcft.snapshot.calibration.policy import Choice, Method, Sample, default_choice, parse_override, pick
+from hpcft.store import ntcopy
 
-# cache, measure and ntcopy (numpy, crc32c) are imported where they are used: `hpcft run` and `hpcft --help` read
-# this package (the --copy option's check) and should not pay for them
+# cache and measure are imported where they are used: `hpcft run` and `hpcft --help` read this package (the --copy
+# option's check) and should not pay for them
 
 _log = logging.getLogger(__name__)
 ENV = "HPCFT_COPY"
@@ -53,7 +54,6 @@ def resolve(default_threads: int, *, environ: Mapping[str, str] | None = None, p
     measurement of this host, else a new one (cached; with `measure_now` False, as `hpcft doctor` asks, the built-in
     method and a note that nothing was measured yet). `default_threads` is the built-in thread count. Remembered
     per process; `force` measures again. ConfigError for an HPCFT_COPY that cannot be used."""
-    from hpcft.snapshot import ntcopy
     from hpcft.snapshot.calibration import cache
 
     env = os.environ if environ is None else environ

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from hpcft.env import usable_cores
 from hpcft.errors import StoreError
-from hpcft.snapshot import ntcopy
 from hpcft.snapshot.calibration.policy import Sample
-from hpcft.store import paths
+from hpcft.store import ntcopy, paths
 from hpcft.store.checksum import crc32c
 
 FORMAT = 1  # bump when what is measured changes: older entries then no longer match any key
@@ -38,11 +38,6 @@ def cache_path(root: str | os.PathLike | None = None) -> Path:
     """`<store root>/.hpcft-<user>-copy.json` (a dot file: the prolog's sweep of `hpcft-<user>-<job>` skips it)."""
     user = re.sub(r"[^A-Za-z0-9_.-]", "_", getpass.getuser())
     return paths.resolve_root(root) / f".hpcft-{user}-copy.json"
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity: a Slurm task's -c), not the machine's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def cpu_model() -> str:

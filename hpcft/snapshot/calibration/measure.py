@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from hpcft.snapshot import ntcopy
-from hpcft.snapshot.calibration.policy import CASES, DEFAULT_CHUNK, KERNELS, Method, Sample, best_per_chunk
+from hpcft.snapshot.calibration.policy import CASES, DEFAULT_CHUNK, Method, Sample, best_per_chunk
+from hpcft.store import ntcopy
 
 CHUNKS = (256 << 10, DEFAULT_CHUNK, 4 << 20)
 REPEATS = 3  # each figure is the best of these (the least disturbed by other work), candidates interleaved
@@ -133,8 +133,8 @@ def measure(root: Path, cores: int, *, nbytes: int | None = None, chunks: Sequen
     cases = [c for cs in CASES.values() for c in cs]
     size = nbytes or buffer_bytes()
     kernels = ntcopy.kernels()
-    failed = [Sample(c, Method(k, t, DEFAULT_CHUNK), None, size, _why_not(k)) for k in KERNELS if k not in kernels
-              for c in cases for t in counts]
+    failed = [Sample(c, Method(k, t, DEFAULT_CHUNK), None, size, _why_not(k))
+              for k in ntcopy.KERNELS if k not in kernels for c in cases for t in counts]
     buffers = _Buffers(size, root)
     try:
         with ThreadPoolExecutor(max(1, max(counts) - 1), thread_name_prefix="hpcft-calibrate") as pool:

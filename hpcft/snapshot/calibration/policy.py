@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
 from hpcft.errors import ConfigError
+from hpcft.store.ntcopy import KERNELS
 
-KERNELS = ("fused", "stream", "memcpy")  # cheapest first: the fused kernel reads each byte once
 DEFAULT_CHUNK = 1 << 20  # hpcft's chunk before calibration (see copiers.cpu.CpuCopier.chunk_bytes)
 CHUNK_RANGE = (64 << 10, 256 << 20)
 MARGIN = 0.05  # relative: measurements closer than this to the fastest count as ties

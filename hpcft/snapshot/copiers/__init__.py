@@ -4,8 +4,8 @@ import logging
 import torch
 
 from hpcft.deps import available
+from hpcft.env import usable_cores
 from hpcft.errors import ConfigError
-from hpcft.snapshot.calibration.cache import usable_cores
 from hpcft.snapshot.copiers.base import Copier, Transfer
 from hpcft.snapshot.copiers.cpu import CpuCopier
 

@@ -7,10 +7,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hpcft.snapshot import ntcopy, plan
+from hpcft.snapshot import plan
 from hpcft.snapshot.copiers.base import SlotClaim
 from hpcft.snapshot.plan import Chunk
-from hpcft.store import chunk_crc, crc32c
+from hpcft.store import chunk_crc, crc32c, ntcopy
 
 
 class CpuTransfer:

@@ -1,5 +1,5 @@
 /* hpcft's copy kernels, built by `pip install` (setup.py) next to this file and loaded with ctypes by
- * hpcft/snapshot/ntcopy.py; not a Python module. Without them copies are libc's memcpy and checksums the crc32c
+ * hpcft/store/ntcopy.py; not a Python module. Without them copies are libc's memcpy and checksums the crc32c
  * package's, in a second pass.
  *
  * hpcft_stream_copy: a copy with streaming stores (AVX2).
@@ -241,7 +241,7 @@ uint32_t hpcft_copy_crc32c(void *dst, const void *src, size_t n, uint32_t crc) {
 
 /* A worker's whole share of a snapshot's or a restore's chunks in one call, so that no Python runs (and no GIL is
  * taken) between chunks: each worker takes the next chunk from `*next` (shared by every worker; atomic), copies its
- * segments with the kernel `kind` (its index in calibration's KERNELS: 0 fused, 1 stream, 2 memcpy), checksums the
+ * segments with the kernel `kind` (its index in ntcopy.KERNELS: 0 fused, 1 stream, 2 memcpy), checksums the
  * padding between and after them in the slot, and stores the chunk's crc32c in crcs[i], sealed with `key` where
  * `sealed` (hpcft.store.checksum.seal: the crc continued over key's 4 bytes, little-endian). Chunk i is the slot's
  * bytes [bounds[i], bounds[i + 1]) and its segments are first[i] .. first[i + 1] - 1: segment j is n[j] bytes at
