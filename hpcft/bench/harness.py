@@ -353,6 +353,24 @@ class Report:
         return "\n".join(lines)
 
 
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from repeated runs of a bench: each numeric figure is the median over the runs, with its
+    spread (min, max) under `spread`; a true/false figure (`identical`, `verified`) is true only if it is in every
+    run; everything else is the first run's; every run is kept under `runs`."""
+    out = dict(runs[0])
+    spread = {}
+    for key, value in runs[0].items():
+        values = [r.get(key) for r in runs]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = statistics.median(values)
+            spread[key] = [min(values), max(values)]
+        elif isinstance(value, bool):
+            out[key] = all(v is True for v in values)
+    out.update({"repeats": len(runs), "spread": spread, "runs": runs})
+    return out
+
+
 def _fmt(value: Any, unit: str) -> str:
     if isinstance(value, float):
         if unit == "%":
@@ -365,10 +383,8 @@ def _fmt(value: Any, unit: str) -> str:
 
 def emit(report: Report | Sequence[Report], as_json: bool, machine: dict[str, Any] | None = None) -> None:
     """--json: one JSON object on stdout and the tables on stderr; else the tables on stdout. Several reports
-    (repeated runs) become one object of medians with their spread (machine.combine); `machine` is recorded
+    (repeated runs) become one object of medians with their spread (`combine`); `machine` is recorded
     under its own key."""
-    from hpcft.bench.machine import combine
-
     reports = [report] if isinstance(report, Report) else list(report)
     tables = "\n".join(r.table() for r in reports)
     if machine:

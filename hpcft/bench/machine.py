@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import asdict
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from hpcft.bench.harness import Memcpy
 from hpcft.env import usable_cores
 from hpcft.snapshot.calibration import CopySettings
 from hpcft.snapshot.calibration.cache import cpu_model
@@ -30,8 +30,6 @@ def _memory_gib() -> float | None:
 
 def memcpy_gbps(threads: int, nbytes: int = 256 << 20, repeats: int = 3) -> float:
     """Best of `repeats` copies of `nbytes` between pre-faulted buffers with `threads` threads, in GB/s."""
-    from hpcft.bench.harness import Memcpy
-
     copy = Memcpy(nbytes, threads)
     try:
         best = float("inf")
@@ -60,22 +58,4 @@ def calibration(settings: CopySettings) -> dict[str, Any]:
         out.update(source=got.source, detail=got.detail,
                    samples=[[s.case, s.method.kernel, s.method.threads, s.method.chunk_bytes,
                              round(s.gbps, 2) if s.gbps else None] for s in got.samples])
-    return out
-
-
-def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One report from repeated runs of a bench: each numeric figure is the median over the runs, with its
-    spread (min, max) under `spread`; a true/false figure (`identical`, `verified`) is true only if it is in every
-    run; everything else is the first run's; every run is kept under `runs`."""
-    out = dict(runs[0])
-    spread = {}
-    for key, value in runs[0].items():
-        values = [r.get(key) for r in runs]
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and \
-                all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            out[key] = statistics.median(values)
-            spread[key] = [min(values), max(values)]
-        elif isinstance(value, bool):
-            out[key] = all(v is True for v in values)
-    out.update({"repeats": len(runs), "spread": spread, "runs": runs})
     return out
