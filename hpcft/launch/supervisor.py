@@ -1,12 +1,6 @@
-"""The run loop of `hpcft run`: launch the trainers' srun step, watch it, ask the policy, carry out its decision.
-
-Watching means: the step's exit (with srun's per-task errors), the nodes of the active slots (scontrol, read
-fresh), training progress (the nodes' reports over the network, hpcft/launch/fabric/service.py) for --hang-timeout, and
-Slurm's warning signal SIGUSR1. With agents, each launch first starts them (hpcft/launch/steps/agents.py) and waits until
-every one is ready (after a node replacement: has rebuilt the lost snapshots onto the spare), then the trainers.
-What must outlive a requeue (relaunch count, excluded nodes, which node held which slot) is kept in
-<job dir>/state.json, so that a requeued run puts every node that comes back into the slot its memory holds.
-Before a requeue the agents protect and flush the newest snapshot (AgentSteps.persist)."""
+"""The run loop of `hpcft run` as a state machine (`Supervisor.run`): start, launch (the steps, then the trainers
+watched: their exit, the slots' nodes, progress over the network, the agents, SIGUSR1), decide (the policy's decision
+carried out), launch again or finish. What outlives a requeue is in the ledger's state.json (launch/ledger.py)."""
 import dataclasses
 import getpass
 import logging
@@ -34,6 +28,7 @@ from hpcft.durable.local import ENV_LOCAL
 from hpcft.launch.config.options import RunConfig, check_paths, check_shape, copy_env, durable_dir
 from hpcft.launch.node.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.policy.layout import Layout
+from hpcft.launch.ledger import Ledger
 from hpcft.launch.state import Persisted
 from hpcft.launch.policy.failures import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.steps.preflight import Preflight
@@ -68,8 +63,6 @@ class Supervisor:
         self.profile = profiles.get(cfg.launch.profile)
         self.job_dir = Path(cfg.launch.job_dir or Path.cwd() / f"hpcft-{self.job_id}").resolve()
         check_paths(cfg, self.job_dir)  # before any step: a run that cannot write its directories is refused
-        self.state_path = self.job_dir / "state.json"
-        self._state_unwritten: str | None = None  # why state.json could not be written last (a full disk)
         self._signal: int | None = None
         self._wake = threading.Event()
         self._started = time.time()
@@ -77,10 +70,6 @@ class Supervisor:
         self._requeued_run = False
         self._stopper = StepStopper(self.runner, self.job_id, cfg.launch.kill_grace, self.emit)
         self._stop_steps = self._stopper.stop
-        self._why_launch = "first launch"  # why the next launch happens: the reason of a loss it may cause
-        self.lost: list[losses.Loss] = []  # progress lost in this run, for its summary
-        self._reached: int | None = None  # the step the trainers had reached when their last launch ended
-        self.previous: losses.PreviousRun | None = None  # how the previous run ended, when it lost its batch host
         self.janitor = Janitor(self.runner, self.job_dir, python, self._stop_steps)
         self.standbys = Standbys(self.runner, self.job_dir, python, cfg.standby.preload, self.environ, emit=self.emit,
                                  stop_steps=self._stop_steps, enabled=cfg.standby.standby)
@@ -88,13 +77,13 @@ class Supervisor:
         self._site_env: dict[str, str] = {}  # what the preflight adds to the steps' environment
         self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.recovery.probe_timeout, self.emit)
         self.fabric = Fabric(self.job_dir, self.emit)  # the nodes' progress and status, over the network
+        self.ledger = Ledger(self.job_dir, self.emit, self.fabric)  # what the summary and the next run are owed
         self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
                                  interrupted=self._terminated, view=self.fabric.view,
                                  check_nodes=lambda layout, probe, until: self.nodes.bad(
                                      layout.slots, probe=probe, closed=False, until=until))
         self.agent_loss = AgentLoss(self.agents, self.nodes, self.emit, self._terminated)
         self.reshaper = elastic.Reshaper(cfg, self.agents, self.janitor, self.emit)
-        self.reshaped: dict[str, list[str]] = {"shrunk": [], "grown": []}  # each elastic shrink / grow, for the summary
         self.base_world = 0  # the world size this run started with (the trainers' batch arithmetic after a shrink)
         self.base_cfg = cfg  # the configuration this run started with (a shrunk or grown job's is sized from it)
         self.grow_watch = GrowWatch(cfg, self.runner, self.job_id, self.nodes, self.emit)
@@ -128,7 +117,7 @@ class Supervisor:
         except HpcftError as exc:  # every run's decisions are recorded, the one that gives up included
             self.emit("decision", level=logging.ERROR, action=Action.STOP.value, cause="error", reason=str(exc),
                       result=EXIT_ERROR)
-            self._summary(Action.STOP, str(exc), Persisted.load(self.state_path), EXIT_ERROR)
+            self.ledger.summary(Action.STOP, str(exc), self.ledger.load(), EXIT_ERROR, self.stragglers.summary())
             if self._launched:  # the job ends here: nothing of it stays in node memory
                 try:
                     self._clean_up(slurmstate.job_info(self.runner, self.job_id).nodes)
@@ -146,7 +135,7 @@ class Supervisor:
         """The start state: what the previous runs left, the allocation, the options resolved for its shape, the
         slots; then the checks before the first launch and the services every launch uses."""
         self._started = time.time()
-        saved = Persisted.load(self.state_path)
+        saved = self.ledger.load()
         info = slurmstate.job_info(self.runner, self.job_id)
         saved.requeues = max(saved.requeues, info.restarts)
         self._slurm_run = info.restarts
@@ -170,7 +159,7 @@ class Supervisor:
         self.base_world = layout.world_size
         self.grow_watch.target = len(layout.slots)
         self._requeued_run = saved.requeues > 0
-        self._previous_run(layout, saved.requeues)  # before this run's `start`: it reads the previous run's events
+        self.ledger.previous_run(layout, saved.requeues)  # before this run's `start`: it reads the previous run's events
         self.emit("start", slots=",".join(layout.slots), spares=",".join(layout.spares),
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
                   kept=",".join(kept), profile=self.profile.name, protect=self.cfg.protection.protect,
@@ -178,7 +167,7 @@ class Supervisor:
         self.preflight = Preflight(self.cfg, self.profile, self.environ, self.emit, self.job_id)
         self._site_env = self.preflight.start(len(layout.slots))  # RCCL's plugin; the memory plan
         saved.slots = list(layout.slots)  # now: a run that dies with its batch host has said where its data is
-        self._save(saved)
+        self.ledger.save(saved)
         self.fabric.start(agent_iface(self.cfg))
         if self.cfg.with_agents:
             self.agents.prepare()
@@ -199,9 +188,9 @@ class Supervisor:
             saved.excluded = list(layout.excluded)
             if decision.action in RELAUNCHES:
                 saved.count(decision.action)
-                self._save(saved)
+                self.ledger.save(saved)
                 continue
-            self._save(saved)
+            self.ledger.save(saved)
             if decision.action is not Action.REQUEUE:  # the job is over: nothing of it stays in node memory
                 self._clean_up([*layout.slots, *layout.spares, *self.stragglers.evicted])
             return self._finish(decision, saved)
@@ -228,28 +217,15 @@ class Supervisor:
         self.stragglers.carried_out(decision, event)
         if decision.action in (Action.SHRINK, Action.GROW):
             decision = self._reshape(decision, event, state, saved.launches)
-        self._why_launch = self._launch_reason(decision, event)
+        self.ledger.decided(decision, event, self.cfg.protection.protect)
         return decision
-
-    def _previous_run(self, layout: Layout, requeues: int) -> None:
-        """What this run takes over: the step the trainers had reached (a requeued run's view comes from the log the
-        previous run left) and, when the previous run lost its batch host, that, said at once (`previous_run`)."""
-        self._reached = self.fabric.view.reached(layout.world_size)
-        if not requeues:
-            return
-        self._why_launch = f"requeued run {requeues}"
-        self.previous = losses.PreviousRun.lost_batch_host(events.read(self.job_dir), self._reached)
-        if self.previous is not None:
-            self._why_launch += f": {self.previous.what()}"
-            self.emit("previous_run", level=logging.WARNING, node=self.previous.node, state=self.previous.state,
-                      reached=self._reached, reason=self.previous.reason())
 
     def _finish(self, decision: Decision, saved: Persisted) -> int:
         if decision.action is Action.REQUEUE:
             saved.requeues += 1
-            self._save(saved)
-        code = losses.exit_status(int(decision.exit_code or 0), self.lost, self.cfg.recovery.lost_progress_exit)
-        self._summary(decision.action, decision.reason, saved, code)
+            self.ledger.save(saved)
+        code = losses.exit_status(int(decision.exit_code or 0), self.ledger.lost, self.cfg.recovery.lost_progress_exit)
+        self.ledger.summary(decision.action, decision.reason, saved, code, self.stragglers.summary())
         if decision.action is Action.REQUEUE:
             # in this order: what the next run needs is on disk before the requeue's SIGTERM reaches this process
             self.emit("requeue", level=logging.WARNING, excluded=",".join(saved.excluded), reason=decision.reason)
@@ -261,7 +237,7 @@ class Supervisor:
                                       "durable tier, not from memory")
             done = slurmstate.requeue(self.runner, self.job_id, saved.excluded)
             saved.slurm_excluded = done.excluded
-            self._save(saved)
+            self.ledger.save(saved)
             self.emit("requeued", level=logging.WARNING if done.allowed or done.unexcluded else logging.INFO,
                       slurm_excluded=",".join(done.excluded), allowed=",".join(done.allowed), reason=done.reason())
         return code
@@ -273,66 +249,16 @@ class Supervisor:
         self.emit("cleaned", level=logging.INFO if code == 0 else logging.WARNING, nodes=",".join(nodes),
                   exit_code=code, by=self.janitor.cleaned_by, seconds=round(time.monotonic() - started, 3))
 
-    def _summary(self, action: Action, reason: str, saved: Persisted, exit_code: int | None) -> None:
-        """The run's last word: how it ended, every loss of progress (`lost`, each counted by losses.loss) and how
-        the previous run ended when it lost its batch host (ERROR when it gave up or restarted from step 0 after
-        progress existed)."""
-        from_zero = any(loss.resumed_from == 0 for loss in self.lost)
-        inproc = sum(e["event"] == "inprocess_restart" and e.get("rank") == 0 for e in events.read(self.job_dir))
-        unwritten = self._unwritten()
-        level = (logging.ERROR if action is Action.STOP or from_zero
-                 else logging.WARNING if self.lost or any(self.reshaped.values()) or self.stragglers.evicted or inproc
-                 or action is Action.REQUEUE or unwritten or self.previous
-                 else logging.INFO)
-        lost = "; ".join(loss.line() for loss in self.lost)
-        self.emit("summary", level=level, action=action.value, reason=reason, restarts=saved.restarts,
-                  requeues=saved.requeues, excluded=",".join(saved.excluded), exit_code=exit_code, lost=lost,
-                  steps_lost=losses.steps_lost(self.lost), inprocess_restarts=inproc,  # the ranks' own (restartable)
-                  **({"previous_run": self.previous.summary()} if self.previous else {}),
-                  **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines},
-                  **self.stragglers.summary(), **({"unwritten": unwritten} if unwritten else {}))
-
-    def _save(self, saved: Persisted) -> None:
-        """state.json for the next run. A job directory that cannot take it (a full disk) costs this run nothing:
-        said once (ERROR `state_unwritten`) and in the summary; a requeued run would read the state written last."""
-        try:
-            saved.save(self.state_path)
-        except OSError as exc:
-            if self._state_unwritten is None:
-                self.emit("state_unwritten", level=logging.ERROR, path=str(self.state_path), error=str(exc),
-                          consequence="a requeued run reads the state written last: the restarts, requeues and "
-                                      "excluded nodes since then are not known to it")
-            self._state_unwritten = str(exc)
-        else:
-            self._state_unwritten = None
-
-    def _unwritten(self) -> str:
-        """What the run could not write to its job directory (a full disk, a quota): its events and status log."""
-        said = [f"{len(u.lines) + u.dropped} event(s) not in {u.path} ({u.error}; they are in this output)"
-                for u in events.unwritten()]
-        if self.fabric.unwritable:
-            said.append(f"{self.fabric.path} not updated ({self.fabric.unwritable})")
-        if self._state_unwritten:
-            said.append(f"{self.state_path} not updated ({self._state_unwritten})")
-        return "; ".join(said)
-
     def _reshape(self, decision: Decision, event: Event, state: State, launches: int) -> Decision:
         """Carry a shrink or grow out (hpcft/launch/reshape.py): the decision, or what replaced it if it failed."""
         self.reshaper.cfg = self.cfg
         done, line = self.reshaper.carry_out(decision, event, state, self._env(state.layout, launches),
                                              f"{launches}-shrink", str(self.job_dir))
-        self.reshaped["grown" if decision.action is Action.GROW else "shrunk"] += [line] if line else []
+        self.ledger.reshaped["grown" if decision.action is Action.GROW else "shrunk"] += [line] if line else []
         if done.action is decision.action:  # the new shape's protection sets, from the run's starting configuration
             self.cfg = self.agents.cfg = elastic.shrunk_config(self.base_cfg, len(done.layout.slots))
         self.grow_watch.reshaped()  # the clock of --grow-every (a failed grow's relaunch counts too)
         return done
-
-    def _launch_reason(self, decision: Decision, event: Event) -> str:
-        """Why the next launch happens, and what it could lose: the reason carried by a loss it causes."""
-        why = decision.reason
-        if event.bad_nodes and not self.cfg.protection.protected:
-            why += f"; nothing protected the lost node's snapshots (--protect {self.cfg.protection.protect})"
-        return why
 
     def _persist_before_requeue(self, event: Event) -> None:
         """Before a requeue: the `persist` hook if given, else the agents' protect + flush (AgentSteps.persist)."""
@@ -355,10 +281,10 @@ class Supervisor:
                 return event
             argv = trainer_argv(layout, self.profile, self.command, python=self.python,
                                 extra=self.cfg.launch.srun_args)
-            why = self._why_launch + (f"; the agents could not rebuild: {self.agents.no_checkpoint}"
+            why = self.ledger.why_launch + (f"; the agents could not rebuild: {self.agents.no_checkpoint}"
                                       if self.agents.no_checkpoint else "")
             watch = losses.RestoreWatch(self.job_dir, layout.world_size, since=time.time(), reason=why,
-                                        before=self._reached)  # read when the last launch ended, not now (see losses)
+                                        before=self.ledger.reached)  # read when the last launch ended, not now (see losses)
             self.emit("launch", restart=restart_count, slots=",".join(layout.slots), world=layout.world_size,
                       master=f"{layout.master}:{env['MASTER_PORT']}")
             launched = time.time()
@@ -376,10 +302,10 @@ class Supervisor:
                     slurmstate.ended_tasks(lines).get(node, 0) >= layout.tasks_per_node
                     for node in layout.slots if node not in event.bad_nodes))  # with the agents' after a loss
                 reader.join(timeout=5)
-            watch.say(self.emit, self.lost)
-            self._reached = watch.reached_after(self.fabric.view.reached(layout.world_size))
-            if self.previous is not None and self.previous.resumed is None:
-                self.previous.resumed = watch.resumed  # what the lost batch host cost, once its ranks have restored
+            watch.say(self.emit, self.ledger.lost)
+            self.ledger.reached = watch.reached_after(self.fabric.view.reached(layout.world_size))
+            if self.ledger.previous is not None and self.ledger.previous.resumed is None:
+                self.ledger.previous.resumed = watch.resumed  # what the lost batch host cost, once its ranks have restored
         except BaseException:
             self.agents.stop()
             raise
@@ -429,7 +355,7 @@ class Supervisor:
         """Until the trainers' step ends or must be stopped; `agents_lost` (AgentLoss.while_training) answers agents
         that failed meanwhile: an event, or None when the agents were restarted alone and the trainers go on."""
         while True:
-            watch.say(self.emit, self.lost)
+            watch.say(self.emit, self.ledger.lost)
             self.preflight.poll(self.agents.reports, expected=self.agents.nodes(layout))  # the plan, once every node snapshots
             code = proc.poll()
             if code is not None:

@@ -92,18 +92,18 @@ def test_a_loss_counts_from_the_step_the_trainers_had_reached_not_from_what_the_
                    (lambda: _restored(sup, world, 11), 0)]
     sup.nodes.bad = lambda slots, **k: {"n2": "DOWN"}
     event = sup._run_step(first, 0)
-    assert event.bad_nodes == ("n2",) and sup.lost == []
+    assert event.bad_nodes == ("n2",) and sup.ledger.lost == []
     second = Layout.plan(NODES, active=2, spares=0, tasks_per_node=2, excluded=["n2"], previous=first.slots)
     # the agents of the next launch rebuilt step 10 onto the spare and report it before the trainers start
     sup.standbys.wait = lambda *a, **k: _report(sup, {2: 10, 3: 10})
     sup.nodes.bad = lambda slots, **k: {}
     sup._run_step(second, 1)
-    assert [(x.reached, x.resumed_from, x.steps_lost) for x in sup.lost] == [(12, 10, 2)]
+    assert [(x.reached, x.resumed_from, x.steps_lost) for x in sup.ledger.lost] == [(12, 10, 2)]
     lost = [(e["reached"], e["resumed_from"], e["level"]) for e in _said(sup, "progress_lost")]
     assert lost == [(12, 10, "WARNING")]
     sup.standbys.wait = lambda *a, **k: None
     sup._run_step(second, 2)
-    assert len(sup.lost) == 1
+    assert len(sup.ledger.lost) == 1
     sup._finish(Decision(Action.DONE, "every task exited 0", second, 0), Persisted())
     summary = _said(sup, "summary")[-1]
     assert summary["level"] == "WARNING" and summary["steps_lost"] == 2 and "2 step(s) lost" in summary["lost"]
@@ -119,7 +119,7 @@ def test_a_loss_counts_from_the_step_the_trainers_had_reached_not_from_what_the_
 ])
 def test_a_run_that_lost_progress_exits_with_lost_progress_exit(tmp_path, lost, option, action, code, expected):
     sup = _supervisor(tmp_path, _Slurm(), **({} if option is None else {"lost_progress_exit": option}))
-    sup.lost = list(lost)
+    sup.ledger.lost = list(lost)
     layout = Layout.plan(NODES, active=2, spares=1)
     assert sup._finish(Decision(action, "why", layout, code), Persisted()) == expected
     summary = _said(sup, "summary")[-1]
@@ -159,15 +159,15 @@ def test_a_requeued_run_says_at_its_start_and_in_its_summary_that_the_previous_r
     sup = _supervisor(tmp_path, slurm)
     layout = Layout.plan(["n4", "n2", "n3"], active=2, spares=1, tasks_per_node=2)
     _report(sup, dict.fromkeys(range(layout.world_size), 12))  # the previous run's status.json
-    sup._previous_run(layout, requeues=1)
+    sup.ledger.previous_run(layout, requeues=1)
     said = _said(sup, "previous_run")
     assert len(said) == 1 and said[0]["level"] in ("WARNING", "ERROR"), said
     assert said[0]["node"] == "n1" and "batch host n1" in said[0]["reason"] and "DOWN*" in said[0]["reason"]
     assert said[0]["reached"] == 12
     slurm.steps = [(lambda: _restored(sup, layout.world_size, 10), 0)]
     sup._run_step(layout, 1)
-    assert [(x.reached, x.resumed_from) for x in sup.lost] == [(12, 10)]
-    assert "batch host n1" in sup.lost[0].reason
+    assert [(x.reached, x.resumed_from) for x in sup.ledger.lost] == [(12, 10)]
+    assert "batch host n1" in sup.ledger.lost[0].reason
     sup._finish(Decision(Action.DONE, "every task exited 0", layout, 0), Persisted(requeues=1))
     summary = _said(sup, "summary")[-1]
     assert summary["level"] in ("WARNING", "ERROR") and "batch host n1" in summary["previous_run"], summary
@@ -180,7 +180,7 @@ def test_a_requeued_run_after_a_lost_batch_host_that_lost_nothing_still_says_why
     _lost_batch_host(job_dir)
     sup = _supervisor(tmp_path, _Slurm())
     layout = Layout.plan(["n4", "n2", "n3"], active=2, spares=1)
-    sup._previous_run(layout, requeues=1)
+    sup.ledger.previous_run(layout, requeues=1)
     sup._finish(Decision(Action.DONE, "every task exited 0", layout, 0), Persisted(requeues=1))
     summary = _said(sup, "summary")[-1]
     assert summary["level"] == "WARNING" and "batch host n1" in summary["previous_run"], summary
@@ -194,7 +194,7 @@ def test_a_requeue_the_run_asked_for_itself_is_no_lost_batch_host(tmp_path):
     events.emit("start", log_dir=job_dir, slots="n4,n2", requeues=1)  # a later run, requeued by its own supervisor
     events.emit("requeue", log_dir=job_dir, reason="walltime warning signal")
     sup = _supervisor(tmp_path, _Slurm())
-    sup._previous_run(Layout.plan(["n4", "n2", "n3"], active=2, spares=1), requeues=2)
+    sup.ledger.previous_run(Layout.plan(["n4", "n2", "n3"], active=2, spares=1), requeues=2)
     assert _said(sup, "previous_run") == []
 
 
