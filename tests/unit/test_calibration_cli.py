@@ -10,6 +10,7 @@ import pytest
 
 from hpcft.errors import ConfigError
 from hpcft.launch.config import options as config
+from hpcft.launch.config import resolve
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,9 +44,9 @@ def test_doctor_names_a_bad_override(shm_root: Path):
 
 
 def test_run_copy_option_layers_and_reaches_the_trainers():
-    assert config.load({}, environ={}).launch.copy is None and config.copy_env(config.load({}, environ={})) == {}
+    assert config.load({}, environ={}).launch.copy is None and resolve.copy_env(config.load({}, environ={})) == {}
     from_env = config.load({}, environ={"HPCFT_COPY": "memcpy"})
-    assert from_env.launch.copy == "memcpy" and config.copy_env(from_env) == {"HPCFT_COPY": "memcpy"}
+    assert from_env.launch.copy == "memcpy" and resolve.copy_env(from_env) == {"HPCFT_COPY": "memcpy"}
     assert config.load({"copy": "stream,threads=2"}, environ={"HPCFT_COPY": "memcpy"}).launch.copy == "stream,threads=2"
     for fine in ("auto", "default", "snapshot.threads=1,chunk=4M"):
         assert config.load({"copy": fine}, environ={}).launch.copy == fine

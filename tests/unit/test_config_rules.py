@@ -12,6 +12,7 @@ from hpcft.errors import ConfigError
 from hpcft.launch.cli import run
 from hpcft.launch.config import command
 from hpcft.launch.config import options as config
+from hpcft.launch.config import resolve
 from hpcft.launch.supervisor import Supervisor
 
 VALUES = [  # (options, words of the error)
@@ -117,10 +118,10 @@ def test_hpcft_run_refuses_what_the_allocation_cannot_carry_before_its_first_sru
 
 
 def test_an_explicit_scheme_without_a_group_takes_the_largest_set_the_nodes_allow():
-    assert config.check_shape(config.make(protect="xor"), 3).protection.group == 3
-    assert config.check_shape(config.make(protect="xor", spares=1), 9).protection.group == 4
-    assert config.check_shape(config.make(protect="rs", losses=2), 3).protection.group == 3
-    assert config.check_shape(config.make(), 2).protection.protect == "partner"
+    assert resolve.check_shape(config.make(protect="xor"), 3).protection.group == 3
+    assert resolve.check_shape(config.make(protect="xor", spares=1), 9).protection.group == 4
+    assert resolve.check_shape(config.make(protect="rs", losses=2), 3).protection.group == 3
+    assert resolve.check_shape(config.make(), 2).protection.protect == "partner"
 
 
 def test_run_help_fits_a_screen_and_help_all_reaches_every_option():

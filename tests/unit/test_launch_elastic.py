@@ -1,10 +1,14 @@
 """Elastic shrink as plain data: the policy's shrink decision and its floor (--min-nodes), which survivor hosts a lost
 slot's agent, the configuration of the smaller job, bad options, and the trainers' batch arithmetic (no Slurm)."""
+import json
+from pathlib import Path
+
 import pytest
 
 from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK, BatchPlan, batch_plan
 from hpcft.errors import ConfigError
 from hpcft.launch.config import options as config
+from hpcft.launch.config import resolve
 from hpcft.launch.reshape import hosts, shrunk_config, trainer_env
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.policy.failures import EXIT_REQUEUED, Action, Event, Kind, State, decide, record
@@ -59,9 +63,9 @@ def test_the_smaller_job_protects_with_sets_it_can_form():
     assert shrunk_config(partner, 2).protection.distance == 1
     assert trainer_env(cfg, 8) == {"HPCFT_ELASTIC_BATCH": KEEP_GLOBAL, "HPCFT_BASE_WORLD": "8"}
     assert trainer_env(config.make(), 8) == {}
-    config.check_shape(config.make(elastic=True, min_nodes=4), 4)
+    resolve.check_shape(config.make(elastic=True, min_nodes=4), 4)
     with pytest.raises(ConfigError, match="--min-nodes 5 is more than the 4 active"):
-        config.check_shape(config.make(elastic=True, min_nodes=5), 4)  # --nodes not given: the allocation's
+        resolve.check_shape(config.make(elastic=True, min_nodes=5), 4)  # --nodes not given: the allocation's
 
 
 @pytest.mark.parametrize("cli, words", [
@@ -135,8 +139,9 @@ def test_a_shrinks_agents_run_on_the_survivors_with_the_lost_slot_hosted(tmp_pat
     def opt(argv, name):
         return next(a.split("=", 1)[1] for a in argv if a.startswith(name + "="))
 
-    assert opt(main, "--nodelist") == "n[1-2,4]" and main[main.index("--layout") + 1] == "n1,n2,n3,n4"
+    settings = main[main.index("--settings") + 1]
+    assert opt(main, "--nodelist") == "n[1-2,4]" and json.loads(Path(settings).read_text())["layout"] == list(FOUR.slots)
     assert "--hosted" not in main and "--rebuild" in main
     assert (opt(hosted, "--job-name"), opt(hosted, "--nodelist")) == ("hpcft-agent-hosted-2", "n4")
     assert hosted[-5:] == ["--slot", "2", "--slots", "4", "--hosted"] and "--rebuild" in hosted
-    assert hosted[hosted.index("--layout") + 1] == "n1,n2,n3,n4"
+    assert hosted[hosted.index("--settings") + 1] == settings  # the same settings: the whole layout

@@ -4,6 +4,7 @@ import pytest
 from hpcft.env import job_env
 from hpcft.errors import ConfigError
 from hpcft.launch.config import options as config
+from hpcft.launch.config import resolve
 from hpcft.launch.config import profiles
 from hpcft.launch.policy.layout import Layout, NoSpareError
 from hpcft.launch.node.srun import master_port, step_env, task_env
@@ -116,7 +117,7 @@ def test_protection_options_from_file_environment_and_cli(tmp_path):
     cfg_file.write_text("protect = 'rs'\ngroup = 4\nlosses = 2\n")
     cfg = config.load({"protect_rate": None}, {"HPCFT_PROTECT_RATE": "5e8"}, cfg_file)
     assert (cfg.protection.protect, cfg.protection.group, cfg.protection.losses, cfg.protection.protect_rate, cfg.protection.protected) == ("rs", 4, 2, 5e8, True)
-    assert config.scheme(cfg).tolerated == 2
+    assert resolve.scheme(cfg).tolerated == 2
     assert config.load({}, {}).protection.protect == "auto" and config.load({}, {}).protection.protect_rate is None
     assert not config.load({"protect": "none"}, {}).protection.protected
 
@@ -124,9 +125,9 @@ def test_protection_options_from_file_environment_and_cli(tmp_path):
 @pytest.mark.parametrize("active,want", [(1, ("none", None)), (2, ("partner", None)), (3, ("xor", 3)), (4, ("xor", 4)),
                                          (9, ("xor", 4))])
 def test_the_default_protects_wherever_the_allocation_allows_it(active, want):
-    cfg = config.resolve_protect(config.load({}, {}), active)
+    cfg = resolve.resolve_protect(config.load({}, {}), active)
     assert (cfg.protection.protect, cfg.protection.group) == want
-    assert config.resolve_protect(config.load({"protect": "rs", "losses": 2}, {}), active).protection.protect == "rs"
+    assert resolve.resolve_protect(config.load({"protect": "rs", "losses": 2}, {}), active).protection.protect == "rs"
 
 
 @pytest.mark.parametrize("options,message", [

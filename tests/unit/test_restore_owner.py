@@ -13,6 +13,7 @@ from hpcft import events
 from hpcft.checkpointer import Checkpointer
 from hpcft.launch import cli
 from hpcft.launch.config import options as config
+from hpcft.launch.config import resolve
 from hpcft.options import Options
 from hpcft.store import RankStore, job_dir
 
@@ -144,9 +145,9 @@ def test_a_jobs_own_versions_restore_without_a_word_about_owners(shm_root: Path,
 
 def test_hpcft_run_adopt_reaches_the_trainers_and_the_agents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     unset = config.load({}, environ={})
-    assert unset.launch.adopt is None and "HPCFT_ADOPT" not in config.copy_env(unset)
+    assert unset.launch.adopt is None and "HPCFT_ADOPT" not in resolve.copy_env(unset)
     cfg = config.load({"adopt": "4242"}, environ={"HPCFT_ADOPT": "17"})
-    assert cfg.launch.adopt == "4242" and config.copy_env(cfg)["HPCFT_ADOPT"] == "4242"
+    assert cfg.launch.adopt == "4242" and resolve.copy_env(cfg)["HPCFT_ADOPT"] == "4242"
     assert config.load({}, environ={"HPCFT_ADOPT": "17"}).launch.adopt == "17"
     monkeypatch.chdir(tmp_path)
     out = CliRunner().invoke(cli.submit, ["--nodes", "2", "--dry-run", "--adopt", "4242", "--", "python", "t.py"])

@@ -21,32 +21,36 @@ PROTECT_SCHEMES = ("auto", "none", "partner", "xor", "rs")
 AGENT_TRANSPORTS = ("tcp", "mpi")
 ELASTIC_BATCH = (KEEP_GLOBAL, KEEP_PER_RANK)
 PROFILES = ("cpu", "cuda", "frontier")
+DEFAULT_GROUP = 4  # xor and rs sets of 4 unless fewer nodes train or --group says otherwise
 DEFAULT_PRELOAD = ("torch,torch.nn,torch.optim,torch.distributed,torch.distributed.device_mesh,"
                    "torch.nn.parallel,torch._dynamo,torch._inductor.config,torch.distributed.checkpoint.state_dict,"
                    "numpy,hpcft.runtime,hpcft.checkpointer")
 
 
+BOUNDS = {">=0": "0 or more", ">=1": "at least 1", ">0": "positive"}
+
+
 def option(default: Any, help: str, *, daily: bool = False, choices: tuple[str, ...] = (), metavar: str = "",
-           size: bool = False) -> Any:
+           size: bool = False, bound: str = "") -> Any:
     """A field of a section: `help` is its one text (--help, the reference); `daily` shows it in `hpcft run --help`
-    (the rest under --help-all); `size`: bytes, also written 64G or 1.5TiB."""
+    (the rest under --help-all); `size`: bytes, also written 64G or 1.5TiB; `bound`: a key of BOUNDS."""
     return field(default=default, metadata={"help": help, "daily": daily, "choices": choices, "metavar": metavar,
-                                            "size": size})
+                                            "size": size, "bound": bound})
 
 
 @dataclass(frozen=True)
 class Launch:
     """Where the trainers run and how they are started."""
 
-    nodes: int | None = option(None, "Active nodes (default: the allocation minus the spares).", daily=True)
-    spares: int = option(0, "Nodes held back to replace failed ones.", daily=True)
+    nodes: int | None = option(None, "Active nodes (default: the allocation minus the spares).", daily=True, bound=">=1")
+    spares: int = option(0, "Nodes held back to replace failed ones.", daily=True, bound=">=0")
     profile: str = option("cpu", "Machine profile: tasks per node, srun options, library environment.", daily=True, choices=PROFILES)
-    tasks_per_node: int | None = option(None, "Trainer tasks per node (default: the profile's).")
+    tasks_per_node: int | None = option(None, "Trainer tasks per node (default: the profile's).", bound=">=1")
     job_dir: str | None = option(None, "Where events, decisions and progress go (default ./hpcft-<job id>).",
                                  daily=True)
     srun_args: str = option("", "Extra srun options for the trainers' step, as one string.", daily=True)
-    poll_interval: float = option(1.0, "Seconds between checks of the step and the nodes.")
-    kill_grace: float = option(10.0, "Seconds between SIGTERM and SIGKILL of a step.")
+    poll_interval: float = option(1.0, "Seconds between checks of the step and the nodes.", bound=">0")
+    kill_grace: float = option(10.0, "Seconds between SIGTERM and SIGKILL of a step.", bound=">=0")
     copy: str | None = option(None, "The trainers' CPU snapshot/restore copy method, exported as HPCFT_COPY: auto "
                               "(measured once per host and cached, the default), default, or pinned, e.g. "
                               "stream,threads=2,chunk=1M (hpcft/snapshot/calibration).")
@@ -58,17 +62,17 @@ class Launch:
 class Recovery:
     """When a failure is a relaunch, a requeue or the end, and how failures are found."""
 
-    max_restarts: int = option(3, "Relaunches allowed before giving up (requeues not counted).", daily=True)
-    hang_timeout: float = option(0.0, "Seconds without a completed step = hung (0: off).", daily=True)
+    max_restarts: int = option(3, "Relaunches allowed before giving up (requeues not counted).", daily=True, bound=">=0")
+    hang_timeout: float = option(0.0, "Seconds without a completed step = hung (0: off).", daily=True, bound=">=0")
     start_timeout: float = option(0.0, "With --hang-timeout: seconds a launch may take to its first completed step "
-                                  "(start-up, process groups, restore) before it counts as hung (0: the hang timeout).")
+                                  "(start-up, process groups, restore) before it counts as hung (0: the hang timeout).", bound=">=0")
     requeue: bool = option(True, "Allow `scontrol requeue` when the walltime nears or no relaunch is possible.")
     requeue_margin: float = option(300.0, "With less walltime left than this (s), persist and requeue instead of "
-                                   "relaunching.")
-    probe_timeout: float = option(15.0, "Seconds a node health probe may take.")
+                                   "relaunching.", bound=">=0")
+    probe_timeout: float = option(15.0, "Seconds a node health probe may take.", bound=">0")
     loss_timeout: float = option(LOSS_TIMEOUT_S, "Seconds without a heartbeat after which a node agent names its peer "
                                  "a suspect, whose node is then probed (0: no heartbeats; a node is lost when its "
-                                 "connections close or Slurm marks it).")
+                                 "connections close or Slurm marks it).", bound=">=0")
     lost_progress_exit: int = option(LOST_PROGRESS_EXIT, "Exit status of a run that finished but lost progress on "
                                      "the way (resumed from an older step than its trainers had reached), so that it "
                                      "cannot pass for a clean success (0: exit 0).", metavar="N")
@@ -79,15 +83,15 @@ class Protection:
     """The node agents' in-memory protection across nodes (docs/protection.md)."""
 
     protect: str = option("auto", "Scheme (auto: xor from 3 nodes, partner on 2, none on 1; none: no agents).", daily=True, choices=PROTECT_SCHEMES)
-    group: int | None = option(None, "Set size for xor and rs (default: 4, or the active nodes where fewer).", daily=True)
-    losses: int = option(1, "Node losses tolerated per set (rs).")
-    distance: int = option(1, "Partner distance in slots (partner).")
-    protect_rate: float | None = option(None, "Bytes/s cap on protection traffic (default: the agents' own).")
+    group: int | None = option(None, "Set size for xor and rs (default: 4, or the active nodes where fewer).", daily=True, bound=">=1")
+    losses: int = option(1, "Node losses tolerated per set (rs).", bound=">=0")
+    distance: int = option(1, "Partner distance in slots (partner).", bound=">0")
+    protect_rate: float | None = option(None, "Bytes/s cap on protection traffic (default: the agents' own).", bound=">0")
     protect_timeout: float = option(300.0, "Seconds the agents may take to be ready (rebuild included) before the "
-                                    "launch counts as failed.")
+                                    "launch counts as failed.", bound=">=0")
     protect_lag: int | None = option(None, "Steps protection may trail the newest snapshot: the agents' CPU cap rises "
                                      "while it does (default: a fixed cap).",
-                                     daily=True)
+                                     daily=True, bound=">=1")
     agent_iface: str | None = option(None, "Network interface the agents bind to (default: the profile's, hsn0 on "
                                      "Frontier; a node without it uses its hostname's address, with a warning).")
     agent_transport: str = option("tcp", "What carries the agents' bulk data and agreements: tcp, or mpi (mpi4py over "
@@ -105,11 +109,11 @@ class Protection:
 class Memory:
     """The memory plan checked before the first launch and after the first snapshot (hpcft/launch/config/memplan.py)."""
 
-    keep: int = option(2, "The Checkpointer's keep (versions kept per rank), for the plan.")
+    keep: int = option(2, "The Checkpointer's keep (versions kept per rank), for the plan.", bound=">=1")
     state_bytes: int | None = option(None, "One snapshot's bytes on one node, all its ranks (e.g. 120G; unknown: "
-                                     "checked after the first snapshot only).", size=True)
+                                     "checked after the first snapshot only).", size=True, bound=">0")
     node_memory: int | None = option(None, "Memory per node to plan with (e.g. 512G; default: what the batch host's "
-                                     "/dev/shm and MemAvailable offer).", size=True)
+                                     "/dev/shm and MemAvailable offer).", size=True, bound=">0")
     memory_headroom: float = option(0.2, "Fraction of node memory left to the trainers and the system.")
 
 
@@ -119,9 +123,9 @@ class Durable:
 
     persist_dir: str | None = option(None, "The durable tier on a shared file system (default <job dir>/checkpoints; "
                                      "none: no flushing).", daily=True)
-    persist_every: int = option(100, "Flush every this many protected steps (and before a requeue).", daily=True)
-    persist_keep: int = option(2, "Durable checkpoints kept.")
-    persist_rate: float | None = option(None, "Bytes/s cap on each node's flush writes.")
+    persist_every: int = option(100, "Flush every this many protected steps (and before a requeue).", daily=True, bound=">=1")
+    persist_keep: int = option(2, "Durable checkpoints kept.", bound=">=1")
+    persist_rate: float | None = option(None, "Bytes/s cap on each node's flush writes.", bound=">0")
     persist_local: str | None = option(None, "The durable tier's node-local first level, written first and drained "
                                        "to --persist-dir ($VARs expanded on each node; default $HPCFT_NVME/"
                                        "hpcft-persist where `hpcft submit --nvme` gave one; none: off).")
@@ -137,16 +141,16 @@ class Elastic:
     """Continuing on fewer nodes when no spare is left, and growing back (hpcft/launch/reshape.py)."""
 
     elastic: bool = option(False, "With no spare left, continue on fewer nodes instead of requeueing.", daily=True)
-    min_nodes: int | None = option(None, "With --elastic: below this many active nodes, requeue instead (default 1).")
+    min_nodes: int | None = option(None, "With --elastic: below this many active nodes, requeue instead (default 1).", bound=">=1")
     elastic_batch: str = option(KEEP_GLOBAL, "What a shrink keeps: the global batch (each replica accumulates more "
                                 "micro-batches) or each replica's batch, exported as HPCFT_ELASTIC_BATCH.",
                                 choices=ELASTIC_BATCH)
     elastic_grow: bool = option(False, "With --elastic: grow back toward --nodes when nodes of the allocation return "
                                 "to service.")
     grow_settle: float = option(60.0, "Seconds a returned node must stay healthy before it is taken back (doubled "
-                                "for each earlier loss of that node).")
-    grow_every: float = option(300.0, "At most one grow per this many seconds after the last shrink or grow.")
-    grow_max_losses: int = option(2, "A node lost more often than this in the run is not taken back.")
+                                "for each earlier loss of that node).", bound=">=0")
+    grow_every: float = option(300.0, "At most one grow per this many seconds after the last shrink or grow.", bound=">=0")
+    grow_max_losses: int = option(2, "A node lost more often than this in the run is not taken back.", bound=">=0")
 
 
 @dataclass(frozen=True)
@@ -154,8 +158,8 @@ class Stragglers:
     """Finding slow nodes and replacing them (docs/supervisor.md, "Stragglers")."""
 
     straggler_factor: float = option(1.5, "A node whose ranks' own share of a step is this many times the other "
-                                     "nodes' median is a straggler (0: off).")
-    straggler_window: float = option(30.0, "Seconds of steps judged together.")
+                                     "nodes' median is a straggler (0: off).", bound=">=0")
+    straggler_window: float = option(30.0, "Seconds of steps judged together.", bound=">0")
     evict_stragglers: bool = option(False, "Replace a straggler's node with a spare at the next protected step.")
 
 
@@ -326,28 +330,15 @@ def load(cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None
 
 def validate(cfg: RunConfig) -> None:
     """Reject values no run can use, naming the option and what to do (the allocation's shape: `check_shape`)."""
-    launch, rec, prot, mem, dur = cfg.launch, cfg.recovery, cfg.protection, cfg.memory, cfg.durable
-    _at_least(0, spares=launch.spares, max_restarts=rec.max_restarts)
-    _at_least(1, nodes=launch.nodes, tasks_per_node=launch.tasks_per_node, keep=mem.keep, group=prot.group,
-              protect_lag=prot.protect_lag, persist_every=dur.persist_every, persist_keep=dur.persist_keep,
-              min_nodes=cfg.elastic.min_nodes)
-    _at_least(0, **{k: getattr(s, k) for s, keys in (
-        (rec, ("hang_timeout", "start_timeout", "requeue_margin", "loss_timeout")), (launch, ("kill_grace",)),
-        (prot, ("protect_timeout", "losses")), (cfg.elastic, ("grow_settle", "grow_every", "grow_max_losses")),
-        (cfg.stragglers, ("straggler_factor",))) for k in keys})
-    for key, value in (("state_bytes", mem.state_bytes), ("node_memory", mem.node_memory),
-                       ("protect_rate", prot.protect_rate), ("persist_rate", dur.persist_rate),
-                       ("poll_interval", launch.poll_interval), ("probe_timeout", rec.probe_timeout),
-                       ("straggler_window", cfg.stragglers.straggler_window), ("distance", prot.distance)):
-        if value is not None and value <= 0:
-            raise ConfigError(f"{key} must be positive (got {value:g})")
+    launch, rec, prot, mem = cfg.launch, cfg.recovery, cfg.protection, cfg.memory
+    for key, (section, spec) in OPTIONS.items():
+        value, bound = getattr(getattr(cfg, section), key), spec.metadata["bound"]
+        if bound and value is not None and not (value > 0 if bound == ">0" else value >= int(bound[2:])):
+            raise ConfigError(f"{key} must be {BOUNDS[bound]} (got {value:g})")
+        if spec.metadata["choices"] and value not in spec.metadata["choices"]:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(spec.metadata['choices'])}: choose one")
     if not 0 <= mem.memory_headroom < 1:
         raise ConfigError(f"memory_headroom must be a fraction in [0, 1) (got {mem.memory_headroom})")
-    for key, value in (("profile", launch.profile), ("protect", prot.protect),
-                       ("agent_transport", prot.agent_transport), ("elastic_batch", cfg.elastic.elastic_batch)):
-        choices = OPTIONS[key][1].metadata["choices"]
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}: choose one")
     if prot.agent_mpi is not None and not prot.agent_mpi.replace("_", "").isalnum():
         raise ConfigError(f"agent_mpi={prot.agent_mpi!r} is not an srun MPI plugin name (srun --mpi=list shows "
                           "them: pmix, pmi2, cray_shasta, ...)")
@@ -362,15 +353,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"preload: {', '.join(map(repr, bad))} is not a module name; give dotted names separated "
                           "by commas, e.g. --preload torch,transformers")
     if prot.protect not in ("auto", "none"):
-        scheme(cfg)  # the agents' own checks (losses, distance), before anything is launched
+        from hpcft.agent.protection.placement import Scheme
+
+        Scheme(prot.protect, prot.group or DEFAULT_GROUP, prot.losses, prot.distance)  # the agents' own checks, before any step
     if launch.copy and launch.copy.strip().lower() not in ("auto", "default"):
         parse_override(launch.copy, default_choice(1, "fused"))  # the trainers' own parse, before anything is launched
-
-
-def _at_least(low: int, **values: float | None) -> None:
-    for key, value in values.items():
-        if value is not None and value < low:
-            raise ConfigError(f"{key} must be {'at least 1' if low else '0 or more'} (got {value:g})")
 
 
 def _validate_elastic(cfg: RunConfig) -> None:
@@ -406,77 +393,3 @@ def _validate_stragglers(cfg: RunConfig) -> None:
     if st.evict_stragglers and not st.straggler_factor:
         raise ConfigError("evict_stragglers is given with straggler_factor 0 (detection off): set a factor above 1, "
                           "or drop --evict-stragglers")
-
-
-DEFAULT_GROUP = 4  # xor and rs sets of 4 unless fewer nodes train or --group says otherwise
-
-
-def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:
-    """`cfg` made concrete for `active` training nodes: auto protects wherever the allocation allows it (xor from 3
-    nodes, a partner on 2, nothing on 1); xor and rs without --group take the largest set up to 4 that the nodes
-    allow. A scheme the nodes cannot carry is a ConfigError saying what to change (`check_shape`)."""
-    prot = cfg.protection
-    if prot.protect == "auto":
-        if active >= 3:
-            return cfg.but(protect="xor", group=min(prot.group or DEFAULT_GROUP, active), losses=1)
-        return cfg.but(protect="partner" if active == 2 else "none", distance=1)
-    if prot.protect in ("xor", "rs") and prot.group is None:
-        cfg = cfg.but(group=min(DEFAULT_GROUP, active))
-    return cfg
-
-
-def check_shape(cfg: RunConfig, allocated: int) -> RunConfig:
-    """The configuration resolved for an allocation of `allocated` nodes, or ConfigError before anything is launched:
-    nodes and spares that do not fit, a protection scheme the active nodes cannot carry, a floor above them."""
-    launch = cfg.launch
-    active = launch.nodes if launch.nodes is not None else allocated - launch.spares
-    if active + launch.spares > allocated or active < 1:
-        raise ConfigError(f"--nodes {active} and --spares {launch.spares} need {active + launch.spares} nodes; the "
-                          f"allocation has {allocated}: lower --nodes or --spares, or allocate more nodes")
-    if cfg.elastic.elastic and (cfg.elastic.min_nodes or 1) > active:
-        raise ConfigError(f"--min-nodes {cfg.elastic.min_nodes} is more than the {active} active nodes: lower it")
-    cfg = resolve_protect(cfg, active)
-    if cfg.protection.protected:
-        from hpcft.agent.protection.placement import plan
-
-        plan(active, scheme(cfg))  # the agents' own checks (group, losses, distance against the active nodes)
-    return cfg
-
-
-def check_paths(cfg: RunConfig, job_dir: Path) -> None:
-    """The run's shared directories (the job's, the durable tier's, the staging cache) exist or can be made, and take
-    files: refused before any step, not at the first flush hours later."""
-    for key, path in (("job_dir", job_dir), ("persist_dir", durable_dir(cfg, job_dir)),
-                      ("stage_cache", cfg.staging.stage_cache)):
-        if path is None:
-            continue
-        try:
-            Path(path).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"{key} {path} cannot be made ({exc.strerror}): give --{key.replace('_', '-')} a "
-                              "directory you can write on a file system every node sees") from None
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError(f"{key} {path} is not writable by you: give --{key.replace('_', '-')} a directory you "
-                              "can write")
-
-
-def copy_env(cfg: RunConfig) -> dict[str, str]:
-    """What the run's options set for the trainers' store (else HPCFT_<NAME> passes through as is): the copy method
-    (`copy`) and the job whose snapshots a restore adopts (`adopt`; the agents' rebuild reads it too)."""
-    return {env_name(key): getattr(cfg.launch, key) for key in ("copy", "adopt") if getattr(cfg.launch, key)}
-
-
-def durable_dir(cfg: RunConfig, job_dir: Path) -> Path | None:
-    """The durable tier's directory: `persist_dir`, else `<job_dir>/checkpoints`; None when flushing is off."""
-    if not cfg.durable.persisting:
-        return None
-    return Path(cfg.durable.persist_dir).resolve() if cfg.durable.persist_dir else job_dir / "checkpoints"
-
-
-def scheme(cfg: RunConfig):
-    """The node agents' hpcft.agent.protection.placement.Scheme for the protection section (ConfigError naming a bad
-    value)."""
-    from hpcft.agent.protection.placement import Scheme
-
-    prot = cfg.protection
-    return Scheme(prot.protect, prot.group or DEFAULT_GROUP, prot.losses, prot.distance)
