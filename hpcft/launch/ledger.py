@@ -9,7 +9,7 @@ from hpcft.launch import losses
 from hpcft.launch.fabric.service import Fabric
 from hpcft.launch.policy.failures import Action, Decision, Event
 from hpcft.launch.policy.layout import Layout
-from hpcft.launch.state import Persisted
+from hpcft.launch.state import RunState
 
 
 class Ledger:
@@ -27,10 +27,10 @@ class Ledger:
         self.why_launch = "first launch"
         self._state_unwritten: str | None = None  # why state.json could not be written last (a full disk)
 
-    def load(self) -> Persisted:
-        return Persisted.load(self.path)
+    def load(self) -> RunState:
+        return RunState.load(self.path)
 
-    def save(self, saved: Persisted) -> None:
+    def save(self, saved: RunState) -> None:
         """state.json for the next run. A job directory that cannot take it (a full disk) costs this run nothing:
         said once (ERROR `state_unwritten`) and in the summary; a requeued run would read the state written last."""
         try:
@@ -63,7 +63,7 @@ class Ledger:
         if event.bad_nodes and protect == "none":
             self.why_launch += f"; nothing protected the lost node's snapshots (--protect {protect})"
 
-    def summary(self, action: Action, reason: str, saved: Persisted, exit_code: int | None,
+    def summary(self, action: Action, reason: str, saved: RunState, exit_code: int | None,
                 stragglers: dict[str, str]) -> None:
         """The run's last word: how it ended, every loss of progress and how the previous run ended when it lost its
         batch host (ERROR when it gave up or restarted from step 0 after progress existed)."""

@@ -10,7 +10,7 @@ from hpcft.launch.policy.failures import Action
 
 
 @dataclass
-class Persisted:
+class RunState:
     """What the next allocation of a requeued job must know: relaunches so far, the nodes found bad and the
     node of each slot (whose memory holds that slot's snapshots)."""
     restarts: int = 0
@@ -36,7 +36,7 @@ class Persisted:
             self.restarts += 1
 
     @classmethod
-    def load(cls, path: Path) -> "Persisted":
+    def load(cls, path: Path) -> "RunState":
         if not path.exists():
             return cls()
         try:

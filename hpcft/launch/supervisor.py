@@ -30,7 +30,7 @@ from hpcft.launch.config.resolve import check_paths, check_shape, copy_env, dura
 from hpcft.launch.node.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.ledger import Ledger
-from hpcft.launch.state import Persisted
+from hpcft.launch.state import RunState
 from hpcft.launch.policy.failures import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.steps.preflight import Preflight
 from hpcft.launch.steps.nodecheck import NodeCheck
@@ -46,17 +46,14 @@ RELAUNCHES = (Action.RELAUNCH, Action.REPLACE, Action.SHRINK, Action.GROW, Actio
 
 
 class Supervisor:
-    """One `hpcft run`: everything it touches in Slurm goes through `runner`; `persist`, when given, replaces
-    the wait for protection before a requeue (the seam for a persistent flush)."""
+    """One `hpcft run`: everything it touches in Slurm goes through `runner`."""
 
     def __init__(self, cfg: RunConfig, command: Sequence[str], *, runner: Runner | None = None,
-                 environ: Mapping[str, str] | None = None, python: str = sys.executable,
-                 persist: Callable[[], None] | None = None):
+                 environ: Mapping[str, str] | None = None, python: str = sys.executable):
         self.cfg, self.command = cfg, list(command)
         self.runner = runner or Runner()
         self.environ = dict(os.environ if environ is None else environ)
         self.python = python
-        self.persist = persist
         self.job_id = self.environ.get("SLURM_JOB_ID") or self.environ.get("SLURM_JOBID") or ""
         if not self.job_id:
             raise ConfigError("hpcft run must run inside a Slurm allocation (sbatch or salloc); "
@@ -132,7 +129,7 @@ class Supervisor:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
-    def _start(self) -> tuple[Persisted, slurmstate.JobInfo, Layout]:
+    def _start(self) -> tuple[RunState, slurmstate.JobInfo, Layout]:
         """The start state: what the previous runs left, the allocation, the options resolved for its shape, the
         slots; then the checks before the first launch and the services every launch uses."""
         self._started = time.time()
@@ -174,7 +171,7 @@ class Supervisor:
             self.agents.prepare()
         return saved, info, layout
 
-    def _loop(self, saved: Persisted, info: slurmstate.JobInfo, layout: Layout) -> int:
+    def _loop(self, saved: RunState, info: slurmstate.JobInfo, layout: Layout) -> int:
         """Launch, decide, launch again or finish."""
         while True:
             self.stragglers.launched(self.cfg, saved.restarts)
@@ -196,7 +193,7 @@ class Supervisor:
                 self._clean_up([*layout.slots, *layout.spares, *self.stragglers.evicted])
             return self._finish(decision, saved)
 
-    def _decide(self, event: Event, layout: Layout, saved: Persisted, info: slurmstate.JobInfo) -> Decision:
+    def _decide(self, event: Event, layout: Layout, saved: RunState, info: slurmstate.JobInfo) -> Decision:
         """The decide state: the policy's decision on `event`, recorded and carried out up to the next launch (the
         requeue's flush, the agents stopped, a shrink or grow reshaped)."""
         state = State(layout=layout, restarts=saved.restarts, max_restarts=self.cfg.recovery.max_restarts,
@@ -208,7 +205,7 @@ class Supervisor:
         record(decision, event, state, str(self.job_dir))
         self.grow_watch.lost(event.bad_nodes)  # every loss counts against taking a node back (--grow-max-losses)
         if decision.action is Action.REQUEUE:
-            self._persist_before_requeue(event)  # with a closed node's agent too: it still runs
+            self.agents.persist(event.lost_nodes)  # protect + flush, with a closed node's agent too: it still runs
         # a relaunch does not wait for a flush under way (its node-local copies stay for the next one); a shrink
         # lost a node, whose agent no flush can wait for; a grow flushes with them first (Reshaper.grow)
         if decision.action is not Action.GROW:  # an evicted straggler's agent is healthy: asked like the others
@@ -221,7 +218,7 @@ class Supervisor:
         self.ledger.decided(decision, event, self.cfg.protection.protect)
         return decision
 
-    def _finish(self, decision: Decision, saved: Persisted) -> int:
+    def _finish(self, decision: Decision, saved: RunState) -> int:
         if decision.action is Action.REQUEUE:
             saved.requeues += 1
             self.ledger.save(saved)
@@ -260,15 +257,6 @@ class Supervisor:
             self.cfg = self.agents.cfg = elastic.shrunk_config(self.base_cfg, len(done.layout.slots))
         self.grow_watch.reshaped()  # the clock of --grow-every (a failed grow's relaunch counts too)
         return done
-
-    def _persist_before_requeue(self, event: Event) -> None:
-        """Before a requeue: the `persist` hook if given, else the agents' protect + flush (AgentSteps.persist)."""
-        started = time.monotonic()
-        if self.persist is not None:
-            self.persist()
-            self.emit("persist", done=True, how="hook", seconds=round(time.monotonic() - started, 3))
-            return
-        self.agents.persist(event.lost_nodes)
 
     # -- one step -----------------------------------------------------------------------------------------
     def _run_step(self, layout: Layout, restart_count: int) -> Event:

@@ -12,7 +12,7 @@ from hpcft import events
 from hpcft.launch import losses
 from hpcft.launch.config.options import RunConfig, make
 from hpcft.launch.policy.layout import Layout
-from hpcft.launch.state import Persisted
+from hpcft.launch.state import RunState
 from hpcft.launch.policy.failures import EXIT_GAVE_UP, Action, Decision
 from hpcft.launch.supervisor import Supervisor
 
@@ -104,7 +104,7 @@ def test_a_loss_counts_from_the_step_the_trainers_had_reached_not_from_what_the_
     sup.standbys.wait = lambda *a, **k: None
     sup._run_step(second, 2)
     assert len(sup.ledger.lost) == 1
-    sup._finish(Decision(Action.DONE, "every task exited 0", second, 0), Persisted())
+    sup._finish(Decision(Action.DONE, "every task exited 0", second, 0), RunState())
     summary = _said(sup, "summary")[-1]
     assert summary["level"] == "WARNING" and summary["steps_lost"] == 2 and "2 step(s) lost" in summary["lost"]
 
@@ -121,7 +121,7 @@ def test_a_run_that_lost_progress_exits_with_lost_progress_exit(tmp_path, lost, 
     sup = _supervisor(tmp_path, _Slurm(), **({} if option is None else {"lost_progress_exit": option}))
     sup.ledger.lost = list(lost)
     layout = Layout.plan(NODES, active=2, spares=1)
-    assert sup._finish(Decision(action, "why", layout, code), Persisted()) == expected
+    assert sup._finish(Decision(action, "why", layout, code), RunState()) == expected
     summary = _said(sup, "summary")[-1]
     assert summary["exit_code"] == expected
     assert summary["level"] == ("ERROR" if action is Action.STOP or any(x.resumed_from == 0 for x in lost)
@@ -168,7 +168,7 @@ def test_a_requeued_run_says_at_its_start_and_in_its_summary_that_the_previous_r
     sup._run_step(layout, 1)
     assert [(x.reached, x.resumed_from) for x in sup.ledger.lost] == [(12, 10)]
     assert "batch host n1" in sup.ledger.lost[0].reason
-    sup._finish(Decision(Action.DONE, "every task exited 0", layout, 0), Persisted(requeues=1))
+    sup._finish(Decision(Action.DONE, "every task exited 0", layout, 0), RunState(requeues=1))
     summary = _said(sup, "summary")[-1]
     assert summary["level"] in ("WARNING", "ERROR") and "batch host n1" in summary["previous_run"], summary
     assert "2 step(s) lost" in summary["previous_run"], summary
@@ -181,7 +181,7 @@ def test_a_requeued_run_after_a_lost_batch_host_that_lost_nothing_still_says_why
     sup = _supervisor(tmp_path, _Slurm())
     layout = Layout.plan(["n4", "n2", "n3"], active=2, spares=1)
     sup.ledger.previous_run(layout, requeues=1)
-    sup._finish(Decision(Action.DONE, "every task exited 0", layout, 0), Persisted(requeues=1))
+    sup._finish(Decision(Action.DONE, "every task exited 0", layout, 0), RunState(requeues=1))
     summary = _said(sup, "summary")[-1]
     assert summary["level"] == "WARNING" and "batch host n1" in summary["previous_run"], summary
     assert summary["exit_code"] == 0
@@ -210,7 +210,7 @@ def test_a_requeue_the_run_asked_for_itself_is_no_lost_batch_host(tmp_path):
 def test_requeued_says_what_slurm_reported_of_each_node_found_bad(tmp_path, states, excluded, allowed, says, never):
     sup = _supervisor(tmp_path, _Slurm({"n1": "ALLOCATED", **states}))
     layout = Layout.plan(NODES, active=2, spares=1)
-    sup._finish(Decision(Action.REQUEUE, "no spare left", layout, 4), Persisted(excluded=["n2"]))
+    sup._finish(Decision(Action.REQUEUE, "no spare left", layout, 4), RunState(excluded=["n2"]))
     said = _said(sup, "requeued")[-1]
     assert said["slurm_excluded"] == ",".join(excluded) and said["allowed"] == ",".join(allowed), said
     assert all(word in said["reason"] for word in says), said
