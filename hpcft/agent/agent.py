@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -22,17 +21,17 @@ from hpcft.agent import status
 from hpcft.agent.transport import uplink
 from hpcft.agent.protection.budget import LagBudget, foreseen_lag, pause
 from hpcft.agent.protection.bundle import Bundle, both, complete_steps, local_versions, owned, pin_targets
-from hpcft.agent.transport.heartbeat import LOSS_TIMEOUT_S, Heartbeat, PeerSilent
+from hpcft.agent.transport.heartbeat import Heartbeat, PeerSilent
 from hpcft.agent.transport.link import COUNT
 from hpcft.agent.transport.mesh import Mesh, MeshBase
 from hpcft.agent.protection.flush import Flusher
-from hpcft.durable.settings import PersistConfig
-from hpcft.agent.protection.pins import LEASE_S, Pins
+from hpcft.agent.protection.pins import Pins
 from hpcft.agent.protection.placement import Placement, Scheme, plan
 from hpcft.agent.protection.protect import Record, StaleStep, drop_orphans, protect_dir, protect_step, records
 from hpcft.agent.transport.rendezvous import Rendezvous, join
+from hpcft.agent.settings import AgentConfig
 from hpcft.agent.protection.rebuild import rebuild
-from hpcft.agent.transport.throttle import CPU_SHARE, chore, cpu_cores
+from hpcft.agent.transport.throttle import chore, cpu_cores
 from hpcft.errors import HpcftError, IntegrityError, NoCheckpointError
 from hpcft.store import job_dir, resolve_root, secure_dir
 from hpcft.store import pin as store_pin
@@ -124,35 +123,6 @@ def step_seconds(complete: dict[int, dict]) -> float | None:
     return None if a is None or b is None or b <= a else (b - a) / (steps[1] - steps[0])
 
 
-@dataclass(frozen=True)
-class AgentConfig:
-    """Everything one agent needs (see `python -m hpcft.agent --help`)."""
-    job_id: str
-    slot: int
-    slots: int
-    rendezvous: str
-    secret: bytes
-    host: str = "127.0.0.1"
-    bind: str = "0.0.0.0"  # the address the agent listens on (its --iface's address, or every interface)
-    scheme: Scheme = Scheme()
-    rate: float | None = None
-    rounds: int = 1
-    interval: float = 1.0
-    rebuild: bool = False
-    tag: str = "0"
-    timeout: float = 120.0
-    root: str | None = None
-    nice: int = 10
-    pin_lease: float = LEASE_S
-    cpu_share: float = CPU_SHARE
-    cpu_cores: float | None = None  # the CPU cap in cores, instead of cpu_share (see launch/profiles.py)
-    persist: PersistConfig = PersistConfig()  # the durable tier (no flushing without a directory)
-    lag_bound: int | None = None  # protection lag (steps) the CPU cap is raised to keep to (see agent/budget.py)
-    lag_cores: float = 1.0  # the most cores a lag bound may raise the cap to
-    loss_timeout: float = LOSS_TIMEOUT_S  # seconds of silence after which a peer is a suspect (0: no heartbeats)
-    transport: str = "tcp"  # the mesh's carrier: tcp, or mpi (agent/mpimesh.py; the heartbeats stay on TCP)
-
-
 def _watch_requests(flag: Path, stop: Path, mesh: MeshBase, drained: threading.Event, wake: threading.Event,
                     poll: float = 0.2) -> None:
     """Until the supervisor asks for a stop (status.request_stop: SIGTERM to this process, whose handler unwinds the
@@ -191,8 +161,8 @@ def _steer(budget: LagBudget, mesh: MeshBase, cfg: AgentConfig, lag: int | None)
         events.emit("protect_budget", slot=cfg.slot, cores=round(cap, 4), lag=lag, bound=cfg.lag_bound)
     if unmet:
         events.emit("protect_lag_unmet", level=logging.WARNING, slot=cfg.slot, lag=lag, bound=cfg.lag_bound,
-                    cores=round(cap, 4), advice="the agent's CPU at --lag-cores cannot keep protection within the "
-                    "bound on this node: raise --lag-cores or the bound, or protect with a cheaper scheme")
+                    cores=round(cap, 4), advice="the agent's CPU at its lag_cores cannot keep protection within the "
+                    "bound on this node: raise lag_cores or the bound, or protect with a cheaper scheme")
     return over
 
 

@@ -13,8 +13,11 @@ from pathlib import Path
 
 from hpcft.agent.transport import secret as job_secret
 from hpcft.agent import status as agent_status
+from hpcft.agent.protection.placement import Scheme
+from hpcft.agent.settings import AgentConfig
 from hpcft.bench.snapshot_variants import Hpcft
 from hpcft.durable import files, flush
+from hpcft.durable.settings import PersistConfig
 from hpcft.errors import HpcftError
 from hpcft.store import job_dir, secure_dir
 from hpcft.store import pin as store_pin
@@ -34,9 +37,10 @@ class HpcftFlush(Hpcft):
         self.shared = Path(tempfile.mkdtemp(prefix="agents-", dir=root))
         job_secret.create(self.shared)
         env = {**os.environ, "HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(self.shared)}
-        argv = [sys.executable, "-m", "hpcft.agent", "--job-id", JOB, "--slot", "0", "--slots", "1", "--rendezvous",
-                str(self.shared), "--secret", str(self.shared / job_secret.NAME), "--scheme", "none", "--rounds", "0",
-                "--interval", "0.1", "--cpu-share", "0", "--persist-dir", str(persist), "--persist-every", str(every)]
+        settings = AgentConfig(str(self.shared), secret_file=str(self.shared / job_secret.NAME), scheme=Scheme("none"),
+                               rounds=0, interval=0.1, cpu_share=0, persist=PersistConfig(str(persist), every=every))
+        argv = [sys.executable, "-m", "hpcft.agent", "--settings", settings.to_json(), "--job-id", JOB, "--slot", "0",
+                "--slots", "1"]
         self.agent = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         super().__init__(trainer, root, job_id=JOB)
 

@@ -28,6 +28,7 @@ from hpcft.agent.codec import codec_for
 from hpcft.agent.placement import Scheme, plan
 from hpcft.agent.protect import records
 from hpcft.agent.stripes import encode_set, parity_bytes, partner_copies, piece_bytes
+from hpcft.agent.settings import AgentConfig
 from hpcft.agent.throttle import CPU_SHARE, cpu_cores
 from hpcft.bench.harness import Memcpy, Report, Variant, run_interleaved, scratch, set_threads
 from hpcft.errors import HpcftError
@@ -68,14 +69,14 @@ def _commit(root: Path, rank: int, step: int, data: np.ndarray) -> None:
         store.close()
 
 
-def _agents(roots: list[Path], shared: Path, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.Popen]:
-    procs = []
+def _agents(roots: list[Path], shared: Path, scheme: Scheme, tag: str, *flags: str,
+            **settings) -> list[subprocess.Popen]:
+    """One agent per node root; `flags` the node's own (--rebuild), `settings` AgentConfig fields."""
+    procs, cfg = [], AgentConfig(str(shared), secret_file=str(shared / "secret"), scheme=scheme, **settings)
     for i, root in enumerate(roots):
         env = {**os.environ, "HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(shared / "events")}
-        argv = [sys.executable, "-m", "hpcft.agent", "--job-id", JOB, "--slot", str(i), "--slots", str(NODES),
-                "--rendezvous", str(shared), "--secret", str(shared / "secret"), "--scheme", scheme.name,
-                "--group", str(scheme.group), "--losses", str(scheme.losses), "--distance", str(scheme.distance),
-                "--tag", tag, *extra]
+        argv = [sys.executable, "-m", "hpcft.agent", "--settings", cfg.to_json(), "--job-id", JOB, "--slot", str(i),
+                "--slots", str(NODES), "--tag", tag, *flags]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -216,10 +217,8 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
             (j / rank_dir.name).symlink_to(rank_dir)
         interval = opts.interval if opts.interval is not None else step_s
         rate = opts.rate or None
-        extra = ["--rounds", "0", "--interval", str(interval), "--nice", str(opts.nice),
-                 *(["--cpu-share", str(opts.cpu_share)] if opts.cpu_cores is None else ["--cpu-cores", str(opts.cpu_cores)]),
-                 *(["--rate", str(rate)] if rate else [])]
-        agents = _agents(roots, shared, scheme, "train", *extra)
+        agents = _agents(roots, shared, scheme, "train", rounds=0, interval=interval, nice=opts.nice,
+                         cpu_share=opts.cpu_share, cpu_cores=opts.cpu_cores, rate=rate)
         with_p = Train("with_protection", trainer, ckpt, agents, True, committed)
         without = Train("without", trainer, ckpt, agents, False, committed)
         timed0 = [_cpu_s(p.pid) for p in agents]

@@ -1,5 +1,5 @@
 """`hpcft bench transport`: the agents' two transports side by side on this machine. Four "nodes" (store roots, two
-ranks each, `state_bytes` per node) and four real agents, uncapped (--cpu-share 0, --nice 0): TCP as four processes,
+ranks each, `state_bytes` per node) and four real agents, uncapped (cpu_share 0, nice 0): TCP as four processes,
 MPI as the four ranks of one mpirun (Open MPI over TCP: loopback here). Per scheme and transport, the median over
 `repeats` launches of the slowest agent's protect pass and of the rebuild of one lost node onto an empty spare."""
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 from hpcft import events
 from hpcft.agent.transport import secret as job_secret
 from hpcft.agent.protection.placement import Scheme
+from hpcft.agent.settings import AgentConfig
 from hpcft.bench.harness import Report, scratch
 from hpcft.bench.protect import JOB, NODES, SCHEMES, _commit
 from hpcft.errors import ConfigError, HpcftError
@@ -48,11 +49,12 @@ def mpirun_argv(tasks: Sequence[tuple[Sequence[str], Mapping[str, str]]], logs: 
 
 def _agents(roots: list[Path], shared: Path, scheme: Scheme, tag: str, transport: str, *extra: str) -> None:
     """Run the agents of `roots` once (one protect round, or a rebuild); HpcftError naming the failures."""
-    tasks = [([sys.executable, "-m", "hpcft.agent", "--job-id", JOB, "--slot", str(i), "--slots", str(NODES),
-               "--rendezvous", str(shared), "--secret", str(shared / "secret"), "--scheme", scheme.name,
-               "--group", str(scheme.group), "--losses", str(scheme.losses), "--distance", str(scheme.distance),
-               "--tag", tag, "--cpu-share", "0", "--nice", "0", "--transport", transport, *extra],
-              {"HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(shared / "events")}) for i, root in enumerate(roots)]
+    settings = AgentConfig(str(shared), secret_file=str(shared / "secret"), scheme=scheme, cpu_share=0, nice=0,
+                           transport=transport).to_json()
+    tasks = [([sys.executable, "-m", "hpcft.agent", "--settings", settings, "--job-id", JOB, "--slot", str(i),
+               "--slots", str(NODES), "--tag", tag, *extra],
+              {"HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(shared / "events")})
+             for i, root in enumerate(roots)]
     logs = shared / f"logs-{tag}"
     logs.mkdir()
     if transport == "mpi":

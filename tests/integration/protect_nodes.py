@@ -19,6 +19,7 @@ from hpcft.agent.protection.codec import codec_for
 from hpcft.agent.protection.placement import Scheme, plan
 from hpcft.agent.protection.protect import records
 from hpcft.agent.protection.stripes import encode_set, rebuild_partner, rebuild_set
+from hpcft.agent.settings import AgentConfig
 from hpcft.bench.transport import mpirun_argv
 from hpcft.sandbox.config import OPEN_MPI_TCP_ENV
 from hpcft.store import RankStore, chunk_table, job_dir, seal_key
@@ -81,32 +82,33 @@ def copy_cluster(cluster: Cluster, base: Path) -> Cluster:
                    base / cluster.shared.name / cluster.secret.name)
 
 
-def agent_argv(i: int, cluster: Cluster, scheme: Scheme, tag: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "hpcft.agent", "--job-id", JOB, "--slot", str(i), "--slots", str(NODES),
-            "--rendezvous", str(cluster.shared), "--secret", str(cluster.secret), "--scheme", scheme.name,
-            "--group", str(scheme.group), "--losses", str(scheme.losses), "--distance", str(scheme.distance),
-            "--tag", tag, *extra]
+def agent_argv(i: int, cluster: Cluster, scheme: Scheme, tag: str, *flags: str, **settings) -> list[str]:
+    """Node `i`'s agent: `flags` its own (--rebuild), `settings` AgentConfig fields beside the cluster's."""
+    cfg = AgentConfig(str(cluster.shared), secret_file=str(cluster.secret), scheme=scheme, **settings)
+    return [sys.executable, "-m", "hpcft.agent", "--settings", cfg.to_json(), "--job-id", JOB, "--slot", str(i),
+            "--slots", str(NODES), "--tag", tag, *flags]
 
 
 def agent_env(root: Path, shared: Path) -> dict[str, str]:
     return {"HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(shared / "events")}
 
 
-def start_agents(cluster: Cluster, scheme: Scheme, tag: str, *extra: str) -> list[subprocess.Popen]:
+def start_agents(cluster: Cluster, scheme: Scheme, tag: str, *flags: str, **settings) -> list[subprocess.Popen]:
     """One agent process per node over TCP, at once."""
-    return [subprocess.Popen(agent_argv(i, cluster, scheme, tag, *extra), env={**os.environ,
+    return [subprocess.Popen(agent_argv(i, cluster, scheme, tag, *flags, **settings), env={**os.environ,
                              **agent_env(root, cluster.shared)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True) for i, root in enumerate(cluster.roots)]
 
 
-def start_mpi_agents(cluster: Cluster, scheme: Scheme, tag: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+def start_mpi_agents(cluster: Cluster, scheme: Scheme, tag: str, *flags: str,
+                     **settings) -> tuple[subprocess.Popen, Path]:
     """The agents as the four ranks of one mpirun (--transport mpi, Open MPI over TCP here), the slots in the reverse
     of the ranks' order; the mpirun and the directory of each agent's output and exit status."""
     if shutil.which("mpirun") is None:
         pytest.skip("no mpirun on this machine")
     logs = cluster.shared / f"mpi-{tag}"
     logs.mkdir()
-    tasks = [(agent_argv(i, cluster, scheme, tag, "--transport", "mpi", *extra),
+    tasks = [(agent_argv(i, cluster, scheme, tag, *flags, transport="mpi", **settings),
               agent_env(cluster.roots[i], cluster.shared)) for i in reversed(range(NODES))]  # see `mpi_log`
     return subprocess.Popen(mpirun_argv(tasks, logs), env={**os.environ, **OPEN_MPI_TCP_ENV}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True), logs
@@ -129,17 +131,17 @@ def _mpi_files(logs: Path) -> str:
     return "; ".join(f"{p.name}: {p.read_text(errors='replace')[-800:]!r}" for p in found) or "none"
 
 
-def run_agents(cluster: Cluster, scheme: Scheme, tag: str, *extra: str,
-               transport: str = "tcp") -> list[subprocess.CompletedProcess]:
+def run_agents(cluster: Cluster, scheme: Scheme, tag: str, *flags: str, transport: str = "tcp",
+               **settings) -> list[subprocess.CompletedProcess]:
     """The agents of every node run to their end over `transport`: each one's output and exit status."""
     if transport == "mpi":
-        proc, logs = start_mpi_agents(cluster, scheme, tag, *extra)
+        proc, logs = start_mpi_agents(cluster, scheme, tag, *flags, **settings)
         out, _ = proc.communicate(timeout=240)
         if not all(mpi_log(logs, i, "rc").exists() for i in range(NODES)):
             raise AssertionError(f"mpirun (exit {proc.returncode}) ran no agent to its end; its output: "
                                  f"{out[-3000:]!r}; the agents' files: {_mpi_files(logs)}")
         return [mpi_result(logs, i) for i in range(NODES)]
-    procs = start_agents(cluster, scheme, tag, *extra)
+    procs = start_agents(cluster, scheme, tag, *flags, **settings)
     out = []
     try:
         for p in procs:

@@ -20,8 +20,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from hpcft.agent.transport import secret as job_secret
 from hpcft.agent import status as agent_status
+from hpcft.agent.protection.placement import Scheme
+from hpcft.agent.settings import AgentConfig
 from hpcft import events
 from hpcft.durable import catalog, local
+from hpcft.durable.settings import PersistConfig
 from hpcft.snapshot.state import ensure_optimizer_state
 from multiproc import durable_job, durable_read, launch  # tests/ is on sys.path (tests/conftest.py)
 
@@ -35,16 +38,16 @@ def _train(base: Path, out: Path, steps: int, *extra: str) -> None:
                             job_id=JOB, script=DURABLE_JOB))
 
 
-def _agents(base: Path, shared: Path, persist: Path, tag: str, *extra: str) -> list[subprocess.Popen]:
+def _agents(base: Path, shared: Path, persist: Path, tag: str, **persisting) -> list[subprocess.Popen]:
+    settings = AgentConfig(str(shared), secret_file=str(shared / job_secret.NAME), scheme=Scheme("partner"), rounds=0,
+                           interval=0.2, cpu_share=0, persist=PersistConfig(str(persist), every=1, **persisting))
     procs = []
     for i in range(NODES):
         # a node's first level: $NODE in the value is expanded by each agent (as $SLURMD_NODENAME would be under srun)
         env = {**os.environ, "HPCFT_STORE_ROOT": str(base / f"node{i}"), "HPCFT_EVENT_DIR": str(shared / "events"),
                "NODE": f"node{i}"}
-        argv = [sys.executable, "-m", "hpcft.agent", "--job-id", JOB, "--slot", str(i), "--slots", str(NODES),
-                "--rendezvous", str(shared), "--secret", str(shared / job_secret.NAME), "--scheme", "partner",
-                "--rounds", "0", "--interval", "0.2", "--cpu-share", "0", "--tag", tag, "--persist-dir", str(persist),
-                "--persist-every", "1", *extra]
+        argv = [sys.executable, "-m", "hpcft.agent", "--settings", settings.to_json(), "--job-id", JOB, "--slot",
+                str(i), "--slots", str(NODES), "--tag", tag]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
@@ -128,8 +131,8 @@ def test_flush_loads_with_plain_dcp_and_survives_an_agent_killed_mid_flush(tmp_p
     assert [c.step for c in catalog.checkpoints(persist)] == [3] and not nvme.exists()
     _assert_loads(persist / "step-3", out / "ref-3.pt")
 
-    level = ("--persist-local", str(nvme / "$NODE"))
-    procs = _agents(base, shared, persist, "b", "--persist-rate", "20000", *level)  # a drain takes ~5 s
+    level = {"local": str(nvme / "$NODE")}
+    procs = _agents(base, shared, persist, "b", rate=20000, **level)  # a drain takes ~5 s
     _wait(shared, "b", procs, lambda s: s.get("flush_phase") == "draining", "both nodes draining")
     procs[1].send_signal(signal.SIGKILL)
     procs[0].wait(timeout=60)  # its mesh is broken: it ends too
@@ -138,7 +141,7 @@ def test_flush_loads_with_plain_dcp_and_survives_an_agent_killed_mid_flush(tmp_p
     assert [[c.step for c in local.copies(nvme / f"node{i}")] for i in range(NODES)] == [[6], [6]]
     _assert_loads(persist / "step-3", out / "ref-3.pt")
 
-    procs = _agents(base, shared, persist, "c", *level)
+    procs = _agents(base, shared, persist, "c", **level)
     _wait(shared, "c", procs, lambda s: s.get("persisted") == 6 and s.get("local") == 6, "step 6 durable")
     _stop(shared, "c", procs)
     assert [c.step for c in catalog.checkpoints(persist)] == [3, 6]

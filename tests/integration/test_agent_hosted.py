@@ -10,6 +10,7 @@ from protect_nodes import JOB, NODES, RANKS_PER_NODE, held, node_files
 from test_agent_protect import cluster  # noqa: F401 (fixture)
 
 from hpcft.agent.protection.placement import Scheme
+from hpcft.agent.settings import AgentConfig
 from hpcft.store import job_dir
 
 SCHEME = Scheme("xor", group=4)
@@ -17,13 +18,12 @@ SCHEME = Scheme("xor", group=4)
 
 def _agents(roots, shared, secret, tag, hosted: dict[int, int] = {}, *extra):
     """One agent per slot, slot i on node roots[i], or on node roots[hosted[i]] with --hosted."""
-    procs = []
+    procs, settings = [], AgentConfig(str(shared), secret_file=str(secret), scheme=SCHEME).to_json()
     for i in range(NODES):
         root = roots[hosted.get(i, i)]
         env = {**os.environ, "HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(shared / "events")}
-        argv = [sys.executable, "-m", "hpcft.agent", "--job-id", JOB, "--slot", str(i), "--slots", str(NODES),
-                "--rendezvous", str(shared), "--secret", str(secret), "--scheme", SCHEME.name, "--group",
-                str(SCHEME.group), "--tag", tag, *extra, *(["--hosted"] if i in hosted else [])]
+        argv = [sys.executable, "-m", "hpcft.agent", "--settings", settings, "--job-id", JOB, "--slot", str(i),
+                "--slots", str(NODES), "--tag", tag, *extra, *(["--hosted"] if i in hosted else [])]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0] * NODES, [err[-2000:] for _, err in out]

@@ -38,7 +38,7 @@ def test_parity_on_every_node_is_exact_and_rebuilds_lost_nodes(cluster, scheme):
 
 def test_partner_holds_an_exact_copy_of_its_neighbours_bundle(cluster):
     scheme = Scheme("partner", distance=1)
-    check_partner(cluster, "partner", run_agents(cluster, scheme, "partner", "--lag-bound", "1"))  # kept to: the cap
+    check_partner(cluster, "partner", run_agents(cluster, scheme, "partner", lag_bound=1))  # kept to: the cap
 
 
 def test_a_corrupt_chunk_stops_protection_of_that_step_with_an_event(cluster):
@@ -67,7 +67,7 @@ def test_rebuild_puts_the_lost_nodes_snapshot_back_byte_identical(cluster, tmp_p
 
 def test_two_nodes_of_one_xor_set_lost_is_no_checkpoint_and_writes_nothing(cluster, tmp_path):
     scheme = Scheme("xor", group=4)
-    check(run_agents(cluster, scheme, "p", "--rounds", "2"))
+    check(run_agents(cluster, scheme, "p", rounds=2))
     now = replace(cluster, {1, 2}, tmp_path)
     check(run_agents(now, scheme, "r", "--rebuild"), code=3)
     for i in (1, 2):
@@ -82,7 +82,7 @@ def test_two_nodes_of_one_xor_set_lost_is_no_checkpoint_and_writes_nothing(clust
 
 def test_a_corrupt_parity_chunk_is_detected_and_an_older_step_is_rebuilt(cluster, tmp_path):
     scheme = Scheme("xor", group=4)
-    check(run_agents(cluster, scheme, "p", "--rounds", "2"))
+    check(run_agents(cluster, scheme, "p", rounds=2))
     assert sorted(records(job_dir(cluster.roots[2], JOB))) == [1, 2]
     step1 = node_files(cluster.roots[1])
     parity = records(job_dir(cluster.roots[2], JOB))[2].path.with_suffix(".data")
@@ -103,7 +103,7 @@ def test_a_corrupt_parity_chunk_is_detected_and_an_older_step_is_rebuilt(cluster
 
 def test_an_agent_killed_mid_protection_loses_nothing_and_the_relaunch_completes(cluster):
     scheme = Scheme("xor", group=4)
-    procs = start_agents(cluster, scheme, "k", "--rate", "400000")  # ~2 s per pass
+    procs = start_agents(cluster, scheme, "k", rate=400000)  # ~2 s per pass
     deadline = time.monotonic() + 60
     while not (job_dir(cluster.roots[1], JOB) / "protect" / "step-2.data").exists():
         assert time.monotonic() < deadline, "the protect pass never started"
@@ -125,8 +125,8 @@ def test_an_agent_killed_mid_protection_loses_nothing_and_the_relaunch_completes
 def test_a_slow_agent_protects_a_consistent_step_while_trainers_snapshot_every_step(cluster, tmp_path):
     roots, shared = cluster.roots, cluster.shared
     scheme = Scheme("xor", group=4)
-    procs = start_agents(cluster, scheme, "slow", "--rounds", "0", "--interval", "0.1",
-                          "--rate", "300000")  # ~5 s a pass: the trainers commit ~50 steps meanwhile
+    procs = start_agents(cluster, scheme, "slow", rounds=0, interval=0.1,
+                          rate=300000)  # ~5 s a pass: the trainers commit ~50 steps meanwhile
     while not all(store_pin.announced(job_dir(root, JOB)) for root in roots):  # trainers start after their agent
         assert all(p.poll() is None for p in procs), "an agent died"
         time.sleep(0.05)

@@ -17,7 +17,7 @@ from hpcft.deps import available
 pytestmark = pytest.mark.skipif(not available("mpi4py"), reason="mpi4py is not installed")
 SCHEMES = {"xor": Scheme("xor", group=4), "rs": Scheme("rs", group=4, losses=2),
            "partner": Scheme("partner", distance=1)}
-EXTRA = {"partner": ("--lag-bound", "1")}  # kept to by the partner run: the CPU cap stays (check_partner)
+EXTRA = {"partner": {"lag_bound": 1}}  # kept to by the partner run: the CPU cap stays (check_partner)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def protected(tmp_path_factory):
     def get(name: str) -> tuple[Cluster, list]:
         if name not in made:
             cluster = make_cluster(tmp_path_factory.mktemp(f"protected-{name}"))
-            made[name] = cluster, run_agents(cluster, SCHEMES[name], name, *EXTRA.get(name, ()), transport="mpi")
+            made[name] = cluster, run_agents(cluster, SCHEMES[name], name, transport="mpi", **EXTRA.get(name, {}))
         return made[name]
 
     return get
@@ -59,8 +59,7 @@ def test_over_mpi_a_stop_ends_agents_blocked_on_a_frozen_peer(tmp_path):
     the supervisor's stop ends them at once (no thread of theirs sits inside a blocking MPI call)."""
     cluster = make_cluster(tmp_path)
     shared = cluster.shared
-    proc, logs = start_mpi_agents(cluster, Scheme("xor", group=4), "f", "--rounds", "0", "--interval", "0.1",
-                                  "--loss-timeout", "0")
+    proc, logs = start_mpi_agents(cluster, Scheme("xor", group=4), "f", rounds=0, interval=0.1, loss_timeout=0)
     frozen = None
     try:
         deadline = time.monotonic() + 120

@@ -19,6 +19,7 @@ from runs import JOB, STEPS, final  # the shared reference's job and steps (conf
 from hpcft.agent.transport import secret as job_secret
 from hpcft.deps import available
 from hpcft.agent import status as agent_status
+from hpcft.agent.settings import AgentConfig
 from hpcft.agent.step import agent_argv
 from hpcft.agent.protection.placement import Scheme
 from hpcft.launch.policy.layout import Layout
@@ -69,8 +70,9 @@ def _agents(runner, job: str, slots: list[str], restart: int, out: Path, scheme:
     """The agents' srun step; `transport` mpi: started with --mpi=pmix, their mesh over Open MPI (TCP, as the
     sandbox's nodes have no other fabric), the heartbeats over TCP as always."""
     mpi = "pmix" if transport == "mpi" else None
-    argv = agent_argv(slots, rendezvous=str(out / "agents"), secret=str(out / "secret"), scheme=scheme,
-                      python=sys.executable, rebuild=rebuild, interval=0.2, rounds=rounds, iface="eth0", mpi=mpi)
+    settings = AgentConfig(str(out / "agents"), secret_file=str(out / "secret"), layout=tuple(slots), host="auto",
+                           iface="eth0", scheme=scheme, rounds=rounds, interval=0.2, transport=transport)
+    argv = agent_argv(slots, settings, python=sys.executable, rebuild=rebuild, mpi=mpi)
     env = {**_env(job, slots, restart, out), **(OPEN_MPI_TCP_ENV if mpi else {})}
     return runner.popen([argv[0], f"--jobid={job}", *argv[1:]], env=env,
                         stdout=open(out / f"agents-{restart}.log", "ab"), stderr=subprocess.STDOUT)

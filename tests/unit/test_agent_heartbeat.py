@@ -16,6 +16,8 @@ from hpcft.agent.transport import secret as job_secret
 from hpcft.agent import status as agent_status
 from hpcft.agent.transport.heartbeat import period_for
 from hpcft.agent.transport.mesh import overlay as neighbours
+from hpcft.agent.protection.placement import Scheme
+from hpcft.agent.settings import AgentConfig
 
 AGENTS = 3
 LOSS_S = 3.0
@@ -47,15 +49,15 @@ def _wait(predicate, what: str, timeout: float) -> None:
 def agents(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o700)
-    secret = job_secret.create(shared)
+    settings = AgentConfig(str(shared), secret_file=str(job_secret.create(shared)), scheme=Scheme("xor", AGENTS),
+                           rounds=0, interval=0.2, nice=0, loss_timeout=LOSS_S).to_json()
     procs = []
     for i in range(AGENTS):
         root = tmp_path / f"node{i}"
         root.mkdir()
         env = {**os.environ, "HPCFT_STORE_ROOT": str(root), "HPCFT_EVENT_DIR": str(shared / "events")}
-        argv = [sys.executable, "-m", "hpcft.agent", "--job-id", "beat", "--slot", str(i), "--slots", str(AGENTS),
-                "--rendezvous", str(shared), "--secret", str(secret), "--scheme", "xor", "--group", str(AGENTS),
-                "--tag", "t", "--rounds", "0", "--interval", "0.2", "--nice", "0", "--loss-timeout", str(LOSS_S)]
+        argv = [sys.executable, "-m", "hpcft.agent", "--settings", settings, "--job-id", "beat", "--slot", str(i),
+                "--slots", str(AGENTS), "--tag", "t"]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     yield shared, procs
     for p in procs:

@@ -140,7 +140,8 @@ def test_a_shrinks_agents_run_on_the_survivors_with_the_lost_slot_hosted(tmp_pat
         return next(a.split("=", 1)[1] for a in argv if a.startswith(name + "="))
 
     settings = main[main.index("--settings") + 1]
-    assert opt(main, "--nodelist") == "n[1-2,4]" and json.loads(Path(settings).read_text())["layout"] == list(FOUR.slots)
+    assert opt(main, "--nodelist") == "n[1-2,4]"
+    assert json.loads(Path(settings).read_text())["layout"] == list(FOUR.slots)
     assert "--hosted" not in main and "--rebuild" in main
     assert (opt(hosted, "--job-name"), opt(hosted, "--nodelist")) == ("hpcft-agent-hosted-2", "n4")
     assert hosted[-5:] == ["--slot", "2", "--slots", "4", "--hosted"] and "--rebuild" in hosted

@@ -4,6 +4,7 @@ When a change to them is intended, refresh the records and review the diff:
     HPCFT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/unit/test_launch_golden.py && git diff tests/unit/golden
 The sbatch scripts are also checked by `bash -n`.
 """
+import json
 import os
 import shlex
 import subprocess
@@ -11,15 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from hpcft.agent.settings import AgentConfig
 from hpcft.agent.step import agent_argv
-from hpcft.agent.protection.placement import Scheme
 from hpcft.errors import ConfigError
 from hpcft.launch.config import netplugin
+from hpcft.launch.config import options as config
 from hpcft.launch.config import profiles
 from hpcft.launch.config.site import SiteConfig
 from hpcft.launch.submit import SubmitSpec, render, walltime_seconds
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.node.srun import probe_argv, trainer_argv
+from hpcft.launch.steps.agents import agent_mpi, agent_settings
 
 GOLDEN = Path(__file__).parent / "golden"
 NODES = [f"frontier{n:05d}" for n in range(10, 16)]
@@ -96,10 +99,14 @@ def test_frontier_environment():
     assert alt["FI_CXI_RDZV_PROTO"] == "alt_read"  # only with the allocation flag OLCF pairs it with
 
 
-def test_agent_srun_line():
-    argv = agent_argv(NODES[:4], rendezvous="/lustre/job/agents", secret="/lustre/job/secret", scheme=Scheme("xor", 4),
-                      python="python3", iface=profiles.FRONTIER.agent_iface)
+def test_agent_srun_line_and_settings():
+    """The agents' step names the settings file; the settings from a Frontier run's configuration have a record too."""
+    argv = agent_argv(NODES[:4], "/lustre/job/agents/settings-0.json", python="python3")
     check_golden("srun-agents-frontier.txt", _lines(argv))
+    cfg = config.make(profile="frontier", protect="xor", group=4, protect_lag=3)
+    settings = agent_settings(cfg, Path("/lustre/job"), Layout(slots=tuple(NODES[:4])), mpi=None)
+    check_golden("agent-settings-frontier.json", json.dumps(json.loads(settings.to_json()), indent=1) + "\n")
+    assert AgentConfig.from_json(settings.to_json()) == settings
 
 
 def test_submit_refuses_a_bad_job_name_and_an_empty_command():
@@ -125,6 +132,8 @@ def test_submit_refuses_a_warning_not_shorter_than_the_walltime():
 
 def test_agent_srun_line_over_mpi_on_frontier():
     """--agent-transport mpi: the agents' step is started by Cray MPICH's PMI plugin and told to mesh over MPI."""
-    argv = agent_argv(NODES[:4], rendezvous="/lustre/job/agents", secret="/lustre/job/secret", scheme=Scheme("xor", 4),
-                      python="python3", iface=profiles.FRONTIER.agent_iface, mpi=profiles.FRONTIER.agent_mpi)
+    argv = agent_argv(NODES[:4], "/lustre/job/agents/settings-0.json", python="python3",
+                      mpi=profiles.FRONTIER.agent_mpi)
     check_golden("srun-agents-frontier-mpi.txt", _lines(argv))
+    cfg = config.make(profile="frontier", protect="xor", group=4, agent_transport="mpi")
+    assert agent_settings(cfg, Path("/j"), Layout(slots=tuple(NODES[:4])), mpi=agent_mpi(cfg)).transport == "mpi"

@@ -1,5 +1,5 @@
-"""Pure policy: the agent's CPU cap under a bound on the protection lag (`--lag-bound`). The user sets the budget
-(`--cpu-share`/`--cpu-cores`) or the lag bound; with a bound, the budget is the floor and the cap rises while the
+"""Pure policy: the agent's CPU cap under a bound on the protection lag (`lag_bound`). The user sets the budget
+(`cpu_share`/`cpu_cores`) or the lag bound; with a bound, the budget is the floor and the cap rises while the
 newest protected step trails the newest staged one by more than the bound, up to a ceiling, and falls back once
 the lag is well within it, steered by the lag the next pass would leave (`foreseen_lag`); the wait between rounds
 follows the trainers' pace (`pause`). The agent reports the cap in force (the budget the bound needs) and warns

@@ -125,11 +125,11 @@ class Throttle:
 
 
 def cpu_cores(share: float, cores: float | None = None) -> float:
-    """The agent's CPU cap in cores: `cores` when given (its `--cpu-cores`), else `share` of the cores this
-    process may run on (its `--cpu-share`)."""
+    """The agent's CPU cap in cores: `cores` when given (its `cpu_cores`), else `share` of the cores this
+    process may run on (its `cpu_share`)."""
     if cores is not None:
         if cores < 0:
-            raise ConfigError(f"--cpu-cores is a number of cores, 0 or more (got {cores})")
+            raise ConfigError(f"cpu_cores is a number of cores, 0 or more (got {cores})")
         return cores
     if not 0 <= share <= 1:
         raise ConfigError(f"a CPU share is a fraction of the node's cores between 0 and 1 (got {share})")

@@ -15,12 +15,14 @@ from hpcft.agent.transport import mpiworld
 from hpcft.agent.transport import rendezvous
 from hpcft.agent.transport import secret as job_secret
 from hpcft.agent import status as agent_status
+from hpcft.agent.settings import AgentConfig
 from hpcft.agent.step import AGENT_STEP_NAME, agent_argv
 from hpcft.errors import CheckpointError, NoCheckpointError
 from hpcft.launch.config import profiles
 from hpcft.agent.protection import flush as agent_persist
 from hpcft.durable.settings import PersistConfig
-from hpcft.launch.config.options import RunConfig, durable_dir, scheme
+from hpcft.launch.config.options import RunConfig
+from hpcft.launch.config.resolve import durable_dir, scheme
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.fabric.liveview import LiveView
 from hpcft.launch.policy.failures import Event, Kind
@@ -39,6 +41,18 @@ def agent_mpi(cfg: RunConfig) -> str | None:
     if cfg.protection.agent_transport != "mpi":
         return None
     return cfg.protection.agent_mpi or profiles.get(cfg.launch.profile).agent_mpi
+
+
+def agent_settings(cfg: RunConfig, job_dir: Path, layout: Layout, mpi: str | None) -> AgentConfig:
+    """What every agent of a launch on `layout` is told (hpcft.agent.settings); `mpi`: their step's srun MPI plugin
+    (None: they mesh over TCP)."""
+    root, dur, prot = durable_dir(cfg, job_dir), cfg.durable, cfg.protection
+    return AgentConfig(rendezvous=str(job_dir / "agents"), secret_file=str(job_dir / job_secret.NAME),
+                       layout=layout.slots, host="auto", iface=agent_iface(cfg), scheme=scheme(cfg),
+                       rate=prot.protect_rate, rounds=0, cpu_cores=profiles.get(cfg.launch.profile).agent_cpu_cores,
+                       lag_bound=prot.protect_lag, loss_timeout=cfg.recovery.loss_timeout,
+                       persist=PersistConfig(str(root), dur.persist_every, dur.persist_keep, dur.persist_rate)
+                       if root else PersistConfig(), transport="mpi" if mpi else "tcp")
 
 
 class StepEnded(CheckpointError):
@@ -152,8 +166,6 @@ class AgentSteps:
             self.view.forget(tag)
         for stale in self.rendezvous.glob(f"agent-{tag}-*"):  # a rerun with the same job dir must not meet old ones
             stale.unlink(missing_ok=True)
-        root = durable_dir(cfg, self.job_dir)
-        persist = PersistConfig(str(root), cfg.durable.persist_every, cfg.durable.persist_keep, cfg.durable.persist_rate) if root else None
         mpi = agent_mpi(cfg)
         if mpi and hosted:  # one MPI world is one srun step: the hosted agents' steps could not join it
             mpi = None
@@ -161,12 +173,12 @@ class AgentSteps:
                       reason="agents standing in for lost slots run as srun steps of their own, which cannot join "
                              "the others' MPI world: this launch's agents mesh over TCP")
 
+        settings = self.rendezvous / f"settings-{tag}.json"  # every node reads it from the shared file system
+        settings.write_text(agent_settings(cfg, self.job_dir, layout, mpi).to_json(), encoding="utf-8")
+
         def argv(nodes: list[str]) -> list[str]:
-            return agent_argv(nodes, rendezvous=str(self.rendezvous), secret=str(self.job_dir / job_secret.NAME),
-                              scheme=scheme(cfg), python=self.python, rebuild=rebuild, rate=cfg.protection.protect_rate,
-                              cpu_cores=profiles.get(cfg.launch.profile).agent_cpu_cores, persist=persist,
-                              lag_bound=cfg.protection.protect_lag, iface=agent_iface(cfg), layout=layout.slots,
-                              loss_timeout=cfg.recovery.loss_timeout, mpi=mpi, wrap=self._wrap()) + ["--tag", tag]
+            return agent_argv(nodes, str(settings), python=self.python, rebuild=rebuild, mpi=mpi,
+                              wrap=self._wrap()) + ["--tag", tag]
 
         self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protection.protect,
                   group=cfg.protection.group, losses=cfg.protection.losses, distance=cfg.protection.distance,
