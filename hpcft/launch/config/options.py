@@ -12,7 +12,6 @@ from hpcft.agent.transport.heartbeat import LOSS_TIMEOUT_S
 from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK
 from hpcft.errors import ConfigError
 from hpcft.launch.config.memplan import parse_bytes
-from hpcft.snapshot.calibration.policy import default_choice, parse_override
 
 CONFIG_ENV = "HPCFT_CONFIG"
 LOST_PROGRESS_EXIT = 6  # after hpcft's own 1, 3, 4, 5; not the shell's or a signal's (126 and up)
@@ -357,6 +356,8 @@ def validate(cfg: RunConfig) -> None:
 
         Scheme(prot.protect, prot.group or DEFAULT_GROUP, prot.losses, prot.distance)  # the agents' own checks, before any step
     if launch.copy and launch.copy.strip().lower() not in ("auto", "default"):
+        from hpcft.snapshot.calibration.policy import default_choice, parse_override  # needs crc32c: only here
+
         parse_override(launch.copy, default_choice(1, "fused"))  # the trainers' own parse, before anything is launched
 
 
