@@ -76,7 +76,7 @@ class Supervisor:
         self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.recovery.probe_timeout, self.emit)
         self.fabric = Fabric(self.job_dir, self.emit)  # the nodes' progress and status, over the network
         self.ledger = Ledger(self.job_dir, self.emit, self.fabric)  # what the summary and the next run are owed
-        self.agents = AgentSteps(cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
+        self.agents = AgentSteps(lambda: self.cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
                                  interrupted=self._terminated, view=self.fabric.view,
                                  check_nodes=lambda layout, probe, until: self.nodes.bad(
                                      layout.slots, probe=probe, closed=False, until=until))
@@ -143,7 +143,7 @@ class Supervisor:
         returned = [n for n in saved.excluded if n in info.nodes]
         saved.excluded = [n for n in saved.excluded if n not in returned]
         # the allocation's shape decides what the options mean (auto protection, set sizes): refused before any step
-        self.cfg = self.agents.cfg = self.base_cfg = check_shape(self.cfg, len(info.nodes) - len(saved.excluded))
+        self.cfg = self.base_cfg = check_shape(self.cfg, len(info.nodes) - len(saved.excluded))
         layout = Layout.plan(info.nodes, active=self.cfg.launch.nodes, spares=self.cfg.launch.spares,
                              tasks_per_node=self.cfg.launch.tasks_per_node or self.profile.tasks_per_node,
                              excluded=saved.excluded, previous=saved.slots)
@@ -249,12 +249,11 @@ class Supervisor:
 
     def _reshape(self, decision: Decision, event: Event, state: State, launches: int) -> Decision:
         """Carry a shrink or grow out (hpcft/launch/reshape.py): the decision, or what replaced it if it failed."""
-        self.reshaper.cfg = self.cfg
         done, line = self.reshaper.carry_out(decision, event, state, self._env(state.layout, launches),
                                              f"{launches}-shrink", str(self.job_dir))
         self.ledger.reshaped["grown" if decision.action is Action.GROW else "shrunk"] += [line] if line else []
         if done.action is decision.action:  # the new shape's protection sets, from the run's starting configuration
-            self.cfg = self.agents.cfg = elastic.shrunk_config(self.base_cfg, len(done.layout.slots))
+            self.cfg = elastic.shrunk_config(self.base_cfg, len(done.layout.slots))
         self.grow_watch.reshaped()  # the clock of --grow-every (a failed grow's relaunch counts too)
         return done
 

@@ -79,7 +79,7 @@ def made_steps():
 
 
 def _steps(tmp_path: Path, proc: subprocess.Popen, made: list, tag: str = "3") -> AgentSteps:
-    steps = AgentSteps(RunConfig(), runner=None, job_dir=tmp_path, python=sys.executable, emit=lambda *a, **k: None,
+    steps = AgentSteps(RunConfig, runner=None, job_dir=tmp_path, python=sys.executable, emit=lambda *a, **k: None,
                        stop_steps=lambda procs, **kw: None, interrupted=lambda: False, check_nodes=lambda layout, probe: {})
     steps.prepare()
     steps.proc, steps.tag = proc, tag

@@ -48,7 +48,7 @@ def _steps(tmp_path, interrupted=False):
     from hpcft.launch.config.options import RunConfig, make
 
     emitted = []
-    steps = AgentSteps(make(protect_timeout=30, poll_interval=0.05, kill_grace=0.2), None, tmp_path, "python",
+    steps = AgentSteps(lambda: make(protect_timeout=30, poll_interval=0.05, kill_grace=0.2), None, tmp_path, "python",
                        emit=lambda kind, **f: emitted.append((kind, f)),
                        stop_steps=lambda procs, **kw: [p.kill() or p.wait() for p in procs.values()],
                        interrupted=lambda: interrupted, check_nodes=lambda layout, probe: {})

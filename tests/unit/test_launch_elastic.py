@@ -129,7 +129,7 @@ def test_a_shrinks_agents_run_on_the_survivors_with_the_lost_slot_hosted(tmp_pat
 
     runner = Recorder()
     cfg = config.make(protect="xor", group=4, elastic=True)
-    steps = AgentSteps(cfg, runner, tmp_path, "python", emit=lambda *a, **k: None, stop_steps=lambda s, **kw: None,
+    steps = AgentSteps(lambda: cfg, runner, tmp_path, "python", emit=lambda *a, **k: None, stop_steps=lambda s, **kw: None,
                        interrupted=lambda: False, check_nodes=lambda layout, probe: {})
     steps.rendezvous.mkdir()
     steps.tag = "0-shrink"

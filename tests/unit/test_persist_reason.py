@@ -17,7 +17,7 @@ from hpcft.launch.config.options import RunConfig, make
 def test_persist_after_a_lost_node_says_which_durable_step_stays_or_that_there_is_none(tmp_path, persisted, says,
                                                                                       never):
     emitted = []
-    steps = AgentSteps(make(protect_timeout=5, poll_interval=0.05, kill_grace=0.2), None, tmp_path, "python",
+    steps = AgentSteps(lambda: make(protect_timeout=5, poll_interval=0.05, kill_grace=0.2), None, tmp_path, "python",
                        emit=lambda kind, **f: emitted.append((kind, f)),
                        stop_steps=lambda procs, **kw: [p.kill() or p.wait() for p in procs.values()],
                        interrupted=lambda: False, check_nodes=lambda layout, probe: {})

@@ -73,11 +73,12 @@ class AgentSteps:
     the bad nodes among the slots (the supervisor's scontrol check, and its probe when `probe`, cut short once
     `until()`); `view`, the supervisor's live view of the agents' reports (without it, their status files)."""
 
-    def __init__(self, cfg: RunConfig, runner: Runner, job_dir: Path, python: str, *, emit: Callable[..., None],
+    def __init__(self, config: Callable[[], RunConfig], runner: Runner, job_dir: Path, python: str, *,
+                 emit: Callable[..., None],
                  stop_steps: Callable[[Mapping[str, subprocess.Popen]], None], interrupted: Callable[[], bool],
                  check_nodes: Callable[[Layout, bool, Callable[[], bool]], dict[str, str]],
                  view: LiveView | None = None):
-        self.cfg, self.runner, self.job_dir, self.python = cfg, runner, job_dir, python
+        self._config, self.runner, self.job_dir, self.python = config, runner, job_dir, python
         self.view = view  # the agents' statuses as they report them over the network (launch/fabric.py)
         self.emit, self._stop_steps, self._interrupted, self._check_nodes = emit, stop_steps, interrupted, check_nodes
         self.bad_nodes: dict[str, str] = {}  # found while the last launch's agents got ready
@@ -89,6 +90,11 @@ class AgentSteps:
         self.no_checkpoint: str | None = None  # why the last launch's agents could rebuild nothing, if so
         self.directory: rendezvous.Directory | None = None  # where every launch's agents meet (over the network)
         self._killed = False  # the running step was killed with the trainers' (a lost node), not yet reported
+
+    @property
+    def cfg(self) -> RunConfig:
+        """The run's options now (the supervisor's own: a shrink or grow changes the protection sets)."""
+        return self._config()
 
     def _read(self, tag: str) -> dict[int, dict]:
         """{slot: status} of the agents of launch `tag`."""
