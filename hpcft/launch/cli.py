@@ -1,7 +1,7 @@
 """Click commands of the launcher: `hpcft run`, `hpcft submit`, `hpcft clean` — parse, call, print."""
 import click
 
-from hpcft.launch.config import options as config
+from hpcft.launch.config import model as config
 from hpcft.launch.config.command import SectionedCommand, given, run_options
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from hpcft.elastic import ENV_BASE_WORLD, ENV_BATCH
 from hpcft.launch.steps.agents import AgentSteps
-from hpcft.launch.config.options import RunConfig
+from hpcft.launch.config.model import RunConfig
 from hpcft.launch.node.janitor import Janitor
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.policy.failures import Action, Decision, Event, State, record, requeue_or_stop

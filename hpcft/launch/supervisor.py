@@ -25,7 +25,7 @@ from hpcft.launch.steps.agents import AgentSteps, agent_iface
 from hpcft.launch.fabric.service import Fabric
 from hpcft.durable.catalog import ENV_PERSIST
 from hpcft.durable.local import ENV_LOCAL
-from hpcft.launch.config.options import RunConfig
+from hpcft.launch.config.model import RunConfig
 from hpcft.launch.config.resolve import check_paths, check_shape, copy_env, durable_dir
 from hpcft.launch.node.janitor import Janitor, requeue_flag, start_heartbeat
 from hpcft.launch.policy.layout import Layout

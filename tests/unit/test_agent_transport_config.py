@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from hpcft.errors import ConfigError
-from hpcft.launch.config import options as config
+from hpcft.launch.config import model as config
 from hpcft.launch.steps.agents import agent_mpi
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpcft.errors import ConfigError
-from hpcft.launch.config import options as config
+from hpcft.launch.config import model as config
 from hpcft.launch.config import resolve
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from hpcft.errors import ConfigError
 from hpcft.launch.cli import run
 from hpcft.launch.config import command
-from hpcft.launch.config import options as config
+from hpcft.launch.config import model as config
 from hpcft.launch.config import resolve
 from hpcft.launch.supervisor import Supervisor
 

@@ -45,7 +45,7 @@ def _steps(tmp_path, interrupted=False):
     import sys
 
     from hpcft.launch.steps.agents import AgentSteps
-    from hpcft.launch.config.options import RunConfig, make
+    from hpcft.launch.config.model import RunConfig, make
 
     emitted = []
     steps = AgentSteps(lambda: make(protect_timeout=30, poll_interval=0.05, kill_grace=0.2), None, tmp_path, "python",

@@ -7,7 +7,7 @@ import pytest
 
 from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK, BatchPlan, batch_plan
 from hpcft.errors import ConfigError
-from hpcft.launch.config import options as config
+from hpcft.launch.config import model as config
 from hpcft.launch.config import resolve
 from hpcft.launch.reshape import hosts, shrunk_config, trainer_env
 from hpcft.launch.policy.layout import Layout

@@ -16,7 +16,7 @@ from hpcft.agent.settings import AgentConfig
 from hpcft.agent.step import agent_argv
 from hpcft.errors import ConfigError
 from hpcft.launch.config import netplugin
-from hpcft.launch.config import options as config
+from hpcft.launch.config import model as config
 from hpcft.launch.config import profiles
 from hpcft.launch.config.site import SiteConfig
 from hpcft.launch.submit import SubmitSpec, render, walltime_seconds

@@ -94,7 +94,7 @@ class Probe:
 
 
 def test_the_watch_says_each_return_relapse_and_failed_probe_and_grows_only_past_them():
-    from hpcft.launch.config import options as config
+    from hpcft.launch.config import model as config
     from hpcft.launch.watch.grow import GrowWatch
 
     said, now = [], [T0]
@@ -131,7 +131,7 @@ def test_the_watch_says_each_return_relapse_and_failed_probe_and_grows_only_past
 
 
 def test_the_watch_never_takes_back_a_node_lost_past_max_losses_and_says_so_once():
-    from hpcft.launch.config import options as config
+    from hpcft.launch.config import model as config
     from hpcft.launch.watch.grow import GrowWatch
 
     said, now = [], [T0]
@@ -172,7 +172,7 @@ class Janitor:
 
 
 def _grow(tmp_path, persisted):
-    from hpcft.launch.config import options as config
+    from hpcft.launch.config import model as config
     from hpcft.launch.reshape import Reshaper
 
     said, agents, janitor = [], Agents(persisted), Janitor()

@@ -3,7 +3,7 @@ import pytest
 
 from hpcft.env import job_env
 from hpcft.errors import ConfigError
-from hpcft.launch.config import options as config
+from hpcft.launch.config import model as config
 from hpcft.launch.config import resolve
 from hpcft.launch.config import profiles
 from hpcft.launch.policy.layout import Layout, NoSpareError

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpcft.errors import ConfigError
-from hpcft.launch.config import options as config
+from hpcft.launch.config import model as config
 from hpcft.launch.config import profiles
 from hpcft.launch.node import stage as stage_node
 from hpcft.launch.steps import stage_pack

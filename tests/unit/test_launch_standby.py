@@ -1,5 +1,5 @@
-"""The warm standby, run for real without Slurm: a standby process (hpcft/launch/standby.py), the task wrapper
-(hpcft/launch/task.py → warm.py) in front of it, real fds, signals and exits; plus the pure parts (zygote.py)."""
+"""The warm standby, run for real without Slurm: a standby process (hpcft/launch/node/standby.py), the task wrapper
+(hpcft/launch/node/task.py → warm.py) in front of it, real fds, signals and exits; plus the pure parts (zygote.py)."""
 import json
 import os
 import shutil
@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from hpcft import events
-from hpcft.launch import standby, zygote
-from hpcft.launch.layout import Layout
-from hpcft.launch.srun import step_env
-from hpcft.launch.standbys import cpus_per_node, standby_argv
+from hpcft.launch.node import standby
+from hpcft.launch.node import zygote
+from hpcft.launch.policy.layout import Layout
+from hpcft.launch.node.srun import step_env
+from hpcft.launch.steps.standbys import cpus_per_node, standby_argv
 
 JOB = "4242"
 PROBE = """import json, os, sys
@@ -51,7 +52,7 @@ def node(tmp_path):
     env = {**os.environ, **step_env(lay, job_id=JOB, restart_count=0, job_dir=str(job_dir)), "SLURMD_NODENAME": "n2",
            "SLURM_LOCALID": "1", "HPCFT_STORE_ROOT": str(root), zygote.ENV_STANDBY: "1"}
     del env["HPCFT_JOB_DIR"]  # no progress watcher: its fork would be one more child to account for
-    proc = subprocess.Popen([sys.executable, "-m", "hpcft.launch.standby", "--job-dir", str(job_dir), "--job", JOB,
+    proc = subprocess.Popen([sys.executable, "-m", "hpcft.launch.node.standby", "--job-dir", str(job_dir), "--job", JOB,
                              "--preload", "json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for(lambda: standby.status_path(job_dir, "n2").exists() or proc.poll() is not None, "the standby")
     assert json.loads(standby.status_path(job_dir, "n2").read_text())["phase"] == "ready", proc.stdout.read()
@@ -64,7 +65,7 @@ def node(tmp_path):
 
 
 def _wrapped(env, *command, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hpcft.launch.task", "--", *command], env=env,
+    return subprocess.Popen([sys.executable, "-m", "hpcft.launch.node.task", "--", *command], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -190,7 +191,7 @@ def test_another_user_cannot_reach_the_standby(node):
 
 def test_fork_safety_refuses_threads_and_counts_native_ones():
     # a fresh interpreter, as a standby is: this test process may hold other tests' threads
-    fresh = subprocess.run([sys.executable, "-c", "from hpcft.launch import standby; "
+    fresh = subprocess.run([sys.executable, "-c", "from hpcft.launch.node import standby; "
                             "print(standby.fork_unsafe(standby.native_threads()))"],
                            capture_output=True, text=True, timeout=120)
     assert fresh.stdout.strip() == "None", fresh.stderr
@@ -230,7 +231,7 @@ def test_the_standby_step_covers_the_nodes_with_their_cpus():
     argv = standby_argv(["n1", "n2", "n5"], python="/py", job_dir="/j", preload="torch", cpus=8)
     assert argv[:10] == ["srun", "--job-name=hpcft-standby", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1",
                          "--nodelist=n[1-2,5]", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL"]
-    assert argv[10:] == ["--cpus-per-task=8", "--cpu-bind=none", "/py", "-m", "hpcft.launch.standby", "--job-dir",
+    assert argv[10:] == ["--cpus-per-task=8", "--cpu-bind=none", "/py", "-m", "hpcft.launch.node.standby", "--job-dir",
                          "/j", "--preload", "torch"]
 
 
@@ -256,7 +257,8 @@ def _behind_in_a_session(top: Path, job: Path) -> None:
     script = f"""
 import os, threading, time
 os.setsid()
-from hpcft.launch import autogroup, standby
+from hpcft.launch.node import autogroup
+from hpcft.launch.node import standby
 marker = standby.active_ready_path({str(job)!r})
 marker.parent.mkdir(exist_ok=True)
 marker.touch()
@@ -306,12 +308,12 @@ def test_what_a_rank_leaves_in_its_group_ends_with_it(node, tmp_path):
 
 
 def test_the_standby_options_from_every_place_and_forwarded_by_submit(tmp_path):
-    from hpcft.launch import config
+    from hpcft.launch.config import model as config
 
-    assert config.load({}, environ={}).standby is True  # the default
-    assert config.load({}, environ={"HPCFT_STANDBY": "0"}).standby is False
+    assert config.load({}, environ={}).standby.standby is True  # the default
+    assert config.load({}, environ={"HPCFT_STANDBY": "0"}).standby.standby is False
     cfg = config.load({"standby": True, "preload": "torch, transformers.models"}, environ={"HPCFT_STANDBY": "0"})
-    assert cfg.standby is True and cfg.preload == "torch, transformers.models"
+    assert cfg.standby.standby is True and cfg.standby.preload == "torch, transformers.models"
     with pytest.raises(config.ConfigError, match="'torch nn' is not a module name"):
         config.load({"preload": "torch nn"}, environ={})
     script = subprocess.run([sys.executable, "-m", "hpcft.cli", "submit", "--nodes", "2", "-t", "10", "--dry-run",
@@ -323,7 +325,7 @@ def test_the_standby_options_from_every_place_and_forwarded_by_submit(tmp_path):
 
 PRELOADED_RESTORE = """import importlib, sys
 import torch
-from hpcft.launch.standby import DEFAULT_PRELOAD
+from hpcft.launch.node.standby import DEFAULT_PRELOAD
 for name in DEFAULT_PRELOAD.split(","):
     importlib.import_module(name)
 import hpcft
@@ -332,12 +334,13 @@ model = torch.nn.Linear(4, 4)
 opt = torch.optim.AdamW(model.parameters())
 model(torch.ones(2, 4)).sum().backward()
 opt.step()
-with hpcft.Checkpointer(model, opt, root=root, job_id="preload", auto=False) as ckpt:
+options = hpcft.Options(root=root, job_id="preload", auto=False)
+with hpcft.Checkpointer(model, opt, options) as ckpt:
     ckpt.step(0)
     ckpt.wait()
 before = set(sys.modules)
 fresh = torch.nn.Linear(4, 4)
-with hpcft.Checkpointer(fresh, torch.optim.AdamW(fresh.parameters()), root=root, job_id="preload", auto=False) as ckpt:
+with hpcft.Checkpointer(fresh, torch.optim.AdamW(fresh.parameters()), options) as ckpt:
     assert ckpt.restore() == 1
 print("\\n".join(sorted(set(sys.modules) - before)))
 """

@@ -6,11 +6,11 @@ import pytest
 
 from hpcft.errors import ConfigError
 from hpcft import nodemem
-from hpcft.launch.config import options as config
+from hpcft.launch.config import model as config
 from hpcft.launch.config import memplan
 from hpcft.launch.steps import preflight
 from hpcft.launch.config import profiles
-from hpcft.launch.config.options import RunConfig, make
+from hpcft.launch.config.model import RunConfig, make
 from hpcft.launch.steps.preflight import Preflight
 
 G = 2**30

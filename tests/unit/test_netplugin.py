@@ -11,7 +11,7 @@ import pytest
 from hpcft.doctor import network_checks
 from hpcft.launch.config import netplugin
 from hpcft.launch.config import profiles
-from hpcft.launch.config.options import RunConfig, make
+from hpcft.launch.config.model import RunConfig, make
 from hpcft.launch.steps.preflight import Preflight
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import pytest
 
 from hpcft.agent import status as agent_status
 from hpcft.launch.steps.agents import AgentSteps
-from hpcft.launch.config.options import RunConfig, make
+from hpcft.launch.config.model import RunConfig, make
 
 
 @pytest.mark.parametrize("persisted,says,never", [

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from hpcft import events
 from hpcft.checkpointer import Checkpointer
 from hpcft.launch import cli
-from hpcft.launch.config import options as config
+from hpcft.launch.config import model as config
 from hpcft.launch.config import resolve
 from hpcft.options import Options
 from hpcft.store import RankStore, job_dir

@@ -10,7 +10,7 @@ import pytest
 
 from hpcft import events
 from hpcft.launch import losses
-from hpcft.launch.config.options import RunConfig, make
+from hpcft.launch.config.model import RunConfig, make
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.state import RunState
 from hpcft.launch.policy.failures import EXIT_GAVE_UP, Action, Decision
@@ -132,7 +132,7 @@ def test_lost_progress_exit_is_an_option_of_hpcft_run_that_cannot_pass_for_anoth
     from click.testing import CliRunner
 
     from hpcft.errors import ConfigError
-    from hpcft.launch.config import options as config
+    from hpcft.launch.config import model as config
     from hpcft.launch.cli import run
 
     assert config.make().recovery.lost_progress_exit == 6

@@ -9,7 +9,7 @@ import pytest
 
 from hpcft.env import nvme_dir
 from hpcft.errors import ConfigError
-from hpcft.launch.config import options as config
+from hpcft.launch.config import model as config
 from hpcft.launch.config import site
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,19 +1,20 @@
 """Stragglers: the rank's own share of a step (hpcft/snapshot/timing.py), carried by the nodes' reports, judged by the
-pure detector (hpcft/launch/policy_straggler.py) with a fake clock, and the supervisor's watch and decision."""
+pure detector (hpcft/launch/policy/stragglers.py) with a fake clock, and the supervisor's watch and decision."""
 import time
 
 import pytest
 import torch
 
 from hpcft.errors import ConfigError
-from hpcft.launch import config
-from hpcft.launch.liveview import LiveView
-from hpcft.launch.layout import Layout
-from hpcft.launch.policy import Action, Event, Kind, State, decide
-from hpcft.launch.policy_straggler import Detector, StragglerRules, eviction_blocked
-from hpcft.launch.stragglers import StragglerWatch
+from hpcft.launch.config import model as config
+from hpcft.launch.fabric.liveview import LiveView
+from hpcft.launch.policy.layout import Layout
+from hpcft.launch.policy.failures import Action, Event, Kind, State, decide
+from hpcft.launch.policy.stragglers import Detector, StragglerRules, eviction_blocked
+from hpcft.launch.watch.stragglers import StragglerWatch
 from hpcft.snapshot.timing import CpuClock, StepTimer
 from hpcft.store import progress
+from hpcft.store.paths import progress_file
 
 NODES = ("n1", "n2", "n3", "n4")
 
@@ -100,7 +101,7 @@ def test_options_are_checked():
 
 def test_the_watch_reports_and_evicts_once_the_detection_step_is_protected(tmp_path):
     events: list[tuple[str, dict]] = []
-    cfg = config.RunConfig(protect="xor", straggler_window=6, evict_stragglers=True)
+    cfg = config.make(protect="xor", straggler_window=6, evict_stragglers=True)
     view = LiveView()  # what the nodes reported over the network
     watch = StragglerWatch(cfg, view.samples, lambda kind, **f: events.append((kind, f)))
     layout = Layout(NODES[:3], spares=("n4",), tasks_per_node=2)
@@ -125,7 +126,7 @@ def test_the_watch_reports_and_evicts_once_the_detection_step_is_protected(tmp_p
 
 def test_without_a_spare_the_straggler_is_only_reported(tmp_path):
     events: list[tuple[str, dict]] = []
-    cfg = config.RunConfig(protect="xor", straggler_window=6, evict_stragglers=True)
+    cfg = config.make(protect="xor", straggler_window=6, evict_stragglers=True)
     view = LiveView()  # what the nodes reported over the network
     watch = StragglerWatch(cfg, view.samples, lambda kind, **f: events.append((kind, f)))
     watch.launched(cfg, restarts=0, now=0.0)
@@ -144,9 +145,9 @@ def test_the_nodes_progress_carries_the_snapshots_measure_and_still_reads_a_bare
     (store / "slot-0.json").write_text('{"step": 4, "timing": {"ready_s": 0.25, "steps": 1}}')
     (store / "slot-1.json").write_text('{"step": 3}')
     assert progress.newest(store) == (4, 0.25)
-    progress.progress_file(job, 1).parent.mkdir()
-    progress.progress_file(job, 1).write_text("7")  # a job writing $HPCFT_PROGRESS_FILE itself
-    progress.write(progress.progress_file(job, 0), 2)  # older than its manifests: the newer step wins
+    progress_file(job, 1).parent.mkdir()
+    progress_file(job, 1).write_text("7")  # a job writing $HPCFT_PROGRESS_FILE itself
+    progress.write(progress_file(job, 0), 2)  # older than its manifests: the newer step wins
     assert progress.node(job) == {0: (4, 0.25), 1: (7, None)}
     assert progress.node(job, ranks=[1, 2]) == {1: (7, None)}
 
@@ -184,11 +185,12 @@ def test_ready_s_ends_at_the_last_gradient_not_at_the_wait_before_the_optimizer(
     """The real Checkpointer on a CPU: a step that sleeps in its forward, then waits (a peer's collective) after its
     backward: the snapshot's ready_s holds the first, not the second."""
     from hpcft.checkpointer import Checkpointer
+    from hpcft.options import Options
 
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     wait_s = 0.5
-    with Checkpointer(model, opt, root=tmp_path, job_id="t") as ckpt:
+    with Checkpointer(model, opt, Options(root=tmp_path, job_id="t")) as ckpt:
         walls = []
         for _ in range(3):
             began = time.perf_counter()

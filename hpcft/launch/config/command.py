@@ -5,7 +5,7 @@ from dataclasses import Field, fields
 
 import click
 
-from hpcft.launch.config import options as model
+from hpcft.launch.config import model
 
 REFERENCE = "docs/configuration.md"
 
@@ -86,7 +86,7 @@ def given(kwargs: dict) -> dict:
 def reference() -> str:
     """docs/configuration.md: every option by section, with its flag, variable, file key, default and help."""
     lines = ["# Configuration reference", "",
-             "<!-- generated from hpcft/launch/config/options.py by `python -m hpcft.launch.config.command > "
+             "<!-- generated from hpcft/launch/config/model.py by `python -m hpcft.launch.config.command > "
              f"{REFERENCE}`; CI fails when it is out of date -->", "",
              "Every option of `hpcft run` (and `hpcft submit`, which passes them on) has one name, set in three places: "
              "the command line (`--persist-every 50`), the environment (`HPCFT_PERSIST_EVERY=50`) or the TOML file "

@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 from hpcft.errors import ConfigError
-from hpcft.launch.config.options import DEFAULT_GROUP, RunConfig, env_name
+from hpcft.launch.config.model import DEFAULT_GROUP, RunConfig, env_name
 
 def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:
     """`cfg` made concrete for `active` training nodes: auto protects wherever the allocation allows it (xor from 3

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcft.errors import ConfigError
-from hpcft.launch.config.options import read_toml
+from hpcft.launch.config.model import read_toml
 
 _MODULE = re.compile(r"[\w./+-]+")
 _PATH = re.compile(r"[\w./${}-]+")  # a path that may name $USER (expanded by the batch shell)

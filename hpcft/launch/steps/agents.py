@@ -21,7 +21,7 @@ from hpcft.errors import CheckpointError, NoCheckpointError
 from hpcft.launch.config import profiles
 from hpcft.agent.protection import flush as agent_persist
 from hpcft.durable.settings import PersistConfig
-from hpcft.launch.config.options import RunConfig
+from hpcft.launch.config.model import RunConfig
 from hpcft.launch.config.resolve import durable_dir, scheme
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.fabric.liveview import LiveView

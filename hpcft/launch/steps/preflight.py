@@ -15,7 +15,7 @@ from hpcft import nodemem
 from hpcft.errors import ConfigError
 from hpcft.launch.config import memplan
 from hpcft.launch.config import netplugin
-from hpcft.launch.config.options import RunConfig
+from hpcft.launch.config.model import RunConfig
 from hpcft.launch.config.resolve import scheme
 from hpcft.launch.config.profiles import Profile
 from hpcft.store.paths import DEFAULT_ROOT, ENV_ROOT, job_dir

@@ -21,7 +21,7 @@ from pathlib import Path
 from hpcft.errors import ConfigError, HpcftError
 from hpcft.launch.steps import stage_pack
 from hpcft.launch.node import stage_paths as paths
-from hpcft.launch.config.options import RunConfig
+from hpcft.launch.config.model import RunConfig
 from hpcft.launch.config.profiles import Profile
 from hpcft.launch.node.zygote import same_interpreter
 from hpcft.env import NVME_ENV

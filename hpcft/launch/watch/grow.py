@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from hpcft.errors import SlurmError
 from hpcft.launch.policy import grow as policy_grow
-from hpcft.launch.config.options import RunConfig
+from hpcft.launch.config.model import RunConfig
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.steps.nodecheck import NodeCheck
 from hpcft.launch.policy.failures import Event, Kind

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from hpcft.launch.config.options import RunConfig
+from hpcft.launch.config.model import RunConfig
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.policy.failures import Action, Decision, Event, Kind
 from hpcft.launch.policy.stragglers import Detector, StragglerRules, Verdict, eviction_blocked
