@@ -1,7 +1,7 @@
 """hpcft: fault-tolerant hybrid-parallel training on Slurm with in-memory checkpointing.
 
-The training-side API (`init`, `Checkpointer`, `restartable`) is imported lazily so that the CLI and the
-cluster tools start without importing torch.
+The training-side API (`init`, `Checkpointer` and its `Options`, `restartable`) is imported lazily so that the CLI
+and the cluster tools start without importing torch.
 """
 from typing import Any
 
@@ -11,6 +11,7 @@ _LAZY = {
     "init": ("hpcft.runtime", "init"),
     "Context": ("hpcft.runtime", "Context"),
     "Checkpointer": ("hpcft.checkpointer", "Checkpointer"),
+    "Options": ("hpcft.options", "Options"),
     "batch_plan": ("hpcft.elastic", "batch_plan"),
     "restartable": ("hpcft.inprocess.wrapper", "restartable"),
     "Attempt": ("hpcft.inprocess.wrapper", "Attempt"),

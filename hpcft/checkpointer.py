@@ -10,7 +10,6 @@ import copy
 import json
 import time
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ from hpcft.env import DEFAULT_JOB_ID, job_env
 from hpcft.errors import CheckpointError, ConfigError
 from hpcft.inprocess import record as restart_record
 from hpcft.inprocess import shield
+from hpcft.options import Options
 from hpcft.snapshot import calibration, copiers, groups, rng, state, timing
 from hpcft.snapshot.engine import SnapshotEngine, Stats
 from hpcft.durable import catalog, local, resume
@@ -40,7 +40,8 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 
 class Checkpointer:
-    """In-memory snapshots of one model and its optimizer (see docs/checkpointing.md).
+    """In-memory snapshots of one model and its optimizer (see docs/checkpointing.md), taken and kept as `options`
+    says (hpcft.Options: every, keep, auto, where the store and the durable tier are, how to copy).
 
     extra: a callable returning a JSON-able dict (e.g. data-loader position), recorded with each snapshot;
            after restore() the saved dict is in `ckpt.extra` and is passed to `on_restore` if given.
@@ -48,53 +49,46 @@ class Checkpointer:
               group works, NCCL/RCCL ones included: hpcft pairs it (and the default group) with a gloo group of
               the same ranks for its own CPU-tensor collectives, made once here (collective: every rank constructs
               its Checkpointer together, each passing the one data-parallel group it belongs to, or all None).
-    every / keep: snapshot every n-th optimizer step; keep this many complete versions (plus one slot).
-    auto: snapshot from the optimizer's post-step hook (default); with auto=False call `step(it)` yourself.
-    persist_dir: the durable tier's directory, read by restore() (default: $HPCFT_PERSIST_DIR, which `hpcft run`
-                 exports; see docs/durable.md).
-    persist_local: this node's first level of the durable tier, read by restore() before `persist_dir` (default:
-                   $HPCFT_PERSIST_LOCAL, else $HPCFT_NVME/hpcft-persist where that exists; `none`: not read).
-    adopt: a job whose snapshots restore() takes besides this job's own (default: $HPCFT_ADOPT, which
-           `hpcft run --adopt JOB` exports); another job's are refused (event `restore_foreign`; hpcft.store.owner).
+    on_restore: a callable given the restored `extra` dict after a successful restore().
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 extra: Callable[[], dict] | None = None, dp_group: Any = None, every: int = 1, keep: int = 2,
-                 root: str | os.PathLike | None = None, job_id: str | None = None, *, backend: str | None = None,
-                 max_inflight_bytes: int = 256 << 20, chunk_bytes: int | None = None, threads: int | None = None,
-                 on_restore: Callable[[dict | None], None] | None = None, auto: bool = True,
-                 delay_per_chunk: float = 0.0, overlap: bool | None = None,
-                 persist_dir: str | os.PathLike | None = None, persist_local: str | os.PathLike | None = None,
-                 adopt: str | None = None):
-        if every < 1:
-            raise ConfigError(f"every must be at least 1 (got {every})")
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, options: Options | None = None,
+                 *, extra: Callable[[], dict] | None = None, dp_group: Any = None,
+                 on_restore: Callable[[dict | None], None] | None = None):
+        opts = self.options = options or Options()
+        if not isinstance(opts, Options):
+            raise ConfigError(f"options must be an hpcft.Options (got {type(opts).__name__}); extra, dp_group and "
+                              "on_restore are keyword arguments")
         if extra is not None and not callable(extra):
             raise ConfigError("extra must be a callable returning a JSON-able dict (e.g. lambda: {'pos': pos})")
+        if optimizer is None and opts.auto:
+            raise ConfigError("auto snapshots need an optimizer; pass Options(auto=False) and call ckpt.step(it)")
         self.model, self.optimizer = model, optimizer
-        self.every, self.auto = every, auto
         self._extra_fn, self._on_restore = extra, on_restore
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.job_id = str(job_id or job_env().job_id)
+        self.job_id = str(opts.job_id or job_env().job_id)
         # a relaunch's newest snapshot, mapped while the rest of this and restore()'s set-up runs (the restore's Slot
         # adopts it, helping with what is left); a no-op where hpcft.init started it already or nothing is stored
-        prefetch.ahead(self.job_id, self.rank, root, threads=prefetch.threads(busy=1))
+        prefetch.ahead(self.job_id, self.rank, opts.root, threads=prefetch.threads(busy=1))
         self._writer = writer_id()
-        shared = not job_id and self.job_id == DEFAULT_JOB_ID  # any local run may have written this store
-        self.owner = owner.Owner(self.job_id, self._writer if shared else None, owner.adoption(adopt))
+        shared = not opts.job_id and self.job_id == DEFAULT_JOB_ID  # any local run may have written this store
+        self.owner = owner.Owner(self.job_id, self._writer if shared else None, owner.adoption(opts.adopt))
         self.comm = groups.comm(dp_group)
         self.group = self.comm.dp
         self._view = StateView(model, optimizer, frozenset(self.group.ranks) if self.group else None)
         device = _device_of(model)
-        backend = copiers.choose(backend, device)
-        # the copy method: calibrated on this host for the CPU backend, explicit arguments first (calibration)
-        self.copy_settings = calibration.settings(backend, copiers.default_threads(backend), threads, chunk_bytes)
+        backend = copiers.choose(opts.backend, device)
+        # the copy method: calibrated on this host for the CPU backend, explicit options first (calibration)
+        self.copy_settings = calibration.settings(backend, copiers.default_threads(backend), opts.threads,
+                                                  opts.chunk_bytes)
         self.threads = self.copy_settings.snapshot.threads
-        self.store = RankStore(self.job_id, self.rank, keep=keep, root=root)
-        self.persist_dir: Path | None = catalog.persist_root(persist_dir)
-        self.persist_local: Path | None = local.local_root(str(persist_local) if persist_local is not None else None)
-        copier = copiers.make(backend, device, max_inflight_bytes=max_inflight_bytes, threads=self.threads,
-                              delay_per_chunk=delay_per_chunk, overlap=overlap, kernel=self.copy_settings.snapshot.kernel)
+        self.store = RankStore(self.job_id, self.rank, keep=opts.keep, root=opts.root)
+        self.persist_dir: Path | None = catalog.persist_root(opts.persist_dir)
+        self.persist_local: Path | None = local.local_root(
+            str(opts.persist_local) if opts.persist_local is not None else None)
+        copier = copiers.make(backend, device, max_inflight_bytes=opts.max_inflight_bytes, threads=self.threads,
+                              overlap=opts.overlap, kernel=self.copy_settings.snapshot.kernel)
         self.engine = SnapshotEngine(self.store, copier, group=self.group,
                                      chunk_bytes=self.copy_settings.snapshot.chunk_bytes or copier.chunk_bytes)
         self._loader = Loader(self.store, self.group, self.copy_settings.restore.threads, world=self.comm.world,
@@ -110,10 +104,8 @@ class Checkpointer:
         self._hooks += timing.grad_hooks(model, self.timer.grad)
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._pre_step))
-            if auto:
+            if opts.auto:
                 self._hooks.append(optimizer.register_step_post_hook(self._post_step))
-        elif auto:
-            raise ConfigError("auto snapshots need an optimizer; pass auto=False and call ckpt.step(it)")
 
     # the two optimizer hooks -----------------------------------------------------------------------------
     # The optimizer's step, from the pre-step hook to the end of the post-step one, is an in-process restart's
@@ -133,7 +125,7 @@ class Checkpointer:
         try:
             with shield.section():  # also where no pre-step hook opened one (hooks added mid-step)
                 self.completed += 1
-                if self.completed % self.every == 0:
+                if self.completed % self.options.every == 0:
                     self._snapshot()
                 self.timer.started()
         finally:
@@ -150,9 +142,9 @@ class Checkpointer:
         it + 1 steps. With auto=False this takes the snapshot. With auto=True the optimizer hook normally
         already took it; if the hook count disagrees (a skipped optimizer step, hooks added late), the
         loop's count wins: the counter is set to it + 1 and the snapshot is taken here."""
-        if self.auto and self.completed == it + 1:
+        if self.options.auto and self.completed == it + 1:
             return
-        if self.auto and not self._warned:
+        if self.options.auto and not self._warned:
             self._warned = True
             _log.warning("ckpt.step(%d): the optimizer hook counted %d steps; numbering by the loop from now on",
                          it, self.completed)
@@ -160,7 +152,7 @@ class Checkpointer:
             self.completed = it + 1
             if self.optimizer is None:  # no pre-step hook closes the step
                 self.timer.ended()
-            if self.completed % self.every == 0:
+            if self.completed % self.options.every == 0:
                 self.engine.guard()
                 self._snapshot()
                 if self.optimizer is None:  # no pre-step hook to order the next update after the copy

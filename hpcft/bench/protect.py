@@ -32,6 +32,7 @@ from hpcft.agent.settings import AgentConfig
 from hpcft.agent.throttle import CPU_SHARE, cpu_cores
 from hpcft.bench.harness import Memcpy, Report, Variant, run_interleaved, scratch, set_threads
 from hpcft.errors import HpcftError
+from hpcft.options import Options
 from hpcft.store import RankStore, chunk_table, job_dir, seal_key, secure_dir
 from hpcft.store import pin as store_pin
 
@@ -193,7 +194,8 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
     job_secret.create(shared)
     trainer = Trainer(config_for_params(opts.params))
     store_pin.announce(secure_dir(job_dir(roots[0], JOB)))  # as this node's agent would before the trainers start
-    ckpt = Checkpointer(trainer.model, trainer.optimizer, every=1, keep=2, root=str(roots[0]), job_id=JOB, auto=False)
+    ckpt = Checkpointer(trainer.model, trainer.optimizer,
+                        Options(every=1, keep=2, root=str(roots[0]), job_id=JOB, auto=False))
     agents: list[subprocess.Popen] = []
     committed: dict[int, float] = {}
     plain = Train("plain", trainer, ckpt, [], False, committed)

@@ -20,6 +20,7 @@ from hpcft.bench.harness import (GB, Report, StoreMemcpy, Timings, Variant, loca
                                  run_interleaved, scratch, set_threads)
 from hpcft.bench.model import Trainer, config_for_params
 from hpcft.errors import CheckpointError
+from hpcft.options import Options
 from hpcft.store import hugepages
 
 
@@ -106,8 +107,8 @@ class HpcftColdRestore(Restoring):
     def run_once(self, index: int) -> None:
         from hpcft.checkpointer import Checkpointer
 
-        self.ckpt = Checkpointer(self.trainer.model, self.trainer.optimizer, every=1, keep=2, root=str(self.root),
-                                 job_id="bench", auto=False)
+        self.ckpt = Checkpointer(self.trainer.model, self.trainer.optimizer,
+                                 Options(every=1, keep=2, root=str(self.root), job_id="bench", auto=False))
         self.ckpt.restore()
 
     def check(self, index: int) -> None:
@@ -150,8 +151,8 @@ def run(opts: RestoreOptions) -> Report:
     set_threads(opts.threads)
     with scratch(opts.root) as where, local_process_group():
         source = _trained(opts)
-        ckpt = Checkpointer(source.model, source.optimizer, every=1, keep=2, root=str(where.shm), job_id="bench",
-                             auto=False)
+        ckpt = Checkpointer(source.model, source.optimizer,
+                            Options(every=1, keep=2, root=str(where.shm), job_id="bench", auto=False))
         try:
             ckpt.step(0)  # iteration 0 done: the state after one optimizer step
             ckpt.wait()

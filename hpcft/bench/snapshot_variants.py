@@ -10,6 +10,7 @@ from pathlib import Path
 from hpcft.bench import baselines
 from hpcft.bench.harness import Variant
 from hpcft.bench.model import Trainer
+from hpcft.options import Options
 
 
 class Checkpointing(Variant):
@@ -88,8 +89,8 @@ class Hpcft(Checkpointing):
         from hpcft.checkpointer import Checkpointer
 
         super().__init__(trainer)
-        self.ckpt = Checkpointer(trainer.model, trainer.optimizer, every=1, keep=2, root=str(root),
-                                 job_id=job_id, auto=False)
+        self.ckpt = Checkpointer(trainer.model, trainer.optimizer,
+                                 Options(every=1, keep=2, root=str(root), job_id=job_id, auto=False))
         self.calls = 0  # ckpt.step numbering: this variant's own iterations
         self.training_blocked: dict[int, float] = {}  # stats.blocked_s delta per call: start + pre-step guard
         self.training_start: dict[int, float] = {}  # stats.start_s delta per call: the start alone

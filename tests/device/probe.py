@@ -104,11 +104,12 @@ def start_profile(params: int, batch: int) -> None:
 
     from hpcft.bench.model import Trainer, config_for_params
     from hpcft.checkpointer import Checkpointer
+    from hpcft.options import Options
 
     trainer = Trainer(config_for_params(params, batch), device="cuda")
     trainer.step()
     with tempfile.TemporaryDirectory(dir="/dev/shm") as root:
-        ckpt = Checkpointer(trainer.model, trainer.optimizer, every=1, keep=2, root=root, job_id="probe", auto=False)
+        ckpt = Checkpointer(trainer.model, trainer.optimizer, Options(root=root, job_id="probe", auto=False))
         print(json.dumps({"probe": "copier", "checksums": ckpt.engine.copier.checksums}))
         for i in range(4):
             trainer.step()
@@ -138,13 +139,13 @@ def restore_profile(params: int, batch: int, root: str) -> None:
 
     from hpcft.bench.model import Trainer, config_for_params
     from hpcft.checkpointer import Checkpointer
+    from hpcft.options import Options
 
     trainer = Trainer(config_for_params(params, batch), device="cuda")
     trainer.step()
     with tempfile.TemporaryDirectory(dir=root) as where:
         def made() -> Checkpointer:
-            return Checkpointer(trainer.model, trainer.optimizer, every=1, keep=2, root=where, job_id="probe",
-                                auto=False)
+            return Checkpointer(trainer.model, trainer.optimizer, Options(root=where, job_id="probe", auto=False))
 
         def timed(cold: bool, prof: "cProfile.Profile | None" = None) -> dict[str, float]:
             torch.cuda.synchronize()

@@ -87,7 +87,7 @@ def rank(phase: str, out: Path, root: str, job_id: str, steps: int) -> int:
     def state() -> dict[str, torch.Tensor]:
         return {e.name: e.local.detach().to("cpu", copy=True) for e in collect(model, opt, None)}
 
-    ckpt = hpcft.Checkpointer(model, opt, dp_group=ctx.dp_group, root=root, job_id=job_id)
+    ckpt = hpcft.Checkpointer(model, opt, hpcft.Options(root=root, job_id=job_id), dp_group=ctx.dp_group)
     start = ckpt.restore()
     saved = out / f"state-rank{ctx.rank}.pt"
     if phase == "first":

@@ -44,8 +44,8 @@ def main() -> None:
     root.mkdir(exist_ok=True)
     model, opt = model_and_optimizer()
     node_local = Path(args.local) / f"node{rank // args.per_node}" if args.local else "none"
-    ckpt = hpcft.Checkpointer(model, opt, dp_group=dist.group.WORLD, root=root, persist_dir=args.persist,
-                              persist_local=node_local)
+    ckpt = hpcft.Checkpointer(model, opt, hpcft.Options(root=root, persist_dir=args.persist, persist_local=node_local),
+                              dp_group=dist.group.WORLD)
     start = ckpt.restore()
     if args.dump and rank == 0:
         torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": start}, args.out / f"{args.dump}.pt")

@@ -112,7 +112,7 @@ def hpcft_load(kind: str, ctx, persist: Path, job: str, fsdp: bool = True, root:
             p.add_(1.0)
     torch.manual_seed(5)
     dp = getattr(ctx, "dp_group", None) if kind == "dp" else None
-    with hpcft.Checkpointer(model, opt, dp_group=dp, job_id=job, persist_dir=persist, root=root) as ck:
+    with hpcft.Checkpointer(model, opt, hpcft.Options(job_id=job, persist_dir=persist, root=root), dp_group=dp) as ck:
         step, extra = ck.restore(), ck.extra
     return model, opt, step, extra
 
@@ -128,7 +128,8 @@ def save(args, ctx) -> dict:
         persist.mkdir(exist_ok=True)
         model, opt = build(kind, ctx)
         dp = ctx.dp_group if kind == "dp" else None
-        with hpcft.Checkpointer(model, opt, dp_group=dp, job_id=f"w-{kind}", extra=lambda: {"rank": ctx.rank}) as ck:
+        with hpcft.Checkpointer(model, opt, hpcft.Options(job_id=f"w-{kind}"), dp_group=dp,
+                                extra=lambda: {"rank": ctx.rank}) as ck:
             train(kind, ctx, model, opt, 3)
             ck.wait()
             rng = torch.get_rng_state()
@@ -163,7 +164,7 @@ def load(args, ctx) -> dict:
     # said as an error
     model, opt = build("dp", ctx)
     seen = out / "persist-dp" if ctx.rank == 0 else out / f"empty-{ctx.rank}"
-    with hpcft.Checkpointer(model, opt, dp_group=ctx.dp_group, job_id="partial", persist_dir=seen) as ck:
+    with hpcft.Checkpointer(model, opt, hpcft.Options(job_id="partial", persist_dir=seen), dp_group=ctx.dp_group) as ck:
         report["partial_start"] = ck.restore()
     report["ok"] = all(not r["dcp_mismatch"] and not r["hpcft_vs_dcp"] and r["step"] == 3 and r["rng_equal"]
                        and r["extra"] == {"rank": ctx.rank} for r in (report[k] for k in KINDS)) \

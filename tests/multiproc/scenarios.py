@@ -110,8 +110,8 @@ def roundtrip_one(kind: str, steps: int, ctx, job: str) -> dict:
     model = build(kind, ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     pos = {"pos": 0}
-    ckpt = hpcft.Checkpointer(model, opt, extra=lambda: dict(pos), dp_group=ctx.dp_group, chunk_bytes=1024,
-                              job_id=job)
+    ckpt = hpcft.Checkpointer(model, opt, hpcft.Options(chunk_bytes=1024, job_id=job), extra=lambda: dict(pos),
+                              dp_group=ctx.dp_group)
     if ckpt.restore() != 0:
         return {"ok": False, "why": "fresh run did not restore 0"}
     for it in range(steps):
@@ -127,7 +127,7 @@ def roundtrip_one(kind: str, steps: int, ctx, job: str) -> dict:
         for p in model2.parameters():
             p.add_(1.0)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5, weight_decay=0.1)
-    ckpt2 = hpcft.Checkpointer(model2, opt2, dp_group=ctx.dp_group, job_id=job)
+    ckpt2 = hpcft.Checkpointer(model2, opt2, hpcft.Options(job_id=job), dp_group=ctx.dp_group)
     step = ckpt2.restore()
     now = snapshot_of(model2, opt2)
     bad = diff(ref, now)
@@ -156,8 +156,8 @@ def damaged(args, ctx) -> dict:
     model = build("ddp", ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     pos, refs = {"pos": 0}, {}
-    with hpcft.Checkpointer(model, opt, extra=lambda: dict(pos), dp_group=ctx.dp_group, chunk_bytes=1024,
-                            keep=3) as ckpt:
+    with hpcft.Checkpointer(model, opt, hpcft.Options(chunk_bytes=1024, keep=3), extra=lambda: dict(pos),
+                            dp_group=ctx.dp_group) as ckpt:
         for it in range(3):
             train_step("ddp", ctx, model, opt, it, pos)
             ckpt.wait()
@@ -181,8 +181,9 @@ def train(args, ctx) -> dict:
     model = build("ddp", ctx, dropout=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     pos = {"pos": 0}
-    ckpt = hpcft.Checkpointer(model, opt, extra=lambda: dict(pos), dp_group=ctx.dp_group, chunk_bytes=1024,
-                              delay_per_chunk=args.delay, overlap=True)
+    ckpt = hpcft.Checkpointer(model, opt, hpcft.Options(chunk_bytes=1024, overlap=True), extra=lambda: dict(pos),
+                              dp_group=ctx.dp_group)
+    ckpt.engine.copier._delay_per_chunk = args.delay  # the test seam: a slow copy, in flight when a rank is killed
     torch.manual_seed(7 + ctx.rank), random.seed(7), np.random.seed(7)  # the run's seed; restore overrides it
     start = ckpt.restore()
     out = Path(args.out)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hpcft.checkpointer import Checkpointer
+from hpcft.options import Options
 from hpcft.snapshot import calibration, copiers
 from hpcft.snapshot.calibration.policy import Method
 from hpcft.store import ntcopy
@@ -31,7 +32,7 @@ def test_the_pinned_method_is_used_and_restores_bit_for_bit(shm_root: Path, monk
                                                            pinned: str) -> None:
     monkeypatch.setenv(calibration.ENV, pinned)
     model, opt = _model()
-    with Checkpointer(model, opt, root=shm_root, job_id="j", auto=False) as ckpt:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="j", auto=False)) as ckpt:
         want = calibration.resolve(copiers.default_threads("cpu")).choice
         assert ckpt.copy_settings.snapshot == want.snapshot and ckpt.copy_settings.restore == want.restore
         assert ckpt.engine.chunk_bytes == want.snapshot.chunk_bytes
@@ -46,14 +47,14 @@ def test_the_pinned_method_is_used_and_restores_bit_for_bit(shm_root: Path, monk
         assert not same(saved, state_of(model, opt))
         assert ckpt.restore() == 2 and same(saved, state_of(model, opt))
     model2, opt2 = _model()  # a relaunch: a new Checkpointer over the same store
-    with Checkpointer(model2, opt2, root=shm_root, job_id="j", auto=False) as ckpt:
+    with Checkpointer(model2, opt2, Options(root=shm_root, job_id="j", auto=False)) as ckpt:
         assert ckpt.restore() == 2 and same(saved, state_of(model2, opt2))
 
 
 def test_explicit_arguments_win_over_the_chosen_method(shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(calibration.ENV, "memcpy,threads=3,chunk=4M")
     model, opt = _model()
-    with Checkpointer(model, opt, root=shm_root, job_id="j", threads=1, chunk_bytes=512 << 10) as ckpt:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="j", threads=1, chunk_bytes=512 << 10)) as ckpt:
         assert ckpt.copy_settings.snapshot == Method("memcpy", 1, 512 << 10)
         assert ckpt.copy_settings.restore == Method("memcpy", 1, 512 << 10)
         assert ckpt.engine.chunk_bytes == 512 << 10 and ckpt._loader.threads == 1

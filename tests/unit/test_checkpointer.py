@@ -1,5 +1,5 @@
 """The Checkpointer in one process on the real /dev/shm: fresh start, consistency under a slow copy
-(and the racy copy it guards against), a flipped byte, ENOSPC, `every`, stats."""
+(and the racy copy it guards against), a flipped byte, ENOSPC, `every`, stats, the Options it is given."""
 from pathlib import Path
 
 import pytest
@@ -7,7 +7,8 @@ import torch
 
 from hpcft import events
 from hpcft.checkpointer import Checkpointer
-from hpcft.errors import IntegrityError
+from hpcft.errors import ConfigError, IntegrityError
+from hpcft.options import Options
 from hpcft.snapshot.copiers import CpuCopier
 from hpcft.snapshot.state import collect
 
@@ -51,20 +52,20 @@ def _kinds(tmp: Path) -> list[str]:
 
 def test_fresh_run_restores_zero(root: Path) -> None:
     model, opt = _model()
-    with Checkpointer(model, opt, root=root, job_id="j") as ckpt:
+    with Checkpointer(model, opt, Options(root=root, job_id="j")) as ckpt:
         assert ckpt.restore() == 0 and ckpt.extra is None and not opt.state  # no optimizer state invented
 
 
 @pytest.mark.parametrize("racy", [False, True], ids=["guarded", "racy-control"])
 def test_snapshot_during_next_step_is_the_state_after_its_step(root: Path, racy: bool) -> None:
     model, opt = _model()
-    ckpt = Checkpointer(model, opt, root=root, job_id="j", chunk_bytes=1024, delay_per_chunk=0.01, keep=3,
-                        overlap=True)
+    ckpt = Checkpointer(model, opt, Options(root=root, job_id="j", chunk_bytes=1024, keep=3, overlap=True))
     if racy:  # the trap: a copy that the next optimizer step does not wait for (pytorch #144657's shape)
         class Racy(CpuCopier):
             def guard(self, transfer) -> None:
                 pass
-        ckpt.engine.copier = Racy(threads=1, delay_per_chunk=0.01)
+        ckpt.engine.copier = Racy(threads=1)
+    ckpt.engine.copier._delay_per_chunk = 0.01  # the test seam: a copy slow enough for the next step to overlap it
     refs = {}
     for it in range(4):
         _step(model, opt, it)  # the next forward/backward runs while the previous snapshot copies
@@ -82,7 +83,7 @@ def test_snapshot_during_next_step_is_the_state_after_its_step(root: Path, racy:
 
 def test_flipped_byte_falls_back_with_event(root: Path, tmp_path: Path) -> None:
     model, opt = _model()
-    ckpt = Checkpointer(model, opt, root=root, job_id="j", extra=lambda: {"pos": 1})
+    ckpt = Checkpointer(model, opt, Options(root=root, job_id="j"), extra=lambda: {"pos": 1})
     refs = {}
     for it in range(3):
         _step(model, opt, it)
@@ -93,7 +94,7 @@ def test_flipped_byte_falls_back_with_event(root: Path, tmp_path: Path) -> None:
     ckpt.store.slot(newest.slot).array[entry["offset"] + 5] ^= 0x40  # one bit of the first weight, in shm
     ckpt.close()
     model2, opt2 = _model(seed=9)
-    with Checkpointer(model2, opt2, root=root, job_id="j") as again:
+    with Checkpointer(model2, opt2, Options(root=root, job_id="j")) as again:
         assert again.restore() == 2
         assert all(torch.equal(refs[2][k], v) for k, v in _state(model2, opt2).items())
     assert {"chunk_lost", "restore_fallback", "restore_done"} <= set(_kinds(tmp_path))
@@ -105,7 +106,7 @@ def test_flipped_padding_byte_is_a_lost_chunk(root: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3)  # a 60-byte weight: 4 bytes of padding after it
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ckpt = Checkpointer(model, opt, root=root, job_id="j")
+    ckpt = Checkpointer(model, opt, Options(root=root, job_id="j"))
     for it in range(2):
         _step_small(model, opt, it)
     refs = _state(model, opt)
@@ -117,7 +118,7 @@ def test_flipped_padding_byte_is_a_lost_chunk(root: Path) -> None:
     torch.manual_seed(5)
     model2 = torch.nn.Linear(5, 3)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
-    with Checkpointer(model2, opt2, root=root, job_id="j") as again:
+    with Checkpointer(model2, opt2, Options(root=root, job_id="j")) as again:
         assert again.restore() == 1
         _step_small(model2, opt2, 1)
         assert all(torch.equal(refs[k], v) for k, v in _state(model2, opt2).items())
@@ -131,7 +132,7 @@ def _step_small(model: torch.nn.Module, opt: torch.optim.Optimizer, it: int) -> 
 
 def test_every_version_lost_raises(root: Path) -> None:
     model, opt = _model()
-    ckpt = Checkpointer(model, opt, root=root, job_id="j", keep=1)
+    ckpt = Checkpointer(model, opt, Options(root=root, job_id="j", keep=1))
     _step(model, opt, 0)
     ckpt.wait()
     for v in ckpt.store.versions():
@@ -141,9 +142,24 @@ def test_every_version_lost_raises(root: Path) -> None:
     ckpt.close()
 
 
+@pytest.mark.parametrize(("field", "value"), [("every", 0), ("keep", 0), ("threads", 0), ("chunk_bytes", -1),
+                                              ("max_inflight_bytes", 0), ("every", 1.5), ("backend", "cuda")])
+def test_options_are_checked_when_made(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"Options.{field} "):
+        Options(**{field: value})
+
+
+def test_options_come_third_and_the_rest_by_keyword(root: Path) -> None:
+    model, opt = _model()
+    with pytest.raises(ConfigError, match="options must be an hpcft.Options"):
+        Checkpointer(model, opt, lambda: {"pos": 1})  # the old positional `extra`
+    with pytest.raises(ConfigError, match="auto snapshots need an optimizer"):
+        Checkpointer(model, None, Options(root=root, job_id="j"))
+
+
 def test_every_and_stats(root: Path) -> None:
     model, opt = _model()
-    with Checkpointer(model, opt, root=root, job_id="j", every=2) as ckpt:
+    with Checkpointer(model, opt, Options(root=root, job_id="j", every=2)) as ckpt:
         for it in range(5):
             _step(model, opt, it)
         ckpt.wait()
@@ -157,7 +173,7 @@ def test_enospc_training_continues(mount_tmpfs, tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("HPCFT_EVENT_DIR", str(tmp_path / "events"))
     mnt = mount_tmpfs("1600k")
     model, opt = _model()
-    ckpt = Checkpointer(model, opt, root=mnt, job_id="j")
+    ckpt = Checkpointer(model, opt, Options(root=mnt, job_id="j"))
     _step(model, opt, 0)
     ref = _state(model, opt)
     for it in range(1, 4):  # the second slot does not fit: these snapshots are skipped
@@ -165,6 +181,6 @@ def test_enospc_training_continues(mount_tmpfs, tmp_path: Path, monkeypatch: pyt
     ckpt.close()
     assert "snapshot_skipped" in _kinds(tmp_path) and "store_full" in _kinds(tmp_path)
     model2, opt2 = _model(seed=3)
-    with Checkpointer(model2, opt2, root=mnt, job_id="j") as again:
+    with Checkpointer(model2, opt2, Options(root=mnt, job_id="j")) as again:
         assert again.restore() == 1
         assert all(torch.equal(ref[k], v) for k, v in _state(model2, opt2).items())

@@ -18,6 +18,7 @@ from hpcft.checkpointer import Checkpointer
 from hpcft.durable import catalog, flush, local
 from hpcft.durable.resume import order, why
 from hpcft.durable.settings import PersistConfig
+from hpcft.options import Options
 from hpcft.store.paths import job_dir
 
 
@@ -58,7 +59,7 @@ def test_two_level_flush_and_a_damaged_local_copy(shm_root: Path, tmp_path: Path
     job = job_dir(shm_root, "j")
     flusher = Flusher(PersistConfig(str(persist), every=1, keep=2, local=str(nvme)), job, "j", 0,
                       Pins("test", 30), str(tmp_path), "0")
-    with Checkpointer(model, opt, root=shm_root, job_id="j") as ck:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="j")) as ck:
         for it in range(2):
             model(torch.randn(4, 64)).square().mean().backward()
             opt.step()

@@ -12,6 +12,7 @@ from hpcft.cli import main
 from hpcft.durable import boxes, catalog, commit, export
 from hpcft.durable.boxes import Box
 from hpcft.durable.resume import order
+from hpcft.options import Options
 from multiproc.durable_read import entries_of, flush_rank, same  # tests/ is on sys.path (tests/conftest.py)
 
 
@@ -70,7 +71,7 @@ def saved(shm_root: Path, tmp_path: Path) -> tuple[Path, dict]:
     persist.mkdir()
     model, opt = _model()
     refs = {}
-    with Checkpointer(model, opt, root=shm_root, job_id="a", extra=lambda: {"pos": 7}) as ck:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="a"), extra=lambda: {"pos": 7}) as ck:
         for step in (1, 2, 3):
             _train(model, opt, step, step - 1)
             ck.wait()
@@ -87,11 +88,11 @@ def _kinds(tmp_path: Path) -> list[str]:
 def test_the_durable_tier_wins_when_memory_holds_only_an_older_step(shm_root: Path, tmp_path: Path, saved) -> None:
     persist, refs = saved
     model, opt = _model()
-    with Checkpointer(model, opt, root=shm_root, job_id="b", persist_dir=persist) as ck:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="b", persist_dir=persist)) as ck:
         _train(model, opt, 1)  # job b's memory holds step 1: older than the durable tier's 3
         ck.wait()
     torch.manual_seed(99)
-    with Checkpointer(model, opt, root=shm_root, job_id="b", persist_dir=persist) as ck:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="b", persist_dir=persist)) as ck:
         assert ck.restore() == 3 and ck.extra == {"pos": 7}
     now = entries_of(model, opt)
     assert now.keys() == refs[3][0].keys() and all(same(refs[3][0][k], now[k]) for k in now)
@@ -103,7 +104,7 @@ def test_the_durable_tier_wins_when_memory_holds_only_an_older_step(shm_root: Pa
 def test_memory_wins_at_an_equal_step(shm_root: Path, tmp_path: Path, saved) -> None:
     persist, refs = saved  # job a's memory holds steps 2 and 3, its durable tier 2 and 3
     model, opt = _model()
-    with Checkpointer(model, opt, root=shm_root, job_id="a", persist_dir=persist) as ck:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="a", persist_dir=persist)) as ck:
         assert ck.restore() == 3
     now = entries_of(model, opt)
     assert all(same(refs[3][0][k], now[k]) for k in now)
@@ -122,7 +123,7 @@ def test_a_chunk_failing_its_crc_falls_back_to_the_older_checkpoint(shm_root: Pa
         fh.seek(row[commit.DATA])
         fh.write(bytes([b[0] ^ 0x40]))
     model, opt = _model()
-    with Checkpointer(model, opt, root=shm_root, job_id="c", persist_dir=persist) as ck:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="c", persist_dir=persist)) as ck:
         assert ck.restore() == 2
     now = entries_of(model, opt)
     assert all(same(refs[2][0][k], now[k]) for k in now)

@@ -14,6 +14,7 @@ from hpcft import events
 from hpcft.checkpointer import Checkpointer
 from hpcft.durable import catalog, commit, export, flush
 from hpcft.errors import HpcftError
+from hpcft.options import Options
 from hpcft.store import manifest as mf
 from multiproc.durable_read import entries_of, flush_rank, same  # tests/ is on sys.path (tests/conftest.py)
 
@@ -36,7 +37,7 @@ def saved(shm_root: Path, tmp_path: Path) -> tuple[Path, dict]:
     model, opt = _model()
     pos = [0]
     refs = {}
-    with Checkpointer(model, opt, root=shm_root / "old", job_id="a", extra=lambda: {"pos": pos[0]}) as ck:
+    with Checkpointer(model, opt, Options(root=shm_root / "old", job_id="a"), extra=lambda: {"pos": pos[0]}) as ck:
         for step in (1, 2, 3, 4):
             pos[0] = step
             x = torch.randn(4, 12, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
@@ -116,7 +117,8 @@ def test_a_restore_refuses_durable_metadata_that_lies(shm_root: Path, tmp_path: 
     persist, refs = saved
     lied = lie(persist / "step-4", LIES[kind])
     model, opt = _model()
-    with Checkpointer(model, opt, root=shm_root / "new", job_id="a", persist_dir=persist) as ck:  # memory empty
+    with Checkpointer(model, opt,
+                      Options(root=shm_root / "new", job_id="a", persist_dir=persist)) as ck:  # memory empty
         assert ck.restore() == 3 and ck.extra == {"pos": 3}  # the older, honest checkpoint
     now = entries_of(model, opt)
     assert all(same(refs[3][k], now[k]) for k in now)
@@ -167,7 +169,7 @@ def test_a_checkpoint_from_before_the_seal_loads_with_a_warning(shm_root: Path, 
     persist, refs = saved
     _unseal(persist / "step-4")
     model, opt = _model()
-    with Checkpointer(model, opt, root=shm_root / "new", job_id="a", persist_dir=persist) as ck:
+    with Checkpointer(model, opt, Options(root=shm_root / "new", job_id="a", persist_dir=persist)) as ck:
         assert ck.restore() == 4 and ck.extra == {"pos": 4}
     now = entries_of(model, opt)
     assert all(same(refs[4][k], now[k]) for k in now)

@@ -81,7 +81,7 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def snapshot(tmp_path):
     """A real snapshot of 3 AdamW steps of a bf16 model: (checkpointer, its newest version, data)."""
     model, opt = _model()
-    ckpt = hpcft.Checkpointer(model, opt, root=tmp_path, job_id="w", chunk_bytes=256)
+    ckpt = hpcft.Checkpointer(model, opt, hpcft.Options(root=tmp_path, job_id="w", chunk_bytes=256))
     for _ in range(3):
         model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
         opt.step()

@@ -7,6 +7,7 @@ import torch
 
 from hpcft import events
 from hpcft.checkpointer import Checkpointer
+from hpcft.options import Options
 
 
 def test_a_full_disk_keeps_the_events_in_memory_says_so_once_and_writes_them_when_it_can(tmp_path, caplog):
@@ -46,7 +47,7 @@ def test_a_trainer_whose_event_directory_is_a_file_or_whose_record_is_a_director
         else:
             (bad / "events.jsonl").mkdir(parents=True)
         monkeypatch.setenv("HPCFT_EVENT_DIR", str(bad))
-        ckpt = Checkpointer(model, opt, root=str(shm_root), job_id=f"events-{where}")
+        ckpt = Checkpointer(model, opt, Options(root=str(shm_root), job_id=f"events-{where}"))
         try:
             assert ckpt.restore() == 0  # `restore_none` is an event
             for _ in range(3):

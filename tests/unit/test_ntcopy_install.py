@@ -78,11 +78,11 @@ def test_install_without_a_compiler_warns_and_falls_back(tmp_path: Path) -> None
 
 RANK = """
 import torch
-from hpcft import Checkpointer
+from hpcft import Checkpointer, Options
 from hpcft.store import ntcopy
 net = torch.nn.Linear(64, 64)
 opt = torch.optim.AdamW(net.parameters())
-with Checkpointer(net, opt, root=ROOT, job_id="nocc", backend="cpu") as ckpt:
+with Checkpointer(net, opt, Options(root=ROOT, job_id="nocc", backend="cpu")) as ckpt:
     for _ in range(3):
         net(torch.randn(4, 64)).sum().backward()
         opt.step()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hpcft.checkpointer import Checkpointer
+from hpcft.options import Options
 from hpcft.store import ntcopy
 from hpcft.snapshot.state import collect
 
@@ -50,13 +51,13 @@ def test_restore_is_bitwise_over_many_chunks(shm_root: Path, monkeypatch: pytest
     monkeypatch.setattr(ntcopy, "reason", ntcopy.reason)
     net, opt = _model(0)
     assert not net.strided.is_contiguous()
-    with Checkpointer(net, opt, root=shm_root, job_id="j", chunk_bytes=4096, threads=threads) as ckpt:
+    with Checkpointer(net, opt, Options(root=shm_root, job_id="j", chunk_bytes=4096, threads=threads)) as ckpt:
         _train(net, opt, 3)  # three snapshots: the contiguous stand-in of a strided tensor is refreshed each time
         ckpt.wait()
         want = _state(net, opt)
     net2, opt2 = _model(7)
     _train(net2, opt2, 1)
-    with Checkpointer(net2, opt2, root=shm_root, job_id="j", chunk_bytes=4096, threads=threads) as again:
+    with Checkpointer(net2, opt2, Options(root=shm_root, job_id="j", chunk_bytes=4096, threads=threads)) as again:
         assert again.restore() == 3
         got = _state(net2, opt2)
     assert want.keys() == got.keys() and [k for k in want if not torch.equal(want[k], got[k])] == []
@@ -70,7 +71,7 @@ def test_bad_middle_chunk_fails_its_version(shm_root: Path, monkeypatch: pytest.
     if not in_c:
         monkeypatch.setattr(ntcopy, "chunk_copy", lambda kernel: None)
     net, opt = _model(0)
-    with Checkpointer(net, opt, root=shm_root, job_id="j", chunk_bytes=4096, threads=2) as ckpt:
+    with Checkpointer(net, opt, Options(root=shm_root, job_id="j", chunk_bytes=4096, threads=2)) as ckpt:
         _train(net, opt, 1)
         ckpt.wait()
         first = _state(net, opt)
@@ -79,7 +80,7 @@ def test_bad_middle_chunk_fails_its_version(shm_root: Path, monkeypatch: pytest.
         newest = ckpt.store.versions()[-1]
         ckpt.store.slot(newest.slot).array[newest.manifest["data_bytes"] // 2] ^= 0x10
     net2, opt2 = _model(7)
-    with Checkpointer(net2, opt2, root=shm_root, job_id="j", chunk_bytes=4096, threads=2) as again:
+    with Checkpointer(net2, opt2, Options(root=shm_root, job_id="j", chunk_bytes=4096, threads=2)) as again:
         assert again.restore() == 1
         got = _state(net2, opt2)
     assert all(torch.equal(first[k], got[k]) for k in first)
@@ -91,7 +92,7 @@ def test_the_c_loop_takes_a_restore_into_host_memory_and_plans_as_python_does(sh
     if not ntcopy.fused_available():
         pytest.skip(f"no C copy loop here: {ntcopy.reason or 'the CPU lacks SSE4.2/AVX2'}")
     net, opt = _model(0)
-    with Checkpointer(net, opt, root=shm_root, job_id="j", chunk_bytes=4096, threads=2) as ckpt:
+    with Checkpointer(net, opt, Options(root=shm_root, job_id="j", chunk_bytes=4096, threads=2)) as ckpt:
         _train(net, opt, 2)
         ckpt.wait()
         assert ckpt.restore() == 2
@@ -115,8 +116,8 @@ def test_a_snapshot_in_the_c_loop_writes_and_seals_what_the_python_path_does(shm
             monkeypatch.setattr(ntcopy, "chunk_copy", lambda kernel: None)
         net, opt = _model(0)
         _train(net, opt, 1)
-        with Checkpointer(net, opt, root=shm_root, job_id=f"c{in_c}", chunk_bytes=4096, threads=2,
-                          auto=False) as ckpt:
+        with Checkpointer(net, opt,
+                          Options(root=shm_root, job_id=f"c{in_c}", chunk_bytes=4096, threads=2, auto=False)) as ckpt:
             assert (ckpt.engine.copier._chunk_copy is not None) == in_c
             ckpt.step(0)
             ckpt.wait()

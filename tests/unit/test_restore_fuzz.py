@@ -13,6 +13,7 @@ import torch
 
 from hpcft.checkpointer import Checkpointer
 from hpcft.errors import HpcftError
+from hpcft.options import Options
 from hpcft.snapshot import rng as hrng
 from hpcft.snapshot.state import collect
 from hpcft.store import manifest
@@ -37,7 +38,7 @@ class Pristine:
         self.root = root
         model, opt = _model(seed)
         self.expect: dict[int, tuple[dict, dict, Any]] = {}
-        with Checkpointer(model, opt, root=root, job_id="j", chunk_bytes=128 * (1 + seed % 3),
+        with Checkpointer(model, opt, Options(root=root, job_id="j", chunk_bytes=128 * (1 + seed % 3)),
                           extra=lambda: {"seed": seed, "n": len(self.expect) + 1}) as c:
             for it in range(2):
                 model(torch.randn(5, 4)).pow(2).sum().backward()
@@ -183,7 +184,7 @@ def test_random_mutations_restore_the_newest_intact_version_bit_exact(shm_root: 
                 for e in collect(model, opt, None):
                     e.local.fill_(-1.0 - case)
             try:
-                with Checkpointer(model, opt, root=pristine.root, job_id="j") as c:
+                with Checkpointer(model, opt, Options(root=pristine.root, job_id="j")) as c:
                     step = c.restore()
                     tensors, rng_now, extra = state_of(model, opt), hrng.capture(), c.extra
             except HpcftError as exc:

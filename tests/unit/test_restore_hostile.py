@@ -11,6 +11,7 @@ import torch
 from hpcft import events
 from hpcft.checkpointer import Checkpointer
 from hpcft.errors import CheckpointError
+from hpcft.options import Options
 from hpcft.store import manifest
 
 from live_state import same, state_of  # tests/unit is on sys.path (pytest's rootdir insertion)
@@ -33,9 +34,9 @@ def _step(model, opt, it: int) -> None:
     opt.zero_grad()
 
 
-def _train(root: Path, steps: range, refs: dict, **kw) -> None:
+def _train(root: Path, steps: range, refs: dict) -> None:
     model, opt = _model()
-    with Checkpointer(model, opt, root=root, job_id="j", chunk_bytes=256, extra=lambda: {"n": len(refs)}, **kw) as c:
+    with Checkpointer(model, opt, Options(root=root, job_id="j", chunk_bytes=256), extra=lambda: {"n": len(refs)}) as c:
         if steps.start:
             assert c.restore() == steps.start
         for it in steps:
@@ -46,7 +47,7 @@ def _train(root: Path, steps: range, refs: dict, **kw) -> None:
 
 def _restore(root: Path) -> tuple[int, dict]:
     model, opt = _model(9)
-    with Checkpointer(model, opt, root=root, job_id="j", chunk_bytes=256) as c:
+    with Checkpointer(model, opt, Options(root=root, job_id="j", chunk_bytes=256)) as c:
         return c.restore(), state_of(model, opt)
 
 
@@ -128,7 +129,7 @@ def test_a_mismatch_names_saved_and_live_and_the_first_difference(shm_root: Path
     refs: dict = {}
     _train(shm_root, range(1), refs)
     model, opt = _model(swapped=True)
-    with Checkpointer(model, opt, root=shm_root, job_id="j") as c:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="j")) as c:
         with pytest.raises(CheckpointError) as info:
             c.restore()
     text = str(info.value)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hpcft.checkpointer import Checkpointer
+from hpcft.options import Options
 
 
 class _Net(torch.nn.Module):
@@ -97,7 +98,7 @@ CHANGES: dict[str, Callable[[_Net, torch.optim.Optimizer], None]] = {
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_changed_tensor_is_snapshotted_and_restored_bit_exact_on_warm_caches(shm_root: Path, change: str) -> None:
     net, opt = _model()
-    with Checkpointer(net, opt, root=shm_root, job_id="caches", keep=3, auto=False) as ckpt:
+    with Checkpointer(net, opt, Options(root=shm_root, job_id="caches", keep=3, auto=False)) as ckpt:
         _steps(ckpt, net, opt, range(2))
         _perturb(net, opt)
         assert ckpt.restore() == 2  # every cache is warm from here
@@ -115,7 +116,7 @@ def test_a_changed_tensor_is_snapshotted_and_restored_bit_exact_on_warm_caches(s
 
 def test_optimizer_state_appearing_after_the_first_snapshot(shm_root: Path) -> None:
     net, opt = _model()
-    with Checkpointer(net, opt, root=shm_root, job_id="late-state", keep=3, auto=False) as ckpt:
+    with Checkpointer(net, opt, Options(root=shm_root, job_id="late-state", keep=3, auto=False)) as ckpt:
         ckpt.snapshot()  # step 0: no optimizer state yet
         ckpt.wait()
         want = _steps(ckpt, net, opt, range(1))
@@ -129,7 +130,7 @@ def test_a_manifest_edited_in_place_is_read_again(shm_root: Path) -> None:
     """The store reuses a parsed manifest only while its file is unchanged: an edit that keeps its size (and a
     recomputed mtime) is still seen, and that version fails its check on a Checkpointer whose caches are warm."""
     net, opt = _model()
-    with Checkpointer(net, opt, root=shm_root, job_id="edited", keep=3, auto=False) as ckpt:
+    with Checkpointer(net, opt, Options(root=shm_root, job_id="edited", keep=3, auto=False)) as ckpt:
         first = _steps(ckpt, net, opt, range(1))
         _steps(ckpt, net, opt, range(1, 2))
         assert ckpt.restore() == 2
@@ -148,7 +149,8 @@ def test_a_manifest_edited_in_place_is_read_again(shm_root: Path) -> None:
 
 def test_the_restored_extra_is_the_callers_to_change(shm_root: Path) -> None:
     net, opt = _model()
-    with Checkpointer(net, opt, root=shm_root, job_id="extra", extra=lambda: {"pos": [1, 2]}, auto=False) as ckpt:
+    with Checkpointer(net, opt, Options(root=shm_root, job_id="extra", auto=False),
+                      extra=lambda: {"pos": [1, 2]}) as ckpt:
         _steps(ckpt, net, opt, range(1))
         assert ckpt.restore() == 1
         ckpt.extra["pos"].append(3)  # a caller changing what it got must not change the store's cached manifest

@@ -6,6 +6,7 @@ import torch
 
 from hpcft.checkpointer import Checkpointer
 from hpcft.deps import available
+from hpcft.options import Options
 from hpcft.snapshot.state import collect
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA/ROCm GPU visible to torch")
@@ -25,8 +26,8 @@ def test_device_snapshots_are_the_state_after_their_step(root: Path, backend: st
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 1024)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ckpt = Checkpointer(model, opt, root=root, job_id="gpu", backend=backend, keep=3,
-                        chunk_bytes=1 << 20, max_inflight_bytes=4 << 20)
+    ckpt = Checkpointer(model, opt, Options(root=root, job_id="gpu", backend=backend, keep=3, chunk_bytes=1 << 20,
+                                            max_inflight_bytes=4 << 20))
     # the chunk crcs from the device's kernel where triton is (the restore below verifies them against the slot)
     assert ckpt.engine.copier.checksums == ("device" if available("triton") else "host")
     refs = {}
@@ -48,7 +49,7 @@ def test_device_snapshots_are_the_state_after_their_step(root: Path, backend: st
     model2 = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 1024)).cuda()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
     ckpt.close()
-    with Checkpointer(model2, opt2, root=root, job_id="gpu", backend=backend) as again:
+    with Checkpointer(model2, opt2, Options(root=root, job_id="gpu", backend=backend)) as again:
         assert again.restore() == 4
         for e in collect(model2, opt2, None):
             assert torch.equal(e.local.cpu(), refs[4][e.name]), e.name

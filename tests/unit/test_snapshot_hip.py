@@ -12,6 +12,7 @@ import torch
 from fake_hip import FakeHip, hipError_t
 from hpcft.checkpointer import Checkpointer
 from hpcft.errors import CheckpointError
+from hpcft.options import Options
 from hpcft.snapshot import copiers, plan
 from hpcft.snapshot.copiers.base import crc_chunks
 from hpcft.snapshot.copiers.base import SlotClaim
@@ -44,7 +45,8 @@ def _hip_checkpointer(monkeypatch: pytest.MonkeyPatch, net, opt, root: Path) -> 
     monkeypatch.setattr(copiers, "make", lambda backend, device, **kw: OnFakeDevice(
         device, kw.get("max_inflight_bytes", 64 << 10), kw.get("threads", 2)))
     # small chunks and cap: many events per snapshot, and the cap makes the issuer land events mid-issue
-    return Checkpointer(net, opt, root=root, job_id="hip", keep=2, chunk_bytes=4096, max_inflight_bytes=64 << 10)
+    return Checkpointer(net, opt,
+                        Options(root=root, job_id="hip", keep=2, chunk_bytes=4096, max_inflight_bytes=64 << 10))
 
 
 def _model(seed: int):

@@ -8,6 +8,7 @@ import torch
 import pytest
 
 from hpcft.checkpointer import Checkpointer
+from hpcft.options import Options
 from hpcft.snapshot import state
 from hpcft.snapshot.view import StateView
 
@@ -73,7 +74,7 @@ def test_every_snapshot_restores_its_own_step_across_moves(shm_root: Path) -> No
     net = _Net()
     opt = torch.optim.AdamW(net.parameters())
     saved = {}
-    with Checkpointer(net, opt, root=shm_root, job_id="view", keep=8) as ckpt:
+    with Checkpointer(net, opt, Options(root=shm_root, job_id="view", keep=8)) as ckpt:
         for it in range(6):
             if it == 3:
                 net.lin.bias.data = net.lin.bias.data.clone()
@@ -84,7 +85,7 @@ def test_every_snapshot_restores_its_own_step_across_moves(shm_root: Path) -> No
     torch.manual_seed(1)
     net2 = _Net()
     opt2 = torch.optim.AdamW(net2.parameters())
-    with Checkpointer(net2, opt2, root=shm_root, job_id="view", keep=8) as again:
+    with Checkpointer(net2, opt2, Options(root=shm_root, job_id="view", keep=8)) as again:
         assert again.restore() == 6
         now = _values(net2, opt2)
     assert now.keys() == saved[6].keys()
@@ -112,7 +113,7 @@ def test_the_cached_optimizer_shape_still_records_the_live_settings_and_scalars(
 def test_a_copy_on_the_training_thread_is_counted_apart_from_the_start(shm_root: Path, overlap: bool) -> None:
     net = _Net()
     opt = torch.optim.AdamW(net.parameters())
-    with Checkpointer(net, opt, root=shm_root, job_id=f"inline-{overlap}", overlap=overlap) as ckpt:
+    with Checkpointer(net, opt, Options(root=shm_root, job_id=f"inline-{overlap}", overlap=overlap)) as ckpt:
         for it in range(4):
             _step(net, opt, it)
         ckpt.wait()

@@ -14,6 +14,7 @@ import torch
 from hpcft import events
 from hpcft.checkpointer import Checkpointer
 from hpcft.errors import StoreError
+from hpcft.options import Options
 
 from live_state import same, state_of  # tests/unit is on sys.path (pytest's rootdir insertion)
 
@@ -34,11 +35,11 @@ def _kinds(tmp: Path) -> list[str]:
     return [e["event"] for e in events.read(tmp / "events")]
 
 
-def _train(root: Path, steps: int, **kw) -> dict[int, dict]:
+def _train(root: Path, steps: int, keep: int = 2) -> dict[int, dict]:
     """Train `steps` steps with a snapshot each; the state after each step."""
     model, opt = _model()
     refs = {}
-    with Checkpointer(model, opt, root=root, job_id="j", **kw) as ckpt:
+    with Checkpointer(model, opt, Options(root=root, job_id="j", keep=keep)) as ckpt:
         for it in range(steps):
             _step(model, opt, it)
             refs[it + 1] = state_of(model, opt)
@@ -84,7 +85,7 @@ def test_irregular_file_at_snapshot_time_skips_the_slot_with_an_event(root: Path
     rdir = next(root.glob("hpcft-*-j")) / "rank-00000"
     _plant(rdir / target, kind, tmp_path / "elsewhere")
     model, opt = _model(5)
-    with Checkpointer(model, opt, root=root, job_id="j") as ckpt:  # never an OSError out of the constructor
+    with Checkpointer(model, opt, Options(root=root, job_id="j")) as ckpt:  # never an OSError out of the constructor
         assert ckpt.restore() == 2 and same(state_of(model, opt), refs[2])
         for it in range(2, 6):
             _step(model, opt, it)  # never an OSError out of optimizer.step()
@@ -110,7 +111,7 @@ def test_irregular_file_at_restore_time_loses_that_version_only(root: Path, tmp_
     rdir = next(root.glob("hpcft-*-j")) / "rank-00000"
     _plant(rdir / target, kind, tmp_path / "elsewhere")
     model, opt = _model(5)
-    with Checkpointer(model, opt, root=root, job_id="j") as ckpt:
+    with Checkpointer(model, opt, Options(root=root, job_id="j")) as ckpt:
         assert ckpt.restore() == 1
         assert same(state_of(model, opt), refs[1])
 
@@ -137,7 +138,7 @@ def test_snapshots_resume_when_space_comes_back(tiny_tmpfs: Path, tmp_path: Path
     filler = tiny_tmpfs / "filler"
     filler.write_bytes(b"\0" * (1 << 20))  # leaves room for one slot only
     model, opt = _model()
-    with Checkpointer(model, opt, root=tiny_tmpfs, job_id="j") as ckpt:
+    with Checkpointer(model, opt, Options(root=tiny_tmpfs, job_id="j")) as ckpt:
         _step(model, opt, 0)
         ckpt.wait()
         _step(model, opt, 1)  # no second slot fits: skipped
@@ -154,14 +155,14 @@ def test_a_full_store_still_restores(tiny_tmpfs: Path) -> None:
     refs = _train(tiny_tmpfs, 1)
     _fill(tiny_tmpfs / "filler")
     model, opt = _model(5)
-    with Checkpointer(model, opt, root=tiny_tmpfs, job_id="j") as ckpt:  # nothing to write before a restore
+    with Checkpointer(model, opt, Options(root=tiny_tmpfs, job_id="j")) as ckpt:  # nothing to write before a restore
         assert ckpt.restore() == 1 and same(state_of(model, opt), refs[1])
 
 
 def test_a_smaller_keep_still_sees_the_newest_version(root: Path) -> None:
     refs = _train(root, 4, keep=3)  # steps 1..4 in slots 0..3
     model, opt = _model(5)
-    with Checkpointer(model, opt, root=root, job_id="j", keep=1) as ckpt:
+    with Checkpointer(model, opt, Options(root=root, job_id="j", keep=1)) as ckpt:
         assert ckpt.restore() == 4 and same(state_of(model, opt), refs[4])
         for it in range(4, 7):
             _step(model, opt, it)
@@ -181,10 +182,10 @@ def test_a_second_writer_of_a_rank_store_is_refused(root: Path) -> None:
     try:
         assert holder.stdout.readline().strip() == "open"
         with pytest.raises(StoreError, match=rf"already being written by .*:{holder.pid}:.*own job id"):
-            Checkpointer(*_model(), root=root, job_id="j")
+            Checkpointer(*_model(), Options(root=root, job_id="j"))
     finally:
         holder.communicate("", timeout=60)
-    Checkpointer(*_model(), root=root, job_id="j").close()  # the other writer is gone: free again
+    Checkpointer(*_model(), Options(root=root, job_id="j")).close()  # the other writer is gone: free again
 
 
 def test_default_job_id_refuses_another_process_state_unless_adopted(shm_root: Path, tmp_path: Path,
@@ -206,7 +207,7 @@ def test_default_job_id_refuses_another_process_state_unless_adopted(shm_root: P
     (refused,) = [e for e in events.read(tmp_path / "events") if e["event"] == "restore_foreign"]
     assert refused["level"] == "ERROR" and "job_id=" in refused["advice"] and "adopt='local'" in refused["advice"]
     model, opt = _model()
-    with Checkpointer(model, opt, adopt="local") as ckpt:  # told to: taken, and said
+    with Checkpointer(model, opt, Options(adopt="local")) as ckpt:  # told to: taken, and said
         assert ckpt.restore() == 1
         _step(model, opt, 1)
         ckpt.wait()

@@ -138,11 +138,12 @@ def test_training_goes_on_while_every_slot_is_pinned(tmp_path: Path, evdir: Path
     import torch
 
     from hpcft.checkpointer import Checkpointer
+    from hpcft.options import Options
 
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = Checkpointer(model, opt, keep=1, root=tmp_path, job_id="1")
+    ckpt = Checkpointer(model, opt, Options(keep=1, root=tmp_path, job_id="1"))
     try:
         def step() -> None:
             model(torch.ones(4, 16)).sum().backward()

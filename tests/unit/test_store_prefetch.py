@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hpcft.checkpointer import Checkpointer
+from hpcft.options import Options
 from hpcft.runtime import init
 from hpcft.store import RankStore, ntcopy, prefetch
 
@@ -192,13 +193,13 @@ def test_a_checkpointer_maps_its_newest_snapshot_ahead_and_a_restore_populates_w
     by the restore itself (here: the prefetch dropped first) is populated in bulk before the copy."""
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Checkpointer(model, opt, root=shm_root, job_id="p", auto=False) as ckpt:
+    with Checkpointer(model, opt, Options(root=shm_root, job_id="p", auto=False)) as ckpt:
         model(torch.ones(1, 256)).sum().backward()
         opt.step()
         ckpt.step(0)
         ckpt.wait()
     for drop in (False, True):
-        again = Checkpointer(model, opt, root=shm_root, job_id="p", auto=False)
+        again = Checkpointer(model, opt, Options(root=shm_root, job_id="p", auto=False))
         try:
             [path] = [p for p in prefetch._pending if "/rank-00000/" in p]
             if drop:

@@ -10,15 +10,12 @@ from hpcft.snapshot.copiers.base import Copier, Transfer
 from hpcft.snapshot.copiers.cpu import CpuCopier
 
 _log = logging.getLogger(__name__)
-BACKENDS = ("auto", "cpu", "torch", "hip")
 
 
-def choose(backend: str | None, device: torch.device) -> str:
+def choose(backend: str, device: torch.device) -> str:
     """`auto` → hip when the state is on a GPU of a ROCm build and hip-python imports, torch on any
-    other GPU, cpu otherwise. An explicit choice is validated, never silently replaced."""
-    backend = backend or "auto"
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown snapshot backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    other GPU, cpu otherwise. An explicit choice (one of hpcft.options.BACKENDS) is checked against the device,
+    never silently replaced."""
     on_gpu = device.type == "cuda"
     if backend == "auto":
         if not on_gpu:
@@ -26,7 +23,7 @@ def choose(backend: str | None, device: torch.device) -> str:
         return "hip" if torch.version.hip and available("hip.hip") else "torch"
     if backend in ("torch", "hip") and not on_gpu:
         raise ConfigError(f"snapshot backend {backend!r} needs the model on a GPU (it is on {device}); "
-                          "use backend='cpu' or 'auto'")
+                          "use Options(backend='cpu') or 'auto'")
     return backend
 
 
@@ -43,13 +40,13 @@ def default_threads(backend: str) -> int:
     return max(1, min(4, torch.get_num_threads())) if backend == "cpu" else 4
 
 
-def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads: int,
-         delay_per_chunk: float = 0.0, overlap: bool | None = None, kernel: str = "stream") -> Copier:
+def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads: int, overlap: bool | None = None,
+         kernel: str = "stream") -> Copier:
     """Build the copier named by `choose`; `overlap` (cpu backend) defaults to `cpu_overlap(threads)`; `kernel` (cpu
     backend) is the host copy (hpcft.snapshot.calibration chooses it)."""
     if backend == "cpu":
         overlap = cpu_overlap(threads) if overlap is None else overlap
-        return CpuCopier(threads=threads, delay_per_chunk=delay_per_chunk, overlap=overlap, kernel=kernel)
+        return CpuCopier(threads=threads, overlap=overlap, kernel=kernel)
     if backend == "torch":
         from hpcft.snapshot.copiers.torch_stream import TorchCopier as Stream
     else:
@@ -59,4 +56,4 @@ def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads
     return copier
 
 
-__all__ = ["BACKENDS", "Copier", "CpuCopier", "Transfer", "choose", "cpu_overlap", "default_threads", "make"]
+__all__ = ["Copier", "CpuCopier", "Transfer", "choose", "cpu_overlap", "default_threads", "make"]

@@ -70,8 +70,7 @@ class CpuCopier:
     continues and the pre-step hook joins it; without, `start` returns once the bytes are copied, the
     training thread being one of the workers (on a CPU whose cores all compute, overlapping only makes the
     copy and the step fight for the same cores). `kernel` copies and checksums each segment (ntcopy.raw_copy_crc:
-    `fused`, `stream` or `memcpy`, as the calibration chose, hpcft.snapshot.calibration).
-    `delay_per_chunk` (seconds) slows each chunk down, for tests that need a wide copy window."""
+    `fused`, `stream` or `memcpy`, as the calibration chose, hpcft.snapshot.calibration)."""
 
     name = "cpu"
     checksums = "host"
@@ -81,15 +80,15 @@ class CpuCopier:
     # chunks, 0.85x with 4 MiB; 256 KiB suffered most when the cores were oversubscribed.
     chunk_bytes = 1 << 20
 
-    def __init__(self, threads: int = 2, delay_per_chunk: float = 0.0, overlap: bool = True, kernel: str = "fused"):
+    def __init__(self, threads: int = 2, overlap: bool = True, kernel: str = "fused"):
         self.threads = max(1, threads)
         self.kernel = kernel
-        self.delay_per_chunk = delay_per_chunk
+        self._delay_per_chunk = 0.0  # seconds slept per chunk: a test's seam for a wide copy window (no C loop then)
         self.overlap = overlap
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpcft-copy")
         self._sources: Sequence[torch.Tensor] | None = None
         self._views: tuple[list[np.ndarray], list[int]] = ([], [])
-        self._chunk_copy = ntcopy.chunk_copy(kernel) if not delay_per_chunk else None  # the whole copy in C
+        self._chunk_copy = ntcopy.chunk_copy(kernel)  # the whole copy in C
         self._planned: tuple[Sequence[Chunk], Sequence[torch.Tensor], plan.Table, np.ndarray] | None = None
 
     def _arrays(self, sources: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], list[int]]:
@@ -109,12 +108,12 @@ class CpuCopier:
 
     def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], claim: SlotClaim) -> CpuTransfer:
         slot, crcs = claim(), None
-        if self._chunk_copy is not None:  # each worker's share in one C call, no GIL between chunks
+        if self._chunk_copy is not None and not self._delay_per_chunk:  # a worker's share in one C call, no GIL
             table, addr = self._plan(sources, chunks)
             job = self._chunk_copy(ntcopy.address(slot.array), addr, *table[2:], to_slot=True)
             run, crcs = (lambda: job.run() or []), job.crcs
         else:
-            run = _Job(*self._arrays(sources), chunks, slot.array, self.delay_per_chunk, self.kernel).run
+            run = _Job(*self._arrays(sources), chunks, slot.array, self._delay_per_chunk, self.kernel).run
         if self.overlap:
             return CpuTransfer([self._pool.submit(run) for _ in range(min(self.threads, len(chunks)) or 1)],
                                len(chunks), crcs)
