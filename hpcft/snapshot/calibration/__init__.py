@@ -14,11 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcft.errors import ConfigError, StoreError
+from hpcft.snapshot.calibration import cache, measure
 from hpcft.snapshot.calibration.policy import Choice, Method, Sample, default_choice, parse_override, pick
 from hpcft.store import ntcopy
-
-# cache and measure are imported where they are used: `hpcft run` and `hpcft --help` read this package (the --copy
-# option's check) and should not pay for them
 
 _log = logging.getLogger(__name__)
 ENV = "HPCFT_COPY"
@@ -54,8 +52,6 @@ def resolve(default_threads: int, *, environ: Mapping[str, str] | None = None, p
     measurement of this host, else a new one (cached; with `measure_now` False, as `hpcft doctor` asks, the built-in
     method and a note that nothing was measured yet). `default_threads` is the built-in thread count. Remembered
     per process; `force` measures again. ConfigError for an HPCFT_COPY that cannot be used."""
-    from hpcft.snapshot.calibration import cache
-
     env = os.environ if environ is None else environ
     text = env.get(ENV, "").strip()
     base = default_choice(default_threads, ntcopy.kernels()[0])
@@ -78,8 +74,6 @@ def resolve(default_threads: int, *, environ: Mapping[str, str] | None = None, p
 
 
 def _calibrated(path: Path, base: Choice, measure_now: bool, force: bool) -> Resolved:
-    from hpcft.snapshot.calibration import cache
-
     key = cache.host_key()
     try:
         with cache.locked(path):
@@ -98,8 +92,6 @@ def _calibrated(path: Path, base: Choice, measure_now: bool, force: bool) -> Res
 
 
 def _measured(path: Path, key: dict, base: Choice, why: str) -> Resolved:
-    from hpcft.snapshot.calibration import cache, measure
-
     t0 = time.perf_counter()
     try:
         samples = measure.measure(path.parent, key["usable_cores"])
