@@ -7,6 +7,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from hpcft.store.paths import DATA, ranks, slot_files
+
 UNKNOWN_AVAILABLE = 1 << 46  # what mem_available() says when /proc/meminfo cannot tell
 
 
@@ -32,9 +34,9 @@ def snapshot_bytes(store_job: Path) -> int | None:
     """One snapshot's bytes on this node once its ranks have written one: per rank its largest slot data file,
     summed over the node's ranks; None before any."""
     sizes = []
-    for rank_dir in sorted(store_job.glob("rank-*")):
+    for rank_dir in ranks(store_job).values():
         files = []
-        for f in rank_dir.glob("slot-*.data"):
+        for f in slot_files(rank_dir, DATA).values():
             try:  # the trainers may free a slot meanwhile: a report never fails for it
                 files.append(f.stat().st_size)
             except OSError:

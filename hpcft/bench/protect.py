@@ -35,6 +35,7 @@ from hpcft.errors import HpcftError
 from hpcft.options import Options
 from hpcft.store import RankStore, chunk_table, job_dir, seal_key, secure_dir
 from hpcft.store import pin as store_pin
+from hpcft.store.paths import ranks
 
 NODES = 4
 JOB = "bench-protect"
@@ -208,7 +209,7 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
             plain.run_once(0)
             plain.drain()
         step_s = (time.perf_counter() - t0) / 2
-        rank_dir = next(job_dir(roots[0], JOB).glob("rank-*"))
+        rank_dir = next(iter(ranks(job_dir(roots[0], JOB)).values()))
         complete = complete_steps(job_dir(roots[0], JOB))
         newest = Bundle(max(complete), complete[max(complete)])
         snapshot_bytes = newest.size

@@ -22,6 +22,7 @@ from hpcft.bench.model import Trainer, config_for_params
 from hpcft.errors import CheckpointError
 from hpcft.options import Options
 from hpcft.store import hugepages
+from hpcft.store.paths import DATA, slot_file
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def run(opts: RestoreOptions) -> Report:
                         memcpy_reference(state_bytes, opts.device, threads, to_device=True)]
             if opts.device == "cpu":  # the same copy out of the store's own file, mapped once and mapped anew
                 [newest] = ckpt.store.versions()[-1:]
-                data = ckpt.store.dir / f"slot-{newest.slot}.data"
+                data = slot_file(ckpt.store.dir, newest.slot, DATA)
                 variants += [StoreMemcpy(data, newest.manifest["data_bytes"], threads, fresh)
                              for fresh in (False, True)]
             try:

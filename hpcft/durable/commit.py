@@ -15,7 +15,7 @@ from typing import Any
 from hpcft import events
 from hpcft.durable import catalog, files, seal
 from hpcft.durable.flush import (CRC, DATA, DTYPE, ENTRY, FQN, LENGTH, NBYTES, OFFSETS, RECORD, SHAPE,  # noqa: F401
-                                 SIZES, read_sidecar, sidecar_dir)
+                                 SIZES, read_sidecar, sidecar, sidecar_dir)
 from hpcft.errors import StoreError
 from hpcft.store import manifest as mf
 
@@ -26,7 +26,7 @@ def sidecars(tmp: Path, world: int) -> dict[int, dict[str, Any]]:
     """rank → sidecar for every rank of `world`; StoreError naming the first one missing or unreadable."""
     out = {}
     for r in range(world):
-        path = sidecar_dir(tmp) / f"rank-{r:05d}.json"
+        path = sidecar(tmp, r)
         if not path.exists():
             raise StoreError(f"the flush of {tmp.name} has no sidecar of rank {r}: not every rank was written")
         out[r] = read_sidecar(path)
@@ -95,7 +95,7 @@ def dcp_metadata(tmp: Path, sides: dict[int, dict[str, Any]], rows: dict[str, li
                                             torch.Size(first[SHAPE]), chunks)
         kind, _, rest = name.partition(".")
         planner[name] = ("optim", "state", *rest[len("state."):].rsplit(".", 1)) if kind == "optim" else (kind, rest)
-    groups = _param_groups(seal.meta(sides[min(sides)], sidecar_dir(tmp) / f"rank-{min(sides):05d}.json"))
+    groups = _param_groups(seal.meta(sides[min(sides)], sidecar(tmp, min(sides))))
     if groups:
         path = tmp / GROUPS_FILE
         fd = files.create(path)

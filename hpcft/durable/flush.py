@@ -19,7 +19,7 @@ from hpcft.durable.envelope import envelope
 from hpcft.errors import IntegrityError, StoreError
 from hpcft.store import crc32c, crcmath, seal, seal_key
 from hpcft.store import manifest as mf
-from hpcft.store.paths import read_file
+from hpcft.store.paths import rank_name, read_file
 
 RANK_FORMAT = "hpcft-durable-rank/2"  # /2: the store's manifest and the sealed chunks' sub-range crcs embedded
 UNSEALED_FORMAT = "hpcft-durable-rank/1"  # written before the seal: `meta` beside the rows, nothing binds them
@@ -31,6 +31,11 @@ FQN, ENTRY, DTYPE, SHAPE, OFFSETS, SIZES, DATA, NBYTES, CRC, RECORD, LENGTH = ra
 
 def sidecar_dir(ckpt: Path) -> Path:
     return ckpt / ".hpcft"
+
+
+def sidecar(ckpt: Path, rank: int) -> Path:
+    """`<ckpt>/.hpcft/rank-<r>.json`: rank r's sidecar, beside its DCP data file (`data_name`)."""
+    return sidecar_dir(ckpt) / f"{rank_name(rank)}.json"
 
 
 def data_name(rank: int) -> str:
@@ -138,7 +143,7 @@ def write_rank(manifest: dict[str, Any], data: np.ndarray, ckpt: Path, *, pace: 
         row[CRC] = c
     side = {"rank": rank, "step": step, "file": name, "file_bytes": pos, "file_crc": whole, "items": rows,
             "group": group_of(manifest), "snapshot": mf.encode(manifest).decode("ascii"), "pieces": pieces}
-    files.put(sidecar_dir(ckpt) / f"rank-{rank:05d}.json", mf.encode(side, RANK_FORMAT), sync)
+    files.put(sidecar(ckpt, rank), mf.encode(side, RANK_FORMAT), sync)
     return side
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 from hpcft import events
 from hpcft.durable import catalog, files
 from hpcft.durable.commit import CRC, DATA, LENGTH, NBYTES, RECORD
-from hpcft.durable.flush import RANK_FORMAT, data_name, read_sidecar, sidecar_dir
+from hpcft.durable.flush import RANK_FORMAT, data_name, read_sidecar, sidecar, sidecar_dir
 from hpcft.env import expand_vars, nvme_dir
 from hpcft.errors import IntegrityError, StoreError
 from hpcft.store import crc32c
@@ -97,7 +97,7 @@ def usable(root: Path | None, persist: Path | None, rank: int, world: int,
         if c.index.get("world") != world or rank not in ranks:
             continue
         try:
-            group = read_sidecar(sidecar_dir(c.path) / f"rank-{rank:05d}.json").get("group") or [rank]
+            group = read_sidecar(sidecar(c.path, rank)).get("group") or [rank]
         except StoreError:
             continue
         if set(group) <= ranks or c.step in shared:
@@ -123,11 +123,11 @@ def drain(copy: catalog.Durable, dest: Path, pace: Callable[[int], None] | None 
     files.make_dir(sidecar_dir(dest))
     total = 0
     for rank in copy.index["ranks"]:
-        path = sidecar_dir(copy.path) / f"rank-{rank:05d}.json"
+        path = sidecar(copy.path, rank)
         raw = read_file(path)
         side = mf.decode(raw, path, RANK_FORMAT)  # verified before its file is copied
         total += _copy_file(copy.path / data_name(rank), dest / data_name(rank), side, pace, sync)
-        files.put(sidecar_dir(dest) / f"rank-{rank:05d}.json", raw, sync)
+        files.put(sidecar(dest, rank), raw, sync)
     return total
 
 

@@ -19,7 +19,7 @@ from hpcft.durable import boxes, catalog, items, seal
 from hpcft.durable.boxes import Box
 from hpcft.durable.commit import (CRC, DATA, DTYPE, FQN, LENGTH, NBYTES, OFFSETS, RECORD, SHAPE, SIZES,
                                   chunks_by_fqn)
-from hpcft.durable.flush import UNSEALED_FORMAT, data_name, read_sidecar, sidecar_dir
+from hpcft.durable.flush import UNSEALED_FORMAT, data_name, read_sidecar, sidecar
 from hpcft.errors import CheckpointError, HpcftError, IntegrityError, ManifestError
 from hpcft.snapshot.restore import LOST, MISMATCH, OK, agree
 from hpcft.snapshot.state import Entry
@@ -72,7 +72,7 @@ class Checkpoint:
     def side(self, rank: int) -> dict[str, Any]:
         """Rank `rank`'s sidecar, checked against the seal it carries; its `meta` is what the seal covers."""
         if rank not in self._sides:
-            path = sidecar_dir(self.dir(rank)) / f"rank-{rank:05d}.json"
+            path = sidecar(self.dir(rank), rank)
             s = read_sidecar(path)
             if s.get("rank") != rank or s.get("step") != self.step or s.get("file") != data_name(rank) \
                     or not isinstance(s.get("items"), list):

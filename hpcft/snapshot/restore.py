@@ -17,6 +17,7 @@ from hpcft.snapshot import plan, schema
 from hpcft.snapshot.groups import Group
 from hpcft.snapshot.state import Entry, grains
 from hpcft.store import RankStore, Version, chunk_crc, crc32c, ntcopy, prefetch, seal, seal_key
+from hpcft.store.paths import DATA, slot_file
 
 _log = logging.getLogger(__name__)
 OK, LOST, MISMATCH = 0, 1, 2
@@ -179,19 +180,18 @@ class Loader:
                     check_meta: Callable[[dict[str, Any]], None] | None) -> tuple[int, str, int]:
         """Check and load `version` on this rank alone: (OK / LOST / MISMATCH, why not, bytes read)."""
         m = version.manifest
-        where = str(self.store.dir / f"slot-{version.slot}")
         try:
             grid = self._grid(m, own, rep, sinks)
             if check_meta is not None:
                 check_meta(m)
             return OK, "", self._local(version, grid, sinks)
         except ManifestError as exc:
-            events.emit("manifest_bad", level=logging.ERROR, rank=self.store.rank, step=version.step, path=where,
-                        error=str(exc))
+            events.emit("manifest_bad", level=logging.ERROR, rank=self.store.rank, step=version.step,
+                        path=str(slot_file(self.store.dir, version.slot)), error=str(exc))
             return LOST, str(exc), 0
         except StoreError as exc:  # the data file is a symlink, FIFO, directory, another user's, ...
             events.emit("store_file_refused", level=logging.ERROR, rank=self.store.rank, step=version.step,
-                        path=where, error=str(exc))
+                        path=str(slot_file(self.store.dir, version.slot, DATA)), error=str(exc))
             return LOST, str(exc), 0
         except IntegrityError as exc:
             return LOST, str(exc), 0

@@ -6,7 +6,7 @@ from typing import Any
 
 from hpcft.errors import StoreError
 from hpcft.store.checksum import crc32c
-from hpcft.store.paths import read_file, replace_file
+from hpcft.store.paths import dirty, read_file, replace_file
 
 FORMAT = "hpcft-snapshot/2"  # /2: chunk checksums are sealed (checksum.seal) with the step, RNG, optim, extra
 _LEAD = b'{"checksum":'  # how `encode` begins a manifest: its checksum first, then the canonical JSON it covers
@@ -56,7 +56,7 @@ def decode(data: bytes, path: Path | str = "<manifest>", fmt: str = FORMAT) -> d
 def write_atomic(path: Path, manifest: dict[str, Any]) -> None:
     """Write `<path>.dirty` (exclusive, 0600), then rename it to `path`: readers see all or nothing."""
     try:
-        replace_file(path, encode(manifest), path.with_name(path.name + ".dirty"))
+        replace_file(path, encode(manifest), dirty(path))
     except OSError as exc:
         raise StoreError(f"cannot commit manifest {path}: {exc.strerror or exc}") from exc
 

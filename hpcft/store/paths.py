@@ -1,4 +1,5 @@
-"""Where a job's snapshots live, and the checks that keep other users out of them."""
+"""Where a job's snapshots live, every name of that layout (`<root>/hpcft-<user>-<job>/rank-<r>/slot-<k>.data`, ...:
+the store, the agents, the janitors and the benches name them here), and the checks that keep other users out."""
 import errno
 import getpass
 import logging
@@ -14,6 +15,14 @@ from hpcft.errors import ConfigError, StoreError
 ENV_ROOT = "HPCFT_STORE_ROOT"
 DEFAULT_ROOT = "/dev/shm"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_RANK = re.compile(r"rank-(\d{5,})$")
+_SLOT = re.compile(r"slot-(\d{1,6})\.(data|json|pin)$")
+DATA, MANIFEST, PIN = "data", "json", "pin"  # a slot's bytes, its manifest (which makes them a version), a reader's pin
+RUN_MARKER = "slurm-run"  # in a job's store directory: SLURM_RESTART_COUNT of the run that last wrote it
+PINS = "agent-pins"  # in a job's store directory: a reader here pins (the agent: up to two versions per rank)
+LOCK = "writer.lock"  # in a rank directory: held by the process writing it (hpcft.store.writer)
+DIRTY = ".dirty"  # the suffix of a file being written, renamed over its name once complete (`dirty`)
+PROGRESS = "progress"  # in a job's store directory: the steps jobs without a Checkpointer report (progress_file)
 _roots_checked: set[Path] = set()  # store roots `_check_root` looked at in this process
 
 
@@ -47,14 +56,57 @@ def job_dir(base: Path, job_id: str, user: str | None = None) -> Path:
     """`<base>/hpcft-<user>-<job>`: one directory per user and job."""
     if not job_id:
         raise ConfigError("the snapshot store needs a job id (pass job_id= or run under Slurm / hpcft run)")
-    user = user or getpass.getuser()
-    return base / f"hpcft-{_SAFE.sub('_', user)}-{_SAFE.sub('_', str(job_id))}"
+    return base / f"hpcft-{safe(user or getpass.getuser())}-{safe(str(job_id))}"
 
+
+def safe(name: str) -> str:
+    """`name` with every character but letters, digits and `_.-` replaced by `_`: fit for a file name."""
+    return _SAFE.sub("_", name)
+
+
+def rank_name(rank: int) -> str:
+    """`rank-<r>` (5 digits at least): a rank's directory, its progress file, its sidecar in the durable tier."""
+    return f"rank-{rank:05d}"
 
 
 def rank_dir(job: Path, rank: int) -> Path:
     """`<job dir>/rank-<r>`: one rank's slots and manifests."""
-    return job / f"rank-{rank:05d}"
+    return job / rank_name(rank)
+
+
+def progress_file(job: Path, rank: int) -> Path:
+    """`<job dir>/progress/rank-<r>`: where a job that does not use the Checkpointer may write its step."""
+    return job / PROGRESS / rank_name(rank)
+
+
+def _matches(directory: Path, name: re.Pattern) -> list[re.Match]:
+    """The names in `directory` that match `name`; none where there is no such directory, OSError if unreadable."""
+    try:
+        return [m for m in map(name.match, os.listdir(directory)) if m]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def ranks(directory: Path) -> dict[int, Path]:
+    """rank → its entry in `directory` (a job dir's rank directories, its progress files), by name, in rank order."""
+    return dict(sorted((int(m.group(1)), directory / m.group(0)) for m in _matches(directory, _RANK)))
+
+
+def slot_file(directory: Path, k: int, kind: str = MANIFEST) -> Path:
+    """`<rank dir>/slot-<k>.<kind>`: slot k's MANIFEST, DATA or PIN."""
+    return directory / f"slot-{k}.{kind}"
+
+
+def slot_files(directory: Path, kind: str = MANIFEST) -> dict[int, Path]:
+    """slot → its `kind` file, for each one in the rank directory `directory`, by name."""
+    return {int(m.group(1)): directory / m.group(0) for m in _matches(directory, _SLOT) if m.group(2) == kind}
+
+
+def dirty(path: Path, writer: int | None = None) -> Path:
+    """`<path>[.<writer>].dirty`: where `path` is written before it is renamed over it (a crash leaves no torn file);
+    `writer` (a pid) where several processes may write it."""
+    return path.with_name(f"{path.name}{'' if writer is None else f'.{writer}'}{DIRTY}")
+
 
 def replace_file(path: Path, data: bytes, tmp: Path, sync: bool = False) -> None:
     """Write `data` to `tmp` (0600, never through a symlink, never blocking on a FIFO), fsync it when `sync`, then
@@ -78,9 +130,6 @@ def replace_file(path: Path, data: bytes, tmp: Path, sync: bool = False) -> None
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
-
-
-RUN_MARKER = "slurm-run"  # in a job's store directory: SLURM_RESTART_COUNT of the run that last wrote it
 
 
 def mark_run(job: Path, environ: "os._Environ[str] | dict[str, str] | None" = None) -> None:

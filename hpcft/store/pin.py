@@ -12,10 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpcft.errors import StoreError
-from hpcft.store.paths import open_file, read_file, remove_file, replace_file
-
-SUFFIX = ".pin"
-MARKER = "agent-pins"  # in the job directory: a reader here pins (the agent: up to two versions per rank)
+from hpcft.store.paths import PIN, PINS, dirty, open_file, read_file, remove_file, replace_file
 
 
 @dataclass(frozen=True)
@@ -32,7 +29,7 @@ class Pin:
 
 def path_of(manifest_path: Path) -> Path:
     """The pin file of the slot whose manifest is `manifest_path` (`slot-<k>.json` → `slot-<k>.pin`)."""
-    return manifest_path.with_suffix(SUFFIX)
+    return manifest_path.with_suffix(f".{PIN}")
 
 
 def process_start(pid: int) -> int | None:
@@ -54,8 +51,7 @@ def mine(step: int, lease: float, owner: str = "") -> Pin:
 def write(path: Path, pin: Pin) -> None:
     """Create or renew `path` atomically (a `.dirty` file of this process, 0600, renamed over it)."""
     try:
-        replace_file(path, json.dumps(asdict(pin), sort_keys=True).encode(),
-                     path.with_name(f"{path.name}.{os.getpid()}.dirty"))
+        replace_file(path, json.dumps(asdict(pin), sort_keys=True).encode(), dirty(path, os.getpid()))
     except OSError as exc:
         raise StoreError(f"cannot pin {path}: {exc.strerror or exc}") from exc
 
@@ -97,11 +93,11 @@ def announce(job: Path) -> None:
     """Tell the job's writers that a reader pins here (the node agent, at start): stores opened afterwards keep a
     spare slot, so that a pass in flight and the newest protected version can both be pinned without ever
     leaving a writer no slot."""
-    path = job / MARKER
+    path = job / PINS
     if not path.exists():
         os.close(open_file(path, os.O_WRONLY, create=True))
 
 
 def announced(job: Path) -> bool:
     """True if a reader announced pins for this job (see `announce`)."""
-    return (job / MARKER).exists()
+    return (job / PINS).exists()

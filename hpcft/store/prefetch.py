@@ -8,23 +8,22 @@ a file: which version is loaded, and whether its bytes are good, stays the resto
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
-import re
+import stat
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from hpcft.env import usable_cores
 from hpcft.errors import HpcftError, StoreError
 from hpcft.store import ntcopy
-from hpcft.store.paths import job_dir, open_file, rank_dir, resolve_root
+from hpcft.store.paths import DATA, job_dir, open_file, rank_dir, resolve_root, slot_file, slot_files
 
 MADV_POPULATE_READ = 22  # Linux 5.14+: map every page of a range in one call; EINVAL before
-_MANIFEST = re.compile(r"slot-(\d{1,6})\.json$")
 _lock = threading.Lock()
 _pending: dict[str, "_Ahead"] = {}
 
@@ -92,15 +91,9 @@ class _Ahead:
 def newest_slot(directory: Path) -> Path | None:
     """The data file of the slot whose manifest was written last (by mtime: nothing is parsed here, the restore
     checks the manifests), or None where there is none."""
-    best: tuple[int, str] | None = None
-    with os.scandir(directory) as found:
-        for e in found:
-            m = _MANIFEST.match(e.name)
-            if m and e.is_file(follow_symlinks=False):
-                t = e.stat(follow_symlinks=False).st_mtime_ns
-                if best is None or t > best[0]:
-                    best = (t, m.group(1))
-    return directory / f"slot-{best[1]}.data" if best else None
+    found = [(st.st_mtime_ns, k) for k, path in slot_files(directory).items()
+             if stat.S_ISREG((st := path.lstat()).st_mode)]
+    return slot_file(directory, max(found)[1], DATA) if found else None
 
 
 MAX_THREADS = 4  # populating threads of one rank at most: the kernel's page-table work stops scaling past a few
@@ -142,16 +135,11 @@ def _madvise(address: int, size: int) -> bool:
     return _libc().madvise(address, size, MADV_POPULATE_READ) == 0
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _LIBC = libc
-    return _LIBC
-
-
-_LIBC: ctypes.CDLL | None = None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def _populate(entry: _Ahead, threads: int) -> None:

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from hpcft.store.paths import rank_dir, replace_file
+from hpcft.store import paths
 
 Progress = tuple[int, "float | None"]  # (step, ready_s or None)
 _SEEN: dict[Path, tuple[tuple[int, int, int], Progress]] = {}  # manifest path -> (its stat key, what it said)
@@ -20,7 +20,7 @@ def newest(directory: Path) -> Progress | None:
     """(step, ready_s or None) of the highest step among committed manifests (`slot-*.json`) in a rank's store
     directory, if any."""
     best = None
-    for path in directory.glob("slot-*.json"):
+    for path in paths.slot_files(directory).values():
         try:
             st = path.stat()
             key = (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -36,11 +36,6 @@ def newest(directory: Path) -> Progress | None:
             continue  # being replaced right now, or not a manifest: the next poll sees the new one
         best = found if best is None or found[0] > best[0] else best
     return best
-
-
-def progress_file(job: Path, rank: int) -> Path:
-    """`<node's job store>/progress/rank-<r>`: where a job that does not use the Checkpointer may write its step."""
-    return job / "progress" / f"rank-{rank:05d}"
 
 
 def parse(text: str) -> Progress:
@@ -60,12 +55,10 @@ def node(job: Path, ranks: Iterable[int] | None = None) -> dict[int, Progress]:
     """{rank: (step, ready_s)} of `ranks` (default: every rank with a store directory or a progress file under
     `job`), the higher of what its manifests and its progress file say."""
     if ranks is None:
-        found = {int(p.name.removeprefix("rank-")) for p in job.glob("rank-*") if p.name[5:].isdigit()}
-        found |= {int(p.name.removeprefix("rank-")) for p in (job / "progress").glob("rank-*") if p.name[5:].isdigit()}
-        ranks = sorted(found)
+        ranks = sorted({*paths.ranks(job), *paths.ranks(job / paths.PROGRESS)})
     out: dict[int, Progress] = {}
     for r in ranks:
-        got = [g for g in (newest(rank_dir(job, r)), _written(progress_file(job, r))) if g is not None]
+        got = [g for g in (newest(paths.rank_dir(job, r)), _written(paths.progress_file(job, r))) if g is not None]
         if got:
             out[r] = max(got, key=lambda g: g[0])
     return out
@@ -75,4 +68,4 @@ def write(path: Path, step: int, ready_s: float | None = None) -> None:
     """Publish `step` (and `ready_s`) atomically (write, then rename): what a job's own progress report looks like."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = str(step) if ready_s is None else f"{step} {ready_s:.6f}"
-    replace_file(path, text.encode(), path.with_name(f".{path.name}.{os.getpid()}"))
+    paths.replace_file(path, text.encode(), path.with_name(f".{path.name}.{os.getpid()}"))

@@ -1,10 +1,8 @@
 """A rank's versioned snapshots: fixed slots reused round-robin, a manifest per complete version."""
 import logging
 import os
-import re
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hpcft import events
@@ -12,11 +10,11 @@ from hpcft.errors import StoreError, StoreFullError
 from hpcft.store import manifest as mf
 from hpcft.store import pin as pins
 from hpcft.store import writer
-from hpcft.store.paths import job_dir, mark_run, rank_dir, remove_file, resolve_root, secure_dir
+from hpcft.store.paths import (DATA, DIRTY, dirty, job_dir, mark_run, rank_dir, remove_file, resolve_root, secure_dir,
+                               slot_file, slot_files)
 from hpcft.store.slot import GRAIN, Slot
 
 _log = logging.getLogger(__name__)
-_MANIFEST = re.compile(r"slot-(\d{1,6})\.json$")
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,7 @@ class RankStore:
                 mark_run(self.job)  # for slurm/epilog.sh: which Slurm run's snapshots these are
             except StoreError as exc:  # e.g. a full store: restoring what it holds needs no write
                 self._event("run_marker_failed", level=logging.WARNING, path=str(self.job), error=str(exc))
-            for stale in self.dir.glob("*.dirty"):
+            for stale in self.dir.glob(f"*{DIRTY}"):
                 try:
                     remove_file(stale)
                 except StoreError as exc:
@@ -78,37 +76,25 @@ class RankStore:
     def _event(self, kind: str, level: int = logging.ERROR, **fields) -> None:
         events.emit(kind, level=level, rank=self.rank, **fields)
 
-    def _manifest_path(self, k: int) -> Path:
-        return self.dir / f"slot-{k}.json"
-
-    def slot_indices(self) -> list[int]:
-        """Every slot with a manifest file on disk, found by scanning (not by this store's `keep`: a relaunch with
-        a smaller `keep` still sees the versions a larger one left)."""
-        try:
-            names = os.listdir(self.dir)
-        except OSError as exc:
-            raise StoreError(f"cannot list {self.dir}: {exc.strerror or exc}") from exc
-        return sorted(int(m.group(1)) for m in map(_MANIFEST.match, names) if m)
-
     def versions(self) -> list[Version]:
         """Complete versions held here, oldest first, read from disk (a manifest that is unreadable, not a regular
         file of ours, or not this slot's and rank's is reported as `manifest_bad` and skipped; `rejected` lists
-        them). Also refreshes the writer's in-memory index."""
+        them); every manifest on disk counts, not this store's `keep` (a relaunch with a smaller `keep` sees the
+        versions a larger one left). Also refreshes the writer's in-memory index."""
         found, self.rejected = {}, []
         try:
-            indices = self.slot_indices()
-        except StoreError as exc:  # nothing here can be read: no version (the same outcome on every rank)
-            indices, self.rejected = [], [str(exc)]
-            self._event("manifest_bad", level=logging.WARNING, path=str(self.dir), error=str(exc))
-        for k in indices:
-            path = self._manifest_path(k)
+            manifests = slot_files(self.dir)
+        except OSError as exc:  # nothing here can be read: no version (the same outcome on every rank)
+            manifests, self.rejected = {}, [f"cannot list {self.dir}: {exc.strerror or exc}"]
+            self._event("manifest_bad", level=logging.WARNING, path=str(self.dir), error=self.rejected[0])
+        for k, path in sorted(manifests.items()):
             try:
                 m = self._manifests.read(path)
                 found[k] = Version(mf.check_own(m, k, self.rank, path), k, m)
             except StoreError as exc:
                 self.rejected.append(str(exc))
                 self._event("manifest_bad", level=logging.WARNING, path=str(path), error=str(exc))
-        self._manifests.keep({self._manifest_path(k) for k in found})
+        self._manifests.keep({manifests[k] for k in found})
         self._index = found
         return sorted(found.values(), key=_age)
 
@@ -135,7 +121,7 @@ class RankStore:
                 continue
             try:
                 self.withdraw(k)
-                remove_file(self._manifest_path(k).with_name(f"slot-{k}.json.dirty"))  # where its commit writes
+                remove_file(dirty(slot_file(self.dir, k)))  # where its commit writes
             except StoreError as exc:  # e.g. a directory where its manifest goes
                 self._refuse(k, exc)
                 last_error = exc
@@ -159,7 +145,7 @@ class RankStore:
     def _pinned(self, k: int, version: Version | None, found: dict[int, "pins.Pin"]) -> bool:
         """True if a live pin holds the version slot k holds (recorded in `found`); a pin whose lease ran out or
         whose owner died is broken here, with an event. A pin of another step than the slot's binds nothing."""
-        path = pins.path_of(self._manifest_path(k))
+        path = pins.path_of(slot_file(self.dir, k))
         pin = pins.read(path)
         if pin is None or version is None:
             return False
@@ -228,21 +214,21 @@ class RankStore:
 
     def withdraw(self, k: int) -> None:
         """Remove slot k's manifest: from now on its data is not a version and may be overwritten."""
-        remove_file(self._manifest_path(k))
+        remove_file(slot_file(self.dir, k))
         if self._index is not None:
             self._index.pop(k, None)
 
     def slot(self, k: int, *, create: bool = True) -> Slot:
         """Open slot k (with `create`, create its file if missing: a restore opens only what exists)."""
         if k not in self._slots:
-            self._slots[k] = Slot(k, self.dir / f"slot-{k}.data", readonly=self.readonly, create=create)
+            self._slots[k] = Slot(k, slot_file(self.dir, k, DATA), readonly=self.readonly, create=create)
         return self._slots[k]
 
     def commit(self, slot: Slot, manifest: dict[str, Any]) -> None:
         """Publish `slot` as a complete version described by `manifest` (atomic rename). Another slot holding the
         same step (a leftover of a timeline a restore went back from) is withdrawn: one version per step."""
         manifest = {**manifest, "slot": slot.index, "rank": self.rank}
-        mf.write_atomic(self._manifest_path(slot.index), manifest)
+        mf.write_atomic(slot_file(self.dir, slot.index), manifest)
         step = int(manifest["step"])
         if self._index is not None:
             self._index[slot.index] = Version(step, slot.index, manifest)
@@ -273,7 +259,7 @@ class RankStore:
                     self.withdraw(v.slot)
                     if v.slot in self._slots:
                         self._slots.pop(v.slot).close()
-                    remove_file(self.dir / f"slot-{v.slot}.data")
+                    remove_file(slot_file(self.dir, v.slot, DATA))
                 except StoreError as exc:
                     self._event("store_file_refused", slot=v.slot, error=str(exc))
 

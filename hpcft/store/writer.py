@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from hpcft.errors import StoreError
-from hpcft.store.paths import open_file
+from hpcft.store.paths import LOCK, open_file
 from hpcft.store.pin import process_start
 
-LOCK = "writer.lock"
 _held: dict[Path, list] = {}  # rank directory -> [its lock file, stores of this process using it]
 _guard = threading.Lock()
 

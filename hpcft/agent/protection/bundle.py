@@ -8,7 +8,6 @@ import json
 import logging
 import mmap
 import os
-import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,11 +23,9 @@ from hpcft.store import crc32c, seal, seal_key
 from hpcft.store import manifest as mf
 from hpcft.store import pin as store_pin
 from hpcft.store.owner import Owner, stranger
-from hpcft.store.paths import open_file, read_file
+from hpcft.store.paths import DATA, open_file, ranks, read_file, slot_file, slot_files
 
 _LEN = struct.Struct("!Q")
-_RANK = re.compile(r"rank-(\d{5})$")
-_SLOT = re.compile(r"slot-(\d+)\.json$")
 _HEADER = {"step": COUNT, "ranks": [{"rank": COUNT, "manifest_bytes": COUNT, "data_bytes": COUNT}]}
 
 
@@ -54,13 +51,8 @@ def local_versions(job: Path) -> dict[int, dict[int, Held]]:
     """step → rank → Held, for every committed version of every rank directory under the job dir."""
     found: dict[int, dict[int, Held]] = {}
     present = set()
-    for rdir in sorted(job.glob("rank-*")):
-        m = _RANK.match(rdir.name)
-        if not m:
-            continue
-        for mpath in rdir.glob("slot-*.json"):
-            if not _SLOT.match(mpath.name):
-                continue
+    for rank, rdir in ranks(job).items():
+        for k, mpath in slot_files(rdir).items():
             try:
                 st = mpath.stat()
                 key = (st.st_ino, st.st_size, st.st_ctime_ns)
@@ -70,7 +62,7 @@ def local_versions(job: Path) -> dict[int, dict[int, Held]]:
                 else:
                     raw = read_file(mpath)
                     parsed = mf.decode(raw, mpath)
-                    held = Held(int(m.group(1)), int(parsed["step"]), mpath, raw, parsed, mpath.with_suffix(".data"))
+                    held = Held(rank, int(parsed["step"]), mpath, raw, parsed, slot_file(rdir, k, DATA))
                     _SEEN[mpath] = (key, held)
             except (OSError, StoreError) as exc:  # withdrawn under us, or torn: not a version
                 _log_skip(mpath, exc)

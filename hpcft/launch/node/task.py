@@ -6,8 +6,7 @@ import os
 import sys
 
 from hpcft.errors import HpcftError
-from hpcft.store import progress as store_progress
-from hpcft.store.paths import job_dir as store_job_dir, resolve_root, secure_dir
+from hpcft.store.paths import job_dir as store_job_dir, progress_file, resolve_root, secure_dir
 from hpcft.env import AGENTS_REPORT, REPORTS
 from hpcft.launch.node import warm
 from hpcft.launch.node.srun import task_env
@@ -40,7 +39,7 @@ def main(argv: list[str]) -> int:
 def _progress(job_dir: str) -> None:
     """$HPCFT_PROGRESS_FILE in the node's store; the node's reporter when no agent reports its progress."""
     store = secure_dir(store_job_dir(resolve_root(), os.environ.get("HPCFT_JOB_ID", "local")))
-    target = store_progress.progress_file(store, int(os.environ["HPCFT_RANK"]))
+    target = progress_file(store, int(os.environ["HPCFT_RANK"]))
     secure_dir(target.parent)
     os.environ["HPCFT_PROGRESS_FILE"] = str(target)
     if os.environ.get(REPORTS) and os.environ.get(AGENTS_REPORT) == "0" and os.environ.get("HPCFT_LOCAL_RANK") == "0":

@@ -19,7 +19,6 @@ import getpass
 import json
 import os
 import platform
-import re
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -36,8 +35,7 @@ KEEP = 8  # entries per file (one per key: e.g. ranks bound to different numbers
 
 def cache_path(root: str | os.PathLike | None = None) -> Path:
     """`<store root>/.hpcft-<user>-copy.json` (a dot file: the prolog's sweep of `hpcft-<user>-<job>` skips it)."""
-    user = re.sub(r"[^A-Za-z0-9_.-]", "_", getpass.getuser())
-    return paths.resolve_root(root) / f".hpcft-{user}-copy.json"
+    return paths.resolve_root(root) / f".hpcft-{paths.safe(getpass.getuser())}-copy.json"
 
 
 def cpu_model() -> str:
