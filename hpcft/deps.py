@@ -12,14 +12,23 @@ _HINTS = {
 }
 
 
+def hint(module: str) -> str:
+    """How to install what provides `module`: the one place every message about a missing dependency takes it from."""
+    top = module.split(".")[0]
+    return _HINTS.get(top, f"pip install {top}")
+
+
+def missing(module: str, purpose: str, exc: ImportError) -> MissingDependencyError:
+    """The error for `purpose` lacking `module`: what it is needed for and how to install it, in one line."""
+    return MissingDependencyError(f"{purpose} needs the Python module '{module}' ({exc}); {hint(module)}")
+
+
 def require(module: str, purpose: str) -> ModuleType:
     """Import `module` or raise MissingDependencyError naming what it is needed for and how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        top = module.split(".")[0]
-        hint = _HINTS.get(top, f"pip install {top}")
-        raise MissingDependencyError(f"{purpose} needs the Python module '{module}' ({exc}); {hint}") from exc
+        raise missing(module, purpose, exc) from exc
 
 
 def available(module: str) -> bool:

@@ -4,12 +4,14 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 import click
 
+from hpcft import deps
 from hpcft.env import NVME_ENV, in_allocation, job_env, nvme_dir
+from hpcft.errors import MissingDependencyError
 
 
 @dataclass
@@ -65,7 +67,7 @@ def _torch() -> list[Check]:
         import torch
         import torch.distributed as dist
     except ImportError as exc:
-        return [Check("torch", False, f"cannot import torch ({exc}): pip install torch, or load your site's module", True)]
+        return [Check("torch", False, f"cannot import torch ({exc}): {deps.hint('torch')}", True)]
     checks = [Check("torch", True, f"{torch.__version__} at {os.path.dirname(torch.__file__)}", True)]
     hip, cuda = getattr(torch.version, "hip", None), torch.version.cuda
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -96,20 +98,23 @@ def _optional() -> list[Check]:
         hw = "hardware" if getattr(crc32c, "hardware_based", False) else "software"
         checks.append(Check("crc32c", True, f"{crc32c.__version__}, {hw}", True))
     except ImportError:
-        checks.append(Check("crc32c", False, "pip install crc32c (chunk checksums)", True))
-    from hpcft.snapshot import ntcopy
+        checks.append(Check("crc32c", False, f"not installed (chunk checksums): {deps.hint('crc32c')}", True))
+    try:
+        import zfec
 
-    built, detail = ntcopy.probe()
-    checks.append(Check("copy kernel", built, detail if built else f"not built: {detail}"))
-    checks.append(_copy_method())
-    checks.append(_checksums())
+        checks.append(Check("zfec", True, zfec.__version__, True))
+    except ImportError:
+        checks.append(Check("zfec", False, f"not installed (Reed-Solomon protection): {deps.hint('zfec')}", True))
+    checks += [_guarded("copy kernel", _copy_kernel), _guarded("copy method", _copy_method),
+               _guarded("snapshot checksums", _checksums)]
     try:
         from hip import hip  # noqa: F401
         import hip as hip_pkg
 
         checks.append(Check("hip-python", True, getattr(hip_pkg, "__version__", "installed")))
     except ImportError:
-        checks.append(Check("hip-python", True, "not installed (torch-stream copier is used; `pip install hpcft[rocm]` for hipMemcpyAsync)"))
+        checks.append(Check("hip-python", True, "not installed: the torch-stream copier is used; for "
+                            f"hipMemcpyAsync, {deps.hint('hip')}"))
     try:
         import mpi4py
 
@@ -120,10 +125,25 @@ def _optional() -> list[Check]:
         vendor = MPI.Get_library_version().splitlines()[0].split(",")[0]
         checks.append(Check("mpi4py", True, f"{mpi4py.__version__}, {vendor}"))
     except ImportError:
-        checks.append(Check("mpi4py", True, "not installed (agents use TCP; `pip install hpcft[mpi]` for MPI)"))
+        checks.append(Check("mpi4py", True, f"not installed: agents use TCP; for MPI, {deps.hint('mpi4py')}"))
     except Exception as exc:
         checks.append(Check("mpi4py", False, f"installed but unusable: {exc}"))
     return checks
+
+
+def _guarded(name: str, check: Callable[[], Check]) -> Check:
+    """`check()`, or a warning naming the module it lacks: a missing dependency is a finding, never a traceback."""
+    try:
+        return check()
+    except (ImportError, MissingDependencyError) as exc:
+        return Check(name, False, f"unavailable: {exc}")
+
+
+def _copy_kernel() -> Check:
+    from hpcft.snapshot import ntcopy
+
+    built, detail = ntcopy.probe()
+    return Check("copy kernel", built, detail if built else f"not built: {detail}")
 
 
 def _checksums() -> Check:
@@ -189,8 +209,9 @@ def network_checks(profile: str | None, environ: Mapping[str, str] | None = None
     """RCCL's network plugin where the profile needs one (Frontier; any ROCm build of torch when no profile is
     named): its absence is essential, since RCCL then falls back to TCP sockets between nodes without a word.
     Also libfabric's memory-registration monitor (memhooks can deadlock with the plugin) and the agents' interface."""
-    from hpcft.agent.iface import iface_address
-    from hpcft.launch import netplugin, profiles
+    from hpcft.agent.transport.iface import iface_address
+    from hpcft.launch.config import netplugin
+    from hpcft.launch.config import profiles
 
     env = os.environ if environ is None else environ
     prof = profiles.get(profile) if profile else None
