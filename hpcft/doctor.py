@@ -140,7 +140,7 @@ def _guarded(name: str, check: Callable[[], Check]) -> Check:
 
 
 def _copy_kernel() -> Check:
-    from hpcft.snapshot import ntcopy
+    from hpcft.store import ntcopy
 
     built, detail = ntcopy.probe()
     return Check("copy kernel", built, detail if built else f"not built: {detail}")
