@@ -11,8 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from hpcft.agent.transport import iface
-from hpcft.agent.transport import secret as job_secret
+from hpcft.agent.transport import iface, secret as job_secret
 from hpcft.agent.agent import Stopped, run
 from hpcft.agent.settings import AgentConfig
 from hpcft.errors import ConfigError, HpcftError, NoCheckpointError

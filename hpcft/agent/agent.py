@@ -33,8 +33,7 @@ from hpcft.agent.settings import AgentConfig
 from hpcft.agent.protection.rebuild import rebuild
 from hpcft.agent.transport.throttle import chore, cpu_cores
 from hpcft.errors import HpcftError, IntegrityError, NoCheckpointError
-from hpcft.store import job_dir, resolve_root, secure_dir
-from hpcft.store import pin as store_pin
+from hpcft.store import job_dir, resolve_root, secure_dir, pin as store_pin
 from hpcft.store.owner import Owner, adoption
 
 _log = logging.getLogger(__name__)

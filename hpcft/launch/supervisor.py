@@ -15,8 +15,7 @@ from pathlib import Path
 
 from hpcft import events
 from hpcft.errors import ConfigError, HpcftError, SlurmError
-from hpcft.launch import reshape as elastic
-from hpcft.launch import losses
+from hpcft.launch import reshape as elastic, losses
 from hpcft.launch.config import profiles
 from hpcft.launch.steps import stage
 from hpcft.launch.watch.grow import GrowWatch

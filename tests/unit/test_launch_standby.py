@@ -325,7 +325,7 @@ def test_the_standby_options_from_every_place_and_forwarded_by_submit(tmp_path):
 
 PRELOADED_RESTORE = """import importlib, sys
 import torch
-from hpcft.launch.node.standby import DEFAULT_PRELOAD
+from hpcft.launch.config.model import DEFAULT_PRELOAD
 for name in DEFAULT_PRELOAD.split(","):
     importlib.import_module(name)
 import hpcft

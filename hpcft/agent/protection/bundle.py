@@ -19,9 +19,7 @@ from hpcft import events
 from hpcft.agent.transport.link import COUNT, mismatch
 from hpcft.agent.transport.throttle import Throttle
 from hpcft.errors import IntegrityError, StoreError
-from hpcft.store import crc32c, seal, seal_key
-from hpcft.store import manifest as mf
-from hpcft.store import pin as store_pin
+from hpcft.store import crc32c, seal, seal_key, manifest as mf, pin as store_pin
 from hpcft.store.owner import Owner, stranger
 from hpcft.store.paths import DATA, open_file, ranks, read_file, slot_file, slot_files
 

@@ -20,8 +20,7 @@ import numpy as np
 from hpcft import events
 from hpcft.agent.protection import stripes
 from hpcft.agent.protection.bundle import Bundle, map_readonly
-from hpcft.agent.protection.codec import CHUNK as FOLD
-from hpcft.agent.protection.codec import XorFold, codec_for
+from hpcft.agent.protection.codec import CHUNK as FOLD, XorFold, codec_for
 from hpcft.agent.transport.mesh import MeshBase
 from hpcft.agent.protection.placement import Placement, ProtectionSet
 from hpcft.agent.transport.link import COUNT, Link

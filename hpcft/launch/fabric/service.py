@@ -16,9 +16,7 @@ from typing import Any
 
 from hpcft import events
 from hpcft.env import AGENTS_REPORT
-from hpcft.agent.transport import rendezvous
-from hpcft.agent.transport import uplink
-from hpcft.agent.transport import secret as job_secret
+from hpcft.agent.transport import rendezvous, uplink, secret as job_secret
 from hpcft.agent.status import LOG, read_log
 from hpcft.launch.fabric.liveview import BLIND_S, LiveView, Rounds, blind, next_write
 from hpcft.launch.policy.failures import hung

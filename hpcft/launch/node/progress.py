@@ -12,8 +12,7 @@ import signal
 import time
 from pathlib import Path
 
-from hpcft.agent.transport import secret as job_secret
-from hpcft.agent.transport import uplink
+from hpcft.agent.transport import secret as job_secret, uplink
 from hpcft.agent.status import read_log
 
 _PR_SET_PDEATHSIG = 1

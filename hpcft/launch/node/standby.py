@@ -25,15 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcft import events
-from hpcft.launch.node import autogroup
-from hpcft.launch.node import progress
-from hpcft.launch.node import zygote
+from hpcft.launch.node import autogroup, progress, zygote
 from hpcft.launch.node.standby_child import Job, run_child
 from hpcft.slurm.nodelist import expand
+from hpcft.launch.config.model import DEFAULT_PRELOAD
 
-DEFAULT_PRELOAD = ("torch,torch.nn,torch.optim,torch.distributed,torch.distributed.device_mesh,"
-                   "torch.nn.parallel,torch._dynamo,torch._inductor.config,torch.distributed.checkpoint.state_dict,"
-                   "numpy,hpcft.runtime,hpcft.checkpointer")
 STATUS_DIR = "standby"  # <job dir>/standby/<node>.json: each standby's phase, for the supervisor's wait
 _log = logging.getLogger(__name__)
 

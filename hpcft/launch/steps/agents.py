@@ -12,8 +12,7 @@ from pathlib import Path
 
 from hpcft.agent.transport import mpiworld
 
-from hpcft.agent.transport import rendezvous
-from hpcft.agent.transport import secret as job_secret
+from hpcft.agent.transport import rendezvous, secret as job_secret
 from hpcft.agent import status as agent_status
 from hpcft.agent.settings import AgentConfig
 from hpcft.agent.step import AGENT_STEP_NAME, agent_argv

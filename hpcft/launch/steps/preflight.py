@@ -13,8 +13,7 @@ from typing import Any
 
 from hpcft import nodemem
 from hpcft.errors import ConfigError
-from hpcft.launch.config import memplan
-from hpcft.launch.config import netplugin
+from hpcft.launch.config import memplan, netplugin
 from hpcft.launch.config.model import RunConfig
 from hpcft.launch.config.resolve import scheme
 from hpcft.launch.config.profiles import Profile
