@@ -174,7 +174,7 @@ class Supervisor:
         """Launch, decide, launch again or finish."""
         while True:
             self.stragglers.launched(self.cfg, saved.restarts)
-            event = self._run_step(layout, saved.launches)
+            event = self._launch(layout, saved.launches)
             if self._signal == signal.SIGTERM:
                 self.agents.stop()
                 self.emit("terminated", level=logging.WARNING, reason="SIGTERM (scancel, preemption or requeue)")
@@ -257,13 +257,13 @@ class Supervisor:
         return done
 
     # -- one step -----------------------------------------------------------------------------------------
-    def _run_step(self, layout: Layout, restart_count: int) -> Event:
+    def _launch(self, layout: Layout, launch: int) -> Event:
         """The launch state: the steps beside the trainers (staging, janitors, standbys, agents: `_ready`), then the
         trainers' step, watched until it ends or must be stopped. The agents' step is left running (self.agents) for
         the decision: a requeue first waits for their protection; every other path stops them (`AgentSteps.stop`)."""
-        env = self._env(layout, restart_count)
+        env = self._env(layout, launch)
         try:
-            event = self._ready(layout, restart_count, env)
+            event = self._ready(layout, launch, env)
             if event is not None:
                 return event
             argv = trainer_argv(layout, self.profile, self.command, python=self.python,
@@ -272,7 +272,7 @@ class Supervisor:
                                       if self.agents.no_checkpoint else "")
             watch = losses.RestoreWatch(self.job_dir, layout.world_size, since=time.time(), reason=why,
                                         before=self.ledger.reached)  # read when the last launch ended, not now (see losses)
-            self.emit("launch", restart=restart_count, slots=",".join(layout.slots), world=layout.world_size,
+            self.emit("launch", restart=launch, slots=",".join(layout.slots), world=layout.world_size,
                       master=f"{layout.master}:{env['MASTER_PORT']}")
             launched = time.time()
             self.agent_loss.launched()
@@ -283,7 +283,7 @@ class Supervisor:
             event = None
             try:
                 event = self._watch(proc, layout, launched, watch, lambda suspects: self.agent_loss.while_training(
-                    layout, suspects, restart_count, env))
+                    layout, suspects, launch, env))
             finally:
                 self.agents.stop_with_trainers({TRAIN_STEP_NAME: proc}, event, settled=lambda: all(  # srun said so
                     slurmstate.ended_tasks(lines).get(node, 0) >= layout.tasks_per_node
@@ -298,15 +298,15 @@ class Supervisor:
             raise
         return self._ended(event, proc.returncode, lines)
 
-    def _ready(self, layout: Layout, restart_count: int, env: dict[str, str]) -> Event | None:
+    def _ready(self, layout: Layout, launch: int, env: dict[str, str]) -> Event | None:
         """The steps the trainers need first: the environment staged (--stage-env: the janitors remove it, the other
         steps start from it), the janitors, the standbys, the agents ready; an event when the agents could not be."""
         self.stage.ensure([*layout.slots, *layout.spares], env, (self, self.standbys, self.agents))
         self.janitor.ensure([*layout.slots, *layout.spares], env)
         self.standbys.ensure([*layout.slots, *layout.spares], env, spares=layout.spares)
         if self.cfg.with_agents:
-            failure = self.agents.start(layout, restart_count, env)
-            event = None if failure is None else self.agent_loss.before_training(layout, failure, restart_count, env)
+            failure = self.agents.start(layout, launch, env)
+            event = None if failure is None else self.agent_loss.before_training(layout, failure, launch, env)
             if event is not None:
                 self.agents.stop(ask=not event.lost_nodes)  # a lost node's mesh is broken: no grace to wait
                 return event
@@ -323,10 +323,10 @@ class Supervisor:
             return Event(Kind.STEP_REFUSED, exit_code=exit_code, failed_tasks=failed, detail=refused)
         return dataclasses.replace(event, exit_code=exit_code, failed_tasks=failed)
 
-    def _env(self, layout: Layout, restart_count: int) -> dict[str, str]:
+    def _env(self, layout: Layout, launch: int) -> dict[str, str]:
         """The steps' environment for one launch on `layout` (the agents' and the trainers')."""
         user = self.environ.get("USER") or getpass.getuser()
-        env = step_env(layout, job_id=self.job_id, restart_count=restart_count, job_dir=str(self.job_dir),
+        env = step_env(layout, job_id=self.job_id, restart_count=launch, job_dir=str(self.job_dir),
                        profile_env=profiles.env_defaults(self.profile, self.environ, user=user, job=self.job_id,
                                                          plugin=self._site_env))
         env = {**self.environ, **env, **elastic.trainer_env(self.cfg, self.base_world),

@@ -91,18 +91,18 @@ def test_a_loss_counts_from_the_step_the_trainers_had_reached_not_from_what_the_
                    (lambda: (_restored(sup, world, 10), _report(sup, dict.fromkeys(range(world), 11))), 1),
                    (lambda: _restored(sup, world, 11), 0)]
     sup.nodes.bad = lambda slots, **k: {"n2": "DOWN"}
-    event = sup._run_step(first, 0)
+    event = sup._launch(first, 0)
     assert event.bad_nodes == ("n2",) and sup.ledger.lost == []
     second = Layout.plan(NODES, active=2, spares=0, tasks_per_node=2, excluded=["n2"], previous=first.slots)
     # the agents of the next launch rebuilt step 10 onto the spare and report it before the trainers start
     sup.standbys.wait = lambda *a, **k: _report(sup, {2: 10, 3: 10})
     sup.nodes.bad = lambda slots, **k: {}
-    sup._run_step(second, 1)
+    sup._launch(second, 1)
     assert [(x.reached, x.resumed_from, x.steps_lost) for x in sup.ledger.lost] == [(12, 10, 2)]
     lost = [(e["reached"], e["resumed_from"], e["level"]) for e in _said(sup, "progress_lost")]
     assert lost == [(12, 10, "WARNING")]
     sup.standbys.wait = lambda *a, **k: None
-    sup._run_step(second, 2)
+    sup._launch(second, 2)
     assert len(sup.ledger.lost) == 1
     sup._finish(Decision(Action.DONE, "every task exited 0", second, 0), RunState())
     summary = _said(sup, "summary")[-1]
@@ -165,7 +165,7 @@ def test_a_requeued_run_says_at_its_start_and_in_its_summary_that_the_previous_r
     assert said[0]["node"] == "n1" and "batch host n1" in said[0]["reason"] and "DOWN*" in said[0]["reason"]
     assert said[0]["reached"] == 12
     slurm.steps = [(lambda: _restored(sup, layout.world_size, 10), 0)]
-    sup._run_step(layout, 1)
+    sup._launch(layout, 1)
     assert [(x.reached, x.resumed_from) for x in sup.ledger.lost] == [(12, 10)]
     assert "batch host n1" in sup.ledger.lost[0].reason
     sup._finish(Decision(Action.DONE, "every task exited 0", layout, 0), RunState(requeues=1))
