@@ -1,34 +1,8 @@
-"""`hpcft bench recovery`: time from a fault to the first completed training step after it, in the sandbox.
-
-Runs of the same 4-rank DP job (hpcft/bench/train_job.py, 4 active + 2 spare nodes):
-- rank kill: `hpcft run`, one trainer SIGKILLed mid-run → relaunch on the same nodes, restore from node memory;
-- exception: `hpcft run`, the job under `hpcft.restartable` (train_job.py's RAISE_AT), one rank raises after step
-  `fault_at` → every rank restarts in process (no relaunch), timed from the raise: detection (→ the last rank noticed),
-  abort + barrier (→ every rank freed its groups and met the others), new groups, restore, first step, from the ranks'
-  `inprocess_restart` events and the timeline;
-- node crash: `hpcft run --protect xor`, a node's slurmd, steps and /dev/shm killed once the agents have
-  protected a step → a spare takes its slot, the agents rebuild the lost snapshot onto it and every rank
-  resumes from memory; timed also from the moment Slurm marks the node bad (polled with scontrol). With
-  `--crash silent` (what a power loss or a kernel panic looks like to the peers: no connection is closed, nothing
-  answers) the node is frozen (SIGSTOP) instead and powered off (killed) once the supervisor has decided; with
-  `kill` (the default) its processes die at once and the kernel closes their connections, which the agents notice
-  at once: a lower bound that a real crash does not give;
-- batch host: `hpcft submit --protect xor` (4 nodes, no spare), the batch script's node (slot 0) lost once a
-  step is protected, as at a power loss (frozen, then powered off once the job is requeued: its srun processes
-  killed at once instead would end the janitors' step themselves, which no real crash does) → the janitors
-  requeue the job, which resumes from the survivors' memory; `batch_host_s` is the time from Slurm marking the
-  node bad to the requeue;
-- baselines (hpcft/bench/recovery_baselines.py): a plain batch job that `torch.save`s every step, one rank killed;
-  its batch script runs srun again in the same allocation (`relaunch`, what a user would do: the fair one), or
-  `scontrol requeue`s the job (`requeue`), and the next launch `torch.load`s the checkpoint.
-A fault-free run of the same job comes first (or `--reference` names a finished one, e.g. the test suite's
-`dp_reference`): every faulted run must end with its parameters and data position,
-bit for bit (`identical`, and `resumed_identical` in each run's phases). Every total runs from the fault itself.
-Each is split into consecutive phases: detection (fault → the supervisor's decision, or → the baseline's script
-reacting), relaunch (→ every rank is ready to restore: srun, Python + torch import, process group, model, optimizer
-and Checkpointer built), restore (→ every rank has restored) and first step (→ every rank has completed its first
-step). Times come from the supervisor's events (<job dir>/events.jsonl)
-and the job's own timeline (hpcft/bench/timeline.py); all processes share one clock.
+"""`hpcft bench recovery`: time from a fault to the first completed training step after it, in the sandbox
+(docs/benchmarks.md, "hpcft bench recovery"). The same 4-rank DP job (train_job.py, 4 active + 2 spare nodes) under
+a rank kill, an in-process exception, a node crash, a lost batch host and the baselines (recovery_baselines.py); each
+run must end bit-identical to a fault-free one. Totals run from the fault itself, cut into phases (timeline.py) from
+the supervisor's events and the job's own timeline, on one clock.
 """
 from __future__ import annotations
 
@@ -54,12 +28,10 @@ from hpcft.bench.timeline import ACTIVE, JOB, VICTIM_RANK
 from hpcft.errors import ConfigError, HpcftError
 from hpcft.slurm import state as slurmstate
 
-_log = logging.getLogger(__name__)
 SPARES = 2
-# issue #14's: from the fault itself, on the 2-core sandbox, defaults (node_crash_s, from Slurm's mark, is the older one)
+# issue #14's: from the fault itself, on the 2-core sandbox, defaults (node_crash_s, from Slurm's mark, is older)
 TARGETS = {"rank_kill_s": 3.0, "node_crash_from_fault_s": 8.0, "node_crash_s": 15.0, "restore_share": 0.10,
            "exception_s": 2.0}
-CRASHES = ("kill", "silent")
 
 
 @dataclass(frozen=True)
@@ -82,20 +54,15 @@ class RecoveryOptions:
     def __post_init__(self) -> None:
         if not 0 < self.fault_at < self.steps - 1:
             raise ConfigError(f"--fault-at must be between 1 and --steps - 2 (got {self.fault_at}, steps {self.steps})")
-        if self.width < 1 or self.layers < 1:
-            raise ConfigError(f"--width and --layers must be positive (got {self.width}, {self.layers})")
-        unknown = set(self.baselines) - set(recovery_baselines.NAMES)
-        if unknown or not self.baselines:
-            raise ConfigError(f"--baseline takes {' or '.join(recovery_baselines.NAMES)} "
-                              f"(got {sorted(unknown) or 'none'})")
-        if self.crash not in CRASHES:
-            raise ConfigError(f"--crash takes {' or '.join(CRASHES)} (got {self.crash!r})")
+        if not self.baselines or set(self.baselines) - set(recovery_baselines.NAMES):
+            raise ConfigError(f"--baseline takes {' or '.join(recovery_baselines.NAMES)} (got {self.baselines})")
         if self.reference is not None and not (Path(self.reference) / "final.pt").is_file():
             raise ConfigError(f"--reference {self.reference}: no final.pt there; give the output directory of a "
                               "finished fault-free run of the same job (--steps, --width, --layers), or leave it out "
                               "and the bench makes one")
         if self.keep and Path(self.keep).exists() and any(Path(self.keep).iterdir()):
-            raise ConfigError(f"--keep {self.keep} is not empty: name a new or empty directory (nothing is overwritten)")
+            raise ConfigError(f"--keep {self.keep} is not empty: name a new or empty directory (nothing is "
+                              "overwritten)")
 
 
 # ---------------------------------------------------------------- the sandbox and the runs
@@ -130,21 +97,24 @@ def keep_logs(sb: Any, into: Path) -> list[Path]:
     into.mkdir(parents=True, exist_ok=True)
     kept = []
     for log in sb.log_files():
-        try:
+        with contextlib.suppress(OSError):
             kept.append(Path(shutil.copy2(log, into / log.name)))
-        except OSError:
-            continue
     return kept
+
+
+def _hpcft(command: str, opts: RecoveryOptions, out: Path, *options: str) -> list[str]:
+    """`hpcft COMMAND` (run or submit) of the bench job with the bench's supervisor options and `options`."""
+    out.mkdir(parents=True, exist_ok=True)
+    return [sys.executable, "-m", "hpcft.cli", command, "--job-dir", str(out / "job"), "--poll-interval",
+            str(opts.poll_interval), "--kill-grace", str(opts.kill_grace), "--probe-timeout", str(opts.probe_timeout),
+            "--requeue-margin", "30", *options, "--", sys.executable, str(JOB)]
 
 
 def _supervised(sb, opts: RecoveryOptions, out: Path, *options: str, **env: str) -> subprocess.Popen:
     """`salloc -N6 --no-kill hpcft run --spares 2 … OPTIONS -- python train_job.py` in the sandbox."""
-    out.mkdir(parents=True, exist_ok=True)
-    argv = ["salloc", f"-N{ACTIVE + SPARES}", "--no-kill", "-t", "15", sys.executable, "-m", "hpcft.cli", "run",
-            "--spares", str(SPARES), "--job-dir", str(out / "job"), "--poll-interval", str(opts.poll_interval),
-            "--kill-grace", str(opts.kill_grace), "--probe-timeout", str(opts.probe_timeout), "--requeue-margin", "30",
-            "--lost-progress-exit", "0",  # a recovery redoes the steps past its snapshot: the bench measures that
-            *options, "--", sys.executable, str(JOB)]
+    argv = ["salloc", f"-N{ACTIVE + SPARES}", "--no-kill", "-t", "15",
+            *_hpcft("run", opts, out, "--spares", str(SPARES), "--lost-progress-exit", "0", *options)]
+    # --lost-progress-exit 0: a recovery redoes the steps past its snapshot, which the bench measures
     return sb.runner().popen(argv, env=timeline.job_env(opts, out, **env), stdout=open(out / "run.log", "ab"),
                              stderr=subprocess.STDOUT)
 
@@ -177,19 +147,15 @@ def _starts(job_dir: Path, after: float) -> dict[str, int]:
     return {"warm_ranks": how.count("warm"), "cold_ranks": how.count("cold")}
 
 
-def _decided(job_dir: Path, after: float) -> float:
-    found = [e["time"] for e in events.read(job_dir) if e["event"] == "decision" and e["time"] >= after]
+def _first(job_dir: Path, event: str, after: float) -> float:
+    """When the job's first `event` at or after `after` was logged; HpcftError while there is none."""
+    found = [e["time"] for e in events.read(job_dir) if e["event"] == event and e["time"] >= after]
     if not found:
-        raise HpcftError(f"no supervisor decision after the fault in {job_dir / 'events.jsonl'}")
+        raise HpcftError(f"no {event} event after the fault in {job_dir / 'events.jsonl'}")
     return min(found)
 
 
 # ---------------------------------------------------------------- the scenarios
-
-def fault_free(sb, opts: RecoveryOptions, out: Path) -> None:
-    """The same job, no fault: what every faulted run must end with, bit for bit (`_identical`)."""
-    _finish(_supervised(sb, opts, out), out, opts.timeout)
-
 
 def _identical(out: Path, ref: Path) -> bool:
     """Whether the run in `out` ended with the fault-free run's parameters and data position (rank 0's final.pt)."""
@@ -209,7 +175,7 @@ def rank_kill(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     fault = time.time()
     os.kill(pid, signal.SIGKILL)
     _finish(proc, out, opts.timeout)
-    decided = _decided(out / "job", fault)
+    decided = _first(out / "job", "decision", fault)
     return {**timeline.phases(timeline.read(out), "0.1", fault, decided), **_starts(out / "job", decided)}
 
 
@@ -253,16 +219,15 @@ def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     timeline.wait(lambda: _protected(out / "job" / "agents", held), f"version {held} protected by every agent",
                   opts.timeout, proc)
     node = f"n{VICTIM_RANK + 1}"  # slot i of the 6-node allocation n1..n6 is node n{i+1}
-    fault, down = _crash(sb, node, silent=opts.crash == "silent", decided=lambda at: _decided(out / "job", at))
+    fault, down = _crash(sb, node, silent=opts.crash == "silent",
+                         decided=lambda at: _first(out / "job", "decision", at))
     hold.touch()
     _finish(proc, out, opts.timeout)
     marked = _marked(down, node, fault)
-    decided = _decided(out / "job", fault)
+    decided = _first(out / "job", "decision", fault)
     result = timeline.phases(timeline.read(out), "0.1", fault, decided)
-    ready = [e["time"] for e in events.read(out / "job") if e["event"] == "agents_ready" and e["time"] >= decided]
-    if not ready:
-        raise HpcftError(f"the agents never got ready after the crash; see {out / 'job'}")
-    result["relaunch_agents_s"] = min(ready) - decided  # part of relaunch: agents' step, mesh and rebuild
+    # part of relaunch: the agents' step, mesh and rebuild
+    result["relaunch_agents_s"] = _first(out / "job", "agents_ready", decided) - decided
     result.update(_starts(out / "job", decided))
     result.update(marked)
     result["from_marked_down_s"] = result["total_s"] - result["slurm_marked_down_s"]
@@ -320,13 +285,9 @@ def batch_host(sb, opts: RecoveryOptions, out: Path) -> dict[str, Any]:
     """`hpcft submit` (the supervisor lives in the batch script on the first node, which also trains); that node
     crashed once a step is protected → the janitors on the other nodes requeue the job (`batch_host_lost`), whose
     next run resumes from the survivors' memory, the lost slot rebuilt on another node."""
-    out.mkdir(parents=True, exist_ok=True)
     hold = out / "protected"
-    argv = [sys.executable, "-m", "hpcft.cli", "submit", "--nodes", str(ACTIVE), "--spares", "0", "-t", "15",
-            "--warn", "60", "--module", "", "-o", str(out / "job.out"), "--job-dir", str(out / "job"),
-            "--poll-interval", str(opts.poll_interval), "--probe-timeout", str(opts.probe_timeout),
-            "--kill-grace", str(opts.kill_grace), "--requeue-margin", "30", "--protect", "xor",
-            "--", sys.executable, str(JOB)]
+    argv = _hpcft("submit", opts, out, "--nodes", str(ACTIVE), "--spares", "0", "-t", "15", "--warn", "60",
+                  "--module", "", "-o", str(out / "job.out"), "--protect", "xor")
     env = {**sb.client_env(), **timeline.job_env(opts, out, HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the script runs `hpcft run`
     job = subprocess.run(sb.client_prefix() + argv, env=env, capture_output=True, text=True, timeout=60, cwd=out)
@@ -341,22 +302,17 @@ def batch_host(sb, opts: RecoveryOptions, out: Path) -> dict[str, Any]:
         # requeued the job. Killed at once instead, they close their sockets and pipes while the other nodes run,
         # which a real crash never does: srun's shepherd on it, or the step's other nodes losing that node's
         # slurmstepd, then ended the janitors' step on every node within ~2 s, in ~1 bench run in 4
-        fault, down = _crash(sb, host, silent=True, decided=lambda at: _requeued(out / "job", at), off_at_mark=False)
+        fault, down = _crash(sb, host, silent=True, decided=lambda at: _first(out / "job", "batch_host_lost", at),
+                             off_at_mark=False)
         hold.touch()
         timeline.wait(lambda: slurmstate.job_ended(runner, job_id), "the requeued job to end", opts.timeout)
     finally:
         runner.run(["scancel", job_id], check=False)
-    result = timeline.phases(timeline.read(out), "1.1", fault, _requeued(out / "job", fault))  # Slurm run 1, launch 1
+    requeued = _first(out / "job", "batch_host_lost", fault)
+    result = timeline.phases(timeline.read(out), "1.1", fault, requeued)  # Slurm run 1, launch 1
     result.update(_marked(down, host, fault))
     result["batch_host_s"] = result["detection_s"] - result["slurm_marked_down_s"]  # Slurm noticed → requeue
     return result
-
-
-def _requeued(job_dir: Path, after: float) -> float:
-    found = [e["time"] for e in events.read(job_dir) if e["event"] == "batch_host_lost" and e["time"] >= after]
-    if not found:
-        raise HpcftError(f"no batch_host_lost event after the crash in {job_dir / 'events.jsonl'}")
-    return min(found)
 
 
 # ---------------------------------------------------------------- the report
@@ -376,8 +332,8 @@ def run(opts: RecoveryOptions) -> Report:
         with _sandbox(opts.dir) as sb:
             sb.heal()
             try:
-                if opts.reference is None:
-                    fault_free(sb, opts, work / "fault-free")
+                if opts.reference is None:  # the same job, no fault: what every faulted run must end with
+                    _finish(_supervised(sb, opts, work / "fault-free"), work / "fault-free", opts.timeout)
                 kill = rank_kill(sb, opts, work / "rank-kill")
                 exc = exception(sb, opts, work / "exception")
                 crash = node_crash(sb, opts, work / "node-crash")
