@@ -113,14 +113,11 @@ def run_interleaved(variants: Sequence[Variant], steps: int, warmup: int = 1, bl
     return timings
 
 
-def overhead(timings: Timings, name: str, baseline: str) -> float:
-    """Median wall time of `name` ÷ median wall time of `baseline`, minus 1."""
-    return timings.median(name) / timings.median(baseline) - 1.0
-
-
-def cpu_overhead(timings: Timings, name: str, baseline: str) -> float:
-    """The same with process CPU time: what the variant costs in core-seconds, whatever else the machine runs."""
-    return timings.cpu_median(name) / timings.cpu_median(baseline) - 1.0
+def overhead(timings: Timings, name: str, baseline: str, cpu: bool = False) -> float:
+    """Median wall time of `name` ÷ median wall time of `baseline`, minus 1; `cpu`: with process CPU time, what the
+    variant costs in core-seconds whatever else the machine runs."""
+    median = timings.cpu_median if cpu else timings.median
+    return median(name) / median(baseline) - 1.0
 
 
 class Memcpy(Variant):
@@ -242,13 +239,6 @@ def memcpy_reference(nbytes: int, device: str = "cpu", threads: int = 1, to_devi
 
 # ---------------------------------------------------------------- environment
 
-def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def local_process_group() -> Iterator[None]:
     """A 1-rank gloo process group on a free loopback port (DCP needs one); reuses an existing group."""
@@ -257,7 +247,9 @@ def local_process_group() -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    port = free_loopback_port()
+    with socket.socket() as s:  # a port on 127.0.0.1 that was free a moment ago
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         yield
@@ -292,8 +284,6 @@ def set_threads(threads: int) -> None:
     """Set torch's intra-op thread count (the CPU bench's compute cores)."""
     import torch
 
-    if threads < 1:
-        raise ConfigError(f"--threads must be >= 1 (got {threads})")
     torch.set_num_threads(threads)
 
 

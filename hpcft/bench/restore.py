@@ -1,15 +1,11 @@
-"""`hpcft bench restore`: loading the same training state back, hpcft from shm against torch baselines.
-
-The state of the bench transformer after one AdamW step is saved once by each path (hpcft store
-in shm, torch.distributed.checkpoint on local disk, torch.save on local disk). Then, interleaved,
-each path restores it into a live model and optimizer whose state was perturbed beforehand; every
-restore is checked bit for bit against the saved state (untimed). Reported: hpcft restore bandwidth
-(checksum verification included) ÷ single-thread memcpy, and the speedups over DCP and torch.load.
-"""
+"""`hpcft bench restore` (docs/benchmarks.md): the state after one AdamW step, saved once by hpcft (shm store), DCP
+and torch.save (local disk), restored interleaved by each into a perturbed live model and optimizer, every restore
+checked bit for bit (untimed); reported against a memcpy of the same bytes and as speedups over DCP and torch.load."""
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,11 +34,15 @@ class RestoreOptions:
 
 
 class Restoring(Variant):
-    """Restore `reference` into `trainer`; perturbed before and verified bitwise after each call."""
+    """`load(trainer)` brings `reference` back into `trainer`; perturbed before and verified bitwise after each call."""
 
-    def __init__(self, trainer: Trainer, reference: list[torch.Tensor]) -> None:
-        self.trainer = trainer
-        self.reference = reference
+    def __init__(self, trainer: Trainer, reference: list[torch.Tensor], load: Callable[[Trainer], object] | None = None,
+                 name: str = "", label: str = "") -> None:
+        self.trainer, self.reference, self.load = trainer, reference, load
+        self.name, self.label = name or self.name, label or self.label
+
+    def run_once(self, index: int) -> None:
+        self.load(self.trainer)
 
     def prepare(self, index: int) -> None:
         with torch.no_grad():
@@ -59,39 +59,6 @@ class Restoring(Variant):
         live = self.trainer.state_tensors()
         if len(live) != len(self.reference) or not all(torch.equal(a, b) for a, b in zip(live, self.reference)):
             raise CheckpointError(f"bench restore: {self.name} did not bring back the saved state bit for bit")
-
-
-class TorchLoad(Restoring):
-    name, label = "torch_load", "torch.load + load_state_dict (local disk)"
-
-    def __init__(self, trainer: Trainer, reference: list[torch.Tensor], path: Path) -> None:
-        super().__init__(trainer, reference)
-        self.path = path
-
-    def run_once(self, index: int) -> None:
-        baselines.torch_load(self.trainer, self.path)
-
-
-class DcpLoad(Restoring):
-    name, label = "dcp_load", "dcp.load + set_state_dict (local disk)"
-
-    def __init__(self, trainer: Trainer, reference: list[torch.Tensor], path: Path) -> None:
-        super().__init__(trainer, reference)
-        self.path = path
-
-    def run_once(self, index: int) -> None:
-        baselines.dcp_load(self.trainer, self.path)
-
-
-class HpcftRestore(Restoring):
-    name, label = "hpcft", "hpcft restore from shm (checksums verified)"
-
-    def __init__(self, trainer: Trainer, reference: list[torch.Tensor], ckpt: object) -> None:
-        super().__init__(trainer, reference)
-        self.ckpt = ckpt
-
-    def run_once(self, index: int) -> None:
-        self.ckpt.restore()
 
 
 class HpcftColdRestore(Restoring):
@@ -163,10 +130,13 @@ def run(opts: RestoreOptions) -> Report:
             state_bytes = source.state_bytes()
             prefetched = HpcftPrefetchedRestore(_trained(opts), reference, where.shm)
             threads = ckpt.copy_settings.restore.threads
-            variants = [HpcftRestore(source, reference, ckpt), HpcftColdRestore(_trained(opts), reference, where.shm),
-                        prefetched,
-                        DcpLoad(_trained(opts), reference, where.disk / "dcp"),
-                        TorchLoad(_trained(opts), reference, where.disk / "ckpt.pt"),
+            variants = [Restoring(source, reference, lambda t: ckpt.restore(), "hpcft",
+                                  "hpcft restore from shm (checksums verified)"),
+                        HpcftColdRestore(_trained(opts), reference, where.shm), prefetched,
+                        Restoring(_trained(opts), reference, lambda t: baselines.dcp_load(t, where.disk / "dcp"),
+                                  "dcp_load", "dcp.load + set_state_dict (local disk)"),
+                        Restoring(_trained(opts), reference, lambda t: baselines.torch_load(t, where.disk / "ckpt.pt"),
+                                  "torch_load", "torch.load + load_state_dict (local disk)"),
                         # as many threads as the restore on a CPU; pinned host -> device on a GPU
                         memcpy_reference(state_bytes, opts.device, threads, to_device=True)]
             if opts.device == "cpu":  # the same copy out of the store's own file, mapped once and mapped anew

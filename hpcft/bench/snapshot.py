@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from hpcft.bench import baselines, machine
 from hpcft.bench.flush import HpcftFlush, flush_vs_write
-from hpcft.bench.harness import (GB, Report, Scratch, Timings, cpu_overhead, local_process_group, memcpy_reference,
+from hpcft.bench.harness import (GB, Report, Scratch, Timings, local_process_group, memcpy_reference,
                                  overhead, run_interleaved, scratch, set_threads)
 from hpcft.bench.model import Trainer, config_for_params
 from hpcft.bench.snapshot_variants import Checkpointing, DcpAsync, Hpcft, IdleSnapshot, NoCheckpoint, TorchSave
@@ -124,7 +124,7 @@ def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: 
           "dcp.async_save overhead ÷ hpcft overhead")
     r.add("step_s_none", timings.median("none"), "s", "median step, no checkpointing")
     for k, text in (("hpcft", "hpcft"), ("torch_save", "torch.save"), ("dcp_async", "dcp.async_save")):
-        r.add(f"cpu_overhead_{k}", cpu_overhead(timings, k, "none") if k in ran else None, "%",
+        r.add(f"cpu_overhead_{k}", overhead(timings, k, "none", cpu=True) if k in ran else None, "%",
               f"{text}, process CPU-time overhead")
     r.add("step_cpu_s_none", timings.cpu_median("none"), "s", "median step CPU time (all threads), no checkpointing")
     r.add("blocked_s_per_snapshot", statistics.median(measured), "s",
