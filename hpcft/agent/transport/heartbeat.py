@@ -1,12 +1,9 @@
-"""Heartbeats between the agents of one job, for the deaths that close no connection: a frozen node (its processes
-stopped), a network partition, a hung kernel. Without them the protection round's all-gather waits for such a peer
-as long as its sockets stay open. Each agent beats to its overlay neighbours (slots ±1, ±2, ±4, … around the ring:
-about 2·log2(N) each, everyone up to 5 agents: mesh.overlay) on authenticated connections of their own, and names a
-neighbour silent for longer than the loss timeout a suspect (`on_silent`). The agent then fails as if the connection
-had closed and the supervisor confirms with its probe (hpcft/launch/steps/agentloss.py). A beat connection that closes
-without the peer's goodbye (every orderly close, a requested stop included, sends one first) is a loss too, at once
-(`on_closed`): a killed agent's sockets close with its process, and the data mesh would notice only in its next,
-CPU-capped round."""
+"""Heartbeats between the agents of one job, for the deaths that close no connection (a frozen node, a partition, a
+hung kernel), which would hold a round's all-gather for as long as the peer's sockets stay open. Each agent beats to
+its overlay neighbours (mesh.overlay) on connections of their own and names one silent past the loss timeout a suspect
+(`on_silent`): the agent fails as if the connection had closed, and the supervisor's probe confirms. A beat connection
+closed without a goodbye (every orderly close sends one) is a loss at once (`on_closed`): a killed agent's sockets close
+with it, and the data mesh would notice only in its next, CPU-capped round."""
 from __future__ import annotations
 
 import logging
@@ -53,17 +50,14 @@ def next_wake(heard: Mapping[int, float], now: float, limit: float, beat_at: flo
 
 
 class Heartbeat:
-    """Beats to the overlay neighbours every `period_for(timeout)` and watches theirs; `suspect` (slot, seconds silent)
-    once one has been silent for more than `timeout` plus one period (its last beat may have come up to a period
-    before it stopped: so a pause shorter than `timeout` is never named), checked at that deadline itself
-    (`next_wake`), reported once to `on_silent` (from the heartbeat's thread).
-    Silence is only declared on evidence: nothing new from the peer for `timeout` *and* nothing waiting unread in its
-    socket, and never right after this agent was itself paused (its own missed ticks are not the peer's)."""
+    """Beats to the overlay neighbours every `period_for(timeout)` and watches theirs; `suspect` (slot, seconds silent),
+    reported once to `on_silent`, once one is silent past `timeout` plus a period (so a shorter pause is never named).
+    Silence needs evidence: nothing new for that long, nothing unread in its socket, this agent not itself paused."""
 
     def __init__(self, slot: int, size: int, secret: bytes, rendezvous: Rendezvous | str | os.PathLike, *,
-                 timeout: float, on_silent: Callable[[int, float], None], on_closed: Callable[[int], None] | None = None,
-                 stopping: Callable[[], bool] = lambda: False, host: str = "127.0.0.1", bind: str = "0.0.0.0",
-                 tag: str = "0", join_timeout: float = 60.0):
+                 timeout: float, on_silent: Callable[[int, float], None],
+                 on_closed: Callable[[int], None] | None = None, stopping: Callable[[], bool] = lambda: False,
+                 host: str = "127.0.0.1", bind: str = "0.0.0.0", tag: str = "0", join_timeout: float = 60.0):
         self.slot, self.timeout, self.on_silent, self.on_closed = slot, timeout, on_silent, on_closed
         self.stopping = stopping  # true once the agents were asked to stop: a close is then no loss
         self.period = period_for(timeout)
@@ -132,14 +126,17 @@ class Heartbeat:
 
     def _send_beats(self, n: int) -> None:
         with self._sending:
-            if self._stop.is_set():
-                return
-            for j in list(self.mesh.peers):
-                if j not in self.closed:
-                    try:
-                        self.mesh.channel(j).send({"beat": n})
-                    except TransportError:
-                        self.closed.add(j)
+            if not self._stop.is_set():
+                self._send_all({"beat": n})
+
+    def _send_all(self, message: dict) -> None:
+        """`message` to every neighbour not closed (under `_sending`); one that cannot take it counts as closed."""
+        for j in list(self.mesh.peers):
+            if j not in self.closed:
+                try:
+                    self.mesh.channel(j).send(message)
+                except TransportError:
+                    self.closed.add(j)
 
     def _check(self, now: float, limit: float) -> None:
         j = silent_peer(self.heard, now, limit, self.closed | self._pending_now())
@@ -162,12 +159,7 @@ class Heartbeat:
     def close(self) -> None:
         self._stop.set()
         with self._sending:
-            for j in list(self.mesh.peers):  # the goodbye: this close is no loss to the peers that hear it
-                if j not in self.closed:
-                    try:
-                        self.mesh.channel(j).send({"bye": 1})
-                    except TransportError:
-                        pass
+            self._send_all({"bye": 1})  # the goodbye: this close is no loss to the peers that hear it
         self.mesh.abort()  # ends the listeners' blocking reads
         self.mesh.close()
         for t in self._threads:

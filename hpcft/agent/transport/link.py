@@ -1,6 +1,5 @@
-"""What a mesh's connection to one peer agent is, whatever carries it (TCP: transport.Channel; MPI: mpilink.MpiLink):
-ordered messages of a JSON header plus raw bytes, both ways, and the errors a broken one raises. `send` and `recv`
-are written once here, over each carrier's primitives."""
+"""A mesh's connection to one peer agent, whatever carries it (TCP: tcp.Channel; MPI: mpilink.MpiLink): ordered
+messages of a JSON header plus raw bytes, both ways, and the errors a broken one raises."""
 from __future__ import annotations
 
 import json
@@ -16,8 +15,8 @@ from hpcft.nodemem import mem_available
 
 
 class TransportError(HpcftError):
-    """A peer connection failed, was refused, or broke the protocol; `peer_slot`, when known, is the slot of the agent
-    whose connection it was (the supervisor probes that node first: hpcft/launch/steps/agents.py)."""
+    """A peer connection failed, was refused, or broke the protocol; `peer_slot`, when known, is that agent's slot
+    (the supervisor probes its node first)."""
 
     peer_slot: int | None = None
 
@@ -27,8 +26,7 @@ class ProtocolError(TransportError):
 
 
 class PeerGaveUp(TransportError):
-    """The peer sent a give-up notice (`notice`) instead of the message expected: it failed, having lost the agent
-    of `peer_slot`, and shuts its connections down."""
+    """The peer sent a give-up notice instead of the message expected: it lost the agent of `peer_slot`."""
 
 
 NOTICE = "gave_up"  # the header key of a give-up notice (no payload)
@@ -43,11 +41,9 @@ class Either:
 
 
 def mismatch(value: Any, spec: Any, path: str = "") -> str | None:
-    """What in `value` (parsed JSON) does not fit `spec`, or None. A spec is `object` (anything); a type or a union
-    of types (`int | None`; a bool is no int unless bool is named, a float must be finite); a range (an int in it); a
-    list `[item]` (a list, each element fitting `item`); a tuple (a list of exactly that many, each fitting its own
-    spec); a dict `{key: spec}` (an object holding every key, each fitting its spec; other keys are ignored);
-    `Either(...)`; else the value itself (equal, of the same type)."""
+    """What in `value` (parsed JSON) does not fit `spec`, or None. A spec: `object` (anything); a type or union (a bool
+    is no int unless named, a float must be finite); a range (an int in it); `[item]` (a list of such); a tuple (a
+    list of that many, each fitting its own); `{key: spec}` (those keys at least, each fitting); Either; else equal."""
     where = path or "the value"
     if spec is object:
         return None
@@ -124,6 +120,15 @@ def gave_up(header: Any, peer: str) -> PeerGaveUp | None:
     return err
 
 
+def received(header: Any, peer: str) -> dict[str, Any]:
+    """A parsed header as received: a JSON object (else a TransportError), a give-up notice raised as PeerGaveUp."""
+    if not isinstance(header, dict):
+        raise TransportError(f"{peer} sent a header that is not a JSON object")
+    if (err := gave_up(header, peer)) is not None:
+        raise err
+    return header
+
+
 class Link:
     """One peer's connection: messages in order both ways. A carrier implements `send_parts`, `recv_header`,
     `recv_payload`, `tell`, `shutdown` and `close`, and counts the bytes it sent in `sent`."""
@@ -138,8 +143,7 @@ class Link:
 
     def recv(self, into: np.ndarray | None = None, shape: Any = object,
              what: str = "a message") -> tuple[dict[str, Any], np.ndarray]:
-        """The next message: its header, checked against `shape` (`check`), and payload (written into `into[:n]` when
-        given, else a new array)."""
+        """The next message: its header, checked against `shape`, and payload (into `into[:n]`, else a new array)."""
         header, plen = self.recv_header()
         self.check(header, shape, what)
         if into is not None and into.size < plen:
@@ -155,8 +159,7 @@ class Link:
         return header, out
 
     def check(self, message: Any, shape: Any, what: str = "a message") -> Any:
-        """`message` (parsed JSON from this peer) when it fits `shape` (a `mismatch` spec), else a ProtocolError that
-        names the peer: its slot (`peer_slot`, when known) and address."""
+        """`message` (parsed JSON from this peer) when it fits `shape`, else a ProtocolError naming the peer."""
         problem = mismatch(message, shape)
         if problem is None:
             return message
@@ -170,8 +173,7 @@ class Link:
         raise NotImplementedError
 
     def recv_header(self) -> tuple[dict[str, Any], int]:
-        """The next message's header and payload length (PeerGaveUp for a give-up notice); read the payload with
-        `recv_payload`, in parts if wanted."""
+        """The next message's header (PeerGaveUp for a give-up notice) and payload length, for `recv_payload`."""
         raise NotImplementedError
 
     def recv_payload(self, into: np.ndarray) -> None:

@@ -1,8 +1,7 @@
-"""The agents of one job connected over the authenticated transport: each agent holds channels only to the slots
-it exchanges bulk data with (`peers`: its protection set or partners, placement.exchange_peers) and to its overlay
-neighbours (slots ±1, ±2, ±4, … around the ring, `overlay`), over which `allgather` and `allreduce` agree on small
-JSON values in ⌈log2 N⌉ rounds. Addresses meet through the job's directory service (agent/rendezvous.py); slot i connects to every
-lower slot it wants and accepts every higher one, so the mesh forms without deadlock."""
+"""The agents of one job over the authenticated transport: each holds channels only to the slots it exchanges bulk
+data with (placement.exchange_peers) and to its overlay neighbours, over which `allgather` and `allreduce` agree on
+small JSON values in ⌈log2 N⌉ rounds. Slot i connects to every lower slot it wants and accepts every higher one, so the
+mesh forms without deadlock."""
 from __future__ import annotations
 
 import logging
@@ -37,9 +36,8 @@ def overlay(slot: int, size: int) -> list[int]:
 
 
 class MeshBase:
-    """The agents' exchanges and agreements over `peers` (slot → Link), written once for every carrier: a subclass
-    connects them (Mesh: authenticated TCP; mpimesh.MpiMesh: an MPI communicator) and sets `slot`, `size`,
-    `throttle`, `address` and `peers`."""
+    """The agents' exchanges and agreements over `peers` (slot → Link), for every carrier: a subclass (Mesh: TCP,
+    mpimesh.MpiMesh: MPI) connects them and sets `slot`, `size`, `throttle`, `address` and `peers`."""
 
     slot: int
     size: int
@@ -73,10 +71,8 @@ class MeshBase:
                                  f"{sorted(self.peers)} (placement.exchange_peers and the overlay)") from None
 
     def allgather(self, value: Any, shape: Any = object) -> list[Any]:
-        """Every agent's `value` (JSON-able, small), indexed by slot: in round k each agent sends the 2^k newest values
-        it knows to slot + 2^k and receives as many from slot − 2^k (`_rounds`). What each agent receives is the N
-        values: use `allreduce` where a combination of them is all that is needed. Every value received must fit
-        `shape` (link.mismatch), and each round must carry exactly the slots of its sender's window."""
+        """Every agent's `value` (JSON-able, small), indexed by slot; each agent receives all N values (`allreduce`
+        where a combination suffices). Each value must fit `shape`, each round carry exactly its sender's window."""
         known = {self.slot: value}
 
         def send(step: int) -> list[list[Any]]:
@@ -96,10 +92,9 @@ class MeshBase:
         return [(sender - k) % self.size for k in range(min(step, self.size - step))]
 
     def allreduce(self, value: Any, combine: Callable[[Any, Any], Any], shape: Any = object) -> Any:
-        """Every agent's `value` combined (JSON-able): one partial result per round, so each agent sends and receives
-        ⌈log2 N⌉ messages of one value's size. `combine` must be associative, commutative and idempotent (min, max,
-        intersection, union, all): when N is not a power of two the last round's windows overlap. Every partial
-        result received must fit `shape` (link.mismatch); one that `combine` cannot take is the sender's error too."""
+        """Every agent's `value` combined, in ⌈log2 N⌉ messages of one value's size. `combine` must be associative,
+        commutative and idempotent (the last round's windows overlap when N is no power of two). A partial result
+        that does not fit `shape`, or that `combine` cannot take, is the sender's error."""
         acc = [value]
 
         def merge(_step: int, got: Any) -> None:
@@ -109,9 +104,8 @@ class MeshBase:
         return acc[0]
 
     def exchange(self, peers: Collection[int], value: Any, shape: Any = object) -> dict[int, Any]:
-        """`value` (JSON-able, small) sent to each of `peers` (a symmetric relation: each of them sends this agent
-        theirs) and theirs received: {slot: value}, this one's included, each fitting `shape` (link.mismatch). A
-        failure is handled as an agreement's."""
+        """{slot: value} of this agent and its `peers` (a symmetric relation), each sending its small `value` to the
+        others; each fitting `shape`. A failure is handled as an agreement's."""
         got = {self.slot: value}
         try:
             for j in sorted(peers):
@@ -126,9 +120,9 @@ class MeshBase:
 
     def _rounds(self, kind: str, send: Callable[[int], Any], merge: Callable[[int, Any], None],
                 expect: Callable[[int], Any]) -> None:
-        """The ⌈log2 N⌉ rounds of an agreement over the overlay: `send(2^k)` to slot + 2^k, `merge(2^k, what
-        slot − 2^k sent)`, which must fit `expect(2^k)`. An agent that fails tells its connections whom it lost before
-        shutting them down (`give_up`), so every agent fails within log2 N hops naming the same lost slot."""
+        """The rounds of an agreement: `send(2^k)` to slot + 2^k, `merge(2^k, what slot − 2^k sent)` fitting
+        `expect(2^k)`. A failing agent tells its connections whom it lost (`give_up`), so every agent fails within
+        log2 N hops naming the same lost slot."""
         step = 1
         try:
             while step < self.size:
@@ -162,8 +156,8 @@ class MeshBase:
 
     @contextmanager
     def all_or_nothing(self) -> Iterator[None]:
-        """Around a multi-threaded exchange: if any part fails, shut every connection down, so no thread here
-        or on a peer stays blocked on a message that will never come; every agent then fails and relaunches."""
+        """Around a multi-threaded exchange: any failure shuts every connection down, so no thread here or on a peer
+        waits for a message that will never come."""
         try:
             yield
         except BaseException:
@@ -181,8 +175,8 @@ class MeshBase:
 
 
 class Mesh(MeshBase):
-    """Channels to `peers` (a symmetric relation: the bulk exchanges) and the overlay neighbours, keyed by slot, over
-    authenticated TCP. `rendezvous`: a Rendezvous, or the rendezvous directory (rendezvous.join)."""
+    """Channels to `peers` and the overlay neighbours, keyed by slot, over authenticated TCP. `rendezvous`: a
+    Rendezvous, or the rendezvous directory (rendezvous.join)."""
 
     def __init__(self, slot: int, size: int, secret: bytes, rendezvous: Rendezvous | str | os.PathLike, *,
                  host: str = "127.0.0.1", bind: str = "0.0.0.0", timeout: float = 60.0, rate: float | None = None,
@@ -209,9 +203,8 @@ class Mesh(MeshBase):
 
     def _connect(self, secret: bytes, meet: Rendezvous, tag: str, wanted: set[int], deadline: float,
                  timeout: float) -> None:
-        """Meet the lower slots (connect, saying who this agent is and where it registered) and the higher ones
-        (accept, each hello checked against the directory: `_admit`), each channel keyed by its slot. A connection
-        counts once the slot it reached has welcomed it; a refused one fails here, told why, not in a later round."""
+        """Connect to the lower slots (a hello: who and where registered) and accept the higher ones (`_admit`). A
+        connection counts once welcomed; a refused one fails here, told why, not in a later round."""
         slot = self.slot
         lower = sorted(j for j in wanted if j < slot)
         where = meet.meet(tag, slot, self.address, sorted(wanted), timeout)  # once all of them have registered
@@ -228,9 +221,8 @@ class Mesh(MeshBase):
                 _recv_by(self.peers[j], deadline, {"welcome": j}, "its answer to this agent's hello")
 
     def _admit(self, ch: Channel, tag: str, wanted: set[int], where: dict[int, str], deadline: float) -> None:
-        """Key `ch` by the slot its hello claims, and welcome it; or refuse it (told why, so it fails at once) and
-        raise: a hello that is malformed, for another launch or slot, from a slot this one does not expect or has
-        already, or from an address other than the one that slot registered at the directory."""
+        """Key `ch` by the slot its hello claims and welcome it; or refuse it, told why, and raise: a hello malformed,
+        for another launch or slot, from a slot not expected or already here, or not from its registered address."""
         claimed = {"hello": range(self.slot + 1, self.size), "tag": tag, "to": self.slot, "addr": str}
         try:
             header = _recv_by(ch, deadline, object, "a hello")
@@ -274,8 +266,7 @@ def _host_port(address: str) -> tuple[str, int]:
 
 
 def _recv_by(ch: Channel, deadline: float, shape: Any, what: str) -> dict[str, Any]:
-    """The header of `ch`'s next message, checked against `shape`, by `deadline` (a TransportError after it): while
-    the mesh forms, an authenticated peer that says nothing holds no agent up for longer."""
+    """`ch`'s next header, fitting `shape`, by `deadline`: a silent peer holds no agent up while the mesh forms."""
     ch.sock.settimeout(_left(deadline))
     try:
         return ch.recv(shape=shape, what=what)[0]
@@ -285,8 +276,7 @@ def _recv_by(ch: Channel, deadline: float, shape: Any, what: str) -> dict[str, A
 
 @contextmanager
 def _blaming(peer: int) -> Iterator[None]:
-    """A TransportError of an exchange with the agent of slot `peer` names that slot (unless it names one already).
-    The all-gather that opens every round is the agents' heartbeat: a peer that died fails it on every survivor."""
+    """A TransportError of an exchange with slot `peer` names that slot, unless it names one already."""
     try:
         yield
     except TransportError as exc:

@@ -1,23 +1,20 @@
-"""A mesh's connection to one peer agent over MPI point-to-point messages (the Link that transport.Channel is for TCP).
-
-A message is a frame (header length, payload length, then as much of the JSON header as fits in SMALL bytes; the
-rest of a long header follows in a second message) and the payload in PIECE-sized messages cut at fixed offsets of
-the payload, so the receiver can take them straight into its buffer, in whatever slices it asks for. Notices (a
-give-up, a shutdown) travel on a tag of their own and fail whatever waits on this peer: MPI has no end of stream.
-
-Nothing is unpickled: headers are JSON, payloads raw bytes. A receive that an abort fails is cancelled; one MPI had
-already matched may still land in its buffer (MPI cannot stop it), so after an abort the agent exits."""
+"""A mesh's connection to one peer agent over MPI point-to-point messages. A message is a frame (header length,
+payload length, the JSON header's first SMALL bytes; a long header's rest follows in a second message), then the payload
+in PIECE-sized messages cut at fixed offsets, taken straight into the receiver's buffer. Notices (give-up, shutdown)
+have a tag of their own and fail whatever waits on this peer: MPI has no end of stream. A receive an abort fails is
+cancelled, but one MPI already matched may still land in its buffer, so after an abort the agent exits."""
 from __future__ import annotations
 
 import json
 import struct
 from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import suppress
 from typing import Any
 
 import numpy as np
 
-from hpcft.agent.transport.link import Link, TransportError, gave_up
+from hpcft.agent.transport.link import Link, TransportError, gave_up, received
 from hpcft.agent.transport.mpiworld import Op, World
 from hpcft.agent.transport.throttle import Throttle
 from hpcft.agent.transport.tcp import MAX_HEADER, NOTICE_S
@@ -31,8 +28,7 @@ CLOSED = "closed"  # the notice of a shutdown
 
 
 def pieces(parts: Sequence[Any], piece: int = PIECE) -> Iterator[np.ndarray]:
-    """The concatenation of `parts` cut every `piece` bytes: views where a piece lies in one part, a copy where it
-    spans several (a bundle's small headers and manifests between its data files)."""
+    """The concatenation of `parts` cut every `piece` bytes: views, or a copy where a piece spans several parts."""
     views = [np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in parts]
     views = [v for v in views if v.size]
     i, off = 0, 0
@@ -54,8 +50,7 @@ def pieces(parts: Sequence[Any], piece: int = PIECE) -> Iterator[np.ndarray]:
 
 
 class MpiLink(Link):
-    """Messages to and from the agent at MPI rank `rank` of `comm`, in order both ways (one thread a direction at a
-    time, as over TCP)."""
+    """Messages to and from MPI rank `rank` of `comm`, in order both ways (one thread a direction at a time)."""
 
     def __init__(self, world: World, comm: Any, rank: int, peer: str, throttle: Throttle | None = None):
         self.world, self.comm, self.rank, self.peer = world, comm, rank, peer
@@ -120,13 +115,8 @@ class MpiLink(Link):
             header = json.loads(head[:hlen])
         except (ValueError, RecursionError) as exc:
             raise TransportError(f"{self.peer} sent a header that is not JSON ({exc}); protocol error") from exc
-        if not isinstance(header, dict):
-            raise TransportError(f"{self.peer} sent a header that is not a JSON object")
-        err = gave_up(header, self.peer)
-        if err is not None:
-            raise err
         self._left, self._spill = plen, np.empty(0, dtype=np.uint8)
-        return header, plen
+        return received(header, self.peer), plen
 
     def recv_payload(self, into: np.ndarray) -> None:
         into = into.reshape(-1).view(np.uint8)
@@ -164,10 +154,8 @@ class MpiLink(Link):
             return
         data = np.frombuffer(json.dumps(header, separators=(",", ":")).encode()[:self._notice.size], dtype=np.uint8)
         op = self._call(lambda MPI, c: c.Isend([data, MPI.BYTE], dest=self.rank, tag=NOTICES), "notice", track=False)
-        try:
+        with suppress(TransportError):
             op.wait(NOTICE_S)
-        except TransportError:
-            pass
 
     def shutdown(self) -> None:
         if self._gone is None:

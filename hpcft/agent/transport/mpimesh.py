@@ -1,10 +1,7 @@
-"""The agents' mesh over MPI (--agent-transport mpi): the same exchanges and agreements as the TCP mesh (MeshBase), each
-peer a Link over a communicator of the agents' srun step (`srun --mpi=…`), so the bulk bytes take the MPI library's
-path (on Frontier Cray MPICH over Slingshot's NICs, which TCP over hsn0 does not use).
-
-MPI has no fault tolerance and needs none here: agents are relaunched as one step after any failure. The heartbeats
-keep their TCP ring (agent/heartbeat.py), so a lost or frozen peer is still named, the mesh aborted and every wait
-ended. The world's ranks follow srun's task order, not the slots': the slots are all-gathered once to map them."""
+"""The agents' mesh over MPI (--agent-transport mpi), each peer a Link over the agents' srun step's communicator, so
+bulk bytes take the MPI library's path (Cray MPICH over Slingshot's NICs, which TCP over hsn0 does not use). MPI needs
+no fault tolerance here (the agents relaunch as one step); the heartbeats stay on TCP and still name a lost peer. MPI
+ranks follow srun's task order, not the slots': the slots are all-gathered once to map them."""
 from __future__ import annotations
 
 import logging
@@ -29,8 +26,7 @@ def rank_of_slot(slots: list[int], size: int) -> dict[int, int]:
 
 
 class MpiMesh(MeshBase):
-    """This agent's links to `peers` and its overlay neighbours over MPI (collective: every agent of the step builds
-    it). `timeout`: seconds for MPI to start and the slots to be gathered."""
+    """This agent's MPI links to `peers` and its overlay neighbours (collective); `timeout`: for MPI to start."""
 
     def __init__(self, slot: int, size: int, *, host: str = "", timeout: float = 60.0, rate: float | None = None,
                  cpu: float | None = None, peers: Collection[int] = ()):
@@ -66,8 +62,7 @@ class MpiMesh(MeshBase):
         super().abort()
 
     def close(self) -> None:
-        """Close the links; MPI_Finalize only after a clean run and once every agent is closing too (mpiworld: it is a
-        fence with all of them), else the process exits without it."""
+        """Close the links; MPI_Finalize only after a clean run, once every agent is closing too (mpiworld.release)."""
         super().close()
         if not mpiworld.release(finalize=not self.aborted):
             events.emit("mesh_mpi_closed", level=logging.WARNING, slot=self.slot, finalized=False,

@@ -1,17 +1,13 @@
-"""The process's MPI, funnelled through one thread: that thread initialises MPI (MPI_THREAD_FUNNELED) and is the only
-one that ever calls it; the agent's other threads hand it nonblocking operations (`Op`) and wait on an Event.
-
-Why funnelled rather than MPI_THREAD_MULTIPLE: no thread of the agent ever sits inside a blocking MPI call, so an abort
-(a lost or frozen peer named by the heartbeats, the supervisor's stop, SIGTERM) ends every wait at once whatever MPI
-is doing — MPI has no timeouts and cannot cancel a send; every MPI grants FUNNELED (Cray MPICH grants MULTIPLE only
-with MPICH_MAX_THREAD_SAFETY=multiple, and then takes a lock on every call); and one poller replaces a thread per
-wait. The cost: completions are seen by polling (`Poller`), a few microseconds of CPU per poll."""
+"""The process's MPI, funnelled through one thread (MPI_THREAD_FUNNELED) that alone calls it; the agent's other
+threads hand it nonblocking operations (`Op`) and wait on an Event, so an abort ends every wait at once (MPI has no
+timeouts and cannot cancel a send). Every MPI grants FUNNELED (Cray MPICH grants MULTIPLE only with
+MPICH_MAX_THREAD_SAFETY=multiple, then locks every call). The cost: completions are polled (`Poller`), µs a poll."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 from hpcft import deps
@@ -22,8 +18,7 @@ FINALIZE_S = 2.0  # the most a clean close waits for every other agent to close 
 
 
 def load_mpi() -> Any:
-    """mpi4py's MPI module, MPI not yet initialised (this module's thread does it); MissingDependencyError when
-    mpi4py is missing, ConfigError when its MPI library cannot be loaded."""
+    """mpi4py's MPI module, not yet initialised; MissingDependencyError without mpi4py, ConfigError without its MPI."""
     mpi4py = deps.require("mpi4py", "the agents' MPI transport (--agent-transport mpi)")
     mpi4py.rc.initialize = False
     mpi4py.rc.finalize = False
@@ -37,8 +32,7 @@ def load_mpi() -> Any:
 
 
 def library() -> str:
-    """The MPI library mpi4py runs on (its first line), for the check before a launch: ConfigError naming what to
-    install when mpi4py or its library is missing or unusable."""
+    """The first line of the MPI library mpi4py runs on (the check before a launch); ConfigError when unusable."""
     try:
         MPI = load_mpi()
         return MPI.Get_library_version().splitlines()[0].strip()
@@ -89,11 +83,9 @@ class Op:
 
 
 class Poller:
-    """How long the MPI thread sleeps before its next poll (pure; None: until something is posted): not at all right
-    after a completion (a transfer in pieces keeps its pace: on TCP, Open MPI moves bytes only inside MPI calls), then
-    doubling from `first` up to `busy_max` while someone waits — a wait that lasts is on a slow peer, and the polls'
-    CPU counts against the agent's cap (1 % of the cores by default) — and not at all while only standing receives are
-    posted (a notice nobody waits for can wait: the next wait sees it)."""
+    """The MPI thread's sleep before its next poll (pure; None: until something is posted): none right after a
+    completion (Open MPI over TCP moves bytes only inside MPI calls), then doubling from `first` to `busy_max` while
+    someone waits (the polls' CPU counts against the agent's cap); None while only standing receives are posted."""
 
     def __init__(self, first: float = 1e-5, busy_max: float = 0.02):
         self.first, self.busy_max, self.delay = first, busy_max, 0.0
@@ -141,22 +133,18 @@ class World:
         return op
 
     def cancel(self, op: Op) -> None:
-        """Cancel `op`'s request if MPI has not completed it (a receive; MPI cannot cancel a send): its buffer is
-        released, and the poller stops waiting on it."""
+        """Cancel `op`'s request unless MPI completed it (a receive: MPI cannot cancel a send), freeing its buffer."""
         def post(MPI: Any, _comm: Any) -> None:
             op.idle = True
             if op.req is not None and op.req != MPI.REQUEST_NULL:
-                try:
+                with suppress(MPI.Exception):
                     op.req.Cancel()
-                except MPI.Exception:
-                    pass
 
         self.call(post, f"cancel of {op.what}")
 
     def close(self, finalize: bool) -> bool:
-        """Stop the MPI thread; with `finalize`, MPI_Finalize first, but only once a barrier shows every agent at its
-        close within FINALIZE_S: MPI_Finalize is a fence with all of them, and mpi4py holds the GIL through it, so one
-        frozen or lost agent would hold this process (signals included) until it died. Whether MPI was finalized."""
+        """Stop the MPI thread; with `finalize`, MPI_Finalize first, once a barrier shows every agent closing within
+        FINALIZE_S (a fence holding the GIL: one lost agent would hold this process, signals too). Whether it was."""
         done = False
         if finalize:
             try:
@@ -173,11 +161,9 @@ class World:
     def _finalize(self, MPI: Any, _comm: Any) -> int:
         """In the MPI thread: cancel what is still posted (MPI_Finalize wants no request pending), then finalize."""
         for op in self._active:
-            try:
+            with suppress(MPI.Exception):
                 op.req.Cancel()
                 op.req.Test()
-            except MPI.Exception:
-                pass
         self._active = []
         MPI.Finalize()
         return 0

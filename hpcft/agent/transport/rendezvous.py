@@ -1,9 +1,7 @@
-"""How the agents of one job learn each other's addresses: over the network, from a small directory service on the
-job's authenticated transport. Each agent registers (launch tag, slot, address) and asks for the addresses of the
-slots it connects to; the answer comes once they have all registered. `hpcft run` serves it on the batch host and
-exports its address (HPCFT_AGENT_DIRECTORY) to the agents' step; agents started without one (local runs, tests)
-use one served by the agent of slot 0, which publishes its address in a single file of the rendezvous directory.
-No agent polls per-peer files on the shared file system."""
+"""How the agents of one job learn each other's addresses: from a directory service on the authenticated transport.
+Each agent registers (launch tag, slot, address) and is answered the addresses it asked for once they registered.
+`hpcft run` serves it and exports HPCFT_AGENT_DIRECTORY; without it the agent of slot 0 serves one and publishes its
+address in one file of the rendezvous directory: no agent polls per-peer files on the shared file system."""
 from __future__ import annotations
 
 import ipaddress
@@ -13,6 +11,7 @@ import resource
 import socket
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,24 +44,22 @@ class _Ask:
 
 
 def addresses(iface: str | None = None) -> list[str]:
-    """Where agents on other nodes may reach a service on this host, best first: `iface`'s address when it has one;
-    else the hostname's address, then every other IPv4 address of this host, loopback ones last (the batch host's
-    hostname may resolve to 127.0.1.1, and which of its networks the nodes reach is not known here)."""
+    """Where other nodes may reach a service on this host, best first: `iface`'s address; else the hostname's, then
+    every other IPv4 address, loopback last (a hostname may resolve to 127.0.1.1; which network the nodes reach is
+    not known here)."""
     if iface and (addr := iface_address(iface)):
         return [addr]
     found: list[str] = []
-    try:
+    with suppress(OSError):
         found.append(socket.gethostbyname(socket.gethostname()))
-    except OSError:
-        pass
     found += [a for _, name in socket.if_nameindex() if (a := iface_address(name))]
     unique = list(dict.fromkeys(found)) or ["127.0.0.1"]
     return sorted(unique, key=lambda a: ipaddress.ip_address(a).is_loopback)
 
 
 class Directory:
-    """The directory service: one thread answering every agent's registration (see module doc); `address` is
-    what agents are given: `host` (one address, or several separated by commas, tried in turn) and its port."""
+    """The directory service, one thread answering every registration; `address` is what agents are given: `host`
+    (one address, or several separated by commas, tried in turn) and its port."""
 
     def __init__(self, secret: bytes, *, host: str = "127.0.0.1", bind: str = "0.0.0.0", port: int = 0):
         _raise_fd_limit()
@@ -112,11 +109,9 @@ class Directory:
             self._answer(ask)
 
     def _answer(self, ask: _Ask) -> None:
-        try:
+        with suppress(TransportError):
             ask.ch.send({"peers": {str(j): self.known[(ask.tag, j)] for j in ask.want if (ask.tag, j) in self.known},
                          "missing": sorted(ask.missing)})
-        except TransportError:
-            pass
         ask.ch.close()
 
     def forget(self, tag: str) -> None:
@@ -127,20 +122,10 @@ class Directory:
     def _expire(self, now: float) -> None:
         """Answer the asks whose time ran out with what is known (the agent then names the missing slots)."""
         with self._lock:
-            self._expire_locked(now)
-
-    def _expire_locked(self, now: float) -> None:
-        if not any(a.deadline <= now for a in self._asks):
-            self._asks = [a for a in self._asks if a.missing]
-            return
-        keep = []
-        for a in self._asks:
-            if a.missing and a.deadline <= now:
+            for a in [a for a in self._asks if a.missing and a.deadline <= now]:
                 self._answer(a)
                 a.missing = set()
-            elif a.missing:
-                keep.append(a)
-        self._asks = keep
+            self._asks = [a for a in self._asks if a.missing]
 
     def close(self) -> None:
         self._stopped = True
@@ -158,8 +143,8 @@ class Rendezvous:
         self.address, self.secret, self.served, self.how = address, secret, served, how
 
     def meet(self, tag: str, slot: int, addr: str, want: list[int], timeout: float) -> dict[int, str]:
-        """Register `slot` of launch `tag` at `addr` and return the addresses of `want` once they have registered;
-        TransportError naming the directory (unreachable) or the slots that did not register within `timeout`."""
+        """Register `slot` of launch `tag` at `addr`; the addresses of `want` once registered. TransportError naming
+        the directory (unreachable) or the slots that did not register within `timeout`."""
         ch = self._connect(timeout)
         try:
             ch.send({"register": {"tag": tag, "slot": slot, "addr": addr}, "want": want, "timeout": timeout})

@@ -1,8 +1,6 @@
-"""Authenticated TCP between the agents of one job. Each connection starts with a mutual HMAC-SHA256
-challenge–response over the per-job secret; a peer that fails it is refused, told so and logged. Incoming
-handshakes run off the accept path, each under one overall deadline (`Handshakes`), so a client that connects and
-sends nothing, or a byte now and then, delays no other peer. Messages are a JSON header plus raw bytes (received
-straight into a caller's buffer); nothing is ever unpickled."""
+"""Authenticated TCP between the agents of one job: a mutual HMAC-SHA256 challenge–response over the per-job secret
+opens each connection (a peer that fails it is refused, told so and logged), each incoming handshake under one overall
+deadline off the accept path, so a client that trickles bytes or none delays no other peer. Nothing is unpickled."""
 from __future__ import annotations
 
 import hashlib
@@ -16,12 +14,13 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from typing import Any
 
 import numpy as np
 
 from hpcft import events
-from hpcft.agent.transport.link import NOTICE, Link, PeerGaveUp, TransportError, gave_up, notice  # noqa: F401 (re-exported)
+from hpcft.agent.transport.link import Link, TransportError, received
 from hpcft.agent.transport.throttle import Throttle, chore
 
 _log = logging.getLogger(__name__)
@@ -53,8 +52,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
 
 
 def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
-    """Fill `view`; with `deadline` (time.monotonic()), all of it by then (socket.timeout otherwise), however the
-    bytes trickle in."""
+    """Fill `view`; with `deadline` (time.monotonic()), all of it by then (socket.timeout), however bytes trickle in."""
     got = 0
     while got < len(view):
         if deadline is not None:
@@ -96,8 +94,6 @@ class Channel(Link):
         self.sent += _FRAME.size + len(head) + sum(len(v) for v in views)
 
     def recv_header(self) -> tuple[dict[str, Any], int]:
-        """The next message's header and payload length; read the payload with `recv_payload` (in parts if
-        wanted, e.g. to fold it into parity as it arrives)."""
         try:
             hlen, plen = _FRAME.unpack(_recv_exact(self.sock, _FRAME.size))
             if hlen > MAX_HEADER:
@@ -107,44 +103,31 @@ class Channel(Link):
             raise TransportError(f"{self.peer} sent a header nested too deeply to parse; protocol error") from exc
         except (OSError, ValueError) as exc:
             raise TransportError(f"receiving from {self.peer} failed: {exc}") from exc
-        if not isinstance(header, dict):
-            raise TransportError(f"{self.peer} sent a header that is not a JSON object")
-        err = gave_up(header, self.peer)
-        if err is not None:
-            raise err
-        return header, plen
+        return received(header, self.peer), plen
 
     def recv_payload(self, into: np.ndarray) -> None:
-        """Exactly `into.size` bytes of the current message's payload, straight into `into`."""
         try:
             _recv_into(self.sock, memoryview(into).cast("B"))
         except OSError as exc:
             raise TransportError(f"receiving from {self.peer} failed: {exc}") from exc
 
     def tell(self, header: dict[str, Any]) -> None:
-        try:
+        with suppress(TransportError, OSError):
             self.sock.settimeout(NOTICE_S)
             self.send(header)
-        except (TransportError, OSError):
-            pass
 
     def shutdown(self) -> None:
-        try:
+        with suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def close(self) -> None:
-        try:
+        with suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
 
 class Listener:
-    """A listening socket that hands out only authenticated channels; strangers are refused, told so and logged.
-    A background thread accepts connections and runs their handshakes (`Handshakes`); `accept` takes the next
-    authenticated one."""
+    """A listening socket that hands out only authenticated channels (`accept`), the handshakes run by a thread of
+    its own (`Handshakes`); strangers are refused, told so and logged."""
 
     def __init__(self, secret: bytes, host: str = "0.0.0.0", port: int = 0, backlog: int = 64,
                  throttle: Throttle | None = None, handshake_s: float = HANDSHAKE_S):
@@ -206,9 +189,8 @@ class _Pending:
 
 
 class Handshakes:
-    """The server side of the handshake for every incoming connection, in one thread, none blocking another:
-    accept, send the challenge, collect the reply as it arrives (non-blocking), and by the deadline either hand the
-    connection to `admit` or refuse it (told so, logged as `peer_refused`)."""
+    """The server side of every incoming handshake, in one thread, none blocking another: by its deadline each
+    connection is handed to `admit` or refused (told so, event `peer_refused`)."""
 
     REPLY = len(MAGIC) + NONCE + MAC
 
@@ -250,10 +232,8 @@ class Handshakes:
     def stop(self) -> None:
         """End `run` (from another thread); connections still in their handshake are closed."""
         self._stopped = True
-        try:
+        with suppress(OSError):
             self._wake_w.send(b"x")
-        except OSError:
-            pass
 
     def _accept(self) -> None:
         while True:
@@ -313,10 +293,8 @@ class Handshakes:
     def _refuse(self, p: _Pending, reason: str, tell: bool = False) -> None:
         self._count(p.peer, reason)
         if tell:
-            try:
+            with suppress(OSError):
                 p.conn.send(REFUSED)
-            except OSError:
-                pass
         self._drop(p)
 
     def _count(self, peer: str, reason: str) -> None:
@@ -325,10 +303,8 @@ class Handshakes:
 
     def _forget(self, p: _Pending) -> None:
         self._pending.pop(p.conn, None)
-        try:
+        with suppress(KeyError, ValueError):
             self._sel.unregister(p.conn)
-        except (KeyError, ValueError):
-            pass
 
     def _drop(self, p: _Pending) -> None:
         self._forget(p)

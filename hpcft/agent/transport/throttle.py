@@ -1,16 +1,14 @@
-"""Caps on protection work: bytes per second (network share) and CPU cores (the node's cores are the trainers'). The
-CPU cap bills the protection work only: the agent's chores (heartbeats, reports to the supervisor, pin renewals,
-handshakes, the supervisor's requests), threads made by `chore`, are a fixed cost that must run whatever the cap,
-and billed at 1 % of a core they left nothing for protection (`hpcft bench protect`: nothing protected in 20 s).
-The durable flush is not protection either (its thread is a chore, slot 0's commit runs `unbilled`): billed to the
-cap, one commit's 1.9 CPU-s (torch's import) stopped protection for 190 s at 1 % of a core."""
+"""Caps on protection work: bytes per second (a share of the network) and CPU cores (the node's are the trainers').
+The CPU cap bills protection only: the agent's chores (heartbeats, reports, pin renewals, handshakes; threads made by
+`chore`) must run whatever the cap, and billed at 1 % of a core they left nothing for protection; the durable flush is
+no protection either (one commit's 1.9 CPU-s of torch import stopped protection for 190 s at 1 % of a core)."""
 from __future__ import annotations
 
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from hpcft.errors import ConfigError
 
@@ -51,18 +49,14 @@ def billed_cpu() -> float:
     with _chores_lock:
         spent = _chores_done[0]
         for clock in _chores.values():
-            try:
+            with suppress(OSError):  # ended between its last line and its finally
                 spent += time.clock_gettime(clock)
-            except OSError:  # ended between its last line and its finally
-                pass
         return time.process_time() - spent
 
 
 class Throttle:
-    """Token buckets: `take(n)` sleeps until n bytes fit under `rate` bytes/s (burst `burst` bytes) and until the
-    process's CPU time since the last call fits under `cpu` cores on average (burst: one second's worth), so the
-    agent's CPU use on a node stays a set share whatever a byte costs there. 0 or None: no cap of that kind.
-    The default byte burst is a tenth of a second's worth (64 KiB to 4 MiB)."""
+    """Token buckets: `take(n)` sleeps until n bytes fit under `rate` bytes/s (default burst: a tenth of a second's,
+    64 KiB to 4 MiB) and the process's CPU time under `cpu` cores on average (burst: a second's); 0 or None: no cap."""
 
     def __init__(self, rate: float | None, burst: int | None = None, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, cpu: float | None = None,
@@ -75,7 +69,6 @@ class Throttle:
         self._cpu_tokens = self.cpu
         self._last = clock()
         self._cpu_last = cpu_clock()
-        self.slept = 0.0  # seconds spent waiting on either cap (reported by the bench)
         self._released = False
 
     def release(self) -> None:
@@ -85,10 +78,9 @@ class Throttle:
 
     @contextmanager
     def uncapped(self) -> Iterator[None]:
-        """Work the CPU cap neither slows nor bills, because the trainers wait on it (the agents' start, a rebuild):
-        capped at 1 % of a core, a rebuild's 30 ms of CPU cost 3 s of recovery, and the debt then stalled
-        protection for as long again. The CPU cap exists to spare the trainers' cores; the byte cap, a share of a
-        network that other jobs use too, still holds. Both accounts start afresh after it."""
+        """Work the trainers wait on (the agents' start, a rebuild), which the CPU cap neither slows nor bills: capped
+        at 1 % of a core, a rebuild's 30 ms of CPU cost 3 s of recovery. The byte cap (other jobs share the network)
+        still holds; both accounts start afresh after it."""
         cpu, self.cpu = self.cpu, 0.0
         try:
             yield
@@ -120,13 +112,11 @@ class Throttle:
             self._cpu_tokens = min(self.cpu, self._cpu_tokens + elapsed * self.cpu - used)
             wait = max(wait, -self._cpu_tokens / self.cpu)
         if wait > 0:
-            self.slept += wait
             self._sleep(wait)
 
 
 def cpu_cores(share: float, cores: float | None = None) -> float:
-    """The agent's CPU cap in cores: `cores` when given (its `cpu_cores`), else `share` of the cores this
-    process may run on (its `cpu_share`)."""
+    """The agent's CPU cap in cores: `cores` when given, else `share` of the cores this process may run on."""
     if cores is not None:
         if cores < 0:
             raise ConfigError(f"cpu_cores is a number of cores, 0 or more (got {cores})")

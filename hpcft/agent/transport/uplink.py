@@ -1,10 +1,8 @@
-"""A node's reports to the supervisor over the network, instead of files on the shared file system: its agent's
-status (what `hpcft run` waits on and `hpcft status` shows), its ranks' progress read from the node-local store
-(hpcft/store/progress.py) and the agent's events, on one authenticated connection to the supervisor's report
-service (hpcft/launch/fabric/reports.py, address in $HPCFT_REPORTS). Only what changed is sent (`delta`), at most once per
-`gap` seconds (a change of phase, a warning and the last report at once), so the supervisor of N nodes receives at
-most about N small messages a second. A node that cannot reach the service retries every `gap`; its events go to the
-job's events file meanwhile. Agents started by hand (no $HPCFT_REPORTS) write status files instead (agent/status.py)."""
+"""A node's reports to the supervisor's report service ($HPCFT_REPORTS) on one authenticated connection, instead of
+files on the shared file system: its agent's status, its ranks' progress (read from the node-local store) and the
+agent's events. Only what changed is sent, at most once per `gap` seconds (a new phase, a warning and the last report
+at once), so N nodes send about N small messages a second. Unreachable, a node retries every `gap` and writes its
+events to the job's events file meanwhile; agents started by hand (no $HPCFT_REPORTS) write status files instead."""
 from __future__ import annotations
 
 import atexit
@@ -45,8 +43,8 @@ def patch(old: Mapping[str, Any], changed: Mapping[str, Any], dropped: list[str]
 
 
 class Uplink:
-    """One node's connection to the supervisor (see module doc): `status(**fields)` replaces the agent's report,
-    `event(record)` queues an event, `progress()` (called every PROGRESS_S) gives {rank: (step, ready_s)}."""
+    """One node's connection to the supervisor: `status(**fields)` replaces the agent's report, `event(record)` queues
+    an event, `progress()` (called every PROGRESS_S) gives {rank: (step, ready_s)}."""
 
     def __init__(self, address: str, secret: bytes, *, tag: str, slot: int, node: str,
                  progress: Callable[[], Mapping[int, tuple[int, float | None]]] | None = None, gap: float = GAP_S,
@@ -89,8 +87,7 @@ class Uplink:
         return True
 
     def close(self, timeout: float = CLOSE_S) -> None:
-        """Send what is pending (the last report), then close the connection; events not sent by then go to the
-        events file."""
+        """Send what is pending (the last report) and close; events not sent by then go to the events file."""
         with self._cv:
             self._closing = True
             self._cv.notify()
@@ -189,9 +186,8 @@ class Uplink:
 
 def from_env(secret: bytes, *, tag: str, slot: int, node: str, job: Path | None,
              environ: Mapping[str, str] = os.environ) -> Uplink | None:
-    """The uplink of a node under `hpcft run` ($HPCFT_REPORTS; None without), reporting the progress of the slot's
-    ranks in the store `job` (None: no progress, e.g. an agent standing in for a lost node), and taking this process's
-    events; closed at exit, so that the last report (stopped, failed) leaves before the process ends."""
+    """The uplink of a node under `hpcft run` (None without $HPCFT_REPORTS): the progress of the slot's ranks in store
+    `job` (None: none, e.g. a hosted agent) and this process's events; closed at exit, so the last report leaves."""
     address = environ.get(ENV)
     if not address:
         return None
