@@ -51,7 +51,7 @@ class HpcftFlush(Hpcft):
             if self.agent.poll() is not None:
                 raise HpcftError(f"the bench's agent ended: {self.agent.stderr.read()[-2000:]}")
             time.sleep(0.01)
-        self.training_blocked[self._last] += time.perf_counter() - t0
+        self.per_call["blocked_s"][self._last] += time.perf_counter() - t0
 
     def durable(self) -> int | None:
         st = agent_status.read(self.shared, "0").get(0) or {}

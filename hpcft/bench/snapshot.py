@@ -1,14 +1,8 @@
-"""`hpcft bench snapshot`: the step-time cost of checkpointing every step, hpcft against torch baselines.
-
-One process trains the bench transformer with AdamW; four variants run interleaved in blocks:
-no checkpointing, hpcft every step, torch.save every step, dcp.async_save every step (waiting for
-each save's future before the next one, as a user must). Reported: median step time of each
-variant ÷ the one without checkpointing − 1, training-thread blocked time per snapshot, and
-hpcft's copy bandwidth against a single-thread memcpy of the same bytes.
-"""
+"""`hpcft bench snapshot` (docs/benchmarks.md): the step-time cost of checkpointing every step. One trainer, its
+variants interleaved in blocks (none, hpcft, torch.save, dcp.async_save, hpcft with a flushing agent); reported as
+overheads over the step without checkpointing, and hpcft's copy bandwidth against a memcpy of the same bytes."""
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass
 
 from hpcft.bench import baselines, machine
@@ -21,9 +15,6 @@ from hpcft.bench.snapshot_variants import Checkpointing, DcpAsync, Hpcft, IdleSn
 
 @dataclass(frozen=True)
 class SnapshotOptions:
-    """What `hpcft bench snapshot` runs: model size, measured steps per variant, warmup, block, threads,
-    the device the model trains on and (optionally) its batch."""
-
     params: int = 50_000_000
     steps: int = 20
     warmup: int = 1
@@ -109,38 +100,35 @@ def _flush_report(r: Report, opts: SnapshotOptions, timings: Timings, durable: i
 
 def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: dict[str, Checkpointing],
             copy: CopyFigures) -> Report:
-    hp = by_name["hpcft"]
-    measured = [v for i, v in hp.training_blocked.items() if i >= opts.warmup]
+    hp, warmup = by_name["hpcft"], opts.warmup
     r = Report("snapshot")
-    ran = by_name.keys()
-    r.add("overhead_hpcft", overhead(timings, "hpcft", "none"), "%", "hpcft every step, step-time overhead")
-    r.add("overhead_torch_save", overhead(timings, "torch_save", "none") if "torch_save" in ran else None, "%",
-          "torch.save every step")
-    r.add("overhead_dcp_async", overhead(timings, "dcp_async", "none") if "dcp_async" in ran else None, "%",
-          "dcp.async_save every step")
-    over = {k: r.as_dict()[f"overhead_{k}"] for k in ("hpcft", "dcp_async")}
-    r.add("dcp_async_vs_hpcft_overhead",
-          over["dcp_async"] / over["hpcft"] if over["dcp_async"] is not None and over["hpcft"] > 0 else None, "x",
+    names = {"hpcft": "hpcft", "torch_save": "torch.save", "dcp_async": "dcp.async_save"}
+
+    def over(k: str, cpu: bool = False) -> float | None:  # None: a baseline left out (--no-baselines)
+        return overhead(timings, k, "none", cpu) if k in by_name else None
+
+    for k, text in names.items():
+        r.add(f"overhead_{k}", over(k), "%", f"{text} every step" + (", step-time overhead" if k == "hpcft" else ""))
+    dcp, hpcft = over("dcp_async"), over("hpcft")
+    r.add("dcp_async_vs_hpcft_overhead", dcp / hpcft if dcp is not None and hpcft > 0 else None, "x",
           "dcp.async_save overhead ÷ hpcft overhead")
     r.add("step_s_none", timings.median("none"), "s", "median step, no checkpointing")
-    for k, text in (("hpcft", "hpcft"), ("torch_save", "torch.save"), ("dcp_async", "dcp.async_save")):
-        r.add(f"cpu_overhead_{k}", overhead(timings, k, "none", cpu=True) if k in ran else None, "%",
-              f"{text}, process CPU-time overhead")
+    for k, text in names.items():
+        r.add(f"cpu_overhead_{k}", over(k, cpu=True), "%", f"{text}, process CPU-time overhead")
     r.add("step_cpu_s_none", timings.cpu_median("none"), "s", "median step CPU time (all threads), no checkpointing")
-    r.add("blocked_s_per_snapshot", statistics.median(measured), "s",
+    r.add("blocked_s_per_snapshot", hp.median(warmup, "blocked_s"), "s",
           "hpcft blocked per snapshot (start + pre-step wait)")
-    r.add("start_s_per_snapshot", statistics.median(v for i, v in hp.training_start.items() if i >= opts.warmup),
-          "s", "hpcft snapshot start alone (RNG capture, state walk, manifest, copy issue)")
-    r.add("inline_copy_s_per_snapshot",
-          statistics.median(v for i, v in hp.training_inline_copy.items() if i >= opts.warmup), "s",
+    r.add("start_s_per_snapshot", hp.median(warmup, "start_s"), "s",
+          "hpcft snapshot start alone (RNG capture, state walk, manifest, copy issue)")
+    r.add("inline_copy_s_per_snapshot", hp.median(warmup, "inline_copy_s"), "s",
           "hpcft copy on the training thread per snapshot (a CPU copier without overlap; 0 otherwise)")
-    r.add("blocked_fraction_hpcft", statistics.median(measured) / timings.median("none"), "%",
+    r.add("blocked_fraction_hpcft", hp.median(warmup, "blocked_s") / timings.median("none"), "%",
           "hpcft blocked time ÷ step (overhead without CPU contention)")
-    r.add("blocked_s_torch_save", by_name["torch_save"].blocked_median(opts.warmup) if "torch_save" in ran else None,
-          "s", "torch.save blocked per call")
-    r.add("blocked_s_dcp_async", by_name["dcp_async"].blocked_median(opts.warmup) if "dcp_async" in ran else None,
-          "s", "dcp.async_save blocked per call (wait + stage)")
-    ref = f"{copy.threads}-thread memcpy (hpcft's copy threads)" if opts.device == "cpu" else "device→pinned host copy"
+    for k, what in (("torch_save", ""), ("dcp_async", " (wait + stage)")):
+        r.add(f"blocked_s_{k}", by_name[k].median(warmup) if k in by_name else None, "s",
+              f"{names[k]} blocked per call{what}")
+    ref = f"{copy.threads}-thread memcpy (hpcft's copy threads)" if opts.device == "cpu" else \
+        "device→pinned host copy"
     r.add("copy_vs_memcpy", copy.idle / copy.memcpy, "x", f"hpcft copy+crc bandwidth ÷ {ref}")
     r.add("copy_vs_memcpy_1_thread", copy.idle / copy.memcpy1, "x", "the same ÷ 1-thread memcpy (earlier figures)")
     r.add("copy_vs_memcpy_in_training", copy.training / copy.memcpy, "x", "same, copies overlapping training")

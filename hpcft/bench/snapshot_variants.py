@@ -18,20 +18,20 @@ class Checkpointing(Variant):
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
-        self.blocked: dict[int, float] = {}
+        self.per_call: dict[str, dict[int, float]] = {"blocked": {}}  # figure -> call index -> seconds
         self._last = -1
 
     def run_once(self, index: int) -> None:
         self.trainer.step()
         t0 = time.perf_counter()
         self.checkpoint(index)
-        self.blocked[index] = time.perf_counter() - t0
+        self.per_call["blocked"][index] = time.perf_counter() - t0
         self._last = index
 
     def drain(self) -> None:
         t0 = time.perf_counter()
         self.finish()
-        self.blocked[self._last] = self.blocked.get(self._last, 0.0) + time.perf_counter() - t0
+        self.per_call["blocked"][self._last] += time.perf_counter() - t0
 
     def checkpoint(self, index: int) -> None:
         """Take one checkpoint after the optimizer step of call `index`."""
@@ -39,8 +39,9 @@ class Checkpointing(Variant):
     def finish(self) -> None:
         """Wait for background work (the next call would have waited for it)."""
 
-    def blocked_median(self, warmup: int) -> float:
-        return statistics.median(v for i, v in self.blocked.items() if i >= warmup)
+    def median(self, warmup: int, figure: str = "blocked") -> float:
+        """The median of a per-call figure over the measured calls (warmup excluded)."""
+        return statistics.median(v for i, v in self.per_call[figure].items() if i >= warmup)
 
 
 class NoCheckpoint(Checkpointing):
@@ -81,7 +82,10 @@ class DcpAsync(Checkpointing):
 
 class Hpcft(Checkpointing):
     """hpcft every step. `auto=False` with explicit `step(it)` so that the shared trainer's steps in the
-    other variants take no snapshot; the pre-step hook (the guard) is installed either way."""
+    other variants take no snapshot; the pre-step hook (the guard) is installed either way. Per call it also keeps
+    the deltas of `STATS`: the training thread blocked (start + pre-step wait), the start alone, the copy on it."""
+
+    STATS = ("blocked_s", "start_s", "inline_copy_s")
 
     name, label = "hpcft", "hpcft every step"
 
@@ -92,9 +96,7 @@ class Hpcft(Checkpointing):
         self.ckpt = Checkpointer(trainer.model, trainer.optimizer,
                                  Options(every=1, keep=2, root=str(root), job_id=job_id, auto=False))
         self.calls = 0  # ckpt.step numbering: this variant's own iterations
-        self.training_blocked: dict[int, float] = {}  # stats.blocked_s delta per call: start + pre-step guard
-        self.training_start: dict[int, float] = {}  # stats.start_s delta per call: the start alone
-        self.training_inline_copy: dict[int, float] = {}  # stats.inline_copy_s delta per call
+        self.per_call.update({k: {} for k in self.STATS})
         self.snapshot_and_wait(self.ckpt.store.nslots)  # allocate and fault in every slot once, untimed
 
     def snapshot_and_wait(self, count: int) -> None:
@@ -105,12 +107,10 @@ class Hpcft(Checkpointing):
             self.ckpt.wait()
 
     def run_once(self, index: int) -> None:
-        st = self.ckpt.stats
-        before, start, inline = st.blocked_s, st.start_s, st.inline_copy_s
+        before = {k: getattr(self.ckpt.stats, k) for k in self.STATS}
         super().run_once(index)
-        self.training_blocked[index] = st.blocked_s - before
-        self.training_start[index] = st.start_s - start
-        self.training_inline_copy[index] = st.inline_copy_s - inline
+        for k, value in before.items():
+            self.per_call[k][index] = getattr(self.ckpt.stats, k) - value
 
     def checkpoint(self, index: int) -> None:
         self.ckpt.step(self.calls)
@@ -119,7 +119,7 @@ class Hpcft(Checkpointing):
     def finish(self) -> None:
         before = self.ckpt.stats.blocked_s
         self.ckpt.wait()
-        self.training_blocked[self._last] += self.ckpt.stats.blocked_s - before
+        self.per_call["blocked_s"][self._last] += self.ckpt.stats.blocked_s - before
 
     def first_measured_step(self, warmup: int) -> int:
         """The snapshot step number of this variant's first measured call."""
