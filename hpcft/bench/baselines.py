@@ -1,8 +1,5 @@
-"""The checkpointing a user would write without hpcft: torch.save/torch.load and torch.distributed.checkpoint.
-
-Each function does what a careful user does and nothing more, so the benches compare hpcft with
-real practice. DCP calls need a process group (see `harness.local_process_group`).
-"""
+"""The checkpointing a user would write without hpcft (torch.save/torch.load, torch.distributed.checkpoint), as a
+careful user does and no more; DCP calls need a process group (`harness.local_process_group`)."""
 from __future__ import annotations
 
 import warnings

@@ -5,27 +5,14 @@ from __future__ import annotations
 
 import os
 import platform
-from dataclasses import asdict
 import time
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
-from hpcft.bench.harness import Memcpy
+from hpcft.bench.harness import GB, Memcpy
 from hpcft.env import usable_cores
 from hpcft.snapshot.calibration import CopySettings
 from hpcft.snapshot.calibration.cache import cpu_model
-
-GB = 1e9
-
-
-def _memory_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
 
 
 def memcpy_gbps(threads: int, nbytes: int = 256 << 20, repeats: int = 3) -> float:
@@ -44,7 +31,7 @@ def memcpy_gbps(threads: int, nbytes: int = 256 << 20, repeats: int = 3) -> floa
 
 def describe(threads: int = 2) -> dict[str, Any]:
     """The machine as a bench report records it (measuring its bandwidth takes about a second)."""
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable_cores(), "memory_gib": _memory_gib(),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable_cores(), "memory_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
             "memcpy_gbps_1_thread": memcpy_gbps(1), f"memcpy_gbps_{threads}_threads": memcpy_gbps(threads),
             "load_average": [round(x, 2) for x in os.getloadavg()], "host": platform.node()}
 

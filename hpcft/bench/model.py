@@ -1,12 +1,9 @@
-"""A plain-torch GPT-style transformer and its AdamW training step: the workload every bench times.
-
-The shape is chosen from a parameter budget so that `--params 50M` gives the reference model of
-PERFORMANCE-NOTES.md (8 layers, d_model 640, 10 heads, seq 256, batch 4, vocab 8192).
-"""
+"""A plain-torch GPT-style transformer and its AdamW training step: the workload every bench times; `--params 50M`
+is the reference model of PERFORMANCE-NOTES.md (8 layers, d_model 640, 10 heads, seq 256, batch 4, vocab 8192)."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +25,6 @@ class ModelConfig:
     seq: int
     batch: int
     vocab: int
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 def param_count(layers: int, d_model: int, seq: int, vocab: int) -> int:

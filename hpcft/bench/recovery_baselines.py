@@ -1,10 +1,7 @@
-"""The baselines of `hpcft bench recovery`: what a user does without hpcft, on the same job (train_job.py with
-CKPT=disk: rank 0 `torch.save`s model + optimizer every step, every rank `torch.load`s on a restart), one rank
-SIGKILLed once every rank has completed step `fault_at`:
-- relaunch (issue 14's fair baseline): the batch script runs `srun` again in the same allocation at once;
-- requeue: the batch script runs `scontrol requeue`, and the next run of the job (after Slurm's credential
-  expiry and the queue) resumes.
-Each returns the recovery's phases (hpcft/bench/timeline.py), detection ending when the script reacts."""
+"""The baselines of `hpcft bench recovery` (docs/benchmarks.md): what a user does without hpcft on the same job
+(train_job.py with CKPT=disk), one rank SIGKILLed after step `fault_at`: the batch script runs `srun` again in the
+allocation (relaunch, issue 14's fair one) or `scontrol requeue`s the job (requeue), and the next launch
+`torch.load`s; detection ends when the script reacts."""
 from __future__ import annotations
 
 import os

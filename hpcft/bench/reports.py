@@ -1,9 +1,6 @@
-"""`hpcft bench reports`: the supervisor's side of the nodes' reports (docs/supervisor.md, "Progress and status over
-the network") at a machine's size, on this one: a client process opens N authenticated connections to a real report
-service (the supervisor's Fabric: report service, live view, bounded log, in this process) and sends over each, once
-a second as an uplink does in steady state, what an agent of 8 ranks sends per round (its status delta and its ranks'
-progress); measured: the reports received per second, the supervisor process's CPU time per second and per report,
-and the bounded log's size and writes. What the client cannot send in time on a loaded machine is said (`sent_hz`)."""
+"""`hpcft bench reports` (docs/benchmarks.md): N nodes' steady reports (8 ranks each, once a second) from a client
+process into a real report service (the supervisor's Fabric) in this one; measured: reports received per second,
+the supervisor's CPU per second and per report, the bounded log. `sent_hz` says what the client managed to send."""
 from __future__ import annotations
 
 import json
@@ -94,7 +91,7 @@ def measure(nodes: int, ranks: int, seconds: float) -> dict[str, Any]:
                                                                     seconds, out))
         proc.start()
         try:
-            kind, _ = out.get(timeout=600)
+            out.get(timeout=600)  # ("connected", time): every connection open
             while fabric.server.received < nodes:  # every whole status taken: the steady state begins
                 time.sleep(0.05)
             cpu0, wall0, got0, writes0 = _cpu(), time.monotonic(), fabric.server.received, fabric.writes

@@ -188,6 +188,6 @@ def _report(opts: RestoreOptions, trainer: Trainer, timings: Timings, state_byte
     r.add("state_bytes", state_bytes, "B", "bytes restored")
     r.add("params", trainer.n_params(), "", "model parameters")
     r.add("verified", True, "", "every restore bitwise equal to the saved state")
-    r.note("config", {**asdict(opts), "model": trainer.cfg.as_dict()})
+    r.note("config", {**asdict(opts), "model": asdict(trainer.cfg)})
     r.note("variants", {name: timings.summary(name) for name in timings.samples})
     return r

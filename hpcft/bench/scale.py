@@ -1,10 +1,7 @@
-"""`hpcft bench scale`: N real agent processes on this machine (`hpcft.bench.scale_agent`, each on a loopback
-address of its own, as if on its own node), meeting through the directory service served here as `hpcft run` serves
-it, connected as xor sets of `group` plus the overlay, with heartbeats running. Per N: mesh setup time (every agent
-connected, from the moment they are all told to start), one agreement's latency (what opens every protection round:
-an all-reduce of the steps each holds) and an all-gather's, heartbeat traffic, sockets and connections per agent
-(counted in /proc/self/fd), and a fit of their growth. On one machine N agents share its cores: wall times are this
-box's, per-agent CPU is what a machine with one agent per node pays."""
+"""`hpcft bench scale` (docs/benchmarks.md): N real agent processes (`hpcft.bench.scale_agent`), each on a loopback
+address of its own as if on its own node, meshed as `hpcft run` meshes them; per N their setup, agreement latency,
+heartbeat traffic and sockets, and the growth of each with N. Wall times are this box's (N agents share its cores);
+per-agent CPU is what a machine with one agent per node pays."""
 from __future__ import annotations
 
 import json
@@ -46,10 +43,9 @@ def loopback(slot: int) -> str:
 
 def _spawn(n: int, opts: ScaleOptions, directory: str, secret: Path) -> list[subprocess.Popen]:
     env = {**os.environ, "HPCFT_EVENT_DIR": str(secret.parent)}
-    return [subprocess.Popen([sys.executable, "-m", "hpcft.bench.scale_agent", "--slot", str(i), "--slots", str(n),
-                              "--host", loopback(i), "--directory", directory, "--secret", str(secret),
-                              "--group", str(opts.group), "--rounds", str(opts.rounds), "--window", str(opts.window),
-                              "--timeout", str(opts.timeout)],
+    return [subprocess.Popen([sys.executable, "-m", "hpcft.bench.scale_agent", json.dumps(dict(
+                                 slot=i, slots=n, host=loopback(i), directory=directory, secret=str(secret),
+                                 group=opts.group, rounds=opts.rounds, window=opts.window, timeout=opts.timeout))],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=env) for i in range(n)]
 
@@ -140,7 +136,7 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
 
 
-def frontier(per_n: Sequence[dict[str, Any]], group: int) -> dict[str, Any]:
+def frontier(group: int) -> dict[str, Any]:
     """What the fabric's structure gives at 9,408 nodes (counted, not measured): connections and hops per agent."""
     hops = math.ceil(math.log2(FRONTIER_NODES))
     ring = len(overlay(0, FRONTIER_NODES))
@@ -156,8 +152,7 @@ ROWS = (("setup_s", "s", "mesh setup (every agent connected)"),
         ("gather_bytes_per_agent", "B", "its bytes sent per agent"), ("sockets_per_agent", "", "sockets per agent"),
         ("connections_per_agent", "", "connections per agent (data + heartbeats)"),
         ("beat_Bps_per_agent", "B/s", "heartbeat bytes sent per agent"))
-KEYS = ("setup_s", "setup_cpu_ms", "agree_ms", "agree_cpu_ms", "agree_bytes_per_agent", "gather_ms", "gather_cpu_ms",
-        "gather_bytes_per_agent", "sockets_per_agent", "connections_per_agent", "beat_Bps_per_agent")
+KEYS = ("setup_s", "setup_cpu_ms", *(key for key, _, _ in ROWS[1:]))
 
 
 def run(opts: ScaleOptions) -> Report:
@@ -173,6 +168,6 @@ def run(opts: ScaleOptions) -> Report:
     for key in KEYS:
         report.note(key, {str(p["agents"]): p[key] for p in per_n})
     report.note("growth", {k: growth(per_n, k) for k in KEYS})
-    report.note("frontier", frontier(per_n, opts.group))
+    report.note("frontier", frontier(opts.group))
     report.note("options", {"group": opts.group, "rounds": opts.rounds, "window_s": opts.window})
     return report

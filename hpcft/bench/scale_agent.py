@@ -1,16 +1,16 @@
-"""One simulated node agent of `hpcft bench scale` (`python -m hpcft.bench.scale_agent`): the real mesh, heartbeats,
-directory and all-gather code on a loopback address of its own, with an empty store. It says `ready` once imported,
-forms its meshes when told `go` (stdin), runs the agreement rounds, measures its heartbeat traffic over a quiet
-window and prints one JSON line of what it measured."""
+"""One simulated node agent of `hpcft bench scale` (`python -m hpcft.bench.scale_agent '{"slot": …}'`, its settings
+as one JSON object): the real mesh, heartbeats, directory and all-gather code on a loopback address of its own, with
+an empty store. It says `ready` once imported, forms its meshes when told `go` (stdin), runs the agreement rounds,
+measures its heartbeat traffic over a quiet window and prints one JSON line of what it measured."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
 import struct
 import sys
 import time
+from types import SimpleNamespace
 
 from hpcft.agent.transport import secret as job_secret
 from hpcft.agent.protection.bundle import both
@@ -66,19 +66,9 @@ def _traffic(beat: Heartbeat) -> tuple[int, int] | None:
     return sum(g[0] for g in got), sum(g[1] for g in got)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcft.bench.scale_agent")
-    ap.add_argument("--slot", type=int, required=True)
-    ap.add_argument("--slots", type=int, required=True)
-    ap.add_argument("--host", required=True, help="this agent's loopback address (its 'node')")
-    ap.add_argument("--directory", required=True)
-    ap.add_argument("--secret", required=True)
-    ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--window", type=float, default=5.0)
-    ap.add_argument("--loss-timeout", type=float, default=60.0)
-    ap.add_argument("--timeout", type=float, default=300.0)
-    args = ap.parse_args(argv)
+def main() -> int:
+    # slot, slots, host (this agent's loopback address: its 'node'), directory, secret, group, rounds, window, timeout
+    args = SimpleNamespace(loss_timeout=60.0, **json.loads(sys.argv[1]))
     secret = job_secret.load(args.secret)
     placement = plan(args.slots, Scheme("xor", group=args.group) if args.slots >= args.group else Scheme("none"))
     meet = Rendezvous(args.directory, secret)
@@ -120,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     mesh.allgather(None)  # nobody closes while another still measures
     print(json.dumps({"slot": args.slot, "formed": formed, "setup_cpu_s": setup_cpu, "agree_s": agree,
                       "agree_cpu_s": agree_cpu, "gather_s": gather, "gather_cpu_s": gather_cpu,
-                      "agree_bytes": agree_bytes, "gather_bytes": gather_bytes, "sockets": sockets, "data_peers": len(mesh.peers),
-                      "beat_peers": len(beat.mesh.peers) if beat else 0,
+                      "agree_bytes": agree_bytes, "gather_bytes": gather_bytes, "sockets": sockets,
+                      "data_peers": len(mesh.peers), "beat_peers": len(beat.mesh.peers) if beat else 0,
                       "exchange_peers": len(placement.exchange_peers(args.slot)),
                       "beat_tx_Bps": beat_tx, "beat_rx_Bps": beat_rx, "silent": silent,
                       "rss_mb": rss_mb()}), flush=True)

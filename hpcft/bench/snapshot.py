@@ -142,6 +142,6 @@ def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: 
     r.add("state_bytes", trainer.state_bytes(), "B", "bytes of model + optimizer state")
     r.add("params", trainer.n_params(), "", "model parameters")
     r.add("dcp_async_form", baselines.DCP_ASYNC_FORM, "", "async_save form")
-    r.note("config", {**asdict(opts), "model": trainer.cfg.as_dict()})
+    r.note("config", {**asdict(opts), "model": asdict(trainer.cfg)})
     r.note("variants", {name: timings.summary(name) for name in timings.samples})
     return r

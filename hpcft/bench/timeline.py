@@ -25,9 +25,8 @@ def job_env(opts: Any, out: Path, **extra: str) -> dict[str, str]:
 def read(out: Path) -> list[dict]:
     """Every record of the job's timeline in `out`, in the order written."""
     path = out / "timeline.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def wait(predicate: Callable[[], Any], what: str, timeout: float, proc: subprocess.Popen | None = None) -> Any:
@@ -44,19 +43,16 @@ def wait(predicate: Callable[[], Any], what: str, timeout: float, proc: subproce
         time.sleep(0.05)
 
 
-def victim(out: Path, opts: Any, run: str) -> int | None:
-    """The pid of rank VICTIM_RANK in `run` once every rank has completed step `fault_at`."""
-    recs = [r for r in read(out) if r["run"] == run]
-    done = {r["rank"] for r in recs if r["what"] == "step" and r["step"] >= opts.fault_at}
-    if len(done) < ACTIVE:
-        return None
-    return next((r["pid"] for r in recs if r["what"] == "start" and r["rank"] == VICTIM_RANK), None)
-
-
 def wait_victim(out: Path, opts: Any, proc: subprocess.Popen | None = None) -> int:
     """The pid of rank VICTIM_RANK of the first launch (run "0.0"), waited for until every rank has completed step
     `opts.fault_at` (up to `opts.timeout`)."""
-    return wait(lambda: victim(out, opts, "0.0"), f"step {opts.fault_at} on every rank", opts.timeout, proc)
+    def victim() -> int | None:
+        recs = [r for r in read(out) if r["run"] == "0.0"]
+        if len({r["rank"] for r in recs if r["what"] == "step" and r["step"] >= opts.fault_at}) < ACTIVE:
+            return None
+        return next((r["pid"] for r in recs if r["what"] == "start" and r["rank"] == VICTIM_RANK), None)
+
+    return wait(victim, f"step {opts.fault_at} on every rank", opts.timeout, proc)
 
 
 def phases(timeline: list[dict], run: str, fault: float, decided: float) -> dict[str, float]:
@@ -73,13 +69,8 @@ def phases(timeline: list[dict], run: str, fault: float, decided: float) -> dict
             raise HpcftError(f"run {run} recorded {what!r} for ranks {sorted(first)} only")
         return first
 
-    start, imported, init, built, restored = (per_rank(w) for w in ("start", "imported", "init", "built", "restored"))
-    steps = [r for r in recs if r["what"] == "step"]
-    first_step = {}
-    for r in steps:
-        first_step.setdefault(r["rank"], r)
-    if len(first_step) < ACTIVE:
-        raise HpcftError(f"run {run} completed no step on ranks {sorted(set(range(ACTIVE)) - set(first_step))}")
+    start, imported, init, built, restored, first_step = (
+        per_rank(w) for w in ("start", "imported", "init", "built", "restored", "step"))
     t_built = max(r["t"] for r in built.values())
     t_restored = max(r["t"] for r in restored.values())
     t_step = max(r["t"] for r in first_step.values())
