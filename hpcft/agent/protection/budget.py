@@ -1,9 +1,6 @@
-"""Pure policy: the agent's CPU cap under a bound on the protection lag (`lag_bound`). The user sets the budget
-(`cpu_share`/`cpu_cores`) or the lag bound; with a bound, the budget is the floor and the cap rises while the
-newest protected step trails the newest staged one by more than the bound, up to a ceiling, and falls back once
-the lag is well within it, steered by the lag the next pass would leave (`foreseen_lag`); the wait between rounds
-follows the trainers' pace (`pause`). The agent reports the cap in force (the budget the bound needs) and warns
-when the ceiling cannot meet the bound on this node."""
+"""Pure policy: the agent's CPU cap under a bound on the protection lag (`lag_bound`). The budget given is the floor;
+the cap rises, up to a ceiling, while the lag the next pass would leave (`foreseen_lag`) exceeds the bound, and falls
+back once the lag is well within it; the wait between rounds follows the trainers' pace (`pause`)."""
 from __future__ import annotations
 
 import math
@@ -48,9 +45,8 @@ def foreseen_lag(lag: int | None, per_step: float | None, round_s: float) -> int
 
 
 def pause(interval: float, bound: int | None, lag: int | None, per_step: float | None, round_s: float) -> float:
-    """Seconds to wait before the next round: the interval, or with a lag bound, short enough that the next pass
-    (as long as this round) ends before the trainers stage more than `bound` steps past the newest protected one,
-    a step of margin kept."""
+    """Seconds before the next round: the interval, or with a lag bound, short enough that the next pass (as long as
+    this round) ends before the trainers stage `bound` steps past the newest protected one (a step of margin)."""
     if bound is None or per_step is None:
         return interval
     return min(interval, max(0.0, (bound - 1 - (lag or 0)) * per_step - round_s))

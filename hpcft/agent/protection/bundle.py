@@ -1,6 +1,5 @@
-"""One node's snapshot of one step as a single byte string (the unit the agent protects), read from the
-store without opening it for writing: a length-prefixed JSON header, then per local rank its committed
-manifest bytes and its data bytes. Read-only; the trainers keep writing their next versions meanwhile.
+"""One node's snapshot of one step as a single byte string (the unit the agent protects), read without opening the
+store for writing: a length-prefixed JSON header, then per local rank its committed manifest bytes and data bytes.
 On a replacement node, `parse` + `unpack` turn a rebuilt bundle back into committed rank-store versions."""
 from __future__ import annotations
 
@@ -38,10 +37,9 @@ class Held:
     data_path: Path
 
 
-# manifest path -> (its file's identity, what was read from it). Manifests are only ever replaced by rename, so an
-# unchanged (inode, size, ctime) is an unchanged manifest: an agent polling every round re-reads only new ones (a
-# 50M-parameter rank's manifest costs ~1.5 ms of CPU to read and check; 8 ranks × 3 reads per round added up to
-# a large part of the agent's CPU cap).
+# manifest path -> (its file's identity, what was read from it). Manifests are only replaced by rename, so an unchanged
+# (inode, size, ctime) is an unchanged manifest: re-reading them every round (~1.5 ms of CPU each at 50M parameters)
+# took a large part of the agent's CPU cap.
 _SEEN: dict[Path, tuple[tuple[int, int, int], Held]] = {}
 
 
@@ -63,7 +61,7 @@ def local_versions(job: Path) -> dict[int, dict[int, Held]]:
                     held = Held(rank, int(parsed["step"]), mpath, raw, parsed, slot_file(rdir, k, DATA))
                     _SEEN[mpath] = (key, held)
             except (OSError, StoreError) as exc:  # withdrawn under us, or torn: not a version
-                _log_skip(mpath, exc)
+                logging.getLogger(__name__).debug("skipping %s: %s", mpath, exc)
                 continue
             present.add(mpath)
             found.setdefault(held.step, {})[held.rank] = held
@@ -72,38 +70,39 @@ def local_versions(job: Path) -> dict[int, dict[int, Held]]:
     return found
 
 
-def _log_skip(path: Path, exc: Exception) -> None:
-    logging.getLogger(__name__).debug("skipping %s: %s", path, exc)
-
-
 def complete_steps(job: Path, versions: dict[int, dict[int, Held]] | None = None) -> dict[int, dict[int, Held]]:
-    """The steps every local rank holds (the node's complete versions), newest last; from `versions`
-    (`local_versions(job)`) when the caller has just read them."""
+    """The steps every local rank holds (the node's complete versions), newest last; from `versions` when given."""
     versions = local_versions(job) if versions is None else versions
     ranks = {r for by_rank in versions.values() for r in by_rank}
     return dict(sorted((s, v) for s, v in versions.items() if set(v) == ranks))
 
 
 def owned(complete: dict[int, dict[int, Held]], owner: Owner) -> dict[int, dict[int, Held]]:
-    """The steps of `complete` whose every version is `owner`'s, or adopted (hpcft.store.owner): what the agents may
-    flush into this job's durable tier, where another job's versions copied into the store would pass for its own."""
+    """The steps of `complete` whose every version is `owner`'s or adopted: what the agents may flush into this job's
+    durable tier, where another job's versions would pass for its own."""
     return {s: held for s, held in complete.items()
             if all((who := stranger(h.manifest, owner)) is None or who.taken for h in held.values())}
 
 
-def common(lists: list[list[int]]) -> set[int]:
-    """The steps every agent's list holds (from an all-gather of each one's steps)."""
-    return set.intersection(*(set(x) for x in lists)) if lists else set()
-
-
 def both(a: list[int], b: list[int]) -> list[int]:
-    """The steps in both lists: the combine of an all-reduce of each agent's steps (Mesh.allreduce)."""
+    """The steps in both lists: the combine of an all-reduce of each agent's steps."""
     return sorted(set(a) & set(b))
 
 
 def pin_targets(step: int, held: dict[int, Held]) -> list[tuple[Path, int]]:
     """(pin file, step) of the slot holding `step` in every rank's store (see `hpcft.store.pin`)."""
     return [(store_pin.path_of(h.manifest_path), step) for h in held.values()]
+
+
+def _bad_chunk(data: np.ndarray, manifest: dict, throttle: Throttle | None = None) -> int | None:
+    """The offset of the first chunk of `data` whose sealed crc32c is not its manifest's, or None."""
+    key = seal_key(manifest)
+    for off, n, crc in manifest["chunks"]:
+        if throttle is not None:
+            throttle.take(n)
+        if seal(crc32c(data[off:off + n]), key) != crc:
+            return off
+    return None
 
 
 def map_readonly(path: Path, nbytes: int) -> np.ndarray:
@@ -151,18 +150,14 @@ class Bundle:
         return views + ([np.zeros(pad, dtype=np.uint8)] if pad > 0 else [])
 
     def verify(self, throttle: Throttle | None = None) -> None:
-        """Check every chunk of every rank's data against its manifest; IntegrityError names the first bad one.
-        With a `throttle`, the checksums are paced like the protection traffic."""
-        for r, h in sorted(self.held.items()):
-            data = self.parts[2 + 2 * sorted(self.held).index(r)]
-            key = seal_key(h.manifest)
-            for off, n, crc in h.manifest["chunks"]:
-                if throttle is not None:
-                    throttle.take(n)
-                if seal(crc32c(data[off:off + n]), key) != crc:
-                    events.emit("chunk_lost", level=logging.ERROR, rank=r, step=self.step, offset=off,
-                                path=str(h.data_path))
-                    raise IntegrityError(f"rank {r} step {self.step}: chunk at offset {off} fails its crc32c")
+        """Check every chunk of every rank's data against its manifest (paced by `throttle` when given);
+        IntegrityError names the first bad one."""
+        for i, (r, h) in enumerate(sorted(self.held.items())):
+            off = _bad_chunk(self.parts[2 + 2 * i], h.manifest, throttle)
+            if off is not None:
+                events.emit("chunk_lost", level=logging.ERROR, rank=r, step=self.step, offset=off,
+                            path=str(h.data_path))
+                raise IntegrityError(f"rank {r} step {self.step}: chunk at offset {off} fails its crc32c")
 
     def pin_targets(self) -> list[tuple[Path, int]]:
         """(pin file, step) of every rank's slot holding this step: what the agent pins while it reads them."""
@@ -189,8 +184,8 @@ class Part:
 
 
 def parse(payload: np.ndarray, step: int) -> list[Part]:
-    """Split a bundle's bytes into its ranks' parts, verifying every manifest and every data chunk's crc32c;
-    IntegrityError names the first thing that does not match (the bundle is then treated as lost)."""
+    """A bundle's bytes split into its ranks' parts, every manifest and chunk crc32c verified; IntegrityError names
+    the first mismatch (the bundle is then treated as lost)."""
     try:
         (hlen,) = _LEN.unpack(payload[:_LEN.size].tobytes())
         header = json.loads(payload[_LEN.size:_LEN.size + hlen].tobytes())
@@ -216,18 +211,15 @@ def parse(payload: np.ndarray, step: int) -> list[Part]:
         if manifest["step"] != step or manifest.get("rank", entry["rank"]) != entry["rank"]:
             raise IntegrityError(f"bundle of step {step}: rank {entry['rank']}'s manifest is for rank "
                                  f"{manifest.get('rank')} step {manifest['step']}")
-        key = seal_key(manifest)
-        for lo, n, crc in manifest["chunks"]:
-            if seal(crc32c(data[lo:lo + n]), key) != crc:
-                raise IntegrityError(f"bundle of step {step}: rank {entry['rank']} chunk at offset {lo} fails its "
-                                     "crc32c")
+        if (lo := _bad_chunk(data, manifest)) is not None:
+            raise IntegrityError(f"bundle of step {step}: rank {entry['rank']} chunk at offset {lo} fails its crc32c")
         parts.append(Part(entry["rank"], raw, manifest, data))
     return parts
 
 
 def unpack(parts: list[Part], job_id: str, root: str | os.PathLike | None = None) -> list[Path]:
-    """Write verified parts into this node's rank stores: data into the slot the manifest names, then the
-    manifest committed by the store's own atomic rename (so a torn unpack is never a version)."""
+    """Write verified parts into this node's rank stores: data into the slot the manifest names, then the manifest
+    committed by the store's atomic rename (a torn unpack is never a version)."""
     from hpcft.store import RankStore  # the writer side of the store, used only on a replacement node
 
     written = []

@@ -43,8 +43,7 @@ class Codec:
 
     def _check(self, have: Mapping[int, np.ndarray], want: Mapping[int, np.ndarray]) -> None:
         if len(have) < self.data_blocks:
-            raise Unrecoverable(f"a stripe of {self.n} blocks lost {self.n - len(have)}; "
-                                f"it tolerates {self.k}")
+            raise Unrecoverable(f"a stripe of {self.n} blocks lost {self.n - len(have)}; it tolerates {self.k}")
         bad = [b for b in list(have) + list(want) if not 0 <= b < self.n]
         if bad:
             raise ConfigError(f"block numbers {bad} are outside 0..{self.n - 1}")
@@ -69,8 +68,8 @@ class XorCodec(Codec):
 
 
 def xor_into(out: np.ndarray, sources: Sequence[np.ndarray], chunk: int = CHUNK) -> None:
-    """out = XOR of `sources`, in place, chunk by chunk (the chunk of `out` stays in cache while every source
-    is added), with no allocation. A source shorter than `out` counts as zero-padded: no padded copies."""
+    """out = XOR of `sources` (short ones zero-padded), in place, chunk by chunk (the chunk of `out` stays in cache
+    while every source is added), with no allocation."""
     n = out.size
     if any(s.size > n for s in sources):
         raise ConfigError(f"XOR sources must not be longer than the output (got {[s.size for s in sources]} into {n})")
@@ -95,9 +94,8 @@ def xor_into(out: np.ndarray, sources: Sequence[np.ndarray], chunk: int = CHUNK)
 
 
 class XorFold:
-    """A parity block built as pieces arrive, in place: the first bytes to reach a region of `out` are copied,
-    later ones XORed in; thread-safe, so receivers from several peers can fold concurrently. `finish()` zeroes
-    what no piece covered (pieces shorter than the block are zero-padded by definition)."""
+    """A parity block built in place as pieces arrive, from any thread: the first bytes to reach a region of `out`
+    are copied, later ones XORed in; `finish()` zeroes what no piece covered (short pieces are zero-padded)."""
 
     def __init__(self, out: np.ndarray, grid: int = CHUNK):
         self.out, self.grid = out, grid

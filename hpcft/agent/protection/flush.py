@@ -1,10 +1,7 @@
-"""The agents' flush to the durable tier (hpcft.durable): every `every` steps of protection progress, and on
-request (`hpcft flush`, before a requeue), the newest protected step is written from each node's store to the
-persist directory by a thread per agent while the rounds go on, and committed by slot 0 once every node has
-written its ranks. With a node-local first level (hpcft.durable.local) each agent writes there first, releases the
-store, publishes its node's copy and drains it to the persist directory; the commit waits for every drain. The
-trainers take no part. While a flush reads the store no new protection pass starts, so that a rank's store never
-has more than two slots pinned (the flushed step and one pass: see hpcft.agent.protection.pins)."""
+"""The agents' flush to the durable tier: every `every` steps of protection progress, and on request (`hpcft flush`,
+before a requeue), each agent's thread writes the newest protected step from its node's store to the persist directory
+(or first to a node-local level, then drained there) while the rounds go on; slot 0 commits once every node is done.
+While a flush reads the store no protection pass starts, so no rank's store has more than two slots pinned."""
 from __future__ import annotations
 
 import json
@@ -32,22 +29,21 @@ VOTE = {"failed": [(COUNT, str)], "running": bool, "busy": bool, "asked": [str],
 
 
 def request_path(rendezvous: str | Path, tag: str) -> Path:
-    """The supervisor's (or `hpcft flush`'s) request to the agents of launch `tag`: flush the newest protected step
-    now. JSON {"id": ...}; served ids are reported in the agents' status (`flushed_request`)."""
+    """A request to the agents of launch `tag` to flush the newest protected step now: JSON {"id": ...}, each id
+    served reported in their status (`flushed_request`)."""
     return Path(rendezvous) / f"agent-{tag}-flush"
 
 
 def request(rendezvous: str | Path, tag: str) -> str:
     """Ask the agents of launch `tag` for a flush; the request id to wait for in their status."""
     rid = uuid.uuid4().hex[:12]
-    target = request_path(rendezvous, tag)
-    files.put(target, json.dumps({"id": rid, "time": time.time()}).encode(), sync=False)
+    files.put(request_path(rendezvous, tag), json.dumps({"id": rid, "time": time.time()}).encode(), sync=False)
     return rid
 
 
 def outcome(reports: list[dict[str, Any]], rid: str, slots: int) -> tuple[bool, int | None, str | None]:
-    """From the agents' status reports: (has every one of `slots` agents served request `rid` and finished its
-    flush, the newest step durable for all of them, why the flush failed if it did)."""
+    """From the agents' reports: (every one of `slots` agents served request `rid` and finished its flush, the newest
+    step durable for all, why the flush failed if it did)."""
     durable = min((r["persisted"] for r in reports if r.get("persisted") is not None), default=None)
     served = len(reports) == slots and all(r.get("flushed_request") == rid and not r.get("flushing") for r in reports)
     return served, durable, next((r["flush_error"] for r in reports if r.get("flush_error")), None) if served else None
@@ -99,8 +95,8 @@ class Flusher:
 
     @property
     def pinning(self) -> bool:
-        """A flush may still read the store (its slots pinned): no protection pass starts meanwhile. Decided from
-        the last round's all-reduce, so every agent decides the same (protection passes are collective)."""
+        """A flush may still read the store: no protection pass starts meanwhile. From the last round's all-reduce,
+        so every agent decides the same."""
         return self._step is not None and not self._released
 
     @property
@@ -110,8 +106,8 @@ class Flusher:
         return self._state if self.busy else None
 
     def round(self, mesh: MeshBase, complete: dict[int, dict[int, Held]], protected: list[int]) -> None:
-        """One collective step of the flush: start one when due or asked (every agent the same decision, from the
-        all-reduced votes), or, when every node has written its part, let slot 0 commit it."""
+        """One collective step: start a flush when due or asked (the same decision everywhere, from the all-reduced
+        votes), or, once every node has written its part, let slot 0 commit it."""
         if self.root is None:
             return
         asked = _read_request(self.rendezvous, self.tag)
@@ -130,7 +126,6 @@ class Flusher:
         due = target is not None and target - (self.durable or 0) >= self.cfg.every \
             and (self._failed_at is None or target - self._failed_at >= self.cfg.every)
         if target is not None and self.durable is not None and target <= self.durable:
-            due = False
             if asks:  # the newest step is durable already: the request is served
                 self.served = max(asks)
                 events.emit("flush_done", step=self.durable, slot=self.slot, reason="already durable")
@@ -175,8 +170,8 @@ class Flusher:
             self._state = FAILED
 
     def _from_store(self, step: int, held: dict[int, Held], dest: Path, pace) -> None:
-        """Write this node's ranks of `step` into `dest`, the slots pinned meanwhile (pin first, then check the
-        version is still the one read: the writer withdraws first, then checks the pin)."""
+        """Write this node's ranks of `step` into `dest`, pinned meanwhile (pin first, then check the version is still
+        the one read: the writer withdraws first, then checks the pin)."""
         with self.pins.holding(pin_targets(step, held)):
             if not all(h.manifest_path.read_bytes() == h.manifest_bytes for h in held.values()):
                 raise HpcftError(f"the trainers reused a slot of step {step} before the flush pinned it")
@@ -238,9 +233,8 @@ def vote(slot: int, state: str, error: str, asked: str | None, flush_id: str, du
 
 
 def combine(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two votes (or merged votes) merged, associative, commutative and idempotent (Mesh.allreduce, pure): the
-    failures and requests of either, whether any writes, the lowest slot's flush id, the newest durable step, the
-    steps both hold protected and complete, the largest world."""
+    """Two votes merged (pure; associative, commutative, idempotent): the failures and requests of either, whether
+    any writes, the lowest slot's flush id, the newest durable step, the steps both hold, the largest world."""
     durable = [d for d in (a["durable"], b["durable"]) if d is not None]
     return {"failed": sorted(map(list, {(int(i), str(e)) for i, e in a["failed"] + b["failed"]})),
             "running": a["running"] or b["running"], "busy": a["busy"] or b["busy"],

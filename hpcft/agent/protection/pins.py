@@ -1,9 +1,7 @@
-"""The agent's policy for store pins (`hpcft.store.pin`): while it protects a step, or rebuilds a peer from it,
-it pins that step's slot in every local rank's store, so the trainers write their next snapshots elsewhere
-instead of overtaking the pass; and it keeps the newest step it has protected pinned until a newer one is, so
-a node loss always finds a protected step still held by the survivors however slowly protection runs. At most
-two steps pinned per rank: the store's spare slot (announced by the agent) leaves the trainers a slot always.
-A daemon thread renews the leases every third of one, so a pin outlives neither its agent nor a stopped one."""
+"""The agent's store pins (`hpcft.store.pin`): the step a pass or a rebuild reads is pinned in every local rank's
+store, so the trainers write elsewhere, and the newest protected step stays pinned until a newer one is, so a node
+loss always finds it on the survivors. At most two pinned per rank, the store's spare slot leaving the trainers one.
+Leases are renewed every third of one, so a pin outlives neither its agent nor a stopped one."""
 from __future__ import annotations
 
 import logging
@@ -50,8 +48,7 @@ class Pins:
                 self._release_unneeded([path for path, _ in targets])
 
     def keep(self, targets: Iterable[tuple[Path, int]]) -> None:
-        """Keep these (pin path, step) pinned from now on, as the newest protected step; the previous one is
-        released (its slots go back to the trainers)."""
+        """Keep these (pin path, step) pinned as the newest protected step, releasing the previous one."""
         targets = list(targets)
         with self._lock:
             old, self._kept = self._kept, {path for path, _ in targets}

@@ -1,6 +1,5 @@
-"""Where protection data goes (pure): sets of G node slots, which member holds which parity stripe,
-and the partner of each slot. Works on slot positions, so a spare that takes a failed node's slot
-takes its role too; the topology hint only orders the slots when the job first lays them out."""
+"""Where protection data goes (pure): sets of G node slots, which member holds which parity stripe, the partner of
+each slot. On slot positions, so a spare that takes a failed node's slot takes its role too."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -13,8 +12,8 @@ SCHEMES = ("none", "partner", "xor", "rs")
 
 @dataclass(frozen=True)
 class Scheme:
-    """The protection configuration: `name`, set size `group` (xor/rs), tolerated `losses` per set (rs;
-    xor is 1), partner `distance` (partner)."""
+    """The protection configuration: `name`, set size `group` and tolerated `losses` per set (xor: 1), partner
+    `distance`."""
     name: str = "xor"
     group: int = 4
     losses: int = 1
@@ -43,8 +42,8 @@ class Scheme:
 
 @dataclass(frozen=True)
 class ProtectionSet:
-    """One set: `members` are slot indices; stripe s has parity on members[(s+t) % G] for t < k and data
-    from the others. Every member holds parity for k stripes and gives one piece to each of G−k stripes."""
+    """One set of slot indices: stripe s has parity on members[(s+t) % G] for t < k and data from the others; each
+    member holds parity for k stripes and gives one piece to each of G−k."""
     index: int
     members: tuple[int, ...]
     losses: int
@@ -100,9 +99,8 @@ class Placement:
         return (slot - self.scheme.distance) % self.slots
 
     def exchange_peers(self, slot: int) -> frozenset[int]:
-        """The slots `slot` sends bulk data to or receives it from, in a protect pass or a rebuild onto a replacement
-        (a symmetric relation): the other members of its set (xor/rs), its partner and the slot it partners (partner),
-        none (none). The agents' mesh connects these plus its overlay."""
+        """The slots `slot` exchanges bulk data with in a pass or a rebuild (a symmetric relation): its set's other
+        members (xor/rs), its partner and the slot it partners (partner), none (none)."""
         if self.scheme.name == "none":
             return frozenset()
         if self.scheme.name == "partner":
@@ -111,8 +109,8 @@ class Placement:
 
 
 def spread(nodes: Sequence[str], domains: Mapping[str, str] | None = None) -> list[str]:
-    """Order nodes so that consecutive ones come from different failure domains where possible:
-    round-robin over the domains (in order of first appearance), each domain's nodes in given order."""
+    """Nodes ordered so that consecutive ones come from different failure domains where possible: round-robin over
+    the domains, each one's nodes in given order."""
     if len(set(nodes)) != len(nodes):
         dup = sorted({n for n in nodes if list(nodes).count(n) > 1})
         raise ConfigError(f"node list names {', '.join(dup)} more than once; a set must never hold two "
@@ -132,8 +130,8 @@ def spread(nodes: Sequence[str], domains: Mapping[str, str] | None = None) -> li
 
 
 def plan(slots: int, scheme: Scheme) -> Placement:
-    """Cut `slots` positions into consecutive sets of at least `scheme.group` (the remainder spread over
-    the sets, sizes differing by at most one); partner and none need no sets beyond one of everything."""
+    """`slots` positions cut into consecutive sets of at least `scheme.group`, sizes differing by one at most (partner
+    and none: one set of everything)."""
     if slots < 1:
         raise ConfigError("protection needs at least one node")
     if scheme.name in ("none", "partner"):

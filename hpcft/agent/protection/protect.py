@@ -1,8 +1,7 @@
-"""The protect pass (collective over the agents' mesh): for one step every node holds, each node sends
-the pieces of its bundle to their parity holders (xor/rs) or its whole bundle to its partner, and keeps
-what it receives in `<job>/protect/step-<s>.{data,json}`: a record committed by rename, with crc32c
-per chunk. A record on every node means the step is protected; none is ever partially visible, and no node lets
-go of an older step (its records, its pinned snapshot) before every node has committed the newer one."""
+"""The protect pass (collective): for one step every node holds, each node sends its bundle's pieces to their parity
+holders (xor/rs) or its whole bundle to its partner, and keeps what it receives as `<job>/protect/step-<s>.{data,json}`,
+committed by rename with a crc32c per chunk. A record on every node means the step is protected; no node lets go of
+an older step (its records, its pinned snapshot) before every node has committed the newer one."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +10,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +25,8 @@ from hpcft.agent.transport.mesh import MeshBase
 from hpcft.agent.protection.placement import Placement, ProtectionSet
 from hpcft.agent.transport.link import COUNT, Link
 from hpcft.errors import HpcftError, IntegrityError
-from hpcft.store import Slot, crc32c, secure_dir
+from hpcft.store import Slot, crc32c, manifest as mf, secure_dir
 from hpcft.store.slot import GROW_PIECE
-from hpcft.store import manifest as mf
 
 CHUNK = 4 << 20
 RECV_PIECE = 4 * FOLD  # 1 MiB: received at once, then folded a cache-sized cell at a time
@@ -61,14 +60,12 @@ def records(job: Path) -> dict[int, Record]:
 
 def protect_step(mesh: MeshBase, placement: Placement, bundle: Bundle, job: Path, keep: int = 2,
                  started: float | None = None) -> Record:
-    """Protect `bundle` (this node's step) with every other agent doing the same step (collective); `started`
-    (perf_counter) is when the pass began, for the event's `seconds` (default: now). Returns once every node has
-    committed its record; StaleStep on every node (each withdrawing its record) if any node's copy was reused."""
+    """Protect `bundle` with every other agent (collective), once every node has committed its record; StaleStep on
+    every node (each withdrawing its record) if any node's copy was reused. `started`: perf_counter at the start."""
     t0 = time.perf_counter() if started is None else started
     scheme = placement.scheme
     sizes = mesh.exchange(placement.exchange_peers(mesh.slot), bundle.size, COUNT)  # the set's (the partners') sizes
     pdir = protect_dir(job)
-    (pdir / f"step-{bundle.step}.json").unlink(missing_ok=True)  # a rerun: unpublish before overwriting
     slot = record_slot(pdir, bundle.step)
     try:
         if scheme.name == "partner":
@@ -79,9 +76,8 @@ def protect_step(mesh: MeshBase, placement: Placement, bundle: Bundle, job: Path
         path = commit_record(pdir, bundle.step, placement, mesh.slot, slot, held, meta) if stale is None else None
     finally:
         slot.close()
-    # the commit barrier: the step is protected once every node has committed its record, and only then may a node
-    # retire its older records (or its caller release the older step's pins). A peer lost here fails the agreement:
-    # the record stays, beside the older ones, for the rebuild to weigh.
+    # the commit barrier: only once every node has committed may a node retire older records (or release their pins);
+    # a peer lost here fails the agreement, and the record stays beside the older ones for the rebuild to weigh
     if not mesh.allreduce(stale is None, operator.and_, bool):
         withdraw(pdir, bundle.step)
         raise StaleStep(stale or f"step {bundle.step} was overwritten on another node while it was being protected")
@@ -217,8 +213,8 @@ _INBOX: list[np.ndarray] = []
 
 
 def _inbox(nbytes: int, pace: Callable[[], None]) -> np.ndarray:
-    """A buffer of at least `nbytes`, kept for the agent's life so its pages are faulted in once, not per pass:
-    here, a piece at a time under the CPU cap (`pace`), rather than while receiving."""
+    """A buffer of at least `nbytes`, kept for the agent's life so its pages are faulted in once, a piece at a time
+    under the CPU cap (`pace`), not per pass while receiving."""
     if not _INBOX or _INBOX[0].size < nbytes:
         buf = np.empty(nbytes, dtype=np.uint8)
         for lo in range(0, nbytes, GROW_PIECE):
@@ -229,8 +225,9 @@ def _inbox(nbytes: int, pace: Callable[[], None]) -> np.ndarray:
 
 
 def record_slot(pdir: Path, step: int) -> Slot:
-    """The data file of `step`'s record, reusing the pages of the last retired one (`spare.data`) when there is
-    one: fresh shared-memory pages cost ten times a copy to fault in, so each pass would pay for them again."""
+    """The data file of `step`'s record, any record of it withdrawn first (a rerun), reusing the pages of the last
+    retired one (`spare.data`): fresh shared-memory pages cost ten times a copy to fault in."""
+    (pdir / f"step-{step}.json").unlink(missing_ok=True)
     path = pdir / f"step-{step}.data"
     spare = pdir / SPARE
     if not path.exists() and spare.exists():
@@ -239,8 +236,8 @@ def record_slot(pdir: Path, step: int) -> Slot:
 
 
 def retire(pdir: Path, keep: int) -> None:
-    """Keep the newest `keep` records; remove older ones (manifest first, so no record is ever torn; one data file
-    is kept as `spare.data` for the next pass) and any data file without a record (left by a pass that died)."""
+    """Keep the newest `keep` records; withdraw older ones (one data file kept as `spare.data` for the next pass)
+    and any data file without a record."""
     steps = sorted(int(p.stem.split("-")[1]) for p in pdir.glob("step-*.json"))
     for step in steps[:-keep]:
         withdraw(pdir, step)
@@ -248,7 +245,7 @@ def retire(pdir: Path, keep: int) -> None:
 
 
 def drop_orphans(pdir: Path) -> None:
-    """Recycle the data files without a record (left by a pass that died or withdrew); every record stays."""
+    """Recycle the data files without a record (left by a pass that died or withdrew)."""
     for data in pdir.glob("step-*.data"):
         if not data.with_suffix(".json").exists():
             _recycle(data)
@@ -256,10 +253,8 @@ def drop_orphans(pdir: Path) -> None:
 
 def _recycle(data: Path) -> None:
     spare = data.with_name(SPARE)
-    try:
+    with suppress(FileNotFoundError):
         if spare.exists():
             data.unlink()
         else:
             os.replace(data, spare)
-    except FileNotFoundError:
-        pass

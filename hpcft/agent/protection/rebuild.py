@@ -1,10 +1,7 @@
-"""Rebuild after nodes are replaced (collective over the agents' mesh): agree on the newest step that every
-slot holds or can reconstruct from what the others hold, move the survivors' bundles and records to the
-slots that lost theirs, decode, verify every checksum, unpack into the replacement's rank stores and
-regenerate its own protection record. A step that cannot be rebuilt falls back to an older one; when none
-can, NoCheckpointError (the persistent tier's turn), each with its event. A step any node holds another job's
-version of is no candidate (hpcft.store.owner: the trainers would refuse it), and stays where it is. Only then may
-trainers start."""
+"""Rebuild after nodes are replaced (collective), before the trainers start: agree on the newest step every slot holds
+or can reconstruct, move the survivors' bundles and records to the slots that lost theirs, decode, verify every
+checksum, unpack into the rank stores and regenerate the protection record. A step that cannot be rebuilt falls back
+to an older one, none to NoCheckpointError; a step any node holds another job's version of is no candidate."""
 from __future__ import annotations
 
 import logging
@@ -26,8 +23,8 @@ from hpcft.agent.transport.link import COUNT
 from hpcft.agent.transport.mesh import MeshBase
 from hpcft.agent.protection.pins import Pins
 from hpcft.agent.protection.placement import Placement
-from hpcft.agent.protection.protect import (Record, commit_record, parity_meta, partner_meta, protect_dir, record_data, record_slot,
-                                 records, retire, withdraw)
+from hpcft.agent.protection.protect import (Record, commit_record, parity_meta, partner_meta, protect_dir, record_data,
+                                            record_slot, records, retire, withdraw)
 from hpcft.errors import IntegrityError, NoCheckpointError, StoreError
 from hpcft.store.owner import Owner, adoption, refuse
 
@@ -38,15 +35,15 @@ HELD = {"bundles": [COUNT], "records": [COUNT], "foreign": [COUNT]}  # each slot
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the rebuild agreed on: the step every slot now holds (None: nothing anywhere, a fresh run) and
-    the slots that received a rebuilt copy of it."""
+    """The step every slot now holds (None: nothing anywhere, a fresh run) and the slots that received a rebuilt
+    copy of it."""
     step: int | None
     rebuilt: tuple[int, ...] = ()
 
 
 def lost_slots(placement: Placement, bundles: Sequence[bool], held: Sequence[bool]) -> list[int]:
-    """Slots without their bundle of a step, given which slots hold their bundle and their record of it;
-    Unrecoverable if one of them cannot be rebuilt from the others (pure)."""
+    """Slots without their bundle of a step, given which hold their bundle and their record of it; Unrecoverable if
+    one cannot be rebuilt from the others (pure)."""
     missing = [s for s in range(placement.slots) if not bundles[s]]
     scheme = placement.scheme
     if not missing:
@@ -73,8 +70,8 @@ def _fits(meta: dict[str, Any], placement: Placement, slot: int) -> bool:
 
 
 class _Local:
-    """This node's copies of one step, verified: its bundle (pinned while held, so trainers running meanwhile
-    write elsewhere) and its record, or None where missing or bad."""
+    """This node's copies of one step, verified, or None where missing or bad: its bundle (pinned while held) and
+    its record."""
 
     def __init__(self, step: int, complete: dict, recs: dict[int, Record], slot: int, pins: Pins):
         self.step = step
@@ -92,7 +89,8 @@ class _Local:
                 bundle.verify()
                 self.bundle = bundle
             except IntegrityError as exc:
-                events.emit("rebuild_copy_bad", level=logging.ERROR, step=step, slot=slot, what="bundle", error=str(exc))
+                events.emit("rebuild_copy_bad", level=logging.ERROR, step=step, slot=slot, what="bundle",
+                            error=str(exc))
                 bundle.close()
                 self._pinned.close()
         if step in recs:
@@ -101,7 +99,8 @@ class _Local:
                 self.record = recs[step]
             except (IntegrityError, StoreError, OSError, ValueError) as exc:  # StoreError: no data file
                 self.record_damaged = True
-                events.emit("rebuild_copy_bad", level=logging.ERROR, step=step, slot=slot, what="record", error=str(exc))
+                events.emit("rebuild_copy_bad", level=logging.ERROR, step=step, slot=slot, what="record",
+                            error=str(exc))
 
     def close(self) -> None:
         if self.bundle is not None:
@@ -109,7 +108,8 @@ class _Local:
         self._pinned.close()
 
 
-def rebuild(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, job_id: str, root: str | None = None) -> Outcome:
+def rebuild(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, job_id: str,
+            root: str | None = None) -> Outcome:
     """Collective: make every slot hold the newest step it can, rebuilding lost bundles (see module doc)."""
     t0 = time.perf_counter()
     complete = complete_steps(job)
@@ -148,9 +148,7 @@ def rebuild(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, job_id:
                 reasons.append(f"step {step}: {why}")
                 events.emit("rebuild_fallback", level=logging.WARNING, slot=mesh.slot, step=step, reason=why)
                 continue
-            error = None
-            if targets:
-                error = _move(mesh, placement, local, targets, job, job_id, root)
+            error = _move(mesh, placement, local, targets, job, job_id, root) if targets else None
             errors = mesh.allgather(error, str | None)
         finally:
             local.close()
@@ -170,8 +168,8 @@ def rebuild(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, job_id:
 
 
 def _withdraw_newer(job: Path, step: int, slot: int) -> None:
-    """Remove this node's records of steps newer than the rebuilt one: the trainers resume from `step` and write
-    those steps again, so a record of them describes snapshots that will no longer exist."""
+    """Withdraw this node's records of steps newer than the rebuilt one: the trainers resume from `step`, so those
+    records describe snapshots that will no longer exist."""
     newer = sorted(s for s in records(job) if s > step)
     pdir = protect_dir(job)
     for s in newer:
@@ -184,7 +182,7 @@ def _withdraw_newer(job: Path, step: int, slot: int) -> None:
 def _move(mesh: MeshBase, placement: Placement, local: _Local, targets: list[int], job: Path, job_id: str,
           root: str | None) -> str | None:
     """Send what the targets need, receive and rebuild if this slot is one; the error text, or None."""
-    senders = _plan_partner(placement, targets) if placement.scheme.name == "partner" else _plan_parity(placement, targets)
+    senders = (_plan_partner if placement.scheme.name == "partner" else _plan_parity)(placement, targets)
     mine = [(dst, what) for src, dst, what in senders if src == mesh.slot]
     incoming = [(src, what) for src, dst, what in senders if dst == mesh.slot]
     with ThreadPoolExecutor(1) as pool, mesh.all_or_nothing():  # abort before the pool waits
@@ -290,7 +288,6 @@ def _rebuild_here(mesh: MeshBase, placement: Placement, step: int, got: dict[int
 def _write_record(placement: Placement, slot_index: int, step: int, held: np.ndarray, meta: dict[str, Any],
                   job: Path) -> None:
     pdir = protect_dir(job)
-    (pdir / f"step-{step}.json").unlink(missing_ok=True)
     data = record_slot(pdir, step)
     try:
         data.ensure(max(1, held.size))

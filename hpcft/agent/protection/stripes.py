@@ -1,6 +1,5 @@
-"""A protection set's payloads cut into stripes (pure, over byte arrays): each member's payload is split
-into G−k pieces; stripe s combines one piece of every data member of s into k parity blocks held by
-the members `ProtectionSet.parity_positions(s)`. The agent moves the same blocks between nodes."""
+"""A protection set's payloads cut into stripes (pure): each member's payload is split into G−k pieces; stripe s
+combines one piece of every data member of s into k parity blocks held by `ProtectionSet.parity_positions(s)`."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -17,8 +16,8 @@ def piece_bytes(size: int, pset: ProtectionSet) -> int:
 
 
 def piece(payload: np.ndarray, index: int, nbytes: int) -> np.ndarray:
-    """Piece `index` of `payload` as a view; shorter than `nbytes` (even empty) where the payload ends inside
-    it. The codecs treat the missing tail as zeros, so nothing is ever copied to pad it."""
+    """Piece `index` of `payload` as a view, short (even empty) where the payload ends: the codecs read the missing
+    tail as zeros, so nothing is copied to pad it."""
     return payload[index * nbytes:(index + 1) * nbytes]
 
 
@@ -35,8 +34,8 @@ def parity_bytes(pset: ProtectionSet, position: int, nbytes: int) -> int:
 
 def encode_set(pset: ProtectionSet, payloads: Sequence[np.ndarray], codec: Codec,
                out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
-    """Every member's parity buffer for `payloads` (one uint8 array per member, any lengths), written into
-    `out` when given (preallocated, pre-faulted buffers of `parity_bytes` each: no page faults, no allocation)."""
+    """Every member's parity buffer for `payloads` (uint8 arrays, any lengths), into `out` when given (buffers of
+    `parity_bytes` each, pre-faulted: no page faults, no allocation)."""
     nbytes = piece_bytes(max(p.size for p in payloads), pset)
     sizes = [parity_bytes(pset, pos, nbytes) for pos in range(pset.size)]
     parities = [np.empty(n, dtype=np.uint8) for n in sizes] if out is None else [o[:n] for o, n in zip(out, sizes)]
@@ -52,9 +51,8 @@ ENCODE_SLICE = 4 << 20  # parity columns encoded between two `pace` calls (~10 m
 
 def encode_paced(codec: Codec, data: Sequence[np.ndarray], t: int, out: np.ndarray, pace: Callable[[], None],
                  slice_bytes: int = ENCODE_SLICE) -> None:
-    """Parity block `t` of `data` into `out`, in column slices with `pace()` (the agent's CPU cap) before
-    each: one encode over a whole stripe of a large snapshot is a burst of a second or more. Data blocks
-    shorter than `out` count as zero-padded, as in `encode_some`."""
+    """Parity block `t` of `data` (short blocks zero-padded) into `out`, in column slices with `pace()` before each:
+    one encode over a whole stripe of a large snapshot is a burst of a second or more."""
     for lo in range(0, out.size, slice_bytes):
         pace()
         hi = min(out.size, lo + slice_bytes)
@@ -63,8 +61,8 @@ def encode_paced(codec: Codec, data: Sequence[np.ndarray], t: int, out: np.ndarr
 
 def rebuild_set(pset: ProtectionSet, payloads: Sequence[np.ndarray | None], parities: Sequence[np.ndarray | None],
                 sizes: Sequence[int], codec: Codec) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Rebuild every missing payload (None) and parity buffer (None) of a set from what survives.
-    `sizes` are the payload lengths recorded at encode time. Unrecoverable if a stripe lost more than k."""
+    """Every missing (None) payload and parity buffer of a set, rebuilt from what survives; `sizes`: the payload
+    lengths recorded at encode time. Unrecoverable if a stripe lost more than k."""
     nbytes = piece_bytes(max(sizes), pset)
     check_recoverable(pset, payloads, parities)
     full = [np.zeros(pset.data_pieces * nbytes, dtype=np.uint8) if p is None else p for p in payloads]
@@ -86,25 +84,20 @@ def rebuild_set(pset: ProtectionSet, payloads: Sequence[np.ndarray | None], pari
     return [f[:sizes[pos]] if payloads[pos] is None else f for pos, f in enumerate(full)], par
 
 
-def check_recoverable(pset: ProtectionSet, payloads: Sequence[object | None], parities: Sequence[object | None]) -> None:
+def check_recoverable(pset: ProtectionSet, payloads: Sequence[object | None],
+                      parities: Sequence[object | None]) -> None:
     """Unrecoverable if some stripe of the set lost more blocks (None payloads or parity buffers) than k."""
     for stripe in range(pset.size):
-        if sum(_blocks_lost(pset, stripe, payloads, parities)) > pset.losses:
+        if (sum(payloads[p] is None for p in pset.data_positions(stripe))
+                + sum(parities[p] is None for p in pset.parity_positions(stripe))) > pset.losses:
             lost = sorted({pos for pos in range(pset.size) if payloads[pos] is None or parities[pos] is None})
             raise Unrecoverable(f"protection set {pset.index} (slots {list(pset.members)}) lost members at "
                                 f"positions {lost}; it tolerates {pset.losses} loss(es)")
 
 
-def _blocks_lost(pset: ProtectionSet, stripe: int, payloads: Sequence[object | None],
-                 parities: Sequence[object | None]) -> list[bool]:
-    return ([payloads[pos] is None for pos in pset.data_positions(stripe)]
-            + [parities[pos] is None for pos in pset.parity_positions(stripe)])
-
-
 def partner_copies(placement: Placement, payloads: Sequence[np.ndarray],
                    out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
-    """What each slot holds for its partner: a copy of slot `partnered_by(slot)`'s payload (into `out[slot]`,
-    preallocated, when given)."""
+    """What each slot holds: a copy of slot `partnered_by(slot)`'s payload (into `out[slot]` when given)."""
     if out is None:
         return [payloads[placement.partnered_by(slot)].copy() for slot in range(placement.slots)]
     copies = []
