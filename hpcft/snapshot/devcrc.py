@@ -1,14 +1,11 @@
-"""crc32c of a snapshot's chunks computed on the GPU, from the device bytes, before they are copied out: the host then
-only copies, and a device→host copy is no longer held to the host's checksum rate (H200: 55 GB/s copy, 25-31 GB/s
-crc32c on 4-8 host cores). The values are the same crc32c the host computes, so every check of the store (restore,
-the agent before it sends, the flush) verifies the bytes that landed against what the device held.
+"""crc32c of a snapshot's chunks computed on the GPU before they are copied out, so a device→host copy is not held to
+the host's checksum rate (H200: 55 GB/s copy, 25-31 GB/s crc32c on 4-8 host cores). The values are the crc32c the
+host computes: every check of the store verifies the bytes that landed against what the device held.
 
-The kernel (Triton: CUDA and ROCm builds of torch both carry it) takes *pieces* of at most 64 KiB anywhere in
-device memory; a program's LANES lanes each run a crc over every LANES-th word of its piece (coalesced loads), each
-lane's sum is moved to its place and the lanes xor-ed (hpcft.store.crcmath), and the piece's raw crc is moved to its
-place in its chunk. The host xors a chunk's pieces, adds the bytes the host itself holds (optimizer step counters of
-GPU parameters live on the CPU) and the initial value's part. Alignment padding between pieces must be zero bytes in
-the slot (`zero_gaps`)."""
+The Triton kernel takes pieces of at most 64 KiB of device memory; each of a program's LANES lanes runs a crc over
+every LANES-th word (coalesced loads), the lanes' sums are moved to their places and xor-ed (hpcft.store.crcmath),
+and the piece's crc moved to its place in its chunk. The host xors a chunk's pieces, adds the bytes it holds itself
+(step counters of GPU parameters) and the initial value's part. Padding between pieces must be zeros (`zero_gaps`)."""
 from __future__ import annotations
 
 import logging
@@ -31,8 +28,7 @@ SHIFT_BITS = 40  # a piece's distance to its chunk's end is below 2^40 bytes
 
 
 def for_device(device: torch.device) -> "DeviceCrc | None":
-    """The device checksum for a copier of `device`'s state, or None (with a log line saying why) where the kernel
-    cannot run: the host checksums then."""
+    """The device checksum for a copier of `device`'s state, or None (logged) where the kernel cannot run."""
     ok, why = available(device)
     if not ok:
         _log.info("snapshot checksums on the host: %s", why)
@@ -145,9 +141,8 @@ def finish(plan: Plan, slot: np.ndarray) -> list[int]:
 
 
 def zero_gaps(slot: np.ndarray, chunks: Sequence[Chunk]) -> None:
-    """Write zeros over the bytes of `chunks` that no segment covers (alignment padding), which the device's crc takes
-    for zeros; a slot that held another layout may hold anything there. The gaps are the ones `chunk_crc` walks (the
-    host's checksum of a chunk), here with nothing to checksum."""
+    """Zero the bytes of `chunks` no segment covers (alignment padding, as `chunk_crc` walks it), which the device's
+    crc takes for zeros; a slot that held another layout may hold anything there."""
     def zero(lo: int, hi: int, crc: int) -> int:
         slot[lo:hi] = 0
         return crc

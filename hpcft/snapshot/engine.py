@@ -18,7 +18,7 @@ from hpcft.snapshot import plan
 from hpcft.snapshot.copiers import Copier, Transfer
 from hpcft.snapshot.copiers.base import SlotClaim, SlotUnavailable
 from hpcft.snapshot.groups import Group
-from hpcft.snapshot.state import Entry, grains
+from hpcft.snapshot.state import Entry, lay_out, split
 from hpcft.store import RankStore, crc32c, seal, seal_key
 
 _log = logging.getLogger(__name__)
@@ -88,10 +88,8 @@ class Prepared:
         self.staged = ([c for c, _ in pairs], [live for _, live in pairs])
 
     def stage(self) -> None:
-        """Refresh the copies that stand in for strided tensors and buffers (`source`), in one call: `sources` is
-        cached across snapshots, and such a copy holds the values of the step it was made at, not the current one.
-        On a GPU the copy is queued on the compute stream before the snapshot's ready event, so the next forward
-        pass, which may update a buffer, comes after it."""
+        """Refresh the copies standing in for strided tensors and buffers (`source`, cached across snapshots), in one
+        call; on a GPU queued before the snapshot's ready event, so the next forward pass comes after it."""
         if self.staged[0]:
             torch._foreach_copy_(*self.staged)
 
@@ -117,7 +115,7 @@ class SnapshotEngine:
     # level (b): who copies what ------------------------------------------------------------------------
     def prepare(self, entries: Sequence[Entry]) -> Prepared:
         """Split entries into own and replicated, lay out this member's bytes, cut chunks (cached: the same list
-        object as last time is the same layout, see snapshot.view; another list is compared entry by entry)."""
+        is the same layout, see snapshot.view; another list is compared entry by entry)."""
         if self._prepared is not None and self._prepared.entries is entries:
             return self._prepared
         # the geometry too: a tensor reshaped or transposed in place keeps its pointer, size and dtype
@@ -126,11 +124,8 @@ class SnapshotEngine:
         if self._prepared is not None and self._prepared.key == key:
             self._prepared.entries = entries
             return self._prepared
-        split = self.group is not None and self.group.size > 1
-        rep = [e for e in entries if split and e.replicated]
-        own = [e for e in entries if not (split and e.replicated)]
-        member, members = (self.group.member, self.group.size) if rep else (0, 1)
-        lay = plan.layout([e.nbytes for e in own], [e.nbytes for e in rep], member, members, grains(rep))
+        own, rep = split(entries, self.group)
+        lay = lay_out(own, rep, self.group)
         sources = [source(e) for e in own + rep]
         sig = signature(rep)
         if rep and sig != self._checked_signature:
@@ -153,12 +148,11 @@ class SnapshotEngine:
     # level (a): start, guard, commit -------------------------------------------------------------------
     def snapshot(self, step: int, entries: Sequence[Entry], meta: dict[str, Any], started: float | None = None,
                  late: Callable[[], dict[str, Any]] | None = None) -> bool:
-        """Start a snapshot of `entries` as version `step`; False (with an event) if it could not start.
-        Call right after the optimizer step, on the training thread; `started` (perf_counter) is when the
-        caller began gathering `entries` and `meta`, time the training thread already spent on it. `late()`
-        adds to the manifest on the commit thread what is slow to encode (state captured raw at the boundary)."""
+        """Start a snapshot of `entries` as version `step` (training thread, right after the optimizer step); False,
+        with an event, if it could not start. `started`: when the caller began gathering (perf_counter); `late()`
+        adds to the manifest on the commit thread what is slow to encode."""
         t0 = time.perf_counter() if started is None else started
-        self._drain()
+        self.wait()
         prep = self.prepare(entries)
         prep.stage()
         manifest = self._manifest(step, prep, meta)
@@ -246,8 +240,8 @@ class SnapshotEngine:
         s.history.append({"step": step, "bytes": prep.layout.nbytes, "copy_s": copy_s,
                           "blocked_s": s.last_blocked_s})
 
-    def _drain(self) -> None:
-        """Wait for the previous snapshot's copy and commit (normally long done)."""
+    def wait(self) -> None:
+        """Block until the last snapshot is committed (or has failed, with its event): normally long done."""
         self.guard()
         if self._pending is not None:
             self._pending.result()
@@ -256,14 +250,10 @@ class SnapshotEngine:
             self._prealloc.result()
             self._prealloc = None
 
-    def wait(self) -> None:
-        """Block until the last snapshot is committed (or has failed, with its event)."""
-        self._drain()
-
     def close(self) -> None:
         """Finish the last snapshot, stop the threads, unmap the store (its snapshots stay)."""
         try:
-            self._drain()
+            self.wait()
         finally:
             self._committer.shutdown(wait=True)
             self.copier.close()

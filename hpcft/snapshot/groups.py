@@ -1,9 +1,7 @@
-"""The process groups hpcft's own collectives travel on. NCCL and RCCL groups refuse CPU tensors, and so does
-any group a training script made for its device traffic; hpcft's metadata (which steps each rank holds, the
-restore verdict, the layout signature) is CPU tensors. So every group hpcft is given is paired with one that
-carries CPU tensors: the same group where it already does (gloo, `cpu:gloo,cuda:nccl`), else a gloo group
-over the same ranks, created once, collectively. Bulk bytes travel on the user's group when it carries the
-device they live on (RCCL over the fabric beats gloo over TCP), else on the CPU one."""
+"""The process groups hpcft's own collectives travel on. hpcft's metadata (steps held, verdicts, signatures) is CPU
+tensors, which NCCL/RCCL groups refuse; so every group hpcft is given is paired with one that carries them: itself
+where it does (gloo, `cpu:gloo,cuda:nccl`), else a gloo group of the same ranks, made once, collectively. Bulk bytes
+travel on the user's group where it carries their device (RCCL over the fabric beats gloo over TCP)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +29,8 @@ def carries(pg: Any, device: torch.device | str) -> bool:
 
 @dataclass(frozen=True)
 class Group:
-    """The data-parallel group as hpcft needs it: `pg` carries CPU tensors (hpcft's own), `user_pg` is the group
-    the script passed (for bytes on its device), its ranks and my index among them."""
+    """The data-parallel group: `pg` carries hpcft's CPU tensors, `user_pg` is the script's (for bytes on its
+    device), `ranks` and my index `member` among them."""
     pg: Any
     ranks: tuple[int, ...]
     member: int
@@ -43,8 +41,7 @@ class Group:
         return len(self.ranks)
 
     def for_bytes(self, device: torch.device) -> tuple[Any, torch.device]:
-        """Where to move bytes that live on `device`: the user's group, staged on that device, where the group
-        carries it; else hpcft's CPU group, staged on the host."""
+        """(group, staging device) for bytes on `device`: the user's group where it carries it, else the CPU one."""
         if self.user_pg is not None and carries(self.user_pg, device):
             return self.user_pg, torch.device(device)
         return self.pg, torch.device("cpu")

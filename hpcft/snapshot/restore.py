@@ -1,7 +1,6 @@
-"""Restore (the paper's distributed in-memory loading): agree on the newest version every rank holds,
-verify each chunk while copying it back into the live tensors, and rebuild the replicated state from
-the data-parallel members' shares through the process group. Which step and which source (memory or the
-durable tier) a restore tries in which order is hpcft.durable.resume's."""
+"""Restore from memory: agree on the versions every rank holds, verify each chunk while copying it back into the live
+tensors, rebuild the replicated state from the data-parallel members' shares. Which step and source a restore tries
+in which order is hpcft.durable.resume's."""
 import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -15,7 +14,7 @@ from hpcft import events
 from hpcft.errors import CheckpointError, IntegrityError, ManifestError, StoreError
 from hpcft.snapshot import plan, schema
 from hpcft.snapshot.groups import Group
-from hpcft.snapshot.state import Entry, grains
+from hpcft.snapshot.state import Entry, grains, split
 from hpcft.store import RankStore, Version, chunk_crc, crc32c, ntcopy, prefetch, seal, seal_key
 from hpcft.store.paths import DATA, slot_file
 
@@ -25,10 +24,9 @@ WIDTH = 16  # steps per rank and source compared by `held_everywhere_each`, what
 
 
 def held_everywhere_each(helds: Sequence[Sequence[Any]], world: Any = None) -> list[tuple[list[int], bool]]:
-    """For each list in `helds` (versions or anything else with a `.step`: memory, the durable tier, node-local
-    copies), the steps complete on every rank, newest first, and whether any rank holds any (`world`: a group of
-    every rank that carries CPU tensors, None for the default group). Collective: one all-gather for every list, so a
-    restore's agreement costs one collective's latency, not one per source."""
+    """For each list in `helds` (anything with a `.step`: memory, durable, node-local copies), the steps complete on
+    every rank, newest first, and whether any rank holds any. Collective over `world` (a CPU-capable group of every
+    rank, None: the default group): one all-gather for every list."""
     mine = [sorted({v.step for v in held}, reverse=True) for held in helds]
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [(steps, bool(steps)) for steps in mine]
@@ -54,9 +52,8 @@ def agree(code: int, world: Any = None) -> int:
 
 
 class _Sinks:
-    """Where each live tensor's restored bytes go, made by whichever worker first needs it: the address of a
-    contiguous CPU tensor's bytes, a device tensor's byte view, or, for a strided tensor, a staging buffer
-    (made up front, since every chunk that writes the tensor must write the same one) that `finish` copies in."""
+    """Where each live tensor's restored bytes go, made by the first worker that needs it: a contiguous CPU tensor's
+    address, a device tensor's byte view, or a strided tensor's staging buffer (made up front) `finish` copies in."""
 
     def __init__(self, entries: Sequence[Entry]):
         self.entries = entries
@@ -83,10 +80,8 @@ class _Sinks:
 
 def _load_chunk(copy_crc: Callable[[int, int, int, int], int], data: np.ndarray, base: int, chunk: plan.Chunk,
                 sinks: _Sinks) -> int:
-    """Copy one chunk's segments into their sinks and return the crc32c of the chunk's bytes in the file (padding
-    included): into a CPU sink with `copy_crc` (ntcopy.raw_copy_crc: streaming stores, nothing reads the sink back
-    soon; the checksum in the same pass or from cache right after), into a device one with a host-to-device copy
-    and the checksum of the file's bytes."""
+    """Copy one chunk's segments into their sinks (a CPU sink by `copy_crc`, ntcopy.raw_copy_crc; a device one by a
+    host-to-device copy) and return the crc32c of the chunk's bytes in the file, padding included."""
     def padding(lo: int, hi: int, crc: int) -> int:
         return crc32c(data[lo:hi], crc)
 
@@ -117,9 +112,8 @@ class Loader:
         self._chunk_copy = ntcopy.chunk_copy(kernel)  # the whole copy in C, where it runs (into host memory)
         self._dst: tuple[plan.Grid, _Sinks, np.ndarray] | None = None  # the segments' destinations, for the last grid
         self._pool: ThreadPoolExecutor | None = None
-        # kept while the live entries are the same list (snapshot.view hands out one list per layout): the sinks,
-        # and the grids of the manifests (the same dict while its file is unchanged, store.manifest.ReadCache) that
-        # passed the schema's checks against it
+        # kept while the live entries are the same list (one per layout): the sinks, and the grids of the manifests
+        # (one dict while its file is unchanged, store.manifest.ReadCache) that passed the schema's checks against it
         self._sinks: tuple[Sequence[Entry], _Sinks] | None = None
         self._checked: list[tuple[dict[str, Any], _Sinks, plan.Grid]] = []
 
@@ -128,18 +122,13 @@ class Loader:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def split(self, entries: Sequence[Entry]) -> tuple[list[Entry], list[Entry]]:
-        on = self.group is not None and self.group.size > 1
-        return [e for e in entries if not (on and e.replicated)], [e for e in entries if on and e.replicated]
-
     def load(self, versions: Sequence[Version], entries: Sequence[Entry],
              check_meta: Callable[[dict[str, Any]], None] | None = None) -> tuple[Version, int]:
-        """Load one of `versions` (this rank's copies of one step, the one to prefer first: a rank may hold a stale
-        second copy) into `entries` on every rank (collective); the version loaded and the bytes read from the
-        local store. Each manifest is checked first (`schema`; `check_meta`, the caller's check of what it will
-        apply after the load, may raise ManifestError). IntegrityError / CheckpointError on every rank if any rank
-        failed (a lying manifest, an unusable data file and a lost chunk count as lost), so all fall back together."""
-        own, rep = self.split(entries)
+        """Load one of `versions` (this rank's copies of one step, preferred first) into `entries` on every rank
+        (collective); the version loaded and the bytes read. Each manifest is checked first (`schema`, and
+        `check_meta`: the caller's check of what it applies after the load). IntegrityError / CheckpointError on
+        every rank if any failed (a lying manifest or unusable file counts as lost), so all fall back together."""
+        own, rep = split(entries, self.group)
         sinks = self._sinks_of(entries, own, rep)
         codes, reasons, nbytes, loaded = [], [], 0, versions[0]
         for version in versions:
@@ -199,11 +188,9 @@ class Loader:
             return MISMATCH, str(exc), 0
 
     def _local(self, version: Version, grid: plan.Grid, sinks: _Sinks) -> int:
-        """Copy every chunk of this rank's data file (laid out as `grid`, checked against the manifest) into the
-        live tensors and verify its sealed crc32c. The workers (this thread and `threads - 1` pool threads) take
-        chunks from one counter, so a worker slowed by other load takes fewer: in one C call each
-        (`ntcopy.ChunkCopy`, the grid's segments as arrays) where every destination is host memory, else chunk by
-        chunk from Python (device or strided sinks, or no kernel library), planning each as they take it."""
+        """Copy every chunk of this rank's data file (laid out as `grid`) into the live tensors and verify its sealed
+        crc32c. The workers take chunks from one counter: in one C call each (`ntcopy.ChunkCopy`) where every
+        destination is host memory, else chunk by chunk from Python."""
         recorded, step, key = version.manifest["chunks"], version.step, seal_key(version.manifest)
         size, total = grid.chunk_bytes, grid.nbytes
         slot = self.store.slot(version.slot, create=False)
@@ -250,8 +237,8 @@ class Loader:
         return lost
 
     def _destinations(self, grid: plan.Grid, sinks: _Sinks) -> np.ndarray | None:
-        """Each segment's destination address, where the C loop can take the copy (every sink an address in host
-        memory); None otherwise. Kept for the last grid and layout: a warm restore computes nothing."""
+        """Each segment's destination address where every sink is in host memory, else None; kept for the last grid
+        and layout."""
         if self._chunk_copy is None:
             return None
         if self._dst is not None and self._dst[0] is grid and self._dst[1] is sinks:
@@ -268,9 +255,8 @@ class Loader:
         return dst
 
     def _exchange(self, version: Version, rep: Sequence[Entry], sinks: _Sinks, first: int) -> None:
-        """Each member broadcasts its verified share; the others scatter it into their replicas (the
-        replicated entries are sinks `first`, `first + 1`, ...). The shares travel on the user's group, staged on
-        the device, where that group carries the replicas' device; else through the host on hpcft's CPU group."""
+        """Each member broadcasts its verified share; the others scatter it into their replicas (sinks `first`, ...).
+        Shares travel on the user's group where it carries the replicas' device, else through hpcft's CPU group."""
         sizes = [e.nbytes for e in rep]
         cuts = plan.rep_cuts(sizes, self.group.size, grains(rep))
         offset = version.manifest["share"]["offset"]

@@ -37,34 +37,32 @@ def encode(grabbed: tuple) -> dict[str, Any]:
     return out
 
 
-def capture() -> dict[str, Any]:
-    """Every generator a training step may draw from, in a JSON-able dict."""
-    return encode(grab())
+def _decode(saved: dict[str, Any]) -> tuple:
+    """`encode`'s dict as the states the generators take: torch CPU, Python, NumPy, the devices' (or None)."""
+    version, state, gauss = saved["python"]
+    kind, keys, pos, has_gauss, cached = saved["numpy"]
+    return (_tensor(saved["torch"]), (version, tuple(state), gauss),
+            (kind, _tensor(keys).numpy().view(np.uint32).copy(), pos, has_gauss, cached),
+            [_tensor(s) for s in saved["device"]] if "device" in saved else None)
 
 
 def check(saved: Any) -> None:
     """ManifestError unless `saved` is a state `restore` can apply: each part is set on a scratch generator of its
     kind, which validates it the way the global one would (checked before a restore loads anything)."""
     try:
-        torch.Generator().set_state(_tensor(saved["torch"]))
-        version, state, gauss = saved["python"]
-        random.Random().setstate((version, tuple(state), gauss))
-        kind, keys, pos, has_gauss, cached = saved["numpy"]
-        np.random.RandomState().set_state((kind, _tensor(keys).numpy().view(np.uint32).copy(), pos, has_gauss, cached))
-        if "device" in saved:
-            [_tensor(s) for s in saved["device"]]
+        cpu, py, nps, _ = _decode(saved)
+        torch.Generator().set_state(cpu)
+        random.Random().setstate(py)
+        np.random.RandomState().set_state(nps)
     except (KeyError, TypeError, ValueError, RuntimeError, OverflowError, IndexError) as exc:
         raise ManifestError(f"the manifest's RNG state cannot be restored ({type(exc).__name__}: {exc})") from exc
 
 
 def restore(saved: dict[str, Any]) -> None:
     """Set every generator to the captured state (checked by `check` first)."""
-    torch.set_rng_state(_tensor(saved["torch"]))
-    version, state, gauss = saved["python"]
-    random.setstate((version, tuple(state), gauss))
-    kind, keys, pos, has_gauss, cached = saved["numpy"]
-    np.random.set_state((kind, _tensor(keys).numpy().view(np.uint32).copy(), pos, has_gauss, cached))
-    if "device" in saved and torch.cuda.is_available():
-        states = [_tensor(s) for s in saved["device"]]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
+    cpu, py, nps, device = _decode(saved)
+    torch.set_rng_state(cpu)
+    random.setstate(py)
+    np.random.set_state(nps)
+    if device is not None and torch.cuda.is_available() and len(device) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(device)

@@ -10,7 +10,7 @@ from hpcft.errors import CheckpointError, ManifestError
 from hpcft.snapshot import plan
 from hpcft.snapshot.engine import signature
 from hpcft.snapshot.groups import Group
-from hpcft.snapshot.state import Entry, grains
+from hpcft.snapshot.state import Entry, lay_out
 from hpcft.store.manifest import is_int
 
 
@@ -103,8 +103,7 @@ def check_structure(m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry
 def check_layout(m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry], group: Group | None) -> plan.Grid:
     """The chunk grid restore will load: computed from the live tensors, and equal to what the manifest says in
     every offset, size, `data_bytes`, share and chunk-table row (ManifestError naming the first that is not)."""
-    member, members = (group.member, group.size) if rep else (0, 1)
-    lay = plan.layout([e.nbytes for e in own], [e.nbytes for e in rep], member, members, grains(rep))
+    lay = lay_out(own, rep, group)
     for i, (e, d) in enumerate(zip(own, m["entries"])):
         if d["nbytes"] != e.nbytes or d["offset"] != lay.pieces[i].offset:  # the message only for a failure
             _want(False, f"entry {i} ({e.name}) says {d['nbytes']} bytes at offset {d['offset']}; the live layout "

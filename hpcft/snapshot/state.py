@@ -6,12 +6,13 @@ exactly these tensors and the next step sees them (DTensor `to_local()` shares s
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hpcft.errors import CheckpointError, ConfigError, ManifestError
+from hpcft.snapshot import plan
 
 _log = logging.getLogger(__name__)
 
@@ -43,20 +44,27 @@ class Entry:
         return d
 
 
-def grains(entries: "list[Entry] | tuple[Entry, ...]") -> list[int]:
+def grains(entries: Sequence[Entry]) -> list[int]:
     """Element sizes of `entries`: where a data-parallel share may be cut (see plan.rep_cuts)."""
     return [e.local.element_size() for e in entries]
 
 
-def _dtensor_class() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    return DTensor
+def split(entries: Sequence[Entry], group: Any) -> tuple[list[Entry], list[Entry]]:
+    """(own, replicated): the replicated entries are shared out only over a data-parallel group of several ranks."""
+    on = group is not None and group.size > 1
+    return [e for e in entries if not (on and e.replicated)], [e for e in entries if on and e.replicated]
 
 
-_DTENSOR = _dtensor_class()
+def lay_out(own: Sequence[Entry], rep: Sequence[Entry], group: Any) -> plan.Layout:
+    """This member's data file: the own entries whole, then its share of the replicated ones."""
+    member, members = (group.member, group.size) if rep else (0, 1)
+    return plan.layout([e.nbytes for e in own], [e.nbytes for e in rep], member, members, grains(rep))
+
+
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:
+    _DTENSOR = None
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -76,9 +84,8 @@ def _placement(t: Any) -> dict[str, Any]:
 
 
 def _replicated(t: Any, dp_ranks: frozenset[int] | None) -> bool:
-    """Is `t` identical across the data-parallel group? Plain tensors are (DDP); a DTensor is when its
-    placement on the mesh dimension that spans the group is Replicate, or when its mesh does not span
-    the group at all (tensor parallel inside each replica). Anything unclear is saved by its owner."""
+    """Is `t` identical across the data-parallel group? Plain tensors are (DDP); a DTensor is when Replicate on the
+    mesh dimension spanning the group, or when its mesh does not span the group (tensor parallel in each replica)."""
     if not dp_ranks or len(dp_ranks) < 2:
         return False
     if not _is_dtensor(t):
@@ -143,9 +150,10 @@ def _jsonable(v: Any) -> Any:
     raise CheckpointError(f"cannot record optimizer setting of type {type(v).__name__} in a JSON manifest")
 
 
-def _unjson(v: Any, like: Any) -> Any:
+def unjson(v: Any, like: Any = None) -> Any:
+    """A value `optimizer_meta` recorded, as Python (tuples and tensors back; a tensor into `like` if it is one)."""
     if isinstance(v, dict) and "tuple" in v:
-        return tuple(_unjson(x, None) for x in v["tuple"])
+        return tuple(unjson(x) for x in v["tuple"])
     if isinstance(v, dict) and "tensor" in v:
         if isinstance(like, torch.Tensor):
             like.copy_(torch.as_tensor(v["tensor"], dtype=like.dtype))
@@ -179,11 +187,6 @@ def optimizer_meta(optimizer: torch.optim.Optimizer | None, shape: OptimizerShap
     groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     scalars = {label: _jsonable(st[key]) for label, st, key in shape.scalars if key in st}
     return {"param_groups": groups, "scalars": scalars, "group_params": shape.group_params}
-
-
-def unjson(v: Any) -> Any:
-    """A value `optimizer_meta` recorded, as Python (tuples and tensors back)."""
-    return _unjson(v, None)
 
 
 def _kind(v: Any) -> Any:
@@ -223,15 +226,13 @@ def check_optimizer_meta(optimizer: torch.optim.Optimizer | None, meta: Any) -> 
 
 def apply_optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                          meta: dict[str, Any]) -> None:
-    """Put saved hyperparameters (e.g. a scheduled lr) and non-tensor state back."""
+    """Put saved hyperparameters (e.g. a scheduled lr) and non-tensor state back (`meta` passed
+    `check_optimizer_meta` with the load)."""
     if optimizer is None or not meta:
         return
-    if len(meta["param_groups"]) != len(optimizer.param_groups):
-        raise CheckpointError(f"snapshot has {len(meta['param_groups'])} optimizer param groups, "
-                              f"the optimizer {len(optimizer.param_groups)}")
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for k, v in saved.items():
-            group[k] = _unjson(v, group.get(k))
+            group[k] = unjson(v, group.get(k))
     if not meta.get("scalars"):  # the usual case (torch keeps step counters as tensors): no walk of the state
         return
     names = param_names(model)
@@ -239,13 +240,12 @@ def apply_optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimize
         for key in list(state):
             k = f"{names.get(id(p))}/{key}"
             if k in meta["scalars"]:
-                state[key] = _unjson(meta["scalars"][k], None)
+                state[key] = unjson(meta["scalars"][k])
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
-    """Create the optimizer's lazily built state (moments, step counters) without changing any parameter,
-    so that a restore has tensors to copy into. Uses torch's own helper (a step with lr=0 and zero
-    gradients); the restore then overwrites every state tensor it created."""
+    """Create the optimizer's lazily built state (moments, step counters) for a restore to copy into, without
+    changing any parameter (torch's helper: a step with lr=0 and zero gradients)."""
     if optimizer is None:
         return
     held = {id(p) for p, st in optimizer.state.items() if st}  # by id: hashing a tensor is a Python call

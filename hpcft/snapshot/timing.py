@@ -1,14 +1,11 @@
 """A rank's own share of each step, for the supervisor's straggler detector (docs/supervisor.md, "Stragglers").
 
-`ready_s` of step s is the time from the end of step s-1's optimizer boundary (where every data-parallel rank has
-just left the gradient collective together) to this rank's last gradient accumulation of step s: its data loading,
-forward and backward, i.e. the work it does before it waits for its peers in the gradient all-reduce. In a
-synchronous job the step's wall time is the same on every rank (each waits for the slowest); this is not: a slow
-rank's grows, its peers' do not. Taken from parameter post-accumulate-grad hooks; without gradients (a step with
-none, FSDP2's sharded parameters) it ends at the optimizer's pre-step hook, which includes the wait.
-On a GPU the marks are CUDA events on the current stream (kernels run after the CPU enqueues them, so the CPU's
-clock would time the enqueueing), resolved once both have completed; on a CPU the marks are perf_counter values.
-The logic is one: marks from a clock, a window of resolved durations, its mean handed to each snapshot."""
+`ready_s` of step s runs from step s-1's optimizer boundary (where the data-parallel ranks just left the gradient
+collective together) to this rank's last gradient accumulation of step s: its loading, forward and backward, before
+it waits for its peers. Unlike the step's wall time (each rank waits for the slowest), a slow rank's grows alone.
+Without gradient hooks (no gradients, FSDP2's sharded parameters) it ends at the pre-step hook, wait included.
+On a GPU the marks are CUDA events (the CPU's clock would time the enqueueing), resolved once completed; on a CPU
+perf_counter values."""
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +27,7 @@ class CudaClock:
     """Marks are CUDA events recorded on the current stream; a pair resolves once the later one has completed."""
 
     def mark(self, again: Any = None) -> Any:
-        """A new event, or `again` recorded anew (a step's gradient mark moves with each accumulation: one event)."""
+        """A new event, or `again` recorded anew (a step's gradient mark moves with each accumulation)."""
         event = again if again is not None else torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -84,8 +81,8 @@ class StepTimer:
 
 
 def grad_hooks(model: torch.nn.Module, hook: Callable[..., None]) -> list[Any]:
-    """`hook` after each gradient accumulation of `model`'s trainable parameters; the handles, to remove them. A
-    parameter that takes no such hook (a tensor subclass without it) is left out: its step ends at the pre-step hook."""
+    """`hook` after each gradient accumulation of `model`'s trainable parameters; the handles. A parameter that takes
+    no such hook (a tensor subclass) is left out."""
     handles = []
     for p in model.parameters():
         if p.requires_grad:

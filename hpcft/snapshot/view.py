@@ -1,9 +1,7 @@
-"""The state's entries, collected once per layout. `state.collect` walks `model.state_dict()` and the optimizer and
-makes a view per tensor (tens of microseconds a tensor): too slow for the training thread at every snapshot of a
-model with hundreds of tensors. `StateView` collects once, remembers where each tensor lives (the module's or the
-optimizer's dict, the key, the object, its data pointer, sizes, strides and dtype), and at each snapshot only checks
-those (a pointer walk); anything moved, reshaped, added or removed makes it collect anew. A model whose state_dict
-names do not map to its modules' attributes (custom state_dict hooks) is collected anew every time."""
+"""The state's entries, collected once per layout: `state.collect` costs tens of microseconds a tensor, too slow for
+the training thread at every snapshot. `StateView` remembers where each tensor lives (owner dict, key, object, data
+pointer, sizes, strides, dtype) and at each snapshot only checks those; anything moved, reshaped, added or removed
+makes it collect anew, and so does every call where state_dict names do not map to module attributes (hooks)."""
 from __future__ import annotations
 
 import operator
@@ -32,9 +30,8 @@ def _geometry(tensors: list[torch.Tensor]) -> tuple[list, ...]:
 
 
 class _Probes:
-    """Where each tensor lives (owner dict, key), the object found there, the tensor whose storage is viewed, and
-    its geometry; `moved()` compares them all with C-level iteration (map over dict.get, operator.is_ and the Tensor
-    accessors): under a microsecond per tensor, where a Python loop took several."""
+    """Where each tensor lives (owner dict, key), the object there, its viewed storage and geometry; `moved()` compares
+    them all with C-level iteration (map, operator.is_): under a microsecond per tensor, a Python loop took several."""
 
     def __init__(self, found: list[tuple[dict, str, Any]]):
         self.owners = [o for o, _, _ in found]
@@ -72,10 +69,6 @@ class StateView:
         if self._entries is None or not self._cacheable or self._moved():
             self._collect()
         return self._entries
-
-    def invalidate(self) -> None:
-        """Collect anew at the next call (after a restore created optimizer state, for instance)."""
-        self._entries = None
 
     def _opt_params(self) -> list[Any]:
         return [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer is not None else []

@@ -44,7 +44,7 @@ class Pristine:
                 model(torch.randn(5, 4)).pow(2).sum().backward()
                 opt.step()
                 opt.zero_grad()
-                self.expect[it + 1] = (state_of(model, opt), hrng.capture(), {"seed": seed, "n": it + 1})
+                self.expect[it + 1] = (state_of(model, opt), hrng.encode(hrng.grab()), {"seed": seed, "n": it + 1})
             c.wait()
             self.dir = c.store.dir
             self.files = {}
@@ -186,7 +186,7 @@ def test_random_mutations_restore_the_newest_intact_version_bit_exact(shm_root: 
             try:
                 with Checkpointer(model, opt, Options(root=pristine.root, job_id="j")) as c:
                     step = c.restore()
-                    tensors, rng_now, extra = state_of(model, opt), hrng.capture(), c.extra
+                    tensors, rng_now, extra = state_of(model, opt), hrng.encode(hrng.grab()), c.extra
             except HpcftError as exc:
                 pytest.fail(f"batch {batch} case {case} ({what}): the intact step 1 was not restored: {exc}")
             except Exception as exc:  # the property: nothing but an hpcft error, ever

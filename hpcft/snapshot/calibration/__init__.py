@@ -1,8 +1,6 @@
-"""The copy method of the CPU snapshot and restore, chosen on the machine it runs on (docs/checkpointing.md,
-"Copy calibration"): HPCFT_COPY pins it (`hpcft run --copy`); otherwise a short measurement (`measure`, well under
-2 s), cached per host (`cache`), and a pure policy over the measurements (`policy`). Device backends (CUDA/ROCm)
-keep their own copy logic: only their host-side checksum threads are hpcft's, and calibration does not touch them.
-"""
+"""The copy method of the CPU snapshot and restore, chosen on the machine (docs/checkpointing.md, "Copy calibration"):
+HPCFT_COPY pins it (`hpcft run --copy`); else a short measurement (`measure`) cached per host (`cache`) and a pure
+policy over it (`policy`). Device backends keep their own copy logic."""
 from __future__ import annotations
 
 import logging
@@ -48,10 +46,9 @@ _lock = threading.Lock()
 
 def resolve(default_threads: int, *, environ: Mapping[str, str] | None = None, path: Path | None = None,
             measure_now: bool = True, force: bool = False) -> Resolved:
-    """The copy method for this process: HPCFT_COPY's when set (`default`: hpcft's built-in method), else the cached
-    measurement of this host, else a new one (cached; with `measure_now` False, as `hpcft doctor` asks, the built-in
-    method and a note that nothing was measured yet). `default_threads` is the built-in thread count. Remembered
-    per process; `force` measures again. ConfigError for an HPCFT_COPY that cannot be used."""
+    """The copy method for this process: HPCFT_COPY's when set (`default`: the built-in method), else this host's
+    cached measurement, else a new one (with `measure_now` False, as `hpcft doctor` asks: the built-in method).
+    Remembered per process; `force` measures again. ConfigError for an HPCFT_COPY that cannot be used."""
     env = os.environ if environ is None else environ
     text = env.get(ENV, "").strip()
     base = default_choice(default_threads, ntcopy.kernels()[0])
@@ -114,8 +111,7 @@ def _measured(path: Path, key: dict, base: Choice, why: str) -> Resolved:
 
 @dataclass(frozen=True)
 class CopySettings:
-    """What a Checkpointer copies with: the snapshot's method, the restore's, and where they came from. A chunk size
-    of 0 means the backend's own."""
+    """What a Checkpointer copies with, and where it came from; a chunk size of 0 means the backend's own."""
 
     snapshot: Method
     restore: Method
@@ -124,9 +120,8 @@ class CopySettings:
 
 def settings(backend: str, default_threads: int, threads: int | None = None,
              chunk_bytes: int | None = None) -> CopySettings:
-    """The methods for a Checkpointer on `backend`: calibrated on the CPU backend, with the caller's explicit `threads`
-    and `chunk_bytes` winning over the calibration's; device backends keep their copy logic (`default_threads` host
-    checksum threads, their own chunk size, the streaming kernel for restores into host tensors)."""
+    """The methods for a Checkpointer on `backend`: calibrated on the CPU backend, explicit `threads` and `chunk_bytes`
+    winning; device backends keep their own (`default_threads` checksum threads, their chunk, the streaming kernel)."""
     if backend != "cpu":
         m = Method("stream", threads or default_threads, chunk_bytes or 0)
         return CopySettings(m, m, None)

@@ -1,16 +1,10 @@
-"""The calibration's measurements, kept per host in one small file at the store root.
+"""The calibration's measurements, kept per host in one small file at the store root: node-local memory, the memory
+measured, where a shared home directory would have thousands of ranks read and write one file at start-up. It does
+not outlive a reboot: the next job measures again (under two seconds, one rank per node; the others wait on a lock).
 
-Why there: the store root (/dev/shm unless HPCFT_STORE_ROOT says otherwise) is node-local memory, the memory the
-measurements were taken on, private to nothing but this node; a home directory ($XDG_CACHE_HOME) is usually a file
-system every node of a cluster shares, where thousands of ranks reading and writing one file at start-up is what
-hpcft must never do. The file does not outlive a reboot (nor a site's epilog that wipes /dev/shm): the next job
-measures again, in under two seconds, once per node (the ranks of a node wait on one lock; one measures).
-
-What is kept are the measurements, not the decision: the policy runs on every read, so a change of policy needs no
-new measurement. An entry is used only where its key (host, CPU model, core counts, kernel build, the copy kernel
-library) equals this process's; a file that cannot be read, parsed or trusted (another user's, a symlink, the wrong
-mode) is measured around, never believed.
-"""
+The measurements are kept, not the decision (the policy runs on every read). An entry is used only where its key
+(host, CPU, cores, kernel build, copy library) is this process's; a file that cannot be read, parsed or trusted
+(another user's, a symlink, the wrong mode) is measured around, never believed."""
 from __future__ import annotations
 
 import contextlib

@@ -1,9 +1,7 @@
-"""Measure the candidate copy methods on this machine, the way hpcft copies: chunks of a buffer larger than the
-last-level cache, each copied and checksummed (ntcopy.raw_copy_crc: in one pass, or the source after), taken from one counter
-by the calling thread and `threads - 1` pool threads. Three cases: a snapshot (host memory → a pre-faulted /dev/shm
-mapping, as a writer's slot), a restore (that mapping → host memory) and a relaunch's cold restore (a fresh mapping
-of the same file, whose pages fault in as they are read). The policy (`policy.pick`) chooses among the results.
-"""
+"""Measure the candidate copy methods the way hpcft copies: chunks of a buffer larger than the last-level cache, each
+copied and checksummed (ntcopy.raw_copy_crc), taken from one counter by the calling thread and `threads - 1` pool
+threads. Three cases: a snapshot (host memory → a pre-faulted /dev/shm mapping), a restore (back) and a relaunch's
+cold restore (a fresh mapping whose pages fault in as they are read)."""
 from __future__ import annotations
 
 import itertools
@@ -82,8 +80,7 @@ class _Buffers:
 
 def copy_pass(copy_crc: Callable[[int, int, int, int], int], dst: np.ndarray, src: np.ndarray, chunk: int,
               threads: int, pool: ThreadPoolExecutor) -> float:
-    """Seconds to copy `src` into `dst` chunk by chunk, each chunk's source checksummed by `copy_crc` as hpcft's
-    copies do (ntcopy.raw_copy_crc)."""
+    """Seconds to copy `src` into `dst` chunk by chunk with `copy_crc` (ntcopy.raw_copy_crc), as hpcft copies."""
     d0, s0, count = ntcopy.address(dst), ntcopy.address(src), -(-src.size // chunk)
     take = itertools.count().__next__
 
@@ -126,9 +123,9 @@ def _timed(buffers: _Buffers, plan: Sequence[tuple[str, Method]], repeats: int, 
 
 def measure(root: Path, cores: int, *, nbytes: int | None = None, chunks: Sequence[int] = CHUNKS,
             repeats: int = REPEATS, threads: Sequence[int] | None = None, budget: float = BUDGET) -> list[Sample]:
-    """Samples of every kernel × thread count at the default chunk in each case, then of each direction's best of
-    those at every chunk size (a full grid would take several times as long), within about `budget` seconds. The scratch file lives in `root`
-    (the store's root: the memory a slot is made of) and is unlinked at once. OSError where the buffers cannot be had."""
+    """Samples of every kernel × thread count at the default chunk in each case, then of each direction's best at
+    every chunk size (not the full grid), within about `budget` seconds. The scratch file lives in `root` (the store's
+    root: what a slot is made of) and is unlinked at once. OSError where the buffers cannot be had."""
     counts = list(threads or thread_counts(cores))
     cases = [c for cs in CASES.values() for c in cs]
     size = nbytes or buffer_bytes()

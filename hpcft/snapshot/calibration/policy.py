@@ -1,12 +1,10 @@
 """Which copy method the CPU snapshot and restore use: pure functions over plain measurements.
 
-A method is a copy kernel (`fused`: hpcft's streaming-store copy with the crc32c in the same pass; `stream`: its
-streaming-store copy, then the checksum; `memcpy`: libc's, then the checksum), a thread count and a chunk size. The snapshot writes its manifest's chunk grid and the restore reads that grid back, so the chunk size is one
-choice for both directions; the kernel and the thread count are chosen per direction. A method that failed its
-probe (the kernel was not built) is never chosen; among methods within the noise margin of the fastest, the one that
-costs least is: fewer threads (cores left to training), then the kernel in `KERNELS` order, then the chunk size nearest the
-built-in default.
-"""
+A method is a copy kernel (`fused`: streaming-store copy with the crc32c in the same pass; `stream`: streaming-store
+copy, then the checksum; `memcpy`: libc's, then the checksum), a thread count and a chunk size. The restore reads the
+chunk grid the snapshot wrote, so the chunk size is one choice for both; kernel and threads are chosen per direction.
+A method that failed its probe is never chosen; among methods within the noise margin of the fastest, the cheapest
+is: fewer threads, then the kernel in `KERNELS` order, then the chunk nearest the built-in default."""
 from __future__ import annotations
 
 import math
@@ -36,7 +34,8 @@ class Method:
     chunk_bytes: int
 
     def describe(self) -> str:
-        return f"{self.kernel}, {self.threads} thread{'s' if self.threads != 1 else ''}, {_size_text(self.chunk_bytes)} chunks"
+        plural = "s" if self.threads != 1 else ""
+        return f"{self.kernel}, {self.threads} thread{plural}, {_size_text(self.chunk_bytes)} chunks"
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,8 @@ class Sample:
         case = d.get("case")
         if case not in {c for cases in CASES.values() for c in cases}:
             raise ValueError(f"case {case!r} is not one of {sorted({c for v in CASES.values() for c in v})}")
-        return cls(case, method, None if seconds is None else float(seconds), _count(d, "nbytes"), str(d.get("why", "")))
+        return cls(case, method, None if seconds is None else float(seconds), _count(d, "nbytes"),
+                   str(d.get("why", "")))
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,8 @@ def _times(samples: Iterable[Sample], cases: Sequence[str]) -> dict[Method, floa
     return {m: sum(t.values()) for m, t in by.items() if len(t) == len(cases)}
 
 
-def best_per_chunk(samples: Sequence[Sample], direction: str, margin: float = MARGIN) -> dict[int, tuple[Method, float]]:
+def best_per_chunk(samples: Sequence[Sample], direction: str,
+                   margin: float = MARGIN) -> dict[int, tuple[Method, float]]:
     """For each chunk size measured in all of `direction`'s cases: the method `pick` would take at that size, and its
     time per byte."""
     times = _times(samples, CASES[direction])
@@ -138,9 +139,9 @@ def pick(samples: Sequence[Sample], fallback: Choice, margin: float = MARGIN) ->
 # ---------------------------------------------------------------- the HPCFT_COPY override
 
 def parse_override(text: str, base: Choice) -> Choice:
-    """`base` with what `text` pins: comma-separated `fused` / `stream` / `memcpy` (the kernel), `kernel=`, `threads=`, `chunk=`
-    (both directions), or `snapshot.<field>=` / `restore.<field>=` (one); `chunk` is one size for both (the restore
-    reads the snapshot's grid). ConfigError naming the part it cannot use."""
+    """`base` with what `text` pins: comma-separated `fused` / `stream` / `memcpy` (the kernel), `kernel=`, `threads=`,
+    `chunk=` (both directions), or `snapshot.<field>=` / `restore.<field>=` (one; never `chunk`: one size for both).
+    ConfigError naming the part it cannot use."""
     fields: dict[str, dict[str, Any]] = {"snapshot": {}, "restore": {}}
     for part in (p.strip() for p in text.split(",")):
         if not part:

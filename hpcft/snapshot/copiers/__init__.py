@@ -13,9 +13,8 @@ _log = logging.getLogger(__name__)
 
 
 def choose(backend: str, device: torch.device) -> str:
-    """`auto` → hip when the state is on a GPU of a ROCm build and hip-python imports, torch on any
-    other GPU, cpu otherwise. An explicit choice (one of hpcft.options.BACKENDS) is checked against the device,
-    never silently replaced."""
+    """`auto` → hip on a GPU of a ROCm build where hip-python imports, torch on any other GPU, cpu otherwise. An
+    explicit choice is checked against the device, never silently replaced."""
     on_gpu = device.type == "cuda"
     if backend == "auto":
         if not on_gpu:
@@ -28,9 +27,8 @@ def choose(backend: str, device: torch.device) -> str:
 
 
 def cpu_overlap(threads: int) -> bool:
-    """Overlap CPU copies with training only where cores are left idle by torch's compute threads; on a
-    CPU whose cores all compute, a background copy fights the step for them and costs more than a short
-    parallel copy while the step waits (docs/PERFORMANCE-NOTES: no idle core, nothing to hide)."""
+    """Overlap CPU copies with training only where torch's compute threads leave cores idle; otherwise a background
+    copy fights the step for them and costs more than a short parallel copy while the step waits."""
     return usable_cores() >= torch.get_num_threads() + threads
 
 
@@ -42,8 +40,8 @@ def default_threads(backend: str) -> int:
 
 def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads: int, overlap: bool | None = None,
          kernel: str = "stream") -> Copier:
-    """Build the copier named by `choose`; `overlap` (cpu backend) defaults to `cpu_overlap(threads)`; `kernel` (cpu
-    backend) is the host copy (hpcft.snapshot.calibration chooses it)."""
+    """Build the copier named by `choose`; `overlap` and `kernel` (cpu backend): default `cpu_overlap(threads)`, and
+    the host copy hpcft.snapshot.calibration chose."""
     if backend == "cpu":
         overlap = cpu_overlap(threads) if overlap is None else overlap
         return CpuCopier(threads=threads, overlap=overlap, kernel=kernel)

@@ -15,10 +15,9 @@ class SlotUnavailable(StoreError):
 
 
 class SlotClaim:
-    """The slot a snapshot writes, taken (`RankStore.begin`: pick, withdraw its version, size it) once, by whoever
-    writes first: a CPU copier on the training thread, a GPU copier on its issuing thread, so that the training
-    thread does not spend a begin's file operations (pin reads, unlinks) at the boundary. The old version is
-    withdrawn right before its bytes are overwritten either way."""
+    """The slot a snapshot writes, taken (`RankStore.begin`) once by whoever writes first: a GPU copier's issuing
+    thread, so the training thread spends no file operations at the boundary; the old version is withdrawn right
+    before its bytes are overwritten either way."""
 
     def __init__(self, take: Callable[[], Slot]):
         self._take = take
@@ -56,9 +55,8 @@ class Transfer(Protocol):
 
 
 class Copier(Protocol):
-    """A backend (cpu, torch, hip). `start` is called on the training thread right after the optimizer
-    step; `guard` right before the next one, and must make that step wait for the copy to finish
-    (device-side where the device allows it)."""
+    """A backend (cpu, torch, hip). `start` runs on the training thread right after the optimizer step; `guard`
+    right before the next one, and makes that step wait for the copy (device-side where it can)."""
 
     name: str
     chunk_bytes: int  # default checksum granularity for this backend (a Checkpointer may override it)

@@ -37,10 +37,8 @@ class CpuTransfer:
 
 
 class _Job:
-    """One snapshot's chunks, taken one at a time by whichever worker is free (a worker slowed by other load
-    takes fewer). Each segment is copied with streaming stores (ntcopy: the slot is not read back soon) and
-    checksummed in the same pass (ntcopy.raw_copy_crc); the padding between segments is checksummed from the
-    slot: together they are the chunk's bytes in the slot."""
+    """One snapshot's chunks, each taken by whichever worker is free; each segment copied with streaming stores and
+    checksummed in the same pass (ntcopy.raw_copy_crc), the padding between segments checksummed from the slot."""
 
     def __init__(self, arrays: list[np.ndarray], addrs: list[int], chunks: Sequence[Chunk], dst: np.ndarray,
                  delay: float, kernel: str):
@@ -66,11 +64,9 @@ class _Job:
 
 
 class CpuCopier:
-    """`threads` workers taking chunks as they are free. With `overlap` the copy runs while training
-    continues and the pre-step hook joins it; without, `start` returns once the bytes are copied, the
-    training thread being one of the workers (on a CPU whose cores all compute, overlapping only makes the
-    copy and the step fight for the same cores). `kernel` copies and checksums each segment (ntcopy.raw_copy_crc:
-    `fused`, `stream` or `memcpy`, as the calibration chose, hpcft.snapshot.calibration)."""
+    """`threads` workers taking chunks as they are free. With `overlap` the copy runs while training continues and
+    the pre-step hook joins it; without, `start` copies with the training thread as one worker (where every core
+    computes, overlap only makes copy and step fight for them). `kernel`: as hpcft.snapshot.calibration chose."""
 
     name = "cpu"
     checksums = "host"

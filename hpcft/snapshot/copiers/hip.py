@@ -30,8 +30,7 @@ class HipCopier(StreamCopier):
                                   f"(code {int(err)})")
         return values[0] if len(values) == 1 else (tuple(values) or None)
 
-    def _compute_stream(self) -> int:
-        """torch's current stream on this device, where the training step runs."""
+    def _compute_stream(self) -> int:  # where the training step runs
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def _recorded(self, stream: Any) -> Any:
@@ -63,9 +62,8 @@ class HipCopier(StreamCopier):
                    self.hip.hipMemcpyKind.hipMemcpyDeviceToHost, self.stream)
 
     def _on_copy_stream(self) -> ContextManager:
-        """The device checksum's kernel goes on this stream, through torch (Triton launches on torch's stream).
-        hip-python's handles give their address by `int()` (or `as_c_void_p()` in releases without `__int__`); a
-        failure here turns the device checksum off for this copier, loudly (StreamCopier._launch_crc)."""
+        """This stream as torch's (Triton launches on torch's stream); hip-python handles give their address by `int()`
+        or, in older releases, `as_c_void_p()`. A failure turns the device checksum off (StreamCopier._launch_crc)."""
         handle = self.stream
         address = int(handle) if hasattr(handle, "__int__") else handle.as_c_void_p().value
         return torch.cuda.stream(torch.cuda.ExternalStream(address, device=self.device))

@@ -1,14 +1,9 @@
-"""The GPU copy level shared by the torch and hip backends: an issuer thread with a cap on bytes in
-flight, a per-chunk completion event, and each chunk's checksum: computed by the device from the bytes it
-holds, before they are copied (hpcft.snapshot.devcrc), where that kernel can run; else once the chunk has
-landed in host memory, on a small pool of threads (one thread's crc32c is slower than a device→host DMA, and a
-pool of four still holds an H200's copy to half its speed).
-
-A backend supplies four primitives (`_record_ready`, `_copy`, `_record`, `_synchronize`) and the
-device-side wait used by `guard`; everything else lives here once, including every event's lifetime: each
-event a snapshot creates is released (`_release`) once its last user is done with it, on success and on
-failure alike, so a long run holds no more events than one snapshot needs.
-"""
+"""The GPU copy level shared by the torch and hip backends: an issuer thread with a cap on bytes in flight,
+completion events, and each chunk's checksum, computed by the device before the copy (hpcft.snapshot.devcrc) where
+that kernel runs, else on a pool of host threads once the chunk landed (one thread's crc32c is slower than a
+device→host DMA; four still hold an H200's copy to half its speed). A backend supplies the primitives below;
+everything else is here once, including every event's lifetime: each is released (`_release`) once its last user is
+done with it, on success and failure alike."""
 import contextlib
 import logging
 import threading
@@ -49,8 +44,7 @@ class StreamTransfer:
 
 
 class _Staged:
-    """Host-resident segments gathered by one `torch.cat` into `buffer` at the snapshot boundary, placed into the slot
-    by the issuer thread afterwards."""
+    """Host-resident segments gathered by one `torch.cat` at the boundary, placed into the slot by the issuer."""
 
     def __init__(self, sources: Sequence[torch.Tensor], segments: Sequence[Any]):
         self.sources = [sources[s.source][s.start:s.start + s.nbytes] for s in segments]
@@ -134,9 +128,7 @@ class StreamCopier:
     def _host_copies(self, sources: Sequence[torch.Tensor],
                      chunks: Sequence[Chunk]) -> tuple[set[int], "_Staged | None"]:
         """The host-resident sources and their segments staged for one `torch.cat`, kept while the engine passes the
-        same chunk list (it caches one per layout), so that the training thread neither walks every chunk nor slices
-        every segment at every snapshot. One buffer serves every snapshot: the next one begins only once this one's
-        issue has placed it (the engine drains a snapshot before it starts the next)."""
+        same chunk list (one per layout). One buffer serves every snapshot: the engine drains one before the next."""
         if self._host_plan is None or self._host_plan[0] is not chunks:
             on_host = {i for i, t in enumerate(sources) if self._on_host(t)}
             segments = [s for c in chunks for s in c.segments if s.source in on_host]
@@ -145,8 +137,8 @@ class StreamCopier:
 
     def _device_plan(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], on_host: set[int],
                      slot: Slot) -> devcrc.Plan | None:
-        """The device checksum's plan of this layout (made once per chunk list), with the slot's gaps zeroed once
-        per slot and layout; None where the host checksums."""
+        """The device checksum's plan of this layout, the slot's gaps zeroed once per slot and layout; None where the
+        host checksums."""
         if self.device_crc is None:
             return None
         if self._crc_plan is None or self._crc_plan[0] is not chunks or self._crc_plan[1] is not sources:
@@ -189,11 +181,9 @@ class StreamCopier:
 
     def _issue(self, transfer: StreamTransfer, chunks: Sequence[Chunk], claim: SlotClaim, ready: Any,
                on_host: set[int], staged: "_Staged | None" = None) -> list[int]:
-        """Take the slot (its old version withdrawn now, right before its bytes are overwritten), pin it, place the
-        host-held bytes; order the copy stream after `ready`; the device checksum first (it reads the state before
-        any copy), then the device bytes as few, large copies (a tensor's consecutive segments merged across
-        chunks), one completion event per `event_bytes`; with host checksums, chunks are checksummed as their
-        event completes."""
+        """Take the slot (its old version withdrawn right before its bytes are overwritten), pin it, place the
+        host-held bytes; after `ready`, the device checksum, then the device bytes as few, large copies (segments
+        merged across chunks), an event per `event_bytes`; host checksums as each event completes."""
         crcs: list[Future | None] = [None] * len(chunks)
         inflight: deque = deque()  # (event, chunks [landed, upto) complete with it, bytes)
         landed = 0
@@ -266,8 +256,7 @@ class StreamCopier:
                     pending -= land()
 
     def _record_done(self, transfer: StreamTransfer) -> None:
-        """The transfer's done event, recorded after whatever was issued, even after a failure (the next step
-        still waits for it); `issued` set either way."""
+        """The transfer's done event, recorded after whatever was issued, even after a failure; `issued` set."""
         try:
             transfer.done_event = self._record()
         except Exception:  # the device is gone; guard falls back to a host wait
@@ -276,8 +265,7 @@ class StreamCopier:
             transfer.issued.set()
 
     def guard(self, transfer: StreamTransfer) -> None:
-        """Device-side: the compute stream waits for the copy's last event; the host waits only while
-        chunks are still being issued (a copy later than the whole forward/backward)."""
+        """Device-side: the compute stream waits for the copy's last event; the host only while chunks are issued."""
         transfer.issued.wait()
         if transfer.done_event is None:
             transfer.result()  # no event to wait on: wait on the host and raise the copy's error here
