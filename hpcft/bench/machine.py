@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import platform
-import time
 from dataclasses import asdict
 from typing import Any
 
-from hpcft.bench.harness import GB, Memcpy
+from hpcft.bench.harness import GB, Memcpy, run_interleaved
 from hpcft.env import usable_cores
 from hpcft.snapshot.calibration import CopySettings
 from hpcft.snapshot.calibration.cache import cpu_model
@@ -19,11 +18,7 @@ def memcpy_gbps(threads: int, nbytes: int = 256 << 20, repeats: int = 3) -> floa
     """Best of `repeats` copies of `nbytes` between pre-faulted buffers with `threads` threads, in GB/s."""
     copy = Memcpy(nbytes, threads)
     try:
-        best = float("inf")
-        for i in range(repeats):
-            t0 = time.perf_counter()
-            copy.run_once(i)
-            best = min(best, time.perf_counter() - t0)
+        best = min(run_interleaved([copy], repeats, warmup=0, block=repeats).samples[copy.name])
     finally:
         copy.close()
     return round(nbytes / best / GB, 2)

@@ -45,14 +45,10 @@ from pathlib import Path  # noqa: E402
 
 
 def _record(out: Path, what: str, **fields) -> None:
-    """One JSON line per event; O_APPEND keeps the ranks' lines whole."""
+    """One JSON line per event, written in one call to a file opened O_APPEND: the ranks' lines stay whole."""
     tag = f"{os.environ.get('SLURM_RESTART_COUNT', '0')}.{os.environ.get('HPCFT_RESTART_COUNT', '0')}"
-    line = json.dumps({"what": what, "t": time.time(), "run": tag, "pid": os.getpid(), **fields}) + "\n"
-    fd = os.open(out / "timeline.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    with open(out / "timeline.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"what": what, "t": time.time(), "run": tag, "pid": os.getpid(), **fields}) + "\n")
 
 
 def _int(name: str, default: int) -> int:
@@ -194,9 +190,7 @@ def main() -> int:
                         for m in (torch.nn.Linear(width, width), torch.nn.Dropout(dropout), torch.nn.Tanh())]
                 kept["model"] = torch.nn.Sequential(*body, torch.nn.Linear(width, 1))  # dropout: RNG hpcft restores
             kept["opt"] = torch.optim.AdamW(kept["model"].parameters(), lr=1e-2)
-        _loop(ctx, gen, kept["model"], kept["opt"], dp_group)
-
-    def _loop(ctx, gen: int, model, opt, dp_group) -> None:
+        model, opt = kept["model"], kept["opt"]
         ddp = DDP(model) if os.environ.get("SYNC", "manual") == "ddp" else model
         seen = {"samples": 0, "micro_batches": 0}
         ckpt_file = out / "ckpt.pt"
