@@ -47,8 +47,8 @@ def _settings(given: str) -> AgentConfig:
 
 
 def hosted_root(job_id: str, slot: int) -> str:
-    """The store root of an agent standing in for lost `slot` on this node: inside this node's job store, so that
-    removing the job's store (the janitor) removes it too, and apart from the node's own ranks."""
+    """The store root of an agent standing in for lost `slot` on this node: inside this node's job store (removed with
+    it), apart from the node's own ranks."""
     path = secure_dir(job_dir(resolve_root(), job_id)) / f"hosted-{slot}"
     path.mkdir(mode=0o700, exist_ok=True)
     return str(path)

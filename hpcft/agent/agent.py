@@ -1,7 +1,5 @@
-"""The node agent: join the mesh, rebuild what replaced nodes lost (when relaunched after a failure), then
-protect the newest step every node holds, round after round, publishing a status file as heartbeat. Heartbeats
-between the agents (agent/heartbeat.py) name a peer that went silent without closing its connections.
-No state of its own: everything is read from the store."""
+"""The node agent: join the mesh, rebuild what replaced nodes lost (after a relaunch), then protect the newest step
+every node holds, round after round, publishing its status. No state of its own: everything is read from the store."""
 from __future__ import annotations
 
 import logging
@@ -41,9 +39,8 @@ STEPS = [COUNT]  # what an agreement on steps carries (link.mismatch): a peer's 
 
 
 def protect_newest(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, keep: int = 2) -> Record | None:
-    """One collective round: protect the newest step complete on every node and not yet protected
-    everywhere, its slots pinned for the pass; None if there is none, if a node's trainers reused the slot
-    before the pin (event `protect_missed`), or if a node found its copy damaged (event `protect_skipped`)."""
+    """One collective round: protect the newest step complete on every node and not yet protected everywhere, pinned
+    for the pass; None if there is none, or a node's copy was reused before the pin or is damaged (with an event)."""
     started = time.perf_counter()
     complete = complete_steps(job)
     held = mesh.allreduce(sorted(complete), both, STEPS)  # held everywhere: log2 N messages of one list each
@@ -68,8 +65,8 @@ def protect_newest(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, 
 
 
 def _readable(bundle: Bundle, mesh: MeshBase) -> bool:
-    """After pinning: is this node's copy of the step still committed (pin first, then check: the writer
-    withdraws first, then checks the pin) and intact? False with an event if not."""
+    """After pinning (the writer withdraws first, then checks the pin): is this node's copy still committed and
+    intact? False with an event if not."""
     if not bundle.still_committed():
         events.emit("protect_missed", slot=mesh.slot, step=bundle.step,
                     reason="the trainers reused the slot before the agent pinned it")
@@ -85,9 +82,9 @@ def _readable(bundle: Bundle, mesh: MeshBase) -> bool:
 
 
 def keep_newest_protected(mesh: MeshBase, job: Path, pins: Pins) -> int | None:
-    """At start (or after a rebuild), collective: keep pinned the newest step that every node holds and has a
-    record of, as a pass would have left it, so that the trainers resuming do not recycle it before the next pass.
-    Agreed, not local: a node's record of a newer step that a lost peer never committed protects nothing."""
+    """At start (collective): keep pinned the newest step every node holds and has a record of, as a pass would have,
+    so resuming trainers do not recycle it. Agreed, not local: a record of a step a lost peer never committed is no
+    protection."""
     complete, recs = complete_steps(job), records(job)
     everywhere = mesh.allreduce(sorted(set(complete) & set(recs)), both, STEPS)
     if not everywhere:
@@ -97,8 +94,8 @@ def keep_newest_protected(mesh: MeshBase, job: Path, pins: Pins) -> int | None:
 
 
 def protection_lag(complete: dict[int, dict], protected: Iterable[int]) -> tuple[int | None, float | None]:
-    """How far protection trails the trainers on this node: (newest complete step − newest protected step, seconds
-    between their snapshots), None where nothing is protected (or a snapshot's time is unknown)."""
+    """How far protection trails the trainers here: (steps, seconds between the two snapshots), None where nothing
+    is protected (or a snapshot's time is unknown)."""
     done = [s for s in protected if s in complete]
     if not complete or not done:
         return None, None
@@ -124,9 +121,8 @@ def step_seconds(complete: dict[int, dict]) -> float | None:
 
 def _watch_requests(flag: Path, stop: Path, mesh: MeshBase, drained: threading.Event, wake: threading.Event,
                     poll: float = 0.2) -> None:
-    """Until the supervisor asks for a stop (status.request_stop: SIGTERM to this process, whose handler unwinds the
-    agent cleanly, see Stopped); meanwhile, once it asks for a drain (status.request_drain), lift the caps and
-    wake the round loop."""
+    """Until the supervisor asks for a stop (then SIGTERM to this process, which unwinds the agent cleanly): once it
+    asks for a drain, lift the caps and wake the round loop."""
     while not stop.exists():
         if not drained.is_set() and flag.exists():
             mesh.throttle.release()
@@ -147,10 +143,9 @@ def _by_rank(versions: dict[int, dict]) -> dict[int, list[int]]:
 
 
 def _steer(budget: LagBudget, mesh: MeshBase, cfg: AgentConfig, lag: int | None) -> bool:
-    """Apply the lag bound's CPU cap for the next round from the `lag` foreseen (`foreseen_lag`; event `protect_budget`
-    when the cap moves), and say once when the ceiling cannot meet the bound on this node (`protect_lag_unmet`). Over
-    the bound (True), the bound wins over the cap: the CPU spent so far is forgiven, and the next round starts at
-    once instead of after the interval."""
+    """Set the next round's CPU cap from the foreseen `lag` (event `protect_budget` when it moves, `protect_lag_unmet`
+    once the ceiling cannot meet the bound). Over the bound (True) the bound beats the cap: the CPU spent so far is
+    forgiven and the next round starts at once."""
     cap, unmet = budget.update(lag)
     over = lag is not None and lag > budget.bound
     if over:
@@ -167,9 +162,9 @@ def _steer(budget: LagBudget, mesh: MeshBase, cfg: AgentConfig, lag: int | None)
 
 def _listen_for_silence(cfg: AgentConfig, mesh: MeshBase, meet: Rendezvous, node: str,
                         wake: threading.Event) -> Heartbeat | None:
-    """Heartbeats with the overlay neighbours (none with --loss-timeout 0 or a single agent). A silent one, or one
-    whose beat connection closed without a goodbye, is a suspect: event `peer_silent` / `peer_closed`, the mesh shut
-    down so that no exchange waits for it, the round loop woken; the agent then fails naming it (`_silence`)."""
+    """Heartbeats with the overlay neighbours (none with --loss-timeout 0 or one agent). A silent or closed one is a
+    suspect (event `peer_silent` / `peer_closed`): the mesh is shut down, the round loop woken, and the agent fails
+    naming it (`_silence`)."""
     if cfg.loss_timeout <= 0 or cfg.slots < 2:
         return None
 
@@ -211,15 +206,14 @@ def _mesh(cfg: AgentConfig, meet: Rendezvous, peers: Collection[int]) -> MeshBas
 
 def _flush_round(flusher: Flusher, mesh: MeshBase, complete: dict[int, dict], recs: Iterable[int], scheme: Scheme,
                  owner: Owner) -> None:
-    """The flush's collective step (`Flusher.busy` is the same on every agent, so they call it alike) over the node's
-    complete steps and records, this job's own steps only (`bundle.owned`)."""
+    """The flush's collective step over the node's complete steps and records, this job's own steps only."""
     mine = owned(complete, owner)
     flusher.round(mesh, mine, sorted(recs if scheme.name != "none" else mine))
 
 
 class Stopped(BaseException):
-    """SIGTERM (python -m hpcft.agent installs the handler): the supervisor or Slurm stops the agents. Not an
-    HpcftError: it unwinds the agent through its cleanup, and being asked to stop is not a failure."""
+    """SIGTERM: the supervisor or Slurm stops the agents. Not an HpcftError: it unwinds the agent through its cleanup,
+    and being asked to stop is no failure."""
 
 
 def run(cfg: AgentConfig) -> int:
@@ -239,7 +233,6 @@ def run(cfg: AgentConfig) -> int:
     flusher: Flusher | None = None
     mesh: MeshBase | None = None
     beat: Heartbeat | None = None
-
     said = ""  # the phase reported last
     guarded, behind_since = None, time.time()  # the newest protected step; since when it trails without advancing
 
@@ -252,19 +245,17 @@ def run(cfg: AgentConfig) -> int:
         newest = max(recs) if recs else None
         if newest != guarded or not lag_steps:  # advanced, or nothing newer staged: no stall (`hpcft status`)
             guarded, behind_since = newest, time.time()
-        publish(node=node, phase=phase, scheme=cfg.scheme.name,
-                group=cfg.scheme.group, losses=cfg.scheme.losses, distance=cfg.scheme.distance, slots=cfg.slots,
-                interval=cfg.interval, staged=max(complete) if complete else None,
-                protected=max(recs) if recs else None, persisted=flusher.durable if flusher else None,
-                flushed_request=flusher.served if flusher else None, flushing=flusher.busy if flusher else False,
-                flush_error=flusher.last_error if flusher else None,
+        publish(node=node, phase=phase, scheme=cfg.scheme.name, group=cfg.scheme.group, losses=cfg.scheme.losses,
+                distance=cfg.scheme.distance, slots=cfg.slots, interval=cfg.interval,
+                staged=max(complete) if complete else None, protected=newest,
+                persisted=flusher.durable if flusher else None, flushed_request=flusher.served if flusher else None,
+                flushing=flusher.busy if flusher else False, flush_error=flusher.last_error if flusher else None,
                 flush_phase=flusher.phase if flusher else None, local=flusher.local_step if flusher else None,
                 cpu_cores=mesh.throttle.cpu if mesh else None, addr=mesh.address if mesh else None,
                 ranks={str(r): max(v) for r, v in by_rank.items()},
-                versions={str(r): sorted(v) for r, v in by_rank.items()},
-                staged_steps=sorted(complete), protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s,
-                behind_since=behind_since, lag_bound=cfg.lag_bound,
-                **nodemem.figures(job), **fields)
+                versions={str(r): sorted(v) for r, v in by_rank.items()}, staged_steps=sorted(complete),
+                protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s, behind_since=behind_since,
+                lag_bound=cfg.lag_bound, **nodemem.figures(job), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
     meet = join(cfg.secret, cfg.rendezvous, slot=cfg.slot, tag=cfg.tag, host=cfg.host, bind=cfg.bind,
@@ -282,8 +273,7 @@ def run(cfg: AgentConfig) -> int:
     owner = Owner(cfg.job_id, adopt=adoption())  # whose steps the flush may write under this job's name
 
     def stopping() -> None:
-        """Asked to stop: no second SIGTERM may cut the cleanup or the last report short (the uplink sends it at
-        exit), and "stopped" is said once."""
+        """Asked to stop: no second SIGTERM may cut the cleanup or the last report short; "stopped" is said once."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if said != status.STOPPED:
@@ -328,8 +318,7 @@ def run(cfg: AgentConfig) -> int:
             if up is None:  # under hpcft run the supervisor has it: no line per round in the job's agents log
                 print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)
             report(status.PROTECTING, **extra)
-            # draining or over the lag bound: rounds back to back while they protect something; else woken by a drain
-            # or a silent peer
+            # draining or over the lag bound: rounds back to back while they protect; else until the interval, a drain
             if (cfg.rounds <= 0 or done < cfg.rounds) and (not (drained.is_set() or over) or rec is None):
                 wake.wait(pause(cfg.interval, cfg.lag_bound, lag, per_step, round_s))
                 wake.clear()
@@ -344,7 +333,7 @@ def run(cfg: AgentConfig) -> int:
         failure = exc if silence is None or isinstance(exc, PeerSilent) else silence
         if not isinstance(exc, NoCheckpointError):
             peer = getattr(failure, "peer_slot", None)  # a lost peer: its node is the supervisor's first suspect
-            heard = {"silent_s": beat.suspect[1], "found_by": f"heartbeat ({beat.cause})"} if silence is not None else {}
+            heard = {} if silence is None else {"silent_s": beat.suspect[1], "found_by": f"heartbeat ({beat.cause})"}
             report(status.FAILED, reason="error", error=str(failure), **({} if peer is None else {"peer_slot": peer}),
                    **heard)
         if failure is not exc:

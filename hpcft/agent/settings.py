@@ -1,5 +1,5 @@
-"""What a node agent is told (`AgentConfig`): the settings every agent of a launch shares, written once as JSON by
-whoever starts them (`python -m hpcft.agent --settings`), and its own place in the launch, derived on its node."""
+"""What a node agent is told (`AgentConfig`): the settings every agent of a launch shares, written once as JSON, and
+its own place in the launch, derived on its node."""
 from __future__ import annotations
 
 import json

@@ -1,15 +1,14 @@
-"""Each agent's status: its phase (rebuilding → ready → protecting, or failed), the newest step staged by its ranks,
-protected, persisted, and a heartbeat time. Under `hpcft run` it travels over the network to the supervisor
-(agent/uplink.py), which keeps it in memory and writes the job's bounded log `<job dir>/status.json`
-(launch/fabric.py); agents started by hand write it to a status file in the rendezvous directory instead. `read`
-serves both, so the supervisor's wait before releasing the trainers and `hpcft status` read the same records."""
+"""Each agent's status: its phase (rebuilding → ready → protecting, or failed), the newest step staged, protected and
+persisted, and a heartbeat time. Under `hpcft run` it goes to the supervisor, which writes the job's bounded log
+`<job dir>/status.json`; agents started by hand write status files in the rendezvous directory. `read` serves both."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,9 +35,8 @@ def write(rendezvous: str | os.PathLike, tag: str, slot: int, **fields: Any) -> 
 
 
 def drain_path(rendezvous: str | os.PathLike, tag: str) -> Path:
-    """The supervisor's request to the agents of launch `tag`: the trainers have stopped, protect the newest step
-    now without the CPU/byte caps (they exist to spare the trainers). Named so that a relaunch's cleanup of
-    `agent-<tag>-*` removes it."""
+    """The supervisor's request to the agents of launch `tag` to protect now without the caps: the trainers have
+    stopped (named so that a relaunch's cleanup of `agent-<tag>-*` removes it)."""
     return Path(rendezvous) / f"agent-{tag}-drain"
 
 
@@ -47,8 +45,8 @@ def request_drain(rendezvous: str | os.PathLike, tag: str) -> None:
 
 
 def stop_path(rendezvous: str | os.PathLike, tag: str) -> Path:
-    """The supervisor's request to the agents of launch `tag` to stop (srun answers a SIGTERM by killing the
-    step's tasks, so a clean stop is asked for here): each exits 0, its status `stopped`."""
+    """The supervisor's request to the agents of launch `tag` to stop, each exiting 0 with status `stopped` (srun
+    answers a SIGTERM by killing the step's tasks)."""
     return Path(rendezvous) / f"agent-{tag}-stop"
 
 
@@ -70,31 +68,29 @@ def read_log(where: str | os.PathLike) -> dict[str, Any]:
 
 def from_log(log: dict[str, Any], tag: str | None = None) -> dict[int, dict[str, Any]]:
     """{slot: status} of launch `tag` (the newest per slot when None) in a bounded log's content."""
-    found: dict[int, dict[str, Any]] = {}
-    for t, slots in (log.get("agents") or {}).items():
-        if tag is not None and t != tag:
-            continue
-        for s, st in slots.items():
-            if int(s) not in found or st.get("time", 0) > found[int(s)].get("time", 0):
-                found[int(s)] = st
-    return found
+    return _newest((int(s), st) for t, slots in (log.get("agents") or {}).items() if tag in (None, t)
+                   for s, st in slots.items())
 
 
 def read(rendezvous: str | os.PathLike, tag: str | None = None) -> dict[int, dict[str, Any]]:
     """{slot: status} of the agents of launch `tag`, or of the newest launch per slot when `tag` is None: from their
     status files, else from the supervisor's bounded log (up to a second old)."""
-    if not any(Path(rendezvous).glob("agent-*.status")):
+    files = list(Path(rendezvous).glob("agent-*.status"))
+    if not files:
         return from_log(read_log(rendezvous), tag)
-    found: dict[int, dict[str, Any]] = {}
-    for p in Path(rendezvous).glob("agent-*.status"):
+    found = []
+    for p in files:
         m = _NAME.match(p.name)
-        if not m or (tag is not None and m.group(1) != tag):
-            continue
-        try:
-            st = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue  # replaced under us; the next read sees the new one
-        slot = int(m.group(2))
+        if m and tag in (None, m.group(1)):
+            with suppress(OSError, ValueError):  # replaced under us; the next read sees the new one
+                found.append((int(m.group(2)), json.loads(p.read_text(encoding="utf-8"))))
+    return _newest(found)
+
+
+def _newest(statuses: Iterable[tuple[int, dict[str, Any]]]) -> dict[int, dict[str, Any]]:
+    """{slot: its newest status (by `time`)} of (slot, status) pairs."""
+    found: dict[int, dict[str, Any]] = {}
+    for slot, st in statuses:
         if slot not in found or st.get("time", 0) > found[slot].get("time", 0):
             found[slot] = st
     return found
@@ -109,10 +105,9 @@ class Ready:
 
 def wait_ready(rendezvous: str | os.PathLike, tag: str, slots: int, timeout: float = 600.0,
                poll: float = 0.1, reports: Callable[[str], dict[int, dict[str, Any]]] | None = None) -> Ready:
-    """Block until the `slots` agents of launch `tag` have rebuilt (the supervisor's gate before starting
-    trainers). NoCheckpointError if they found nothing rebuildable; CheckpointError on another failure or
-    on timeout, naming the slots that did not report. `reports(tag)`: where the statuses come from (the
-    supervisor's view), else `read`."""
+    """Block until the `slots` agents of launch `tag` have rebuilt (the gate before the trainers start).
+    NoCheckpointError if nothing was rebuildable; CheckpointError on another failure or on timeout, naming the slots
+    that did not report. `reports(tag)`: where the statuses come from (the supervisor's view), else `read`."""
     deadline = time.monotonic() + timeout
     while True:
         st = reports(tag) if reports is not None else read(rendezvous, tag)

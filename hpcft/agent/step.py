@@ -12,13 +12,9 @@ AGENT_STEP_NAME = "hpcft-agent"
 
 def agent_argv(nodes: Sequence[str], settings: str | AgentConfig, *, python: str, rebuild: bool = False,
                mpi: str | None = None, wrap: Sequence[str] = ()) -> list[str]:
-    """`srun --overlap … python -m hpcft.agent --settings …` on `nodes` (the active slots, in slot order):
-    `settings` is the launch's AgentConfig, or the file holding it on the shared file system. The supervisor
-    exports HPCFT_JOB_ID and HPCFT_RESTART_COUNT (the tag keeping relaunches apart) to it, passes `rebuild=True` after
-    replacing nodes, and waits on `status.wait_ready` before the trainers. `mpi`: the srun MPI plugin (pmix,
-    cray_shasta, …) when the settings' transport is mpi. `wrap`: what runs the agent's command
-    (hpcft.launch.node.handoff: a node's warm standby); not with `mpi`, whose agents are srun's own tasks (the MPI
-    plugin's connection)."""
+    """`srun --overlap … python -m hpcft.agent --settings …` on `nodes` (the active slots, in slot order); `settings`:
+    the launch's AgentConfig or the file holding it. `mpi`: the srun MPI plugin (pmix, cray_shasta, …) for the mpi
+    transport. `wrap`: what runs the agent's command (a warm standby); not with `mpi`, whose agents are srun's tasks."""
     n = len(nodes)
     return ["srun", f"--job-name={AGENT_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={compress(list(nodes))}", "--overlap", "--export=ALL", "--kill-on-bad-exit=0",
