@@ -81,8 +81,9 @@ class Timings:
 
 def run_interleaved(variants: Sequence[Variant], steps: int, warmup: int = 1, block: int = 2,
                     clock: Callable[[], float] = time.perf_counter,
-                    cpu_clock: Callable[[], float] = time.process_time) -> Timings:
-    """Time `warmup + steps` calls of every variant, round-robin in blocks of `block` calls.
+                    cpu_clock: Callable[[], float] = time.process_time, close: bool = False) -> Timings:
+    """Time `warmup + steps` calls of every variant, round-robin in blocks of `block` calls; `close`: close every
+    variant afterwards, also after a failure.
 
     A variant's background work still pending at the end of its block (`drain`) is charged to the
     block's last call: that is the wait its next call would have had. Besides wall time, the process's
@@ -93,23 +94,27 @@ def run_interleaved(variants: Sequence[Variant], steps: int, warmup: int = 1, bl
     timings = Timings({v.name: [] for v in variants}, {v.name: [] for v in variants})
     done = {v.name: 0 for v in variants}
     total = warmup + steps
-    while any(done[v.name] < total for v in variants):
-        for v in variants:
-            n = min(block, total - done[v.name])
-            for k in range(n):
-                index = done[v.name]
-                v.prepare(index)
-                t0, c0 = clock(), cpu_clock()
-                v.run_once(index)
-                if k == n - 1:
-                    v.drain()
-                elapsed, cpu = clock() - t0, cpu_clock() - c0
-                v.check(index)
-                done[v.name] += 1
-                if index >= warmup:
-                    timings.samples[v.name].append(elapsed)
-                    timings.cpu_samples[v.name].append(cpu)
-                _log.debug("bench %s call %d: %.4f s", v.name, index, elapsed)
+    try:
+        while any(done[v.name] < total for v in variants):
+            for v in variants:
+                n = min(block, total - done[v.name])
+                for k in range(n):
+                    index = done[v.name]
+                    v.prepare(index)
+                    t0, c0 = clock(), cpu_clock()
+                    v.run_once(index)
+                    if k == n - 1:
+                        v.drain()
+                    elapsed, cpu = clock() - t0, cpu_clock() - c0
+                    v.check(index)
+                    done[v.name] += 1
+                    if index >= warmup:
+                        timings.samples[v.name].append(elapsed)
+                        timings.cpu_samples[v.name].append(cpu)
+                    _log.debug("bench %s call %d: %.4f s", v.name, index, elapsed)
+    finally:
+        for v in variants if close else ():
+            v.close()
     return timings
 
 

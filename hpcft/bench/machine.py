@@ -16,17 +16,14 @@ from hpcft.snapshot.calibration.cache import cpu_model
 
 def memcpy_gbps(threads: int, nbytes: int = 256 << 20, repeats: int = 3) -> float:
     """Best of `repeats` copies of `nbytes` between pre-faulted buffers with `threads` threads, in GB/s."""
-    copy = Memcpy(nbytes, threads)
-    try:
-        best = min(run_interleaved([copy], repeats, warmup=0, block=repeats).samples[copy.name])
-    finally:
-        copy.close()
-    return round(nbytes / best / GB, 2)
+    timings = run_interleaved([Memcpy(nbytes, threads)], repeats, warmup=0, block=repeats, close=True)
+    return round(nbytes / min(timings.samples["memcpy"]) / GB, 2)
 
 
 def describe(threads: int = 2) -> dict[str, Any]:
     """The machine as a bench report records it (measuring its bandwidth takes about a second)."""
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable_cores(), "memory_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
+    memory_gib = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": usable_cores(), "memory_gib": memory_gib,
             "memcpy_gbps_1_thread": memcpy_gbps(1), f"memcpy_gbps_{threads}_threads": memcpy_gbps(threads),
             "load_average": [round(x, 2) for x in os.getloadavg()], "host": platform.node()}
 

@@ -27,13 +27,6 @@ class ModelConfig:
     vocab: int
 
 
-def param_count(layers: int, d_model: int, seq: int, vocab: int) -> int:
-    """Exact parameter count of `GPT` with this shape (untied embedding and head, biased linears)."""
-    d = d_model
-    block = 12 * d * d + 13 * d  # qkv 3d²+3d, proj d²+d, mlp 8d²+5d, two LayerNorms 4d
-    return layers * block + vocab * d + seq * d + 2 * d + vocab * d
-
-
 def config_for_params(params: int, batch: int | None = None) -> ModelConfig:
     """The shape whose parameter count is closest to `params`, with d_model a multiple of the head width;
     `batch` (sequences per step) replaces the shape's default, e.g. to give a GPU a realistic step."""
@@ -43,7 +36,8 @@ def config_for_params(params: int, batch: int | None = None) -> ModelConfig:
         layers, seq, default_batch, vocab, head_dim = 2, 64, 2, 1024, 32
     else:
         layers, seq, default_batch, vocab, head_dim = 8, 256, 4, 8192, 64
-    # Solve layers*12 d² + (13 layers + 2 vocab + seq + 2) d = params for d, then round to whole heads.
+    # Solve layers*12 d² + (13 layers + 2 vocab + seq + 2) d = params for d (a block: qkv 3d²+3d, proj d²+d, mlp
+    # 8d²+5d, two LayerNorms 4d; untied embedding and head, positions, final LayerNorm), then round to whole heads.
     a, b = 12 * layers, 13 * layers + 2 * vocab + seq + 2
     d_exact = (-b + math.sqrt(b * b + 4 * a * params)) / (2 * a)
     heads = max(1, round(d_exact / head_dim))

@@ -144,11 +144,7 @@ def run(opts: RestoreOptions) -> Report:
                 data = slot_file(ckpt.store.dir, newest.slot, DATA)
                 variants += [StoreMemcpy(data, newest.manifest["data_bytes"], threads, fresh)
                              for fresh in (False, True)]
-            try:
-                timings = run_interleaved(variants, opts.repeats, opts.warmup, block=1)
-            finally:
-                for v in variants:
-                    v.close()
+            timings = run_interleaved(variants, opts.repeats, opts.warmup, block=1, close=True)
         finally:
             ckpt.close()
         r = _report(opts, source, timings, state_bytes)

@@ -38,19 +38,6 @@ def _build(opts: SnapshotOptions, where: Scratch) -> tuple[Trainer, list[Checkpo
     return trainer, variants
 
 
-@dataclass(frozen=True)
-class CopyFigures:
-    """hpcft copy+checksum bandwidth with no training running and during training, and memcpy's with hpcft's copy
-    threads and with one."""
-
-    idle: float
-    training: float
-    memcpy: float
-    snapshot_bytes: int
-    memcpy1: float
-    threads: int
-
-
 def run(opts: SnapshotOptions) -> Report:
     """Run the snapshot bench and return its report (ratios, medians, configuration)."""
     set_threads(opts.threads)
@@ -63,22 +50,22 @@ def run(opts: SnapshotOptions) -> Report:
             idle = IdleSnapshot(hp)
             memcpy = memcpy_reference(trainer.state_bytes(), opts.device, hp.ckpt.threads)
             memcpy1 = memcpy_reference(trainer.state_bytes(), opts.device)
-            memcpy1.name = "memcpy1"
-            try:
-                reference = run_interleaved([idle, memcpy, memcpy1], steps=3, warmup=1, block=1)
-            finally:
-                memcpy.close()
-                memcpy1.close()
+            memcpy1.name = "memcpy1"  # with one thread
+            reference = run_interleaved([idle, memcpy, memcpy1], steps=3, warmup=1, block=1, close=True)
             stats = hp.ckpt.stats.as_dict()
             flushing = next((v for v in variants if isinstance(v, HpcftFlush)), None)
             flushes = (flushing.durable(), *flush_vs_write(flushing, where.disk)) if flushing else None
         finally:
             for v in variants:
                 v.close()
-        copy = CopyFigures(idle=hp.copy_bandwidth(first_step=idle.first_step + 1), training=training,
-                           memcpy=memcpy.nbytes / reference.median("memcpy"), snapshot_bytes=stats["last_bytes"],
-                           memcpy1=memcpy1.nbytes / reference.median("memcpy1"), threads=hp.ckpt.threads)
-        r = _report(opts, trainer, timings, {v.name: v for v in variants}, copy)
+        r = _report(opts, trainer, timings, {v.name: v for v in variants})
+        _copy_report(r, opts, hp, hp.copy_bandwidth(first_step=idle.first_step + 1), training, reference)
+        r.add("snapshot_bytes", stats["last_bytes"], "B", "bytes per hpcft snapshot")
+        r.add("state_bytes", trainer.state_bytes(), "B", "bytes of model + optimizer state")
+        r.add("params", trainer.n_params(), "", "model parameters")
+        r.add("dcp_async_form", baselines.DCP_ASYNC_FORM, "", "async_save form")
+        r.note("config", {**asdict(opts), "model": asdict(trainer.cfg)})
+        r.note("variants", {name: timings.summary(name) for name in timings.samples})
         if flushes is not None:
             _flush_report(r, opts, timings, *flushes)
         r.note("hpcft_stats", {k: v for k, v in stats.items() if k != "history"})
@@ -98,8 +85,7 @@ def _flush_report(r: Report, opts: SnapshotOptions, timings: Timings, durable: i
     r.add("write_GBps", write_bw / GB, "GB/s", "plain sequential write + fsync")
 
 
-def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: dict[str, Checkpointing],
-            copy: CopyFigures) -> Report:
+def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: dict[str, Checkpointing]) -> Report:
     hp, warmup = by_name["hpcft"], opts.warmup
     r = Report("snapshot")
     names = {"hpcft": "hpcft", "torch_save": "torch.save", "dcp_async": "dcp.async_save"}
@@ -127,21 +113,21 @@ def _report(opts: SnapshotOptions, trainer: Trainer, timings: Timings, by_name: 
     for k, what in (("torch_save", ""), ("dcp_async", " (wait + stage)")):
         r.add(f"blocked_s_{k}", by_name[k].median(warmup) if k in by_name else None, "s",
               f"{names[k]} blocked per call{what}")
-    ref = f"{copy.threads}-thread memcpy (hpcft's copy threads)" if opts.device == "cpu" else \
+    return r
+
+
+def _copy_report(r: Report, opts: SnapshotOptions, hp: Hpcft, idle: float, training: float, reference: Timings) -> None:
+    """hpcft's copy+checksum bandwidth (bytes/s) with no training running (`idle`) and during training, against the
+    memcpy of the same bytes with hpcft's copy threads and with one, timed in `reference`."""
+    memcpy, memcpy1 = (hp.trainer.state_bytes() / reference.median(n) for n in ("memcpy", "memcpy1"))
+    ref = f"{hp.ckpt.threads}-thread memcpy (hpcft's copy threads)" if opts.device == "cpu" else \
         "device→pinned host copy"
-    r.add("copy_vs_memcpy", copy.idle / copy.memcpy, "x", f"hpcft copy+crc bandwidth ÷ {ref}")
-    r.add("copy_vs_memcpy_1_thread", copy.idle / copy.memcpy1, "x", "the same ÷ 1-thread memcpy (earlier figures)")
-    r.add("copy_vs_memcpy_in_training", copy.training / copy.memcpy, "x", "same, copies overlapping training")
-    r.add("copy_GBps", copy.idle / GB, "GB/s", "hpcft copy+crc bandwidth, no training running")
-    r.add("copy_GBps_in_training", copy.training / GB, "GB/s", "hpcft copy+crc bandwidth during training")
-    r.add("memcpy_GBps", copy.memcpy / GB, "GB/s", f"{ref}, same bytes")
+    r.add("copy_vs_memcpy", idle / memcpy, "x", f"hpcft copy+crc bandwidth ÷ {ref}")
+    r.add("copy_vs_memcpy_1_thread", idle / memcpy1, "x", "the same ÷ 1-thread memcpy (earlier figures)")
+    r.add("copy_vs_memcpy_in_training", training / memcpy, "x", "same, copies overlapping training")
+    r.add("copy_GBps", idle / GB, "GB/s", "hpcft copy+crc bandwidth, no training running")
+    r.add("copy_GBps_in_training", training / GB, "GB/s", "hpcft copy+crc bandwidth during training")
+    r.add("memcpy_GBps", memcpy / GB, "GB/s", f"{ref}, same bytes")
     r.add("backend", hp.ckpt.backend, "", "hpcft copy backend")
     r.add("checksums", hp.ckpt.engine.copier.checksums, "", "where hpcft computes chunk checksums (host or device)")
-    r.add("copy_threads", copy.threads, "", "hpcft copy threads (and the reference memcpy's)")
-    r.add("snapshot_bytes", copy.snapshot_bytes, "B", "bytes per hpcft snapshot")
-    r.add("state_bytes", trainer.state_bytes(), "B", "bytes of model + optimizer state")
-    r.add("params", trainer.n_params(), "", "model parameters")
-    r.add("dcp_async_form", baselines.DCP_ASYNC_FORM, "", "async_save form")
-    r.note("config", {**asdict(opts), "model": asdict(trainer.cfg)})
-    r.note("variants", {name: timings.summary(name) for name in timings.samples})
-    return r
+    r.add("copy_threads", hp.ckpt.threads, "", "hpcft copy threads (and the reference memcpy's)")

@@ -6,7 +6,7 @@ import pytest
 
 from hpcft.bench.cli import Count
 from hpcft.bench.harness import Report, Variant, emit, run_interleaved, scratch
-from hpcft.bench.model import config_for_params, param_count
+from hpcft.bench.model import GPT, config_for_params
 from hpcft.errors import ConfigError
 
 
@@ -52,15 +52,22 @@ def test_run_interleaved_rejects_zero_steps():
         run_interleaved([], steps=0)
 
 
+def param_count(cfg) -> int:
+    """The parameters of the bench model of this shape, counted on the meta device (nothing allocated)."""
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg).parameters())
+
+
 def test_reference_shape_for_50m():
     cfg = config_for_params(50_000_000)
     assert (cfg.layers, cfg.d_model, cfg.heads, cfg.seq, cfg.batch, cfg.vocab) == (8, 640, 10, 256, 4, 8192)
-    assert param_count(cfg.layers, cfg.d_model, cfg.seq, cfg.vocab) == 50_039_040
+    assert param_count(cfg) == 50_039_040
 
 
 def test_tiny_model_is_small():
-    cfg = config_for_params(1_000_000)
-    assert 500_000 < param_count(cfg.layers, cfg.d_model, cfg.seq, cfg.vocab) < 2_000_000
+    assert 500_000 < param_count(config_for_params(1_000_000)) < 2_000_000
 
 
 @pytest.mark.parametrize("text,value", [("50M", 50_000_000), ("1e6", 1_000_000), ("1.5m", 1_500_000),
