@@ -1,7 +1,5 @@
-"""What the supervisor does after something happens: a pure function of the event and the run's state.
-
-No Slurm, no clock of its own (`now` is passed in), so every branch is tested with plain data. The run loop
-(hpcft/launch/supervisor.py) is the mechanism that gathers the event and carries the decision out."""
+"""What the supervisor does after something happens: a pure function of the event and the run's state, with no Slurm
+and no clock of its own (`now` is passed in), so that every branch is tested with plain data."""
 import enum
 import logging
 from collections.abc import Iterable, Mapping
@@ -76,8 +74,7 @@ class Event:
     @classmethod
     def nodes_lost(cls, bad: Mapping[str, str], exit_code: int | None = None,
                    closed: Iterable[str] = ()) -> "Event":
-        """NODE_FAILED for the bad nodes found ({node: why}), each named with its reason in the detail; `closed`:
-        those of them Slurm only closed (NodeCheck.closed_now)."""
+        """NODE_FAILED for {node: why}, each named in the detail; `closed`: those Slurm only closed."""
         return cls(Kind.NODE_FAILED, exit_code=exit_code, bad_nodes=tuple(bad),
                    detail="; ".join(f"{n}: {w}" for n, w in bad.items()), closed=tuple(n for n in closed if n in bad))
 
@@ -149,7 +146,8 @@ def decide(event: Event, state: State, now: float) -> Decision:
                 excluded = tuple(dict.fromkeys(state.layout.excluded + bad))
                 floor = "" if state.min_nodes is None else \
                     f"; {len(shrunk.slots)} node(s) left, fewer than --min-nodes {state.min_nodes}"
-                return requeue_or_stop(replace(state, layout=replace(state.layout, excluded=excluded)), str(exc) + floor)
+                return requeue_or_stop(replace(state, layout=replace(state.layout, excluded=excluded)),
+                                       str(exc) + floor)
             layout, shrink = shrunk, str(exc)
         why = f"{why} on {','.join(bad)}"
     if kept:
@@ -181,11 +179,9 @@ def _leaving(layout: Layout, event: Event) -> tuple[str, ...]:
 
 
 def stale_signal(*, requeued_run: bool, progressed: bool, time_left: float | None, margin: float) -> str | None:
-    """Why a SIGUSR1 must not requeue this run, or None to act on it. Slurm signals a batch step by job id
-    alone, so a late or retried delivery of the signal a previous run already acted on lands in the requeued
-    run. Such a signal is recognised by what cannot be true of a real one: this run is a requeued one, has
-    not completed a step yet (a requeue now would save nothing the previous one did not), and has more than
-    `margin` seconds of walltime left (so it is not this run's walltime warning)."""
+    """Why a SIGUSR1 must not requeue this run, or None to act on it. Slurm signals a batch step by job id alone, so a
+    late or retried delivery of the signal a previous run acted on lands in the requeued run, known by what cannot be
+    true of a real one: a requeued run with no step completed (a requeue saves nothing) and over `margin` s left."""
     if not requeued_run or progressed:
         return None
     if time_left is not None and time_left <= margin:
@@ -216,18 +212,16 @@ CONTROL_FLOOR_S = 1.0    # ... and at least this long
 
 
 def probe_deadline(timeout: float, controls: list[float] | None) -> float:
-    """Seconds after the probe's start at which a node that has not answered is bad: `timeout`, or sooner once every
-    control has answered (`controls`: their answer times): CONTROL_FACTOR × the slowest, at least CONTROL_FLOOR_S.
-    The controls share the suspect's cluster and load, so a slow Slurm or a loaded machine slows them too; a node
-    already silent past --loss-timeout that answers so much later than its peers is not answering."""
+    """When (s after the probe's start) a silent node is bad: `timeout`, or once every control answered (`controls`:
+    their times) CONTROL_FACTOR × the slowest, at least CONTROL_FLOOR_S: the controls share the suspect's cluster and
+    load, and a node silent past --loss-timeout that answers so much later than its peers is not answering."""
     if not controls:
         return timeout
     return min(timeout, max(CONTROL_FLOOR_S, CONTROL_FACTOR * max(controls)))
 
 
 def control_nodes(slots: list[str], suspects: list[str], count: int = CONTROLS) -> list[str]:
-    """Up to `count` slots that are not suspects, the suspects' neighbours in slot order first (spread over the
-    job rather than always its first nodes)."""
+    """Up to `count` non-suspect slots, the suspects' neighbours first: spread over the job, not its first nodes."""
     others = [n for n in slots if n not in suspects]
     if not others or not suspects:
         return others[:count]

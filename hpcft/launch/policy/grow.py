@@ -1,13 +1,7 @@
-"""When a shrunk elastic job grows back (`hpcft run --elastic --elastic-grow`): pure functions of what the supervisor
-has seen of the nodes of its allocation that are out of its slots, with the clock passed in (hpcft/launch/watch/grow.py is
-the mechanism that looks at Slurm and carries a grow out).
-
-Against thrashing: a returned node must stay healthy for `settle` seconds before the job takes it back, doubled for each
-time the run lost it before (its crash, a relapse Slurm reports while it settles; a probe that fails only restarts the
-settle time, since Slurm's view of a dead node lags behind by up to its SlurmdTimeout), and a node lost more than
-`max_losses` times is never taken back; the job changes shape (shrink or grow) at most once per `every` seconds, and
-does not grow with less than `margin` seconds of walltime left (a grow costs a relaunch). It grows toward the node
-count it started with, taking as many settled nodes as it needs, in allocation order."""
+"""When a shrunk elastic job grows back (`--elastic-grow`), pure, clock passed in. Against thrashing: a returned node
+must stay healthy `settle` s, doubled per earlier loss (a failed probe only restarts it: Slurm sees a dead node late, up
+to its SlurmdTimeout); past `max_losses` losses never; one change of shape per `every` s; no grow with under `margin` s
+of walltime left (a grow costs a relaunch). It takes settled nodes in allocation order up to the start's."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -26,8 +20,7 @@ class GrowRules:
 
 @dataclass(frozen=True)
 class Seen:
-    """A node out of the job's slots, as seen so far: healthy since when (None: not healthy at the last look), and how
-    often the run lost it."""
+    """A node out of the slots: healthy since when (None: not at the last look), and how often the run lost it."""
     healthy_since: float | None = None
     losses: int = 0
 
@@ -77,8 +70,7 @@ def observe(seen: Mapping[str, Seen], healthy: Mapping[str, bool], now: float) -
 
 def choose(active: int, seen: Mapping[str, Seen], rules: GrowRules, now: float, last_change: float,
            time_left: float | None) -> GrowChoice:
-    """Which settled nodes to take back now, on a job of `active` nodes whose shape last changed at `last_change`
-    (`seen` in allocation order; `time_left`: walltime left, None if unlimited)."""
+    """The settled nodes to take back now (`seen` in allocation order; `time_left`: None if unlimited)."""
     want = rules.target - active
     if want <= 0:
         return GrowChoice((), f"the job runs on {active} of its {rules.target} node(s)")

@@ -23,11 +23,9 @@ class Layout:
     def plan(cls, nodes: list[str], active: int | None = None, spares: int | None = None,
              tasks_per_node: int = 1, excluded: list[str] | tuple[str, ...] = (),
              previous: list[str] | tuple[str, ...] = ()) -> "Layout":
-        """Split an allocation's `nodes` (in allocation order) into active slots and spares, skipping `excluded`.
-
-        Give `active` or `spares` (or both); the other follows from the allocation size. `previous` is the slot
-        list of an earlier allocation of the same job (a requeue): a node of it that is allocated again keeps
-        its slot, since its memory still holds that slot's snapshots; the other slots take the other nodes."""
+        """Split an allocation's `nodes` (in allocation order) into active slots and spares, skipping `excluded`; give
+        `active` or `spares` or both. A node of `previous` (an earlier allocation's slots: a requeue) allocated again
+        keeps its slot, since its memory still holds that slot's snapshots."""
         if tasks_per_node < 1:
             raise ConfigError(f"tasks per node must be at least 1 (got {tasks_per_node})")
         bad = set(excluded)
@@ -74,8 +72,7 @@ class Layout:
         return self.slot_of(node) * self.tasks_per_node + local_rank
 
     def replace(self, failed: list[str] | tuple[str, ...]) -> tuple["Layout", dict[str, str]]:
-        """Exclude `failed` nodes; a spare takes each failed active node's slot. Returns the new layout and
-        {failed node: spare}; NoSpareError if spares run out (the layout is then unchanged)."""
+        """A spare takes each failed slot: (layout, {failed: spare}); NoSpareError when spares run out."""
         slots, spares = list(self.slots), [s for s in self.spares if s not in failed]
         moved: dict[str, str] = {}
         for node in failed:
@@ -90,16 +87,14 @@ class Layout:
         return replace(self, slots=tuple(slots), spares=tuple(spares), excluded=excluded), moved
 
     def shrink(self, failed: list[str] | tuple[str, ...]) -> "Layout":
-        """Exclude `failed` nodes and drop their slots: the survivors keep their order, so slot i of the smaller
-        layout is the i-th surviving node (its ranks renumbered from i*T)."""
+        """Exclude `failed`, dropping their slots: slot i is the i-th survivor (its ranks from i*T)."""
         gone = set(failed)
         return replace(self, slots=tuple(n for n in self.slots if n not in gone),
                        spares=tuple(s for s in self.spares if s not in gone),
                        excluded=tuple(dict.fromkeys(self.excluded + tuple(failed))))
 
     def grow(self, returned: list[str] | tuple[str, ...]) -> "Layout":
-        """Take `returned` nodes back (no longer excluded) as new slots after the present ones: the present slots keep
-        their index, each returned node runs the ranks after them."""
+        """Take `returned` back as slots after the present ones, which keep their index (and ranks)."""
         back = [n for n in dict.fromkeys(returned) if n not in self.slots]
         return replace(self, slots=self.slots + tuple(back), spares=tuple(s for s in self.spares if s not in back),
                        excluded=tuple(n for n in self.excluded if n not in back))
@@ -119,13 +114,3 @@ class Layout:
         except ValueError:
             raise ConfigError(f"HPCFT_LAYOUT_TASKS={env.get('HPCFT_LAYOUT_TASKS')!r} is not an integer") from None
         return cls(slots=tuple(text.split(",")), tasks_per_node=tasks)
-
-    def to_dict(self) -> dict:
-        return {"slots": list(self.slots), "spares": list(self.spares), "excluded": list(self.excluded),
-                "tasks_per_node": self.tasks_per_node}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Layout":
-        return cls(slots=tuple(d["slots"]), spares=tuple(d.get("spares", ())), excluded=tuple(d.get("excluded", ())),
-                   tasks_per_node=int(d.get("tasks_per_node", 1)))
-

@@ -1,9 +1,6 @@
-"""Which node is a straggler: pure functions and a detector over plain data, time passed in (docs/supervisor.md,
-"Stragglers"). Each sample is one rank's `ready_s` (hpcft/snapshot/timing.py: its own share of a step, before it
-waits for its peers) at one step. A rank is slow when the median of its samples in the last `window` seconds is more
-than `factor` times the median of the ranks on the other nodes; its node is a straggler while one of its ranks is.
-The median makes it persistent: one paused step (a pause stops a rank in one place, so it inflates one sample) is
-never a majority of the at least `min_samples` samples spanning half the window that a judgement needs."""
+"""Which node is a straggler (docs/supervisor.md, "Stragglers"), pure, time passed in: a rank is slow when the median of
+its `ready_s` (its own share of a step) over the last `window` s is over `factor` × the other nodes' ranks' median. The
+median keeps it persistent: one paused step inflates one sample, never most of the `min_samples` a judgement needs."""
 import statistics
 from dataclasses import dataclass, field
 
