@@ -1,8 +1,6 @@
-"""A session's CPU priority against the other sessions of its machine, lowered for a while and given back. Linux
-schedules each session as one group (autogroup, sched(7)), so a plain nice yields only to the session's own
-processes, and an unprivileged process cannot undo a nice; the autogroup's nice (/proc/self/autogroup) does both.
-For a spare node's warm standby, whose import must not slow the active nodes' where nodes share cores (the
-sandbox); on a node of its own nothing competes and the nice costs nothing."""
+"""A session's CPU priority against its machine's other sessions, lowered and given back, so that a spare's warm standby
+does not slow the active nodes' import where they share cores. Linux schedules a session as one group (autogroup,
+sched(7)): a plain nice yields only within it and cannot be undone unprivileged; the autogroup's does both."""
 from __future__ import annotations
 
 import logging
@@ -55,8 +53,7 @@ class Lowered:
 
 
 def lower(nice: int = 19, path: Path = PATH) -> Lowered | None:
-    """Lower this session to autogroup nice `nice`; None (nothing changed) where the kernel has no autogroups, the
-    session is already that low, or the write is refused."""
+    """Lower this session to autogroup nice `nice`; None (unchanged) without autogroups, if that low, or refused."""
     before = current(path)
     if before is None or before >= nice or not _set(path, nice):
         return None

@@ -1,7 +1,6 @@
-"""Removing a job's snapshot store from this node's memory, unless a requeue is pending (the work of
-slurm/epilog.sh, for `hpcft clean` by hand). A requeue is pending when Slurm says the job waits to run again, or
-when Slurm's restart count has moved past the run that wrote the store (hpcft.store.paths.mark_run): while a
-requeued run ends, Slurm shows COMPLETING, as for the end of the job."""
+"""Remove a job's snapshot store from this node's memory unless a requeue is pending (slurm/epilog.sh's work, for
+`hpcft clean` by hand): Slurm says the job waits to run again, or its restart count moved past the run that wrote the
+store (store.paths.mark_run), since a requeued run ends COMPLETING as the job's end does."""
 import getpass
 import logging
 import shutil

@@ -1,6 +1,6 @@
-"""`python -m hpcft.launch.node.handoff -- CMD …`: the node agents' task (hpcft/launch/steps/agents.py) hands CMD to this
-node's warm standby, which forks it with numpy and the rest already imported (a relaunch's agents start in
-milliseconds instead of an interpreter's import), or, where none can run it, execs CMD: hpcft/launch/node/warm.py."""
+"""`python -m hpcft.launch.node.handoff -- CMD …`: a node agent's task hands CMD to this node's warm standby, which
+forks it with numpy and the rest already imported (a relaunch's agents start in milliseconds), or execs CMD where none
+can run it (node/warm.py)."""
 import os
 import sys
 

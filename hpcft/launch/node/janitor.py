@@ -1,23 +1,12 @@
-"""Leave nothing in node memory when a job ends, without a site epilog (Frontier users cannot install one).
-
-`hpcft run` starts one janitor task on every node of its allocation (`python -m hpcft.launch.node.janitor`, a step of
-its own that only sleeps). When the job ends on its own (done, gave up) the supervisor sends that step SIGUSR2 (srun
-passes it on to every task): each janitor removes the job's store from its node's memory and exits. Where that step
-does not cover every node or does not end cleanly, the supervisor stops it and runs the same module once with
-`--now` on every node instead. When Slurm ends
-the job (scancel, walltime, preemption) or requeues it, every task gets SIGTERM from Slurm itself, KillWait
-seconds before the SIGKILL: the janitor then keeps the store when a requeue is pending (the next run resumes from
-it): when `hpcft run` asked for the requeue itself, it said so first in the job directory (`requeue_flag`); any
-other requeue (preemption) Slurm itself says (hpcft.launch.node.clean); else it removes the store.
-
-The janitors also watch the supervisor. `hpcft run` lives in the batch script on the first node, which also
-trains; when that node is lost, Slurm keeps a `--no-kill` job RUNNING on the others with nobody in charge (until
-the walltime). A thread of `hpcft run` touches `<job dir>/supervisor.alive` every second; when it has been silent
-for SILENCE_S and Slurm says the batch host is bad or gone, one janitor (the first to claim it) flags the requeue
-and asks Slurm for it (`event=batch_host_lost`): the requeued job resumes from what the other nodes hold."""
+"""Leave nothing in node memory when a job ends, without a site epilog (Frontier users cannot install one): a sleeping
+janitor task per node removes the job's store on SIGUSR2 from `hpcft run`, or on Slurm's SIGTERM unless a requeue is
+pending (`requeue_flag`, node/clean.py). As Slurm keeps a `--no-kill` job RUNNING with nobody in charge once the batch
+host is lost, a janitor requeues the job when `supervisor.alive` is silent for SILENCE_S and Slurm says that host is bad
+or gone (`event=batch_host_lost`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -54,10 +43,8 @@ def start_heartbeat(job_dir_: str | os.PathLike, interval: float = 1.0) -> None:
 
     def beat() -> None:
         while True:
-            try:
+            with contextlib.suppress(OSError):  # the shared filesystem hiccups: the janitors allow SILENCE_S
                 path.touch()
-            except OSError:
-                pass  # the shared filesystem hiccups: the janitors allow SILENCE_S
             time.sleep(interval)
 
     threading.Thread(target=beat, daemon=True, name="hpcft-heartbeat").start()
@@ -70,14 +57,13 @@ def requeue_flag(job_dir_: str | os.PathLike, run: int | str) -> Path:
 
 def janitor_argv(nodes: Sequence[str], *, python: str, job_dir_: str, now: bool = False,
                  staged: bool = False) -> list[str]:
-    """One janitor task on each of `nodes` (--overlap: next to the job's other steps; --kill-on-bad-exit=0: a
-    task lost does not end the others; --no-kill: nor does a node lost. Without it slurmctld kills the whole step
-    when it marks the batch host DOWN, and the janitors then raced that mark: seen losing 2 runs in 4 under load)."""
+    """One janitor task on each of `nodes`, beside the job's other steps (--overlap), outliving a lost task
+    (--kill-on-bad-exit=0) or node (--no-kill: without it slurmctld kills the step when it marks the batch host DOWN,
+    and the janitors raced that mark, losing 2 runs in 4 under load)."""
     n = len(nodes)
     return ["srun", f"--job-name={JANITOR_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={compress(list(nodes))}", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL",
-            python, "-m",
-            "hpcft.launch.node.janitor", "--job-dir", str(job_dir_), *(["--now"] if now else []),
+            python, "-m", "hpcft.launch.node.janitor", "--job-dir", str(job_dir_), *(["--now"] if now else []),
             *(["--staged"] if staged else [])]
 
 
@@ -123,8 +109,7 @@ class Janitor:
 
     def wipe(self, nodes: Sequence[str], env: Mapping[str, str], timeout: float = 60.0,
              staged: bool = False) -> int | None:
-        """Remove the job's store on every one of `nodes` now (the waiting janitors keep running), and with `staged`
-        the node's copy of the environment (--stage-env); srun's exit status (None: not finished within `timeout`)."""
+        """Remove the job's store (and with `staged` the environment's copy) on `nodes`; srun's status, None if late."""
         proc = self._popen(nodes, env, now=True, staged=staged)
         try:
             return proc.wait(timeout=timeout)
@@ -146,17 +131,13 @@ def _remove(store: Path, settle: float = 1.0) -> bool:
 
 
 def _remove_standby(job: str) -> None:
-    """The job's standby socket directory on this node (hpcft/launch/node/standby.py removes it itself when it is stopped;
-    this covers one killed first): it serves no later run, a requeued one included."""
-    try:
+    """The job's standby socket directory a killed standby left on this node: no later run uses it."""
+    with contextlib.suppress(HpcftError):
         shutil.rmtree(socket_dir(job), ignore_errors=True)
-    except HpcftError:
-        pass
 
 
 def _remove_staged() -> None:
-    """This node's copy of the environment (hpcft/launch/steps/stage.py), at the job's end and at a requeue (it is made
-    again from the cached archive): renamed first, so that no step starts from a copy half removed."""
+    """This node's environment copy (made again from the archive), renamed first: no step starts a half-removed one."""
     copy = os.environ.get(ENV_NODE_DIR)
     if not copy:
         return
@@ -247,8 +228,7 @@ def _watch_supervisor(job: str, job_dir_: Path, run: str, flag: Path) -> None:
     except HpcftError:
         return  # Slurm did not answer: ask again at the next check
     if not info.batch or (host in info.nodes and not is_lost(state)):
-        return  # not a batch job (salloc: nothing to requeue), or a slow filesystem or busy supervisor (a drained
-        # batch host too: it still runs hpcft run)
+        return  # salloc (nothing to requeue), or a slow disk or busy supervisor on a live (even drained) batch host
     try:  # one janitor acts: the first to create the claim
         os.close(os.open(job_dir_ / f"batch-host-lost-run-{run}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:

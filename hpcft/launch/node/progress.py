@@ -1,11 +1,9 @@
-"""Training progress as the supervisor sees it: each rank's newest committed step and that snapshot's `ready_s`
-(hpcft/snapshot/timing.py), read on its node from what the Checkpointer already commits (hpcft/store/progress.py)
-and sent over the network (hpcft/agent/transport/uplink.py) by the node's agent, or, in a run without agents, by a reporter
-that the task wrapper of each node's first task forks (`start_reporter`). Training code needs no hook; a job that
-does not use the Checkpointer may write its step to $HPCFT_PROGRESS_FILE, a node-local file. The supervisor keeps
-the view in memory (hpcft/launch/fabric/liveview.py); `read` and `samples` read it back from the job's bounded log."""
+"""Training progress as the supervisor sees it: each rank's newest committed step and its `ready_s` (or the step in
+$HPCFT_PROGRESS_FILE, for a job without the Checkpointer), sent by the node's agent or, without agents, by a reporter
+the node's first task forks; `read` and `samples` read the job's bounded log."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -30,15 +28,12 @@ def read(job_dir: str | os.PathLike) -> dict[int, tuple[int, float]]:
 
 def die_with_parent() -> None:
     """SIGKILL this process when its parent dies (PR_SET_PDEATHSIG); best effort where prctl is missing."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def start_reporter(job_dir: str, slot: int, store: Path, environ: dict[str, str], interval: float = 1.0) -> int:
-    """Fork the node's progress reporter for a run without agents: it sends the slot's ranks' progress to the
-    supervisor until its parent (the node's first trainer task) dies; returns its pid, 0 in the child never."""
+    """Fork the node's reporter (a run without agents): it sends the slot's progress until its parent task dies."""
     pid = os.fork()
     if pid:
         return pid

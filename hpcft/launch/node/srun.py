@@ -13,19 +13,15 @@ TRAIN_STEP_NAME = "hpcft-train"
 
 
 def master_port(job_id: str, restart_count: int) -> int:
-    """The job's rendezvous port (hpcft.env.port_for_job), moved by one per relaunch so that a new step never
-    waits for the old master's socket to be released."""
+    """The job's rendezvous port, one further per relaunch: a new step never waits for the old master's socket."""
     return PORT_BASE + (port_for_job(job_id) - PORT_BASE + restart_count) % PORT_SPAN
 
 
 def trainer_argv(layout: Layout, profile: Profile, command: Sequence[str], *, python: str,
                  extra: str = "") -> list[str]:
-    """`srun … python -m hpcft.launch.node.task -- CMD`: the active slots' nodes, T tasks on each, the step killed
-    as a whole when one task fails, the profile's resource options, then the user's extra options.
-
-    --overlap: a step that failed with a node keeps its resources on the healthy nodes until Slurm declares
-    the dead node DOWN; without it the relaunch would wait ("Requested nodes are busy"). The node agents'
-    step overlaps the trainers' too."""
+    """`srun … python -m hpcft.launch.node.task -- CMD` on the active slots' nodes, T tasks each, killed whole when a
+    task fails, then the profile's and the user's options. --overlap: a step that failed with a node holds the healthy
+    nodes' resources until Slurm marks the dead one DOWN, and the relaunch would wait ("Requested nodes are busy")."""
     if not command:
         raise ConfigError("no training command given: use `hpcft run [options] -- CMD ...`")
     n, t = len(layout.slots), layout.tasks_per_node
@@ -46,27 +42,16 @@ def probe_argv(nodes: Sequence[str]) -> list[str]:
 def step_env(layout: Layout, *, job_id: str, restart_count: int, job_dir: str,
              profile_env: Mapping[str, str] | None = None) -> dict[str, str]:
     """What the supervisor exports to the trainer step; each task adds its own ranks (see `task_env`)."""
-    env = dict(profile_env or {})
-    env.update(layout.to_env())
-    env.update({
-        "HPCFT_JOB_ID": job_id,
-        "HPCFT_NODELIST": compress(list(layout.slots)),
-        "HPCFT_RESTART_COUNT": str(restart_count),
-        "HPCFT_JOB_DIR": job_dir,
-        "HPCFT_EVENT_DIR": job_dir,
-        "MASTER_ADDR": layout.master,
-        "MASTER_PORT": str(master_port(job_id, restart_count)),
-        "WORLD_SIZE": str(layout.world_size),
-        "HPCFT_WORLD_SIZE": str(layout.world_size),
-        "LOCAL_WORLD_SIZE": str(layout.tasks_per_node),
-        "HPCFT_LOCAL_WORLD_SIZE": str(layout.tasks_per_node),
-    })
-    return env
+    return {**(profile_env or {}), **layout.to_env(), "HPCFT_JOB_ID": job_id,
+            "HPCFT_NODELIST": compress(list(layout.slots)), "HPCFT_RESTART_COUNT": str(restart_count),
+            "HPCFT_JOB_DIR": job_dir, "HPCFT_EVENT_DIR": job_dir, "MASTER_ADDR": layout.master,
+            "MASTER_PORT": str(master_port(job_id, restart_count)), "WORLD_SIZE": str(layout.world_size),
+            "HPCFT_WORLD_SIZE": str(layout.world_size), "LOCAL_WORLD_SIZE": str(layout.tasks_per_node),
+            "HPCFT_LOCAL_WORLD_SIZE": str(layout.tasks_per_node)}
 
 
 def task_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """One task's rank variables from the exported layout and Slurm's SLURMD_NODENAME + SLURM_LOCALID:
-    srun numbers tasks by its own node order, hpcft by slot, so RANK comes from the slot."""
+    """One task's rank variables: srun numbers tasks in its node order, hpcft by slot, so RANK comes from the slot."""
     layout = Layout.from_env(dict(environ))
     node = environ.get("SLURMD_NODENAME")
     if not node:

@@ -1,8 +1,6 @@
-"""`python -m hpcft.launch.node.stage`: one task per node of `hpcft run --stage-env`'s staging step. It says it is
-ready (and whether another node's probe is visible beside its own: a root that is not node-local), waits for the
-supervisor's SIGUSR1 (sbcast is over), checks the broadcast archive's size and crc32c while unpacking it, points a
-staged base interpreter's links at the copy, verifies that the copy's interpreter imports torch from the copy, and
-marks it ok. Every outcome is one JSON line on stdout; the supervisor turns them into events."""
+"""`python -m hpcft.launch.node.stage`, a task per node of the `--stage-env` step: says it is ready (or that another
+node's probe shows: no node-local root), waits for SIGUSR1 (sbcast is over), unpacks checking size and crc32c, relinks a
+staged base interpreter, checks the copy imports torch from itself, marks it ok; each outcome is a JSON line."""
 from __future__ import annotations
 
 import argparse

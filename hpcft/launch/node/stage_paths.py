@@ -17,8 +17,7 @@ DEFAULT_DIR = "/tmp"  # without $HPCFT_NVME (Frontier: /mnt/bb/$USER with `hpcft
 
 
 def stage_root(given: str | None, environ: Mapping[str, str]) -> Path:
-    """The node-local directory copies go under: `given` (--stage-dir), else $HPCFT_NVME, else /tmp; `$VAR`s expanded
-    here, on the batch host: sbcast writes one path on every node."""
+    """Where copies go: --stage-dir, else $HPCFT_NVME, else /tmp, expanded here: sbcast writes one path on all nodes."""
     return Path(expand_vars(given or environ.get(NVME_ENV) or DEFAULT_DIR, environ))
 
 
@@ -47,8 +46,7 @@ def staged_python(node: Path, python: str) -> Path:
 
 
 def chooser(node: Path, key: str, python: str, shared: str) -> str:
-    """The interpreter chooser's text: the node's verified copy of this key, else the shared interpreter. One
-    small file on the shared file system per process start, instead of the thousands an import opens."""
+    """The chooser: the node's verified copy, else the shared interpreter (one shared file, not an import's many)."""
     q = shlex.quote
     return ("#!/bin/sh\n# hpcft run --stage-env: this node's verified copy of the environment, else the shared one\n"
             f"[ -e {q(str(ok_marker(node, key)))} ] && exec {q(str(staged_python(node, python)))} \"$@\"\n"
@@ -56,8 +54,7 @@ def chooser(node: Path, key: str, python: str, shared: str) -> str:
 
 
 def localized(command: Sequence[str], environ: Mapping[str, str], python: str) -> list[str]:
-    """`command` with its interpreter replaced by `python` (this staged one) when it names the shared interpreter
-    hpcft run staged ($HPCFT_STAGE_SHARED): the trainers' `python train.py` runs from the node's copy too."""
+    """`command` running `python` (this copy) where it names the shared interpreter: `python train.py` runs the copy."""
     from hpcft.launch.node.zygote import same_interpreter
 
     shared = environ.get(ENV_SHARED)

@@ -1,15 +1,11 @@
-"""`python -m hpcft.launch.node.standby`: a node's warm standby. Started once per allocation node (active and spare) by
-`hpcft run` (hpcft/launch/steps/standbys.py), it imports Python's and torch's start-up (`--preload`) and listens on a
-unix socket in the node-local store root (hpcft/launch/node/zygote.py). Each trainer task's wrapper (hpcft/launch/
-warm.py) hands it the command, environment, cwd, CPU affinity and stdin/stdout/stderr; the standby forks a fresh
-child for it, which becomes that rank and runs the script as `python SCRIPT` would; its exit status goes back to the
-wrapper. A wrapper that dies (srun killed the step) takes its child with it: the standby sees the connection close.
-
-Fork-safety: the standby never initialises CUDA/HIP and starts no thread after its preload; before each fork it
-checks both (`fork_unsafe`) and refuses, which sends the wrapper down its cold path, loudly."""
+"""`python -m hpcft.launch.node.standby`: a node's warm standby (active and spare nodes). It imports torch's start-up
+(`--preload`) and listens on a unix socket in the node-local store root; a trainer task's wrapper (node/warm.py) sends
+its command, environment, cwd, affinity and stdio, and a forked child becomes that rank, its exit status sent back. No
+CUDA/HIP and no thread after the preload: `fork_unsafe` refuses a fork otherwise, and the wrapper runs cold, loudly."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -39,8 +35,7 @@ def status_path(job_dir: str | os.PathLike, node: str) -> Path:
 
 
 def active_ready_path(job_dir: str | os.PathLike) -> Path:
-    """Touched by the supervisor when its wait for the active slots' standbys ends (standbys.Standbys.wait): one file
-    the spares' standbys look at, not one per node (hundreds on a shared file system)."""
+    """Touched when the supervisor's wait for the active standbys ends: one file for every spare, not one per node."""
     return Path(job_dir) / STATUS_DIR / "active-ready"
 
 
@@ -69,9 +64,8 @@ def preload(modules: list[str]) -> float:
 
 def _active_ready(marker: Path, since: float, done: threading.Event, behind: autogroup.Lowered,
                   timeout: float) -> None:
-    """Watcher of a spare's preload: give the priority back once the supervisor's wait for the active slots'
-    standbys has ended (`marker` touched at or after `since`: the launch waits for those, nobody for this one), or
-    after `timeout`."""
+    """Give a spare's preload its priority back once the supervisor's wait for the active slots' standbys ended
+    (`marker` touched at or after `since`: the launch waits for those, nobody for this one), or after `timeout`."""
     deadline = time.monotonic() + timeout
     while not done.wait(0.2) and time.monotonic() < deadline:
         try:
@@ -84,9 +78,8 @@ def _active_ready(marker: Path, since: float, done: threading.Event, behind: aut
 
 def _preload_behind(modules: list[str], job_dir: str, node: str, spares: list[str], since: float,
                     timeout: float = 120.0) -> tuple[float, autogroup.Lowered | None]:
-    """`preload(modules)`; on one of `spares`, behind the active nodes' standbys: this session at the lowest priority
-    until the supervisor has them ready (`active_ready_path`), so that where nodes share cores they get them first;
-    on a node of its own nothing competes. The watcher thread ends before this returns (see fork_unsafe)."""
+    """`preload(modules)`, on one of `spares` at the lowest priority until the active nodes' standbys are ready
+    (`active_ready_path`), which get shared cores first; its watcher thread ends before this returns (fork_unsafe)."""
     behind = autogroup.lower() if node in spares else None
     if behind is None:
         return preload(modules), None
@@ -117,8 +110,7 @@ GPU_DRIVER_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/")  # what cuInit / hsa
 
 
 def gpu_driver_open(prefixes: tuple[str, ...] = GPU_DRIVER_FILES) -> str | None:
-    """A GPU driver file this process holds open, if any: the sign that CUDA or HIP was initialised here (also by
-    a `torch.cuda.is_available()` that leaves torch.cuda.is_initialized() False)."""
+    """A GPU driver file held open: CUDA or HIP was initialised here, even by a `torch.cuda.is_available()`."""
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
@@ -161,8 +153,7 @@ class Standby:
     stopping: bool = False
 
     def listen(self) -> Path:
-        """Bind the socket: its directory 0700 (refused if another user owns it), the socket 0600, a stale one
-        (a requeued job's earlier run on this node) replaced."""
+        """Bind the socket: its directory 0700 and ours alone, the socket 0600, a requeued run's stale one replaced."""
         directory = zygote.socket_dir(self.job_id)
         directory.mkdir(mode=0o700, exist_ok=True)
         st = directory.lstat()
@@ -199,12 +190,9 @@ class Standby:
                     if job is not None:
                         return job
                 elif key.data == "wake":
-                    while True:
-                        try:
-                            if not os.read(rfd, 512):
-                                break
-                        except BlockingIOError:
-                            break
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(rfd, 512):
+                            pass
                 else:
                     self._from_wrapper(key.fileobj, key.data)
             self._reap()
@@ -246,10 +234,8 @@ class Standby:
             pid = os.fork()
         if pid == 0:
             return self._become_child(request, conn, fds)
-        try:
+        with contextlib.suppress(OSError):
             os.setpgid(pid, pid)  # also in the child: whichever runs first
-        except OSError:
-            pass
         self.served += 1
         for fd in fds:
             os.close(fd)  # the wrapper's stdio: the child holds them now (srun must see their end with the child)
@@ -270,10 +256,8 @@ class Standby:
 
     @staticmethod
     def _answer(conn: socket.socket, message: dict) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the wrapper is gone
             zygote.send(conn, message)
-        except OSError:
-            pass  # the wrapper is gone
 
     def _from_wrapper(self, conn: socket.socket, pid: int) -> None:
         """A signal to forward, or the wrapper gone (srun killed the step): the child and its group go too."""
@@ -301,7 +285,7 @@ class Standby:
             if info is None:
                 return
             pid = info.si_pid
-            _kill(pid, signal.SIGKILL)  # what it left in its group (as a step's end would), while its zombie holds the id
+            _kill(pid, signal.SIGKILL)  # what it left in its group (as a step's end would), while its zombie holds it
             _, status = os.waitpid(pid, 0)
             conn = self.children.pop(pid, None)
             if conn is not None:
@@ -329,11 +313,9 @@ class Standby:
         for pid in list(self.children):
             _kill(pid, signal.SIGKILL)
         self.listener.close()
-        try:
+        with contextlib.suppress(OSError):
             self.path.unlink(missing_ok=True)
             self.path.parent.rmdir()
-        except OSError:
-            pass
 
     def _become_child(self, request: dict, conn: socket.socket, fds: list[int]) -> Job:
         """In the forked child: drop everything of the standby's loop but the one connection."""
@@ -348,10 +330,8 @@ class Standby:
                 other.close()
         for fd in self._pipe:
             os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.setpgid(0, 0)
-        except OSError:
-            pass
         progress.die_with_parent()  # a standby that dies takes its ranks along: their wrappers see it and fail
         conn.settimeout(None)
         return Job(request, conn, fds)
@@ -362,10 +342,8 @@ def _kill(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
     except OSError:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, sig)
-        except OSError:
-            pass
 
 
 def main(argv: list[str] | None = None) -> int:

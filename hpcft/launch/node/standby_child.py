@@ -1,6 +1,6 @@
-"""What a warm standby's forked child (hpcft/launch/node/standby.py) does to become its wrapper's rank: take the wrapper's
-fds, environment, cwd, umask, CPU affinity and devices, make stdio as the interpreter would, and run the script or
-module as `python SCRIPT` / `python -m MODULE` would."""
+"""What a warm standby's forked child does to become its wrapper's rank: take the wrapper's fds, environment, cwd,
+umask, CPU affinity and devices, make stdio as the interpreter would, and run the script or module as
+`python SCRIPT` / `python -m MODULE` would."""
 from __future__ import annotations
 
 import io

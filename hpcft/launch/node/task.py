@@ -1,7 +1,6 @@
-"""`python -m hpcft.launch.node.task -- CMD …`: the first thing each trainer task runs. It turns the exported slot
-layout plus SLURMD_NODENAME/SLURM_LOCALID into this task's ranks, points $HPCFT_PROGRESS_FILE into the node-local
-store, starts the node's progress reporter in a run without agents (hpcft/launch/node/progress.py; the agents report
-otherwise), and hands CMD to the node's warm standby (hpcft/launch/node/warm.py) or, where none can run it, execs CMD."""
+"""`python -m hpcft.launch.node.task -- CMD …`, the first thing each trainer task runs: this task's ranks from the
+exported slot layout and SLURMD_NODENAME/SLURM_LOCALID, $HPCFT_PROGRESS_FILE in the node-local store, the node's
+progress reporter in a run without agents, then CMD in the node's warm standby, or exec'd where none can run it."""
 import os
 import sys
 
@@ -33,7 +32,7 @@ def main(argv: list[str]) -> int:
             print(f"hpcft task: no progress reports from this task: {exc}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    return warm.run_or_exec(command, os.environ)  # in this node's warm standby, when one can run it
+    return warm.run_or_exec(command, os.environ)
 
 
 def _progress(job_dir: str) -> None:

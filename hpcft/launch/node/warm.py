@@ -1,11 +1,9 @@
-"""The task wrapper's warm path: hand the command to this node's standby (hpcft/launch/node/standby.py) instead of
-starting an interpreter, then stand in for the rank towards srun: its stdio is the rank's (passed over), signals
-srun sends are forwarded, and the wrapper ends as the rank ended (its exit code, or the same signal). When the
-wrapper dies (srun kills the step) the standby kills the rank. Any reason not to (no standby, another command, a
-refusal) returns None with a `trainer_start how=cold` event, and the wrapper execs the command as before. The node
-agents' tasks take the same path (`role="agent"`, events `agent_start`; hpcft/launch/node/handoff.py)."""
+"""The task wrapper's warm path: the node's standby forks the rank, the wrapper stands in for it towards srun (stdio
+passed over, signals forwarded, ending as the rank did; the standby kills a rank whose wrapper died). Else None with a
+`<role>_start how=cold` event, and the wrapper execs the command (agents too: `role="agent"`, node/handoff.py)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -23,8 +21,7 @@ START_TIMEOUT_S = 60.0  # fork and set-up take milliseconds; a standby this slow
 
 
 def _stdio_spec() -> dict:
-    """How this interpreter made its stdio (it was started by srun on the fds, in the environment, a cold `python`
-    would be): the child makes its own the same way."""
+    """How srun's fds became this interpreter's stdio, for the child to make its own as a cold `python` would."""
     spec = {}
     for name in ("stdin", "stdout", "stderr"):
         stream = getattr(sys, name)
@@ -58,8 +55,7 @@ def _cold(why: str, environ: Mapping[str, str], role: str) -> None:
 
 
 def run(command: Sequence[str], environ: Mapping[str, str], role: str = "trainer") -> int | None:
-    """Run `command` in the node's standby and return its exit status (a signal death is re-raised on this
-    process); None when it must run cold (said in a `<role>_start` event when the standby is on)."""
+    """Run `command` in the node's standby: its exit status (a signal death re-raised here), or None to run it cold."""
     if environ.get(zygote.ENV_STANDBY) != "1":
         return None
     target, why = zygote.target_of(command, sys.executable, environ.get("PATH"))
@@ -109,10 +105,8 @@ def _wait(sock: socket.socket) -> int:
     sock.settimeout(None)
 
     def forward(signum: int, _frame) -> None:
-        try:
+        with contextlib.suppress(OSError):
             zygote.send(sock, {"signal": signum})
-        except OSError:
-            pass
 
     for sig in FORWARDED:
         signal.signal(sig, forward)

@@ -4,6 +4,7 @@ can run (pure: `python[3] SCRIPT ARGS` or `python -m MODULE ARGS` with the wrapp
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import os
 import shutil
@@ -28,8 +29,7 @@ class ProtocolError(HpcftError):
 
 
 def socket_dir(job_id: str, root: str | os.PathLike | None = None, user: str | None = None) -> Path:
-    """`<store root>/.standby-hpcft-<user>-<job>`: node-local (the store root is), per user and job, 0700; beside the
-    job's store (`hpcft-<user>-<job>`), which a shrink wipes while the standby keeps serving."""
+    """`<store root>/.standby-hpcft-<user>-<job>`, 0700, beside the store (which a shrink wipes under a standby)."""
     base = resolve_root(root)
     return base / f".standby-{job_dir(base, job_id, user).name}"
 
@@ -56,23 +56,17 @@ def receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
             got = array.array("i")
             got.frombytes(payload[:len(payload) - len(payload) % got.itemsize])
             fds.extend(got)
-    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        for fd in fds:
-            os.close(fd)
-        raise ProtocolError("standby message truncated")
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None, []
-    try:
-        message = json.loads(data)
-    except ValueError:
-        message = None
-    if not isinstance(message, dict):
-        for fd in fds:
-            os.close(fd)
-        raise ProtocolError("standby message is not a JSON object")
-    return message, fds
+    truncated, message = flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC), None
+    if data and not truncated:
+        with contextlib.suppress(ValueError):
+            message = json.loads(data)
+    if isinstance(message, dict):
+        return message, fds
+    for fd in fds:
+        os.close(fd)
+    if truncated or data:
+        raise ProtocolError("standby message truncated" if truncated else "standby message is not a JSON object")
+    return None, []
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -83,8 +77,7 @@ def peer_uid(sock: socket.socket) -> int:
 
 @dataclass(frozen=True)
 class Target:
-    """What a standby child runs: a script path (`python SCRIPT`) or a module (`python -m MODULE`), its sys.argv
-    tail, and whether `-u` was given."""
+    """What a standby child runs: a script (`python SCRIPT`) or a module (`-m MODULE`), its argv tail, and `-u`."""
 
     kind: str  # "script" | "module"
     name: str
@@ -100,8 +93,7 @@ def same_interpreter(candidate: str, python: str) -> bool:
 
 
 def target_of(command: Sequence[str], python: str, path: str | None) -> tuple[Target | None, str]:
-    """(the Target, "") when a standby can run `command` as `python` would, else (None, why not). `path`: the
-    task's PATH, for a bare `python3`."""
+    """(the Target, "") when a standby can run `command` as `python` would, else (None, why); `path`: its PATH."""
     if not command:
         return None, "no command"
     exe = shutil.which(command[0], path=path) if os.sep not in command[0] else command[0]
@@ -144,8 +136,7 @@ IMPORT_TIME_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_")
 
 
 def env_mismatch(task: Mapping[str, str], standby: Mapping[str, str]) -> str | None:
-    """The first import-time variable whose value differs between the task's environment and the standby's, as
-    `NAME`, or None."""
+    """The first import-time variable whose value differs between the task's environment and the standby's, or None."""
     names = set(IMPORT_TIME) | {k for k in (*task, *standby) if k.startswith(IMPORT_TIME_PREFIXES)}
     for name in sorted(names):
         if task.get(name) != standby.get(name):
