@@ -1,13 +1,8 @@
-"""What the supervisor makes of node agents that failed: the agents are the job's own failure detector (a closed
-connection, or a peer silent past --loss-timeout, agent/heartbeat.py). The nodes they name are probed at once,
-beside a few others that time a healthy answer, without waiting for Slurm to mark them (then every slot, when those
-answer): a node that fails the probe is lost
-(`node_failed`: a spare takes its slot). When every node answers, the agents failed on their own: while the trainers
-run, the agents alone are restarted (a fresh mesh on the same nodes, nothing rebuilt: every node's store is intact)
-and the trainers keep training; only when that fails, or has happened `ALONE_PER_LAUNCH` times in one launch, is the
-run relaunched from memory (`agent_failed`). Agents whose step ended before they were ready, on nodes that all answer,
-are launched once more before the trainers start (`agents_again`): nothing is lost yet, and a Slurm hiccup at the
-step's start (a task launch that failed on one node) must not cost a relaunch."""
+"""What the supervisor makes of failed node agents, the job's own failure detector: the nodes they name are probed at
+once beside healthy controls (then every slot); one that fails is lost (`node_failed`). Where all answer, the agents
+alone restart and the trainers go on (every store is intact), unless that fails or happened ALONE_PER_LAUNCH times in
+the launch (`agent_failed`: relaunch); a step that ended before its agents were ready is launched once more
+(`agents_again`): a Slurm hiccup at a step's start must not cost a relaunch."""
 from __future__ import annotations
 
 import logging
@@ -88,8 +83,7 @@ class AgentLoss:
         return None if again is None else self.not_ready(layout, again)
 
     def not_ready(self, layout: Layout, exc: CheckpointError) -> Event:
-        """The policy's view of agents that could not get ready: a bad node (the agents' suspects probed beside
-        controls, as while training, else every slot), or an agent failure on healthy nodes."""
+        """Agents not ready: a bad node (suspects probed beside controls, else every slot), or an agent failure."""
         if self.interrupted():
             return Event(Kind.WALLTIME, detail="SIGTERM")
         named = self.agents.lost(layout) or {}  # the peers the agents' heartbeats named: probed as while training

@@ -1,7 +1,6 @@
-"""The node agents' srun step of each launch of `hpcft run --protect`: launched before the trainers (with a
-rebuild when the slots changed since agents were last ready), waited on until every agent is ready, drained
-before a requeue (the trainers are gone: the newest step is protected without caps), stopped.
-The supervisor (hpcft/launch/supervisor.py) owns the run loop and turns a failure here into a policy event."""
+"""The node agents' srun step of each launch of `hpcft run --protect`: launched before the trainers (rebuilding when
+the slots changed since agents were last ready), waited on until all are ready, drained before a requeue (the trainers
+gone, the newest step is protected without caps), stopped. The supervisor turns a failure here into a policy event."""
 from __future__ import annotations
 
 import logging
@@ -10,9 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from hpcft.agent.transport import mpiworld
-
-from hpcft.agent.transport import rendezvous, secret as job_secret
+from hpcft.agent.transport import mpiworld, rendezvous, secret as job_secret
 from hpcft.agent import status as agent_status
 from hpcft.agent.settings import AgentConfig
 from hpcft.agent.step import AGENT_STEP_NAME, agent_argv
@@ -35,16 +32,14 @@ def agent_iface(cfg: RunConfig) -> str | None:
 
 
 def agent_mpi(cfg: RunConfig) -> str | None:
-    """The srun MPI plugin of the agents' step with --agent-transport mpi (--agent-mpi, else the profile's); None
-    with tcp."""
+    """The agents' srun MPI plugin with --agent-transport mpi (--agent-mpi, else the profile's); None with tcp."""
     if cfg.protection.agent_transport != "mpi":
         return None
     return cfg.protection.agent_mpi or profiles.get(cfg.launch.profile).agent_mpi
 
 
 def agent_settings(cfg: RunConfig, job_dir: Path, layout: Layout, mpi: str | None) -> AgentConfig:
-    """What every agent of a launch on `layout` is told (hpcft.agent.settings); `mpi`: their step's srun MPI plugin
-    (None: they mesh over TCP)."""
+    """What every agent of a launch on `layout` is told; `mpi`: their step's srun MPI plugin (None: TCP)."""
     root, dur, prot = durable_dir(cfg, job_dir), cfg.durable, cfg.protection
     return AgentConfig(rendezvous=str(job_dir / "agents"), secret_file=str(job_dir / job_secret.NAME),
                        layout=layout.slots, host="auto", iface=agent_iface(cfg), scheme=scheme(cfg),
@@ -55,8 +50,7 @@ def agent_settings(cfg: RunConfig, job_dir: Path, layout: Layout, mpi: str | Non
 
 
 class StepEnded(CheckpointError):
-    """The agents' step ended before every agent was ready; `exit_status`: srun's (negative: srun itself was killed
-    by that signal, and the step's tasks may outlive it)."""
+    """The agents' step ended early; `exit_status` negative: srun died of that signal, its tasks may outlive it."""
 
     def __init__(self, message: str, exit_status: int | None):
         super().__init__(message)
@@ -67,10 +61,9 @@ PROBE_EVERY_S = 5.0  # while the agents get ready: a probe of the slots' nodes t
 
 
 class AgentSteps:
-    """One job's agents' steps. `emit` records events, `stop_steps` stops {step name: srun} (the supervisor's
-    SIGTERM-then-kill), `interrupted` says whether `hpcft run` got SIGTERM, `check_nodes(layout, probe, until)` returns
-    the bad nodes among the slots (the supervisor's scontrol check, and its probe when `probe`, cut short once
-    `until()`); `view`, the supervisor's live view of the agents' reports (without it, their status files)."""
+    """One job's agents' steps. `stop_steps` stops {step name: srun} (SIGTERM, then kill); `check_nodes(layout, probe,
+    until)` returns the bad nodes among the slots (scontrol, and the probe when `probe`, cut short once `until()`);
+    `view` holds the agents' reports (without it, their status files are read)."""
 
     def __init__(self, config: Callable[[], RunConfig], runner: Runner, job_dir: Path, python: str, *,
                  emit: Callable[..., None],
@@ -122,16 +115,9 @@ class AgentSteps:
 
     def start(self, layout: Layout, restart_count: int, env: Mapping[str, str], *,
               hosted: Mapping[int, str] | None = None, tag: str | None = None) -> CheckpointError | None:
-        """Launch the agents and wait until every one is ready (after a rebuild when the slots changed since
-        agents were last ready); None, or why they could not get ready (the step is left for `stop`).
-
-        No snapshot rebuildable on every node (NoCheckpointError) is not a failure of the launch: there is no
-        persistent tier yet, so the trainers start from what they can restore (the restore agreement gives
-        step 0 when a node holds nothing) and fresh agents, without a rebuild, protect the run from there.
-
-        `hosted` {slot: surviving node} (an elastic shrink, hpcft/launch/reshape.py): the slots of `layout` whose
-        node is lost get an agent of their own on that survivor (`--hosted`: a store of its own there), which rebuilds
-        the slot's snapshot from parity; nothing is relaunched fresh when that fails."""
+        """Launch the agents (rebuilding when the slots changed since they were last ready) and wait for all; None, or
+        why not (the step left for `stop`). Nothing to rebuild (NoCheckpointError) is no failure: fresh agents protect
+        what the trainers restore. `hosted` {slot: survivor}: a shrink's lost slots, rebuilt from parity there."""
         hosted = dict(hosted or {})
         rebuild = bool(hosted) or (restart_count > 0 and layout.slots != self._ready_slots)
         self.tag, self.no_checkpoint, self.bad_nodes = tag or str(restart_count), None, {}
@@ -185,8 +171,9 @@ class AgentSteps:
             return agent_argv(nodes, str(settings), python=self.python, rebuild=rebuild, mpi=mpi,
                               wrap=self._wrap()) + ["--tag", tag]
 
-        self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots), scheme=cfg.protection.protect,
-                  group=cfg.protection.group, losses=cfg.protection.losses, distance=cfg.protection.distance,
+        self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots),
+                  scheme=cfg.protection.protect, group=cfg.protection.group, losses=cfg.protection.losses,
+                  distance=cfg.protection.distance,
                   **({"hosted": ",".join(f"{k}:{n}" for k, n in hosted.items())} if hosted else {}))
         with open(self.job_dir / f"agents-{tag}.log", "ab") as log:
             for k, node in hosted.items():
@@ -199,10 +186,9 @@ class AgentSteps:
                                      stdout=log, stderr=subprocess.STDOUT)
 
     def _wait(self, count: int, layout: Layout) -> agent_status.Ready:
-        """hpcft.agent.status.wait_ready, in slices so that an agents' step that ended, a node lost (a node the
-        agents wait for would hold them until their mesh timeout), a SIGTERM or --protect-timeout end the wait.
-        NoCheckpointError as wait_ready; CheckpointError for any other failure. `count` agents; `layout`: the nodes
-        they run on."""
+        """agent_status.wait_ready for `count` agents on `layout`, in slices so that their step ending, a node lost
+        (the agents would wait for it until their mesh timeout), a SIGTERM or --protect-timeout end the wait with a
+        CheckpointError (NoCheckpointError as wait_ready)."""
         tag, proc = self.tag, self.proc
         deadline = time.monotonic() + self.cfg.protection.protect_timeout
         probe_at = time.monotonic() + PROBE_EVERY_S
@@ -217,7 +203,8 @@ class AgentSteps:
                 if any(r.get("phase") == agent_status.FAILED for r in reports):
                     raise
                 if time.monotonic() > deadline:
-                    raise CheckpointError(f"{exc} (--protect-timeout {self.cfg.protection.protect_timeout:g} s)") from None
+                    raise CheckpointError(
+                        f"{exc} (--protect-timeout {self.cfg.protection.protect_timeout:g} s)") from None
             if proc is None or proc.poll() is not None:
                 raise StepEnded(f"the agents' step ended (exit status {proc and proc.returncode}) before every "
                                 f"agent was ready; see {self.job_dir / f'agents-{tag}.log'}", proc and proc.returncode)
@@ -250,7 +237,8 @@ class AgentSteps:
             if self.proc is None or self.proc.poll() is not None:
                 return "the agents' step ended before protecting the newest step"
             if time.monotonic() > deadline:
-                return f"the newest step was not protected within --protect-timeout {self.cfg.protection.protect_timeout:g} s"
+                return ("the newest step was not protected within --protect-timeout "
+                        f"{self.cfg.protection.protect_timeout:g} s")
             time.sleep(min(self.cfg.launch.poll_interval, 0.5))
 
     def flush(self, deadline: float) -> tuple[int | None, str | None]:
@@ -266,7 +254,8 @@ class AgentSteps:
             if self.proc is None or self.proc.poll() is not None:
                 return durable, "the agents' step ended before the flush"
             if time.monotonic() > deadline:
-                return durable, f"the flush did not finish within --protect-timeout {self.cfg.protection.protect_timeout:g} s"
+                return durable, ("the flush did not finish within --protect-timeout "
+                                 f"{self.cfg.protection.protect_timeout:g} s")
             time.sleep(min(self.cfg.launch.poll_interval, 0.5))
 
     def lost(self, layout: Layout) -> dict[str, str] | None:
@@ -275,8 +264,7 @@ class AgentSteps:
         heartbeat), or every slot when no report names one (the step ended, or an agent failed on its own)."""
         if self.proc is None:
             return None
-        failed = [r for r in self._read(self.tag).values()
-                  if r.get("phase") == agent_status.FAILED]
+        failed = [r for r in self._read(self.tag).values() if r.get("phase") == agent_status.FAILED]
         if not failed and self.proc.poll() is None:
             return None
         named = {layout.slots[r["peer_slot"]]: f"agent of slot {r.get('slot')} lost it: {r.get('error')}"
@@ -288,10 +276,9 @@ class AgentSteps:
         return dict.fromkeys(layout.slots, why)
 
     def persist(self, bad_nodes: tuple[str, ...] | list[str] = ()) -> tuple[int | None, int | None, str | None]:
-        """Before a requeue (or an elastic grow): let the agents protect the newest snapshot the trainers completed
-        everywhere and flush it to the durable tier (bounded by --protect-timeout), so that the next allocation can
-        rebuild it from the nodes that come back, or read it on entirely new nodes. One `persist` event says what is
-        safe, and why. Returns (the protected step, the durable step, why either is not done; None when both are)."""
+        """Before a requeue or elastic grow: protect the newest step the trainers completed everywhere and flush it, by
+        --protect-timeout, so the next allocation can rebuild it from returning nodes or read it on new ones; event
+        `persist`. (protected step, durable step, why either is not done or None)."""
         started = time.monotonic()
         if self.proc is None:
             self.emit("persist", level=logging.WARNING, done=False, how="none",
@@ -341,8 +328,7 @@ class AgentSteps:
                       seconds=round(time.monotonic() - started, 3))
 
     def reports(self) -> list[dict]:
-        """The status reports of the last launch's agents (each node's phase, steps and memory figures), their final
-        ones once stopped; none without agents."""
+        """The last launch's agents' status reports, final once stopped; none without agents."""
         return list(self._read(self.tag).values()) if self.tag else []
 
     def nodes(self, layout: Layout) -> int | None:
@@ -360,10 +346,9 @@ class AgentSteps:
 
     def stop_with_trainers(self, trainers: Mapping[str, subprocess.Popen | None], event: Event | None,
                            settled: Callable[[], bool] | None = None) -> None:
-        """Stop the trainers' step after `event`; when it lost a node, this launch's agents' step with it (their mesh
-        is broken and the decision kills them anyway): one lost-node grace for both, not one after the other, ended
-        once `settled()` (srun reported every trainer task of the other nodes ended). `stop` then only reports it.
-        (An evicted straggler's agents are healthy: asked later, as ever.)"""
+        """Stop the trainers' step after `event`, and when it lost a node the agents' too (their mesh is broken): one
+        lost-node grace for both, ended once `settled()` (srun saw every other node's trainers end); `stop` then only
+        reports it."""
         lost = bool(event and event.lost_nodes)  # a closed node's agent is well: asked later, like the others
         if not lost or event.kind is Kind.STRAGGLER:
             self._stop_steps(trainers, lost=lost, settled=settled)

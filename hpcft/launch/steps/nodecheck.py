@@ -3,6 +3,7 @@ each node at once; a node that does not answer within --probe-timeout is bad). M
 decides when to look and what a bad node means."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -33,11 +34,9 @@ class NodeCheck:
     def bad(self, nodes: Sequence[str], *, probe: bool, closed: bool = True, found_by: str | None = None,
             suspected: Mapping[str, str] | None = None, controls: Sequence[str] = (),
             until: Callable[[], bool] | None = None) -> dict[str, str]:
-        """Slurm's bad nodes among `nodes`; with `probe` and none lost, those that fail the probe (probed beside
-        `controls`, which time a healthy answer: `probe`). `closed`: a node Slurm gives no new work (drained, a
-        reboot asked for) counts as bad, as it must when a launch is to be made; without, it is only said (one
-        `node_closed` event) and the step that runs on it goes on. `found_by` (e.g. what made the supervisor look)
-        and `suspected` ({node: what made it a suspect}) go into the events. `until`: see `probe`."""
+        """Slurm's bad nodes among `nodes`; with `probe` and none lost, those that fail the probe (beside `controls`).
+        `closed`: a node Slurm gives no new work counts as bad, as a launch needs; without, it is only said
+        (`node_closed`) and its step goes on. `found_by` and `suspected` go into the events; `until`: see `probe`."""
         try:
             health = slurmstate.node_health(self.runner, self.job_id, list(nodes))
         except SlurmError as exc:
@@ -68,14 +67,11 @@ class NodeCheck:
 
     def probe(self, nodes: Sequence[str], controls: Sequence[str] = (), *, closed: bool = True,
               until: Callable[[], bool] | None = None) -> dict[str, str]:
-        """Run a trivial task on each node (and each of `controls`) at once; a node that does not answer in time is
-        bad: within --probe-timeout of srun sending it the task, or, once every control has answered, within a few
-        times their slowest answer (policy.probe_deadline: a frozen node is named in seconds, not at the timeout).
-        Until srun has sent the task (`srun --verbose` says so) the controller is what is slow, not the node: that
-        wait (an srun that gave up on the controller is started again) counts against the node only past
-        UNLAUNCHED_FACTOR × --probe-timeout. Slurm stays a second source meanwhile: a node it marks bad (`closed`:
-        or closed) while its probe is pending is bad at once. A probe made for no suspicion ends, judging nothing
-        more, once `until()` is true (a better-informed check is due: the agents named a suspect)."""
+        """Run a trivial task on each node and control at once; a node is bad that does not answer within
+        --probe-timeout of srun sending it the task or, once every control answered, `probe_deadline`. Before srun sent
+        it (`--verbose`), the slow one is the controller: that counts only past UNLAUNCHED_FACTOR × --probe-timeout (a
+        failed srun is restarted). A node Slurm marks bad meanwhile is bad at once; `until()` ends the probe (a
+        better-informed check is due)."""
         controls = [c for c in controls if c not in nodes]
         started = time.monotonic()
         pending = {n: self._start(n) for n in [*nodes, *controls]}
@@ -146,8 +142,7 @@ class NodeCheck:
 
 
 class _Probe:
-    """One node's probe: its srun, what srun said on stderr so far (read without blocking), and when srun said it
-    sent the node the task (None: not yet)."""
+    """A node's probe: its srun, its stderr so far (read without blocking), when srun sent the task (None: not yet)."""
 
     def __init__(self, proc: subprocess.Popen):
         self.proc, self.began = proc, time.monotonic()
@@ -156,11 +151,9 @@ class _Probe:
         os.set_blocking(proc.stderr.fileno(), False)
 
     def read(self, now: float, node: str) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             while chunk := os.read(self.proc.stderr.fileno(), 65536):
                 self.said += chunk
-        except BlockingIOError:
-            pass
         if self.launched is None and node in slurmstate.launched_on(self.said.decode(errors="replace")):
             self.launched = now
 

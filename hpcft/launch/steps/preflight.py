@@ -34,8 +34,7 @@ class Preflight:
         self._next_look = 0.0
 
     def start(self, active_nodes: int) -> dict[str, str]:
-        """Before the first launch: the plugin check (returns the variables that point RCCL at an installed plugin)
-        and the memory plan for a state size given with --state-bytes (ConfigError when it does not fit)."""
+        """Before the first launch: RCCL's plugin (the variables pointing at it) and the plan for --state-bytes."""
         env = self._plugin(active_nodes) if self.profile.net_plugin else {}
         self._memory_before()
         return env
@@ -82,16 +81,14 @@ class Preflight:
         used = f.get("store_bytes") or 0
         return used + min(f["shm_free"], f["mem_available"]), (
             f"{f.get('node') or 'a node'} ({memplan.human(f['shm_free'])} free in its store's file system, "
-            f"{memplan.human(f['mem_available'])} MemAvailable" + (f", {memplan.human(used)} in the store)" if used else ")"))
+            f"{memplan.human(f['mem_available'])} MemAvailable"
+            + (f", {memplan.human(used)} in the store)" if used else ")"))
 
     def poll(self, reports: Callable[[], Iterable[Mapping[str, Any]]] = lambda: (), now: bool = False,
              expected: int | None = None) -> None:
-        """Once the trainers have written a snapshot (its size is known now): the plan with the real size on every
-        node that reports it (`reports()`: the agents' status; without agents, this node's store when it trains),
-        counted against what each node has left. A warning event names the tightest node. Looked at every
-        PLAN_EVERY_S (`now`: at once) until done; once per run.
-        With `expected` (the agents' node count) the plan waits for every node's report, so the tightest node is
-        among them; `now` (the launch is over) checks what has come, and the event says how many of how many."""
+        """Once the trainers wrote a snapshot: the memory plan with its real size on every reporting node (`reports()`:
+        the agents'; without them, this node's store) against what each has left, a warning naming the tightest one.
+        Once per run, looked at every PLAN_EVERY_S; it waits for all `expected` nodes unless `now` (launch over)."""
         if self._checked_snapshot or (time.monotonic() < self._next_look and not now):
             return
         self._next_look = time.monotonic() + PLAN_EVERY_S
@@ -106,8 +103,9 @@ class Preflight:
         for figures in nodes:
             p = self._plan(int(figures["snapshot_bytes"]))
             capacity, where = self._capacity(figures)
-            verdicts.append((capacity - p.needed, p, capacity, memplan.verdict(p, capacity, self.cfg.memory.memory_headroom,
-                                                                                where)))
+            why = memplan.verdict(p, capacity, self.cfg.memory.memory_headroom, where)
+            verdicts.append((capacity - p.needed, p, capacity, why))
         _, p, capacity, why = min(verdicts, key=lambda v: v[0])
         self.emit("memory_plan", level=logging.WARNING if why else logging.INFO, checked=True, nodes=len(nodes),
-                  **({"expected": expected} if expected and len(nodes) < expected else {}), state_bytes=p.state, needed=p.needed, capacity=capacity, **({"reason": why} if why else {"plan": p.line()}))
+                  **({"expected": expected} if expected and len(nodes) < expected else {}), state_bytes=p.state,
+                  needed=p.needed, capacity=capacity, **({"reason": why} if why else {"plan": p.line()}))

@@ -1,11 +1,9 @@
-"""`hpcft run --stage-env`, the supervisor's side: the interpreter's environment packed once per content key into the
-cache (hpcft/launch/steps/stage_pack.py), broadcast with `sbcast` into a staging step of its own on the nodes not yet
-staged in this run (the first launch's slots and spares; later, a node that joins), unpacked and verified there
-(hpcft/launch/node/stage.py), then every later step (standbys, agents, trainers) starts through the interpreter
-chooser (hpcft/launch/node/stage_paths.py): the node's verified copy, else the shared one. A node whose staging fails
-says so (`stage_env_failed`, WARNING) and runs from the shared file system; the janitors remove the copies."""
+"""`hpcft run --stage-env`, the supervisor's side: the environment packed once per key, sbcast into a staging step on
+the nodes not staged yet in this run and unpacked there (node/stage.py); later steps start through the chooser
+(node/stage_paths.py): the node's verified copy, else the shared interpreter (`stage_env_failed`)."""
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import logging
@@ -46,8 +44,7 @@ def wanted(cfg: RunConfig, profile: Profile, environ: Mapping[str, str]) -> tupl
 
 def stage_argv(nodes: Sequence[str], *, python: str, root: Path, job: str, archive: stage_pack.Archive,
                spec: stage_pack.EnvSpec) -> list[str]:
-    """One staging task on each of `nodes`, beside every other step (--overlap); a lost task or node ends none of
-    the others (--kill-on-bad-exit=0, --no-kill)."""
+    """One staging task on each of `nodes`, beside every other step, outliving a lost task or node."""
     n = len(nodes)
     return ["srun", f"--job-name={STAGE_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={compress(list(nodes))}", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL",
@@ -225,10 +222,8 @@ def _read(stream, lines: queue.Queue) -> None:
     """The staging tasks' JSON lines onto `lines`, then None when the step's output ends."""
     for line in stream:
         if line.startswith("{"):
-            try:
+            with contextlib.suppress(ValueError):
                 lines.put(json.loads(line))
-            except ValueError:
-                pass
     lines.put(None)
 
 

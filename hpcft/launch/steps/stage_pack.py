@@ -1,13 +1,10 @@
-"""`hpcft run --stage-env`, the batch host's half: which files make the interpreter's environment (the venv or conda
-env at sys.prefix; a venv's base interpreter too when it lives on a network file system), the content key that names
-its archive, and the archive (a plain tar, written once per key into the cache, atomically, with its crc32c).
-
-What stays on the shared file system: the source trees of editable installs (their .pth / finder entries point
-there: the code a user edits between runs), PYTHONPATH entries, the training script and its own modules, and a
-base interpreter that is not on a network file system (the node's image: /usr)."""
+"""`hpcft run --stage-env`, the batch host's half: the environment's files (the venv or conda env at sys.prefix, and a
+venv's base interpreter when on a network file system; editable sources and PYTHONPATH stay shared), their content key,
+and the archive: a plain tar, written once per key into the cache, atomically, with its crc32c."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import json
 import os
@@ -75,8 +72,7 @@ def _mountinfo() -> str:
 
 
 def editable_roots(site_packages: Path) -> tuple[str, ...]:
-    """The source trees editable installs in `site_packages` point at: directories named in .pth files, and the
-    MAPPING of setuptools' `__editable__` finder modules."""
+    """The source trees editable installs point at: .pth directories and setuptools' `__editable__` finders' MAPPING."""
     roots: list[str] = []
     for pth in sorted(site_packages.glob("*.pth")):
         for line in pth.read_text(errors="replace").splitlines():
@@ -87,10 +83,8 @@ def editable_roots(site_packages: Path) -> tuple[str, ...]:
         for node in ast.parse(finder.read_text(errors="replace")).body:
             target = getattr(node, "target", None) or (node.targets[0] if isinstance(node, ast.Assign) else None)
             if getattr(target, "id", None) == "MAPPING" and node.value is not None:
-                try:
+                with contextlib.suppress(ValueError):
                     roots.extend(str(v) for v in ast.literal_eval(node.value).values())
-                except ValueError:
-                    pass
     return tuple(dict.fromkeys(roots))
 
 
@@ -137,8 +131,7 @@ def _entries(root: Path) -> Iterator[tuple[str, str]]:
 
 
 def content_key(spec: EnvSpec) -> str:
-    """A name for the environment's current content: every file's path, mode, size and mtime (not its bytes:
-    reading gigabytes per launch would cost more than the staging saves), with what is packed and how."""
+    """A name for the content: each file's path, mode, size and mtime, not its bytes (gigabytes to read per launch)."""
     digest = hashlib.sha256(json.dumps([FORMAT, str(spec.prefix), spec.python, str(spec.base)]).encode())
     for root in (spec.prefix, spec.base):
         if root is not None:

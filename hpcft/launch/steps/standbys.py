@@ -1,8 +1,9 @@
-"""The supervisor's side of the warm standbys (hpcft/launch/node/standby.py): one step of its own per run, one standby
-task on every node of the slots and spares, started before the first launch's agents and waited for (their import
-overlaps the agents' start), started again at a later launch if a node loss ended the step, stopped at the end."""
+"""The supervisor's side of the warm standbys: one step of its own per run, one standby task on every node of the
+slots and spares, started before the first launch's agents and waited for (their import overlaps the agents' start),
+started again at a later launch if a node loss ended the step, stopped at the end."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -34,11 +35,9 @@ def cpus_per_node(environ: Mapping[str, str]) -> int | None:
 
 def standby_argv(nodes: Sequence[str], *, python: str, job_dir: str, preload: str,
                  cpus: int | None = None, spares: Sequence[str] = (), since: float | None = None) -> list[str]:
-    """One standby on each of `nodes`. --overlap: beside every other step; --kill-on-bad-exit=0 and --no-kill: a
-    lost task or node does not end the others; the node's CPUs (`cpus`) and no binding, so that a child can take
-    the CPU affinity its rank's task was given (a step's cpuset bounds its processes). The standbys of `spares`
-    import behind the active nodes' (hpcft/launch/node/autogroup.py), which the next launch waits for, until `wait` has
-    them ready (its marker touched at or after `since`, the step's start)."""
+    """One standby on each of `nodes`, beside every other step and outliving a lost task or node; the node's CPUs
+    unbound, so that a child can take its rank's task's affinity (a step's cpuset bounds its processes). Those of
+    `spares` import behind the active ones until `wait` has them ready (its marker touched at or after `since`)."""
     n = len(nodes)
     return ["srun", f"--job-name={STANDBY_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={compress(list(nodes))}", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL",
@@ -76,8 +75,7 @@ class Standbys:
         self._waited = True  # for the step running: only its start is waited for
 
     def ensure(self, nodes: Sequence[str], env: Mapping[str, str], spares: Sequence[str] = ()) -> None:
-        """A standby step on `nodes`, unless one runs (started again when a node loss ended it); those of `spares`
-        (not waited for) import at the lowest priority."""
+        """A standby step on `nodes` unless one runs; `spares` import at the lowest priority."""
         if not self.enabled or (self.proc is not None and self.proc.poll() is None):
             return
         if self.proc is not None:
@@ -96,9 +94,7 @@ class Standbys:
         """After `ensure` started a step: until each of `nodes` has a standby ready or failed (their statuses), the
         step ended, `timeout` passed or `interrupted()`; one `standby_wait` event says how it went (WARNING when a
         node has none). Later calls for the same step return at once ({}): its standbys are up, or said not to be."""
-        if not self.enabled:
-            return {}
-        if self._waited or self.proc is None:
+        if not self.enabled or self._waited or self.proc is None:
             return {}
         self._waited = True
         started = time.monotonic()
@@ -128,16 +124,13 @@ class Standbys:
         return {ENV_STANDBY: "1" if self.enabled else "0"}
 
     def stop(self, asked_s: float = 2.0) -> None:
-        """Stop the standby step, if it runs, after the trainers' step: asked first (SIGUSR2, which srun passes on:
-        each standby removes its socket and exits), for up to `asked_s`, then the supervisor's stop."""
+        """Stop the standby step: SIGUSR2 first (each removes its socket), after `asked_s` the supervisor's."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGUSR2)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=asked_s)
-            except subprocess.TimeoutExpired:
-                pass
         self._stop_steps({STANDBY_STEP_NAME: self.proc})
         self.emit("standby_stopped", exit_code=self.proc.returncode)
         self.proc = None

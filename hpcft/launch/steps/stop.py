@@ -25,14 +25,9 @@ class StepStopper:
 
     def stop(self, steps: Mapping[str, subprocess.Popen | None], *, lost: bool = False,
              settled: Callable[[], bool] | None = None) -> None:
-        """Stop the running ones of {step name: srun} together: SIGTERM to each srun (which then kills its
-        tasks), then after the grace SIGKILL the sruns left and their steps' tasks. `lost`: a node of theirs is lost,
-        so srun would wait the whole --kill-grace for its tasks (a frozen or dead node never answers): the tasks on
-        the other nodes get LOST_NODE_GRACE_S (their collectives are broken anyway), then the step is killed;
-        sooner once `settled()` says every task still reachable has ended (srun said so: only the lost ones are left).
-
-        The steps' `scancel --signal=KILL` is not waited for: once srun has asked Slurm to end a step, the step
-        is "in a transitional state" and scancel retries every 5+ s — the relaunch must not wait on that."""
+        """Stop the running ones of {step name: srun} together: SIGTERM each srun, past the grace SIGKILL them and their
+        tasks; `lost`: srun would wait on the lost node's tasks, so the grace is LOST_NODE_GRACE_S or until `settled()`.
+        `scancel --signal=KILL` is not waited for: Slurm retries it every 5+ s on a step "in a transitional state"."""
         running = {name: p for name, p in steps.items() if p is not None and p.poll() is None}
         if not running:
             return
