@@ -33,8 +33,7 @@ def _option(name: str, spec: Field) -> click.Option:
     else:
         kind_ = str if meta["size"] else int if kind.startswith("int") else float if kind.startswith("float") else str
     metavar = meta["metavar"] or {int: "N", float: "NUM", str: "TEXT"}.get(kind_)
-    return click.Option([flag(name), name], type=kind_, default=None, metavar=metavar,
-                        help=describe(spec))
+    return click.Option([flag(name), name], type=kind_, default=None, metavar=metavar, help=describe(spec))
 
 
 def _show_all(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
@@ -45,8 +44,7 @@ def _show_all(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
 
 
 class SectionedCommand(click.Command):
-    """A command whose --help lists its own options, then the model's by section (daily ones only unless
-    --help-all)."""
+    """A command whose --help lists its own options, then the model's by section (daily ones unless --help-all)."""
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         every = ctx.meta.get("help_all", False)
@@ -68,8 +66,7 @@ class SectionedCommand(click.Command):
 
 
 def run_options(f: Callable) -> Callable:
-    """The model's options plus --config and --help-all, on a command (None = not given: the environment or the
-    config file may set it)."""
+    """The model's options (None: not given, for the environment or file), --config and --help-all, on a command."""
     for name, (_section, spec) in reversed(model.OPTIONS.items()):
         f.__click_params__ = [*getattr(f, "__click_params__", []), _option(name, spec)]  # type: ignore[attr-defined]
     f = click.option("--help-all", is_flag=True, expose_value=False, is_eager=True, callback=_show_all,
@@ -88,11 +85,11 @@ def reference() -> str:
     lines = ["# Configuration reference", "",
              "<!-- generated from hpcft/launch/config/model.py by `python -m hpcft.launch.config.command > "
              f"{REFERENCE}`; CI fails when it is out of date -->", "",
-             "Every option of `hpcft run` (and `hpcft submit`, which passes them on) has one name, set in three places: "
-             "the command line (`--persist-every 50`), the environment (`HPCFT_PERSIST_EVERY=50`) or the TOML file "
-             "given with `--config` or `$HPCFT_CONFIG` (`persist_every = 50` at the top level, in a `[run]` table or "
-             "in its section's table, `[durable]`). The command line wins over the environment, which wins over the "
-             "file. `hpcft run --help` shows the options of a normal day; `--help-all` shows them all.", ""]
+             "Every option of `hpcft run` (and `hpcft submit`, which passes them on) has one name, set in three "
+             "places: the command line (`--persist-every 50`), the environment (`HPCFT_PERSIST_EVERY=50`) or the "
+             "TOML file given with `--config` or `$HPCFT_CONFIG` (`persist_every = 50` at the top level, in a `[run]` "
+             "table or in its section's table, `[durable]`). The command line wins over the environment, which wins "
+             "over the file. `hpcft run --help` shows the options of a normal day; `--help-all` shows them all.", ""]
     for section, cls in model.SECTIONS.items():
         lines += [f"## {section}", "", cls.__doc__.strip(), "", "| option | default | meaning |", "|---|---|---|"]
         for spec in fields(cls):

@@ -55,7 +55,8 @@ class Plan:
     def line(self) -> str:
         return (f"{human(self.needed)} per node = {self.slots} snapshot slots (keep {self.keep} + 1"
                 f"{' + 1 pinned by the agent' if self.slots > self.keep + 1 else ''}) × {human(self.state)}"
-                + (f" + {PROTECT_RECORDS} {self.scheme} records × {self.ratio:.2f} × {human(self.state)}" if self.ratio else ""))
+                + (f" + {PROTECT_RECORDS} {self.scheme} records × {self.ratio:.2f} × {human(self.state)}"
+                   if self.ratio else ""))
 
 
 def plan(state: int, keep: int, scheme: str = "none", ratio: float = 0.0) -> Plan:

@@ -24,8 +24,6 @@ DEFAULT_GROUP = 4  # xor and rs sets of 4 unless fewer nodes train or --group sa
 DEFAULT_PRELOAD = ("torch,torch.nn,torch.optim,torch.distributed,torch.distributed.device_mesh,"
                    "torch.nn.parallel,torch._dynamo,torch._inductor.config,torch.distributed.checkpoint.state_dict,"
                    "numpy,hpcft.runtime,hpcft.checkpointer")
-
-
 BOUNDS = {">=0": "0 or more", ">=1": "at least 1", ">0": "positive"}
 
 
@@ -41,9 +39,11 @@ def option(default: Any, help: str, *, daily: bool = False, choices: tuple[str, 
 class Launch:
     """Where the trainers run and how they are started."""
 
-    nodes: int | None = option(None, "Active nodes (default: the allocation minus the spares).", daily=True, bound=">=1")
+    nodes: int | None = option(None, "Active nodes (default: the allocation minus the spares).", daily=True,
+                               bound=">=1")
     spares: int = option(0, "Nodes held back to replace failed ones.", daily=True, bound=">=0")
-    profile: str = option("cpu", "Machine profile: tasks per node, srun options, library environment.", daily=True, choices=PROFILES)
+    profile: str = option("cpu", "Machine profile: tasks per node, srun options, library environment.", daily=True,
+                          choices=PROFILES)
     tasks_per_node: int | None = option(None, "Trainer tasks per node (default: the profile's).", bound=">=1")
     job_dir: str | None = option(None, "Where events, decisions and progress go (default ./hpcft-<job id>).",
                                  daily=True)
@@ -61,10 +61,12 @@ class Launch:
 class Recovery:
     """When a failure is a relaunch, a requeue or the end, and how failures are found."""
 
-    max_restarts: int = option(3, "Relaunches allowed before giving up (requeues not counted).", daily=True, bound=">=0")
+    max_restarts: int = option(3, "Relaunches allowed before giving up (requeues not counted).", daily=True,
+                               bound=">=0")
     hang_timeout: float = option(0.0, "Seconds without a completed step = hung (0: off).", daily=True, bound=">=0")
     start_timeout: float = option(0.0, "With --hang-timeout: seconds a launch may take to its first completed step "
-                                  "(start-up, process groups, restore) before it counts as hung (0: the hang timeout).", bound=">=0")
+                                  "(start-up, process groups, restore) before it counts as hung (0: the hang timeout).",
+                                  bound=">=0")
     requeue: bool = option(True, "Allow `scontrol requeue` when the walltime nears or no relaunch is possible.")
     requeue_margin: float = option(300.0, "With less walltime left than this (s), persist and requeue instead of "
                                    "relaunching.", bound=">=0")
@@ -81,16 +83,18 @@ class Recovery:
 class Protection:
     """The node agents' in-memory protection across nodes (docs/protection.md)."""
 
-    protect: str = option("auto", "Scheme (auto: xor from 3 nodes, partner on 2, none on 1; none: no agents).", daily=True, choices=PROTECT_SCHEMES)
-    group: int | None = option(None, "Set size for xor and rs (default: 4, or the active nodes where fewer).", daily=True, bound=">=1")
+    protect: str = option("auto", "Scheme (auto: xor from 3 nodes, partner on 2, none on 1; none: no agents).",
+                          daily=True, choices=PROTECT_SCHEMES)
+    group: int | None = option(None, "Set size for xor and rs (default: 4, or the active nodes where fewer).",
+                               daily=True, bound=">=1")
     losses: int = option(1, "Node losses tolerated per set (rs).", bound=">=0")
     distance: int = option(1, "Partner distance in slots (partner).", bound=">0")
-    protect_rate: float | None = option(None, "Bytes/s cap on protection traffic (default: the agents' own).", bound=">0")
+    protect_rate: float | None = option(None, "Bytes/s cap on protection traffic (default: the agents' own).",
+                                        bound=">0")
     protect_timeout: float = option(300.0, "Seconds the agents may take to be ready (rebuild included) before the "
                                     "launch counts as failed.", bound=">=0")
     protect_lag: int | None = option(None, "Steps protection may trail the newest snapshot: the agents' CPU cap rises "
-                                     "while it does (default: a fixed cap).",
-                                     daily=True, bound=">=1")
+                                     "while it does (default: a fixed cap).", daily=True, bound=">=1")
     agent_iface: str | None = option(None, "Network interface the agents bind to (default: the profile's, hsn0 on "
                                      "Frontier; a node without it uses its hostname's address, with a warning).")
     agent_transport: str = option("tcp", "What carries the agents' bulk data and agreements: tcp, or mpi (mpi4py over "
@@ -122,7 +126,8 @@ class Durable:
 
     persist_dir: str | None = option(None, "The durable tier on a shared file system (default <job dir>/checkpoints; "
                                      "none: no flushing).", daily=True)
-    persist_every: int = option(100, "Flush every this many protected steps (and before a requeue).", daily=True, bound=">=1")
+    persist_every: int = option(100, "Flush every this many protected steps (and before a requeue).", daily=True,
+                                bound=">=1")
     persist_keep: int = option(2, "Durable checkpoints kept.", bound=">=1")
     persist_rate: float | None = option(None, "Bytes/s cap on each node's flush writes.", bound=">0")
     persist_local: str | None = option(None, "The durable tier's node-local first level, written first and drained "
@@ -140,7 +145,8 @@ class Elastic:
     """Continuing on fewer nodes when no spare is left, and growing back (hpcft/launch/reshape.py)."""
 
     elastic: bool = option(False, "With no spare left, continue on fewer nodes instead of requeueing.", daily=True)
-    min_nodes: int | None = option(None, "With --elastic: below this many active nodes, requeue instead (default 1).", bound=">=1")
+    min_nodes: int | None = option(None, "With --elastic: below this many active nodes, requeue instead (default 1).",
+                                   bound=">=1")
     elastic_batch: str = option(KEEP_GLOBAL, "What a shrink keeps: the global batch (each replica accumulates more "
                                 "micro-batches) or each replica's batch, exported as HPCFT_ELASTIC_BATCH.",
                                 choices=ELASTIC_BATCH)
@@ -148,7 +154,8 @@ class Elastic:
                                 "to service.")
     grow_settle: float = option(60.0, "Seconds a returned node must stay healthy before it is taken back (doubled "
                                 "for each earlier loss of that node).", bound=">=0")
-    grow_every: float = option(300.0, "At most one grow per this many seconds after the last shrink or grow.", bound=">=0")
+    grow_every: float = option(300.0, "At most one grow per this many seconds after the last shrink or grow.",
+                               bound=">=0")
     grow_max_losses: int = option(2, "A node lost more often than this in the run is not taken back.", bound=">=0")
 
 
@@ -240,6 +247,9 @@ def kind_of(spec: Field) -> str:
     return spec.type.__name__ if isinstance(spec.type, type) else str(spec.type).split(" ")[0]
 
 
+_BOOLS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
+
+
 def _coerce(key: str, value: Any, where: str) -> Any:
     spec = OPTIONS[key][1]
     kind = kind_of(spec)
@@ -255,16 +265,9 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         if kind.startswith("float"):
             return float(value)
         if kind.startswith("bool"):
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
+            return value if isinstance(value, bool) else _BOOLS[str(value).strip().lower()]
         return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, KeyError):
         raise ConfigError(f"{where}: {key}={value!r} is not a valid {kind}") from None
 
 
@@ -354,7 +357,7 @@ def validate(cfg: RunConfig) -> None:
     if prot.protect not in ("auto", "none"):
         from hpcft.agent.protection.placement import Scheme
 
-        Scheme(prot.protect, prot.group or DEFAULT_GROUP, prot.losses, prot.distance)  # the agents' own checks, before any step
+        Scheme(prot.protect, prot.group or DEFAULT_GROUP, prot.losses, prot.distance)  # the agents' own checks
     if launch.copy and launch.copy.strip().lower() not in ("auto", "default"):
         from hpcft.snapshot.calibration.policy import default_choice, parse_override  # needs crc32c: only here
 

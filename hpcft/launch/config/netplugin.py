@@ -1,8 +1,6 @@
-"""Which network plugin RCCL would load (aws-ofi-nccl built for ROCm, formerly aws-ofi-rccl), worked out the way
-RCCL's loader does it (ROCm/rccl src/plugin/plugin_open.cc), and where one is installed when RCCL would not find it.
-
-Without a plugin RCCL carries inter-node traffic over TCP sockets and says so only at NCCL_DEBUG=INFO; on Frontier
-that does not scale. Pure functions of the environment and a file system (injected for tests)."""
+"""Which network plugin RCCL would load (aws-ofi-nccl for ROCm), as RCCL's loader decides (ROCm/rccl
+src/plugin/plugin_open.cc), and where one is installed when RCCL would not find it: without one RCCL sends inter-node
+traffic over TCP sockets, said only at NCCL_DEBUG=INFO, which does not scale. Pure: the file system is injected."""
 from __future__ import annotations
 
 import os
@@ -36,8 +34,7 @@ class PluginState:
 
 
 def search_dirs(environ: Mapping[str, str]) -> list[str]:
-    """Where dlopen looks for a bare library name: LD_LIBRARY_PATH, then the system directories (ld.so.cache is
-    not read: a plugin only in the cache is reported as installed elsewhere, never as missing when it is not)."""
+    """Where dlopen looks for a bare name: LD_LIBRARY_PATH, then the system directories (ld.so.cache is not read)."""
     return [d for d in environ.get("LD_LIBRARY_PATH", "").split(":") if d] + list(SYSTEM_DIRS)
 
 
@@ -67,7 +64,8 @@ def _installed(dirs: Sequence[str], listdir: Callable[[str], list[str]]) -> str 
     return None
 
 
-def resolve(environ: Mapping[str, str], extra_dirs: Iterable[str] = (), *, isfile: Callable[[str], bool] = os.path.isfile,
+def resolve(environ: Mapping[str, str], extra_dirs: Iterable[str] = (), *,
+            isfile: Callable[[str], bool] = os.path.isfile,
             listdir: Callable[[str], list[str]] = os.listdir) -> PluginState:
     """What RCCL would do with `environ`: NCCL_NET_PLUGIN names a library (a path, a name on the search path, or a
     suffix: `ofi` → librccl-net-ofi.so; `none` turns plugins off); unset, RCCL tries librccl-net.so (then, in older

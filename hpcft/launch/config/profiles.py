@@ -1,7 +1,5 @@
-"""Machine profiles: tasks per node, srun resource options and communication-library environment defaults.
-
-Environment defaults apply only where the user has not set the variable: a site or user setting always wins.
-Values may name `{user}` and `{job}`, filled in per job (e.g. MIOpen's database on node-local /tmp)."""
+"""Machine profiles: tasks per node, srun resource options and library environment defaults, which apply only where
+the user has not set the variable; values may name `{user}` and `{job}`, filled in per job."""
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -17,9 +15,8 @@ class Profile:
     srun_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     description: str = ""
-    # The node agent's CPU cap in cores, where a share of the node's cores is the wrong unit (None: the agent's
-    # default share). Trainers computing on the CPU meet at barriers on every core: each ms an agent takes on
-    # any core delays the whole step by about that ms, however many cores the node has.
+    # The agent's CPU cap in cores (None: its default share of the node's): trainers computing on the CPU meet at
+    # barriers on every core, so each ms an agent takes on any core delays the whole step by about that ms.
     agent_cpu_cores: float | None = None
     # RCCL needs its network plugin between nodes: checked by `hpcft doctor` and at the start of `hpcft run`
     net_plugin: bool = False
@@ -29,7 +26,7 @@ class Profile:
     modules: tuple[str, ...] = ()
     # `hpcft run --stage-env` unless the user says otherwise, where the job has node-local NVMe ($HPCFT_NVME)
     stage_env: bool = False
-    # the srun MPI plugin (--mpi=…) of the agents' step with --agent-transport mpi: the one the site's MPI starts under
+    # the agents' srun MPI plugin (--mpi=…) with --agent-transport mpi: the one the site's MPI starts under
     agent_mpi: str = "pmix"
 
 
@@ -104,8 +101,7 @@ def get(name: str) -> Profile:
 
 
 def conditional_env(profile: Profile, environ: Mapping[str, str]) -> dict[str, str]:
-    """Settings that depend on the allocation: OLCF's alternative rendezvous protocol needs the Slurm flag
-    --network=disable_rdzv_get (Slurm exports it as SLURM_NETWORK) as well as FI_CXI_RDZV_PROTO=alt_read."""
+    """OLCF's alternative rendezvous protocol, only with --network=disable_rdzv_get (Slurm's SLURM_NETWORK)."""
     if profile.net_plugin and "disable_rdzv_get" in environ.get("SLURM_NETWORK", ""):
         return {"FI_CXI_RDZV_PROTO": "alt_read"}
     return {}
@@ -113,8 +109,7 @@ def conditional_env(profile: Profile, environ: Mapping[str, str]) -> dict[str, s
 
 def env_defaults(profile: Profile, environ: Mapping[str, str], *, user: str, job: str,
                  plugin: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The profile's variables the user has not set (in `environ`), with {user} and {job} filled in, and `plugin`
-    (hpcft.launch.config.netplugin.plugin_env: NCCL_NET_PLUGIN and the plugin's directory prepended to LD_LIBRARY_PATH)."""
+    """The profile's variables the user has not set, {user} and {job} filled in, then `plugin` (netplugin's)."""
     out = {k: v.format(user=user, job=job) for k, v in {**profile.env, **conditional_env(profile, environ)}.items()
            if k not in environ}
     return {**out, **(plugin or {})}

@@ -39,8 +39,7 @@ def check_shape(cfg: RunConfig, allocated: int) -> RunConfig:
 
 
 def check_paths(cfg: RunConfig, job_dir: Path) -> None:
-    """The run's shared directories (the job's, the durable tier's, the staging cache) exist or can be made, and take
-    files: refused before any step, not at the first flush hours later."""
+    """The run's shared directories exist or can be made and take files: refused now, not at a flush hours later."""
     for key, path in (("job_dir", job_dir), ("persist_dir", durable_dir(cfg, job_dir)),
                       ("stage_cache", cfg.staging.stage_cache)):
         if path is None:
@@ -69,8 +68,7 @@ def durable_dir(cfg: RunConfig, job_dir: Path) -> Path | None:
 
 
 def scheme(cfg: RunConfig):
-    """The node agents' hpcft.agent.protection.placement.Scheme for the protection section (ConfigError naming a bad
-    value)."""
+    """The node agents' placement.Scheme for the protection section (ConfigError naming a bad value)."""
     from hpcft.agent.protection.placement import Scheme
 
     prot = cfg.protection

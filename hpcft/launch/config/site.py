@@ -19,22 +19,19 @@ _PATH = re.compile(r"[\w./${}-]+")  # a path that may name $USER (expanded by th
 
 @dataclass(frozen=True)
 class SiteConfig:
-    """modules: loaded in this order before hpcft's own module (None: the profile's list; [] for none);
-    setup: shell lines after them, e.g. `source activate /path/to/env` (the Python environment with torch);
-    nvme: ask for node-local NVMe by default (`hpcft submit --nvme`); nvme_constraint: the sbatch constraint that
-    gives it (Frontier: nvme); nvme_dir: where it is on a node (Frontier: /mnt/bb/$USER), exported as HPCFT_NVME;
-    plugin_dirs: directories holding the RCCL network plugin, exported as HPCFT_RCCL_PLUGIN_DIRS."""
-    modules: tuple[str, ...] | None = None
-    setup: tuple[str, ...] = ()
-    nvme: bool = False
-    nvme_constraint: str = "nvme"
-    nvme_dir: str = "/mnt/bb/$USER"
-    plugin_dirs: tuple[str, ...] = ()
+    """The config file's [site] table."""
+    modules: tuple[str, ...] | None = None  # loaded in this order before hpcft's (None: the profile's; []: none)
+    setup: tuple[str, ...] = ()  # shell lines after them, e.g. `source activate /path/to/env` (with torch)
+    nvme: bool = False  # ask for node-local NVMe by default (`hpcft submit --nvme`)
+    nvme_constraint: str = "nvme"  # the sbatch constraint that gives it (Frontier: nvme)
+    nvme_dir: str = "/mnt/bb/$USER"  # where it is on a node (Frontier's), exported as HPCFT_NVME
+    plugin_dirs: tuple[str, ...] = ()  # where the RCCL network plugin is, exported as HPCFT_RCCL_PLUGIN_DIRS
 
     def __post_init__(self) -> None:
         for name in self.modules or ():
             if not _MODULE.fullmatch(name):
-                raise ConfigError(f"site module {name!r} is not a module name (letters, digits, '_', '.', '/', '+', '-')")
+                raise ConfigError(f"site module {name!r} is not a module name "
+                                  "(letters, digits, '_', '.', '/', '+', '-')")
         for line in self.setup:
             if "\n" in line or not line.strip():
                 raise ConfigError(f"site setup line {line!r} must be one non-empty line")
@@ -52,7 +49,8 @@ def from_mapping(data: Mapping[str, Any], where: str) -> SiteConfig:
     """SiteConfig from a parsed [site] table; unknown keys and wrong types are errors naming them."""
     unknown = set(data) - _KEYS
     if unknown:
-        raise ConfigError(f"{where}: unknown [site] key(s) {', '.join(sorted(unknown))}; valid: {', '.join(sorted(_KEYS))}")
+        raise ConfigError(f"{where}: unknown [site] key(s) {', '.join(sorted(unknown))}; "
+                          f"valid: {', '.join(sorted(_KEYS))}")
     values: dict[str, Any] = {}
     for key, value in data.items():
         if key in ("modules", "setup", "plugin_dirs"):
