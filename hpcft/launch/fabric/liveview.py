@@ -1,9 +1,6 @@
-"""The supervisor's newest view of the job, built from the nodes' reports (hpcft/agent/transport/uplink.py) and kept in memory:
-each agent's status per launch tag, and each rank's newest step with its `ready_s` and when the supervisor saw it
-change. One reader serves the hang watchdog (`last_change`), the straggler detector (`samples`), lost-progress
-accounting (`reached`), the memory plan, the protection lag and the wait for the agents (`reports`). `dump` is the
-bounded log (`<job dir>/status.json`, hpcft/launch/fabric/service.py), `load` reads it back (a requeued run). Pure: time is
-passed in, so the tests use a fake clock."""
+"""The supervisor's newest view of the job from the nodes' reports, in memory (pure: time passed in): each agent's
+status per launch tag, each rank's newest step, its `ready_s` and when it changed. `dump` is the bounded log `<job
+dir>/status.json`, `load` reads it back (a requeued run)."""
 from __future__ import annotations
 
 import threading
@@ -22,7 +19,7 @@ BLIND_S = 3 * KEEPALIVE_S  # no report from any node for this long: the view is 
 def blind(now: float, launched: float, heard: float | None, within: float = BLIND_S) -> bool:
     """Whether the view has gone blind during the launch: nodes reported since it began, then none for `within`
     seconds (every reporter died or lost its connection). The hang watchdog then waits for the agents' heartbeats'
-    verdict (launch/agentloss.py) instead of calling a hang; a launch never heard from is judged as before."""
+    verdict (steps/agentloss.py) instead of calling a hang; a launch never heard from is judged as before."""
     return heard is not None and heard >= launched and now - heard > within
 
 
@@ -65,10 +62,9 @@ class LiveView:
             self.version += 1
 
     def ended(self, tag: str, how: str) -> list[int]:
-        """The supervisor stopped launch `tag`'s agents (`how`: asked, killed after the grace): a slot whose last
-        report is not terminal (the agent was killed before it said `stopped`, or that report was lost) is marked
-        `stopped`, with `stopped_by` naming the supervisor; a report of the launch read later cannot revive it. The
-        slots so marked."""
+        """The supervisor stopped launch `tag`'s agents (`how`: asked, killed): each slot whose last report is not
+        terminal (killed before saying `stopped`, or that report lost) is marked `stopped` by the supervisor, for good
+        against later reports of the launch; the slots so marked."""
         with self._lock:
             self._ended.add(tag)
             marked = []

@@ -1,11 +1,9 @@
-"""The supervisor's report service: every node's uplink (hpcft/agent/transport/uplink.py) holds one authenticated connection
-to it, and one thread reads them all through a selector, each message framed as the agents' transport frames it
-(a JSON header, no payload), handing every `report` to `take`. A direct connection per node, not a tree over the
-agents' overlay: the supervisor needs each node's own status and each rank's progress, so a tree would forward the
-same bytes through more hops (and lose a subtree with each of its inner agents); what a tree saves is connections,
-and one epoll set holds 9,408 as easily as 8 (docs/supervisor.md, "Progress and status over the network")."""
+"""The supervisor's report service: a connection per node's uplink, all read by one thread through a selector (the
+agents' frames: a JSON header, no payload), each `report` handed to `take`. Not a tree over the agents: it would send
+the same bytes over more hops only to save connections, and one epoll set holds 9,408 as easily as 8."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import selectors
@@ -26,8 +24,7 @@ RECV_BUFFER = 64 << 10  # per connection: reports are small (the transport's def
 
 
 class ReportServer:
-    """Listens on `bind` (a port the kernel picks), reachable at `host` (`address`); `take(report)` is called from the
-    service's thread for every report received."""
+    """Listens on `bind` (a port the kernel picks) as `address`; `take(report)` runs on the service's thread."""
 
     def __init__(self, secret: bytes, take: Callable[[dict[str, Any]], None], *, host: str = "127.0.0.1",
                  bind: str = "0.0.0.0"):
@@ -66,9 +63,8 @@ class ReportServer:
     def _serve(self) -> None:
         while not self._stopped:
             self._pass(1.0)
-        # the run ends: what the agents sent before they exited (their last report, "stopped") may still sit in
-        # the sockets' buffers or be on its way; it is read before the view's last write, up to each node's close
-        # (its agent has ended), for at most DRAIN_S, or until QUIET_S passes with nothing to read
+        # the agents' last reports ("stopped") may still be buffered or on their way: read before the view's last
+        # write, until each node closes (its agent ended), for at most DRAIN_S or until QUIET_S passes with nothing
         deadline = time.monotonic() + DRAIN_S
         while self.connections and time.monotonic() < deadline and self._pass(QUIET_S):
             pass
@@ -117,10 +113,8 @@ class ReportServer:
                 events.emit("report_bad", level=logging.WARNING, peer=ch.peer, reason=f"unreadable report: {exc}")
 
     def _drop(self, ch: Channel) -> None:
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(ch.sock)
-        except (KeyError, ValueError):
-            pass
         ch.close()
 
     def close(self) -> None:

@@ -1,8 +1,6 @@
-"""The supervisor's end of the nodes' reports: the report service (hpcft/launch/fabric/reports.py) feeding the live view
-(hpcft/launch/fabric/liveview.py), the agents' events appended to the job's events file by this one writer, and the
-bounded log `<job dir>/status.json`, replaced when the view changed, at most once a second (less often for a large
-job: liveview.next_write), and once more when the run ends, for `hpcft status`. Nothing else about progress or
-status is written to the shared file system while the job trains."""
+"""The supervisor's end of the nodes' reports: the report service feeding the live view, the agents' events appended by
+this one writer, and `<job dir>/status.json` for `hpcft status`, replaced when the view changed (at most once a second,
+less often for a large job) and at the end; nothing else is written while the job trains."""
 from __future__ import annotations
 
 import json
@@ -62,8 +60,7 @@ class Fabric:
         return {uplink.ENV: self.server.address, AGENTS_REPORT: "1" if with_agents else "0"}
 
     def take(self, report: dict[str, Any]) -> None:
-        """One node's report: into the view; its events into the job's events file (the agents' one writer), the
-        per-round ones summed over the launch's agents (liveview.Rounds)."""
+        """One node's report into the view, its events into the job's, each round's summed (liveview.Rounds)."""
         self.view.apply(report, self.clock())
         tag = str(report.get("tag"))
         for record in report.get("events") or ():
