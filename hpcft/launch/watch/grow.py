@@ -1,10 +1,6 @@
-"""The watch of `hpcft run --elastic --elastic-grow`: while a shrunk job trains, the nodes of its allocation that are
-out of its slots (the nodes it lost, when they come back while the allocation still holds them) are looked at through
-Slurm; the decision when to take which back is hpcft/launch/policy/grow.py's, and a node it chooses is probed once
-before the supervisor is told. The grow itself reuses the shrink's path (hpcft/launch/reshape.py, `Reshaper.grow`):
-the newest step is protected and flushed, the stores wiped, and the trainers relaunched on more nodes, resharded from
-the durable tier. Every change seen is an event: node_back, node_relapse, node_unsettled, node_retired,
-grow_deferred."""
+"""The watch of `--elastic-grow`: while a shrunk job trains, Slurm is asked about its allocation's nodes out of its
+slots; policy/grow.py decides when to take which back, each probed once before the supervisor is told. Events:
+node_back, node_relapse, node_unsettled, node_retired, grow_deferred."""
 from __future__ import annotations
 
 import logging
@@ -40,8 +36,8 @@ class GrowWatch:
     @property
     def rules(self) -> policy_grow.GrowRules:
         cfg = self.cfg
-        return policy_grow.GrowRules(self.target, cfg.elastic.grow_settle, cfg.elastic.grow_every, cfg.elastic.grow_max_losses,
-                                     cfg.recovery.requeue_margin)
+        return policy_grow.GrowRules(self.target, cfg.elastic.grow_settle, cfg.elastic.grow_every,
+                                     cfg.elastic.grow_max_losses, cfg.recovery.requeue_margin)
 
     def lost(self, nodes: Sequence[str]) -> None:
         """The run lost `nodes` (each one loss more, and unhealthy until seen healthy again)."""

@@ -1,8 +1,6 @@
-"""The supervisor's straggler watch (docs/supervisor.md, "Stragglers"): every poll it feeds the ranks' progress
-samples (step and `ready_s`, from the supervisor's live view of the nodes' reports, launch/liveview.py) to the pure detector
-(hpcft/launch/policy/stragglers.py), records `straggler` / `straggler_cleared`, and with --evict-stragglers hands
-the supervisor an eviction once the node agents have protected a step at or after the detection, so that the
-spare resumes from memory with nothing lost."""
+"""The supervisor's straggler watch (docs/supervisor.md, "Stragglers"): it feeds the live view's samples to the pure
+detector, says `straggler` / `straggler_cleared`, and with --evict-stragglers hands the supervisor an eviction once the
+agents protected a step at or after the detection, so that the spare resumes from memory with nothing lost."""
 import logging
 import time
 from collections.abc import Callable
@@ -53,14 +51,15 @@ class StragglerWatch:
         new, cleared = self.detector.judge(now)
         reached = min((s for r, (s, _, m) in seen.items() if m >= self.since and r < layout.world_size), default=0)
         for v in new:
-            blocked = eviction_blocked(evict=self.cfg.stragglers.evict_stragglers, protected=self.cfg.protection.protected,
-                                       spares=len(layout.spares), restarts=self.restarts,
-                                       max_restarts=self.cfg.recovery.max_restarts)
+            blocked = eviction_blocked(evict=self.cfg.stragglers.evict_stragglers,
+                                       protected=self.cfg.protection.protected, spares=len(layout.spares),
+                                       restarts=self.restarts, max_restarts=self.cfg.recovery.max_restarts)
             if blocked is None:
                 self.pending[v.node] = (v, reached)
             self.emit("straggler", level=logging.WARNING, node=v.node, ranks=",".join(map(str, v.ranks)),
                       ready_s=round(v.ready_s, 4), peers_s=round(v.peers_s, 4), ratio=round(v.ratio, 2),
-                      factor=self.cfg.stragglers.straggler_factor, window_s=self.cfg.stragglers.straggler_window, step=reached,
+                      factor=self.cfg.stragglers.straggler_factor, window_s=self.cfg.stragglers.straggler_window,
+                      step=reached,
                       action="evict at the next protected step" if blocked is None else "reported only",
                       **({"reason": blocked} if blocked else {"protect_to": reached}))
         for v in cleared:
@@ -78,8 +77,9 @@ class StragglerWatch:
             if safe is not None and safe >= step:
                 return Event(Kind.STRAGGLER, bad_nodes=(node,),
                              detail=f"{node}: ready_s {v.ready_s:.3f} s = {v.ratio:.2f}x the peers' median "
-                                    f"{v.peers_s:.3f} s (--straggler-factor {self.cfg.stragglers.straggler_factor:g}); step "
-                                    f"{safe} protected (detected at step {step})")
+                                    f"{v.peers_s:.3f} s (--straggler-factor "
+                                    f"{self.cfg.stragglers.straggler_factor:g}); step {safe} protected (detected at "
+                                    f"step {step})")
         return None
 
     def carried_out(self, decision: Decision, event: Event) -> None:
