@@ -32,7 +32,8 @@ def run(config_file, command, **kwargs) -> None:
 @click.option("--output", "-o", default="hpcft-%j.out", show_default=True, help="sbatch --output (appended to).")
 @click.option("--warn", "warn_seconds", type=int, default=300, show_default=True,
               help="Seconds before the walltime at which Slurm sends USR1 (persist and requeue).")
-@click.option("--module", default="hpcft", show_default=True, help="hpcft's own module, loaded after the site's ('' for none).")
+@click.option("--module", default="hpcft", show_default=True,
+              help="hpcft's own module, loaded after the site's ('' for none).")
 @click.option("--site-module", "site_modules", multiple=True,
               help="A site module to load, in order (repeat; replaces [site] modules and the profile's list).")
 @click.option("--no-site-modules", is_flag=True, help="Load no site modules.")
@@ -64,9 +65,10 @@ def submit(config_file, command, walltime, account, partition, job_name, output,
     if cfg.launch.nodes is None:
         raise click.UsageError("hpcft submit needs --nodes (the active nodes; spares come on top)")
     forwarded = {k: v for k, v in given(kwargs).items() if v is not None}
-    spec = SubmitSpec(command=tuple(command), nodes=cfg.launch.nodes, spares=cfg.launch.spares, time=walltime, profile=cfg.launch.profile,
-                      account=account, partition=partition, job_name=job_name, output=output,
-                      warn_seconds=warn_seconds, module=module, run_options=forwarded, site=site, nvme=nvme)
+    spec = SubmitSpec(command=tuple(command), nodes=cfg.launch.nodes, spares=cfg.launch.spares, time=walltime,
+                      profile=cfg.launch.profile, account=account, partition=partition, job_name=job_name,
+                      output=output, warn_seconds=warn_seconds, module=module, run_options=forwarded, site=site,
+                      nvme=nvme)
     script = render(spec)
     if dry_run:
         click.echo(script, nl=False)

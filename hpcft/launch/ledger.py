@@ -65,8 +65,7 @@ class Ledger:
 
     def summary(self, action: Action, reason: str, saved: RunState, exit_code: int | None,
                 stragglers: dict[str, str]) -> None:
-        """The run's last word: how it ended, every loss of progress and how the previous run ended when it lost its
-        batch host (ERROR when it gave up or restarted from step 0 after progress existed)."""
+        """The run's last word: its end, each loss, a lost batch host (ERROR if it gave up or restarted from 0)."""
         from_zero = any(loss.resumed_from == 0 for loss in self.lost)
         inproc = sum(e["event"] == "inprocess_restart" and e.get("rank") == 0 for e in events.read(self.job_dir))
         unwritten = self.unwritten()

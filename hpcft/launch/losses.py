@@ -1,11 +1,9 @@
-"""Progress lost across a launch, as the supervisor sees it: the newest snapshot step every rank had completed
-when the trainers' previous launch ended (the supervisor's live view of their progress, hpcft/launch/fabric/liveview.py
-`reached`, read then: once the next launch's agents have rebuilt a lost node's store they report its older step)
-against the step the launch's ranks restored (the Checkpointer's `restore_done` / `restore_none` events in the job
-directory). A launch that resumes from an older step lost the steps in between; one that starts from step 0 after
-progress existed lost everything, which must never pass for a success (docs/supervisor.md, "Lost progress")."""
+"""Progress lost across a launch: the newest step every rank had completed when the previous launch ended (the live
+view's `reached`, read then: a rebuilt node later reports an older step) against the step the ranks restored. A loss
+must never pass for a success (docs/supervisor.md, "Lost progress")."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -102,8 +100,7 @@ class RestoreWatch:
         self.done = False  # the loss, if any, has been returned
 
     def poll(self) -> Loss | None:
-        """The launch's loss, once every rank restored (or one found nothing to restore); None until then, and
-        None for a launch that lost nothing. Returns a loss at most once."""
+        """The launch's loss once every rank restored (or one found nothing); at most once, None for no loss."""
         self._read()
         if self.done or self.resumed is None:
             return None
@@ -119,8 +116,7 @@ class RestoreWatch:
         return self.resumed if view is None else max(self.resumed, view)
 
     def say(self, emit: Callable[..., None], lost: list[Loss]) -> None:
-        """Say it loudly, once (`progress_lost`, ERROR after a restart from step 0), when the launch's ranks resumed
-        from an older step than the one they had reached; the loss is added to `lost` (the run's summary)."""
+        """Add the loss to `lost` and say it once (`progress_lost`, ERROR after a restart from step 0)."""
         found = self.poll()
         if found is None:
             return
@@ -152,8 +148,6 @@ class RestoreWatch:
         self._offset += end
         records = []
         for line in data[:end].splitlines():
-            try:
+            with contextlib.suppress(ValueError):
                 records.append(json.loads(line))
-            except ValueError:
-                continue
         return records

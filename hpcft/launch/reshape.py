@@ -1,21 +1,8 @@
-"""The elastic shrink of `hpcft run --elastic`: a node is lost, no spare is left, and at least --min-nodes survive.
-Instead of requeueing, the job goes on with the survivors, losing no protected step:
-
-1. the agents are launched in the OLD layout (N slots): each survivor runs its own slot's agent, and each lost slot
-   gets an agent of its own on a survivor (`--hosted`, a store of its own inside that node's), which rebuilds the
-   slot's snapshot from the survivors' bundles and parity exactly as a spare would (hpcft/agent/protection/rebuild.py);
-2. the agents flush that step, the newest protected one, to the durable tier in the old layout (N slots' ranks,
-   the lost ones' files written by their hosts), committed atomically by slot 0: a checkpoint whose bytes come from
-   memory, not an older flush, and which any DCP reader loads at any world size;
-3. the survivors' stores are wiped (they hold the old layout's ranks, which the smaller world numbers differently),
-   and the trainers are relaunched on N-1 nodes: `Checkpointer.restore()` finds nothing in memory and reshards the
-   durable checkpoint onto the new world (hpcft/durable/reader.py).
-
-A shrink that cannot rebuild or flush turns into the requeue it replaced (the memory of the survivors is then
-kept for the requeued job). The grow of `--elastic-grow` (when: hpcft/launch/watch/grow.py and policy_grow.py) takes the same
-path the other way: the agents of the smaller job protect and flush the newest step the stopped trainers completed,
-every store is wiped, and the trainers relaunch on more nodes, resharded from the durable tier; a grow that cannot
-flush relaunches on the same nodes from memory. Pure helpers (`hosts`, `shrunk_config`) are tested without Slurm."""
+"""The elastic shrink (`--elastic`: a node lost, no spare, at least --min-nodes left): agents start in the OLD layout,
+each lost slot's on a survivor (`--hosted`) rebuilding it from parity as a spare would; they flush that step to the
+durable tier (any world size reads it); the stores are wiped (a smaller world numbers ranks differently) and the
+trainers reshard on N-1 nodes. A failure becomes the requeue it replaced. The grow (`--elastic-grow`) flushes, wipes and
+relaunches on more nodes, or on the same ones from memory if its flush fails."""
 from __future__ import annotations
 
 import logging
@@ -29,7 +16,6 @@ from hpcft.launch.config.model import RunConfig
 from hpcft.launch.node.janitor import Janitor
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.policy.failures import Action, Decision, Event, State, record, requeue_or_stop
-
 
 
 def hosts(old: Layout, lost: Sequence[str]) -> dict[int, str]:
@@ -125,10 +111,8 @@ class Reshaper:
         return outcome
 
     def grow(self, old: Layout, new: Layout, env: Mapping[str, str]) -> Outcome:
-        """The trainers have stopped; the agents of `old` still run: they protect and flush the newest step (the
-        requeue's persist), then the stores of every node of `new` are wiped, the returned nodes' included (their
-        memory is stale), and the trainers may start on `new`, resharded from the durable tier. On failure nothing is
-        wiped: the job relaunches on `old` from its memory."""
+        """With the trainers stopped, `old`'s agents persist the newest step, then every node of `new` is wiped (a
+        returned node's memory is stale); on failure nothing is wiped, so `old` relaunches from its memory."""
         started = time.monotonic()
         protected, durable, error = self.agents.persist()
         self.agents.stop()
@@ -141,8 +125,7 @@ class Reshaper:
         return outcome
 
     def _wipe(self, outcome: Outcome, new: Layout, env: Mapping[str, str]) -> Outcome:
-        """After a good flush the durable checkpoint holds it all: memory in the old layout would only mislead a restore
-        in the new one, so `new`'s nodes are wiped."""
+        """Wipe `new`'s nodes after a good flush: memory in the old layout would only mislead a restore in the new."""
         if not outcome.ok:
             return outcome if outcome.error else replace(
                 outcome, error=f"the durable step {outcome.durable} is not the protected one {outcome.protected}")

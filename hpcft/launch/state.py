@@ -1,5 +1,5 @@
-"""What `hpcft run` keeps in <job dir>/state.json for the job's next run (a relaunch counts, a requeued run reads
-it back): relaunches, requeues, grows and evictions so far, the nodes found bad, the node of each slot, what Slurm excluded."""
+"""What `hpcft run` keeps in <job dir>/state.json for the job's next run (a relaunch counts, a requeued run reads it
+back): relaunches, requeues, grows and evictions so far, the nodes found bad, each slot's node, what Slurm excluded."""
 import json
 import os
 from dataclasses import dataclass, field
@@ -11,8 +11,7 @@ from hpcft.launch.policy.failures import Action
 
 @dataclass
 class RunState:
-    """What the next allocation of a requeued job must know: relaunches so far, the nodes found bad and the
-    node of each slot (whose memory holds that slot's snapshots)."""
+    """What the next allocation must know: the counts, the nodes found bad, each slot's node (holding its snapshots)."""
     restarts: int = 0
     requeues: int = 0
     excluded: list[str] = field(default_factory=list)

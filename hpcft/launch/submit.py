@@ -84,8 +84,7 @@ def _flag(key: str, value: object) -> list[str]:
 
 
 def site_lines(spec: SubmitSpec) -> str:
-    """The batch script's environment: the site's modules, its Python set-up lines, hpcft's module, then the
-    exports the rest of hpcft reads (node-local NVMe, the RCCL plugin's directories)."""
+    """The batch script's environment: the site's modules and set-up, hpcft's module, NVMe's and plugins' exports."""
     site = spec.site
     modules = profiles.get(spec.profile).modules if site.modules is None else site.modules
     lines = [f"module load {m}" for m in modules] + list(site.setup)
@@ -103,15 +102,17 @@ def render(spec: SubmitSpec, template_dir: Path = TEMPLATE_DIR) -> str:
     if not spec.command:
         raise ConfigError("no training command given: use `hpcft submit [options] -- CMD ...`")
     if spec.nodes < 1 or spec.spares < 0:
-        raise ConfigError(f"need at least 1 node and 0 or more spares (got --nodes {spec.nodes} --spares {spec.spares})")
+        raise ConfigError(f"need at least 1 node and 0 or more spares (got --nodes {spec.nodes} "
+                          f"--spares {spec.spares})")
     if not re.fullmatch(r"[\w.-]+", spec.job_name):
         raise ConfigError(f"job name {spec.job_name!r} may use letters, digits, '_', '.' and '-' only")
     limit = walltime_seconds(spec.time)
     if not 0 < spec.warn_seconds <= 65535:
         raise ConfigError(f"--warn {spec.warn_seconds} must be between 1 and 65535 seconds (Slurm's --signal limit)")
     if limit is not None and spec.warn_seconds >= limit:
-        raise ConfigError(f"--warn {spec.warn_seconds} s is not shorter than the walltime --time {spec.time} ({limit} s): "
-                          "Slurm would send the requeue warning at once; give a smaller --warn or a longer --time")
+        raise ConfigError(f"--warn {spec.warn_seconds} s is not shorter than the walltime --time {spec.time} "
+                          f"({limit} s): Slurm would send the requeue warning at once; give a smaller --warn or a "
+                          "longer --time")
     # every node's CPUs for its tasks: without it a cluster that shares nodes allocates one task (one CPU) per node,
     # and the trainer step fails "More processors requested than permitted"
     tasks = spec.run_options.get("tasks_per_node") or profiles.get(spec.profile).tasks_per_node

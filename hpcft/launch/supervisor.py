@@ -75,8 +75,8 @@ class Supervisor:
         self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.recovery.probe_timeout, self.emit)
         self.fabric = Fabric(self.job_dir, self.emit)  # the nodes' progress and status, over the network
         self.ledger = Ledger(self.job_dir, self.emit, self.fabric)  # what the summary and the next run are owed
-        self.agents = AgentSteps(lambda: self.cfg, self.runner, self.job_dir, python, emit=self.emit, stop_steps=self._stop_steps,
-                                 interrupted=self._terminated, view=self.fabric.view,
+        self.agents = AgentSteps(lambda: self.cfg, self.runner, self.job_dir, python, emit=self.emit,
+                                 stop_steps=self._stop_steps, interrupted=self._terminated, view=self.fabric.view,
                                  check_nodes=lambda layout, probe, until: self.nodes.bad(
                                      layout.slots, probe=probe, closed=False, until=until))
         self.agent_loss = AgentLoss(self.agents, self.nodes, self.emit, self._terminated)
@@ -85,9 +85,9 @@ class Supervisor:
         self.base_cfg = cfg  # the configuration this run started with (a shrunk or grown job's is sized from it)
         self.grow_watch = GrowWatch(cfg, self.runner, self.job_id, self.nodes, self.emit)
         self.stragglers = StragglerWatch(cfg, self.fabric.view.samples, self.emit)
-        self.stage = stage.EnvStage(cfg, self.profile, self.runner, self.job_dir, python, self.job_id, self.environ, self.emit)
+        self.stage = stage.EnvStage(cfg, self.profile, self.runner, self.job_dir, python, self.job_id, self.environ,
+                                    self.emit)
 
-    # -- events -----------------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
         events.emit(kind, log_dir=str(self.job_dir), job=self.job_id, **fields)
 
@@ -98,14 +98,10 @@ class Supervisor:
         self._signal = signum
         self._wake.set()
 
-    # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
-        """Run the command until it succeeds, gives up or is requeued; returns `hpcft run`'s exit status.
-
-        The states: start (the allocation read, the options checked against its shape: a ConfigError here ends the
-        run before any step and leaves the nodes' memory as it is) → launch (the steps started, the trainers watched
-        until an event) → decide (the policy's decision carried out) → launch again, or finish (done, requeue,
-        stop); SIGTERM ends any state."""
+        """Run the command until it succeeds, gives up or is requeued; `hpcft run`'s exit status. States: start (a
+        ConfigError there ends the run before any step, the nodes' memory untouched) → launch → decide → launch again,
+        or finish (done, requeue, stop); SIGTERM ends any state."""
         # Handlers first: SIGUSR1's default action would kill us while we still talk to Slurm.
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGUSR1, signal.SIGTERM)}
         try:
@@ -129,16 +125,14 @@ class Supervisor:
                 signal.signal(s, handler)
 
     def _start(self) -> tuple[RunState, slurmstate.JobInfo, Layout]:
-        """The start state: what the previous runs left, the allocation, the options resolved for its shape, the
-        slots; then the checks before the first launch and the services every launch uses."""
+        """The start state: the saved state, the allocation, the options for its shape, the slots, the services."""
         self._started = time.time()
         saved = self.ledger.load()
         info = slurmstate.job_info(self.runner, self.job_id)
         saved.requeues = max(saved.requeues, info.restarts)
         self._slurm_run = info.restarts
-        # A node found bad in an earlier allocation that Slurm allocates again has returned to service: healthy by
-        # Slurm's judgement, and the only way the job may start at all (a reservation of its exact size). Its memory
-        # is empty; with protection the agents rebuild its slot's snapshots like a spare's.
+        # A node excluded earlier that Slurm allocates again is back in service by Slurm's judgement, and may be the
+        # only way the job starts (a reservation of its size); its memory is empty: the agents rebuild it as a spare.
         returned = [n for n in saved.excluded if n in info.nodes]
         saved.excluded = [n for n in saved.excluded if n not in returned]
         # the allocation's shape decides what the options mean (auto protection, set sizes): refused before any step
@@ -156,7 +150,7 @@ class Supervisor:
         self.base_world = layout.world_size
         self.grow_watch.target = len(layout.slots)
         self._requeued_run = saved.requeues > 0
-        self.ledger.previous_run(layout, saved.requeues)  # before this run's `start`: it reads the previous run's events
+        self.ledger.previous_run(layout, saved.requeues)  # before `start`: it reads the previous run's events
         self.emit("start", slots=",".join(layout.slots), spares=",".join(layout.spares),
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
                   kept=",".join(kept), profile=self.profile.name, protect=self.cfg.protection.protect,
@@ -193,8 +187,7 @@ class Supervisor:
             return self._finish(decision, saved)
 
     def _decide(self, event: Event, layout: Layout, saved: RunState, info: slurmstate.JobInfo) -> Decision:
-        """The decide state: the policy's decision on `event`, recorded and carried out up to the next launch (the
-        requeue's flush, the agents stopped, a shrink or grow reshaped)."""
+        """The decide state: the policy's decision on `event`, recorded and carried out up to the next launch."""
         state = State(layout=layout, restarts=saved.restarts, max_restarts=self.cfg.recovery.max_restarts,
                       requeue_allowed=self.cfg.recovery.requeue and info.batch and info.requeue,
                       end_time=slurmstate.job_info(self.runner, self.job_id).end_time,
@@ -256,7 +249,6 @@ class Supervisor:
         self.grow_watch.reshaped()  # the clock of --grow-every (a failed grow's relaunch counts too)
         return done
 
-    # -- one step -----------------------------------------------------------------------------------------
     def _launch(self, layout: Layout, launch: int) -> Event:
         """The launch state: the steps beside the trainers (staging, janitors, standbys, agents: `_ready`), then the
         trainers' step, watched until it ends or must be stopped. The agents' step is left running (self.agents) for
@@ -271,7 +263,7 @@ class Supervisor:
             why = self.ledger.why_launch + (f"; the agents could not rebuild: {self.agents.no_checkpoint}"
                                       if self.agents.no_checkpoint else "")
             watch = losses.RestoreWatch(self.job_dir, layout.world_size, since=time.time(), reason=why,
-                                        before=self.ledger.reached)  # read when the last launch ended, not now (see losses)
+                                        before=self.ledger.reached)  # as the last launch ended, not now
             self.emit("launch", restart=launch, slots=",".join(layout.slots), world=layout.world_size,
                       master=f"{layout.master}:{env['MASTER_PORT']}")
             launched = time.time()
@@ -292,15 +284,14 @@ class Supervisor:
             watch.say(self.emit, self.ledger.lost)
             self.ledger.reached = watch.reached_after(self.fabric.view.reached(layout.world_size))
             if self.ledger.previous is not None and self.ledger.previous.resumed is None:
-                self.ledger.previous.resumed = watch.resumed  # what the lost batch host cost, once its ranks have restored
+                self.ledger.previous.resumed = watch.resumed  # what the lost batch host cost, once restored
         except BaseException:
             self.agents.stop()
             raise
         return self._ended(event, proc.returncode, lines)
 
     def _ready(self, layout: Layout, launch: int, env: dict[str, str]) -> Event | None:
-        """The steps the trainers need first: the environment staged (--stage-env: the janitors remove it, the other
-        steps start from it), the janitors, the standbys, the agents ready; an event when the agents could not be."""
+        """The steps the trainers need first; an event when the agents could not get ready."""
         self.stage.ensure([*layout.slots, *layout.spares], env, (self, self.standbys, self.agents))
         self.janitor.ensure([*layout.slots, *layout.spares], env)
         self.standbys.ensure([*layout.slots, *layout.spares], env, spares=layout.spares)
@@ -334,7 +325,8 @@ class Supervisor:
         durable = durable_dir(self.cfg, self.job_dir)
         if durable is not None:
             env[ENV_PERSIST] = str(durable)  # where the trainers' restore finds the durable tier
-            env.update({ENV_LOCAL: self.cfg.durable.persist_local} if self.cfg.durable.persist_local else {})  # and its first level
+            if self.cfg.durable.persist_local:
+                env[ENV_LOCAL] = self.cfg.durable.persist_local  # and its first level
         return env
 
     def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float, watch: losses.RestoreWatch,
@@ -343,7 +335,7 @@ class Supervisor:
         that failed meanwhile: an event, or None when the agents were restarted alone and the trainers go on."""
         while True:
             watch.say(self.emit, self.ledger.lost)
-            self.preflight.poll(self.agents.reports, expected=self.agents.nodes(layout))  # the plan, once every node snapshots
+            self.preflight.poll(self.agents.reports, expected=self.agents.nodes(layout))  # the plan, once all snapshot
             code = proc.poll()
             if code is not None:
                 if code == 0:
