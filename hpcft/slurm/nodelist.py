@@ -28,8 +28,7 @@ def _split_top(text: str) -> list[str]:
 
 
 def expand_range(spec: str, pattern: str) -> list[str]:
-    """The numbers of a range list ('1-4,7', '001-016'), as strings with the lower bound's padding; `pattern` names
-    the whole text in the error (a hostlist, an srun task list)."""
+    """A range list's numbers ('1-4,7', '001-016') padded as the lower bound; `pattern`: the whole text, for errors."""
     out: list[str] = []
     for piece in spec.split(","):
         lo, sep, hi = piece.strip().partition("-")

@@ -8,17 +8,8 @@ from collections.abc import Mapping, Sequence
 from hpcft.errors import SlurmError
 
 _log = logging.getLogger(__name__)
-
-_PACKAGES = {
-    "srun": "slurm-client",
-    "sbatch": "slurm-client",
-    "scontrol": "slurm-client",
-    "squeue": "slurm-client",
-    "scancel": "slurm-client",
-    "sinfo": "slurm-client",
-    "slurmd": "slurmd",
-    "slurmctld": "slurmctld",
-}
+_PACKAGES = {**dict.fromkeys(("srun", "sbatch", "scontrol", "squeue", "scancel", "sinfo"), "slurm-client"),
+             "slurmd": "slurmd", "slurmctld": "slurmctld"}
 
 
 class Runner:
@@ -35,10 +26,7 @@ class Runner:
 
     def environ(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         """The process environment for a command: ours, then the runner's, then the call's."""
-        merged = dict(os.environ)
-        merged.update(self.env)
-        merged.update(env or {})
-        return merged
+        return {**os.environ, **self.env, **(env or {})}
 
     def _check_binary(self, argv: Sequence[str]) -> None:
         name = str(argv[0])
@@ -46,31 +34,21 @@ class Runner:
             package = _PACKAGES.get(name, "slurm-wlm")
             raise SlurmError(f"'{name}' not found on PATH; install Debian's {package} or `module load slurm`")
 
-    def run(
-        self,
-        argv: Sequence[str],
-        *,
-        check: bool = True,
-        timeout: float | None = None,
-        input: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> "subprocess.CompletedProcess[str]":
+    def run(self, argv: Sequence[str], *, check: bool = True, timeout: float | None = None, input: str | None = None,
+            env: Mapping[str, str] | None = None) -> "subprocess.CompletedProcess[str]":
         """Run to completion and capture output; with check, a non-zero exit raises SlurmError with stderr."""
         self._check_binary(argv)
         full = self.argv(argv)
         limit = self.timeout if timeout is None else timeout
         _log.debug("run %s", full)
         try:
-            proc = subprocess.run(
-                full, input=input, capture_output=True, text=True, timeout=limit, env=self.environ(env)
-            )
+            proc = subprocess.run(full, input=input, capture_output=True, text=True, timeout=limit,
+                                  env=self.environ(env))
         except subprocess.TimeoutExpired as exc:
             raise SlurmError(f"'{' '.join(map(str, argv))}' did not finish within {limit:g} s") from exc
         if check and proc.returncode != 0:
-            raise SlurmError(
-                f"'{' '.join(map(str, argv))}' failed with exit status {proc.returncode}: "
-                f"{(proc.stderr or proc.stdout).strip()[-2000:]}"
-            )
+            raise SlurmError(f"'{' '.join(map(str, argv))}' failed with exit status {proc.returncode}: "
+                             f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
         return proc
 
     def popen(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:

@@ -107,14 +107,12 @@ def _words(state: str) -> list[str]:
 
 
 def is_lost(state: str) -> bool:
-    """The node cannot run the job's tasks now: DOWN, NOT_RESPONDING (sinfo's `*`), powered down or booting,
-    rebooting."""
+    """The node cannot run the job's tasks now: DOWN, NOT_RESPONDING (sinfo's `*`), powered down, booting, rebooting."""
     return any(c in state for c in LOST_SUFFIXES) or any(w in LOST_STATE_WORDS for w in _words(state))
 
 
 def is_closed(state: str) -> bool:
-    """Slurm gives the node no new work, though what runs on it goes on: DRAIN(ING/ED), FAIL(ING), a reboot or
-    power-down asked for once its jobs end."""
+    """Slurm gives the node no new work, though what runs there goes on: drained, failing, reboot or power-down due."""
     return any(c in state for c in CLOSED_SUFFIXES) or any(w.startswith(CLOSED_STATE_PREFIXES) for w in _words(state))
 
 
@@ -125,8 +123,7 @@ def is_bad(state: str) -> bool:
 
 @dataclass(frozen=True)
 class Health:
-    """What Slurm says of some of a job's nodes: {node: why} of the lost ones (a lost state, or no longer in the
-    allocation) and of the closed ones (alive, but given no new work)."""
+    """Slurm on some of a job's nodes: {node: why} of the lost (or out of the allocation) and the closed (alive)."""
     lost: dict[str, str]
     closed: dict[str, str]
 
@@ -166,8 +163,7 @@ def task_errors(stderr_lines: list[str]) -> list[str]:
 
 
 def ended_tasks(stderr_lines: list[str]) -> dict[str, int]:
-    """{node: how many of its tasks srun has reported ended} ('n2: tasks 4-7: Terminated' counts 4), from its
-    per-task lines; a task that exits 0 gets no line."""
+    """{node: its tasks srun has reported ended} ('n2: tasks 4-7: Terminated' counts 4; an exit 0 gets no line)."""
     ended: dict[str, set[int]] = {}
     for m in map(_TASK_ERROR.match, stderr_lines):
         if m:
@@ -177,8 +173,7 @@ def ended_tasks(stderr_lines: list[str]) -> dict[str, int]:
 
 
 def launched_on(verbose_stderr: str) -> set[str]:
-    """The nodes `srun --verbose` says it has sent the step's tasks to: the controller answered, the step exists,
-    and what happens next is up to those nodes."""
+    """The nodes `srun --verbose` says it sent the step's tasks to: the step exists, the rest is up to those nodes."""
     return set(_LAUNCHING.findall(verbose_stderr))
 
 
@@ -258,15 +253,9 @@ class Requeued:
 
 
 def requeue(runner: Runner, job_id: str, exclude: list[str]) -> Requeued:
-    """Ask Slurm to requeue the job, then keep out of its next allocation those of `exclude` that Slurm itself
-    still takes for healthy (found bad by hpcft's probe, before Slurm's own mark) and the job can do without.
-
-    A node Slurm marked DOWN/DRAIN/NOT_RESPONDING is not allocated while so; if it comes back to service it
-    is healthy by Slurm's judgement, and excluding it could leave the job unable ever to start (a reservation
-    of exactly its size): for the same reason a node stays allowed when the job's partition or reservation
-    would keep too few nodes in service without it. slurmctld takes ExcNodeList only from a pending job, so
-    after the requeue, whose SIGTERM reaches every process of the batch step at once (the scontrol processes
-    included): both commands run with SIGTERM ignored, within the KillWait seconds before the SIGKILL."""
+    """Requeue the job, keeping out of its next allocation those of `exclude` Slurm deems healthy that the job can spare
+    (`affordable`). Slurm takes ExcNodeList only from a pending job, so it is set after the requeue, whose SIGTERM hits
+    the whole batch step: both commands ignore SIGTERM and run within KillWait."""
     where = Placement(0, [], [])  # unknown: every suspect is kept out
     if exclude:
         try:
