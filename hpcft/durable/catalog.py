@@ -51,25 +51,29 @@ def read_index(path: Path) -> dict[str, Any]:
     return mf.decode(read_file(path / ".hpcft" / INDEX), path / ".hpcft" / INDEX, CKPT_FORMAT)
 
 
+def step_dirs(root: Path | None) -> list[tuple[int, Path]]:
+    """(step, directory) of every `step-<s>/` directory under `root` (no symlink), oldest first."""
+    if root is None or not root.is_dir():
+        return []
+    found = [(int(m.group(1)), d) for d in root.iterdir()
+             if (m := DONE.match(d.name)) and not d.is_symlink() and d.is_dir()]
+    return sorted(found, key=lambda f: f[0])
+
+
 def checkpoints(root: Path | None) -> list[Durable]:
     """The complete checkpoints under `root`, oldest first (a directory without a valid index or `.metadata` is
     reported once per call as `durable_bad` and skipped)."""
-    if root is None or not root.is_dir():
-        return []
     out = []
-    for d in root.iterdir():
-        m = DONE.match(d.name)
-        if not m or d.is_symlink() or not d.is_dir():
-            continue
+    for step, d in step_dirs(root):
         try:
             index = read_index(d)
-            if not (d / ".metadata").is_file() or index.get("step") != int(m.group(1)):
+            if not (d / ".metadata").is_file() or index.get("step") != step:
                 raise StoreError(f"{d} has no .metadata or its index is for step {index.get('step')}")
         except StoreError as exc:
             events.emit("durable_bad", level=logging.WARNING, path=str(d), error=str(exc))
             continue
-        out.append(Durable(int(m.group(1)), d, index))
-    return sorted(out, key=lambda c: c.step)
+        out.append(Durable(step, d, index))
+    return out
 
 
 def newest(root: Path | None) -> Durable | None:
@@ -82,10 +86,8 @@ def prune(root: Path, keep: int, job: str, current: str | None = None,
     """Remove complete checkpoints (as `listing` finds them: default `checkpoints`) beyond the newest `keep`, and this
     job's temporary directories other than `current` (flushes that failed or were killed); the paths removed (event
     `durable_pruned`)."""
-    gone = []
     done = (listing or checkpoints)(root)
-    for c in done[:max(0, len(done) - keep)]:
-        gone.append(c.path)
+    gone = [c.path for c in done[:max(0, len(done) - keep)]]
     for d in root.iterdir():
         m = _TMP.match(d.name)
         if m and m.group(2).startswith(f"{job}-") and m.group(2) != current and not d.is_symlink():

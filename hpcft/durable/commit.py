@@ -140,10 +140,8 @@ def commit(tmp: Path, root: Path, step: int, world: int, job: str, keep: int) ->
     files.put(tmp / ".metadata", metadata)
     files.sync_dir(sidecar_dir(tmp))
     files.sync_dir(tmp)
-    try:
+    with files.failing(f"cannot publish {tmp} as {final}"):
         os.rename(tmp, final)
-    except OSError as exc:
-        raise StoreError(f"cannot publish {tmp} as {final}: {exc.strerror or exc}") from exc
     files.sync_dir(root)
     catalog.prune(root, keep, job)
     return catalog.Durable(step, final, index)

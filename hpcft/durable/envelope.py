@@ -1,13 +1,11 @@
-"""The bytes `torch.save` writes around a tensor's data, so that the durable tier writes its chunks straight from
-the store as records `torch.load` (and so `dcp.load`) reads, without a copy and without importing torch in the
-node agents (an import per agent from a shared file system, at the moment a requeue waits for the flush).
+"""The bytes `torch.save` writes around a tensor's data, so the durable tier writes its chunks straight from the store
+as records `torch.load` (and `dcp.load`) reads, without importing torch in the node agents (an import per agent from
+a shared file system, while a requeue waits for the flush).
 
-The record is torch's zip layout (format version 3, 64-byte aligned records, data descriptors, zip64 end records)
-around a protocol-2 pickle of `torch._utils._rebuild_tensor_v2`, as `torch.save` under
-`torch.serialization.skip_data()` writes it: the data record's crc is 0 (as torch.save's own
-`compute_crc32=False` leaves it; torch.load does not check it). tests/unit/test_durable_writer.py compares these
-bytes with torch's own. Dtypes this module does not know, and records beyond 4 GiB (zip64 fields), are made by
-torch itself."""
+A record is torch's zip layout (format 3, 64-byte aligned records, data descriptors, zip64 end records) around a
+protocol-2 pickle of `torch._utils._rebuild_tensor_v2`, as `torch.save` writes it under `skip_data()`: the data
+record's crc is 0 (torch.load does not check it); tests/unit/test_durable_writer.py compares the bytes with torch's.
+Unknown dtypes and records beyond 4 GiB are made by torch itself."""
 from __future__ import annotations
 
 import functools

@@ -1,8 +1,6 @@
-"""`hpcft export`: a complete durable checkpoint out of a persist directory, for users who want one file tree (a DCP
-checkpoint: hard links where the file system allows, else copies) or one file (`torch.save` of the full, unsharded
-{"model": ..., "optim": ...} state dict, assembled by hpcft's reader: no process group, nothing unpickled). Every
-chunk's crc32c is verified first; nothing existing is ever overwritten. For a running job the agents flush to the
-persist directory first; `export` then copies what they committed."""
+"""`hpcft export`: a complete durable checkpoint out of a persist directory as one file tree (a DCP checkpoint: hard
+links where the file system allows, else copies) or one file (`torch.save` of the full {"model", "optim"} state
+dict, assembled by hpcft's reader). Every chunk's crc32c is verified first; nothing existing is ever overwritten."""
 from __future__ import annotations
 
 import os
@@ -12,7 +10,7 @@ from typing import Any
 
 import torch
 
-from hpcft.durable import boxes, catalog, commit
+from hpcft.durable import boxes, catalog, commit, files
 from hpcft.durable.boxes import Box
 from hpcft.durable.reader import Checkpoint, fill
 from hpcft.errors import ConfigError, StoreError
@@ -63,8 +61,8 @@ def _link_or_copy(src: Path, dst: Path, linked: list[bool]) -> None:
 
 
 def export_dcp(durable: catalog.Durable, dest: Path) -> bool:
-    """Put `durable` at `dest` (new, or an empty directory) as a DCP checkpoint, hpcft's sidecars with it: built
-    in a sibling directory and renamed into place, `.metadata` last. True if hard-linked, False if copied."""
+    """Put `durable` at `dest` (new, or an empty directory) as a DCP checkpoint with hpcft's sidecars, built beside it
+    and renamed into place; True if hard-linked, False if copied."""
     _fresh(dest)
     tmp = dest.with_name(f".{dest.name}.export-{os.getpid()}.tmp")
     linked = [True]
@@ -85,9 +83,8 @@ def export_dcp(durable: catalog.Durable, dest: Path) -> bool:
 
 
 def full_state(ckpt: Checkpoint) -> dict[str, Any]:
-    """The unsharded state dict, as `get_state_dict(..., full_state_dict=True)` gives it: {"model": {name: tensor},
-    "optim": {"state": {param: {key: value}}, "param_groups": [...]}} (a name several ranks saved with their own
-    content: the lowest rank's, as a DCP reader gets)."""
+    """The unsharded state dict, as `get_state_dict(..., full_state_dict=True)` gives it (a name several ranks saved
+    with their own content: the lowest rank's, as a DCP reader gets)."""
     from hpcft.snapshot.state import unjson
 
     rows, _ = ckpt.every()
@@ -128,18 +125,16 @@ def export_torch(durable: catalog.Durable, dest: Path) -> int:
         ckpt.close()
     tmp = dest.with_name(f".{dest.name}.export-{os.getpid()}.tmp")
     try:
-        torch.save(state, tmp)
-        os.link(tmp, dest)  # fails if someone created `dest` meanwhile: nothing is overwritten
-    except OSError as exc:
-        raise StoreError(f"cannot write {dest}: {exc.strerror or exc}") from exc
+        with files.failing(f"cannot write {dest}"):
+            torch.save(state, tmp)
+            os.link(tmp, dest)  # fails if someone created `dest` meanwhile: nothing is overwritten
     finally:
         tmp.unlink(missing_ok=True)
     return ckpt.unsealed
 
 
 def export(root: Path, dest: Path, fmt: str = "dcp", step: int | None = None, check: bool = True) -> dict[str, Any]:
-    """Export the newest (or `step`'s) complete checkpoint under `root` to `dest` in `fmt`; what was done. The
-    entry point for a running job too, once its agents have flushed the step to `root`."""
+    """Export the newest (or `step`'s) complete checkpoint under `root` to `dest` in `fmt`; what was done."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     durable = pick(root, step)

@@ -1,10 +1,8 @@
 """Write one rank's snapshot of one step into a durable checkpoint directory: its chunks as torch.save records
-(`__<rank>_0.distcp`, read by plain `dcp.load`) straight from the store, and a JSON sidecar
-(`.hpcft/rank-<rank>.json`) listing each chunk with its place and a crc32c carried over from the store's chunk
-checksums (see hpcft.store.crcmath): hpcft reads a durable checkpoint back without unpickling anything. The sidecar
-embeds the store's manifest as committed (its sealed chunk checksums) and the crc32c of every sub-range those
-checksums were combined from, so that the rows and what a restore applies are checked against the seal
-(hpcft.durable.seal)."""
+(`__<rank>_0.distcp`, read by plain `dcp.load`) straight from the store, and a JSON sidecar (`.hpcft/rank-<r>.json`)
+listing each chunk's place and a crc32c carried over from the store's (hpcft.store.crcmath), so hpcft reads it back
+without unpickling anything. The sidecar embeds the store's manifest and the crc32c of every sub-range its chunk
+checksums combine from: what hpcft.durable.seal checks."""
 from __future__ import annotations
 
 import logging
@@ -60,9 +58,8 @@ def cuts(chunks: Sequence[Sequence[int]], its: Sequence[items.Item]) -> Iterator
 
 def _chunks_verified(data: np.ndarray, chunks: Sequence[Sequence[int]], its: Sequence[items.Item], key: int,
                      rank: int, step: int) -> Iterator[list[tuple[int, int, int | None, int]]]:
-    """Walk the store's chunks in order: per chunk, (start, end, item index or None, crc32c of the bytes) of each
-    sub-range (`cuts`), combined and checked against the store's sealed checksum before the next chunk is read;
-    IntegrityError (event `chunk_lost`) at the first chunk that does not match."""
+    """Per store chunk, (start, end, item index or None, crc32c) of each sub-range (`cuts`), checked against the
+    sealed checksum before the next chunk is read; IntegrityError (event `chunk_lost`) at the first that fails."""
     for (lo, _, recorded), cut in zip(chunks, cuts(chunks, its)):
         run, parts = 0, []
         for a, b, i in cut:
@@ -98,10 +95,9 @@ def group_of(manifest: dict[str, Any]) -> list[int]:
 
 def write_rank(manifest: dict[str, Any], data: np.ndarray, ckpt: Path, *, pace: Callable[[int], None] | None = None,
                sync: bool = True) -> dict[str, Any]:
-    """Write the rank's chunks and sidecar into `ckpt` (which exists); the sidecar's content. One pass over the
-    data: each store chunk is verified against its checksum, then its bytes are written; each item's crc32c is
-    combined from the verified sub-ranges' (carried over, never computed from bytes read again). An IntegrityError
-    or StoreError leaves a partial file that the checkpoint's commit never sees (it needs every rank's sidecar)."""
+    """Write the rank's chunks and sidecar into `ckpt` (which exists); the sidecar. One pass: each store chunk is
+    verified, then written; each item's crc32c is combined from the verified sub-ranges'. A failure leaves a partial
+    file the commit never sees (it needs every rank's sidecar)."""
     rank, step = int(manifest["rank"]), int(manifest["step"])
     its = items.of_manifest(manifest)
     rows, size = rows_of(its)

@@ -1,8 +1,7 @@
-"""The durable tier's first level: node-local storage (Frontier: the NVMe at /mnt/bb/$USER, `-C nvme`). With one,
-an agent writes its node's ranks of a flush there (fast, node-local: the store is released sooner), publishes them
-as `step-<s>/` of that node, then drains them to the persist directory on the shared file system, where slot 0
-commits the checkpoint as before. A node-local `step-<s>/` holds only its node's ranks (index `.hpcft/local.json`);
-a restore reads them through hpcft's durable reader, with another node's ranks from the shared copy."""
+"""The durable tier's first level: node-local storage (Frontier: the NVMe at /mnt/bb/$USER). An agent writes its
+node's ranks of a flush there (the store is released sooner), publishes them as that node's `step-<s>/` (index
+`.hpcft/local.json`), then drains them to the persist directory, where slot 0 commits the checkpoint as before. A
+restore reads them through hpcft's durable reader, with other nodes' ranks from the shared copy."""
 from __future__ import annotations
 
 import logging
@@ -28,9 +27,8 @@ LOCAL_FORMAT = "hpcft-durable-local/1"
 
 
 def local_root(given: str | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
-    """This node's first level: `given`, else $HPCFT_PERSIST_LOCAL, else $HPCFT_NVME/hpcft-persist when that
-    directory exists on this node; None for none (`none` turns it off). Environment variables in the value are
-    expanded on the node (hpcft.env.expand_vars)."""
+    """This node's first level: `given`, else $HPCFT_PERSIST_LOCAL, else $HPCFT_NVME/hpcft-persist when that exists;
+    None for none (`none` turns it off). Variables in the value are expanded on the node."""
     env = os.environ if environ is None else environ
     value = given if given is not None else env.get(ENV_LOCAL) or None
     if value is not None:
@@ -42,20 +40,15 @@ def local_root(given: str | None = None, environ: Mapping[str, str] | None = Non
 def copies(root: Path | None, persist: Path | None = None) -> list[catalog.Durable]:
     """This node's published copies under `root`, oldest first (those of another persist directory than `persist`,
     when given, are not this job's: skipped)."""
-    if root is None or not root.is_dir():
-        return []
     out = []
-    for d in root.iterdir():
-        m = catalog.DONE.match(d.name)
-        if not m or d.is_symlink() or not d.is_dir():
-            continue
+    for step, d in catalog.step_dirs(root):
         try:
             index = mf.decode(read_file(sidecar_dir(d) / LOCAL_INDEX), d, LOCAL_FORMAT)
         except StoreError:
             continue  # a copy being replaced, or torn by a crash: never read
-        if index.get("step") == int(m.group(1)) and (persist is None or index.get("persist") == _key(persist)):
-            out.append(catalog.Durable(int(m.group(1)), d, index))
-    return sorted(out, key=lambda c: c.step)
+        if index.get("step") == step and (persist is None or index.get("persist") == _key(persist)):
+            out.append(catalog.Durable(step, d, index))
+    return out
 
 
 def _key(persist: Path) -> str:
@@ -65,21 +58,18 @@ def _key(persist: Path) -> str:
 
 def publish(tmp: Path, root: Path, step: int, world: int, ranks: list[int], job: str, flush_id: str,
             persist: Path | None, keep: int) -> catalog.Durable:
-    """Make the ranks written into `tmp` this node's copy `root/step-<step>` (an older copy of the same step, from a
-    flush of the same step that was retrained since, is replaced: the first level is a cache of the store, not the
-    record), and keep the newest `keep` copies."""
+    """Make the ranks written into `tmp` this node's copy `root/step-<step>` (replacing an older copy of the step: the
+    first level is a cache of the store, not the record), and keep the newest `keep` copies."""
     index = {"step": step, "world": world, "ranks": sorted(ranks), "job": job, "flush": flush_id,
              "persist": _key(persist) if persist else None}
     files.put(sidecar_dir(tmp) / LOCAL_INDEX, mf.encode(index, LOCAL_FORMAT))
     files.sync_dir(sidecar_dir(tmp))
     final = root / catalog.final_name(step)
     old = root / catalog.tmp_name(step, f"{flush_id}-old")  # this job's temporary name: pruned if left by a crash
-    try:
+    with files.failing(f"cannot publish {tmp} as {final}"):
         if final.exists():
             os.rename(final, old)
         os.rename(tmp, final)
-    except OSError as exc:
-        raise StoreError(f"cannot publish {tmp} as {final}: {exc.strerror or exc}") from exc
     shutil.rmtree(old, ignore_errors=True)
     files.sync_dir(root)
     catalog.prune(root, keep, job, listing=lambda r: copies(r))
@@ -88,9 +78,8 @@ def publish(tmp: Path, root: Path, step: int, world: int, ranks: list[int], job:
 
 def usable(root: Path | None, persist: Path | None, rank: int, world: int,
            shared: Mapping[int, catalog.Durable]) -> dict[int, catalog.Durable]:
-    """step → this node's copy that rank `rank` can restore from: written at the same world size with this rank on
-    this node, and every rank of its data-parallel group (whose shares it needs) either in the copy or in `shared`,
-    the shared file system's complete checkpoints (another node's copy is out of reach)."""
+    """step → this node's copy rank `rank` can restore from: of the same world size, with this rank, and every rank of
+    its data-parallel group either in the copy or in `shared` (the shared file system's complete checkpoints)."""
     out = {}
     for c in copies(root, persist):
         ranks = set(c.index.get("ranks") or ())
@@ -117,9 +106,9 @@ def withdraw(root: Path | None, step: int, why: str) -> list[Path]:
 
 
 def drain(copy: catalog.Durable, dest: Path, pace: Callable[[int], None] | None = None, sync: bool = True) -> int:
-    """Copy this node's ranks from `copy` into the shared file system's flush directory `dest` (created if missing), each
-    record's bytes checked against the crc32c its sidecar recorded when the writer carried it over from the store
-    (the copy is verified, not trusted anew); the bytes copied. IntegrityError on a mismatch, StoreError on I/O."""
+    """Copy this node's ranks from `copy` into the shared file system's flush directory `dest` (created if missing),
+    each record checked against its sidecar's crc32c; the bytes copied. IntegrityError on a mismatch, StoreError on
+    I/O."""
     files.make_dir(sidecar_dir(dest))
     total = 0
     for rank in copy.index["ranks"]:
@@ -139,10 +128,8 @@ def _copy_file(src: Path, dst: Path, side: dict[str, Any], pace: Callable[[int],
         if row[RECORD] != pos:
             raise StoreError(f"{src}'s sidecar does not tile the file at byte {pos}")
         pos += row[LENGTH]
-    try:
+    with files.failing(f"cannot open {src}"):
         fd_in = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise StoreError(f"cannot open {src}: {exc.strerror or exc}") from exc
     try:
         if os.fstat(fd_in).st_size != pos or pos != side.get("file_bytes"):
             raise StoreError(f"{src} has {os.fstat(fd_in).st_size} bytes; its sidecar says {side.get('file_bytes')}")
@@ -167,10 +154,8 @@ def _copy_record(fd_in: int, fd_out: int, src: Path, dst: Path, row: list, pace:
     lo, hi = row[DATA], row[DATA] + row[NBYTES]
     pos, end, crc = row[RECORD], row[RECORD] + row[LENGTH], 0
     while pos < end:
-        try:
+        with files.failing(f"cannot read {src}"):
             buf = os.pread(fd_in, min(files.PIECE, end - pos), pos)
-        except OSError as exc:
-            raise StoreError(f"cannot read {src}: {exc.strerror or exc}") from exc
         if not buf:
             raise StoreError(f"{src} ends at byte {pos}")
         a, b = max(lo, pos), min(hi, pos + len(buf))

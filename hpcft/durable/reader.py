@@ -1,8 +1,7 @@
-"""hpcft's reader of a durable checkpoint: fills a rank's live tensors from it without unpickling anything. The JSON
-sidecars say where every chunk's raw bytes sit in the data files and their crc32c; for each live entry the reader
-finds rows that tile the box this rank needs (its own rows first, then its data-parallel group's, then anyone's:
-a reshard), reads each row's bytes with pread, verifies them and copies the overlap in. A row that fails its crc32c
-(or a missing file, a torn sidecar) loses the whole checkpoint: the caller falls back to an older one."""
+"""hpcft's reader of a durable checkpoint, unpickling nothing: the sidecars say where every chunk's bytes sit and their
+crc32c; for each live entry it finds rows that tile the box this rank needs (its own first, then its data-parallel
+group's, then anyone's: a reshard), reads and verifies them and copies the overlap in. A failed row (or a missing
+file, a torn sidecar) loses the whole checkpoint: the caller falls back to an older one."""
 from __future__ import annotations
 
 import logging
@@ -19,9 +18,11 @@ from hpcft.durable import boxes, catalog, items, seal
 from hpcft.durable.boxes import Box
 from hpcft.durable.commit import (CRC, DATA, DTYPE, FQN, LENGTH, NBYTES, OFFSETS, RECORD, SHAPE, SIZES,
                                   chunks_by_fqn)
+from hpcft.durable.files import failing
 from hpcft.durable.flush import UNSEALED_FORMAT, data_name, read_sidecar, sidecar
 from hpcft.errors import CheckpointError, HpcftError, IntegrityError, ManifestError
 from hpcft.snapshot.restore import LOST, MISMATCH, OK, agree
+from hpcft.snapshot.schema import is_count
 from hpcft.snapshot.state import Entry
 from hpcft.store import crc32c
 from hpcft.store.manifest import is_int
@@ -29,18 +30,14 @@ from hpcft.store.manifest import is_int
 Rows = dict[str, list[tuple[tuple[int, list], Box]]]  # fqn -> [((rank, row), its box)]
 
 
-def _count(v: Any) -> bool:
-    return is_int(v) and v >= 0
-
-
 def check_row(row: Any, where: str) -> None:
     """ManifestError unless `row` is a chunk the reader can place: names and dtype, a box inside its shape, its byte
     count, and its data inside its record."""
     ok = isinstance(row, list) and len(row) == 11 and all(isinstance(row[i], str) for i in (FQN, DTYPE))
-    ok = ok and all(isinstance(row[i], list) and all(map(_count, row[i])) for i in (SHAPE, OFFSETS, SIZES))
+    ok = ok and all(isinstance(row[i], list) and all(map(is_count, row[i])) for i in (SHAPE, OFFSETS, SIZES))
     ok = ok and len(row[SHAPE]) == len(row[OFFSETS]) == len(row[SIZES]) \
         and all(o + n <= s for s, o, n in zip(row[SHAPE], row[OFFSETS], row[SIZES]))
-    ok = ok and all(_count(row[i]) for i in (DATA, NBYTES, CRC, RECORD, LENGTH)) \
+    ok = ok and all(is_count(row[i]) for i in (DATA, NBYTES, CRC, RECORD, LENGTH)) \
         and row[RECORD] <= row[DATA] and row[DATA] + row[NBYTES] <= row[RECORD] + row[LENGTH]
     try:
         ok = ok and row[NBYTES] == math.prod(row[SIZES]) * items.element_size(row[DTYPE])
@@ -57,7 +54,7 @@ class Checkpoint:
     def __init__(self, durable: catalog.Durable, local: catalog.Durable | None = None):
         self.step, self.path = durable.step, durable.path
         self.world = durable.index.get("world")
-        if not _count(self.world) or durable.index.get("ranks") != list(range(self.world)):
+        if not is_count(self.world) or durable.index.get("ranks") != list(range(self.world)):
             raise ManifestError(f"{self.path}'s index does not list the ranks 0..world-1")
         # the view of a node-local copy (hpcft.durable.local): its ranks read there, the others from `durable`
         self.local = local.path if local is not None else None
@@ -89,8 +86,7 @@ class Checkpoint:
         return self._sides[rank]
 
     def _unsealed(self, path: Path) -> None:
-        """A sidecar written before the seal: refused where the index says every sidecar was sealed (it was replaced),
-        else read as that hpcft wrote it, with a warning (its rows and meta are trusted: nothing binds them)."""
+        """A sidecar written before the seal: refused where the index says all were sealed, else read with a warning."""
         if self.sealed:
             raise ManifestError(f"{path} is not sealed ({UNSEALED_FORMAT}), but its checkpoint's index says every "
                                 "sidecar was: it was replaced or rewritten")
@@ -122,17 +118,13 @@ class Checkpoint:
         """The chunk's raw bytes, verified against its crc32c (IntegrityError, event `durable_chunk_lost`)."""
         path = self.dir(rank) / data_name(rank)
         if rank not in self._fds:
-            try:
+            with failing(f"cannot open {path}", IntegrityError):
                 self._fds[rank] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError as exc:
-                raise IntegrityError(f"cannot open {path}: {exc.strerror or exc}") from exc
         buf = np.empty(row[NBYTES], dtype=np.uint8)
         done = 0
         while done < len(buf):
-            try:
+            with failing(f"cannot read {path}", IntegrityError):
                 n = os.preadv(self._fds[rank], [memoryview(buf)[done:]], row[DATA] + done)
-            except OSError as exc:
-                raise IntegrityError(f"cannot read {path}: {exc.strerror or exc}") from exc
             if n <= 0:
                 raise IntegrityError(f"{path} ends before the chunk of {row[FQN]} at byte {row[DATA] + done}")
             done += n
@@ -218,11 +210,9 @@ def meta_rank(ckpt: Checkpoint, rank: int) -> int:
 def restore(durable: catalog.Durable, entries: Sequence[Entry], rank: int, world_size: int, world: Any = None,
             check_meta: Callable[[dict[str, Any]], None] | None = None,
             local: catalog.Durable | None = None) -> tuple[dict[str, Any], int]:
-    """Load `durable` (seen through this node's copy `local`, if given) into `entries` on every rank (collective
-    over `world`, a CPU-capable group of all ranks):
-    this rank's meta (RNG, optimizer settings, `extra`: see `meta_rank`) and the bytes it read. Every rank raises
-    together if any failed: IntegrityError when a rank lost a chunk, sidecar or file (event `durable_lost`),
-    CheckpointError when the checkpoint does not fit the live state."""
+    """Load `durable` (through this node's copy `local`, if given) into `entries` on every rank (collective over
+    `world`): this rank's meta (see `meta_rank`) and the bytes read. Every rank raises together if any failed:
+    IntegrityError when one lost a chunk, sidecar or file (event `durable_lost`), CheckpointError on a mismatch."""
     code, why, meta, ckpt = OK, "", {}, None
     try:
         ckpt = Checkpoint(durable, local)

@@ -1,9 +1,7 @@
-"""Where a restore comes from, and in which order (the design's restore order): the newest step complete on every
-rank, in memory (own node's store: the agents rebuilt what a replaced node lost before the trainers started), in
-the node-local first level of the durable tier (every node's copy of the same flush; hpcft.durable.local) or on the
-shared file system; at an equal step memory first, then the node-local copies (local, and faster); on a failure the
-next older candidate of any source, every rank together. The choice and why is event `restore_source`; a restart
-from step 0 although progress existed is an error-level `restore_none` with its cause."""
+"""Where a restore comes from: the newest step complete on every rank, in memory (the agents rebuilt what a replaced
+node lost), in the durable tier's node-local first level (hpcft.durable.local) or on the shared file system; at an
+equal step in that order; on a failure the next older candidate, every rank together. The choice and why is event
+`restore_source`; a restart from step 0 although progress existed is an error-level `restore_none`."""
 from __future__ import annotations
 
 import logging
@@ -68,10 +66,9 @@ def restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Path
             check_meta: Callable[[dict[str, Any]], None] | None = None, world_size: int = 1,
             local_root: Path | None = None, owner: Owner | None = None) -> Restored | None:
     """Load the newest step complete on every rank from memory, this node's first level `local_root` or `persist`
-    (collective; see the module docstring); None on a fresh run. `entries_fn()` gives the live entries (called once, after the caller created optimizer
-    state); `check_meta` checks what the caller will apply. After a load, every version this rank holds in memory
-    that is newer than the step loaded (or a second copy of it) is withdrawn (event `version_withdrawn`): training
-    writes those steps anew; memory versions that are not `owner`'s to take are refused, left in place
+    (collective); None on a fresh run. `entries_fn()` gives the live entries (called once); `check_meta` checks what
+    the caller will apply. After a load, this rank's memory versions newer than the step (or a second copy of it) are
+    withdrawn (event `version_withdrawn`); those not `owner`'s to take are refused, left in place
     (hpcft.store.owner). IntegrityError if candidates existed but none could be loaded."""
     try:
         return _restore(loader, entries_fn, persist, check_meta, world_size, local_root, owner)

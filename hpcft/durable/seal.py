@@ -1,12 +1,10 @@
-"""The seal of a durable checkpoint's metadata: the memory tier's, carried over. A sidecar embeds the store manifest its
-rank was flushed from, as the store committed it (`snapshot`: own checksum, chunk checksums sealed with the step, RNG
-state, optimizer settings and `extra`, hpcft.store.checksum.seal), and the crc32c of every sub-range of every store
-chunk (`pieces`). A reader trusts nothing else in the sidecar: the rows must be the ones the manifest's entries lay
-out (names, dtypes, shapes, offsets, where their bytes are), the sub-ranges must combine into the sealed chunk
-checksums, and each row's crc32c into its sub-ranges'; what a restore applies is the manifest's. An edit of any of
-these with the checksums of the files recomputed fails here (ManifestError naming the file and what differs): the
-checkpoint is lost, never loaded. Sidecars written before the seal carry only their own `meta` (`sealed` is False):
-they load as before, said by the caller."""
+"""The seal of a durable checkpoint's metadata, carried over from the memory tier. A sidecar embeds the store manifest
+its rank was flushed from (`snapshot`: chunk checksums sealed with the step, RNG state, optimizer settings and
+`extra`, hpcft.store.checksum.seal) and the crc32c of every sub-range of every store chunk (`pieces`). A reader trusts
+nothing else: the rows must be the ones the manifest lays out, the sub-ranges must combine into the sealed chunk
+checksums and each row's crc32c into its sub-ranges'; what a restore applies is the manifest's. An edit with the
+files' checksums recomputed fails here (ManifestError): the checkpoint is lost, never loaded. Sidecars written
+before the seal carry only their own `meta` (`sealed` False) and load as before."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -52,8 +50,8 @@ def meta(side: dict[str, Any], path: Path | str) -> dict[str, Any]:
 
 
 def check(side: dict[str, Any], path: Path | str, step: int, world: int) -> dict[str, Any]:
-    """Verify a sealed sidecar of checkpoint `step` (written at `world`) against the seal it carries (see the module
-    docstring); its embedded manifest. ManifestError naming `path` and the first thing that differs."""
+    """Verify a sealed sidecar of checkpoint `step` (written at `world`) against its seal; its embedded manifest.
+    ManifestError naming `path` and the first thing that differs."""
     from hpcft.snapshot.schema import check_types  # imports torch: not in the agents, which only write
 
     m = snapshot(side, path)
@@ -102,8 +100,7 @@ def _same_rows(side: dict[str, Any], m: dict[str, Any], rows: list[list[Any]], s
 
 
 def _same_crcs(side: dict[str, Any], m: dict[str, Any], its: list[items.Item], path: Path | str) -> None:
-    """Each store chunk's sub-range crc32cs combine into its sealed checksum (sealed with the manifest's step, RNG
-    state, optimizer settings and `extra`), and each row's crc32c is its sub-ranges' combined."""
+    """Each store chunk's sub-range crc32cs combine into its sealed checksum, each row's into the row's crc32c."""
     chunks, pieces, key = m["chunks"], side.get("pieces"), seal_key(m)
     if not isinstance(pieces, list) or len(pieces) != len(chunks):
         raise ManifestError(f"{path} has no sub-range checksum list for each of its store manifest's "

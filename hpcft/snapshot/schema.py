@@ -14,12 +14,13 @@ from hpcft.snapshot.state import Entry, lay_out
 from hpcft.store.manifest import is_int
 
 
-def _count(v: Any) -> bool:
+def is_count(v: Any) -> bool:
+    """A whole number of at least 0 (a size, an offset, a rank)."""
     return is_int(v) and v >= 0
 
 
 def _counts(values: Any) -> bool:
-    """Every value a count (`_count`), without a Python call per value: JSON gives plain ints, never subclasses."""
+    """Every value a count (`is_count`), without a Python call per value: JSON gives plain ints, never subclasses."""
     return all(type(v) is int and v >= 0 for v in values)
 
 
@@ -30,7 +31,7 @@ def _entry_problem(e: dict[str, Any]) -> str:
         return "has no name or dtype"
     if not (isinstance(e.get("shape"), list) and _counts(e["shape"])):
         return "shape is not a list of sizes"
-    if not (_count(e.get("nbytes")) and _count(e.get("offset"))):
+    if not (is_count(e.get("nbytes")) and is_count(e.get("offset"))):
         return "nbytes/offset are not byte counts"
     if not (e.get("placement") is None or isinstance(e["placement"], dict)):
         return "placement is not an object"
@@ -44,8 +45,8 @@ def _want(ok: bool, what: str) -> None:
 
 def check_types(m: dict[str, Any]) -> None:
     """Every field restore reads has the schema's type (ManifestError naming the first that does not)."""
-    _want(_count(m.get("data_bytes")), f"data_bytes {m.get('data_bytes')!r} is not a byte count")
-    _want(_count(m.get("chunk_bytes")) and m["chunk_bytes"] > 0, f"chunk_bytes {m.get('chunk_bytes')!r} is not a "
+    _want(is_count(m.get("data_bytes")), f"data_bytes {m.get('data_bytes')!r} is not a byte count")
+    _want(is_count(m.get("chunk_bytes")) and m["chunk_bytes"] > 0, f"chunk_bytes {m.get('chunk_bytes')!r} is not a "
           "positive byte count")
     chunks = m.get("chunks")
     _want(isinstance(chunks, list) and all(isinstance(c, list) and len(c) == 3 for c in chunks)
@@ -60,8 +61,8 @@ def check_types(m: dict[str, Any]) -> None:
     if share is not None:
         _want(isinstance(share, dict), "share is not an object")
         rng = share.get("range")
-        _want(_count(share.get("members")) and _count(share.get("member")) and _count(share.get("offset"))
-              and is_int(share.get("signature")) and isinstance(rng, list) and len(rng) == 2 and all(map(_count, rng)),
+        _want(is_count(share.get("members")) and is_count(share.get("member")) and is_count(share.get("offset"))
+              and is_int(share.get("signature")) and isinstance(rng, list) and len(rng) == 2 and all(map(is_count, rng)),
               "share has not the schema's members, member, offset, signature and range")
     _want(isinstance(m.get("rng"), dict), "rng is not an object")
     _want(m.get("extra") is None or isinstance(m["extra"], dict), "extra is not an object")
