@@ -136,7 +136,7 @@ class Supervisor:
         returned = [n for n in saved.excluded if n in info.nodes]
         saved.excluded = [n for n in saved.excluded if n not in returned]
         # the allocation's shape decides what the options mean (auto protection, set sizes): refused before any step
-        self.cfg = self.base_cfg = check_shape(self.cfg, len(info.nodes) - len(saved.excluded))
+        self.cfg = self.base_cfg = check_shape(self.cfg, sum(n not in saved.excluded for n in info.nodes))
         layout = Layout.plan(info.nodes, active=self.cfg.launch.nodes, spares=self.cfg.launch.spares,
                              tasks_per_node=self.cfg.launch.tasks_per_node or self.profile.tasks_per_node,
                              excluded=saved.excluded, previous=saved.slots)

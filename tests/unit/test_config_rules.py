@@ -137,3 +137,23 @@ def test_the_configuration_reference_is_generated_from_the_model():
     with open(path, encoding="utf-8") as f:
         assert f.read() == command.reference(), (f"{command.REFERENCE} is out of date: run `python -m "
                                                  f"hpcft.launch.config.command > {command.REFERENCE}`")
+
+
+def test_a_requeued_run_whose_excluded_nodes_are_not_allocated_passes_the_shape_check(tmp_path):
+    """The previous run's excluded nodes are outside this allocation (Slurm excluded them): they take none of its nodes."""
+    from hpcft.launch.state import RunState
+
+    class Started(Exception):
+        pass
+
+    def first_srun(argv, **kw):
+        raise Started(argv)
+
+    job = tmp_path / "job"
+    job.mkdir()
+    RunState(requeues=1, excluded=["frontier00098", "frontier00099"]).save(job / "state.json")
+    slurm = _Slurm(4)
+    slurm.popen = first_srun
+    cfg = config.make(job_dir=str(job), nodes=3, spares=1, protect="none", persist_dir="none", standby=False)
+    with pytest.raises(Started):
+        Supervisor(cfg, ["python", "train.py"], runner=slurm, environ={"SLURM_JOB_ID": "7", "USER": "me"}).run()
