@@ -32,8 +32,6 @@ _log = logging.getLogger(__name__)
 GB = 1e9
 
 
-# ---------------------------------------------------------------- timing
-
 class Variant:
     """One way of running the timed body (e.g. "train step + torch.save"); subclasses fill in the hooks."""
 
@@ -242,8 +240,6 @@ def memcpy_reference(nbytes: int, device: str = "cpu", threads: int = 1, to_devi
     return Memcpy(nbytes, threads) if device == "cpu" else DeviceCopy(nbytes, device, to_device)
 
 
-# ---------------------------------------------------------------- environment
-
 @contextlib.contextmanager
 def local_process_group() -> Iterator[None]:
     """A 1-rank gloo process group on a free loopback port (DCP needs one); reuses an existing group."""
@@ -306,8 +302,6 @@ def stdout_to_stderr() -> Iterator[None]:
         os.dup2(saved, 1)
         os.close(saved)
 
-
-# ---------------------------------------------------------------- output
 
 @dataclass
 class Row:

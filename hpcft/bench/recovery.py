@@ -65,8 +65,6 @@ class RecoveryOptions:
                               "overwritten)")
 
 
-# ---------------------------------------------------------------- the sandbox and the runs
-
 @contextlib.contextmanager
 def _sandbox(directory: str | None) -> Iterator[Any]:
     """The sandbox at `directory` (must be up), or a fresh 6-node one in a temp dir, stopped afterwards."""
@@ -155,8 +153,6 @@ def _first(job_dir: Path, event: str, after: float) -> float:
     return min(found)
 
 
-# ---------------------------------------------------------------- the scenarios
-
 def _identical(out: Path, ref: Path) -> bool:
     """Whether the run in `out` ended with the fault-free run's parameters and data position (rank 0's final.pt)."""
     import torch
@@ -223,13 +219,12 @@ def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
                          decided=lambda at: _first(out / "job", "decision", at))
     hold.touch()
     _finish(proc, out, opts.timeout)
-    marked = _marked(down, node, fault)
     decided = _first(out / "job", "decision", fault)
     result = timeline.phases(timeline.read(out), "0.1", fault, decided)
     # part of relaunch: the agents' step, mesh and rebuild
     result["relaunch_agents_s"] = _first(out / "job", "agents_ready", decided) - decided
     result.update(_starts(out / "job", decided))
-    result.update(marked)
+    result.update(_marked(down, node, fault))
     result["from_marked_down_s"] = result["total_s"] - result["slurm_marked_down_s"]
     result["crash"] = opts.crash
     return result
@@ -314,8 +309,6 @@ def batch_host(sb, opts: RecoveryOptions, out: Path) -> dict[str, Any]:
     result["batch_host_s"] = result["detection_s"] - result["slurm_marked_down_s"]  # Slurm noticed → requeue
     return result
 
-
-# ---------------------------------------------------------------- the report
 
 def met(figures: dict[str, Any]) -> dict[str, bool]:
     """Which of #14's targets `figures` (one run's, or the medians of several) meet."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import resource
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -73,11 +72,6 @@ def _client(address: str, secret: bytes, nodes: int, ranks: int, seconds: float,
         ch.close()
 
 
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def measure(nodes: int, ranks: int, seconds: float) -> dict[str, Any]:
     """One N: the supervisor's figures while N nodes report once a second (see module doc)."""
     from hpcft.launch.fabric.service import Fabric
@@ -94,12 +88,12 @@ def measure(nodes: int, ranks: int, seconds: float) -> dict[str, Any]:
             out.get(timeout=600)  # ("connected", time): every connection open
             while fabric.server.received < nodes:  # every whole status taken: the steady state begins
                 time.sleep(0.05)
-            cpu0, wall0, got0, writes0 = _cpu(), time.monotonic(), fabric.server.received, fabric.writes
+            cpu0, wall0, got0, writes0 = time.process_time(), time.monotonic(), fabric.server.received, fabric.writes
             _, sent, sent_s, avg = out.get(timeout=seconds + 600)
             deadline = time.monotonic() + 30
             while fabric.server.received < nodes + sent and time.monotonic() < deadline:
                 time.sleep(0.05)
-            cpu, wall = _cpu() - cpu0, time.monotonic() - wall0
+            cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
             got, writes = fabric.server.received - got0, fabric.writes - writes0
             connections = fabric.server.connections
         finally:

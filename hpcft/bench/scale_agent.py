@@ -47,12 +47,9 @@ def socket_fds() -> int:
 
 
 def rss_mb() -> float:
-    """This process's resident memory now (VmRSS; ru_maxrss would count the parent's pages at fork)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    """This process's resident memory now (/proc/self/statm; ru_maxrss would count the parent's pages at fork)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _sent(mesh: Mesh) -> int:

@@ -194,7 +194,8 @@ def main() -> int:
         ddp = DDP(model) if os.environ.get("SYNC", "manual") == "ddp" else model
         seen = {"samples": 0, "micro_batches": 0}
         ckpt_file = out / "ckpt.pt"
-        ckpt = None if mode == "disk" else hpcft.Checkpointer(model, opt, extra=lambda: dict(seen), dp_group=ctx.dp_group)
+        ckpt = hpcft.Checkpointer(model, opt, extra=lambda: dict(seen), dp_group=ctx.dp_group) if mode != "disk" \
+            else None
         _record(out, "built", rank=ctx.rank)
         try:
             _body(ctx, gen, model, opt, dp_group, ddp, seen, ckpt, ckpt_file)

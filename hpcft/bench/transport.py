@@ -104,11 +104,11 @@ def run(opts: TransportOptions) -> Report:
                 with scratch(opts.root) as where:
                     got.append(_once(opts, scheme, transport, where.shm))
             protect_s, rebuild_s = (statistics.median(g[k] for g in got) for k in (0, 1))
-            s, gb = f"{scheme.name}_{transport}", opts.state_bytes / 1e9
-            report.add(f"{s}_protect_s", protect_s, "s", f"{scheme.name} over {transport}: protect pass (slowest agent)")
-            report.add(f"{s}_protect_gbps", gb / protect_s, "GB/s", f"{scheme.name} over {transport}: state per node "
-                       "over that pass")
-            report.add(f"{s}_rebuild_s", rebuild_s, "s", f"{scheme.name} over {transport}: rebuild of one node")
+            s, what = f"{scheme.name}_{transport}", f"{scheme.name} over {transport}"
+            report.add(f"{s}_protect_s", protect_s, "s", f"{what}: protect pass (slowest agent)")
+            report.add(f"{s}_protect_gbps", opts.state_bytes / 1e9 / protect_s, "GB/s",
+                       f"{what}: state per node over that pass")
+            report.add(f"{s}_rebuild_s", rebuild_s, "s", f"{what}: rebuild of one node")
             out.append({"scheme": scheme.name, "transport": transport, "protect_s": protect_s, "rebuild_s": rebuild_s,
                         "runs": [list(g) for g in got]})
     report.note("runs", out)
