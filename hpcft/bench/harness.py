@@ -17,6 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import namedtuple
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -303,12 +304,7 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-@dataclass
-class Row:
-    key: str
-    value: Any
-    unit: str
-    label: str
+Row = namedtuple("Row", "key value unit label")
 
 
 class Report:
@@ -385,7 +381,6 @@ def emit(report: Report | Sequence[Report], as_json: bool, machine: dict[str, An
             out["met"] = reports[0].judge(out)  # the targets are met by the medians, not by the first run
         if machine:
             out["machine"] = machine
-        sys.stdout.write(json.dumps(out, sort_keys=False) + "\n")
-        sys.stdout.flush()
+        print(json.dumps(out), flush=True)
     else:
         print(tables)

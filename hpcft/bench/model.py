@@ -3,7 +3,9 @@ is the reference model of PERFORMANCE-NOTES.md (8 layers, d_model 640, 10 heads,
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +113,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
         return float(loss.detach())
+
+    def checkpointer(self, root: str | os.PathLike, job_id: str = "bench") -> Any:
+        """hpcft's Checkpointer of this model as the benches take it: a snapshot every step, two kept, each at an
+        explicit `step(it)` (auto=False), so that the trainer's steps in other variants take none."""
+        from hpcft.checkpointer import Checkpointer
+        from hpcft.options import Options
+
+        return Checkpointer(self.model, self.optimizer, Options(every=1, keep=2, root=str(root), job_id=job_id,
+                                                                auto=False))
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

@@ -16,7 +16,6 @@ from hpcft.bench.harness import (GB, Report, StoreMemcpy, Timings, Variant, loca
                                  run_interleaved, scratch, set_threads)
 from hpcft.bench.model import Trainer, config_for_params
 from hpcft.errors import CheckpointError
-from hpcft.options import Options
 from hpcft.store import hugepages
 from hpcft.store.paths import DATA, slot_file
 
@@ -62,48 +61,36 @@ class Restoring(Variant):
 
 
 class HpcftColdRestore(Restoring):
-    """What a relaunched process does: open the store (map the slot), then restore; the Checkpointer is
-    made and its restore timed together, its close is not."""
+    """What a relaunched process does: open the store (map the slot), then restore; the Checkpointer is made and its
+    restore timed together, its close is not. `prefetched`: a relaunch whose `hpcft.init` mapped the newest slot
+    ahead (hpcft.store.prefetch) while the ranks met: the prefetch runs untimed before each call, as it overlaps the
+    process group's rendezvous; its own time is kept (`prefetch_s`)."""
 
-    name, label = "hpcft_cold", "hpcft: open the store + restore (a relaunch)"
-
-    def __init__(self, trainer: Trainer, reference: list[torch.Tensor], root: Path) -> None:
-        super().__init__(trainer, reference)
-        self.root = root
-        self.ckpt = None
-
-    def run_once(self, index: int) -> None:
-        from hpcft.checkpointer import Checkpointer
-
-        self.ckpt = Checkpointer(self.trainer.model, self.trainer.optimizer,
-                                 Options(every=1, keep=2, root=str(self.root), job_id="bench", auto=False))
-        self.ckpt.restore()
-
-    def check(self, index: int) -> None:
-        self.ckpt.close()
-        super().check(index)
-
-
-class HpcftPrefetchedRestore(HpcftColdRestore):
-    """A relaunch whose `hpcft.init` mapped the newest slot ahead (hpcft.store.prefetch) while the ranks met: the
-    prefetch runs untimed before each call, as it overlaps the process group's rendezvous; its own time is kept."""
-
-    name, label = "hpcft_prefetched", "hpcft: open + restore, slot mapped ahead during init"
-
-    def __init__(self, trainer: Trainer, reference: list[torch.Tensor], root: Path) -> None:
-        super().__init__(trainer, reference, root)
-        self.prefetch_s: list[float] = []
+    def __init__(self, trainer: Trainer, reference: list[torch.Tensor], root: Path, prefetched: bool = False) -> None:
+        super().__init__(trainer, reference, name="hpcft_prefetched" if prefetched else "hpcft_cold",
+                         label="hpcft: open + restore, slot mapped ahead during init" if prefetched
+                         else "hpcft: open the store + restore (a relaunch)")
+        self.root, self.prefetched, self.ckpt, self.prefetch_s = root, prefetched, None, []
 
     def prepare(self, index: int) -> None:
         from hpcft.store import prefetch
 
         super().prepare(index)
-        t0 = time.perf_counter()
-        thread = prefetch.ahead("bench", 0, self.root, threads=prefetch.threads())  # as hpcft.init does
-        if thread is None:
-            raise CheckpointError(f"bench restore: no slot to map ahead under {self.root}")
-        thread.join()
-        self.prefetch_s.append(time.perf_counter() - t0)
+        if self.prefetched:
+            t0 = time.perf_counter()
+            thread = prefetch.ahead("bench", 0, self.root, threads=prefetch.threads())  # as hpcft.init does
+            if thread is None:
+                raise CheckpointError(f"bench restore: no slot to map ahead under {self.root}")
+            thread.join()
+            self.prefetch_s.append(time.perf_counter() - t0)
+
+    def run_once(self, index: int) -> None:
+        self.ckpt = self.trainer.checkpointer(self.root)
+        self.ckpt.restore()
+
+    def check(self, index: int) -> None:
+        self.ckpt.close()
+        super().check(index)
 
 
 def _trained(opts: RestoreOptions) -> Trainer:
@@ -114,13 +101,10 @@ def _trained(opts: RestoreOptions) -> Trainer:
 
 def run(opts: RestoreOptions) -> Report:
     """Run the restore bench and return its report."""
-    from hpcft.checkpointer import Checkpointer
-
     set_threads(opts.threads)
     with scratch(opts.root) as where, local_process_group():
         source = _trained(opts)
-        ckpt = Checkpointer(source.model, source.optimizer,
-                            Options(every=1, keep=2, root=str(where.shm), job_id="bench", auto=False))
+        ckpt = source.checkpointer(where.shm)
         try:
             ckpt.step(0)  # iteration 0 done: the state after one optimizer step
             ckpt.wait()
@@ -128,7 +112,7 @@ def run(opts: RestoreOptions) -> Report:
             baselines.dcp_save(source, where.disk / "dcp")
             reference = [t.clone() for t in source.state_tensors()]
             state_bytes = source.state_bytes()
-            prefetched = HpcftPrefetchedRestore(_trained(opts), reference, where.shm)
+            prefetched = HpcftColdRestore(_trained(opts), reference, where.shm, prefetched=True)
             threads = ckpt.copy_settings.restore.threads
             variants = [Restoring(source, reference, lambda t: ckpt.restore(), "hpcft",
                                   "hpcft restore from shm (checksums verified)"),

@@ -10,7 +10,6 @@ from pathlib import Path
 from hpcft.bench import baselines
 from hpcft.bench.harness import Variant
 from hpcft.bench.model import Trainer
-from hpcft.options import Options
 
 
 class Checkpointing(Variant):
@@ -81,20 +80,17 @@ class DcpAsync(Checkpointing):
 
 
 class Hpcft(Checkpointing):
-    """hpcft every step. `auto=False` with explicit `step(it)` so that the shared trainer's steps in the
-    other variants take no snapshot; the pre-step hook (the guard) is installed either way. Per call it also keeps
-    the deltas of `STATS`: the training thread blocked (start + pre-step wait), the start alone, the copy on it."""
+    """hpcft every step (`Trainer.checkpointer`: explicit steps; the pre-step hook, the guard, is installed all the
+    same). Per call it also keeps the deltas of `STATS`: the training thread blocked (start + pre-step wait), the
+    start alone, the copy on it."""
 
     STATS = ("blocked_s", "start_s", "inline_copy_s")
 
     name, label = "hpcft", "hpcft every step"
 
     def __init__(self, trainer: Trainer, root: Path, job_id: str = "bench") -> None:
-        from hpcft.checkpointer import Checkpointer
-
         super().__init__(trainer)
-        self.ckpt = Checkpointer(trainer.model, trainer.optimizer,
-                                 Options(every=1, keep=2, root=str(root), job_id=job_id, auto=False))
+        self.ckpt = trainer.checkpointer(root, job_id)
         self.calls = 0  # ckpt.step numbering: this variant's own iterations
         self.per_call.update({k: {} for k in self.STATS})
         self.snapshot_and_wait(self.ckpt.store.nslots)  # allocate and fault in every slot once, untimed
