@@ -1,12 +1,9 @@
-"""Tearing down a generation's process groups after a fault. gloo: a rank's sockets close only when its groups are
-freed (destroy, abort and shutdown leave them open while anything refers to the group: checked on torch 2.13), and
-their closing is what makes a peer's blocked collective raise ("Connection closed by peer"); so the fault's
-traceback frames (the training function's locals: its context, groups, Checkpointer) are cleared and collected.
-NCCL/RCCL: a blocked collective waits on the device, so the communicators are aborted, from the watcher thread too
-(the thin GPU-only piece)."""
+"""Tearing down a generation's process groups after a fault. gloo: a rank's sockets close (making a peer's blocked
+collective raise) only when its groups are freed, not on destroy or abort while anything refers to them (torch
+2.13), so the fault's traceback frames (the training function's locals) are cleared. NCCL/RCCL: a blocked collective
+waits on the device, so the communicators are aborted, from the watcher thread too."""
 from __future__ import annotations
 
-import gc
 import logging
 import traceback
 
@@ -38,12 +35,6 @@ def interrupt() -> None:
             _log.warning("aborting the NCCL/RCCL communicators failed: %s", exc)
 
 
-def collect() -> None:
-    """A full collection: frees groups that only reference cycles still hold (≈ 0.5 s with torch loaded, so only when
-    the barrier stalls: a peer may be blocked on this rank's sockets)."""
-    gc.collect()
-
-
 def release(exc: BaseException | None) -> None:
     """Drop what the fault's tracebacks hold (the frames' locals), its causes' and contexts' too."""
     seen: set[int] = set()
@@ -55,9 +46,8 @@ def release(exc: BaseException | None) -> None:
 
 
 def teardown(exc: BaseException | None = None) -> str | None:
-    """Abort (NCCL/RCCL) or destroy (gloo) every process group of this generation, forget hpcft's CPU groups made
-    from them and free them (`release(exc)`; groups held in reference cycles wait for `collect`, which a stalled
-    barrier calls); an error text if that failed (the new generation may then not be able to form its groups)."""
+    """Abort (NCCL/RCCL) or destroy (gloo) every process group of this generation, forget hpcft's CPU groups and free
+    what the fault held (`release(exc)`); an error text if that failed (the next generation may not form groups)."""
     groups.forget()
     release(exc)
     broken = None

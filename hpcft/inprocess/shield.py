@@ -1,10 +1,9 @@
-"""Training-thread sections that an in-process restart's interrupt must not cut in two: a snapshot's start and the
-copy's guard (cut there, the step's snapshot is lost on this rank alone, and every rank restores the step before).
-The watcher thread's interrupt (an asynchronous exception) lands at the section's end instead; NCCL/RCCL
-communicators are still aborted at once, so a collective inside a section returns. No locks: an asynchronous
-exception can land inside a lock's own `with`, so the two threads meet through single dict operations, atomic
-under the GIL, and whichever side pops the deferred interrupt fires it, exactly once. A delivery that finds no
-section open fires at once even if one opens a few bytecodes later: the window is that narrow, not closed."""
+"""Training-thread sections an in-process restart's interrupt must not cut in two: a snapshot's start and the copy's
+guard (cut there, the step's snapshot is lost on this rank alone). The watcher's interrupt (an asynchronous exception)
+lands at the section's end instead; NCCL/RCCL communicators are still aborted at once. No locks (an asynchronous
+exception can land inside a lock's `with`): the threads meet through single dict operations, atomic under the GIL,
+and whichever side pops the deferred interrupt fires it, once. A delivery that finds no section open fires at once
+even if one opens a few bytecodes later: the window is that narrow, not closed."""
 from __future__ import annotations
 
 import threading
