@@ -29,9 +29,8 @@ def path(rendezvous: str | os.PathLike, tag: str, slot: int) -> Path:
 
 def write(rendezvous: str | os.PathLike, tag: str, slot: int, **fields: Any) -> None:
     """Publish this agent's status atomically (write, then rename); `time` is the heartbeat."""
-    target = path(rendezvous, tag, slot)
     data = json.dumps({"slot": slot, "tag": tag, "pid": os.getpid(), "time": time.time(), **fields}, sort_keys=True)
-    replace_file(target, data.encode(), target.with_name(f".{target.name}.{os.getpid()}"))
+    replace_file(path(rendezvous, tag, slot), data.encode())
 
 
 def drain_path(rendezvous: str | os.PathLike, tag: str) -> Path:

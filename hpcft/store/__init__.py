@@ -1,7 +1,5 @@
-"""Node-local, versioned snapshot store: shm slots, JSON manifests, checksums, atomic commit.
-
-The names are imported lazily: the janitors and `hpcft run` need only the paths (`hpcft.store.paths`), and the slot
-and checksum modules import numpy and crc32c, half of a janitor's start-up on every node."""
+"""Node-local, versioned snapshot store: shm slots, JSON manifests, checksums, atomic commit. Names are imported
+lazily: the janitors and `hpcft run` need only the paths, and numpy and crc32c are half a janitor's start-up."""
 from typing import Any
 
 _LAZY = {

@@ -1,14 +1,10 @@
-"""crc32c arithmetic over GF(2), so that a checksum can be assembled from checksums of its parts computed anywhere
-(a GPU kernel, the durable tier's sub-ranges) and still equal what `crc32c` gives: nothing that verifies a store
-changes.
-
-With no initial value and no final xor (the *raw* crc), crc32c is linear: raw(a ‖ b) = A^|b|(raw(a)) ⊕ raw(b),
-where A^n, "n zero bytes more", multiplies by x^(8n) modulo the polynomial; leading zero bytes leave a raw crc
-unchanged; crc32c(m) = raw(m) ⊕ A^|m|(0xFFFFFFFF) ⊕ 0xFFFFFFFF; and for whole crc32c values
-crc32c(a ‖ b) = A^|b|(crc32c(a)) ⊕ crc32c(b) (zlib's crc32_combine). The scalar functions serve one value at a time;
-an operator held as its 32 columns (uint32: the image of bit j) is applied through four 256-entry tables, one per
-byte of its argument (`tables`), as a GPU kernel does, and to whole arrays at once (`shift`).
-"""
+"""crc32c arithmetic over GF(2), so that a checksum assembled from checksums of its parts computed anywhere (a GPU
+kernel, the durable tier's sub-ranges) equals what `crc32c` gives. With no initial value and no final xor (the *raw*
+crc), crc32c is linear: raw(a ‖ b) = A^|b|(raw(a)) ⊕ raw(b), where A^n, "n zero bytes more", multiplies by x^(8n)
+modulo the polynomial; leading zero bytes leave a raw crc unchanged; crc32c(m) = raw(m) ⊕ A^|m|(0xFFFFFFFF) ⊕
+0xFFFFFFFF; crc32c(a ‖ b) = A^|b|(crc32c(a)) ⊕ crc32c(b) (zlib's crc32_combine). An operator held as its 32 columns
+(uint32: the image of bit j) is applied through four 256-entry tables (`tables`), as a GPU kernel does, or to whole
+arrays (`shift`)."""
 from __future__ import annotations
 
 import functools
@@ -121,8 +117,8 @@ def shift(v: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 
 def raw(data: np.ndarray) -> np.ndarray:
-    """Raw crcs of the rows of a uint8 matrix, byte by byte (for short rows: a row's leading zeros change nothing,
-    so rows of unequal length are padded in front)."""
+    """Raw crcs of the rows of a uint8 matrix, byte by byte (short rows: rows of unequal length are zero-padded in
+    front, which changes nothing)."""
     s = np.zeros(data.shape[0], dtype=U32)
     for j in range(data.shape[1]):
         s = BYTE_TABLE[(s ^ data[:, j]) & U32(0xFF)] ^ (s >> U32(8))

@@ -1,11 +1,8 @@
-"""Whether the store's memory comes in huge pages: the page size a tmpfs hands out (its `huge=` mount option) decides
-what a relaunched rank's first restore costs. A fresh process maps the snapshot's file page by page: with 4 KiB
-pages that is one page-table entry per 4 KiB (about 0.4 µs each on this project's VMs: 23 ms for 247 MB, as long
-as the copy itself), with 2 MiB pages one per 2 MiB (0.2 ms). The writer's and the agents' mappings pay it once; a
-relaunch pays it on the critical path. hpcft cannot choose the page size of a tmpfs it did not mount: it says
-what it found (`hpcft doctor`, the benches) and what the site could set. `huge=within_size` or `always` give the
-slots huge pages (they are allocated with fallocate, in full); `advise` does not (fallocate has no mapping to advise).
-"""
+"""Whether the store's memory comes in huge pages (a tmpfs's `huge=` option), which decides what a relaunched rank's
+first restore costs: mapping a snapshot takes a page-table entry per 4 KiB page (0.4 µs each here: 23 ms for 247 MB,
+as long as the copy) or per 2 MiB (0.2 ms). hpcft cannot choose the page size of a tmpfs it did not mount: it says
+what it found and what the site could set. `huge=within_size` or `always` give the fallocated slots huge pages;
+`advise` does not (fallocate has no mapping to advise)."""
 from __future__ import annotations
 
 import os
@@ -20,8 +17,8 @@ FIX = ("mount the store's tmpfs with huge=within_size (`mount -o remount,huge=wi
 
 
 def mount_of(path: str | os.PathLike, mountinfo: str) -> tuple[str, str, str]:
-    """(mount point, file system type, super options) of the mount holding `path` in a /proc/self/mountinfo text:
-    the longest mount point that is `path` or one of its parents, the last such mount when several are stacked."""
+    """(mount point, file system type, super options) of the mount holding `path` in a /proc/self/mountinfo text (the
+    longest mount point above it, the last of several stacked)."""
     target = os.path.realpath(path)
     best = ("", "", "")
     for line in mountinfo.splitlines():
@@ -37,8 +34,8 @@ def mount_of(path: str | os.PathLike, mountinfo: str) -> tuple[str, str, str]:
 
 
 def tmpfs_mode(options: str, sysfs: str = "never") -> str:
-    """The huge-page mode of a tmpfs with super `options` under the system-wide `sysfs` setting (its `force`
-    and `deny` override every mount: Documentation/admin-guide/mm/transhuge.rst)."""
+    """The huge-page mode of a tmpfs with super `options` under the system-wide `sysfs` setting, whose `force` and
+    `deny` override every mount."""
     for forced in ("force", "deny"):
         if f"[{forced}]" in sysfs or sysfs == forced:
             return forced
@@ -72,4 +69,5 @@ def describe(path: str | os.PathLike) -> tuple[bool, str]:
     if m in HUGE:
         return True, f"{path}: huge pages (tmpfs huge={m}): a relaunched rank maps a snapshot 2 MiB at a time"
     return False, (f"{path}: 4 KiB pages ({'tmpfs huge=' + m if m != 'not tmpfs' else m}): a relaunched rank's first "
-                   f"restore maps the snapshot 4 KiB at a time (on the sandbox's VMs that costs as much as the copy); {FIX}")
+                   "restore maps the snapshot 4 KiB at a time (on the sandbox's VMs that costs as much as the copy); "
+                   f"{FIX}")

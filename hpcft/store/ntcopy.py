@@ -1,17 +1,9 @@
-"""Copy + crc32c of a chunk with non-temporal (streaming) stores: a large copy whose destination is not read
-soon should not pull that destination into the cache first. A plain 1 MiB copy reads the destination
-(read-for-ownership), writes it back later, and evicts the source; streaming stores skip both, so a chunk
-costs one read of the source and one write.
-
-Three kernels (`KERNELS`), chosen per machine by hpcft.snapshot.calibration: `fused` takes the crc32c in the
-copy's own pass (no second read of the chunk); `stream` copies with streaming stores and checksums the source
-after, while it is still in cache; `memcpy` is libc's copy, then the checksum. The kernels are a few lines of C
-(`_ntcopy.c`: AVX2 streaming stores and SSE4.2 crc32 on x86-64, memcpy on other CPUs) that `pip install` builds
-next to this file (setup.py); they are loaded with ctypes (the calls release the GIL).
-Nothing is compiled at run time: where the library was not built (no compiler at install time, or a bare
-checkout never installed), copies are libc's memcpy, with one warning per process; HPCFT_NTCOPY=0 chooses
-memcpy on purpose. Same bytes, same results either way.
-"""
+"""Copy + crc32c of a chunk with non-temporal (streaming) stores: a plain copy reads its destination into the cache
+(read-for-ownership), writes it back later and evicts the source; streaming stores skip both. Three kernels
+(`KERNELS`, chosen per machine by hpcft.snapshot.calibration): `fused` takes the crc32c in the copy's own pass,
+`stream` checksums the source after, still in cache, `memcpy` is libc's. They are C (`_ntcopy.c`: AVX2 and SSE4.2 on
+x86-64) that `pip install` builds here, loaded with ctypes (the calls release the GIL); nothing is compiled at run
+time. Where it was not built, copies are memcpy with one warning per process (HPCFT_NTCOPY=0: on purpose)."""
 import ctypes
 import functools
 import importlib.machinery
@@ -64,11 +56,9 @@ def _open() -> ctypes.CDLL | None:
         for name in ("hpcft_copy_crc32c", "hpcft_stream_copy_crc32c"):
             getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32]
             getattr(lib, name).restype = ctypes.c_uint32
-        p = ctypes.c_void_p
-        i = ctypes.c_int
-        lib.hpcft_copy_chunks.argtypes = [p, p, p, p, p, p, ctypes.c_uint64, p, ctypes.c_uint32, i, p, i, i]
+        p, i, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
+        lib.hpcft_copy_chunks.argtypes = [p, p, p, p, p, p, u64, p, ctypes.c_uint32, i, p, i, i]
         lib.hpcft_copy_chunks.restype = None
-        u64 = ctypes.c_uint64
         lib.hpcft_populate.argtypes = [p, u64, u64, p, p, p]
         lib.hpcft_populate.restype = None
     except (OSError, AttributeError) as exc:
@@ -101,8 +91,6 @@ def available() -> bool:
     return _load() is not None
 
 
-
-
 def fused_available() -> bool:
     """True where the fused copy + crc32c kernel was built and this CPU runs it (x86-64 with SSE4.2 and AVX2)."""
     lib = _load()
@@ -116,19 +104,16 @@ def kernels() -> tuple[str, ...]:
 
 
 def raw_copier(kernel: str = "stream") -> Callable[[int, int, int], None]:
-    """`f(dst, src, nbytes)` copying between raw addresses (the caller keeps both buffers alive and in
-    bounds): the streaming-store kernel (`stream` or `fused`, where it was built), else libc memcpy through
-    ctypes (`memcpy`, chosen by calibration where it is faster: hpcft.snapshot.calibration). Both release the GIL."""
+    """`f(dst, src, nbytes)` copying between raw addresses (kept alive and in bounds by the caller): the streaming
+    kernel (`stream` or `fused`, where built), else libc memcpy through ctypes. Both release the GIL."""
     lib = _load() if kernel != "memcpy" else None
     return ctypes.memmove if lib is None else lib.hpcft_stream_copy
 
 
 def raw_copy_crc(kernel: str = "fused") -> Callable[[int, int, int, int], int]:
-    """`f(dst, src, nbytes, crc)`: copy between raw addresses (as `raw_copier`) and return the crc32c of the source
-    continuing `crc`. `fused` (where it runs) in one pass, `stream` (where `fused` runs) as one C call: the streaming
-    copy, then the kernel's crc32c over the source, still in cache; otherwise, and for `memcpy`, that copy and then
-    the crc32c package over the source. Every snapshot, restore and calibration copy
-    goes through this one function, whatever the kernel."""
+    """`f(dst, src, nbytes, crc)`: copy between raw addresses (as `raw_copier`), return the source's crc32c continuing
+    `crc`: `fused` in one pass, `stream` as one C call (copy, then crc32c while in cache) where the CPU runs them,
+    else the copy and the crc32c package. Every snapshot, restore and calibration copy goes through here."""
     if kernel in ("fused", "stream") and fused_available():  # one C call a segment: a restore makes ~1600
         return _load().hpcft_copy_crc32c if kernel == "fused" else _load().hpcft_stream_copy_crc32c
     copy = raw_copier("stream" if kernel == "fused" else kernel)
@@ -140,11 +125,9 @@ def raw_copy_crc(kernel: str = "fused") -> Callable[[int, int, int, int], int]:
 
 
 class ChunkCopy:
-    """One snapshot's or restore's chunks for `hpcft_copy_chunks`: every worker calls `run()` (the GIL is released for
-    the whole call) and they share one counter, so a worker slowed by other load takes fewer chunks; then `crcs` holds
-    each chunk's crc32c of its bytes in the slot, sealed with `key` where one is given (checksum.seal). `addr` (each
-    segment's address outside the slot), `off`, `n`, `first` and `bounds` are laid out as plan.Table's; `to_slot`:
-    into the slot (a snapshot), else out of it. The caller keeps the slot and every tensor alive and in bounds."""
+    """One snapshot's or restore's chunks for `hpcft_copy_chunks`: every worker calls `run()` (no GIL) and they share
+    one counter, so a slowed worker takes fewer chunks; then `crcs` holds each chunk's crc32c, sealed with `key` if
+    given. `addr`, `off`, `n`, `first`, `bounds` as plan.Table's; `to_slot`: into the slot (a snapshot), else out."""
 
     def __init__(self, kernel: str, slot: int, addr: np.ndarray, off: np.ndarray, n: np.ndarray, first: np.ndarray,
                  bounds: np.ndarray, key: int | None = None, to_slot: bool = False):
@@ -166,14 +149,14 @@ class ChunkCopy:
 
 
 def chunk_copy(kernel: str) -> Callable[..., ChunkCopy] | None:
-    """ChunkCopy with `kernel` (the rest of its arguments to come) where its C loop runs here (the kernel library
-    built, a CPU with SSE4.2 and AVX2), else None: the caller copies chunk by chunk through `raw_copy_crc` instead."""
+    """ChunkCopy with `kernel` (its other arguments to come) where its C loop runs here (built, SSE4.2 and AVX2),
+    else None: the caller copies through `raw_copy_crc` instead."""
     return functools.partial(ChunkCopy, kernel) if fused_available() else None
 
 
 def populate_loop() -> Callable[[int, int, int, int, int, int], None] | None:
-    """`hpcft_populate(base, n, piece, next, done, failed)` where the kernel library is loaded (hpcft.store.prefetch's
-    pieces populated with no GIL between them), else None."""
+    """`hpcft_populate(base, n, piece, next, done, failed)` (prefetch's pieces with no GIL between them) where the
+    kernel library is loaded, else None."""
     lib = _load()
     return None if lib is None else lib.hpcft_populate
 
@@ -184,22 +167,24 @@ def address(a: np.ndarray) -> int:
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """dst[:] = src for two arrays of one dtype and size; streaming stores when both are C-contiguous and
-    the kernel is available."""
-    if dst.nbytes != src.nbytes:
-        raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
-    if dst.flags.c_contiguous and src.flags.c_contiguous:
+    """dst[:] = src for two arrays of one dtype and size; streaming stores when both are C-contiguous and the kernel
+    is available."""
+    if _raw(dst, src):
         raw_copier()(address(dst), address(src), src.nbytes)
     else:
         np.copyto(dst, src)
 
 
 def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int = 0, kernel: str = "fused") -> int:
-    """Copy `src` into `dst` (see `copy`) and return the crc32c of `src` continuing `crc` (`raw_copy_crc`'s
-    `kernel` for C-contiguous arrays, numpy's copy and a second pass otherwise)."""
-    if dst.nbytes != src.nbytes:
-        raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
-    if dst.flags.c_contiguous and src.flags.c_contiguous:
+    """`copy`, returning the crc32c of `src` continuing `crc` (`raw_copy_crc`'s `kernel` for C-contiguous arrays)."""
+    if _raw(dst, src):
         return raw_copy_crc(kernel)(address(dst), address(src), src.nbytes, crc)
     np.copyto(dst, src)
     return crc32c(src, crc)
+
+
+def _raw(dst: np.ndarray, src: np.ndarray) -> bool:
+    """Whether `dst` and `src` are both C-contiguous (copied by address); ValueError unless of one size."""
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+    return dst.flags.c_contiguous and src.flags.c_contiguous

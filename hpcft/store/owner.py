@@ -1,8 +1,6 @@
 """Whose snapshot is it: a restore takes only the versions its own job wrote, unless told to adopt another job's
-(`adopt=`, $HPCFT_ADOPT, which `hpcft run --adopt JOB` exports to the trainers and the agents). `stranger` decides,
-for every path that picks a version: the trainers' restore from memory (hpcft.durable.resume), the agents' rebuild
-(hpcft.agent.protection.rebuild) and the durable tier, whose directory the user names for later jobs too (read across jobs,
-and said)."""
+(`adopt=`, $HPCFT_ADOPT, exported by `hpcft run --adopt JOB`). `stranger` decides for every path that picks a version;
+the durable tier, a directory the user names for later jobs too, is read across jobs (and says so)."""
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -40,9 +38,8 @@ def adoption(given: str | None = None, environ: Mapping[str, str] | None = None)
 
 
 def stranger(meta: Mapping[str, Any], owner: Owner, *, durable: bool = False) -> Stranger | None:
-    """None when `meta` (a manifest, or a durable checkpoint's saved meta) is `owner`'s own; else whose it is and
-    whether a restore takes it: adopted, or from the durable tier (`durable`); refused otherwise. A field the meta
-    does not record (a manifest written by hand) is not checked."""
+    """None when `meta` (a manifest, a durable checkpoint's meta) is `owner`'s; else whose it is and whether a restore
+    takes it (adopted, or `durable`). A field the meta does not record (written by hand) is not checked."""
     job, writer = meta.get("job_id"), meta.get("writer")
     writer = None if writer is None else str(writer)
     if job is None or str(job) == owner.job_id and (owner.writer is None or writer in (None, owner.writer)):
@@ -58,8 +55,8 @@ def stranger(meta: Mapping[str, Any], owner: Owner, *, durable: bool = False) ->
 
 
 def refuse(found: Iterable[tuple[int, Mapping[str, Any]]], owner: Owner, **where: Any) -> set[int]:
-    """The steps of `found` ((step, manifest) pairs) that hold a version a restore must not take (`stranger`): an
-    error event `restore_foreign` per job they belong to (`where`: rank or slot, path). Nothing is removed."""
+    """The steps of `found` ((step, manifest) pairs) holding a version a restore must not take, with an event
+    `restore_foreign` per job they belong to (`where`: rank or slot, path). Nothing is removed."""
     steps: dict[str, set[int]] = {}
     writers: dict[str, set[str]] = {}
     for step, meta in found:

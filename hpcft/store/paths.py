@@ -1,5 +1,5 @@
-"""Where a job's snapshots live, every name of that layout (`<root>/hpcft-<user>-<job>/rank-<r>/slot-<k>.data`, ...:
-the store, the agents, the janitors and the benches name them here), and the checks that keep other users out."""
+"""Where a job's snapshots live, every name of that layout (`<root>/hpcft-<user>-<job>/rank-<r>/slot-<k>.data`, ...),
+and the checks that keep other users out."""
 import errno
 import getpass
 import logging
@@ -37,7 +37,7 @@ def resolve_root(root: str | os.PathLike | None = None) -> Path:
 
 def _check_root(base: Path) -> None:
     """Event `store_root_unsafe` (once per root and process) when any user may write to `base` and its sticky bit is
-    off: another user could then delete or rename a job's store directory in it."""
+    off: another user could delete or rename a job's store in it."""
     if base in _roots_checked:
         return
     _roots_checked.add(base)
@@ -103,16 +103,16 @@ def slot_files(directory: Path, kind: str = MANIFEST) -> dict[int, Path]:
 
 
 def dirty(path: Path, writer: int | None = None) -> Path:
-    """`<path>[.<writer>].dirty`: where `path` is written before it is renamed over it (a crash leaves no torn file);
-    `writer` (a pid) where several processes may write it."""
+    """`<path>[.<writer>].dirty`: where `path` is written before the rename over it; `writer`: a pid, where several
+    processes may write it."""
     return path.with_name(f"{path.name}{'' if writer is None else f'.{writer}'}{DIRTY}")
 
 
-def replace_file(path: Path, data: bytes, tmp: Path, sync: bool = False) -> None:
-    """Write `data` to `tmp` (0600, never through a symlink, never blocking on a FIFO), fsync it when `sync`, then
-    rename it over `path`: a reader sees the old file or the new one, never a part. On failure the OSError is raised
-    and `tmp` removed once opened (a directory, FIFO or symlink already at `tmp` is not opened, and left for the
-    caller to report)."""
+def replace_file(path: Path, data: bytes, tmp: Path | None = None, sync: bool = False) -> None:
+    """Write `data` to `tmp` (default `.<name>.<pid>` beside `path`; 0600, never through a symlink or blocking on a
+    FIFO), fsync it when `sync`, then rename it over `path`: a reader sees the old file or the new one. On failure the
+    OSError is raised and `tmp` removed once opened (anything but a file already there is left to the caller)."""
+    tmp = tmp or path.with_name(f".{path.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     try:
         try:
@@ -133,15 +133,15 @@ def replace_file(path: Path, data: bytes, tmp: Path, sync: bool = False) -> None
 
 
 def mark_run(job: Path, environ: "os._Environ[str] | dict[str, str] | None" = None) -> None:
-    """Record which run of the Slurm job writes this store (SLURM_RESTART_COUNT, 0 before any requeue), so that
-    slurm/epilog.sh can tell the end of a requeued run (Slurm's count has moved past it: keep the snapshots for
-    the next run) from the end of the job (remove them). Slurm shows COMPLETING in both cases."""
+    """Record which run of the Slurm job writes this store (SLURM_RESTART_COUNT), so that slurm/epilog.sh can tell a
+    requeued run's end (Slurm's count moved past it: keep the snapshots) from the job's (remove them): Slurm shows
+    COMPLETING in both cases."""
     env = os.environ if environ is None else environ
     count = env.get("SLURM_RESTART_COUNT", "0").strip() or "0"
     if not count.isdigit():
         raise ConfigError(f"SLURM_RESTART_COUNT={count!r} is not a number")
     try:
-        replace_file(job / RUN_MARKER, f"{int(count)}\n".encode(), job / f".{RUN_MARKER}.{os.getpid()}")
+        replace_file(job / RUN_MARKER, f"{int(count)}\n".encode())
     except OSError as exc:
         raise StoreError(f"cannot write {job / RUN_MARKER}: {exc.strerror or exc}") from exc
 
@@ -202,17 +202,13 @@ def _kind(mode: int) -> str:
 
 
 def open_file(path: Path, flags: int, *, create: bool = False) -> int:
-    """Open a store file for `flags` (os.O_RDONLY / O_RDWR) and return its descriptor: never through a symlink, never
-    blocking on a FIFO, and only a regular file of ours with mode 0600; anything else, and any OSError, is a
-    StoreError naming the path and what sits there (every store file is opened here, so no caller sees an OSError)."""
+    """The descriptor of a store file opened for `flags` (os.O_RDONLY / O_RDWR): never through a symlink or blocking
+    on a FIFO, only a regular file of ours with mode 0600; anything else, and any OSError, is a StoreError naming
+    the path and what sits there."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
     except OSError as exc:
-        what = exc.strerror or str(exc)
-        try:
-            what = f"{what}; it is {_kind(os.lstat(path).st_mode)}"
-        except OSError:
-            pass
+        what = f"{exc.strerror or exc}{_what(path)}"
         raise StoreError(f"cannot open store file {path}: {what}; remove or fix it and rerun") from exc
     try:
         check_file(fd, path)
@@ -230,16 +226,21 @@ def remove_file(path: Path) -> None:
     try:
         path.unlink(missing_ok=True)
     except OSError as exc:
-        try:
-            kind = f"; it is {_kind(os.lstat(path).st_mode)}"
-        except OSError:
-            kind = ""
-        raise StoreError(f"cannot remove store file {path}: {exc.strerror or exc}{kind}; remove it by hand") from exc
+        what = f"{exc.strerror or exc}{_what(path)}"
+        raise StoreError(f"cannot remove store file {path}: {what}; remove it by hand") from exc
+
+
+def _what(path: Path) -> str:
+    """`; it is <what sits at path>`, or "" where nothing can be said."""
+    try:
+        return f"; it is {_kind(os.lstat(path).st_mode)}"
+    except OSError:
+        return ""
 
 
 def read_file(path: Path, unless: Callable[[os.stat_result], bool] | None = None) -> bytes | None:
-    """All bytes of a store file (a manifest, a pin), opened by `open_file`; StoreError if it cannot be read. None,
-    without reading, when `unless(the opened file's fstat)` is true (a caller that holds what that file says)."""
+    """All bytes of a store file, opened by `open_file` (StoreError if unreadable); None, unread, when
+    `unless(the opened file's fstat)` is true (the caller holds what it says)."""
     fd = open_file(path, os.O_RDONLY)
     try:
         if unless is not None and unless(os.fstat(fd)):

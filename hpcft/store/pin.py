@@ -1,7 +1,6 @@
-"""Pins: a reader's claim on one committed version of a store slot (`slot-<k>.pin` beside `slot-<k>.json`),
-so that the writer picks another slot while the reader (the node agent) protects or rebuilds from it.
-A pin names the step it holds, its owner (host, pid, process start time) and a lease; the writer honours it
-only while it names the version the slot holds, its lease runs and its owner lives, and breaks it otherwise."""
+"""Pins: a reader's claim on one committed version of a store slot (`slot-<k>.pin`), so the writer picks another slot
+while the node agent reads it. The writer honours a pin only while it names the version the slot holds, its lease runs
+and its owner (host, pid, process start) lives, and breaks it otherwise."""
 from __future__ import annotations
 
 import json
@@ -17,8 +16,8 @@ from hpcft.store.paths import PIN, PINS, dirty, open_file, read_file, remove_fil
 
 @dataclass(frozen=True)
 class Pin:
-    """One pin: `step` of the slot is held by process `pid` (started at `start`, /proc ticks) on `host` until
-    wall time `until`; `owner` is a label for people (e.g. `agent slot 2`)."""
+    """`step` of the slot held by process `pid` (started at `start`, /proc ticks) on `host` until wall time `until`;
+    `owner`: a label for people (e.g. `agent slot 2`)."""
     step: int
     host: str
     pid: int
@@ -33,8 +32,7 @@ def path_of(manifest_path: Path) -> Path:
 
 
 def process_start(pid: int) -> int | None:
-    """The start time of process `pid` in clock ticks since boot (/proc), or None if there is no such process:
-    with the pid it names one process for good (a pid alone may be reused)."""
+    """Process `pid`'s start in clock ticks since boot (None: no such process): with the pid, one process for good."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -61,14 +59,10 @@ def read(path: Path) -> Pin | None:
     if not os.path.lexists(path):
         return None
     try:
-        raw = read_file(path)
-    except StoreError:  # a symlink, FIFO, directory, another user's file: binds nobody
-        return Pin(-1, "", 0, 0, 0.0, "unreadable")
-    try:
-        fields = json.loads(raw)
+        fields = json.loads(read_file(path))
         return Pin(int(fields["step"]), str(fields["host"]), int(fields["pid"]), int(fields["start"]),
                    float(fields["until"]), str(fields.get("owner", "")))
-    except (ValueError, KeyError, TypeError):
+    except (StoreError, ValueError, KeyError, TypeError):  # StoreError: a symlink, FIFO, another user's file...
         return Pin(-1, "", 0, 0, 0.0, "unreadable")
 
 
@@ -90,9 +84,8 @@ def stale_reason(pin: Pin, now: float | None = None) -> str | None:
 
 
 def announce(job: Path) -> None:
-    """Tell the job's writers that a reader pins here (the node agent, at start): stores opened afterwards keep a
-    spare slot, so that a pass in flight and the newest protected version can both be pinned without ever
-    leaving a writer no slot."""
+    """Tell the job's writers that a reader pins here: stores opened afterwards keep a spare slot, so a pass in flight
+    and the newest protected version can both be pinned without leaving a writer no slot."""
     path = job / PINS
     if not path.exists():
         os.close(open_file(path, os.O_WRONLY, create=True))

@@ -1,10 +1,8 @@
-"""A relaunched rank's newest snapshot, mapped ahead. A fresh mapping of a slot takes a page fault per 16 pages as the
-restore first reads it: 10-15 ms of a 600 MB restore on the 2-core sandbox, seconds for the tens of GB a Frontier
-rank holds. `hpcft.init` starts `ahead()` before the process group's rendezvous, and a Checkpointer as it is made, so
-those pages are mapped while the rank waits for its peers and while its restore sets up. The Slot that opens the same
-file adopts the mapping (`adopt`: same device, inode and size), populating what is left beside the prefetch thread
-(`Pieces`); whatever no Slot adopted is dropped after the restore (`release`). Nothing here creates, writes or judges
-a file: which version is loaded, and whether its bytes are good, stays the restore's (manifests and checksums)."""
+"""A relaunched rank's newest snapshot, mapped ahead: a fresh mapping takes a page fault per 16 pages as the restore
+first reads it (10-15 ms of a 600 MB restore here, seconds for a Frontier rank's tens of GB), so `ahead()` maps them
+while the rank waits for its peers. The Slot that opens the same file adopts the mapping (`adopt`: same device, inode
+and size), helping to populate the rest; what no Slot adopted is dropped (`release`). Nothing here creates, writes or
+judges a file: which version is loaded, and whether its bytes are good, stays the restore's."""
 from __future__ import annotations
 
 import ctypes
@@ -14,6 +12,7 @@ import os
 import stat
 import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +28,8 @@ _pending: dict[str, "_Ahead"] = {}
 
 
 class Pieces:
-    """A mapped range to populate in `PIECE`-sized pieces, each taken by whichever thread calling `work` is free: in one
-    C call a thread (ntcopy.populate_loop: no GIL between pieces, so a thread populating beside Python code that holds
-    the GIL is not held up at every piece), else piece by piece from Python."""
+    """A mapped range to populate in `PIECE`-sized pieces, each taken by whichever thread calling `work` is free: in
+    one C call per thread (no GIL between pieces, ntcopy.populate_loop), else piece by piece from Python."""
 
     def __init__(self, address: int, size: int) -> None:
         self.address, self.size = address, size
@@ -68,8 +66,8 @@ class Pieces:
 
 
 class _Ahead:
-    """One slot being (or already) mapped and populated by the prefetch thread; the Slot that adopts the mapping
-    before it is done populates the rest alongside (`help`)."""
+    """One slot being (or already) mapped and populated by the prefetch thread; a Slot adopting it before it is done
+    populates the rest alongside (`help`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -89,8 +87,7 @@ class _Ahead:
 
 
 def newest_slot(directory: Path) -> Path | None:
-    """The data file of the slot whose manifest was written last (by mtime: nothing is parsed here, the restore
-    checks the manifests), or None where there is none."""
+    """The data file of the slot whose manifest was written last (by mtime: nothing is parsed here), or None."""
     found = [(st.st_mtime_ns, k) for k, path in slot_files(directory).items()
              if stat.S_ISREG((st := path.lstat()).st_mode)]
     return slot_file(directory, max(found)[1], DATA) if found else None
@@ -100,14 +97,14 @@ MAX_THREADS = 4  # populating threads of one rank at most: the kernel's page-tab
 
 
 def threads(busy: int = 0) -> int:
-    """How many threads to populate with: the cores this process may run on (a Slurm task's --cpus-per-task; a
-    Frontier rank has 7), less `busy` ones kept for the caller's own work, at least 1 and at most MAX_THREADS."""
+    """Threads to populate with: the cores this process may run on (a Frontier rank has 7) less `busy` ones kept for
+    the caller, at least 1 and at most MAX_THREADS."""
     return max(1, min(MAX_THREADS, usable_cores() - busy))
 
 
 def ahead(job_id: str, rank: int, root: str | os.PathLike | None = None, threads: int = 1) -> threading.Thread | None:
-    """Map and populate rank `rank`'s newest slot of job `job_id` in a daemon thread (with `threads` - 1 helpers, all
-    taking pieces of the file); None where the rank holds none (a fresh run) or it is already under way."""
+    """Map and populate rank `rank`'s newest slot of job `job_id` in a daemon thread (with `threads` - 1 helpers);
+    None where the rank holds none (a fresh run) or it is already under way."""
     try:
         path = newest_slot(rank_dir(job_dir(resolve_root(root), job_id), rank))
     except (OSError, KeyError, HpcftError):  # no store here (a fresh run), no user name: nothing to map ahead
@@ -128,10 +125,8 @@ PIECE = 16 << 20  # populated per call: small enough for an adopter to share the
 
 
 def _madvise(address: int, size: int) -> bool:
-    """Map every page of the `size` bytes at `address` (a file mapping) in one call: in bulk, at less than half the
-    cost of the read faults a copy would take page by page (0.08 against 0.2 us per 4 KiB page, 2-core VM). ctypes
-    drops the GIL for the call (Python's mmap methods hold it). False where the kernel has no MADV_POPULATE_READ
-    (before 5.14): the reader then faults the pages as it goes."""
+    """Map every page of the `size` bytes at `address` in one call, at less than half the cost of read faults (0.08
+    against 0.2 us a 4 KiB page), without the GIL (which Python's mmap methods hold). False before Linux 5.14."""
     return _libc().madvise(address, size, MADV_POPULATE_READ) == 0
 
 
@@ -181,8 +176,8 @@ def _populate(entry: _Ahead, threads: int) -> None:
 
 
 def adopt(path: Path, fd: int, size: int) -> mmap.mmap | None:
-    """The prefetched read-write mapping of `path` if it maps the file open as `fd`, `size` bytes long, else None. One
-    still being populated is finished with this thread's help: the faults it would take anyway, at less cost."""
+    """The prefetched read-write mapping of `path` if it maps the file open as `fd`, `size` bytes long, else None; one
+    still being populated is finished with this thread's help."""
     with _lock:
         entry = _pending.pop(str(path), None)
     if entry is None:
@@ -219,7 +214,5 @@ def release() -> None:
 
 
 def _close(mm: mmap.mmap) -> None:
-    try:
+    with suppress(BufferError):  # a view of it is still alive somewhere: the mapping goes when that does
         mm.close()
-    except BufferError:
-        pass  # a view of it is still alive somewhere: the mapping goes when that does

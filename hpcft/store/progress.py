@@ -1,12 +1,9 @@
-"""What a node's store says about its ranks' training progress: each rank's newest committed step (its manifests)
-and that snapshot's `ready_s` (hpcft/snapshot/timing.py), or what a job wrote itself to the rank's node-local
-progress file ($HPCFT_PROGRESS_FILE, inside the node's job store). Read on the node by its agent (or, in a run
-without agents, by the node's reporter) and sent to the supervisor over the network (hpcft/agent/transport/uplink.py):
-nothing about progress is written to the shared file system."""
+"""Each rank's training progress as its node's store says it: the newest committed step and its `ready_s`, or what a
+job wrote to the rank's node-local progress file ($HPCFT_PROGRESS_FILE). Read on the node and sent to the supervisor
+over the network: nothing about progress is written to the shared file system."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -17,8 +14,7 @@ _SEEN: dict[Path, tuple[tuple[int, int, int], Progress]] = {}  # manifest path -
 
 
 def newest(directory: Path) -> Progress | None:
-    """(step, ready_s or None) of the highest step among committed manifests (`slot-*.json`) in a rank's store
-    directory, if any."""
+    """(step, ready_s or None) of the highest step among the committed manifests in a rank's directory, if any."""
     best = None
     for path in paths.slot_files(directory).values():
         try:
@@ -52,8 +48,8 @@ def _written(path: Path) -> Progress | None:
 
 
 def node(job: Path, ranks: Iterable[int] | None = None) -> dict[int, Progress]:
-    """{rank: (step, ready_s)} of `ranks` (default: every rank with a store directory or a progress file under
-    `job`), the higher of what its manifests and its progress file say."""
+    """{rank: (step, ready_s)} of `ranks` (default: every one with a store directory or a progress file under `job`),
+    the higher of what its manifests and its progress file say."""
     if ranks is None:
         ranks = sorted({*paths.ranks(job), *paths.ranks(job / paths.PROGRESS)})
     out: dict[int, Progress] = {}
@@ -68,4 +64,4 @@ def write(path: Path, step: int, ready_s: float | None = None) -> None:
     """Publish `step` (and `ready_s`) atomically (write, then rename): what a job's own progress report looks like."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = str(step) if ready_s is None else f"{step} {ready_s:.6f}"
-    paths.replace_file(path, text.encode(), path.with_name(f".{path.name}.{os.getpid()}"))
+    paths.replace_file(path, text.encode())

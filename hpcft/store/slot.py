@@ -3,6 +3,7 @@ import errno
 import mmap
 import os
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +32,10 @@ class Slot:
         self.generation = 0  # bumped whenever the mapping moves (copiers re-register pinned memory)
         self._fd = open_file(path, os.O_RDONLY if readonly else os.O_RDWR, create=create and not readonly)
         self._mm: mmap.mmap | None = None
-        self.populated = False  # every page of the mapping is in the page table (mapped with MAP_POPULATE, adopted
-        # from the prefetch, or populated by a restore)
+        self.populated = False  # every page of the mapping is in the page table (MAP_POPULATE, prefetch, a restore)
         self.array = np.empty(0, dtype=np.uint8)
         size = os.fstat(self._fd).st_size
-        if size:  # an existing file: its reader (a restore, an agent) maps pages as it reads them, unless a
-            # relaunched rank's init mapped them ahead (hpcft.store.prefetch; read-write, so never for a reader)
+        if size:  # an existing file: mapped as it is read, unless prefetched (read-write, so never for a reader)
             ahead = None if readonly else prefetch.adopt(path, self._fd, size)
             self._map(size, populate=ahead is not None, adopted=ahead)
 
@@ -45,8 +44,8 @@ class Slot:
         return self.array.size
 
     def ensure(self, nbytes: int, pace: Callable[[], None] | None = None) -> None:
-        """Make the file at least `nbytes` long with every page allocated (ENOSPC here, never SIGBUS later).
-        `pace` (an agent's CPU cap) is called before each 64 MiB allocated: fresh pages cost CPU to clear."""
+        """Make the file at least `nbytes` long, every page allocated (ENOSPC here, never SIGBUS later); `pace` (an
+        agent's CPU cap) before each GROW_PIECE: fresh pages cost CPU to clear."""
         if nbytes <= self.size:
             return
         if self.readonly:
@@ -68,8 +67,7 @@ class Slot:
         self._map(size, populate=True)
 
     def prefault(self) -> None:
-        """Map every page of a slot opened lazily before a snapshot is written into it, so that the copy never
-        takes page faults (done in the background by `RankStore.preallocate`)."""
+        """Map every page of a lazily opened slot before a snapshot is written into it: the copy takes no faults."""
         if self.populated or not self.size or self.readonly:
             return
         size = self.size
@@ -89,10 +87,8 @@ class Slot:
     def _unmap(self) -> None:
         self.array = np.empty(0, dtype=np.uint8)
         if self._mm is not None:
-            try:
+            with suppress(BufferError):  # a view is still alive somewhere; the mapping goes when it does
                 self._mm.close()
-            except BufferError:
-                pass  # a view is still alive somewhere; the mapping goes when it does
             self._mm = None
 
     def close(self) -> None:

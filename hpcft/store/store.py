@@ -2,19 +2,16 @@
 import logging
 import os
 import weakref
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 from hpcft import events
 from hpcft.errors import StoreError, StoreFullError
-from hpcft.store import manifest as mf
-from hpcft.store import pin as pins
-from hpcft.store import writer
+from hpcft.store import manifest as mf, pin as pins, writer
 from hpcft.store.paths import (DATA, DIRTY, dirty, job_dir, mark_run, rank_dir, remove_file, resolve_root, secure_dir,
                                slot_file, slot_files)
 from hpcft.store.slot import GRAIN, Slot
-
-_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,17 +29,11 @@ def _age(v: Version) -> tuple[int, float]:
 
 
 class RankStore:
-    """Slots `slot-<k>.data` + manifests `slot-<k>.json` under `<root>/hpcft-<user>-<job>/rank-<r>/`.
-
-    Invariants: a slot is written only after its manifest is withdrawn; the slot holding the newest
-    complete version is never chosen for writing; a crash at any point leaves that version loadable; a slot
-    whose version a live reader has pinned (`slot-<k>.pin`, see `hpcft.store.pin`) is not chosen either.
-
-    `readonly=True` is for other processes (the node agent): nothing is created or cleaned, slots are
-    mapped read-only. The writer may withdraw and reuse an unpinned slot at any time, so a reader pins the
-    version (pin first, then check that the manifest is still the one it read: the writer withdraws first, then
-    checks the pin), or copies the data, verifies the chunk checksums and checks the manifest afterwards.
-    """
+    """Slots `slot-<k>.data` + manifests `slot-<k>.json` under `<root>/hpcft-<user>-<job>/rank-<r>/`. A slot is
+    written only after its manifest is withdrawn; neither the newest complete version's slot nor a live reader's
+    pinned one is chosen for writing, so a crash at any point leaves that version loadable. A reader (`readonly`:
+    nothing created or cleaned) pins a version, then checks its manifest is still the one it read (the writer
+    withdraws, then checks the pin), or copies the data and checks checksums and manifest afterwards."""
 
     def __init__(self, job_id: str, rank: int, *, keep: int = 2, root: str | os.PathLike | None = None,
                  user: str | None = None, readonly: bool = False):
@@ -77,10 +68,8 @@ class RankStore:
         events.emit(kind, level=level, rank=self.rank, **fields)
 
     def versions(self) -> list[Version]:
-        """Complete versions held here, oldest first, read from disk (a manifest that is unreadable, not a regular
-        file of ours, or not this slot's and rank's is reported as `manifest_bad` and skipped; `rejected` lists
-        them); every manifest on disk counts, not this store's `keep` (a relaunch with a smaller `keep` sees the
-        versions a larger one left). Also refreshes the writer's in-memory index."""
+        """Complete versions held here, oldest first, read from disk (bad manifests reported as `manifest_bad` and
+        listed in `rejected`), whatever this store's `keep`; refreshes the writer's in-memory index."""
         found, self.rejected = {}, []
         try:
             manifests = slot_files(self.dir)
@@ -105,8 +94,8 @@ class RankStore:
         return sorted(self._index.values(), key=_age)
 
     def begin(self, nbytes: int) -> Slot:
-        """Pick a slot for a new version of `nbytes`, withdraw its manifest, size it; StoreError if none fits or
-        every reusable slot is pinned (event `slots_pinned`: this snapshot is skipped, training goes on)."""
+        """A slot for a new version of `nbytes`, its manifest withdrawn; StoreError if none fits or every reusable
+        one is pinned (event `slots_pinned`: this snapshot is skipped, training goes on)."""
         held = self._held()
         newest = held[-1].slot if held else None
         by_age = {v.slot: i for i, v in enumerate(held)}
@@ -143,8 +132,8 @@ class RankStore:
         raise last_error or StoreError(f"no slot available in {self.dir}")
 
     def _pinned(self, k: int, version: Version | None, found: dict[int, "pins.Pin"]) -> bool:
-        """True if a live pin holds the version slot k holds (recorded in `found`); a pin whose lease ran out or
-        whose owner died is broken here, with an event. A pin of another step than the slot's binds nothing."""
+        """True if a live pin holds slot k's version (recorded in `found`); a stale pin is broken here with an event,
+        a pin of another step binds nothing."""
         path = pins.path_of(slot_file(self.dir, k))
         pin = pins.read(path)
         if pin is None or version is None:
@@ -165,21 +154,18 @@ class RankStore:
         return True
 
     def preallocate(self, nbytes: int) -> None:
-        """Size and pre-fault every slot now (fresh shm pages cost ~10x warm ones), so that later snapshots
-        only ever write warm pages. A slot that does not fit is reported and left for `begin` to skip."""
+        """Size and pre-fault every slot now (fresh shm pages cost ~10x warm ones), so snapshots write warm pages; a
+        slot that does not fit is reported and left for `begin` to skip."""
         for k in range(self.nslots):
             if k in self._full and not self._room_for(k, nbytes):
                 continue
-            try:
+            with suppress(StoreError):  # reported by _allocate; `begin` skips the slot
                 self._allocate(k, nbytes)
                 self._slots[k].prefault()
-            except StoreError:
-                pass  # reported by _allocate; `begin` skips the slot
 
     def _allocate(self, k: int, nbytes: int) -> None:
-        """Open slot k and make it `nbytes` long; StoreError with an event that says what happened: `store_full`
-        (no space: retried once the file system has room again, `store_resumed`) or `store_file_refused` (the
-        slot's file is a symlink, FIFO, directory, another user's, ...: retried each time, reported once)."""
+        """Open slot k and make it `nbytes` long; StoreError with an event: `store_full` (retried once there is room,
+        `store_resumed`) or `store_file_refused` (an unusable file: retried each time, reported once)."""
         try:
             slot = self.slot(k)
             slot.ensure(nbytes)
@@ -225,8 +211,8 @@ class RankStore:
         return self._slots[k]
 
     def commit(self, slot: Slot, manifest: dict[str, Any]) -> None:
-        """Publish `slot` as a complete version described by `manifest` (atomic rename). Another slot holding the
-        same step (a leftover of a timeline a restore went back from) is withdrawn: one version per step."""
+        """Publish `slot` as a complete version described by `manifest` (atomic rename); another slot of the same step
+        (left by a timeline a restore went back from) is withdrawn: one version per step."""
         manifest = {**manifest, "slot": slot.index, "rank": self.rank}
         mf.write_atomic(slot_file(self.dir, slot.index), manifest)
         step = int(manifest["step"])
@@ -237,8 +223,8 @@ class RankStore:
             self._prune()
 
     def retire(self, version: Version, reason: str) -> None:
-        """Withdraw `version` for good (event `version_withdrawn`): a version restore fell back past, or one that a
-        newer write of its step superseded, must never be picked again. A pinned one is left to its reader."""
+        """Withdraw `version` for good (event `version_withdrawn`): one restore fell back past, or a newer write of its
+        step superseded, must never be picked again. A pinned one is left to its reader."""
         if self._pinned(version.slot, version, {}):
             return
         try:
@@ -249,8 +235,7 @@ class RankStore:
         self._event("version_withdrawn", level=logging.WARNING, step=version.step, slot=version.slot, reason=reason)
 
     def _prune(self) -> None:
-        """Free the slots beyond this store's `nslots` (left by a run with a larger `keep`) once `keep` newer
-        versions exist: their versions are withdrawn and their data files removed."""
+        """Free the slots beyond `nslots` (left by a run with a larger `keep`) once `keep` newer versions exist."""
         held = self._held()
         newest = held[-self.keep:]
         for v in held:

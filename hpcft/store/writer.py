@@ -1,7 +1,6 @@
-"""One writer per rank store: the process writing a rank directory holds `writer.lock` there (flock, released by the
-kernel when the process dies, so a relaunch after a crash is never refused), and the file names it. Another process
-that opens the same rank store for writing (a second run with the same job id) is refused with a StoreError naming
-the holder; stores of one rank opened twice in one process (a bench's warm and cold restore) share the claim."""
+"""One writer per rank store: the process writing a rank directory holds `writer.lock` there (flock: released when it
+dies, so a relaunch is never refused) and the file names it; another process (a second run with the same job id) is
+refused, naming the holder. Stores of one rank opened twice in one process share the claim."""
 import fcntl
 import os
 import socket
@@ -25,8 +24,8 @@ def writer_id() -> str:
 
 
 def claim(rank_dir: Path) -> Callable[[], None]:
-    """Claim `rank_dir` for this process (StoreError if another process holds it); returns the release, to call
-    once (the last release of a directory by this process frees it for others)."""
+    """Claim `rank_dir` for this process (StoreError if another holds it); the release, to call once (the process's
+    last release frees it)."""
     with _guard:
         entry = _held.get(rank_dir)
         if entry is None:

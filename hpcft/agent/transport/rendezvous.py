@@ -194,7 +194,7 @@ def join(secret: bytes, rendezvous: str | os.PathLike, *, slot: int, tag: str, h
     path = bootstrap_path(rendezvous, tag)
     if slot == 0:
         served = Directory(secret, host=host, bind=bind)
-        replace_file(path, served.address.encode(), path.with_name(f".{path.name}.{os.getpid()}"))
+        replace_file(path, served.address.encode())
         return Rendezvous(served.address, secret, served, how="served by this agent")
     deadline = time.monotonic() + timeout
     while True:
