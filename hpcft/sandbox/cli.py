@@ -8,10 +8,8 @@ from hpcft.errors import SandboxError
 from hpcft.sandbox.cluster import Sandbox, ensure_up
 from hpcft.sandbox.config import MODES, SandboxConfig, default_dir
 
-dir_option = click.option(
-    "--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=None,
-    help="Sandbox directory (conf, logs, state) [default: $TMPDIR/hpcft-sandbox-<uid>].",
-)
+dir_option = click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=None,
+                          help="Sandbox directory (conf, logs, state) [default: $TMPDIR/hpcft-sandbox-<uid>].")
 
 
 def sandbox_dir(directory: Path | None) -> Path:
@@ -39,16 +37,15 @@ def up(nodes: int, mode: str, ctld_port: int | None, slurmd_port: int | None, su
                            slurmd_port=slurmd_port, subnet=subnet)
     t0 = time.monotonic()
     sb, started = ensure_up(config, timeout=timeout)
-    if started:
-        click.echo(f"sandbox up in {time.monotonic() - t0:.1f} s: {len(sb.node_names)} nodes, mode {sb.config.mode}, dir {sb.dir}")
-    else:
-        click.echo(f"sandbox already up: {len(sb.node_names)} nodes, mode {sb.config.mode}, dir {sb.dir}")
+    how = f"up in {time.monotonic() - t0:.1f} s" if started else "already up"
+    click.echo(f"sandbox {how}: {len(sb.node_names)} nodes, mode {sb.config.mode}, dir {sb.dir}")
     _print_usage(sb)
 
 
 def _print_usage(sb: Sandbox) -> None:
     prefix = " ".join(sb.client_prefix())
-    click.echo(f"run Slurm commands in it with: SLURM_CONF={sb.layout.slurm_conf} {prefix + ' ' if prefix else ''}srun -N{len(sb.node_names)} hostname")
+    click.echo(f"run Slurm commands in it with: SLURM_CONF={sb.layout.slurm_conf} {prefix + ' ' if prefix else ''}"
+               f"srun -N{len(sb.node_names)} hostname")
 
 
 @sandbox.command()
@@ -57,7 +54,8 @@ def status(directory: Path | None) -> None:
     """Show the sandbox's daemons and Slurm's state of every node (exit 3 if it is not up)."""
     sb = Sandbox.load(sandbox_dir(directory))
     if not sb.is_up():
-        click.echo(f"sandbox in {sb.dir} is recorded but its slurmctld is not running; run `hpcft sandbox down` then `up`")
+        click.echo(f"sandbox in {sb.dir} is recorded but its slurmctld is not running; run `hpcft sandbox down` then "
+                   "`up`")
         raise click.exceptions.Exit(3)
     lay = sb.layout
     click.echo(f"sandbox {sb.dir}: mode {sb.config.mode}, controller {lay.ctld_host} {lay.ctld_addr}:{lay.ctld_port} "
@@ -65,7 +63,8 @@ def status(directory: Path | None) -> None:
     states = sb.node_states()
     click.echo(f"{'NODE':<6} {'ADDRESS':<16} {'PORT':<6} {'PIDS':<5} SLURM STATE")
     for node in lay.nodes:
-        click.echo(f"{node.name:<6} {node.addr:<16} {node.port:<6} {len(sb.node_pids(node.name)):<5} {states.get(node.name, '?')}")
+        pids = len(sb.node_pids(node.name))
+        click.echo(f"{node.name:<6} {node.addr:<16} {node.port:<6} {pids:<5} {states.get(node.name, '?')}")
     _print_usage(sb)
 
 

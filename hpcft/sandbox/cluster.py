@@ -1,8 +1,6 @@
 """The local Slurm sandbox: a real slurmctld and N real slurmd on this machine, started, inspected, crashed.
-
-Everything lives under one directory (conf, logs, pids, state, spool) and a state file (state.json)
-records what was started, so any process can `Sandbox.load(dir)` it and run Slurm clients inside it.
-"""
+Everything lives under one directory; its state.json records what was started, so any process can
+`Sandbox.load(dir)` it and run Slurm clients inside it."""
 import json
 import logging
 import os
@@ -26,16 +24,11 @@ STATE_FILE = "state.json"
 # Every daemon's namespace mounts its marker tmpfs here: a fixed directory that is never removed (removing
 # a mount point, even one mounted only in another namespace, detaches the mount and would hide the marker).
 MARKER_DIR = Path("/run/hpcft-sandbox-mark")
-_READY = {"idle", "mixed", "allocated", "completing"}
+_READY = {"idle", "mixed", "allocated", "completing"}  # responding (no '*'), not down, drained or failing
 _NEEDED = {
     "slurmctld": "slurmctld", "slurmd": "slurmd", "sinfo": "slurm-client", "srun": "slurm-client",
     "/usr/sbin/munged": "munge", "nsenter": "util-linux", "unshare": "util-linux", "setpriv": "util-linux",
 }
-
-
-def _is_ready(state: str) -> bool:
-    """A node Slurm can use: responding (no '*') and not down, drained or failing."""
-    return state in _READY
 
 
 class Sandbox:
@@ -43,9 +36,8 @@ class Sandbox:
 
     def __init__(self, layout: Layout, groups: Mapping[str, dict] | None = None, created_netns: Iterable[str] = ()):
         self.layout = layout
-        self.groups: dict[str, procs.Group | None] = {
-            k: procs.Group.from_json(v) if v else None for k, v in (groups or {}).items()
-        }
+        self.groups: dict[str, procs.Group | None] = {k: procs.Group.from_json(v) if v else None
+                                                      for k, v in (groups or {}).items()}
         self.created_netns: list[str] = list(created_netns)
 
     # -- construction and the state file ------------------------------------------------------
@@ -56,9 +48,11 @@ class Sandbox:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError as exc:
-            raise SandboxError(f"no sandbox in {path.parent}: start one with `hpcft sandbox up --dir {path.parent}`") from exc
+            raise SandboxError(f"no sandbox in {path.parent}: start one with `hpcft sandbox up --dir {path.parent}`") \
+                from exc
         except (OSError, ValueError) as exc:
-            raise SandboxError(f"cannot read sandbox state {path}: {exc}; remove it and run `hpcft sandbox up`") from exc
+            raise SandboxError(f"cannot read sandbox state {path}: {exc}; remove it and run `hpcft sandbox up`") \
+                from exc
         config = SandboxConfig(**{**data["config"], "dir": Path(data["config"]["dir"])})
         layout = plan(config, hostname=data["ctld_host"])
         return cls(layout, data.get("groups"), data.get("netns", []))
@@ -76,18 +70,13 @@ class Sandbox:
         return [n.name for n in self.layout.nodes]
 
     def _save(self) -> None:
-        cfg = {**asdict(self.config), "dir": str(self.config.dir)}
-        data = {
-            "mode": self.config.mode,
-            "config": cfg,
-            "ctld_host": self.layout.ctld_host,
-            "controller": {"host": self.layout.ctld_host, "addr": self.layout.ctld_addr, "port": self.layout.ctld_port},
-            "nodes": [asdict(n) for n in self.layout.nodes],
-            "client_prefix": self.client_prefix(),
-            "slurm_conf": str(self.layout.slurm_conf),
-            "netns": self.created_netns,
-            "groups": {k: g.to_json() if g else None for k, g in self.groups.items()},
-        }
+        lay = self.layout
+        data = {"mode": self.config.mode, "config": {**asdict(self.config), "dir": str(self.config.dir)},
+                "ctld_host": lay.ctld_host, "controller": {"host": lay.ctld_host, "addr": lay.ctld_addr,
+                                                           "port": lay.ctld_port},
+                "nodes": [asdict(n) for n in lay.nodes], "client_prefix": self.client_prefix(),
+                "slurm_conf": str(lay.slurm_conf), "netns": self.created_netns,
+                "groups": {k: g.to_json() if g else None for k, g in self.groups.items()}}
         tmp = self.dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         tmp.replace(self.dir / STATE_FILE)
@@ -131,14 +120,13 @@ class Sandbox:
 
     # -- start -----------------------------------------------------------------------------------
     def up(self, timeout: float = 30.0) -> bool:
-        """Start the sandbox and wait until every node is idle; False if it was already up.
-
-        On any failure everything started so far is stopped again and the error names the cause.
-        """
+        """Start the sandbox and wait until every node is idle; False if it was already up. On any failure what was
+        started is stopped again and the error names the cause."""
         if self.is_up():
             return False
         if (self.dir / STATE_FILE).exists():
-            raise SandboxError(f"a stopped sandbox is recorded in {self.dir}: run `hpcft sandbox down --dir {self.dir}` first")
+            raise SandboxError(f"a stopped sandbox is recorded in {self.dir}: run `hpcft sandbox down --dir "
+                               f"{self.dir}` first")
         self.preflight()
         try:
             self._prepare_files()
@@ -163,10 +151,8 @@ class Sandbox:
             ports = [("slurmctld", self.layout.ctld_port)] + [(f"slurmd {n.name}", n.port) for n in self.layout.nodes]
             for who, port in ports:
                 if not _port_free(port):
-                    raise SandboxError(
-                        f"port {port} ({who}) is in use on this machine: choose free ports with --ctld-port/--slurmd-port "
-                        "or use --mode netns"
-                    )
+                    raise SandboxError(f"port {port} ({who}) is in use on this machine: choose free ports with "
+                                       "--ctld-port/--slurmd-port or use --mode netns")
 
     def _prepare_files(self) -> None:
         d = self.dir
@@ -187,12 +173,8 @@ class Sandbox:
         return f"hpcft-{self.config.tag}-{name}"
 
     def _spawn(self, key: str, argv: list[str], **ns) -> None:
-        group = procs.spawn(
-            procs.namespaced(argv, marker=self._marker(key), marker_dir=MARKER_DIR, **ns),
-            self.layout.log_dir / f"{key}.out",
-            self._marker(key),
-        )
-        self.groups[key] = group
+        self.groups[key] = procs.spawn(procs.namespaced(argv, marker=self._marker(key), marker_dir=MARKER_DIR, **ns),
+                                       self.layout.log_dir / f"{key}.out", self._marker(key))
         self._save()
 
     def _start_munge(self) -> None:
@@ -200,7 +182,8 @@ class Sandbox:
         deadline = time.monotonic() + 5
         while not self.layout.munge_socket.exists():
             if time.monotonic() > deadline:
-                raise SandboxError(f"munged did not create {self.layout.munge_socket}:\n{procs.tail(self.dir / 'munge' / 'munged.log')}")
+                log = procs.tail(self.dir / "munge" / "munged.log")
+                raise SandboxError(f"munged did not create {self.layout.munge_socket}:\n{log}")
             time.sleep(0.01)
 
     def _add_netns(self, name: str) -> None:
@@ -234,7 +217,8 @@ class Sandbox:
         self._spawn(name, argv, tmpfs=own.tmpfs, **ns)
 
     # -- readiness -------------------------------------------------------------------------------
-    def wait_for(self, nodes: Iterable[str], predicate: Callable[[str], bool], what: str, timeout: float) -> dict[str, str]:
+    def wait_for(self, nodes: Iterable[str], predicate: Callable[[str], bool], what: str,
+                 timeout: float) -> dict[str, str]:
         """Poll Slurm until predicate(state) holds for every node in `nodes`; the error shows the log tails."""
         nodes = list(nodes)
         deadline = time.monotonic() + timeout
@@ -248,16 +232,15 @@ class Sandbox:
             if all(predicate(states.get(n, "")) for n in nodes):
                 return states
             if time.monotonic() > deadline:
-                logs = "\n".join(
-                    f"--- {p}:\n{procs.tail(p, 8)}" for p in [self.layout.log_dir / "slurmctld.out",
-                                                            *(self.layout.log_dir / f"{n}.out" for n in nodes)]
-                )
-                raise SandboxError(f"sandbox nodes {','.join(nodes)} not {what} within {timeout:g} s; Slurm says {states}\n{logs}")
+                logs = "\n".join(f"--- {p}:\n{procs.tail(p, 8)}" for p in [self.layout.log_dir / "slurmctld.out",
+                                  *(self.layout.log_dir / f"{n}.out" for n in nodes)])
+                raise SandboxError(f"sandbox nodes {','.join(nodes)} not {what} within {timeout:g} s; Slurm says "
+                                   f"{states}\n{logs}")
             time.sleep(0.1)
 
     def wait_ready(self, nodes: Iterable[str] | None = None, timeout: float = 30.0) -> dict[str, str]:
         """Wait until the nodes (default all) are up and usable in Slurm."""
-        return self.wait_for(self.node_names if nodes is None else nodes, _is_ready, "ready", timeout)
+        return self.wait_for(self.node_names if nodes is None else nodes, _READY.__contains__, "ready", timeout)
 
     def _check_daemons(self) -> None:
         for key in ("munged", "slurmctld"):
@@ -301,10 +284,8 @@ class Sandbox:
             self.wait_ready([name], timeout=timeout)
 
     def heal(self, timeout: float = 60.0) -> None:
-        """Back to a clean cluster for the next test: no jobs, every node running and idle.
-
-        Nodes without a live (or with a frozen) slurmd are restarted; nodes Slurm holds down or drained are resumed.
-        """
+        """Back to a clean cluster for the next test: no jobs, every node running and idle. Nodes without a live (or
+        with a frozen) slurmd are restarted; nodes Slurm holds down or drained are resumed."""
         runner = self.runner(timeout=15)
         jobs = runner.run(["squeue", "--noheader", "--format=%i"]).stdout.split()
         if jobs:
@@ -321,10 +302,8 @@ class Sandbox:
 
     # -- stop --------------------------------------------------------------------------------------
     def down(self) -> None:
-        """Stop only what this sandbox started (recorded groups, created namespaces); keep the logs.
-
-        Every daemon is SIGKILLed: the next `up` starts from empty state, so nothing needs saving.
-        """
+        """Stop only what this sandbox started (recorded groups, created namespaces); keep the logs. Every daemon is
+        SIGKILLed: the next `up` starts from empty state."""
         errors = []
         for key in ["slurmctld", *self.node_names, "munged"]:
             group = self.groups.get(key)
@@ -371,11 +350,8 @@ def check_machine(mode: str) -> None:
 
 
 def ensure_up(config: SandboxConfig, timeout: float = 30.0) -> tuple[Sandbox, bool]:
-    """The sandbox in config.dir, started if it is not running; True in second place if we started it.
-
-    A sandbox already running there is returned as it is (whatever `config` says); one recorded but
-    dead (e.g. after a reboot) is cleaned up first.
-    """
+    """The sandbox in config.dir, started if it is not running; True in second place if we started it. One already
+    running there is returned as it is (whatever `config` says); one recorded but dead is cleaned up first."""
     if (config.dir / STATE_FILE).exists():
         recorded = Sandbox.load(config.dir)
         if recorded.is_up():

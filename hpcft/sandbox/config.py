@@ -22,14 +22,6 @@ def _slurm_script(name: str) -> str | None:
     return str(path) if path.is_file() else None
 
 
-def default_prolog() -> str | None:
-    return _slurm_script("prolog.sh")
-
-
-def default_epilog() -> str | None:
-    return _slurm_script("epilog.sh")
-
-
 @dataclass(frozen=True)
 class SandboxConfig:
     """Everything that decides a sandbox's shape; every field has a working default."""
@@ -43,8 +35,8 @@ class SandboxConfig:
     cpus: int = 4
     memory_mb: int = 1000
     shm_size: str = "2g"
-    prolog: str | None = field(default_factory=default_prolog)  # slurm.conf Prolog= (None: none)
-    epilog: str | None = field(default_factory=default_epilog)  # slurm.conf Epilog= (None: none)
+    prolog: str | None = field(default_factory=lambda: _slurm_script("prolog.sh"))  # slurm.conf Prolog= (None: none)
+    epilog: str | None = field(default_factory=lambda: _slurm_script("epilog.sh"))  # slurm.conf Epilog= (None: none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", Path(self.dir).absolute())
@@ -54,7 +46,8 @@ class SandboxConfig:
             raise ConfigError(f"sandbox nodes must be between 1 and {MAX_NODES}, got {self.nodes}")
         octets = self.subnet.split(".")
         if len(octets) != 3 or not all(o.isdigit() and int(o) < 256 for o in octets):
-            raise ConfigError(f"sandbox subnet must be the first three octets of a /24 (e.g. 10.77.0), got {self.subnet!r}")
+            raise ConfigError(f"sandbox subnet must be the first three octets of a /24 (e.g. 10.77.0), "
+                              f"got {self.subnet!r}")
         for name in ("ctld_port", "slurmd_port"):
             port = getattr(self, name)
             if port is not None and not 1 <= port <= 65535 - MAX_NODES:
@@ -141,10 +134,8 @@ def plan(config: SandboxConfig, hostname: str | None = None) -> Layout:
         ctld_port = config.ctld_port or 6817
         port = config.slurmd_port or 6818
         prefix = f"hpcft-{config.tag}"
-        nodes = tuple(
-            NodeSpec(name, name, f"{config.subnet}.{10 + i}", port, f"{prefix}-{name}")
-            for i, name in enumerate(names, start=1)
-        )
+        nodes = tuple(NodeSpec(name, name, f"{config.subnet}.{10 + i}", port, f"{prefix}-{name}")
+                      for i, name in enumerate(names, start=1))
         return Layout(config, "ctl", f"{config.subnet}.1", ctld_port, f"{prefix}-ctl", nodes)
     ctld_port = config.ctld_port or 17000
     first = config.slurmd_port or ctld_port + 1
@@ -194,10 +185,8 @@ def render_slurm_conf(layout: Layout) -> str:
     cfg = layout.config
     lines += [f"{key}={path}" for key, path in (("Prolog", cfg.prolog), ("Epilog", cfg.epilog)) if path]
     for node in layout.nodes:
-        lines.append(
-            f"NodeName={node.name} NodeHostname={node.hostname} NodeAddr={node.addr} Port={node.port} "
-            f"CPUs={cfg.cpus} RealMemory={cfg.memory_mb} State=UNKNOWN"
-        )
+        lines.append(f"NodeName={node.name} NodeHostname={node.hostname} NodeAddr={node.addr} Port={node.port} "
+                     f"CPUs={cfg.cpus} RealMemory={cfg.memory_mb} State=UNKNOWN")
     lines.append("PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
     return "\n".join(lines) + "\n"
 

@@ -13,7 +13,8 @@ def prepare(munge_dir: Path) -> None:
     try:
         user = pwd.getpwnam(USER)
     except KeyError as exc:
-        raise SandboxError("user 'munge' does not exist: install Debian's munge package (apt-get install munge)") from exc
+        raise SandboxError("user 'munge' does not exist: install Debian's munge package (apt-get install munge)") \
+            from exc
     munge_dir.mkdir(parents=True, exist_ok=True)
     key = munge_dir / "munge.key"
     key.write_bytes(os.urandom(1024))
@@ -25,12 +26,7 @@ def prepare(munge_dir: Path) -> None:
 
 def argv(munge_dir: Path) -> list[str]:
     """munged in the foreground as the munge user (munged refuses root); setpriv keeps the pid."""
-    return [
-        "setpriv", f"--reuid={USER}", f"--regid={USER}", "--init-groups",
-        "/usr/sbin/munged", "--foreground",
-        f"--socket={munge_dir / 'munge.socket'}",
-        f"--key-file={munge_dir / 'munge.key'}",
-        f"--pid-file={munge_dir / 'munged.pid'}",
-        f"--log-file={munge_dir / 'munged.log'}",
-        f"--seed-file={munge_dir / 'munged.seed'}",
-    ]
+    return ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--init-groups", "/usr/sbin/munged", "--foreground",
+            f"--socket={munge_dir / 'munge.socket'}", f"--key-file={munge_dir / 'munge.key'}",
+            f"--pid-file={munge_dir / 'munged.pid'}", f"--log-file={munge_dir / 'munged.log'}",
+            f"--seed-file={munge_dir / 'munged.seed'}"]

@@ -1,8 +1,5 @@
-"""Network namespaces for the sandbox: a controller namespace holding a bridge, one namespace per node.
-
-Nothing is created outside the namespaces the sandbox names, so no address or interface is visible on
-the host and no packet leaves the machine.
-"""
+"""Network namespaces for the sandbox: a controller namespace holding a bridge, one namespace per node. Nothing is
+created outside them: no address or interface is visible on the host, no packet leaves the machine."""
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,10 +23,8 @@ def exists(name: str) -> bool:
 def add(name: str) -> None:
     """Create an empty network namespace; refuse one that exists (it is not ours to take over)."""
     if exists(name):
-        raise SandboxError(
-            f"network namespace {name} exists already (left by a sandbox whose state was lost?): "
-            f"remove it with `ip netns del {name}`"
-        )
+        raise SandboxError(f"network namespace {name} exists already (left by a sandbox whose state was lost?): "
+                           f"remove it with `ip netns del {name}`")
     _ip("netns", "add", name)
     _ip("-n", name, "link", "set", "lo", "up")
 

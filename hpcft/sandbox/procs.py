@@ -1,10 +1,9 @@
 """Detached daemons we start ourselves, each in its own mount namespace, found and killed by that namespace.
 
-A daemon "group" is one started process and everything it later forks (slurmstepds, job tasks): they
-all share the mount namespace `unshare -m` made for it, so killing a group never needs a process name.
-Namespace inodes are reused once a namespace dies, so a group is also marked by a tiny tmpfs whose
-source name is unique to it; a process counts as a member only if its namespace shows that mount.
-"""
+A daemon "group" is one started process and everything it forks (slurmstepds, job tasks), all in the mount namespace
+`unshare -m` made for it: killing a group needs no process name. Namespace inodes are reused, so a group is also
+marked by a tiny tmpfs whose source name is unique to it; a member's namespace must show that mount."""
+import contextlib
 import os
 import shlex
 import signal
@@ -82,21 +81,12 @@ def pids_in_mntns(inode: int, marker: str) -> list[int]:
     return found if found and has_marker(found[0], marker) else []
 
 
-def namespaced(
-    argv: Sequence[str],
-    *,
-    marker: str,
-    marker_dir: Path,
-    netns: str | None = None,
-    hostname: str | None = None,
-    binds: Sequence[tuple[Path, str]] = (),
-    tmpfs: Sequence[tuple[str, str, str]] = (),
-) -> list[str]:
-    """argv run in a new private mount namespace (and UTS namespace with `hostname`, net namespace `netns`).
-
-    Inside it: the marker tmpfs on `marker_dir`, bind mounts (source, target) and tmpfs mounts
-    (name, options, target), then `exec argv`. `ip netns exec` is not used: it remounts /sys.
-    """
+def namespaced(argv: Sequence[str], *, marker: str, marker_dir: Path, netns: str | None = None,
+               hostname: str | None = None, binds: Sequence[tuple[Path, str]] = (),
+               tmpfs: Sequence[tuple[str, str, str]] = ()) -> list[str]:
+    """argv run in a new private mount namespace (and UTS namespace with `hostname`, net namespace `netns`): the
+    marker tmpfs on `marker_dir`, bind mounts (source, target), tmpfs mounts (name, options, target), then `exec
+    argv`. Not `ip netns exec`: it remounts /sys."""
     q = shlex.quote
     steps = ["set -e"]
     if hostname:
@@ -121,9 +111,8 @@ def tail(path: Path, lines: int = 15) -> str:
 def spawn(argv: Sequence[str], log: Path, marker: str, timeout: float = 5.0) -> Group:
     """Start a `namespaced` argv detached from us; return once its namespace shows `marker`."""
     env = dict(os.environ, HPCFT_LOG=str(log))
-    proc = subprocess.run(
-        ["sh", "-c", _SPAWN, "sh", *argv], capture_output=True, text=True, env=env, start_new_session=True
-    )
+    proc = subprocess.run(["sh", "-c", _SPAWN, "sh", *argv], capture_output=True, text=True, env=env,
+                          start_new_session=True)
     if proc.returncode != 0 or not proc.stdout.strip().isdigit():
         raise SandboxError(f"could not start {argv[0]}: {proc.stderr.strip() or proc.stdout.strip()}")
     pid = int(proc.stdout.strip())
@@ -154,11 +143,9 @@ def signal_members(group: Group, sig: int) -> list[int]:
     sent: set[int] = set()
     for _ in range(2):
         for pid in set(members(group)) - sent:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
                 sent.add(pid)
-            except ProcessLookupError:
-                pass
     return sorted(sent)
 
 
@@ -176,10 +163,8 @@ def kill(group: Group, sig: int = signal.SIGKILL, timeout: float = 5.0) -> None:
         if not pids:
             return
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
         if time.monotonic() > deadline:
             raise SandboxError(f"processes {pids} did not exit within {timeout:g} s after signal {sig}")
         time.sleep(0.02)
