@@ -37,18 +37,10 @@ class Listed(click.ParamType):
         self.counts = counts
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple:
-        if isinstance(value, tuple):
-            return value
-        items = tuple(x.strip() for x in str(value).split(",") if x.strip())
-        if not self.counts:
-            return items
-        try:
-            counts = tuple(int(x) for x in items)
-        except ValueError:
-            counts = ()
-        if not counts or min(counts) < 1:
+        items = value if isinstance(value, tuple) else tuple(x.strip() for x in str(value).split(",") if x.strip())
+        if self.counts and not (items and all(str(x).isdecimal() and int(x) >= 1 for x in items)):
             self.fail(f"{value!r} is not a list of counts, each at least 1; write e.g. 16,64,256", param, ctx)
-        return counts
+        return tuple(int(x) for x in items) if self.counts else items
 
 
 def _options(*options: Callable) -> Callable:

@@ -30,7 +30,7 @@ class HpcftFlush(Hpcft):
     to `persist` every `every` steps while training goes on. A block ends once a flush in progress has finished:
     the wait counts as blocked (conservative: a real run would overlap it with its next steps)."""
 
-    name, label = "hpcft_flush", "hpcft every step + flush every k"
+    name = "hpcft_flush"
 
     def __init__(self, trainer, root: Path, persist: Path, every: int) -> None:
         store_pin.announce(secure_dir(job_dir(root, JOB)))  # the store keeps a slot free for the agent's pin

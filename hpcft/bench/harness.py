@@ -37,7 +37,6 @@ class Variant:
     """One way of running the timed body (e.g. "train step + torch.save"); subclasses fill in the hooks."""
 
     name = "variant"
-    label = ""
 
     def prepare(self, index: int) -> None:
         """Untimed set-up before call `index` (e.g. perturb the state a restore must bring back)."""
@@ -131,19 +130,14 @@ class Memcpy(Variant):
 
     name = "memcpy"
 
-    def __init__(self, nbytes: int, threads: int = 1) -> None:
-        self._split(nbytes, threads)
-        self.label = f"memcpy, {self._threads_text()}"
-        self.src = np.ones(nbytes, dtype=np.uint8)
-        self.dst = np.ones(nbytes, dtype=np.uint8)  # written now, so no page faults in the timed copies
-
-    def _split(self, nbytes: int, threads: int) -> None:
+    def __init__(self, nbytes: int, threads: int = 1, src: np.ndarray | None = None,
+                 dst: np.ndarray | None = None) -> None:
         self.nbytes, self.threads = nbytes, max(1, threads)
         self._cuts = np.linspace(0, nbytes, self.threads + 1, dtype=np.int64)
         self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
-
-    def _threads_text(self) -> str:
-        return f"{self.threads} thread{'s' if self.threads > 1 else ''}"
+        # written now, so no page faults in the timed copies
+        self.src = np.ones(nbytes, dtype=np.uint8) if src is None else src
+        self.dst = np.ones(nbytes, dtype=np.uint8) if dst is None else dst
 
     def _part(self, i: int) -> None:
         lo, hi = self._cuts[i], self._cuts[i + 1]
@@ -170,14 +164,10 @@ class StoreMemcpy(Memcpy):
     def __init__(self, path: Path, nbytes: int, threads: int = 1, fresh: bool = False) -> None:
         import torch
 
-        self._split(nbytes, threads)
-        self.name = "memcpy_shm_fresh" if fresh else "memcpy_shm"
-        self.label = f"memcpy out of {'a fresh' if fresh else 'the'} mapping of the store's file, " \
-                     f"{self._threads_text()}"
-        self.path, self.fresh = path, fresh
-        self._mm: mmap.mmap | None = None
         self._tensor = torch.ones(nbytes, dtype=torch.uint8)  # written now: no page faults on this side
-        self.dst = self._tensor.numpy()
+        super().__init__(nbytes, threads, np.empty(0, dtype=np.uint8), self._tensor.numpy())
+        self.name = "memcpy_shm_fresh" if fresh else "memcpy_shm"
+        self.path, self.fresh, self._mm = path, fresh, None
         self._map()
 
     def _map(self) -> None:
@@ -220,7 +210,6 @@ class DeviceCopy(Variant):
 
         self.nbytes = nbytes
         self.device = torch.device(device)
-        self.label = "pinned host→device copy" if to_device else "device→pinned host copy"
         on_device = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
         pinned = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
         self.src, self.dst = (pinned, on_device) if to_device else (on_device, pinned)

@@ -33,12 +33,12 @@ class RestoreOptions:
 
 
 class Restoring(Variant):
-    """`load(trainer)` brings `reference` back into `trainer`; perturbed before and verified bitwise after each call."""
+    """Path `name`: `load(trainer)` brings `reference` back into `trainer`; perturbed before and verified bitwise after
+    each call."""
 
-    def __init__(self, trainer: Trainer, reference: list[torch.Tensor], load: Callable[[Trainer], object] | None = None,
-                 name: str = "", label: str = "") -> None:
-        self.trainer, self.reference, self.load = trainer, reference, load
-        self.name, self.label = name or self.name, label or self.label
+    def __init__(self, name: str, trainer: Trainer, reference: list[torch.Tensor],
+                 load: Callable[[Trainer], object] | None = None) -> None:
+        self.name, self.trainer, self.reference, self.load = name, trainer, reference, load
 
     def run_once(self, index: int) -> None:
         self.load(self.trainer)
@@ -67,9 +67,7 @@ class HpcftColdRestore(Restoring):
     process group's rendezvous; its own time is kept (`prefetch_s`)."""
 
     def __init__(self, trainer: Trainer, reference: list[torch.Tensor], root: Path, prefetched: bool = False) -> None:
-        super().__init__(trainer, reference, name="hpcft_prefetched" if prefetched else "hpcft_cold",
-                         label="hpcft: open + restore, slot mapped ahead during init" if prefetched
-                         else "hpcft: open the store + restore (a relaunch)")
+        super().__init__("hpcft_prefetched" if prefetched else "hpcft_cold", trainer, reference)
         self.root, self.prefetched, self.ckpt, self.prefetch_s = root, prefetched, None, []
 
     def prepare(self, index: int) -> None:
@@ -114,13 +112,12 @@ def run(opts: RestoreOptions) -> Report:
             state_bytes = source.state_bytes()
             prefetched = HpcftColdRestore(_trained(opts), reference, where.shm, prefetched=True)
             threads = ckpt.copy_settings.restore.threads
-            variants = [Restoring(source, reference, lambda t: ckpt.restore(), "hpcft",
-                                  "hpcft restore from shm (checksums verified)"),
+            variants = [Restoring("hpcft", source, reference, lambda t: ckpt.restore()),
                         HpcftColdRestore(_trained(opts), reference, where.shm), prefetched,
-                        Restoring(_trained(opts), reference, lambda t: baselines.dcp_load(t, where.disk / "dcp"),
-                                  "dcp_load", "dcp.load + set_state_dict (local disk)"),
-                        Restoring(_trained(opts), reference, lambda t: baselines.torch_load(t, where.disk / "ckpt.pt"),
-                                  "torch_load", "torch.load + load_state_dict (local disk)"),
+                        Restoring("dcp_load", _trained(opts), reference,
+                                  lambda t: baselines.dcp_load(t, where.disk / "dcp")),
+                        Restoring("torch_load", _trained(opts), reference,
+                                  lambda t: baselines.torch_load(t, where.disk / "ckpt.pt")),
                         # as many threads as the restore on a CPU; pinned host -> device on a GPU
                         memcpy_reference(state_bytes, opts.device, threads, to_device=True)]
             if opts.device == "cpu":  # the same copy out of the store's own file, mapped once and mapped anew

@@ -44,11 +44,11 @@ class Checkpointing(Variant):
 
 
 class NoCheckpoint(Checkpointing):
-    name, label = "none", "no checkpointing"
+    name = "none"
 
 
 class TorchSave(Checkpointing):
-    name, label = "torch_save", "torch.save every step"
+    name = "torch_save"
 
     def __init__(self, trainer: Trainer, directory: Path) -> None:
         super().__init__(trainer)
@@ -59,7 +59,7 @@ class TorchSave(Checkpointing):
 
 
 class DcpAsync(Checkpointing):
-    name, label = "dcp_async", "dcp.async_save every step"
+    name = "dcp_async"
 
     def __init__(self, trainer: Trainer, directory: Path) -> None:
         import torch.distributed as dist
@@ -86,7 +86,7 @@ class Hpcft(Checkpointing):
 
     STATS = ("blocked_s", "start_s", "inline_copy_s")
 
-    name, label = "hpcft", "hpcft every step"
+    name = "hpcft"
 
     def __init__(self, trainer: Trainer, root: Path, job_id: str = "bench") -> None:
         super().__init__(trainer)
@@ -133,7 +133,7 @@ class Hpcft(Checkpointing):
 class IdleSnapshot(Variant):
     """An hpcft snapshot and its wait with no training running: the copier's own bandwidth."""
 
-    name, label = "hpcft_idle", "hpcft snapshot + wait, no training"
+    name = "hpcft_idle"
 
     def __init__(self, hp: Hpcft) -> None:
         self.hp = hp
