@@ -33,22 +33,15 @@ from hpcft.store.writer import writer_id
 _log = logging.getLogger(__name__)
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 class Checkpointer:
     """In-memory snapshots of one model and its optimizer (see docs/checkpointing.md), taken and kept as `options`
     says (hpcft.Options: every, keep, auto, where the store and the durable tier are, how to copy).
 
     extra: a callable returning a JSON-able dict (e.g. data-loader position), recorded with each snapshot;
            after restore() the saved dict is in `ckpt.extra` and is passed to `on_restore` if given.
-    dp_group: the data-parallel group; replicated state is split across its members (each copies 1/DP). Any
-              group works, NCCL/RCCL ones included: hpcft pairs it (and the default group) with a gloo group of
-              the same ranks for its own CPU-tensor collectives, made once here (collective: every rank constructs
-              its Checkpointer together, each passing the one data-parallel group it belongs to, or all None).
+    dp_group: the data-parallel group; replicated state is split across its members (each copies 1/DP). Any group
+              works, NCCL/RCCL ones too (hpcft pairs it with a gloo group of the same ranks, made here: collective,
+              every rank passing the one data-parallel group it belongs to, or all None).
     on_restore: a callable given the restored `extra` dict after a successful restore().
     """
 
@@ -77,7 +70,7 @@ class Checkpointer:
         self.comm = groups.comm(dp_group)
         self.group = self.comm.dp
         self._view = StateView(model, optimizer, frozenset(self.group.ranks) if self.group else None)
-        device = _device_of(model)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
         backend = copiers.choose(opts.backend, device)
         # the copy method: calibrated on this host for the CPU backend, explicit options first (calibration)
         self.copy_settings = calibration.settings(backend, copiers.default_threads(backend), opts.threads,
@@ -108,9 +101,8 @@ class Checkpointer:
                 self._hooks.append(optimizer.register_step_post_hook(self._post_step))
 
     # the two optimizer hooks -----------------------------------------------------------------------------
-    # The optimizer's step, from the pre-step hook to the end of the post-step one, is an in-process restart's
-    # shielded section (hpcft.inprocess.shield): a peer's fault interrupts this rank after the step's snapshot has
-    # started, not in the update or half-way through the start, so the snapshot commits when the Checkpointer closes.
+    # The optimizer's step, from the pre-step hook to the end of the post-step one, is a shielded section
+    # (hpcft.inprocess.shield): a peer's fault interrupts this rank after the step's snapshot started, not inside it.
     def _pre_step(self, *_: Any) -> None:
         if not self._quiet:
             self._leave_step()  # a previous step that raised before its post-step hook
@@ -138,10 +130,9 @@ class Checkpointer:
 
     # public API --------------------------------------------------------------------------------------------
     def step(self, it: int) -> None:
-        """Mark the end of loop iteration `it` (0-based, as in `range(start, total)`): the state now holds
-        it + 1 steps. With auto=False this takes the snapshot. With auto=True the optimizer hook normally
-        already took it; if the hook count disagrees (a skipped optimizer step, hooks added late), the
-        loop's count wins: the counter is set to it + 1 and the snapshot is taken here."""
+        """Mark the end of loop iteration `it` (0-based): the state now holds it + 1 steps. With auto=False this takes
+        the snapshot; with auto=True the optimizer hook normally took it, and where the hook's count disagrees (a
+        skipped optimizer step, hooks added late) the loop's count wins and the snapshot is taken here."""
         if self.options.auto and self.completed == it + 1:
             return
         if self.options.auto and not self._warned:
@@ -183,10 +174,9 @@ class Checkpointer:
         self.engine.wait()
 
     def restore(self) -> int:
-        """Load the newest step complete on every rank (collective), from memory or the durable tier (`persist_dir`;
-        see hpcft.durable.resume for the order), and return it: the number of optimizer steps it holds = the next
-        loop index. 0 on a fresh run. Raises if checkpoints exist but none could be loaded (every candidate lost a
-        chunk or does not match the model)."""
+        """Load the newest step complete on every rank (collective), from memory or the durable tier (order:
+        hpcft.durable.resume), and return it: the optimizer steps it holds = the next loop index; 0 on a fresh run.
+        Raises if checkpoints exist but none could be loaded."""
         self.engine.wait()
 
         def live() -> list[state.Entry]:
@@ -217,8 +207,8 @@ class Checkpointer:
         return got.step
 
     def _check_meta(self, m: dict[str, Any]) -> None:
-        """What restore() applies after the load (RNG, optimizer settings) must be applicable: checked with the load,
-        so that a bad manifest fails its version on every rank together instead of raising on one after it."""
+        """What restore() applies after the load (RNG, optimizer settings) is checked with the load, so that a bad
+        manifest fails its version on every rank together."""
         rng.check(m["rng"])
         state.check_optimizer_meta(self.optimizer, m.get("optim"))
 

@@ -60,7 +60,8 @@ def resolve_layout(world: int, dp: int | None, tp: int, pp: int) -> tuple[int, i
             raise ConfigError(f"{name} must be a positive integer (got {v})")
     if dp is None:
         if world % (tp * pp):
-            raise ConfigError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}; change tp/pp or the task count")
+            raise ConfigError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}; change tp/pp or the task "
+                              "count")
         dp = world // (tp * pp)
     if dp * tp * pp != world:
         raise ConfigError(f"layout dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} does not match world size {world}")
@@ -77,16 +78,15 @@ def pick_device(local_rank: int) -> torch.device:
 
 
 def default_backend(device: torch.device) -> str:
-    """gloo on CPUs; on GPUs NCCL (RCCL on ROCm) for the device and gloo for CPU tensors in the same groups, so that
-    CPU collectives (hpcft's metadata, a script's own) work on every group made from the default one."""
+    """gloo on CPUs; on GPUs NCCL (RCCL on ROCm) for the device and gloo for CPU tensors in the same groups, so CPU
+    collectives work on every group made from the default one."""
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def wait_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.005) -> bool:
     """Wait until something accepts connections on host:port: True; False for a host that does not resolve (torch
-    then says so itself); RendezvousError at the deadline, instead of torch waiting out the same timeout again.
-    Why wait at all: torch's TCPStore client that connects before rank 0 listens sleeps out a backoff of up to a
-    second, which a warm relaunch (every rank started at once) hits every time."""
+    says so); RendezvousError at the deadline. Why: torch's TCPStore client that connects before rank 0 listens
+    sleeps out a backoff of up to a second, which a warm relaunch (every rank started at once) hits every time."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:

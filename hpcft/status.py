@@ -1,9 +1,7 @@
-"""`hpcft status`: a read-only view of a job's in-memory checkpoints, for people. Per node (slot) and rank, the
-versions held and how far each got (staged → protected → persisted), the agent's heartbeat age, and the
-redundancy health of every protection set, and the stragglers the supervisor named. Reads only the supervisor's
-bounded log `<job dir>/status.json` (what every agent reported over the network about its node's store, replaced at
-most once a second and once more at the run's end), or the status files of agents started by hand, and the job's
-event record, so it never waits on a dead node."""
+"""`hpcft status`: a read-only view of a job's in-memory checkpoints, for people: per node (slot) and rank the versions
+held and how far each got (staged → protected → persisted), the agents' heartbeats, each protection set's health and
+the stragglers named. Reads only the supervisor's bounded log `<job dir>/status.json` (what the agents reported, at
+most once a second), or the status files of agents started by hand, and the job's events: it never waits on a node."""
 from __future__ import annotations
 
 import time
@@ -21,7 +19,7 @@ if TYPE_CHECKING:
     from hpcft.agent.protection.placement import Placement
 
 STAGED, PROTECTED, PERSISTED = "staged", "protected", "persisted"
-HEALTHY, DEGRADED, AT_RISK, STOPPED, UNPROTECTED = "healthy", "degraded", "at risk", "stopped", "unprotected"
+HEALTHY, DEGRADED, AT_RISK, STOPPED = "healthy", "degraded", "at risk", "stopped"
 BEHIND = "behind"  # every member fresh, but protection stopped keeping up with the trainers (a stall)
 MIN_STALE_S = 30.0
 MIN_STALL_S = 10.0  # protection not advanced for this long (or 5 rounds) while the trainers went on: a stall
@@ -198,11 +196,10 @@ def _node(slot: int, rep: dict[str, Any] | None, now: float, stale: float) -> No
         return NodeView(slot, None, "absent", None, False, error="no status file")
     age = max(0.0, now - float(rep.get("time", 0)))
     phase = rep.get("phase", "?")
-    return NodeView(slot, rep.get("node"), phase, round(age, 3),
-                    fresh=phase not in agent_status.TERMINAL and age <= stale, staged=rep.get("staged"),
-                    protected=rep.get("protected"), persisted=rep.get("persisted"), local=rep.get("local"), lag_steps=rep.get("lag_steps"),
-                    lag_s=rep.get("lag_s"), cpu_cores=rep.get("cpu_cores"),
-                    ranks={str(r): list(v) for r, v in (rep.get("versions") or {}).items()}, error=rep.get("error"))
+    said = {k: rep.get(k) for k in ("staged", "protected", "persisted", "local", "lag_steps", "lag_s", "cpu_cores",
+                                    "error")}
+    return NodeView(slot, rep.get("node"), phase, round(age, 3), phase not in agent_status.TERMINAL and age <= stale,
+                    ranks={str(r): list(v) for r, v in (rep.get("versions") or {}).items()}, **said)
 
 
 def _records(reports: dict[int, dict[str, Any]], slot: int) -> set[int]:
@@ -270,10 +267,6 @@ def _why(n: NodeView) -> str:
     return f"silent for {n.heartbeat_age_s:.0f} s"
 
 
-def as_dict(view: JobView) -> dict[str, Any]:
-    return asdict(view)
-
-
 def render(view: JobView) -> str:
     """The human table."""
     sc = view.scheme
@@ -301,8 +294,8 @@ def render(view: JobView) -> str:
         lines.append(f"straggler {v.node} ranks {v.ranks}: ready {v.ready_s:.3f} s vs the peers' {v.peers_s:.3f} s "
                      f"({v.ratio:.2f}x)" + (", evicted onto a spare" if v.evicted else ""))
     lines.append("persisted: newest durable step on the shared file system; nvme: newest in the node's first level "
-                 "(drained to it); lag: steps (and seconds) the newest protected snapshot trails the newest staged one; "
-                 "versions: * protected, ** persisted, plain staged; ! heartbeat older than "
+                 "(drained to it); lag: steps (and seconds) the newest protected snapshot trails the newest staged "
+                 "one; versions: * protected, ** persisted, plain staged; ! heartbeat older than "
                  f"{view.stale_after_s:g} s")
     return "\n".join(lines)
 
@@ -327,4 +320,4 @@ def status(rendezvous: str, tag: str | None, stale: float | None, as_json: bool)
     import json
 
     view = collect(rendezvous, tag, stale)
-    click.echo(json.dumps(as_dict(view), sort_keys=False) if as_json else render(view))
+    click.echo(json.dumps(asdict(view), sort_keys=False) if as_json else render(view))
