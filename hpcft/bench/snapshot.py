@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from hpcft.bench import baselines, machine
-from hpcft.bench.flush import HpcftFlush, flush_vs_write
 from hpcft.bench.harness import (GB, Report, Scratch, Timings, local_process_group, memcpy_reference,
                                  overhead, run_interleaved, scratch, set_threads)
 from hpcft.bench.model import Trainer, config_for_params
-from hpcft.bench.snapshot_variants import Checkpointing, DcpAsync, Hpcft, IdleSnapshot, NoCheckpoint, TorchSave
+from hpcft.bench.snapshot_variants import (Checkpointing, DcpAsync, Hpcft, HpcftFlush, IdleSnapshot, NoCheckpoint,
+                                          TorchSave, flush_vs_write)
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def run(opts: SnapshotOptions) -> Report:
         hp = next(v for v in variants if isinstance(v, Hpcft))
         try:
             timings = run_interleaved(variants, opts.steps, opts.warmup, opts.block)
-            training = hp.copy_bandwidth(first_step=hp.first_measured_step(opts.warmup))
+            training = hp.copy_bandwidth(first_step=hp.ckpt.store.nslots + opts.warmup + 1)  # the first measured
             idle = IdleSnapshot(hp)
             memcpy = memcpy_reference(trainer.state_bytes(), opts.device, hp.ckpt.threads)
             memcpy1 = memcpy_reference(trainer.state_bytes(), opts.device)
