@@ -214,6 +214,7 @@ def reports(**options: Any) -> None:
               help="Keep every run's output (job dirs, events, timelines, final.pt) in this new or empty directory, "
                    "one subdirectory per scenario (default: removed unless a run fails).")
 @click.option("--baseline", "baselines", multiple=True, type=click.Choice(["relaunch", "requeue"]),
+              default=("relaunch", "requeue"),
               help="Baselines to run (repeatable) [default: both]: torch.save every step, then srun again in the "
                    "same allocation (relaunch) or scontrol requeue (requeue), and torch.load.")
 @click.option("--crash", type=click.Choice(["kill", "silent"]), default="kill", show_default=True,
@@ -229,6 +230,4 @@ def recovery(**options: Any) -> None:
     without hpcft (torch.save, relaunch in the allocation or requeue, torch.load)."""
     if options["keep"] and options["runs"] > 1:
         raise click.UsageError("--keep keeps one run's output: give it with --runs 1")
-    if not options["baselines"]:  # RecoveryOptions' default: both
-        del options["baselines"]
     _run("recovery", **options)

@@ -11,7 +11,6 @@ import json
 import logging
 import mmap
 import os
-import shutil
 import socket
 import statistics
 import sys
@@ -262,13 +261,9 @@ def scratch(root: str | os.PathLike | None = None) -> Iterator[Scratch]:
     shm_parent = Path(root) if root else Path("/dev/shm")
     if not shm_parent.is_dir():
         raise ConfigError(f"--root {shm_parent} is not a directory; give an existing directory (e.g. /dev/shm)")
-    disk = Path(tempfile.mkdtemp(prefix="hpcft-bench-"))
-    shm = Path(tempfile.mkdtemp(prefix="hpcft-bench-", dir=shm_parent))
-    try:
-        yield Scratch(disk=disk, shm=shm)
-    finally:
-        for path in (disk, shm):
-            shutil.rmtree(path, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="hpcft-bench-", ignore_cleanup_errors=True) as disk, \
+            tempfile.TemporaryDirectory(prefix="hpcft-bench-", dir=shm_parent, ignore_cleanup_errors=True) as shm:
+        yield Scratch(disk=Path(disk), shm=Path(shm))
 
 
 def set_threads(threads: int) -> None:

@@ -177,8 +177,7 @@ def rank_kill(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
 
 def exception(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     """Rank VICTIM_RANK raises at step `fault_at` in the first generation; every rank restarts in process."""
-    proc = _supervised(sb, opts, out, RAISE_AT=str(opts.fault_at), RAISE_RANK=str(VICTIM_RANK))
-    _finish(proc, out, opts.timeout)
+    _finish(_supervised(sb, opts, out, RAISE_AT=str(opts.fault_at), RAISE_RANK=str(VICTIM_RANK)), out, opts.timeout)
     return inprocess_phases(timeline.read(out), events.read(out / "job"))
 
 
@@ -355,11 +354,10 @@ def run(opts: RecoveryOptions) -> Report:
         shutil.rmtree(work, ignore_errors=True)
     report = Report("recovery", judge=met)
     report.add("identical", identical, "", "every faulted run ended bit-identical to the fault-free run")
-    share = kill["restore_s"] / kill["total_s"]
     report.add("rank_kill_s", kill["total_s"], "s", "rank kill: fault -> first step after it")
     report.add("node_crash_s", crash["from_marked_down_s"], "s", "node crash: Slurm marks node bad -> first step")
     report.add("node_crash_from_fault_s", crash["total_s"], "s", "node crash: crash -> first step")
-    report.add("restore_share", share, "", "rank kill: restore / total")
+    report.add("restore_share", kill["restore_s"] / kill["total_s"], "", "rank kill: restore / total")
     report.add("rank_kill_warm_ranks", kill["warm_ranks"], "", "rank kill: relaunched ranks a warm standby started")
     report.add("exception_s", exc["total_s"], "s", "exception: raise -> first step after the in-process restart")
     for phase in ("detection_s", "abort_barrier_s", "new_groups_s", "restore_s", "first_step_s"):

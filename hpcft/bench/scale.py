@@ -138,10 +138,9 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 def frontier(group: int) -> dict[str, Any]:
     """What the fabric's structure gives at 9,408 nodes (counted, not measured): connections and hops per agent."""
-    hops = math.ceil(math.log2(FRONTIER_NODES))
     ring = len(overlay(0, FRONTIER_NODES))
-    return {"nodes": FRONTIER_NODES, "agree_hops": hops, "overlay_peers": ring, "set_peers": group - 1,
-            "connections_per_agent_at_most": (group - 1) + 2 * ring,
+    return {"nodes": FRONTIER_NODES, "agree_hops": math.ceil(math.log2(FRONTIER_NODES)), "overlay_peers": ring,
+            "set_peers": group - 1, "connections_per_agent_at_most": (group - 1) + 2 * ring,
             "all_to_all_connections": FRONTIER_NODES - 1 + ring}
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from hpcft.bench import baselines, machine
-from hpcft.bench.harness import (GB, Report, Scratch, Timings, local_process_group, memcpy_reference,
-                                 overhead, run_interleaved, scratch, set_threads)
+from hpcft.bench.harness import (GB, Report, Timings, local_process_group, memcpy_reference, overhead,
+                                 run_interleaved, scratch, set_threads)
 from hpcft.bench.model import Trainer, config_for_params
 from hpcft.bench.snapshot_variants import (Checkpointing, DcpAsync, Hpcft, HpcftFlush, IdleSnapshot, NoCheckpoint,
                                           TorchSave, flush_vs_write)
@@ -27,23 +27,19 @@ class SnapshotOptions:
     baselines: bool = True  # torch.save and dcp.async_save too (on a GPU each costs seconds a step)
 
 
-def _build(opts: SnapshotOptions, where: Scratch) -> tuple[Trainer, list[Checkpointing]]:
-    trainer = Trainer(config_for_params(opts.params, opts.batch), device=opts.device)
-    trainer.step()  # Adam state exists from here on, so every variant copies the same bytes
-    variants = [NoCheckpoint(trainer), Hpcft(trainer, where.shm)]
-    if opts.baselines:
-        variants += [TorchSave(trainer, where.disk), DcpAsync(trainer, where.disk)]
-    if opts.flush_every:
-        variants.append(HpcftFlush(trainer, where.shm, where.disk / "persist", opts.flush_every))
-    return trainer, variants
-
-
 def run(opts: SnapshotOptions) -> Report:
     """Run the snapshot bench and return its report (ratios, medians, configuration)."""
     set_threads(opts.threads)
     with scratch(opts.root) as where, local_process_group():
-        trainer, variants = _build(opts, where)
-        hp = next(v for v in variants if isinstance(v, Hpcft))
+        trainer = Trainer(config_for_params(opts.params, opts.batch), device=opts.device)
+        trainer.step()  # Adam state exists from here on, so every variant copies the same bytes
+        hp = Hpcft(trainer, where.shm)
+        variants = [NoCheckpoint(trainer), hp]
+        if opts.baselines:
+            variants += [TorchSave(trainer, where.disk), DcpAsync(trainer, where.disk)]
+        flushing = HpcftFlush(trainer, where.shm, where.disk / "persist", opts.flush_every) if opts.flush_every \
+            else None
+        variants += [flushing] if flushing else []
         try:
             timings = run_interleaved(variants, opts.steps, opts.warmup, opts.block)
             training = hp.copy_bandwidth(first_step=hp.ckpt.store.nslots + opts.warmup + 1)  # the first measured
@@ -53,7 +49,6 @@ def run(opts: SnapshotOptions) -> Report:
             memcpy1.name = "memcpy1"  # with one thread
             reference = run_interleaved([idle, memcpy, memcpy1], steps=3, warmup=1, block=1, close=True)
             stats = hp.ckpt.stats.as_dict()
-            flushing = next((v for v in variants if isinstance(v, HpcftFlush)), None)
             flushes = (flushing.durable(), *flush_vs_write(flushing, where.disk)) if flushing else None
         finally:
             for v in variants:

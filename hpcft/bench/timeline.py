@@ -61,10 +61,7 @@ def phases(timeline: list[dict], run: str, fault: float, decided: float) -> dict
     recs = [r for r in timeline if r["run"] == run]
 
     def per_rank(what: str) -> dict[int, dict]:
-        first: dict[int, dict] = {}
-        for r in recs:
-            if r["what"] == what and r["rank"] not in first:
-                first[r["rank"]] = r
+        first = {r["rank"]: r for r in reversed(recs) if r["what"] == what}  # reversed: each rank's first stays
         if len(first) < ACTIVE:
             raise HpcftError(f"run {run} recorded {what!r} for ranks {sorted(first)} only")
         return first
