@@ -15,8 +15,6 @@ class Count(click.ParamType):
     name = "count"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
         text = str(value).strip().lower()
         scale = _SUFFIXES.get(text[-1:], 1)
         try:
@@ -79,9 +77,8 @@ DEVICE = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="c
 
 
 def _run(name: str, as_json: bool, runs: int, **options: Any) -> None:
-    """Bench `name`: `hpcft.bench.<name>.run(<Name>Options(**options))` `runs` times with everything libraries print
-    sent to stderr, then its report with the machine it ran on (CPU, cores, memory, memcpy bandwidth with 1 and the
-    bench's threads, load)."""
+    """Bench `name`: `hpcft.bench.<name>.run(<Name>Options(**options))` `runs` times, all that libraries print sent
+    to stderr; then its report, with the machine it ran on (machine.describe)."""
     from hpcft.bench import machine
     from hpcft.bench.harness import emit, stdout_to_stderr
 

@@ -80,13 +80,12 @@ def _sandbox(directory: str | None) -> Iterator[Any]:
                               f"{ACTIVE + SPARES} (`hpcft sandbox up --nodes {ACTIVE + SPARES}`)")
         yield sb
         return
-    own = Path(tempfile.mkdtemp(prefix="hpcft-bench-sandbox-"))
-    sb, _ = ensure_up(SandboxConfig(dir=own, nodes=ACTIVE + SPARES), timeout=60)
-    try:
-        yield sb
-    finally:
-        sb.down()
-        shutil.rmtree(own, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="hpcft-bench-sandbox-", ignore_cleanup_errors=True) as own:
+        sb, _ = ensure_up(SandboxConfig(dir=Path(own), nodes=ACTIVE + SPARES), timeout=60)
+        try:
+            yield sb
+        finally:
+            sb.down()
 
 
 def keep_logs(sb: Any, into: Path) -> list[Path]:
@@ -311,8 +310,7 @@ def batch_host(sb, opts: RecoveryOptions, out: Path) -> dict[str, Any]:
 
 def met(figures: dict[str, Any]) -> dict[str, bool]:
     """Which of #14's targets `figures` (one run's, or the medians of several) meet."""
-    within = {key: figures[key] <= limit for key, limit in TARGETS.items()}
-    return {**within, "identical": figures["identical"] is True}
+    return {**{key: figures[key] <= limit for key, limit in TARGETS.items()}, "identical": figures["identical"] is True}
 
 
 def run(opts: RecoveryOptions) -> Report:

@@ -54,8 +54,7 @@ def _client(address: str, secret: bytes, nodes: int, ranks: int, seconds: float,
         ch.send({"report": {"tag": "0", "slot": slot, "node": f"frontier{slot:05d}", "full": True,
                             "set": _full(slot, ranks, 100)}})
     out.put(("connected", time.time()))
-    started, sent, size = time.monotonic(), 0, 0
-    step = 101
+    started, sent, size, step = time.monotonic(), 0, 0, 101
     while time.monotonic() - started < seconds:
         for slot, ch in enumerate(chans):
             due = started + (step - 101) + slot / nodes  # paced: N reports spread over each second

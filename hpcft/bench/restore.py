@@ -98,7 +98,6 @@ def _trained(opts: RestoreOptions) -> Trainer:
 
 
 def run(opts: RestoreOptions) -> Report:
-    """Run the restore bench and return its report."""
     set_threads(opts.threads)
     with scratch(opts.root) as where, local_process_group():
         source = _trained(opts)
@@ -131,7 +130,7 @@ def run(opts: RestoreOptions) -> Report:
         r = _report(opts, source, timings, state_bytes)
         r.add("prefetch_s", statistics.median(prefetched.prefetch_s[opts.warmup:] or prefetched.prefetch_s), "s",
               "mapping the slot ahead (in a relaunch: hidden by the init it overlaps), median")
-        r.add("restore_threads", ckpt.copy_settings.restore.threads, "", "hpcft restore threads (and the memcpy's)")
+        r.add("restore_threads", threads, "", "hpcft restore threads (and the memcpy's)")
         r.note("copy_calibration", machine.calibration(ckpt.copy_settings))
         r.note("store_pages", hugepages.mode(where.shm))  # what the cold restore's page faults cost depends on
         return r

@@ -42,12 +42,11 @@ def loopback(slot: int) -> str:
 
 
 def _spawn(n: int, opts: ScaleOptions, directory: str, secret: Path) -> list[subprocess.Popen]:
-    env = {**os.environ, "HPCFT_EVENT_DIR": str(secret.parent)}
     return [subprocess.Popen([sys.executable, "-m", "hpcft.bench.scale_agent", json.dumps(dict(
                                  slot=i, slots=n, host=loopback(i), directory=directory, secret=str(secret),
                                  group=opts.group, rounds=opts.rounds, window=opts.window, timeout=opts.timeout))],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env) for i in range(n)]
+                             env={**os.environ, "HPCFT_EVENT_DIR": str(secret.parent)}) for i in range(n)]
 
 
 def _line(proc: subprocess.Popen, slot: int, what: str) -> str:
@@ -74,10 +73,9 @@ def measure(n: int, opts: ScaleOptions) -> dict[str, Any]:
             for p in procs:
                 p.wait(timeout=opts.timeout)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            for p in procs:  # a no-op for those already waited for
+                p.kill()
+                p.wait()
             served.close()
     return summarize(n, go, got, opts.group)
 

@@ -28,7 +28,6 @@ class SnapshotOptions:
 
 
 def run(opts: SnapshotOptions) -> Report:
-    """Run the snapshot bench and return its report (ratios, medians, configuration)."""
     set_threads(opts.threads)
     with scratch(opts.root) as where, local_process_group():
         trainer = Trainer(config_for_params(opts.params, opts.batch), device=opts.device)

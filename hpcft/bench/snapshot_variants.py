@@ -183,8 +183,7 @@ class HpcftFlush(Hpcft):
         self.per_call["blocked_s"][self._last] += time.perf_counter() - t0
 
     def durable(self) -> int | None:
-        st = agent_status.read(self.shared, "0").get(0) or {}
-        return st.get("persisted")
+        return (agent_status.read(self.shared, "0").get(0) or {}).get("persisted")
 
     def close(self) -> None:
         agent_status.request_stop(self.shared, "0")
