@@ -31,9 +31,8 @@ class PeerSilent(TransportError):
 
 
 def period_for(timeout: float) -> float:
-    """Seconds between beats: a tenth of the loss timeout (at most half a second). A peer is named once silent for
-    the timeout plus a period (its last beat may have left up to a period before it stopped), so the shorter the
-    period, the closer to the timeout a frozen peer is named."""
+    """Seconds between beats: a tenth of the loss timeout, half a second at most. A peer is named once silent for the
+    timeout plus a period (its last beat may have left a period before it stopped): the shorter, the sooner."""
     return min(MAX_PERIOD_S, timeout / 10)
 
 
@@ -113,8 +112,8 @@ class Heartbeat:
             if self._stop.wait(max(0.0, wake - time.monotonic())):
                 return
             now = time.monotonic()
-            if now - wake > max(self.period, STARVED_S):  # this agent was paused or starved: what it missed is
-                for j in self.heard:                      # still to be read
+            if now - wake > max(self.period, STARVED_S):  # this agent was paused: what it missed is still to be read
+                for j in self.heard:
                     self.heard[j] = max(self.heard[j], now - self.period)
             woke = now
             if now >= beat_at:

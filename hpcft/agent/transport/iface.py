@@ -1,6 +1,5 @@
-"""Which address a node agent binds to: a named network interface's (hsn0, Frontier's Slingshot NIC), so that the
-agents' bulk traffic goes over the high-speed network, or, when the node has no such interface, its hostname's
-address, with a warning event naming the fallback."""
+"""Which address a node agent binds to: a named interface's (hsn0, Frontier's Slingshot NIC), so the bulk traffic
+takes the high-speed network; without one, its hostname's address, with a warning event naming the fallback."""
 from __future__ import annotations
 
 import fcntl

@@ -1,7 +1,6 @@
-"""The agents of one job over the authenticated transport: each holds channels only to the slots it exchanges bulk
-data with (placement.exchange_peers) and to its overlay neighbours, over which `allgather` and `allreduce` agree on
-small JSON values in ⌈log2 N⌉ rounds. Slot i connects to every lower slot it wants and accepts every higher one, so the
-mesh forms without deadlock."""
+"""The agents of one job over the authenticated transport: channels only to the slots each exchanges bulk data with and
+to its overlay neighbours, over which `allgather` and `allreduce` agree in ⌈log2 N⌉ rounds. Slot i connects to the
+lower slots it wants and accepts the higher ones, so the mesh forms without deadlock."""
 from __future__ import annotations
 
 import logging
@@ -92,9 +91,8 @@ class MeshBase:
         return [(sender - k) % self.size for k in range(min(step, self.size - step))]
 
     def allreduce(self, value: Any, combine: Callable[[Any, Any], Any], shape: Any = object) -> Any:
-        """Every agent's `value` combined, in ⌈log2 N⌉ messages of one value's size. `combine` must be associative,
-        commutative and idempotent (the last round's windows overlap when N is no power of two). A partial result
-        that does not fit `shape`, or that `combine` cannot take, is the sender's error."""
+        """Every agent's `value` combined, in ⌈log2 N⌉ messages of one value's size; `combine` must be associative,
+        commutative and idempotent (windows overlap). A result unfit for `shape` or `combine` is the sender's error."""
         acc = [value]
 
         def merge(_step: int, got: Any) -> None:
@@ -120,9 +118,8 @@ class MeshBase:
 
     def _rounds(self, kind: str, send: Callable[[int], Any], merge: Callable[[int, Any], None],
                 expect: Callable[[int], Any]) -> None:
-        """The rounds of an agreement: `send(2^k)` to slot + 2^k, `merge(2^k, what slot − 2^k sent)` fitting
-        `expect(2^k)`. A failing agent tells its connections whom it lost (`give_up`), so every agent fails within
-        log2 N hops naming the same lost slot."""
+        """An agreement's rounds: `send(2^k)` to slot + 2^k, `merge(2^k, what slot − 2^k sent)` fitting `expect(2^k)`;
+        a failing agent tells its connections whom it lost, so all fail within log2 N hops naming the same slot."""
         step = 1
         try:
             while step < self.size:

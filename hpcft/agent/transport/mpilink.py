@@ -65,7 +65,6 @@ class MpiLink(Link):
         self._call(lambda MPI, c: c.Irecv([self._notice, MPI.BYTE], source=rank, tag=NOTICES), "notice receive",
                    idle=True, on_done=self._noticed, track=False)
 
-    # -- sending -------------------------------------------------------------------------------------------------
     def send_parts(self, header: dict[str, Any], parts: Sequence[Any]) -> None:
         head = json.dumps(header, separators=(",", ":")).encode()
         plen = sum(memoryview(p).nbytes for p in parts)
@@ -94,7 +93,6 @@ class MpiLink(Link):
         if op.error is not None:
             self._fail(op.error)
 
-    # -- receiving -----------------------------------------------------------------------------------------------
     def recv_header(self) -> tuple[dict[str, Any], int]:
         if self._left:
             raise TransportError(f"{self.peer}: a new message asked for with {self._left} payload bytes of the last "
@@ -148,7 +146,6 @@ class MpiLink(Link):
         return self._call(lambda MPI, c: c.Irecv([buf, MPI.BYTE], source=self.rank, tag=DATA),
                           f"receive from {self.peer}")
 
-    # -- notices, waits --------------------------------------------------------------------------------------------
     def tell(self, header: dict[str, Any]) -> None:
         if self._gone is not None:
             return

@@ -1,7 +1,6 @@
-"""The agents' mesh over MPI (--agent-transport mpi), each peer a Link over the agents' srun step's communicator, so
-bulk bytes take the MPI library's path (Cray MPICH over Slingshot's NICs, which TCP over hsn0 does not use). MPI needs
-no fault tolerance here (the agents relaunch as one step); the heartbeats stay on TCP and still name a lost peer. MPI
-ranks follow srun's task order, not the slots': the slots are all-gathered once to map them."""
+"""The agents' mesh over MPI (--agent-transport mpi), so bulk bytes take the MPI library's path (Cray MPICH over
+Slingshot's NICs, which TCP over hsn0 does not use). It needs no fault tolerance (the agents relaunch as one step; the
+heartbeats stay on TCP); MPI ranks follow srun's task order, so the slots are all-gathered once to map them."""
 from __future__ import annotations
 
 import logging

@@ -1,7 +1,6 @@
-"""How the agents of one job learn each other's addresses: from a directory service on the authenticated transport.
-Each agent registers (launch tag, slot, address) and is answered the addresses it asked for once they registered.
-`hpcft run` serves it and exports HPCFT_AGENT_DIRECTORY; without it the agent of slot 0 serves one and publishes its
-address in one file of the rendezvous directory: no agent polls per-peer files on the shared file system."""
+"""How the agents of one job learn each other's addresses: each registers (launch tag, slot, address) at a directory
+service, answered once the slots it asked for have registered. `hpcft run` serves it (HPCFT_AGENT_DIRECTORY), else
+slot 0's agent, publishing its address in one file: no agent polls per-peer files on the shared file system."""
 from __future__ import annotations
 
 import ipaddress
@@ -44,9 +43,8 @@ class _Ask:
 
 
 def addresses(iface: str | None = None) -> list[str]:
-    """Where other nodes may reach a service on this host, best first: `iface`'s address; else the hostname's, then
-    every other IPv4 address, loopback last (a hostname may resolve to 127.0.1.1; which network the nodes reach is
-    not known here)."""
+    """Where other nodes may reach a service on this host, best first: `iface`'s address; else the hostname's (it may
+    be 127.0.1.1), then every other IPv4 address, loopback last (which network the nodes reach is not known here)."""
     if iface and (addr := iface_address(iface)):
         return [addr]
     found: list[str] = []

@@ -1,7 +1,6 @@
-"""Caps on protection work: bytes per second (a share of the network) and CPU cores (the node's are the trainers').
-The CPU cap bills protection only: the agent's chores (heartbeats, reports, pin renewals, handshakes; threads made by
-`chore`) must run whatever the cap, and billed at 1 % of a core they left nothing for protection; the durable flush is
-no protection either (one commit's 1.9 CPU-s of torch import stopped protection for 190 s at 1 % of a core)."""
+"""Caps on protection work: bytes per second and CPU cores (the node's are the trainers'). The CPU cap bills protection
+only: billed at 1 % of a core, the agent's chores (heartbeats, reports, pin renewals; threads made by `chore`) left
+nothing for protection, and one flush commit's 1.9 CPU-s of torch import stopped it for 190 s."""
 from __future__ import annotations
 
 import os
@@ -78,9 +77,8 @@ class Throttle:
 
     @contextmanager
     def uncapped(self) -> Iterator[None]:
-        """Work the trainers wait on (the agents' start, a rebuild), which the CPU cap neither slows nor bills: capped
-        at 1 % of a core, a rebuild's 30 ms of CPU cost 3 s of recovery. The byte cap (other jobs share the network)
-        still holds; both accounts start afresh after it."""
+        """Work the trainers wait on, which the CPU cap neither slows nor bills (at 1 % of a core a rebuild's 30 ms of
+        CPU cost 3 s of recovery); the byte cap still holds. Both accounts start afresh after it."""
         cpu, self.cpu = self.cpu, 0.0
         try:
             yield
