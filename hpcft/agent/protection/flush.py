@@ -1,7 +1,6 @@
-"""The agents' flush to the durable tier: every `every` steps of protection progress, and on request (`hpcft flush`,
-before a requeue), each agent's thread writes the newest protected step from its node's store to the persist directory
-(or first to a node-local level, then drained there) while the rounds go on; slot 0 commits once every node is done.
-While a flush reads the store no protection pass starts, so no rank's store has more than two slots pinned."""
+"""The agents' flush to the durable tier, every `every` steps of protection and on request: each agent's thread writes
+the newest protected step to the persist directory (or a node-local level, drained there) while the rounds go on, slot
+0 commits once all are done. No pass starts while a flush reads the store: no store has over two slots pinned."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,6 @@
-"""The agent's store pins (`hpcft.store.pin`): the step a pass or a rebuild reads is pinned in every local rank's
-store, so the trainers write elsewhere, and the newest protected step stays pinned until a newer one is, so a node
-loss always finds it on the survivors. At most two pinned per rank, the store's spare slot leaving the trainers one.
-Leases are renewed every third of one, so a pin outlives neither its agent nor a stopped one."""
+"""The agent's store pins: the step a pass or a rebuild reads, so the trainers write elsewhere, and the newest protected
+step until a newer one is, so a node loss always finds it on the survivors; two per rank at most (the store's spare
+slot leaves the trainers one). Renewed every third of a lease: a pin outlives neither its agent nor a stopped one."""
 from __future__ import annotations
 
 import logging

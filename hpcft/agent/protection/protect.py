@@ -1,7 +1,6 @@
-"""The protect pass (collective): for one step every node holds, each node sends its bundle's pieces to their parity
-holders (xor/rs) or its whole bundle to its partner, and keeps what it receives as `<job>/protect/step-<s>.{data,json}`,
-committed by rename with a crc32c per chunk. A record on every node means the step is protected; no node lets go of
-an older step (its records, its pinned snapshot) before every node has committed the newer one."""
+"""The protect pass (collective): each node sends its bundle's pieces to their parity holders or its bundle to its
+partner, and keeps what it receives as a record (`<job>/protect/step-<s>.{data,json}`, crc32c per chunk, committed by
+rename). A step is protected once every node has its record; only then does a node let go of an older step."""
 from __future__ import annotations
 
 import logging

@@ -1,7 +1,6 @@
-"""Rebuild after nodes are replaced (collective), before the trainers start: agree on the newest step every slot holds
-or can reconstruct, move the survivors' bundles and records to the slots that lost theirs, decode, verify every
-checksum, unpack into the rank stores and regenerate the protection record. A step that cannot be rebuilt falls back
-to an older one, none to NoCheckpointError; a step any node holds another job's version of is no candidate."""
+"""Rebuild after nodes are replaced (collective, before the trainers start): the newest step every slot holds or can
+reconstruct is moved, decoded, verified and unpacked where it was lost, with its protection record; failing that, an
+older step, none: NoCheckpointError. A step any node holds another job's version of is no candidate."""
 from __future__ import annotations
 
 import logging
