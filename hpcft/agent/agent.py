@@ -83,8 +83,7 @@ def _readable(bundle: Bundle, mesh: MeshBase) -> bool:
 
 def keep_newest_protected(mesh: MeshBase, job: Path, pins: Pins) -> int | None:
     """At start (collective): keep pinned the newest step every node holds and has a record of, as a pass would have,
-    so resuming trainers do not recycle it. Agreed, not local: a record of a step a lost peer never committed is no
-    protection."""
+    so resuming trainers do not recycle it; agreed, as a record of a step a lost peer never committed guards nothing."""
     complete, recs = complete_steps(job), records(job)
     everywhere = mesh.allreduce(sorted(set(complete) & set(recs)), both, STEPS)
     if not everywhere:
@@ -143,9 +142,8 @@ def _by_rank(versions: dict[int, dict]) -> dict[int, list[int]]:
 
 
 def _steer(budget: LagBudget, mesh: MeshBase, cfg: AgentConfig, lag: int | None) -> bool:
-    """Set the next round's CPU cap from the foreseen `lag` (event `protect_budget` when it moves, `protect_lag_unmet`
-    once the ceiling cannot meet the bound). Over the bound (True) the bound beats the cap: the CPU spent so far is
-    forgiven and the next round starts at once."""
+    """Set the next round's CPU cap from the foreseen `lag` (events `protect_budget`, `protect_lag_unmet`); over the
+    bound (True) the bound beats the cap: the CPU spent so far is forgiven and the next round starts at once."""
     cap, unmet = budget.update(lag)
     over = lag is not None and lag > budget.bound
     if over:
@@ -162,9 +160,8 @@ def _steer(budget: LagBudget, mesh: MeshBase, cfg: AgentConfig, lag: int | None)
 
 def _listen_for_silence(cfg: AgentConfig, mesh: MeshBase, meet: Rendezvous, node: str,
                         wake: threading.Event) -> Heartbeat | None:
-    """Heartbeats with the overlay neighbours (none with --loss-timeout 0 or one agent). A silent or closed one is a
-    suspect (event `peer_silent` / `peer_closed`): the mesh is shut down, the round loop woken, and the agent fails
-    naming it (`_silence`)."""
+    """Heartbeats with the overlay neighbours (none with --loss-timeout 0 or one agent); a silent or closed one (event
+    `peer_silent` / `peer_closed`) shuts the mesh down and wakes the round loop, which fails naming it (`_silence`)."""
     if cfg.loss_timeout <= 0 or cfg.slots < 2:
         return None
 

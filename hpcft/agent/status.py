@@ -104,9 +104,8 @@ class Ready:
 
 def wait_ready(rendezvous: str | os.PathLike, tag: str, slots: int, timeout: float = 600.0,
                poll: float = 0.1, reports: Callable[[str], dict[int, dict[str, Any]]] | None = None) -> Ready:
-    """Block until the `slots` agents of launch `tag` have rebuilt (the gate before the trainers start).
-    NoCheckpointError if nothing was rebuildable; CheckpointError on another failure or on timeout, naming the slots
-    that did not report. `reports(tag)`: where the statuses come from (the supervisor's view), else `read`."""
+    """Block until the `slots` agents of launch `tag` have rebuilt (the gate before the trainers start), reading
+    `reports(tag)` or else `read`. NoCheckpointError if nothing was rebuildable; CheckpointError otherwise."""
     deadline = time.monotonic() + timeout
     while True:
         st = reports(tag) if reports is not None else read(rendezvous, tag)
