@@ -133,9 +133,8 @@ def replace_file(path: Path, data: bytes, tmp: Path | None = None, sync: bool = 
 
 
 def mark_run(job: Path, environ: "os._Environ[str] | dict[str, str] | None" = None) -> None:
-    """Record which run of the Slurm job writes this store (SLURM_RESTART_COUNT), so that slurm/epilog.sh can tell a
-    requeued run's end (Slurm's count moved past it: keep the snapshots) from the job's (remove them): Slurm shows
-    COMPLETING in both cases."""
+    """Record which run of the Slurm job writes this store (SLURM_RESTART_COUNT): slurm/epilog.sh keeps the snapshots
+    when the count moved past it (a requeue, not the job's end: Slurm shows COMPLETING for both)."""
     env = os.environ if environ is None else environ
     count = env.get("SLURM_RESTART_COUNT", "0").strip() or "0"
     if not count.isdigit():
@@ -202,9 +201,8 @@ def _kind(mode: int) -> str:
 
 
 def open_file(path: Path, flags: int, *, create: bool = False) -> int:
-    """The descriptor of a store file opened for `flags` (os.O_RDONLY / O_RDWR): never through a symlink or blocking
-    on a FIFO, only a regular file of ours with mode 0600; anything else, and any OSError, is a StoreError naming
-    the path and what sits there."""
+    """A store file's descriptor, opened for `flags` never through a symlink or blocking on a FIFO: only a regular file
+    of ours with mode 0600, anything else (or any OSError) a StoreError naming the path and what sits there."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
     except OSError as exc:

@@ -1,6 +1,5 @@
-"""Pins: a reader's claim on one committed version of a store slot (`slot-<k>.pin`), so the writer picks another slot
-while the node agent reads it. The writer honours a pin only while it names the version the slot holds, its lease runs
-and its owner (host, pid, process start) lives, and breaks it otherwise."""
+"""Pins: a reader's claim on one committed version of a store slot (`slot-<k>.pin`), which the writer honours (picking
+another slot) only while it names the slot's version, its lease runs and its owner lives, and breaks otherwise."""
 from __future__ import annotations
 
 import json

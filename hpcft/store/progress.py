@@ -1,6 +1,5 @@
-"""Each rank's training progress as its node's store says it: the newest committed step and its `ready_s`, or what a
-job wrote to the rank's node-local progress file ($HPCFT_PROGRESS_FILE). Read on the node and sent to the supervisor
-over the network: nothing about progress is written to the shared file system."""
+"""Each rank's progress as its node's store says it (the newest committed step and its `ready_s`, or the rank's
+progress file): read on the node and sent over the network, never written to the shared file system."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,5 @@
-"""One writer per rank store: the process writing a rank directory holds `writer.lock` there (flock: released when it
-dies, so a relaunch is never refused) and the file names it; another process (a second run with the same job id) is
-refused, naming the holder. Stores of one rank opened twice in one process share the claim."""
+"""One writer per rank store: its process holds `writer.lock` (flock, released when it dies, so a relaunch is never
+refused) and names itself there; another process is refused, naming it. One process's stores of a rank share it."""
 import fcntl
 import os
 import socket
