@@ -1,19 +1,11 @@
 """The training script's side of an elastic shrink (`hpcft run --elastic`): how many micro-batches one optimizer step
-takes, and which of them are this replica's, when the job runs on fewer data-parallel replicas than it started with.
-
-`hpcft run --elastic-batch` chooses (exported as HPCFT_ELASTIC_BATCH, with the world size the run started with as
-HPCFT_BASE_WORLD):
-
-- keep-global (default): the global batch stays; the micro-batches the starting replicas took are dealt out over the
-  replicas left (replica r takes micro-batches r, r + R, r + 2R, …: some take one more when R does not divide them),
-  i.e. more gradient accumulation. Sum the micro-batches' losses over the global sample count and all-reduce the
-  gradients with SUM: the optimizer then sees the same gradient as before the shrink, up to float summation order.
-- keep-per-rank: each replica keeps its micro-batches; the global batch shrinks with the replicas (and with it the
-  effective learning rate per sample: scale it yourself if that matters).
-
-The data position: count micro-batches (or samples) consumed, not steps: a step consumes `micro_batches` of them,
-and micro-batch i of this step is number `consumed + i` of the data stream. Keep `consumed` in the Checkpointer's
-`extra`: it is the same on every rank, so it stays exact through a reshard (hpcft/bench/train_job.py, BATCH=plan)."""
+takes, and which are this replica's, on fewer data-parallel replicas than the run started with (HPCFT_BASE_WORLD).
+HPCFT_ELASTIC_BATCH (`--elastic-batch`) chooses: keep-global (default) deals the starting replicas' micro-batches out
+over those left (replica r takes r, r + R, …); sum their losses over the global sample count and all-reduce the
+gradients with SUM, and the optimizer sees the same gradient (up to float summation order). keep-per-rank keeps each
+replica's micro-batches: the global batch shrinks (scale the learning rate yourself if that matters). Count the data
+position in micro-batches consumed, not steps, in the Checkpointer's `extra`: micro-batch i of a step is number
+`consumed + i` of the stream on every rank, exact through a reshard."""
 from __future__ import annotations
 
 import math

@@ -1,8 +1,6 @@
 """What a task knows about its job, from one place: hpcft's launcher, torchrun, Slurm, or a plain local run.
-
-Precedence: HPCFT_* (exported by `hpcft run`, which owns the slot layout) > torchrun's variables >
-SLURM_* of an srun step > a single local process. Every other module asks `job_env()`.
-"""
+Precedence: HPCFT_* (exported by `hpcft run`, which owns the slot layout) > torchrun's variables > SLURM_* of an srun
+step > a single local process. Every other module asks `job_env()`."""
 import os
 import re
 import socket
@@ -36,9 +34,6 @@ class JobEnv:
     master_port: int = 29500
     nodelist: list[str] = field(default_factory=list)
 
-    @property
-    def num_nodes(self) -> int:
-        return max(1, len(self.nodelist))
 
 DEFAULT_JOB_ID = "local"  # a run that names no job: every such run on a node shares one store
 
@@ -170,8 +165,8 @@ NVME_ENV = "HPCFT_NVME"  # exported by the batch script of `hpcft submit --nvme`
 
 
 def expand_vars(value: str, environ: Mapping[str, str] | None = None) -> str:
-    """`value` with `$VAR`/`${VAR}` of `environ` (default os.environ) replaced, on the node that reads it: a per-node
-    directory on a file system every node shares (`/tmp/nvme/$SLURMD_NODENAME`, for test clusters)."""
+    """`value` with `$VAR`/`${VAR}` of `environ` (default os.environ) replaced on the node that reads it (a per-node
+    directory on a shared file system, `/tmp/nvme/$SLURMD_NODENAME`, for test clusters)."""
     env = os.environ if environ is None else environ
     for key in sorted((k for k in env if f"${k}" in value or f"${{{k}}}" in value), key=len, reverse=True):
         value = value.replace(f"${{{key}}}", env[key]).replace(f"${key}", env[key])

@@ -6,6 +6,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,9 +67,8 @@ _unwritten: dict[Path, Unwritten] = {}
 
 
 def append(log_dir: str | os.PathLike, record: dict) -> bool:
-    """Append one JSON record to `log_dir`/events.jsonl, after those kept while it could not be written; False when it
-    cannot be (full disk, quota, a directory in its place): the record is kept in memory, bounded, and said once.
-    Nothing that decides or trains may die of its log (every event is also a line of this process's log)."""
+    """Append one JSON record to `log_dir`/events.jsonl, after those kept while it could not be; False when it cannot
+    be (full disk, quota, ...): kept in memory, bounded, said once. Nothing that decides or trains dies of its log."""
     path = Path(log_dir) / "events.jsonl"
     line = json.dumps(record, default=str, sort_keys=False) + "\n"
     with _lock:
@@ -100,10 +100,8 @@ def _append_whole(path: Path, data: bytes) -> None:
             while view:
                 view = view[os.write(fd, view):]
         except OSError:
-            try:
+            with suppress(OSError):
                 os.ftruncate(fd, size)
-            except OSError:
-                pass
             raise
     finally:
         os.close(fd)

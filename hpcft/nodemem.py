@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +32,13 @@ def fs_free(root: str | os.PathLike) -> int:
 
 
 def snapshot_bytes(store_job: Path) -> int | None:
-    """One snapshot's bytes on this node once its ranks have written one: per rank its largest slot data file,
-    summed over the node's ranks; None before any."""
+    """One snapshot's bytes on this node: each rank's largest slot data file, summed; None before any."""
     sizes = []
     for rank_dir in ranks(store_job).values():
         files = []
         for f in slot_files(rank_dir, DATA).values():
-            try:  # the trainers may free a slot meanwhile: a report never fails for it
+            with suppress(OSError):  # the trainers may free a slot meanwhile: a report never fails for it
                 files.append(f.stat().st_size)
-            except OSError:
-                continue
         if files:
             sizes.append(max(files))
     return sum(sizes) if sizes else None
@@ -61,7 +59,7 @@ def used_bytes(store_job: Path) -> int:
 
 
 def figures(store_job: Path) -> dict[str, Any]:
-    """The status fields of a node's memory: snapshot_bytes (None before the first), store_bytes, shm_free (of the
-    store's file system) and mem_available."""
+    """The status fields of a node's memory: snapshot_bytes, store_bytes, shm_free (of the store's file system) and
+    mem_available."""
     return {"snapshot_bytes": snapshot_bytes(store_job), "store_bytes": used_bytes(store_job),
             "shm_free": fs_free(store_job), "mem_available": mem_available()}
