@@ -86,8 +86,7 @@ class DeviceCrc:
         self._tables = [torch.from_numpy(t.reshape(-1).copy()).to(self.device) for t in _host_tables(lanes)]
 
     def plan(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], on_host: set[int]) -> Plan:
-        """Cut every device segment of `chunks` into pieces of at most `piece` bytes, each with its address and its
-        distance to its chunk's end; note the host-held segments."""
+        """Cut every device segment of `chunks` into pieces of at most `piece` bytes; note the host-held segments."""
         device_sources = [i for i, t in enumerate(sources) if i not in on_host]
         base = sources[device_sources[0]] if device_sources else torch.zeros(1, dtype=torch.uint8, device=self.device)
         base_ptr = base.data_ptr()
@@ -127,8 +126,8 @@ class DeviceCrc:
 
 
 def finish(plan: Plan, slot: np.ndarray) -> list[int]:
-    """The chunks' crc32c once `DeviceCrc.launch`'s work has completed: the pieces xor-ed per chunk, the host-held
-    bytes (read from the slot, where the copier's `start` put them) and the initial value's part."""
+    """The chunks' crc32c once `DeviceCrc.launch`'s work completed: the pieces, the host-held bytes (from the slot)
+    and the initial value's part."""
     crc = np.zeros(len(plan.constant), dtype=np.uint32)
     np.bitwise_xor.at(crc, plan.chunk, plan.out.numpy().view(np.uint32))
     if plan.host:

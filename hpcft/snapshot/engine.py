@@ -1,7 +1,6 @@
-"""The hierarchical asynchronous snapshot engine: level (a) chunked copies into a store slot by a
-copier backend, level (b) the replicated state split across the data-parallel group; a background
-thread commits the manifest once the copy has landed. Level (c) (protection, persistence) belongs to
-the node agent, which reads the committed snapshots."""
+"""The asynchronous snapshot engine: (a) chunked copies into a store slot by a copier backend, (b) the replicated
+state split across the data-parallel group; a thread commits the manifest once the copy landed. Level (c)
+(protection, persistence) is the node agent's."""
 import collections
 import logging
 import time
@@ -42,9 +41,7 @@ class Stats:
     history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1024))
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "history"}
-        d["history"] = list(self.history)
-        return d
+        return {**self.__dict__, "history": list(self.history)}
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

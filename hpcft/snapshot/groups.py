@@ -48,8 +48,7 @@ class Group:
 
     @staticmethod
     def of(pg: Any, cpu_pg: Any = None) -> "Group | None":
-        """`pg` (a process group or a 1-D DeviceMesh) as a Group whose own collectives run on `cpu_pg`
-        (default: `pg` itself, which must then carry CPU tensors)."""
+        """`pg` (a process group or a 1-D DeviceMesh) as a Group whose collectives run on `cpu_pg` (default: `pg`)."""
         if pg is None or not dist.is_initialized():
             return None
         if hasattr(pg, "get_group"):  # a 1-D DeviceMesh such as ctx.mesh["dp"]
@@ -71,8 +70,8 @@ def forget() -> None:
 
 
 def world_cpu_group() -> Any:
-    """A group of every rank that carries CPU tensors: None (the default group) where it does, else a gloo
-    group made once (collective: every rank calls this the first time together)."""
+    """A group of every rank that carries CPU tensors: None (the default group) where it does, else a gloo group made
+    once (collective)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     default = dist.group.WORLD

@@ -1,7 +1,5 @@
-"""Pure planning: split replicated bytes across data-parallel members, lay out a data file, cut chunks.
-
-Nothing here touches tensors or files; every function maps plain numbers to plain numbers.
-"""
+"""Pure planning: split replicated bytes across data-parallel members, lay out a data file, cut chunks. Nothing here
+touches tensors or files."""
 import bisect
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -16,17 +14,14 @@ def align_up(n: int, a: int = ALIGN) -> int:
 
 
 def share_cuts(total: int, members: int, align: int = ALIGN) -> list[int]:
-    """Cut points 0 = c0 <= ... <= c_members = total of a byte stream, balanced to within `align` bytes."""
-    if members < 1:
-        raise ValueError(f"members must be >= 1 (got {members})")
+    """Cut points 0 = c0 <= ... <= c_members = total of a byte stream (members >= 1), balanced within `align` bytes."""
     inner = [min(total, (total * i // members) // align * align) for i in range(1, members)]
     return [0, *inner, total]
 
 
 def rep_cuts(sizes: Sequence[int], members: int, grains: Sequence[int] | None = None) -> list[int]:
-    """`share_cuts` of the concatenation of `sizes`, each inner cut moved down to an element boundary of the
-    tensor it falls in (`grains`: element sizes; None: bytes). Every share then holds whole elements, so that a
-    share's piece of a tensor is a run of elements the durable tier can describe (see hpcft.durable.items)."""
+    """`share_cuts` of the concatenation of `sizes`, each inner cut moved down to an element boundary (`grains`:
+    element sizes; None: bytes), so a share's piece of a tensor is a run of elements (see hpcft.durable.items)."""
     cuts = share_cuts(sum(sizes), members)
     if not grains:
         return cuts
@@ -75,9 +70,8 @@ class Layout:
 
 def layout(own_sizes: Sequence[int], rep_sizes: Sequence[int], member: int, members: int,
            rep_grains: Sequence[int] | None = None) -> Layout:
-    """Lay out own sources (indices 0..len(own)-1) and this member's share of the replicated ones
-    (indices len(own)..); the replicated stream is the concatenation of `rep_sizes` in order, cut at element
-    boundaries (`rep_grains`, see `rep_cuts`)."""
+    """Lay out own sources (indices 0..len(own)-1) and this member's share of the replicated ones (indices
+    len(own)..), the concatenation of `rep_sizes` cut at element boundaries (`rep_cuts`)."""
     pieces, off = [], 0
     for i, n in enumerate(own_sizes):
         pieces.append(Piece(i, 0, n, off))
@@ -105,9 +99,8 @@ class Chunk(NamedTuple):
 
 
 class Grid:
-    """`nbytes` of a data file holding `pieces`, cut into chunks of `chunk_bytes` (the last one shorter);
-    `chunk(i)` lists the segments chunk i covers, so a worker can plan each chunk as it takes it (and a grid kept
-    for the next restore has them planned)."""
+    """`nbytes` of a data file holding `pieces`, cut into chunks of `chunk_bytes` (the last one shorter); `chunk(i)`
+    lists the segments chunk i covers, planned as a worker takes it."""
 
     def __init__(self, pieces: Sequence[Piece], nbytes: int, chunk_bytes: int):
         if chunk_bytes <= 0:
@@ -147,8 +140,8 @@ class Grid:
 
 class Table(NamedTuple):
     """The segments of every chunk of a Grid, in file order: segment j copies `nbytes[j]` bytes between byte
-    `start[j]` of `source[j]` and file offset `offset[j]`; chunk i is the file's bytes [bounds[i], bounds[i + 1]) and
-    holds segments first[i] .. first[i + 1] - 1 (the same segments as `Grid.chunk(i)`)."""
+    `start[j]` of `source[j]` and file offset `offset[j]`; chunk i is [bounds[i], bounds[i + 1]), from segment
+    first[i]."""
     source: np.ndarray
     start: np.ndarray
     offset: np.ndarray
@@ -158,8 +151,7 @@ class Table(NamedTuple):
 
 
 def _table(spans: Sequence[tuple[int, int, int, int]], nbytes: int, chunk_bytes: int, count: int) -> Table:
-    """`Grid.table`: each span (file offset, end, source, start) cut at every chunk boundary it crosses, without a
-    Python loop per segment (a 50M-parameter restore has ~1000)."""
+    """`Grid.table`: each span (file offset, end, source, start) cut at every chunk boundary, with no Python loop."""
     u64 = np.uint64
     lo, hi, source, start = (np.array(c, dtype=np.int64) for c in zip(*spans)) if spans else \
         (np.zeros(0, dtype=np.int64),) * 4
@@ -179,8 +171,7 @@ def _table(spans: Sequence[tuple[int, int, int, int]], nbytes: int, chunk_bytes:
 
 
 def table_of(chunks: Sequence[Chunk]) -> Table:
-    """The Table of a list of planned chunks (consecutive, as `chunks` cuts them): a loop over their segments, for a
-    caller that holds the list and makes its table once per layout."""
+    """The Table of a list of planned chunks (consecutive, as `chunks` cuts them)."""
     segs = [s for c in chunks for s in c.segments]
     cols = [np.array(col, dtype=np.uint64) for col in zip(*segs)] if segs else [np.zeros(0, dtype=np.uint64)] * 4
     first = np.cumsum([0] + [len(c.segments) for c in chunks]).astype(np.uint64)
@@ -190,7 +181,6 @@ def table_of(chunks: Sequence[Chunk]) -> Table:
 
 
 def chunks(pieces: Sequence[Piece], nbytes: int, chunk_bytes: int) -> list[Chunk]:
-    """Cut [0, nbytes) into chunks of `chunk_bytes` (last one shorter) with the segments each covers.
-    Small pieces share a chunk (one checksum, one task); large ones span several."""
+    """Cut [0, nbytes) into chunks of `chunk_bytes` (last one shorter) with the segments each covers."""
     grid = Grid(pieces, nbytes, chunk_bytes)
     return [grid.chunk(i) for i in range(grid.count)]

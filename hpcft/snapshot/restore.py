@@ -154,8 +154,7 @@ class Loader:
         return self._sinks[1]
 
     def _grid(self, m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry], sinks: _Sinks) -> plan.Grid:
-        """The schema's checks of `m` against the live entries (see `schema`), done once per manifest and layout
-        (`sinks` stands for the layout: made anew whenever the live entries change)."""
+        """The schema's checks of `m` against the live entries, once per manifest and layout (`sinks`)."""
         for seen, live, grid in self._checked:
             if seen is m and live is sinks:
                 return grid
@@ -237,8 +236,7 @@ class Loader:
         return lost
 
     def _destinations(self, grid: plan.Grid, sinks: _Sinks) -> np.ndarray | None:
-        """Each segment's destination address where every sink is in host memory, else None; kept for the last grid
-        and layout."""
+        """Each segment's destination address where every sink is in host memory, else None (kept per grid)."""
         if self._chunk_copy is None:
             return None
         if self._dst is not None and self._dst[0] is grid and self._dst[1] is sinks:

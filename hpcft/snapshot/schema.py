@@ -1,9 +1,8 @@
-"""What restore checks in a manifest before it loads a byte. A manifest passes its own checksum even when a person
-edited it and recomputed that checksum, so restore trusts nothing in it that it can compute itself: the fields must
-have the schema's types, the entries must be the live model's and optimizer's (names, dtypes, shapes, placements, in
-order: otherwise a CheckpointError naming the first difference), and the layout (offsets, sizes, `data_bytes`, the
-chunk table, the data-parallel share) must be the one the live tensors give (otherwise a ManifestError: its version
-is treated as lost). The step is bound to the data by the chunk checksums (`hpcft.store.checksum.seal`)."""
+"""What restore checks in a manifest before it loads a byte. A manifest passes its own checksum even where a person
+edited it and recomputed that, so restore trusts nothing it can compute itself: the fields must have the schema's
+types, the entries must be the live state's in order (else a CheckpointError naming the first difference), and the
+layout must be the one the live tensors give (else a ManifestError: the version is lost). The step is bound to the
+data by the chunk checksums (`hpcft.store.checksum.seal`)."""
 from typing import Any, Sequence
 
 from hpcft.errors import CheckpointError, ManifestError
@@ -25,8 +24,7 @@ def _counts(values: Any) -> bool:
 
 
 def _entry_problem(e: dict[str, Any]) -> str:
-    """What is wrong with one manifest entry's types ("" if nothing): messages are made only for a failure, since a
-    manifest has an entry per tensor."""
+    """What is wrong with one manifest entry's types ("" if nothing; a message only for a failure)."""
     if not (isinstance(e.get("name"), str) and isinstance(e.get("dtype"), str)):
         return "has no name or dtype"
     if not (isinstance(e.get("shape"), list) and _counts(e["shape"])):
@@ -61,8 +59,8 @@ def check_types(m: dict[str, Any]) -> None:
     if share is not None:
         _want(isinstance(share, dict), "share is not an object")
         rng = share.get("range")
-        _want(is_count(share.get("members")) and is_count(share.get("member")) and is_count(share.get("offset"))
-              and is_int(share.get("signature")) and isinstance(rng, list) and len(rng) == 2 and all(map(is_count, rng)),
+        _want(all(is_count(share.get(k)) for k in ("members", "member", "offset")) and is_int(share.get("signature"))
+              and isinstance(rng, list) and len(rng) == 2 and all(map(is_count, rng)),
               "share has not the schema's members, member, offset, signature and range")
     _want(isinstance(m.get("rng"), dict), "rng is not an object")
     _want(m.get("extra") is None or isinstance(m["extra"], dict), "extra is not an object")
@@ -102,8 +100,8 @@ def check_structure(m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry
 
 
 def check_layout(m: dict[str, Any], own: Sequence[Entry], rep: Sequence[Entry], group: Group | None) -> plan.Grid:
-    """The chunk grid restore will load: computed from the live tensors, and equal to what the manifest says in
-    every offset, size, `data_bytes`, share and chunk-table row (ManifestError naming the first that is not)."""
+    """The chunk grid restore will load, computed from the live tensors: what the manifest says must equal it
+    (ManifestError naming the first offset, size, share or chunk row that does not)."""
     lay = lay_out(own, rep, group)
     for i, (e, d) in enumerate(zip(own, m["entries"])):
         if d["nbytes"] != e.nbytes or d["offset"] != lay.pieces[i].offset:  # the message only for a failure

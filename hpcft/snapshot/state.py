@@ -1,8 +1,5 @@
-"""What a snapshot holds: the model's and optimizer's tensors (local shards for DTensors), by name.
-
-Every entry is a live tensor that the optimizer updates in place, so a restore copies bytes back into
-exactly these tensors and the next step sees them (DTensor `to_local()` shares storage).
-"""
+"""What a snapshot holds: the model's and optimizer's tensors (local shards for DTensors), by name. Every entry is a
+live tensor the optimizer updates in place, so a restore copies bytes back into exactly these tensors."""
 import functools
 import logging
 from dataclasses import dataclass
@@ -98,8 +95,7 @@ def _replicated(t: Any, dp_ranks: frozenset[int] | None) -> bool:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    t = t.to_local() if _is_dtensor(t) else t
-    return t.detach()
+    return (t.to_local() if _is_dtensor(t) else t).detach()
 
 
 def param_names(model: torch.nn.Module) -> dict[int, str]:
@@ -109,9 +105,8 @@ def param_names(model: torch.nn.Module) -> dict[int, str]:
 
 def collect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
             dp_ranks: frozenset[int] | None) -> list[Entry]:
-    """Model state_dict entries (`model/<name>`) then optimizer state tensors (`optim/<param>/<key>`).
-    Only parameters and their optimizer state count as replicated; buffers (which FSDP does not keep in
-    sync, e.g. BatchNorm statistics) are always saved by their owner."""
+    """Model state_dict entries (`model/<name>`) then optimizer state tensors (`optim/<param>/<key>`). Only parameters
+    and their optimizer state count as replicated; buffers (not kept in sync by FSDP) are saved by their owner."""
     params = dict(model.named_parameters())
     rep_param = {id(p): _replicated(p, dp_ranks) for p in params.values()}
     out = []
@@ -164,8 +159,8 @@ def unjson(v: Any, like: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class OptimizerShape:
-    """What `optimizer_meta` reads, found once per layout (snapshot.view): each param group's parameter names (what
-    a DCP optimizer state dict lists as the group's `params`) and where non-tensor per-parameter state lives."""
+    """What `optimizer_meta` reads, found once per layout: each param group's parameter names (DCP's `params`) and
+    where non-tensor per-parameter state lives."""
     group_params: list[list[str]]
     scalars: list[tuple[str, dict, str]]  # ("<param name>/<key>", the parameter's state dict, key)
 
@@ -180,8 +175,7 @@ def optimizer_shape(optimizer: torch.optim.Optimizer | None, names: dict[int, st
 
 
 def optimizer_meta(optimizer: torch.optim.Optimizer | None, shape: OptimizerShape) -> dict[str, Any]:
-    """Hyperparameters of each param group (read now: a scheduler changes them) and the non-tensor per-parameter
-    state, as JSON."""
+    """Each param group's hyperparameters (read now: a scheduler changes them) and non-tensor state, as JSON."""
     if optimizer is None:
         return {}
     groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -205,9 +199,8 @@ def _kind(v: Any) -> Any:
 
 
 def check_optimizer_meta(optimizer: torch.optim.Optimizer | None, meta: Any) -> None:
-    """Before a restore loads anything: `meta` (a manifest's `optim`) fits the live optimizer. The same number of
-    param groups (else CheckpointError: another optimizer), and (else ManifestError: the manifest lies) values of
-    the live kind for every key the live groups have, and per-parameter scalars as an object."""
+    """Before a restore loads anything: `meta` (a manifest's `optim`) fits the live optimizer: as many param groups
+    (else CheckpointError), values of the live kind and scalars as an object (else ManifestError: the manifest lies)."""
     if optimizer is None or not meta:
         return
     groups, scalars = meta.get("param_groups"), meta.get("scalars")
@@ -226,8 +219,7 @@ def check_optimizer_meta(optimizer: torch.optim.Optimizer | None, meta: Any) -> 
 
 def apply_optimizer_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                          meta: dict[str, Any]) -> None:
-    """Put saved hyperparameters (e.g. a scheduled lr) and non-tensor state back (`meta` passed
-    `check_optimizer_meta` with the load)."""
+    """Put saved hyperparameters and non-tensor state back (`meta` passed `check_optimizer_meta` with the load)."""
     if optimizer is None or not meta:
         return
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):

@@ -107,7 +107,7 @@ def test_the_stream_copier_checksums_on_the_device(interpreted, slot) -> None:
     copier.device_crc = devcrc.DeviceCrc(torch.device("cpu"), lanes=16, words=4)
     copier._crc.submit = None  # the host's pool must not be asked
     for _ in range(2):  # the second snapshot reuses the plan and finds the gaps zeroed
-        transfer = copier.start(sources, chunks, SlotClaim.of(slot))
+        transfer = copier.start(sources, chunks, SlotClaim(lambda: slot))
         copier.guard(transfer)
         assert transfer.result() == crc_chunks(slot.array, chunks)
     assert copier.checksums == "device"
@@ -127,7 +127,7 @@ def test_a_kernel_that_cannot_run_hands_the_checksums_to_the_host(interpreted, s
     copier = HostStream(cap=1 << 20)
     copier.device_crc = devcrc.DeviceCrc(torch.device("cpu"), lanes=16, words=4)
     monkeypatch.setattr(copier.device_crc, "launch", lambda p: (_ for _ in ()).throw(RuntimeError("no compiler")))
-    transfer = copier.start(sources, chunks, SlotClaim.of(slot))
+    transfer = copier.start(sources, chunks, SlotClaim(lambda: slot))
     copier.guard(transfer)
     assert transfer.result() == crc_chunks(slot.array, chunks)
     assert copier.checksums == "host" and [k for k, _ in seen] == ["device_checksum_off"]

@@ -102,7 +102,7 @@ def _attempt(sources, chunks, slot) -> list[CheckpointError]:
 
     copier = run(OnFakeDevice, torch.device("cpu"), 16 << 10)
     if copier is not None:
-        transfer = run(copier.start, sources, chunks, SlotClaim.of(slot))
+        transfer = run(copier.start, sources, chunks, SlotClaim(lambda: slot))
         if transfer is not None:
             run(copier.guard, transfer)
             if run(transfer.result) is not None:

@@ -66,7 +66,7 @@ def _work(n_tensors: int = 12, size: int = 5000):
 def test_cap_checksums_and_guard(slot) -> None:
     sources, lay, chunks = _work()
     copier = HostStream(cap=3 * 4096)
-    transfer = copier.start(sources, chunks, SlotClaim.of(slot))
+    transfer = copier.start(sources, chunks, SlotClaim(lambda: slot))
     copier.guard(transfer)
     crcs = transfer.result()
     assert copier.peak <= 3 * 4096 + 4096  # never more than the cap plus the chunk being issued
@@ -80,7 +80,7 @@ def test_cap_checksums_and_guard(slot) -> None:
 def test_failure_mid_issue_still_orders_the_next_step(slot) -> None:
     sources, _, chunks = _work()
     copier = HostStream(cap=1 << 30, fail_at=5)
-    transfer = copier.start(sources, chunks, SlotClaim.of(slot))
+    transfer = copier.start(sources, chunks, SlotClaim(lambda: slot))
     copier.guard(transfer)  # the copies issued before the failure are still waited for
     assert len(copier.compute_waited) == 1
     with pytest.raises(RuntimeError, match="device lost"):
@@ -95,7 +95,7 @@ def test_guard_without_event_raises(slot) -> None:
 
     sources, _, chunks = _work()
     copier = NoEvents(cap=1 << 30)
-    transfer = copier.start(sources, chunks, SlotClaim.of(slot))
+    transfer = copier.start(sources, chunks, SlotClaim(lambda: slot))
     with pytest.raises(RuntimeError, match="no events"):
         copier.guard(transfer)
     copier.close()
@@ -111,7 +111,7 @@ def test_host_resident_state_is_copied_at_start(slot) -> None:
     at_step = counter.clone()
     busy = threading.Event()
     copier = HostStream(cap=1 << 20, host_resident=[counter], device_busy=busy)
-    transfer = copier.start(sources, chunks, SlotClaim.of(slot))
+    transfer = copier.start(sources, chunks, SlotClaim(lambda: slot))
     counter.add_(1)  # the next optimizer step, on the host, while the device is still busy
     busy.set()
     copier.guard(transfer)

@@ -99,12 +99,12 @@ def copy_pass(copy_crc: Callable[[int, int, int, int], int], dst: np.ndarray, sr
 
 
 def _run(buffers: _Buffers, case: str, method: Method, pool: ThreadPoolExecutor) -> float:
-    copy = ntcopy.raw_copy_crc(method.kernel)
-    if case == "snapshot":
-        return copy_pass(copy, buffers.slot, buffers.host, method.chunk_bytes, method.threads, pool)
-    if case == "restore":
-        return copy_pass(copy, buffers.host, buffers.slot, method.chunk_bytes, method.threads, pool)
-    return buffers.cold(lambda fresh: copy_pass(copy, buffers.host, fresh, method.chunk_bytes, method.threads, pool))
+    def run(dst: np.ndarray, src: np.ndarray) -> float:
+        return copy_pass(ntcopy.raw_copy_crc(method.kernel), dst, src, method.chunk_bytes, method.threads, pool)
+
+    if case in ("snapshot", "restore"):
+        return run(buffers.slot, buffers.host) if case == "snapshot" else run(buffers.host, buffers.slot)
+    return buffers.cold(lambda fresh: run(buffers.host, fresh))
 
 
 def _timed(buffers: _Buffers, plan: Sequence[tuple[str, Method]], repeats: int, pool: ThreadPoolExecutor,

@@ -40,8 +40,7 @@ def default_threads(backend: str) -> int:
 
 def make(backend: str, device: torch.device, *, max_inflight_bytes: int, threads: int, overlap: bool | None = None,
          kernel: str = "stream") -> Copier:
-    """Build the copier named by `choose`; `overlap` and `kernel` (cpu backend): default `cpu_overlap(threads)`, and
-    the host copy hpcft.snapshot.calibration chose."""
+    """Build the copier named by `choose` (cpu backend: `overlap` defaults to `cpu_overlap(threads)`)."""
     if backend == "cpu":
         overlap = cpu_overlap(threads) if overlap is None else overlap
         return CpuCopier(threads=threads, overlap=overlap, kernel=kernel)

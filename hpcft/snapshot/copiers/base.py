@@ -24,13 +24,6 @@ class SlotClaim:
         self._lock = threading.Lock()
         self.slot: Slot | None = None
 
-    @classmethod
-    def of(cls, slot: Slot) -> "SlotClaim":
-        """A claim of a slot already taken."""
-        claim = cls(lambda: slot)
-        claim.slot = slot
-        return claim
-
     def __call__(self) -> Slot:
         """The slot, taken now if it was not yet; SlotUnavailable if none can be."""
         with self._lock:
@@ -46,9 +39,6 @@ class SlotClaim:
 
 class Transfer(Protocol):
     """One snapshot's copy in progress."""
-
-    def done(self) -> bool:
-        """True once every chunk is in host memory and checksummed."""
 
     def result(self, timeout: float | None = None) -> list[int]:
         """Block until done; the crc32c of each chunk in order; raises what the copy raised."""

@@ -21,9 +21,6 @@ class CpuTransfer:
         self._n = nchunks
         self._crcs = crcs  # where the workers ran the C loop (ntcopy.ChunkCopy): its crcs, the futures return none
 
-    def done(self) -> bool:
-        return all(f.done() for f in self._futures)
-
     def result(self, timeout: float | None = None) -> list[int]:
         if self._crcs is not None:
             for f in self._futures:

@@ -34,9 +34,6 @@ class StreamTransfer:
         self.done_event: Any = None
         self.future: Future | None = None
 
-    def done(self) -> bool:
-        return self.future is not None and self.future.done()
-
     def result(self, timeout: float | None = None) -> list[int]:
         crcs = self.future.result(timeout)
         self.sources = ()
@@ -115,8 +112,7 @@ class StreamCopier:
         return host
 
     def start(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], claim: SlotClaim) -> StreamTransfer:
-        """At the boundary only what must be: the host-held bytes gathered, the ready event; the slot is taken and
-        pinned, the bytes placed and the copies issued by the issuing thread."""
+        """At the boundary only the host-held bytes and the ready event; the issuing thread does the rest."""
         on_host, staged = self._host_copies(sources, chunks)
         if staged is not None:  # one call for the ~100 step counters of a 200M-parameter AdamW; the issuer places them
             torch.cat(staged.sources, out=staged.buffer)
@@ -137,8 +133,7 @@ class StreamCopier:
 
     def _device_plan(self, sources: Sequence[torch.Tensor], chunks: Sequence[Chunk], on_host: set[int],
                      slot: Slot) -> devcrc.Plan | None:
-        """The device checksum's plan of this layout, the slot's gaps zeroed once per slot and layout; None where the
-        host checksums."""
+        """The device checksum's plan of this layout (the slot's gaps zeroed once); None where the host checksums."""
         if self.device_crc is None:
             return None
         if self._crc_plan is None or self._crc_plan[0] is not chunks or self._crc_plan[1] is not sources:
