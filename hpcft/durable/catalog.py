@@ -84,8 +84,7 @@ def newest(root: Path | None) -> Durable | None:
 def prune(root: Path, keep: int, job: str, current: str | None = None,
           listing: Callable[[Path], list[Durable]] | None = None) -> list[Path]:
     """Remove complete checkpoints (as `listing` finds them: default `checkpoints`) beyond the newest `keep`, and this
-    job's temporary directories other than `current` (flushes that failed or were killed); the paths removed (event
-    `durable_pruned`)."""
+    job's temporary directories other than `current` (failed flushes); the paths removed (event `durable_pruned`)."""
     done = (listing or checkpoints)(root)
     gone = [c.path for c in done[:max(0, len(done) - keep)]]
     for d in root.iterdir():

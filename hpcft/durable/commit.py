@@ -1,6 +1,5 @@
-"""Make a durable checkpoint visible: once every rank's data and sidecar are in its temporary directory, write
-DCP's `.metadata` (chunks of every tensor, DP duplicates and colliding names resolved) and hpcft's index, sync,
-and rename the directory to `step-<s>` (atomic: a reader sees the whole checkpoint or none of it)."""
+"""Make a durable checkpoint visible: once every rank's data and sidecar are in its temporary directory, write DCP's
+`.metadata` and hpcft's index, sync, and rename the directory to `step-<s>` (a reader sees all of it or nothing)."""
 from __future__ import annotations
 
 import io
@@ -67,8 +66,8 @@ def _param_groups(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def prepare() -> None:
-    """Import what `dcp_metadata` needs (torch's DCP classes: ~2 CPU-s the first time), where the caller chooses to
-    pay for it: the node agents, on their flush thread rather than the thread of their collective rounds."""
+    """Import what `dcp_metadata` needs (~2 CPU-s the first time) where the caller chooses: the node agents, on their
+    flush thread rather than that of their collective rounds."""
     from torch.distributed.checkpoint import filesystem, metadata  # noqa: F401
 
 
@@ -118,9 +117,9 @@ def dcp_metadata(tmp: Path, sides: dict[int, dict[str, Any]], rows: dict[str, li
 
 
 def commit(tmp: Path, root: Path, step: int, world: int, job: str, keep: int) -> catalog.Durable:
-    """Publish the flush in `tmp` as `root/step-<step>` (see the module docstring) and prune to the newest `keep`.
-    A complete checkpoint of the same step already there is kept and the new copy discarded: nothing durable
-    is ever replaced. StoreError if a rank is missing or a file cannot be written (the previous ones stay)."""
+    """Publish the flush in `tmp` as `root/step-<step>` and prune to the newest `keep`. A complete checkpoint of the
+    step already there is kept, the new copy discarded: nothing durable is ever replaced. StoreError if a rank is
+    missing or a file cannot be written (the previous ones stay)."""
     final = root / catalog.final_name(step)
     if final.exists():
         catalog.prune(root, keep, job)  # the copy in `tmp` is this job's and not current: removed

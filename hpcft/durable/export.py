@@ -23,16 +23,13 @@ def pick(root: Path, step: int | None = None) -> catalog.Durable:
     if not root.is_dir():
         raise ConfigError(f"persist directory {root} does not exist; pass --from DIR (or set "
                           f"{catalog.ENV_PERSIST})")
-    found = catalog.checkpoints(root)
+    found = {c.step: c for c in catalog.checkpoints(root)}
     if not found:
         raise ConfigError(f"{root} holds no complete durable checkpoint")
-    if step is None:
-        return found[-1]
-    for c in found:
-        if c.step == step:
-            return c
+    if step in found or step is None:
+        return found[max(found) if step is None else step]
     raise ConfigError(f"{root} holds no complete checkpoint of step {step}; it holds steps "
-                      f"{', '.join(str(c.step) for c in found)}")
+                      f"{', '.join(map(str, found))}")
 
 
 def _fresh(dest: Path) -> None:

@@ -38,8 +38,7 @@ def local_root(given: str | None = None, environ: Mapping[str, str] | None = Non
 
 
 def copies(root: Path | None, persist: Path | None = None) -> list[catalog.Durable]:
-    """This node's published copies under `root`, oldest first (those of another persist directory than `persist`,
-    when given, are not this job's: skipped)."""
+    """This node's published copies under `root`, oldest first (but those of another persist directory)."""
     out = []
     for step, d in catalog.step_dirs(root):
         try:
@@ -95,8 +94,7 @@ def usable(root: Path | None, persist: Path | None, rank: int, world: int,
 
 
 def withdraw(root: Path | None, step: int, why: str) -> list[Path]:
-    """Remove this node's copies newer than `step` (a restore loaded `step`: training writes those steps anew, and
-    an old copy must never meet a new one of the same step)."""
+    """Remove this node's copies newer than `step`, which a restore loaded (training writes those steps anew)."""
     gone = [c.path for c in copies(root) if c.step > step]
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)

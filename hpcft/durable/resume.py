@@ -27,16 +27,14 @@ _PREFER = {MEMORY: 0, NVME: 1, DURABLE: 2}
 
 @dataclass(frozen=True)
 class Restored:
-    """What a restore loaded: the step, from where, and the meta to apply (RNG, optimizer settings, `extra`,
-    writer), a manifest's or a durable sidecar's."""
+    """What a restore loaded: the step, from where, and the meta to apply (a manifest's or a durable sidecar's)."""
     step: int
     source: str
     meta: dict[str, Any]
 
 
 def order(memory: Sequence[int], durable: Sequence[int], nvme: Sequence[int] = ()) -> list[tuple[int, str]]:
-    """The candidates to try, newest step first; at an equal step memory, then the node-local copies, then the
-    shared file system (pure)."""
+    """The candidates to try, newest step first; at an equal step memory, then node-local, then shared (pure)."""
     return sorted([(s, MEMORY) for s in memory] + [(s, NVME) for s in nvme] + [(s, DURABLE) for s in durable],
                   key=lambda c: (-c[0], _PREFER[c[1]]))
 
@@ -102,17 +100,14 @@ def _restore(loader: Loader, entries_fn: Callable[[], list[Entry]], persist: Pat
                 copies = [v for v in reversed(held) if v.step == step]  # the later written first
                 chosen, nbytes = loader.load(copies, entries, check_meta)
                 meta = chosen.manifest
-            elif source == NVME:
-                chosen, copy = None, mine[step]
-                if not _same(crc32c(str(copy.index.get("flush")).encode()), loader.world):
+            else:  # the node-local copy (with the other nodes' ranks from the shared one), or the shared one
+                chosen, copy = None, mine[step] if source == NVME else None
+                if copy is not None and not _same(crc32c(str(copy.index.get("flush")).encode()), loader.world):
                     raise CheckpointError(f"nvme step {step}: the nodes' copies come from different flushes")
                 shared = durables.get(step) or catalog.Durable(step, copy.path, {"world": world_size,
                                                                                   "ranks": list(range(world_size))})
                 meta, nbytes = reader.restore(shared, entries, store.rank, world_size, loader.world, check_meta,
                                               local=copy)
-            else:
-                chosen = None
-                meta, nbytes = reader.restore(durables[step], entries, store.rank, world_size, loader.world, check_meta)
         except CheckpointError as exc:
             failures.append(f"memory {exc}" if source == MEMORY else str(exc))  # "<source> step <s>: why"
             events.emit("restore_fallback", level=logging.ERROR, rank=store.rank, step=step, source=source,

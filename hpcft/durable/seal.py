@@ -37,8 +37,7 @@ def snapshot(side: dict[str, Any], path: Path | str) -> dict[str, Any]:
 
 
 def applied(m: dict[str, Any]) -> dict[str, Any]:
-    """What a restore applies besides tensors (RNG state, `extra`, optimizer settings, world, job, writer), taken
-    from a store manifest."""
+    """What a restore applies besides tensors (RNG state, `extra`, optimizer settings, ...), from a store manifest."""
     return {k: m.get(k) for k in flush.META}
 
 
