@@ -26,8 +26,7 @@ def on_device() -> bool:
 
 
 def interrupt() -> None:
-    """From the watcher thread: abort NCCL/RCCL communicators so the training thread's collective returns; nothing
-    on gloo (a peer closing its groups does it)."""
+    """From the watcher thread: abort NCCL/RCCL communicators so the training thread's collective returns."""
     if on_device():
         try:
             dist.distributed_c10d._abort_process_group()

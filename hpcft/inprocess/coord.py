@@ -1,6 +1,5 @@
-"""The job's coordination store for in-process restarts: one TCPStore on the rendezvous address (served by rank 0,
-reached by every rank), kept across generations. It carries the first fault of a generation, a give-up flag, the
-restart barrier and the completion barrier; each generation's process groups rendezvous under their own prefix."""
+"""The job's coordination store for in-process restarts: one TCPStore on the rendezvous address (served by rank 0),
+kept across generations: each generation's first fault, give-up flag, restart and completion barriers, and groups."""
 from __future__ import annotations
 
 import json
@@ -113,8 +112,8 @@ class Watcher:
         self._armed.clear()
 
     def stop(self) -> None:
-        """End the thread and wait for it (at most its 1 s wait): a thread left inside a store call when the
-        interpreter exits aborts the process ("terminate called without an active exception")."""
+        """End the thread and wait for it (at most its 1 s wait): one left inside a store call at exit aborts the
+        process."""
         self._stop = True
         self._armed.set()
         if self._thread.is_alive():

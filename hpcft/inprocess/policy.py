@@ -12,18 +12,10 @@ FATAL = (KeyboardInterrupt, SystemExit, MemoryError, ConfigError)
 
 @dataclass(frozen=True)
 class RestartOptions:
-    """How `hpcft.restartable` restarts (docs/checkpointing.md "In-process restart").
-
-    max_restarts: in-process restarts allowed in this process's life; one more fault gives up (exit non-zero, so the
-                  supervisor relaunches).
-    barrier_timeout_s: how long a rank waits at the restart barrier for every other rank; a rank that died never
-                       arrives, so the survivors give up after this (the supervisor also sees the dead task at once).
-    init_timeout_s: the process groups' timeout in every generation (a collective blocked this long raises, and is
-                    restarted like any fault).
-    """
-    max_restarts: int = 3
-    barrier_timeout_s: float = 60.0
-    init_timeout_s: float = 600.0
+    """How `hpcft.restartable` restarts (docs/checkpointing.md "In-process restart")."""
+    max_restarts: int = 3  # in this process's life; one more fault gives up (exit non-zero: the supervisor relaunches)
+    barrier_timeout_s: float = 60.0  # a rank's wait at the restart barrier for the others (a dead rank never arrives)
+    init_timeout_s: float = 600.0  # the process groups' timeout: a collective blocked this long raises, restarted
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -39,7 +31,8 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
-def verdict(exc: BaseException | None, restarts: int, opts: RestartOptions, peer_gave_up: str | None = None) -> str | None:
+def verdict(exc: BaseException | None, restarts: int, opts: RestartOptions,
+            peer_gave_up: str | None = None) -> str | None:
     """Why this fault cannot be restarted in process (the give-up reason), or None to restart. `exc` is this rank's
     own exception (None: interrupted for a peer's fault); `restarts` counts the restarts already made."""
     if peer_gave_up:

@@ -1,6 +1,6 @@
-"""The `inprocess_restart` event of a restarted rank, completed when its new generation restores: the wrapper opens
-it at the restart barrier, `Checkpointer.restore()` adds the step it restored and emits it (the wrapper emits it
-without a step if the new generation never restores). Torch-free, so the Checkpointer imports it cheaply."""
+"""The `inprocess_restart` event of a restarted rank: the wrapper opens it at the restart barrier,
+`Checkpointer.restore()` adds the step restored and emits it (the wrapper, without a step, if none is).
+Torch-free: the Checkpointer imports it cheaply."""
 from __future__ import annotations
 
 import logging
@@ -28,9 +28,8 @@ def mark(name: str) -> None:
 
 
 def restored(step: int | None) -> dict | None:
-    """Emit the pending restart's event with the step its generation restored (None: it restored nothing).
-    The pending record is cleared only after the emit: a peer's fault interrupts this thread at any bytecode (an
-    asynchronous exception), and the wrapper then emits what is still pending, so the event is never lost."""
+    """Emit the pending restart's event with the step its generation restored (None: nothing). Cleared only after the
+    emit: should a peer's fault interrupt it, the wrapper emits what is still pending."""
     global _pending
     if _pending is None:
         return None

@@ -15,8 +15,7 @@ _deferred: dict[int, Callable[[], None]] = {}  # thread ident -> its interrupt, 
 
 
 def enter() -> None:
-    """Open a section on this thread (for a section spanning two calls, e.g. an optimizer's pre- and post-step
-    hooks); `leave()` closes it."""
+    """Open a section on this thread (one spanning two calls, e.g. the optimizer's hooks); `leave()` closes it."""
     tid = threading.get_ident()
     _depth[tid] = _depth.get(tid, 0) + 1
 

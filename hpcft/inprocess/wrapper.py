@@ -59,10 +59,7 @@ def restartable(fn: Callable[[Attempt], Any] | None = None, *, options: RestartO
     opts = options or RestartOptions(**settings)
 
     def wrap(f: Callable[[Attempt], Any]) -> Callable[[], Any]:
-        @functools.wraps(f)
-        def run() -> Any:
-            return _Runner(f, opts).run()
-        return run
+        return functools.wraps(f)(lambda: _Runner(f, opts).run())
 
     return wrap(fn) if fn is not None else wrap
 
