@@ -108,11 +108,13 @@ class Sandbox:
         out = self.runner(timeout=15).run(["sinfo", "--noheader", "--Node", "--format=%N %T"]).stdout
         return dict(line.split(None, 1) for line in out.splitlines() if line.strip())
 
+    def _group(self, name: str) -> procs.Group | None:
+        self.layout.node(name)  # an error naming the nodes there are, for a name that is none
+        return self.groups.get(name)
+
     def node_pids(self, name: str) -> list[int]:
         """Live processes of node `name`: its slurmd, slurmstepds and their tasks."""
-        self.layout.node(name)
-        group = self.groups.get(name)
-        return procs.members(group) if group else []
+        return procs.members(group) if (group := self._group(name)) else []
 
     def log_files(self) -> list[Path]:
         """Every log the sandbox writes (daemon output, Slurm logs, munged)."""
@@ -252,8 +254,7 @@ class Sandbox:
     # -- faults ----------------------------------------------------------------------------------
     def crash_node(self, name: str) -> list[int]:
         """A hard node crash: SIGKILL its slurmd, slurmstepds and tasks at once; its /dev/shm is lost."""
-        self.layout.node(name)
-        group = self.groups.get(name)
+        group = self._group(name)
         pids = procs.members(group) if group else []
         if group:
             procs.kill(group, signal.SIGKILL)
@@ -263,17 +264,13 @@ class Sandbox:
     def freeze_node(self, name: str) -> list[int]:
         """A node that stops answering without closing anything (a hung kernel; a partition, as its peers see it):
         SIGSTOP its slurmd, slurmstepds and tasks. Their sockets stay open. `thaw_node` or `crash_node` ends it."""
-        self.layout.node(name)
-        group = self.groups.get(name)
-        pids = procs.signal_members(group, signal.SIGSTOP) if group else []
+        pids = procs.signal_members(group, signal.SIGSTOP) if (group := self._group(name)) else []
         _log.info("froze sandbox node %s (stopped pids %s)", name, pids)
         return pids
 
     def thaw_node(self, name: str) -> list[int]:
         """Let a frozen node's processes run again (SIGCONT)."""
-        self.layout.node(name)
-        group = self.groups.get(name)
-        return procs.signal_members(group, signal.SIGCONT) if group else []
+        return procs.signal_members(group, signal.SIGCONT) if (group := self._group(name)) else []
 
     def restart_node(self, name: str, timeout: float = 30.0, *, wait: bool = True) -> None:
         """Power a node back on (crashing what is left of it first) and, with `wait`, wait until Slurm uses it again

@@ -111,8 +111,7 @@ class Layout:
 
     @property
     def local_dir(self) -> Path:
-        """Each node's local disk, at this one path on every node (a bind mount in its namespace): sbcast's
-        destination, as /tmp or the NVMe of a real node."""
+        """Each node's local disk, at this path on every node (a bind mount): as /tmp or a real node's NVMe."""
         return self.dir / "local"
 
     def local_disk(self, node: str) -> Path:
@@ -148,39 +147,19 @@ def render_slurm_conf(layout: Layout) -> str:
     """slurm.conf for the sandbox: no cgroups, no accounting, fast failure detection and requeue."""
     d = layout.dir
     lines = [
-        "# Written by `hpcft sandbox up`; rewritten on every start.",
-        "ClusterName=hpcft-sandbox",
-        f"SlurmctldHost={layout.ctld_host}({layout.ctld_addr})",
-        f"SlurmctldPort={layout.ctld_port}",
-        "SlurmUser=root",
-        "SlurmdUser=root",
-        "AuthType=auth/munge",
-        "CredType=cred/munge",
-        f"AuthInfo=socket={layout.munge_socket},cred_expire=10",
-        f"StateSaveLocation={d}/state",
-        f"SlurmdSpoolDir={d}/spool/%n",
-        f"SlurmctldPidFile={d}/run/slurmctld.pid",
-        f"SlurmdPidFile={d}/run/slurmd-%n.pid",
-        f"SlurmctldLogFile={layout.log_dir}/slurmctld.log",
-        f"SlurmdLogFile={layout.log_dir}/slurmd-%n.log",
-        "SlurmctldDebug=info",
-        "SlurmdDebug=info",
-        "MailProg=/bin/true",
-        "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_CPU",
-        "SlurmdParameters=config_overrides",
-        "MpiDefault=none",
-        "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
-        "SlurmdTimeout=10",
-        "SlurmctldTimeout=10",
-        "MessageTimeout=5",
-        "KillWait=3",
-        "ReturnToService=1",
-        "JobRequeue=1",
-        "SchedulerParameters=sched_interval=2,bf_interval=1",
+        "# Written by `hpcft sandbox up`; rewritten on every start.", "ClusterName=hpcft-sandbox",
+        f"SlurmctldHost={layout.ctld_host}({layout.ctld_addr})", f"SlurmctldPort={layout.ctld_port}",
+        "SlurmUser=root", "SlurmdUser=root",
+        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={layout.munge_socket},cred_expire=10",
+        f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool/%n",
+        f"SlurmctldPidFile={d}/run/slurmctld.pid", f"SlurmdPidFile={d}/run/slurmd-%n.pid",
+        f"SlurmctldLogFile={layout.log_dir}/slurmctld.log", f"SlurmdLogFile={layout.log_dir}/slurmd-%n.log",
+        "SlurmctldDebug=info", "SlurmdDebug=info", "MailProg=/bin/true",
+        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+        "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SlurmdParameters=config_overrides",
+        "MpiDefault=none", "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+        "SlurmdTimeout=10", "SlurmctldTimeout=10", "MessageTimeout=5", "KillWait=3",
+        "ReturnToService=1", "JobRequeue=1", "SchedulerParameters=sched_interval=2,bf_interval=1",
     ]
     cfg = layout.config
     lines += [f"{key}={path}" for key, path in (("Prolog", cfg.prolog), ("Epilog", cfg.epilog)) if path]

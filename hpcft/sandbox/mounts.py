@@ -16,8 +16,7 @@ class NodeMounts:
 
 
 def node_mounts(layout: Layout, name: str, marker: str) -> NodeMounts:
-    """Node `name`'s mounts; `marker` names its tmpfs sources (unique to the sandbox and node). Its local disk is
-    made here, empty, on the host."""
+    """Node `name`'s mounts (`marker`: its tmpfs sources' name); its local disk is made here, empty, on the host."""
     tmpfs = [(f"{marker}-shm", f"size={layout.config.shm_size},mode=1777", "/dev/shm"),
              (f"{marker}-pmix", "mode=0755", str(layout.pmix_dir))]
     disk = layout.local_disk(name)
