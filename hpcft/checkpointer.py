@@ -92,9 +92,8 @@ class Checkpointer:
         self._quiet = False  # hooks ignore optimizer steps hpcft itself makes
         self._in_step = False  # the pre-step hook opened a shielded section the post-step hook closes
         self._warned = False
-        self._hooks = []
         self.timer = timing.StepTimer(timing.clock_for(device))  # the rank's own share of a step (stragglers)
-        self._hooks += timing.grad_hooks(model, self.timer.grad)
+        self._hooks = timing.grad_hooks(model, self.timer.grad)
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._pre_step))
             if opts.auto:

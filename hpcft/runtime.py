@@ -105,10 +105,9 @@ def wait_listening(host: str, port: int, timeout_s: float, poll_s: float = 0.005
 
 def init(*, dp: int | None = None, tp: int = 1, pp: int = 1, backend: str | None = None,
          timeout_s: float = 600.0, environ: dict[str, str] | None = None, store: Any = None) -> Context:
-    """Join the job: read the launcher's (or torchrun's, Slurm's, a local run's) variables, pick the device,
-    initialise torch.distributed (`default_backend`: nccl/rccl plus gloo on GPUs, gloo on CPUs; `backend` overrides)
-    and build a (pp, dp, tp) DeviceMesh. `store`: rendezvous on this torch Store instead of the job's address (an
-    in-process restart's generation, hpcft.inprocess)."""
+    """Join the job: read the launcher's (or torchrun's, Slurm's) variables, pick the device, initialise
+    torch.distributed (`default_backend` unless `backend`) and build a (pp, dp, tp) DeviceMesh. `store`: rendezvous
+    on this torch Store instead of the job's address (an in-process restart's generation)."""
     env = job_env(environ)
     dp, tp, pp = resolve_layout(env.world_size, dp, tp, pp)
     device = pick_device(env.local_rank)

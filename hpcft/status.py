@@ -172,8 +172,7 @@ def _judge_lag(view: JobView, reports: dict[int, dict[str, Any]], log: dict[str,
 
 
 def stragglers(record: list[dict[str, Any]]) -> list[StragglerView]:
-    """The stragglers named in the job's events (`record`) and not cleared since (a new launch judges afresh; an
-    evicted one stays, marked)."""
+    """The stragglers named in the job's events and not cleared since (a new launch judges afresh; evicted stay)."""
     named: dict[str, StragglerView] = {}
     for e in record:
         kind = e.get("event")
