@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from hpcft import events
-from hpcft.agent import secret as job_secret
-from hpcft.agent.bundle import Bundle, complete_steps
-from hpcft.agent.codec import codec_for
-from hpcft.agent.placement import Scheme, plan
-from hpcft.agent.protect import records
-from hpcft.agent.stripes import encode_set, parity_bytes, partner_copies, piece_bytes
+from hpcft.agent.transport import secret as job_secret
+from hpcft.agent.protection.bundle import Bundle, complete_steps
+from hpcft.agent.protection.codec import codec_for
+from hpcft.agent.protection.placement import Scheme, plan
+from hpcft.agent.protection.protect import records
+from hpcft.agent.protection.stripes import encode_set, parity_bytes, partner_copies, piece_bytes
 from hpcft.agent.settings import AgentConfig
-from hpcft.agent.throttle import CPU_SHARE, cpu_cores
+from hpcft.agent.transport.throttle import CPU_SHARE, cpu_cores
 from hpcft.bench.harness import Memcpy, Report, Variant, run_interleaved, scratch, set_threads
 from hpcft.errors import HpcftError
 from hpcft.options import Options

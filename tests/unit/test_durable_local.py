@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from hpcft import events
-from hpcft.agent.bundle import complete_steps
-from hpcft.agent.mesh import Mesh
-from hpcft.agent.persist import Flusher
-from hpcft.agent.pins import Pins
+from hpcft.agent.protection.bundle import complete_steps
+from hpcft.agent.transport.mesh import Mesh
+from hpcft.agent.protection.flush import Flusher
+from hpcft.agent.protection.pins import Pins
 from hpcft.checkpointer import Checkpointer
 from hpcft.durable import catalog, flush, local
 from hpcft.durable.resume import order, why
