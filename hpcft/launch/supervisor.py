@@ -17,7 +17,7 @@ from hpcft import events
 from hpcft.errors import ConfigError, HpcftError, SlurmError
 from hpcft.launch import reshape as elastic, losses
 from hpcft.launch.config import profiles
-from hpcft.launch.steps import stage
+from hpcft.launch.steps import broadcast
 from hpcft.launch.watch.grow import GrowWatch
 from hpcft.launch.steps.agentloss import AgentLoss
 from hpcft.launch.steps.agents import AgentSteps, agent_iface
@@ -85,8 +85,8 @@ class Supervisor:
         self.base_cfg = cfg  # the configuration this run started with (a shrunk or grown job's is sized from it)
         self.grow_watch = GrowWatch(cfg, self.runner, self.job_id, self.nodes, self.emit)
         self.stragglers = StragglerWatch(cfg, self.fabric.view.samples, self.emit)
-        self.stage = stage.EnvStage(cfg, self.profile, self.runner, self.job_dir, python, self.job_id, self.environ,
-                                    self.emit)
+        self.broadcast = broadcast.EnvBroadcast(cfg, self.profile, self.runner, self.job_dir, python, self.job_id,
+                                                self.environ, self.emit)
 
     def emit(self, kind: str, **fields) -> None:
         events.emit(kind, log_dir=str(self.job_dir), job=self.job_id, **fields)
@@ -250,9 +250,9 @@ class Supervisor:
         return done
 
     def _launch(self, layout: Layout, launch: int) -> Event:
-        """The launch state: the steps beside the trainers (staging, janitors, standbys, agents: `_ready`), then the
-        trainers' step, watched until it ends or must be stopped. The agents' step is left running (self.agents) for
-        the decision: a requeue first waits for their protection; every other path stops them (`AgentSteps.stop`)."""
+        """The launch state: the steps beside the trainers (the environment's broadcast, janitors, standbys, agents:
+        `_ready`), then the trainers' step, watched until it ends or must be stopped. The agents' step is left running
+        for the decision: a requeue first waits for their protection; every other path stops them."""
         env = self._env(layout, launch)
         try:
             event = self._ready(layout, launch, env)
@@ -292,7 +292,7 @@ class Supervisor:
 
     def _ready(self, layout: Layout, launch: int, env: dict[str, str]) -> Event | None:
         """The steps the trainers need first; an event when the agents could not get ready."""
-        self.stage.ensure([*layout.slots, *layout.spares], env, (self, self.standbys, self.agents))
+        self.broadcast.ensure([*layout.slots, *layout.spares], env, (self, self.standbys, self.agents))
         self.janitor.ensure([*layout.slots, *layout.spares], env)
         self.standbys.ensure([*layout.slots, *layout.spares], env, spares=layout.spares)
         if self.cfg.with_agents:

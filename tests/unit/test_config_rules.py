@@ -103,7 +103,7 @@ SHAPES = [  # (allocated nodes, options, words of the error)
     (3, {"protect": "partner", "distance": 3}, "partner"),
     (4, {"elastic": True, "min_nodes": 4, "spares": 1}, "--min-nodes 4 is more than the 3 active nodes"),
     (4, {"persist_dir": "/proc/hpcft-durable"}, "persist_dir /proc/hpcft-durable cannot be made"),
-    (4, {"stage_cache": "/proc/hpcft-stage"}, "stage_cache /proc/hpcft-stage cannot be made"),
+    (4, {"broadcast_cache": "/proc/hpcft-broadcast"}, "broadcast_cache /proc/hpcft-broadcast cannot be made"),
     (4, {"job_dir": "/proc/hpcft-job"}, "job_dir /proc/hpcft-job cannot be made"),
 ]
 
@@ -140,7 +140,7 @@ def test_the_configuration_reference_is_generated_from_the_model():
 
 
 def test_a_requeued_run_whose_excluded_nodes_are_not_allocated_passes_the_shape_check(tmp_path):
-    """The previous run's excluded nodes are outside this allocation (Slurm excluded them): they take none of its nodes."""
+    """The previous run's excluded nodes are outside this allocation (Slurm kept them out): none of its nodes."""
     from hpcft.launch.state import RunState
 
     class Started(Exception):

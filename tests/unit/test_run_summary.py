@@ -55,7 +55,7 @@ def _supervisor(tmp_path, slurm: _Slurm, **options) -> Supervisor:
     sup = Supervisor(cfg, ["python", "train.py"], runner=slurm, environ={"SLURM_JOB_ID": "7", "USER": "me",
                                                                         "PATH": "/usr/bin:/bin"})
     sup.preflight = SimpleNamespace(poll=lambda *a, **k: None)
-    for part in (sup.stage, sup.janitor, sup.standbys):
+    for part in (sup.broadcast, sup.janitor, sup.standbys):
         part.ensure = lambda *a, **k: None
     sup.standbys.wait = lambda *a, **k: None
     return sup

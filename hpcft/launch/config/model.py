@@ -180,16 +180,17 @@ class Standby:
 
 
 @dataclass(frozen=True)
-class Staging:
-    """The Python environment copied to node-local storage and started from there (hpcft/launch/steps/stage.py)."""
+class Broadcast:
+    """The Python environment copied to node-local storage and started from there (hpcft/launch/steps/broadcast.py)."""
 
-    stage_env: bool | None = option(None, "Pack the interpreter's environment once, sbcast it to node-local storage "
+    broadcast_env: bool | None = option(None, "Pack the interpreter's environment once, sbcast it to node-local "
+                                        "storage "
                                     "and start every step from each node's copy (default: on with the frontier "
                                     "profile and node-local NVMe).")
-    stage_dir: str | None = option(None, "That node-local directory, the same path on every node (default "
+    broadcast_dir: str | None = option(None, "That node-local directory, the same path on every node (default "
                                    "$HPCFT_NVME, else /tmp).")
-    stage_cache: str | None = option(None, "Where the archives are kept, named by their content (default <job "
-                                     "dir>/stage; a directory shared by several jobs reuses one archive).")
+    broadcast_cache: str | None = option(None, "Where the archives are kept, named by their content (default <job "
+                                     "dir>/broadcast; a directory shared by several jobs reuses one archive).")
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ class RunConfig:
     elastic: Elastic = field(default_factory=Elastic)
     stragglers: Stragglers = field(default_factory=Stragglers)
     standby: Standby = field(default_factory=Standby)
-    staging: Staging = field(default_factory=Staging)
+    broadcast: Broadcast = field(default_factory=Broadcast)
 
     @property
     def with_agents(self) -> bool:

@@ -24,8 +24,8 @@ class Profile:
     agent_iface: str | None = None
     # the site's module lines of `hpcft submit`, unless the config file's [site] modules say otherwise
     modules: tuple[str, ...] = ()
-    # `hpcft run --stage-env` unless the user says otherwise, where the job has node-local NVMe ($HPCFT_NVME)
-    stage_env: bool = False
+    # `hpcft run --broadcast-env` unless the user says otherwise, where the job has node-local NVMe ($HPCFT_NVME)
+    broadcast_env: bool = False
     # the agents' srun MPI plugin (--mpi=…) with --agent-transport mpi: the one the site's MPI starts under
     agent_mpi: str = "pmix"
 
@@ -74,7 +74,7 @@ FRONTIER = Profile(
     net_plugin=True,
     agent_iface="hsn0",
     modules=("PrgEnv-gnu", "rocm", "rccl-net-plugin", "craype-accel-amd-gfx90a"),
-    stage_env=True,  # OLCF recommends it at scale (software/python/sbcast_conda.rst): docs/supervisor.md
+    broadcast_env=True,  # OLCF recommends it at scale (software/python/sbcast_conda.rst): docs/supervisor.md
     agent_mpi="cray_shasta",  # Cray MPICH's PMI under HPE's Slurm (OLCF's srun default; mpi4py built on cray-mpich)
 )
 

@@ -41,7 +41,7 @@ def check_shape(cfg: RunConfig, allocated: int) -> RunConfig:
 def check_paths(cfg: RunConfig, job_dir: Path) -> None:
     """The run's shared directories exist or can be made and take files: refused now, not at a flush hours later."""
     for key, path in (("job_dir", job_dir), ("persist_dir", durable_dir(cfg, job_dir)),
-                      ("stage_cache", cfg.staging.stage_cache)):
+                      ("broadcast_cache", cfg.broadcast.broadcast_cache)):
         if path is None:
             continue
         try:

@@ -1,1 +1,1 @@
-"""What runs on each node: the task wrapper, the warm standby, staging and the janitors."""
+"""What runs on each node: the task wrapper, the warm standby, the environment's broadcast and the janitors."""

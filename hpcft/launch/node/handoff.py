@@ -5,7 +5,7 @@ import os
 import sys
 
 from hpcft.launch.node import warm
-from hpcft.launch.node.stage_paths import localized
+from hpcft.launch.node.broadcast_paths import localized
 
 
 def main(argv: list[str]) -> int:
@@ -15,7 +15,7 @@ def main(argv: list[str]) -> int:
         return 2
     sys.stdout.flush()
     sys.stderr.flush()
-    command = localized(command, os.environ, sys.executable)  # --stage-env: `python` is this node's copy
+    command = localized(command, os.environ, sys.executable)  # --broadcast-env: `python` is this node's copy
     return warm.run_or_exec(command, os.environ, role="agent")
 
 

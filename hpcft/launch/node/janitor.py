@@ -21,7 +21,7 @@ from pathlib import Path
 from hpcft import events
 from hpcft.errors import HpcftError
 from hpcft.launch.node.clean import clean
-from hpcft.launch.node.stage_paths import ENV_NODE_DIR
+from hpcft.launch.node.broadcast_paths import ENV_NODE_DIR
 from hpcft.launch.node.zygote import socket_dir
 from hpcft.slurm.state import is_lost, job_info, node_states
 from hpcft.slurm.nodelist import compress
@@ -56,7 +56,7 @@ def requeue_flag(job_dir_: str | os.PathLike, run: int | str) -> Path:
 
 
 def janitor_argv(nodes: Sequence[str], *, python: str, job_dir_: str, now: bool = False,
-                 staged: bool = False) -> list[str]:
+                 env_copy: bool = False) -> list[str]:
     """One janitor task on each of `nodes`, beside the job's other steps (--overlap), outliving a lost task
     (--kill-on-bad-exit=0) or node (--no-kill: without it slurmctld kills the step when it marks the batch host DOWN,
     and the janitors raced that mark, losing 2 runs in 4 under load)."""
@@ -64,7 +64,7 @@ def janitor_argv(nodes: Sequence[str], *, python: str, job_dir_: str, now: bool 
     return ["srun", f"--job-name={JANITOR_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={compress(list(nodes))}", "--overlap", "--kill-on-bad-exit=0", "--no-kill", "--export=ALL",
             python, "-m", "hpcft.launch.node.janitor", "--job-dir", str(job_dir_), *(["--now"] if now else []),
-            *(["--staged"] if staged else [])]
+            *(["--env-copy"] if env_copy else [])]
 
 
 class Janitor:
@@ -76,15 +76,16 @@ class Janitor:
         self.proc: subprocess.Popen | None = None
         self.nodes: list[str] = []  # where the waiting janitors of `proc` run
         self.cleaned_by = ""  # how the last `finish` removed the stores: "janitors" (signalled) or "--now step"
-        self.staged: dict[str, str] = {}  # where the nodes' copies of the environment are (--stage-env), for `finish`
+        self.env_copy: dict[str, str] = {}  # where the nodes' copies of the environment are (--broadcast-env)
 
-    def _popen(self, nodes: Sequence[str], env: Mapping[str, str], now: bool, staged: bool = False) -> subprocess.Popen:
+    def _popen(self, nodes: Sequence[str], env: Mapping[str, str], now: bool,
+               env_copy: bool = False) -> subprocess.Popen:
         with open(self.job_dir / "janitor.log", "ab") as log:
-            argv = janitor_argv(nodes, python=self.python, job_dir_=str(self.job_dir), now=now, staged=staged)
-            return self.runner.popen(argv, env={**env, **self.staged}, stdout=log, stderr=subprocess.STDOUT)
+            argv = janitor_argv(nodes, python=self.python, job_dir_=str(self.job_dir), now=now, env_copy=env_copy)
+            return self.runner.popen(argv, env={**env, **self.env_copy}, stdout=log, stderr=subprocess.STDOUT)
 
     def ensure(self, nodes: Sequence[str], env: Mapping[str, str]) -> None:
-        self.staged = {ENV_NODE_DIR: env[ENV_NODE_DIR]} if env.get(ENV_NODE_DIR) else {}
+        self.env_copy = {ENV_NODE_DIR: env[ENV_NODE_DIR]} if env.get(ENV_NODE_DIR) else {}
         if self.proc is None or self.proc.poll() is not None:
             self.proc, self.nodes = self._popen(nodes, env, now=False), list(nodes)
 
@@ -105,12 +106,13 @@ class Janitor:
             self._stop_steps({JANITOR_STEP_NAME: self.proc})
             self.proc = None
         self.cleaned_by = "--now step"
-        return self.wipe(nodes, env, timeout, staged=True)
+        return self.wipe(nodes, env, timeout, env_copy=True)
 
     def wipe(self, nodes: Sequence[str], env: Mapping[str, str], timeout: float = 60.0,
-             staged: bool = False) -> int | None:
-        """Remove the job's store (and with `staged` the environment's copy) on `nodes`; srun's status, None if late."""
-        proc = self._popen(nodes, env, now=True, staged=staged)
+             env_copy: bool = False) -> int | None:
+        """Remove the job's store (with `env_copy` the environment's copy too) on `nodes`; srun's status, None if
+        late."""
+        proc = self._popen(nodes, env, now=True, env_copy=env_copy)
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -136,7 +138,7 @@ def _remove_standby(job: str) -> None:
         shutil.rmtree(socket_dir(job), ignore_errors=True)
 
 
-def _remove_staged() -> None:
+def _remove_env_copy() -> None:
     """This node's environment copy (made again from the archive), renamed first: no step starts a half-removed one."""
     copy = os.environ.get(ENV_NODE_DIR)
     if not copy:
@@ -148,7 +150,7 @@ def _remove_staged() -> None:
         pass  # none here, or one being removed by a janitor stopped meanwhile: its leftover is removed below
     for left in [copy, *Path(copy).parent.glob(Path(copy).name + ".removed-*")]:
         shutil.rmtree(left, ignore_errors=True)
-    for probe in Path(copy).parent.glob(f".{Path(copy).name}.node-*"):  # the staging tasks' (stage_node.py)
+    for probe in Path(copy).parent.glob(f".{Path(copy).name}.node-*"):  # the broadcast's node tasks' probes
         probe.unlink(missing_ok=True)
 
 
@@ -166,7 +168,7 @@ def _on_sigterm(job: str, store: Path, flag: Path) -> None:
         except HpcftError as exc:  # never drop a checkpoint on a guess
             why = f"kept: {exc}"
     print(f"hpcft janitor: {store}: {why}", file=sys.stderr)
-    _remove_staged()  # after the store: Slurm's KillWait bounds what a janitor does here
+    _remove_env_copy()  # after the store: Slurm's KillWait bounds what a janitor does here
     os._exit(0)
 
 
@@ -175,7 +177,7 @@ def _on_done(job: str, store: Path) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _remove_standby(job)
     _remove(store, settle=0.2)
-    _remove_staged()
+    _remove_env_copy()
     os._exit(0)
 
 
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job", default=os.environ.get("SLURM_JOB_ID"), help="job id (default $SLURM_JOB_ID)")
     ap.add_argument("--job-dir", required=True, help="hpcft run's job directory (where it flags its own requeues)")
     ap.add_argument("--now", action="store_true", help="the job is over: remove its store at once and exit")
-    ap.add_argument("--staged", action="store_true", help="with --now: also this node's copy of the environment")
+    ap.add_argument("--env-copy", action="store_true", help="with --now: also this node's copy of the environment")
     args = ap.parse_args(argv)
     if not args.job:
         print("hpcft janitor: no job id (--job or $SLURM_JOB_ID)", file=sys.stderr)
@@ -196,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.now:
         _remove(store, settle=0.2)
-        if args.staged:
-            _remove_staged()
+        if args.env_copy:
+            _remove_env_copy()
         return 0
     run = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
     flag = requeue_flag(args.job_dir, run)

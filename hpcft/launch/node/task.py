@@ -9,7 +9,7 @@ from hpcft.store.paths import job_dir as store_job_dir, progress_file, resolve_r
 from hpcft.env import AGENTS_REPORT, REPORTS
 from hpcft.launch.node import warm
 from hpcft.launch.node.srun import task_env
-from hpcft.launch.node.stage_paths import localized
+from hpcft.launch.node.broadcast_paths import localized
 
 
 def main(argv: list[str]) -> int:
@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     except HpcftError as exc:
         print(f"hpcft task: error: {exc}", file=sys.stderr)
         return 2
-    command = localized(command, os.environ, sys.executable)  # --stage-env: `python` is this node's copy
+    command = localized(command, os.environ, sys.executable)  # --broadcast-env: `python` is this node's copy
     job_dir = os.environ.get("HPCFT_JOB_DIR")
     if job_dir:
         try:

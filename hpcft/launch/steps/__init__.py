@@ -1,1 +1,1 @@
-"""The supervisor's srun steps besides the trainers': agents, standbys, staging, node checks."""
+"""The supervisor's srun steps besides the trainers': agents, standbys, the environment's broadcast, node checks."""

@@ -1,6 +1,6 @@
-"""`hpcft run --stage-env`, the batch host's half: the environment's files (the venv or conda env at sys.prefix, and a
-venv's base interpreter when on a network file system; editable sources and PYTHONPATH stay shared), their content key,
-and the archive: a plain tar, written once per key into the cache, atomically, with its crc32c."""
+"""`hpcft run --broadcast-env`, the batch host's half: the environment's files (the venv or conda env at sys.prefix,
+and a venv's base interpreter when on a network file system; editable sources and PYTHONPATH stay shared), their
+content key, and the archive: a plain tar, written once per key into the cache, atomically, with its crc32c."""
 from __future__ import annotations
 
 import ast
@@ -27,7 +27,7 @@ SKIPPED = ("__pycache__",)  # not in the key (written by imports, validated agai
 
 @dataclass(frozen=True)
 class EnvSpec:
-    """What is packed: `prefix` (sys.prefix) as env/, `base` (a venv's base prefix) as base/ when it is staged too;
+    """What is packed: `prefix` (sys.prefix) as env/, `base` (a venv's base prefix) as base/ when it is broadcast too;
     `python`: the interpreter's path under prefix; `editable`: source trees that stay where they are."""
 
     prefix: Path
@@ -95,12 +95,12 @@ def describe(executable: str = sys.executable, prefix: str = sys.prefix, base_pr
     root = Path(prefix)
     venv, conda = (root / "pyvenv.cfg").is_file(), (root / "conda-meta").is_dir()
     if not (venv or conda):
-        raise ConfigError(f"--stage-env packs a virtual environment or a conda environment; {prefix} is neither "
+        raise ConfigError(f"--broadcast-env packs a virtual environment or a conda environment; {prefix} is neither "
                           "(sys.prefix of the interpreter hpcft run was started with): run hpcft from a venv or a "
-                          "conda env, or drop --stage-env")
+                          "conda env, or drop --broadcast-env")
     python = os.path.relpath(os.path.abspath(executable), root)
     if python.startswith(".."):
-        raise ConfigError(f"--stage-env: the interpreter {executable} is not inside its environment {prefix}")
+        raise ConfigError(f"--broadcast-env: the interpreter {executable} is not inside its environment {prefix}")
     info = _mountinfo() if mountinfo is None else mountinfo
     base = Path(base_prefix) if venv and base_prefix != prefix and fs_type(base_prefix, info) in NETWORK_FS else None
     site = [Path(p) for p in sys.path if p.startswith(str(root)) and p.endswith("site-packages")]

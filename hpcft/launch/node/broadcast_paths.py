@@ -1,6 +1,6 @@
-"""`hpcft run --stage-env`'s names, shared by the supervisor, the node step, the janitors and the task wrapper (pure):
-where a node's copy lives, what the broadcast archive is called there, the interpreter chooser every hpcft step
-starts through, and the trainers' command pointed at the staged interpreter."""
+"""`hpcft run --broadcast-env`'s names, shared by the supervisor, the node step, the janitors and the task wrapper
+(pure): where a node's copy lives, what the broadcast archive is called there, the interpreter chooser every hpcft step
+starts through, and the trainers' command pointed at the broadcast interpreter."""
 from __future__ import annotations
 
 import os
@@ -11,13 +11,14 @@ from pathlib import Path
 
 from hpcft.env import NVME_ENV, expand_vars
 
-ENV_NODE_DIR = "HPCFT_STAGE_NODE_DIR"  # a node's copy (the same path on every node): the janitors remove it
-ENV_SHARED = "HPCFT_STAGE_SHARED"  # the shared-FS interpreter: a trainer command naming it runs the staged one
+ENV_NODE_DIR = "HPCFT_BROADCAST_NODE_DIR"  # a node's copy (the same path on every node): the janitors remove it
+ENV_SHARED = "HPCFT_BROADCAST_SHARED"  # the shared-FS interpreter: a trainer command naming it runs the broadcast one
 DEFAULT_DIR = "/tmp"  # without $HPCFT_NVME (Frontier: /mnt/bb/$USER with `hpcft submit --nvme`)
 
 
-def stage_root(given: str | None, environ: Mapping[str, str]) -> Path:
-    """Where copies go: --stage-dir, else $HPCFT_NVME, else /tmp, expanded here: sbcast writes one path on all nodes."""
+def broadcast_root(given: str | None, environ: Mapping[str, str]) -> Path:
+    """Where copies go: --broadcast-dir, else $HPCFT_NVME, else /tmp, expanded here: sbcast writes one path on all
+    nodes."""
     return Path(expand_vars(given or environ.get(NVME_ENV) or DEFAULT_DIR, environ))
 
 
@@ -40,7 +41,7 @@ def ok_marker(node: Path, key: str) -> Path:
     return node / f"ok-{key}"
 
 
-def staged_python(node: Path, python: str) -> Path:
+def broadcast_python(node: Path, python: str) -> Path:
     """The interpreter in a node's copy; `python`: its path under the environment's prefix (e.g. bin/python)."""
     return node / "env" / python
 
@@ -48,8 +49,8 @@ def staged_python(node: Path, python: str) -> Path:
 def chooser(node: Path, key: str, python: str, shared: str) -> str:
     """The chooser: the node's verified copy, else the shared interpreter (one shared file, not an import's many)."""
     q = shlex.quote
-    return ("#!/bin/sh\n# hpcft run --stage-env: this node's verified copy of the environment, else the shared one\n"
-            f"[ -e {q(str(ok_marker(node, key)))} ] && exec {q(str(staged_python(node, python)))} \"$@\"\n"
+    return ("#!/bin/sh\n# hpcft run --broadcast-env: this node's verified copy of the environment, else the shared\n"
+            f"[ -e {q(str(ok_marker(node, key)))} ] && exec {q(str(broadcast_python(node, python)))} \"$@\"\n"
             f"exec {q(shared)} \"$@\"\n")
 
 

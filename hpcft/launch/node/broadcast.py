@@ -1,6 +1,7 @@
-"""`python -m hpcft.launch.node.stage`, a task per node of the `--stage-env` step: says it is ready (or that another
-node's probe shows: no node-local root), waits for SIGUSR1 (sbcast is over), unpacks checking size and crc32c, relinks a
-staged base interpreter, checks the copy imports torch from itself, marks it ok; each outcome is a JSON line."""
+"""`python -m hpcft.launch.node.broadcast`, a task per node of the `--broadcast-env` step: says it is ready (or that
+another node's probe shows: no node-local root), waits for SIGUSR1 (sbcast is over), unpacks checking size and
+crc32c, relinks a broadcast base interpreter, checks the copy imports torch from itself, marks it ok; each outcome
+is a JSON line."""
 from __future__ import annotations
 
 import argparse
@@ -15,15 +16,15 @@ import sys
 import time
 from pathlib import Path
 
-from hpcft.launch.node import stage_paths as paths
+from hpcft.launch.node import broadcast_paths as paths
 from hpcft.store.checksum import crc32c
 
 VERIFY_TIMEOUT_S = 300.0  # the copy's first `import torch` (no .pyc written yet for some modules) under load
 # The copy's interpreter reports what it runs from and which of its loaded files are outside the copy; the
-# modules of $HPCFT_STAGE_VERIFY (torch) must be inside it
+# modules of $HPCFT_BROADCAST_VERIFY (torch) must be inside it
 PROBE = r"""
 import json, os, sys
-mods = [m for m in os.environ.get("HPCFT_STAGE_VERIFY", "torch").split(",") if m]
+mods = [m for m in os.environ.get("HPCFT_BROADCAST_VERIFY", "torch").split(",") if m]
 for m in mods:
     __import__(m)
 import hpcft.launch.node.task  # what every step starts with: it must import, from the copy or an editable source tree
@@ -78,7 +79,7 @@ def collapse(dirs: list[str]) -> list[str]:
 
 
 def relink_base(node: Path, base_from: str) -> None:
-    """A venv whose base interpreter was staged too (base/): its pyvenv.cfg and its bin/ links name the copy."""
+    """A venv whose base interpreter was broadcast too (base/): its pyvenv.cfg and its bin/ links name the copy."""
     env, base = node / "env", node / "base"
     cfg = env / "pyvenv.cfg"
     old = base_from.rstrip("/")
@@ -114,14 +115,14 @@ def _say(**fields) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcft.launch.node.stage", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m hpcft.launch.node.broadcast", description=__doc__)
     ap.add_argument("--root", required=True, help="the node-local directory (the same path on every node)")
     ap.add_argument("--job", required=True)
     ap.add_argument("--key", required=True, help="the archive's content key")
     ap.add_argument("--bytes", type=int, required=True)
     ap.add_argument("--crc", type=int, required=True)
     ap.add_argument("--python", required=True, help="the interpreter's path under the environment's prefix")
-    ap.add_argument("--base-from", default=None, help="the venv's base prefix, when base/ is staged too")
+    ap.add_argument("--base-from", default=None, help="the venv's base prefix, when base/ is broadcast too")
     ap.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the supervisor's go (SIGUSR1)")
     args = ap.parse_args(argv)
     name = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if present:
         archive.unlink(missing_ok=True)  # sent to the step's every node
         _say(node=name, phase="done", unpack_s=0.0, verify_s=0.0, present=True, outside=[],
-             python=str(paths.staged_python(node, args.python)))
+             python=str(paths.broadcast_python(node, args.python)))
         return 0
     try:
         unpack(archive, node, args.bytes, args.crc)
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.base_from and (node / "base").is_dir():
             relink_base(node, args.base_from)
         unpacked = time.monotonic() - started
-        report = verify(paths.staged_python(node, args.python), node)
+        report = verify(paths.broadcast_python(node, args.python), node)
         paths.ok_marker(node, args.key).touch()
     except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
         shutil.rmtree(node, ignore_errors=True)
