@@ -84,11 +84,7 @@ def _agents(roots: list[Path], shared: Path, scheme: Scheme, tag: str, *flags: s
 
 
 def _finish(procs: list[subprocess.Popen], what: str) -> None:
-    errors = []
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        if p.returncode:
-            errors.append(err[-1500:])
+    errors = [err[-1500:] for p in procs for _, err in [p.communicate(timeout=600)] if p.returncode]
     if errors:
         raise HpcftError(f"{what}: agents failed:\n" + "\n".join(errors))
 
@@ -250,7 +246,8 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
         raw = timings.median("with_protection") / timings.median("without") - 1.0
         raw_mean = mean["with_protection"] / mean["without"] - 1.0
         return Overhead(overhead=raw * share, mean_overhead=raw_mean * share, all_agents=raw, all_agents_mean=raw_mean,
-                        node_share=share, core_share=core_share, agent_over_trainer=cpu[0] / trainer_cpu if trainer_cpu > 0 else None,
+                        node_share=share, core_share=core_share,
+                        agent_over_trainer=cpu[0] / trainer_cpu if trainer_cpu > 0 else None,
                         cpu_overhead=timings.cpu_median("with_protection") / timings.cpu_median("without") - 1.0,
                         step_s=timings.median("without"), step_cpu_s=timings.cpu_median("without"), rate=rate,
                         cpu_share=opts.cpu_share if opts.cpu_cores is None else None,
@@ -280,10 +277,6 @@ def steps_at_risk_max(committed: dict[int, float], passes: list[tuple[float, int
         newest = max((s for s, t in committed.items() if t <= until), default=guarded)
         worst = max(worst or 0, newest - guarded)
     return worst
-
-
-def _sent_over_state(scheme: Scheme) -> float:
-    return {"partner": 1.0, "xor": 1.0}.get(scheme.name, float(scheme.losses))
 
 
 def _scheme_record(opts: ProtectOptions, scheme: Scheme, base: Path) -> dict:
@@ -341,7 +334,8 @@ def _scheme_record(opts: ProtectOptions, scheme: Scheme, base: Path) -> dict:
         "agent_cpu_s_per_gb": ov.agent_cpu_s,
         "peer_agent_cpu_s_per_gb": ov.peer_cpu_s,
         "agent_cpu_s_per_snapshot": ov.agent_cpu_s * ov.snapshot_bytes / 1e9 if ov.agent_cpu_s else None,
-        "agent_cpu_over_trainer_cpu": ov.agent_cpu_s * ov.snapshot_bytes / 1e9 / ov.step_cpu_s if ov.agent_cpu_s else None,
+        "agent_cpu_over_trainer_cpu":
+            ov.agent_cpu_s * ov.snapshot_bytes / 1e9 / ov.step_cpu_s if ov.agent_cpu_s else None,
         "protected_per_snapshot": ov.protected / ov.snapshots if ov.snapshots else None,
         "protect_every_s": ov.every_s,
         "protected_behind_s": ov.behind_s,
@@ -395,7 +389,8 @@ def run(opts: ProtectOptions) -> Report:
     report.note("schemes", out)
     report.note("config", {"nodes": NODES, "state_bytes": opts.state_bytes, "params": opts.params, "steps": opts.steps,
                            "interval_s": opts.interval, "rate": opts.rate,
-                           "cpu_share": opts.cpu_share if opts.cpu_cores is None else None, "cpu_cores": opts.cpu_cores, "nice": opts.nice, "window_s": opts.window,
+                           "cpu_share": opts.cpu_share if opts.cpu_cores is None else None, "cpu_cores": opts.cpu_cores,
+                           "nice": opts.nice, "window_s": opts.window,
                            "threads": opts.threads, "agents_on_this_machine": NODES})
     return report
 
