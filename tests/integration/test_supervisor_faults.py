@@ -79,8 +79,9 @@ def test_a_run_that_cannot_start_records_its_decision_and_summary(sandbox, tmp_p
     code, output = finish(proc, timeout=90)
     assert code == 1, output[-3000:]
     log = events.read(tmp_path / "job")
+    # refused before any step: nothing ran, so no janitor either (a requeued run's snapshots stay in memory)
     assert [(e["event"], e.get("action"), e.get("cause")) for e in log] == [
-        ("decision", "stop", "error"), ("summary", "stop", None), ("cleaned", None, None)], log
+        ("decision", "stop", "error"), ("summary", "stop", None)], log
     assert "need 4 nodes" in log[1]["reason"] and log[1]["level"] == "ERROR"
 
 

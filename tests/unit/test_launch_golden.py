@@ -100,11 +100,10 @@ def test_frontier_environment():
 
 
 def test_agent_srun_line_and_settings():
-    """The agents' step names the settings file; the settings from a Frontier run's configuration have a record too."""
-    argv = agent_argv(NODES[:4], "/lustre/job/agents/settings-0.json", python="python3")
-    check_golden("srun-agents-frontier.txt", _lines(argv))
+    """The agents' step carries the settings of a Frontier run's configuration; they have a record of their own too."""
     cfg = config.make(profile="frontier", protect="xor", group=4, protect_lag=3)
     settings = agent_settings(cfg, Path("/lustre/job"), Layout(slots=tuple(NODES[:4])), mpi=None)
+    check_golden("srun-agents-frontier.txt", _lines(agent_argv(NODES[:4], settings, python="python3")))
     check_golden("agent-settings-frontier.json", json.dumps(json.loads(settings.to_json()), indent=1) + "\n")
     assert AgentConfig.from_json(settings.to_json()) == settings
 
@@ -132,8 +131,8 @@ def test_submit_refuses_a_warning_not_shorter_than_the_walltime():
 
 def test_agent_srun_line_over_mpi_on_frontier():
     """--agent-transport mpi: the agents' step is started by Cray MPICH's PMI plugin and told to mesh over MPI."""
-    argv = agent_argv(NODES[:4], "/lustre/job/agents/settings-0.json", python="python3",
-                      mpi=profiles.FRONTIER.agent_mpi)
-    check_golden("srun-agents-frontier-mpi.txt", _lines(argv))
     cfg = config.make(profile="frontier", protect="xor", group=4, agent_transport="mpi")
-    assert agent_settings(cfg, Path("/j"), Layout(slots=tuple(NODES[:4])), mpi=agent_mpi(cfg)).transport == "mpi"
+    settings = agent_settings(cfg, Path("/lustre/job"), Layout(slots=tuple(NODES[:4])), mpi=agent_mpi(cfg))
+    assert settings.transport == "mpi"
+    check_golden("srun-agents-frontier-mpi.txt",
+                 _lines(agent_argv(NODES[:4], settings, python="python3", mpi=profiles.FRONTIER.agent_mpi)))

@@ -164,11 +164,11 @@ class AgentSteps:
                       reason="agents standing in for lost slots run as srun steps of their own, which cannot join "
                              "the others' MPI world: this launch's agents mesh over TCP")
 
-        settings = self.rendezvous / f"settings-{tag}.json"  # every node reads it from the shared file system
-        settings.write_text(agent_settings(cfg, self.job_dir, layout, mpi).to_json(), encoding="utf-8")
+        # on the command line, not in a file: a full job directory must not stop a launch (nor Lustre see a file a launch)
+        settings = agent_settings(cfg, self.job_dir, layout, mpi)
 
         def argv(nodes: list[str]) -> list[str]:
-            return agent_argv(nodes, str(settings), python=self.python, rebuild=rebuild, mpi=mpi,
+            return agent_argv(nodes, settings, python=self.python, rebuild=rebuild, mpi=mpi,
                               wrap=self._wrap()) + ["--tag", tag]
 
         self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots),
