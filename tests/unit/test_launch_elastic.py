@@ -1,7 +1,6 @@
 """Elastic shrink as plain data: the policy's shrink decision and its floor (--min-nodes), which survivor hosts a lost
 slot's agent, the configuration of the smaller job, bad options, and the trainers' batch arithmetic (no Slurm)."""
 import json
-from pathlib import Path
 
 import pytest
 
@@ -141,7 +140,7 @@ def test_a_shrinks_agents_run_on_the_survivors_with_the_lost_slot_hosted(tmp_pat
 
     settings = main[main.index("--settings") + 1]
     assert opt(main, "--nodelist") == "n[1-2,4]"
-    assert json.loads(Path(settings).read_text())["layout"] == list(FOUR.slots)
+    assert json.loads(settings)["layout"] == list(FOUR.slots)
     assert "--hosted" not in main and "--rebuild" in main
     assert (opt(hosted, "--job-name"), opt(hosted, "--nodelist")) == ("hpcft-agent-hosted-2", "n4")
     assert hosted[-5:] == ["--slot", "2", "--slots", "4", "--hosted"] and "--rebuild" in hosted
