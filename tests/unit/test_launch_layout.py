@@ -116,7 +116,7 @@ def test_protection_options_from_file_environment_and_cli(tmp_path):
     cfg_file.write_text("protect = 'rs'\ngroup = 4\nlosses = 2\n")
     cfg = config.load({"protect_rate": None}, {"HPCFT_PROTECT_RATE": "5e8"}, cfg_file)
     assert (cfg.protection.protect, cfg.protection.group, cfg.protection.losses, cfg.protection.protect_rate, cfg.protection.protected) == ("rs", 4, 2, 5e8, True)
-    assert resolve.scheme(cfg).tolerated == 2
+    assert cfg.protection.scheme().tolerated == 2
     assert config.load({}, {}).protection.protect == "auto" and config.load({}, {}).protection.protect_rate is None
     assert not config.load({"protect": "none"}, {}).protection.protected
 

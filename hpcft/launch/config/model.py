@@ -107,6 +107,12 @@ class Protection:
         """Whether the node agents protect snapshots across nodes."""
         return self.protect != "none"
 
+    def scheme(self):
+        """The node agents' placement.Scheme for this section (ConfigError naming a bad value)."""
+        from hpcft.agent.protection.placement import Scheme
+
+        return Scheme(self.protect, self.group or DEFAULT_GROUP, self.losses, self.distance)
+
 
 @dataclass(frozen=True)
 class Memory:
@@ -356,9 +362,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"preload: {', '.join(map(repr, bad))} is not a module name; give dotted names separated "
                           "by commas, e.g. --preload torch,transformers")
     if prot.protect not in ("auto", "none"):
-        from hpcft.agent.protection.placement import Scheme
-
-        Scheme(prot.protect, prot.group or DEFAULT_GROUP, prot.losses, prot.distance)  # the agents' own checks
+        prot.scheme()  # the agents' own checks, before any step
     if launch.copy and launch.copy.strip().lower() not in ("auto", "default"):
         from hpcft.snapshot.calibration.policy import default_choice, parse_override  # needs crc32c: only here
 

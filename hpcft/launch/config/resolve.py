@@ -34,7 +34,7 @@ def check_shape(cfg: RunConfig, allocated: int) -> RunConfig:
     if cfg.protection.protected:
         from hpcft.agent.protection.placement import plan
 
-        plan(active, scheme(cfg))  # the agents' own checks (group, losses, distance against the active nodes)
+        plan(active, cfg.protection.scheme())  # the agents' own checks (group, losses, distance against the active nodes)
     return cfg
 
 
@@ -65,11 +65,3 @@ def durable_dir(cfg: RunConfig, job_dir: Path) -> Path | None:
     if not cfg.durable.persisting:
         return None
     return Path(cfg.durable.persist_dir).resolve() if cfg.durable.persist_dir else job_dir / "checkpoints"
-
-
-def scheme(cfg: RunConfig):
-    """The node agents' placement.Scheme for the protection section (ConfigError naming a bad value)."""
-    from hpcft.agent.protection.placement import Scheme
-
-    prot = cfg.protection
-    return Scheme(prot.protect, prot.group or DEFAULT_GROUP, prot.losses, prot.distance)

@@ -18,7 +18,7 @@ from hpcft.launch.config import profiles
 from hpcft.agent.protection import flush as agent_persist
 from hpcft.durable.settings import PersistConfig
 from hpcft.launch.config.model import RunConfig
-from hpcft.launch.config.resolve import durable_dir, scheme
+from hpcft.launch.config.resolve import durable_dir
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.fabric.liveview import LiveView
 from hpcft.launch.policy.failures import Event, Kind
@@ -42,7 +42,7 @@ def agent_settings(cfg: RunConfig, job_dir: Path, layout: Layout, mpi: str | Non
     """What every agent of a launch on `layout` is told; `mpi`: their step's srun MPI plugin (None: TCP)."""
     root, dur, prot = durable_dir(cfg, job_dir), cfg.durable, cfg.protection
     return AgentConfig(rendezvous=str(job_dir / "agents"), secret_file=str(job_dir / job_secret.NAME),
-                       layout=layout.slots, host="auto", iface=agent_iface(cfg), scheme=scheme(cfg),
+                       layout=layout.slots, host="auto", iface=agent_iface(cfg), scheme=cfg.protection.scheme(),
                        rate=prot.protect_rate, rounds=0, cpu_cores=profiles.get(cfg.launch.profile).agent_cpu_cores,
                        lag_bound=prot.protect_lag, loss_timeout=cfg.recovery.loss_timeout,
                        persist=PersistConfig(str(root), dur.persist_every, dur.persist_keep, dur.persist_rate)

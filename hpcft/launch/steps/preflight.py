@@ -15,7 +15,6 @@ from hpcft import nodemem
 from hpcft.errors import ConfigError
 from hpcft.launch.config import memplan, netplugin
 from hpcft.launch.config.model import RunConfig
-from hpcft.launch.config.resolve import scheme
 from hpcft.launch.config.profiles import Profile
 from hpcft.store.paths import DEFAULT_ROOT, ENV_ROOT, job_dir
 
@@ -56,7 +55,7 @@ class Preflight:
 
     def _plan(self, state: int) -> memplan.Plan:
         cfg = self.cfg
-        ratio = scheme(cfg).stored_over_state(cfg.protection.group) if cfg.protection.protected else 0.0
+        ratio = cfg.protection.scheme().stored_over_state(cfg.protection.group) if cfg.protection.protected else 0.0
         return memplan.plan(state, cfg.memory.keep, cfg.protection.protect, ratio)
 
     def _memory_before(self) -> None:
