@@ -8,6 +8,7 @@ from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from hpcft.agent.protection.placement import Scheme
 from hpcft.agent.transport.heartbeat import LOSS_TIMEOUT_S
 from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK
 from hpcft.errors import ConfigError
@@ -107,10 +108,8 @@ class Protection:
         """Whether the node agents protect snapshots across nodes."""
         return self.protect != "none"
 
-    def scheme(self):
+    def scheme(self) -> Scheme:
         """The node agents' placement.Scheme for this section (ConfigError naming a bad value)."""
-        from hpcft.agent.protection.placement import Scheme
-
         return Scheme(self.protect, self.group or DEFAULT_GROUP, self.losses, self.distance)
 
 
@@ -222,20 +221,15 @@ class RunConfig:
         """This configuration with options changed by name (e.g. `cfg.but(nodes=3, group=3)`)."""
         by_section: dict[str, dict[str, Any]] = {}
         for name, value in changes.items():
-            by_section.setdefault(section_of(name), {})[name] = value
+            if name not in OPTIONS:
+                raise ConfigError(f"unknown option {name!r}; valid options: {', '.join(KEYS)}")
+            by_section.setdefault(OPTIONS[name][0], {})[name] = value
         return replace(self, **{s: replace(getattr(self, s), **v) for s, v in by_section.items()})
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
 OPTIONS: dict[str, tuple[str, Field]] = {f.name: (s, f) for s, cls in SECTIONS.items() for f in fields(cls)}
 KEYS = tuple(OPTIONS)
-
-
-def section_of(name: str) -> str:
-    """The section an option belongs to; ConfigError listing the valid names."""
-    if name not in OPTIONS:
-        raise ConfigError(f"unknown option {name!r}; valid options: {', '.join(KEYS)}")
-    return OPTIONS[name][0]
 
 
 def make(**options: Any) -> RunConfig:
@@ -246,7 +240,7 @@ def make(**options: Any) -> RunConfig:
 
 
 def env_name(key: str) -> str:
-    return "HPCFT_" + key.upper()
+    return f"HPCFT_{key.upper()}"
 
 
 def kind_of(spec: Field) -> str:
