@@ -8,6 +8,8 @@ _HINTS = {
     "mpi4py": "pip install 'hpcft[mpi]' (needs an MPI library, e.g. Debian's libopenmpi-dev)",
     "hip": "pip install 'hpcft[rocm]' (hip-python matching your ROCm version)",
     "crc32c": "pip install crc32c",
+    "matplotlib": "pip install 'hpcft[plots]'",
+    "transformers": "pip install 'hpcft[examples]'",
     "torch": "pip install torch (on a cluster: your site's ROCm or CUDA build)",
 }
 
