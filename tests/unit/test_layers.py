@@ -26,8 +26,10 @@ ORDER = (
     ("checkpointer",),
     ("launch",),
     ("status", "doctor"),
+    ("report",),
     ("sandbox",),
     ("bench",),
+    ("chaos",),
     ("demo",),
     ("cli",),
 )
