@@ -282,6 +282,7 @@ class Supervisor:
                     for node in layout.slots if node not in event.bad_nodes))  # with the agents' after a loss
                 reader.join(timeout=5)
             watch.say(self.emit, self.ledger.lost)
+            self.fabric.poll(layout.world_size)  # the step the trainers reached as they ended, in the history
             self.ledger.reached = watch.reached_after(self.fabric.view.reached(layout.world_size))
             if self.ledger.previous is not None and self.ledger.previous.resumed is None:
                 self.ledger.previous.resumed = watch.resumed  # what the lost batch host cost, once restored
@@ -335,6 +336,7 @@ class Supervisor:
         that failed meanwhile: an event, or None when the agents were restarted alone and the trainers go on."""
         while True:
             watch.say(self.emit, self.ledger.lost)
+            self.fabric.poll(layout.world_size)  # the progress history: a point when every rank's step moved
             self.preflight.poll(self.agents.reports, expected=self.agents.nodes(layout))  # the plan, once all snapshot
             code = proc.poll()
             if code is not None:

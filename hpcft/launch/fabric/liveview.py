@@ -1,6 +1,6 @@
 """The supervisor's newest view of the job from the nodes' reports, in memory (pure: time passed in): each agent's
-status per launch tag, each rank's newest step, its `ready_s` and when it changed. `dump` is the bounded log `<job
-dir>/status.json`, `load` reads it back (a requeued run)."""
+status per launch tag, each rank's newest step, its `ready_s` and when it changed, and the run's progress history
+(fabric/history.py). `dump` is the bounded log `<job dir>/status.json`, `load` reads it back (a requeued run)."""
 from __future__ import annotations
 
 import threading
@@ -9,6 +9,7 @@ from typing import Any
 
 from hpcft.agent.status import STOPPED, TERMINAL
 from hpcft.agent.transport.uplink import KEEPALIVE_S, patch
+from hpcft.launch.fabric import history
 
 KEEP_TAGS = 8  # launches whose agents' statuses are kept (the log stays bounded across many relaunches)
 LOG_MIN_S = 1.0  # the bounded log is replaced at most once a second …
@@ -38,6 +39,7 @@ class LiveView:
         self.version = 0  # moves with every change (the log is written only when it moved)
         self.heard: float | None = None  # when the newest report (an empty one included) arrived
         self._ended: set[str] = set()  # launches whose agents the supervisor has seen end (`ended`)
+        self._history: list[tuple[float, int]] = []  # (time, the step every rank had completed): history.py
 
     def apply(self, msg: Mapping[str, Any], now: float) -> None:
         """One node's report (`Uplink._message`): its status delta, its ranks' progress."""
@@ -109,16 +111,25 @@ class LiveView:
 
     def reached(self, world: int) -> int | None:
         """The newest step every one of `world` ranks has reported, or None while a rank has reported none."""
-        steps = self.samples()
-        held = [steps[r][0] for r in range(world) if r in steps]
-        return min(held) if world and len(held) == world else None
+        return _lowest(self.samples(), world)
+
+    def mark(self, world: int, now: float) -> bool:
+        """One poll of the trainers' world of `world` ranks: the progress of ranks beyond it (a shrunk job's) goes, and
+        the history gets a point when the step every rank has completed changed (history.add); True if it did."""
+        with self._lock:
+            for rank in [r for r in self._progress if r >= world] if len(self._progress) > world else ():
+                del self._progress[rank]
+            added = history.add(self._history, now, _lowest(self._progress, world))
+            self.version += added
+            return added
 
     def dump(self, now: float) -> dict[str, Any]:
-        """The bounded log's content: every kept launch's agents and every rank's progress."""
+        """The bounded log's content: every kept launch's agents, every rank's progress, the progress history."""
         with self._lock:
             return {"time": now, "version": self.version,
                     "agents": {tag: {str(s): v for s, v in slots.items()} for tag, slots in self._agents.items()},
-                    "progress": {str(r): list(p) for r, p in sorted(self._progress.items())}}
+                    "progress": {str(r): list(p) for r, p in sorted(self._progress.items())},
+                    "history": [list(p) for p in self._history]}
 
     def load(self, log: Mapping[str, Any]) -> None:
         """What an earlier run's log said (a requeued run's lost-progress accounting starts from it)."""
@@ -127,7 +138,14 @@ class LiveView:
                 self._agents[str(tag)] = {int(s): dict(v) for s, v in slots.items()}
             for rank, (step, ready, changed) in (log.get("progress") or {}).items():
                 self._progress[int(rank)] = (int(step), ready, float(changed))
+            self._history = [(float(t), int(s)) for t, s in log.get("history") or ()]
             self.version += 1
+
+
+def _lowest(progress: Mapping[int, tuple[int, float | None, float]], world: int) -> int | None:
+    """The lowest step of ranks 0 … world-1 in `progress`, or None while one of them has reported none."""
+    held = [progress[r][0] for r in range(world) if r in progress]
+    return min(held) if world and len(held) == world else None
 
 
 class Rounds:

@@ -34,6 +34,7 @@ class Fabric:
         self.view = LiveView()
         self.view.load(read_log(job_dir))  # a requeued run: what the ranks had reached before
         self.rounds = Rounds()
+        self.world = 0  # the trainers' world at the newest poll (`poll`): close adds the last point of the history
         self._blind_since: float | None = None  # the launch whose blind view was said
         self.server: ReportServer | None = None
         self.writes = 0  # log replacements (for tests)
@@ -69,6 +70,12 @@ class Fabric:
                 record = self.rounds.add(tag, record, slots)
             if record is not None:
                 events.append(self.job_dir, record)
+
+    def poll(self, world: int) -> None:
+        """One poll of the trainers (a world of `world` ranks): the progress history's point, if the step every rank
+        has completed changed (LiveView.mark)."""
+        self.world = world
+        self.view.mark(world, self.clock())
 
     def hung(self, launched: float, hang_timeout: float, start_timeout: float) -> str | None:
         """Why the launch counts as hung (policy.hung over the view's progress), or None; None too while the view is
@@ -121,4 +128,6 @@ class Fabric:
         if self.server is not None:
             self.server.close()
             self.server = None
+        if self.world:  # the last reports, read as the service closed
+            self.poll(self.world)
         self.write()

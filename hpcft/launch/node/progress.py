@@ -1,6 +1,6 @@
 """Training progress as the supervisor sees it: each rank's newest committed step and its `ready_s` (or the step in
 $HPCFT_PROGRESS_FILE, for a job without the Checkpointer), sent by the node's agent or, without agents, by a reporter
-the node's first task forks; `read` and `samples` read the job's bounded log."""
+the node's first task forks; `read`, `samples` and `history` read the job's bounded log."""
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +24,13 @@ def samples(job_dir: str | os.PathLike) -> dict[int, tuple[int, float | None, fl
 def read(job_dir: str | os.PathLike) -> dict[int, tuple[int, float]]:
     """{rank: (step, when it changed)} from the job's bounded log."""
     return {rank: (step, changed) for rank, (step, _, changed) in samples(job_dir).items()}
+
+
+def history(job_dir: str | os.PathLike) -> list[tuple[float, int]]:
+    """The run's progress history from the job's bounded log, oldest first: (t, s) says that at wall time t the
+    supervisor first saw every rank's newest step at s (progress when s rose, a roll-back when it fell); thinned to at
+    most 2,000 points, so neighbours may be far apart (docs/supervisor.md, "Progress history")."""
+    return [(float(t), int(s)) for t, s in read_log(job_dir).get("history") or ()]
 
 
 def die_with_parent() -> None:
