@@ -49,7 +49,7 @@ class Incident:
 
     def line(self) -> str:
         """The incident in words: what, the step reached and resumed from, the steps lost, the recovery."""
-        before = f"step {self.reached} reached, " if self.reached is not None else ""
+        before = f"every rank had reported step {self.reached}, " if self.reached is not None else ""
         resumed = f"resumed from step {self.resumed_from}" if self.resumed_from is not None else "no restore recorded"
         back = f"recovered in {self.recovery_s:.1f} s" if self.recovery_s is not None else "no step after it"
         return f"{self.mark.label}: {before}{resumed}, {self.steps_lost} step(s) lost, {back}"

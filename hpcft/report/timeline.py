@@ -39,15 +39,17 @@ def draw(job_dir: str | os.PathLike, png: str | os.PathLike | None = None,
         if run.end is not None and run.end - zero > xs[-1]:
             xs, ys = xs + [run.end - zero], ys + ys[-1:]
         top.step(xs, ys, where="post", color="tab:blue", lw=1.5, label="step (every rank)")
-    for style, width, lines in (("--", 0.8, run.marks), (":", 1.2, extra)):
-        for m in lines:
-            _line(top, m, zero, style, width)
+    lines = sorted([(m, "--", 0.8) for m in run.marks] + [(m, ":", 1.2) for m in extra]
+                   + [(i.mark, "-", 1.2) for i in run.incidents], key=lambda line: line[0].time)
+    span = max([m.time for m, _, _ in lines] + [run.end or zero], default=zero) - zero
+    placed: list[float] = []  # the labels' places so far: a label near another is written lower
+    for mark, style, width in lines:
+        _line(top, mark, zero, style, width, placed, gap=0.03 * span)
     for i in run.incidents:
-        _line(top, i.mark, zero, "-", 1.2)
         if i.recovered_at is not None:
             top.axvspan(i.mark.time - zero, i.recovered_at - zero, color=_colour(i.mark.kind), alpha=0.12)
         _recovery(bottom, i, zero)
-    kinds = sorted({m.kind for m in [*run.marks, *extra, *(i.mark for i in run.incidents)]})
+    kinds = sorted({m.kind for m, _, _ in lines})
     for kind in kinds:  # one legend entry per colour
         top.plot([], [], color=_colour(kind), label=kind)
     if run.history or kinds:
@@ -77,12 +79,15 @@ def _colour(kind: str) -> str:
     return COLOURS.get(kind, "tab:gray")
 
 
-def _line(ax, mark: Mark, zero: float, style: str, width: float) -> None:
-    """A vertical line at `mark`, its label written up it near the top of the axes."""
+def _line(ax, mark: Mark, zero: float, style: str, width: float, placed: list[float], gap: float) -> None:
+    """A vertical line at `mark`, its label written up it from the top, or a third lower for each label within `gap`
+    of it already `placed` (three heights in turn)."""
     x = mark.time - zero
+    near = sum(abs(x - p) < gap for p in placed)
+    placed.append(x)
     ax.axvline(x, color=_colour(mark.kind), ls=style, lw=width)
-    ax.text(x, 0.98, f" {mark.label}", rotation=90, va="top", ha="right", fontsize=6, color=_colour(mark.kind),
-            transform=ax.get_xaxis_transform())
+    ax.text(x, 0.98 - 0.32 * (near % 3), f" {mark.label}", rotation=90, va="top", ha="right", fontsize=6,
+            color=_colour(mark.kind), transform=ax.get_xaxis_transform())
 
 
 def _recovery(ax, incident: summaries.Incident, zero: float) -> None:

@@ -71,7 +71,8 @@ def test_the_command_prints_the_summary_and_draws_the_png(tmp_path, capsys):
     assert main(["report", str(_job(tmp_path))]) == 0
     out = capsys.readouterr().out
     assert "step 26 reached" in out and "2 step(s) lost" in out
-    assert "replace (node_failed n2): step 10 reached, resumed from step 8, 2 step(s) lost, recovered in 7.0 s" in out
+    assert ("replace (node_failed n2): every rank had reported step 10, resumed from step 8, 2 step(s) lost, "
+            "recovered in 7.0 s") in out
     assert f"timeline: {tmp_path / 'timeline.png'}" in out and (tmp_path / "timeline.png").is_file()
 
 
