@@ -20,6 +20,8 @@ from hpcft.bench import train_job
 from hpcft.errors import HpcftError, SlurmError
 from hpcft.launch.node import progress
 from hpcft.launch.config.model import LOST_PROGRESS_EXIT as LOST_EXIT  # the default: the demo runs on it
+from hpcft.report import summary as report
+from hpcft.report.timeline import try_draw
 from hpcft.sandbox.cli import dir_option, sandbox_dir
 from hpcft.sandbox.cluster import Sandbox, ensure_up
 from hpcft.sandbox.config import SandboxConfig
@@ -141,6 +143,10 @@ def _report(job_dir: Path, out: Path, code: int, crashed: str, say: Callable[[st
     say(f"    every rank resumed from step {', '.join(map(str, resumed)) or '?'} (from memory, {crashed}'s ranks' "
         f"snapshots rebuilt on the spare) and the job finished: exit status {code}{lost}, parameters in "
         f"{out / 'final.pt'}; {crashed} is back in the sandbox")
+    run = report.read(job_dir)
+    for incident in run.incidents:  # `hpcft report` on the job directory: what the crash cost
+        say(f"    report: {incident.line()}")
+    say(f"    {try_draw(job_dir, summary=run)[1]}")
     return 0 if code in (0, LOST_EXIT) and resumed and min(resumed) > 0 else 1
 
 

@@ -10,6 +10,7 @@ import pytest
 from runs import assert_same_ranks, decisions, finish, resumed_from, start
 
 from hpcft import demo, events
+from hpcft.report import summary as report
 
 TP, ACTIVE = demo.TP, demo.NODES - 1
 RANKS = TP * ACTIVE
@@ -43,6 +44,12 @@ def test_a_node_crash_takes_all_its_ranks_and_every_rank_resumes_from_memory(hea
     resumed = resumed_from(out)
     assert len(resumed) == RANKS and set(resumed.values()) == {ready[1]["step"]}, resumed
     assert_same_ranks(out, reference, RANKS)
+    # `hpcft report` on the job directory, as the demo prints it: the crash, what it cost, the timeline drawn
+    (incident,) = report.read(out / "job").incidents
+    assert (incident.cause, incident.resumed_from) == ("node_failed", ready[1]["step"]) and incident.recovery_s > 0
+    assert any(line.strip().startswith(f"report: replace (node_failed {crashed}): ") and "recovered in" in line
+               for line in said), said
+    assert f"    timeline: {out / 'job' / 'timeline.png'}" in said and (out / "job" / "timeline.png").is_file()
     # one standby per node serves both of its rank slots, on groups that refuse CPU tensors: the relaunch's ranks
     # (the spare's two among them) are forked children, not new interpreters
     log = events.read(out / "job")
