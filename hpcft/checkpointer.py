@@ -34,7 +34,7 @@ _log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    """In-memory snapshots of one model and its optimizer (see docs/checkpointing.md), taken and kept as `options`
+    """In-memory snapshots of one model and its optimizer (docs/reference/checkpointing.md), taken and kept as `options`
     says (hpcft.Options: every, keep, auto, where the store and the durable tier are, how to copy).
 
     extra: a callable returning a JSON-able dict (e.g. data-loader position), recorded with each snapshot;

@@ -12,7 +12,8 @@ BACKENDS = ("auto", "cpu", "torch", "hip")
 
 @dataclass(frozen=True)
 class Options:
-    """The Checkpointer's settings (docs/checkpointing.md); each default is what a job under `hpcft run` wants."""
+    """The Checkpointer's settings (docs/reference/checkpointing.md); each default is what a job under `hpcft run`
+    wants."""
 
     every: int = 1
     """Snapshot every n-th optimizer step."""

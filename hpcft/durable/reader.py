@@ -203,7 +203,7 @@ def load(ckpt: Checkpoint, entries: Sequence[Entry], rank: int) -> dict[str, str
 
 def meta_rank(ckpt: Checkpoint, rank: int) -> int:
     """Whose RNG state and `extra` rank `rank` takes: its own where the checkpoint has that rank, else saved rank
-    `rank % world` (a grown job: documented in docs/durable.md, said by event `durable_reshard`)."""
+    `rank % world` (a grown job: docs/reference/durable.md, said by event `durable_reshard`)."""
     return rank if rank < ckpt.world else rank % ckpt.world
 
 

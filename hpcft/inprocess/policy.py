@@ -12,7 +12,7 @@ FATAL = (KeyboardInterrupt, SystemExit, MemoryError, ConfigError)
 
 @dataclass(frozen=True)
 class RestartOptions:
-    """How `hpcft.restartable` restarts (docs/checkpointing.md "In-process restart")."""
+    """How `hpcft.restartable` restarts (docs/reference/checkpointing.md "In-process restart")."""
     max_restarts: int = 3  # in this process's life; one more fault gives up (exit non-zero: the supervisor relaunches)
     barrier_timeout_s: float = 60.0  # a rank's wait at the restart barrier for the others (a dead rank never arrives)
     init_timeout_s: float = 600.0  # the process groups' timeout: a collective blocked this long raises, restarted

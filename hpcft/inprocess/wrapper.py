@@ -2,7 +2,7 @@
 every rank is told through the coordination store, interrupted, tears down its groups, meets the others at a barrier
 and runs the function again (fresh groups: `attempt.init`; state restored from node memory). A dead rank, a fault
 past `max_restarts` or a barrier timeout ends every rank non-zero (`inprocess_giveup`), so the supervisor relaunches.
-See docs/checkpointing.md "In-process restart"."""
+See docs/reference/checkpointing.md "In-process restart"."""
 from __future__ import annotations
 
 import ctypes

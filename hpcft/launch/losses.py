@@ -1,6 +1,6 @@
 """Progress lost across a launch: the newest step every rank had completed when the previous launch ended (the live
 view's `reached`, read then: a rebuilt node later reports an older step) against the step the ranks restored. A loss
-must never pass for a success (docs/supervisor.md, "Lost progress")."""
+must never pass for a success (docs/reference/supervisor.md, "Lost progress")."""
 from __future__ import annotations
 
 import contextlib

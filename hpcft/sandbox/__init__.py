@@ -1,4 +1,4 @@
-"""The local Slurm sandbox: a real slurmctld and N real slurmd on this machine (see docs/sandbox.md)."""
+"""The local Slurm sandbox: a real slurmctld and N real slurmd on this machine (see docs/reference/sandbox.md)."""
 from hpcft.sandbox.cluster import Sandbox, ensure_up
 from hpcft.sandbox.config import SandboxConfig, default_dir
 

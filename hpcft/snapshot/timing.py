@@ -1,8 +1,8 @@
-"""A rank's own share of each step, for the supervisor's straggler detector (docs/supervisor.md, "Stragglers"):
-`ready_s` of step s runs from step s-1's optimizer boundary (where the data-parallel ranks left the gradient
-collective together) to this rank's last gradient accumulation of step s, before it waits for its peers: unlike the
-step's wall time, a slow rank's grows alone. Without gradient hooks (FSDP2's sharded parameters) it ends at the
-pre-step hook, wait included. Marks are CUDA events on a GPU (the CPU's clock would time the enqueueing)."""
+"""A rank's own share of each step, for the supervisor's straggler detector (docs/reference/supervisor.md,
+"Stragglers"): `ready_s` of step s runs from step s-1's optimizer boundary (where the data-parallel ranks left the
+gradient collective together) to this rank's last gradient accumulation of step s, before it waits for its peers:
+unlike the step's wall time, a slow rank's grows alone. Without gradient hooks (FSDP2's sharded parameters) it ends at
+the pre-step hook, wait included. Marks are CUDA events on a GPU (the CPU's clock would time the enqueueing)."""
 import time
 from collections.abc import Callable
 from typing import Any

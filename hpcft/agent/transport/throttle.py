@@ -11,7 +11,7 @@ from contextlib import contextmanager, suppress
 
 from hpcft.errors import ConfigError
 
-CPU_SHARE = 0.01  # the agent's default CPU cap: 1 % of the node's cores (see docs/protection.md, Cost)
+CPU_SHARE = 0.01  # the agent's default CPU cap: 1 % of the node's cores (docs/reference/protection.md, Cost)
 _chores: dict[int, int] = {}  # thread id -> its CPU clock, for the chores running now
 _chores_done = [0.0]  # CPU seconds of the chores that have ended, and of `unbilled` work
 _chores_lock = threading.Lock()

@@ -82,7 +82,7 @@ class Recovery:
 
 @dataclass(frozen=True)
 class Protection:
-    """The node agents' in-memory protection across nodes (docs/protection.md)."""
+    """The node agents' in-memory protection across nodes (docs/reference/protection.md)."""
 
     protect: str = option("auto", "Scheme (auto: xor from 3 nodes, partner on 2, none on 1; none: no agents).",
                           daily=True, choices=PROTECT_SCHEMES)
@@ -127,7 +127,7 @@ class Memory:
 
 @dataclass(frozen=True)
 class Durable:
-    """The agents' flush to the durable tier on a shared file system (docs/durable.md)."""
+    """The agents' flush to the durable tier on a shared file system (docs/reference/durable.md)."""
 
     persist_dir: str | None = option(None, "The durable tier on a shared file system (default <job dir>/checkpoints; "
                                      "none: no flushing).", daily=True)
@@ -166,7 +166,7 @@ class Elastic:
 
 @dataclass(frozen=True)
 class Stragglers:
-    """Finding slow nodes and replacing them (docs/supervisor.md, "Stragglers")."""
+    """Finding slow nodes and replacing them (docs/reference/supervisor.md, "Stragglers")."""
 
     straggler_factor: float = option(1.5, "A node whose ranks' own share of a step is this many times the other "
                                      "nodes' median is a straggler (0: off).", bound=">=0")

@@ -74,7 +74,7 @@ FRONTIER = Profile(
     net_plugin=True,
     agent_iface="hsn0",
     modules=("PrgEnv-gnu", "rocm", "rccl-net-plugin", "craype-accel-amd-gfx90a"),
-    broadcast_env=True,  # OLCF recommends it at scale (software/python/sbcast_conda.rst): docs/supervisor.md
+    broadcast_env=True,  # OLCF recommends it at scale (software/python/sbcast_conda.rst): docs/reference/startup.md
     agent_mpi="cray_shasta",  # Cray MPICH's PMI under HPE's Slurm (OLCF's srun default; mpi4py built on cray-mpich)
 )
 

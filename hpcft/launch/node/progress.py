@@ -29,7 +29,7 @@ def read(job_dir: str | os.PathLike) -> dict[int, tuple[int, float]]:
 def history(job_dir: str | os.PathLike) -> list[tuple[float, int]]:
     """The run's progress history from the job's bounded log, oldest first: (t, s) says that at wall time t the
     supervisor first saw every rank's newest step at s (progress when s rose, a roll-back when it fell); thinned to at
-    most 2,000 points, so neighbours may be far apart (docs/supervisor.md, "Progress history")."""
+    most 2,000 points, so neighbours may be far apart (docs/reference/supervisor.md, "Progress history")."""
     return [(float(t), int(s)) for t, s in read_log(job_dir).get("history") or ()]
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from hpcft import events
 from hpcft.launch.policy.layout import Layout, NoSpareError
 
-# Exit status of `hpcft run` (also in docs/supervisor.md). EXIT_GAVE_UP means "do not requeue": put it in
+# Exit status of `hpcft run` (also in docs/guide.md). EXIT_GAVE_UP means "do not requeue": put it in
 # slurm.conf's RequeueExitHold or leave it out of RequeueExit.
 EXIT_OK = 0
 EXIT_ERROR = 1          # hpcft itself could not run (bad option, Slurm command failed): fix and resubmit

@@ -1,6 +1,7 @@
-"""Which node is a straggler (docs/supervisor.md, "Stragglers"), pure, time passed in: a rank is slow when the median of
-its `ready_s` (its own share of a step) over the last `window` s is over `factor` × the other nodes' ranks' median. The
-median keeps it persistent: one paused step inflates one sample, never most of the `min_samples` a judgement needs."""
+"""Which node is a straggler (docs/reference/supervisor.md, "Stragglers"), pure, time passed in: a rank is slow when
+the median of its `ready_s` (its own share of a step) over the last `window` s is over `factor` × the other nodes'
+ranks' median. The median keeps it persistent: one paused step inflates one sample, never most of the `min_samples` a
+judgement needs."""
 import statistics
 from dataclasses import dataclass, field
 

@@ -1,6 +1,6 @@
-"""The supervisor's straggler watch (docs/supervisor.md, "Stragglers"): it feeds the live view's samples to the pure
-detector, says `straggler` / `straggler_cleared`, and with --evict-stragglers hands the supervisor an eviction once the
-agents protected a step at or after the detection, so that the spare resumes from memory with nothing lost."""
+"""The supervisor's straggler watch (docs/reference/supervisor.md, "Stragglers"): it feeds the live view's samples to
+the pure detector, says `straggler` / `straggler_cleared`, and with --evict-stragglers hands the supervisor an eviction
+once the agents protected a step at or after the detection, so that the spare resumes from memory with nothing lost."""
 import logging
 import time
 from collections.abc import Callable

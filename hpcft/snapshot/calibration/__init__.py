@@ -1,6 +1,6 @@
-"""The copy method of the CPU snapshot and restore, chosen on the machine (docs/checkpointing.md, "Copy calibration"):
-HPCFT_COPY pins it (`hpcft run --copy`); else a short measurement (`measure`) cached per host (`cache`) and a pure
-policy over it (`policy`). Device backends keep their own copy logic."""
+"""The copy method of the CPU snapshot and restore, chosen on the machine (docs/reference/checkpointing.md, "Copy
+calibration"): HPCFT_COPY pins it (`hpcft run --copy`); else a short measurement (`measure`) cached per host (`cache`)
+and a pure policy over it (`policy`). Device backends keep their own copy logic."""
 from __future__ import annotations
 
 import logging
