@@ -1,5 +1,5 @@
 """A small data-parallel training job, the one run by `hpcft bench recovery` and the sandbox tests: under srun,
-one task per node, a per-parameter all-reduce (bitwise reproducible, see docs/checkpointing.md), snapshots every
+one task per node, a per-parameter all-reduce (bitwise: docs/reference/checkpointing.md), snapshots every
 step with hpcft's Checkpointer and resumes from them when relaunched.
 
 Environment (all optional but OUT):
@@ -9,7 +9,7 @@ Environment (all optional but OUT):
                  rank 0 at the end, final.pt (parameters and the data position)
   STEPS=40 STEP_DELAY=0   steps to run, seconds of sleep after each
   WIDTH=32 LAYERS=2 DROPOUT=0.1   `LAYERS` × (Linear(WIDTH, WIDTH), Dropout, Tanh) + Linear(WIDTH, 1), AdamW
-  SYNC=manual|ddp  `ddp` wraps the model in DDP (resumes equal to a few ulps only: docs/checkpointing.md)
+  SYNC=manual|ddp  `ddp` wraps the model in DDP (resumes equal to a few ulps only: docs/reference/checkpointing.md)
   TP=1           tensor parallel inside a node, as Megatron does it by hand: each hidden layer is a column-parallel
                  Linear and a row-parallel one whose outputs are summed over the tp group; data parallel across
                  nodes (`hpcft run --tasks-per-node TP`). Every rank also writes final.<rank>.pt
@@ -25,8 +25,8 @@ Environment (all optional but OUT):
                  rank R raises at step S (after its backward, before the all-reduce); every rank restarts in process
                  (records carry `gen`; a `raise` record marks the fault's time). TP=1 only: the TP blocks hold their
                  tp group, so a kept TP model keeps the old generation's sockets open and the restart gives up at the
-                 barrier timeout (exit 1, the relaunch path; docs/checkpointing.md "In-process restart")
-  BATCH=plan     the elastic arithmetic (hpcft.batch_plan, docs/supervisor.md "Elastic shrink"): a step takes the
+                 barrier timeout (exit 1, the relaunch path; docs/reference/checkpointing.md "In-process restart")
+  BATCH=plan     the elastic arithmetic (hpcft.batch_plan, docs/reference/elastic.md): a step takes the
                  plan's micro-batches of 16 samples, micro-batch u of the data stream drawn from seed u (dropout too),
                  `extra` counts micro-batches consumed; each replica's gradients and losses go into the rows of their
                  micro-batches, all-reduced (one non-zero contributor per row: exact) and summed in micro-batch order,
