@@ -15,8 +15,8 @@ COMMANDS = {
                "kernel, hip-python, mpi4py, /dev/shm and NVMe; exit 1 if an essential is missing."),
     "sandbox": ("hpcft.sandbox.cli:sandbox", "A real local Slurm cluster (slurmctld + N slurmd) on this machine."),
     "bench": ("hpcft.bench.cli:bench", "Benchmarks."),
-    "chaos": ("hpcft.chaos.cli:chaos", "Train an example under `hpcft run` while faults of every kind arrive at a "
-              "mean interval; report goodput against a torch.save baseline."),
+    "chaos": ("hpcft.chaos.cli:chaos", "Train under hpcft while faults of every kind arrive at a mean interval; "
+              "report goodput against a torch.save baseline."),
     "report": ("hpcft.report.cli:report", "Print a run's summary from its job directory and draw its timeline (PNG): "
                "steps against wall time, each fault and decision marked."),
     "demo": ("hpcft.demo:demo", "A 4-node Slurm sandbox, `hpcft doctor`, an srun step, then training that survives a "

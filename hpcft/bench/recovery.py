@@ -66,8 +66,9 @@ class RecoveryOptions:
 
 
 @contextlib.contextmanager
-def _sandbox(directory: str | None) -> Iterator[Any]:
-    """The sandbox at `directory` (must be up), or a fresh 6-node one in a temp dir, stopped afterwards."""
+def sandbox(directory: str | None, nodes: int = ACTIVE + SPARES) -> Iterator[Any]:
+    """The sandbox at `directory` (must be up, with at least `nodes` nodes), or a fresh one of `nodes` nodes in a temp
+    dir, stopped afterwards."""
     from hpcft.sandbox import Sandbox, SandboxConfig
     from hpcft.sandbox.cluster import ensure_up
 
@@ -75,13 +76,13 @@ def _sandbox(directory: str | None) -> Iterator[Any]:
         sb = Sandbox.load(directory)
         if not sb.is_up():
             raise ConfigError(f"no sandbox running in {directory}; start one with `hpcft sandbox up` or omit --dir")
-        if len(sb.node_names) < ACTIVE + SPARES:
+        if len(sb.node_names) < nodes:
             raise ConfigError(f"the sandbox in {directory} has {len(sb.node_names)} nodes; the bench needs "
-                              f"{ACTIVE + SPARES} (`hpcft sandbox up --nodes {ACTIVE + SPARES}`)")
+                              f"{nodes} (`hpcft sandbox up --nodes {nodes}`)")
         yield sb
         return
     with tempfile.TemporaryDirectory(prefix="hpcft-bench-sandbox-", ignore_cleanup_errors=True) as own:
-        sb, _ = ensure_up(SandboxConfig(dir=Path(own), nodes=ACTIVE + SPARES), timeout=60)
+        sb, _ = ensure_up(SandboxConfig(dir=Path(own), nodes=nodes), timeout=60)
         try:
             yield sb
         finally:
@@ -99,7 +100,7 @@ def keep_logs(sb: Any, into: Path) -> list[Path]:
     return kept
 
 
-def _hpcft(command: str, opts: RecoveryOptions, out: Path, *options: str) -> list[str]:
+def hpcft_argv(command: str, opts: RecoveryOptions, out: Path, *options: str) -> list[str]:
     """`hpcft COMMAND` (run or submit) of the bench job with the bench's supervisor options and `options`."""
     out.mkdir(parents=True, exist_ok=True)
     return [sys.executable, "-m", "hpcft.cli", command, "--job-dir", str(out / "job"), "--poll-interval",
@@ -107,16 +108,16 @@ def _hpcft(command: str, opts: RecoveryOptions, out: Path, *options: str) -> lis
             "--requeue-margin", "30", *options, "--", sys.executable, str(JOB)]
 
 
-def _supervised(sb, opts: RecoveryOptions, out: Path, *options: str, **env: str) -> subprocess.Popen:
+def supervised(sb, opts: RecoveryOptions, out: Path, *options: str, **env: str) -> subprocess.Popen:
     """`salloc -N6 --no-kill hpcft run --spares 2 … OPTIONS -- python train_job.py` in the sandbox."""
     argv = ["salloc", f"-N{ACTIVE + SPARES}", "--no-kill", "-t", "15",
-            *_hpcft("run", opts, out, "--spares", str(SPARES), "--lost-progress-exit", "0", *options)]
+            *hpcft_argv("run", opts, out, "--spares", str(SPARES), "--lost-progress-exit", "0", *options)]
     # --lost-progress-exit 0: a recovery redoes the steps past its snapshot, which the bench measures
     return sb.runner().popen(argv, env=timeline.job_env(opts, out, **env), stdout=open(out / "run.log", "ab"),
                              stderr=subprocess.STDOUT)
 
 
-def _finish(proc: subprocess.Popen, out: Path, timeout: float) -> None:
+def finish(proc: subprocess.Popen, out: Path, timeout: float) -> None:
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -152,7 +153,7 @@ def _first(job_dir: Path, event: str, after: float) -> float:
     return min(found)
 
 
-def _identical(out: Path, ref: Path) -> bool:
+def identical(out: Path, ref: Path) -> bool:
     """Whether the run in `out` ended with the fault-free run's parameters and data position (rank 0's final.pt)."""
     import torch
 
@@ -165,18 +166,18 @@ def _identical(out: Path, ref: Path) -> bool:
 
 
 def rank_kill(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
-    proc = _supervised(sb, opts, out)
+    proc = supervised(sb, opts, out)
     pid = timeline.wait_victim(out, opts, proc)
     fault = time.time()
     os.kill(pid, signal.SIGKILL)
-    _finish(proc, out, opts.timeout)
+    finish(proc, out, opts.timeout)
     decided = _first(out / "job", "decision", fault)
     return {**timeline.phases(timeline.read(out), "0.1", fault, decided), **_starts(out / "job", decided)}
 
 
 def exception(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     """Rank VICTIM_RANK raises at step `fault_at` in the first generation; every rank restarts in process."""
-    _finish(_supervised(sb, opts, out, RAISE_AT=str(opts.fault_at), RAISE_RANK=str(VICTIM_RANK)), out, opts.timeout)
+    finish(supervised(sb, opts, out, RAISE_AT=str(opts.fault_at), RAISE_RANK=str(VICTIM_RANK)), out, opts.timeout)
     return inprocess_phases(timeline.read(out), events.read(out / "job"))
 
 
@@ -207,7 +208,7 @@ def inprocess_phases(records: list[dict], log: list[dict]) -> dict[str, float]:
 
 def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     hold = out / "protected"  # the job waits after step fault_at until this exists (train_job.py)
-    proc = _supervised(sb, opts, out, "--protect", "xor", HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))
+    proc = supervised(sb, opts, out, "--protect", "xor", HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))
     timeline.wait_victim(out, opts, proc)
     held = opts.fault_at + 1  # the snapshot taken after step fault_at (versions count completed steps)
     timeline.wait(lambda: _protected(out / "job" / "agents", held), f"version {held} protected by every agent",
@@ -216,7 +217,7 @@ def node_crash(sb, opts: RecoveryOptions, out: Path) -> dict[str, float]:
     fault, down = _crash(sb, node, silent=opts.crash == "silent",
                          decided=lambda at: _first(out / "job", "decision", at))
     hold.touch()
-    _finish(proc, out, opts.timeout)
+    finish(proc, out, opts.timeout)
     decided = _first(out / "job", "decision", fault)
     result = timeline.phases(timeline.read(out), "0.1", fault, decided)
     # part of relaunch: the agents' step, mesh and rebuild
@@ -279,7 +280,7 @@ def batch_host(sb, opts: RecoveryOptions, out: Path) -> dict[str, Any]:
     crashed once a step is protected → the janitors on the other nodes requeue the job (`batch_host_lost`), whose
     next run resumes from the survivors' memory, the lost slot rebuilt on another node."""
     hold = out / "protected"
-    argv = _hpcft("submit", opts, out, "--nodes", str(ACTIVE), "--spares", "0", "-t", "15", "--warn", "60",
+    argv = hpcft_argv("submit", opts, out, "--nodes", str(ACTIVE), "--spares", "0", "-t", "15", "--warn", "60",
                   "--module", "", "-o", str(out / "job.out"), "--protect", "xor")
     env = {**sb.client_env(), **timeline.job_env(opts, out, HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the script runs `hpcft run`
@@ -319,11 +320,11 @@ def run(opts: RecoveryOptions) -> Report:
     work.mkdir(parents=True, exist_ok=True)
     os.chmod(work, 0o755)
     try:
-        with _sandbox(opts.dir) as sb:
+        with sandbox(opts.dir) as sb:
             sb.heal()
             try:
                 if opts.reference is None:  # the same job, no fault: what every faulted run must end with
-                    _finish(_supervised(sb, opts, work / "fault-free"), work / "fault-free", opts.timeout)
+                    finish(supervised(sb, opts, work / "fault-free"), work / "fault-free", opts.timeout)
                 kill = rank_kill(sb, opts, work / "rank-kill")
                 exc = exception(sb, opts, work / "exception")
                 crash = node_crash(sb, opts, work / "node-crash")
@@ -343,7 +344,7 @@ def run(opts: RecoveryOptions) -> Report:
     faulted = {"rank_kill": kill, "exception": exc, "node_crash": crash, "batch_host": host}
     reference = Path(opts.reference) if opts.reference is not None else work / "fault-free"
     for name, ph in faulted.items():
-        ph["resumed_identical"] = _identical(work / name.replace("_", "-"), reference)
+        ph["resumed_identical"] = identical(work / name.replace("_", "-"), reference)
     identical = all(ph["resumed_identical"] for ph in faulted.values())
     if not identical:
         events.emit("bench_result_differs", level=logging.ERROR, runs=",".join(

@@ -26,6 +26,7 @@ Environment (all optional but OUT):
                  (records carry `gen`; a `raise` record marks the fault's time). TP=1 only: the TP blocks hold their
                  tp group, so a kept TP model keeps the old generation's sockets open and the restart gives up at the
                  barrier timeout (exit 1, the relaunch path; docs/reference/checkpointing.md "In-process restart")
+  CHAOS=1        SIGUSR2 raises a RuntimeError in the main thread (`hpcft chaos`'s exception fault)
   BATCH=plan     the elastic arithmetic (hpcft.batch_plan, docs/reference/elastic.md): a step takes the
                  plan's micro-batches of 16 samples, micro-batch u of the data stream drawn from seed u (dropout too),
                  `extra` counts micro-batches consumed; each replica's gradients and losses go into the rows of their
@@ -40,6 +41,7 @@ _T0 = time.time()  # before any import: the process start as the bench sees it
 import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -146,6 +148,10 @@ def _planned_step(model, opt, plan, seen: dict, width: int, group) -> float:
     return float(sum(losses.tolist()))
 
 
+def _injected(signum, frame) -> None:
+    raise RuntimeError(f"an exception injected by hpcft chaos (signal {signum})")
+
+
 def main() -> int:
     out = Path(os.environ["OUT"])
     rank_hint = int(os.environ.get("HPCFT_RANK", os.environ.get("SLURM_PROCID", "0")))
@@ -169,6 +175,8 @@ def main() -> int:
     hold_files = [Path(f) for f in os.environ.get("HOLD_FILE", "").split(",") if f]
     hold_file = hold_files[min(launch, len(hold_files) - 1)] if hold_files else None
     hang_at = _int("HANG_AT", -1) if first_run else -1
+    if os.environ.get("CHAOS"):  # `hpcft chaos`'s exception fault: SIGUSR2 raises where the main thread is
+        signal.signal(signal.SIGUSR2, _injected)
     torch.set_num_threads(1)  # several ranks share this machine's cores
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)

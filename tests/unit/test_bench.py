@@ -125,7 +125,7 @@ def test_a_failed_recovery_bench_keeps_the_sandboxs_logs_with_its_runs(tmp_path)
 def test_recovery_reference_must_be_a_finished_run_of_the_same_model(tmp_path):
     import torch
 
-    from hpcft.bench.recovery import RecoveryOptions, _identical
+    from hpcft.bench.recovery import RecoveryOptions, identical
     from hpcft.errors import ConfigError
 
     with pytest.raises(ConfigError, match="no final.pt there"):
@@ -136,9 +136,9 @@ def test_recovery_reference_must_be_a_finished_run_of_the_same_model(tmp_path):
         runs[name].mkdir()
         torch.save({"seen": {"samples": 3}, "params": {"0.weight": torch.ones(width, width)}}, runs[name] / "final.pt")
     RecoveryOptions(reference=str(runs["ref"]))
-    assert _identical(runs["same"], runs["ref"])
+    assert identical(runs["same"], runs["ref"])
     with pytest.raises(ConfigError, match="trained another model"):
-        _identical(runs["other"], runs["ref"])
+        identical(runs["other"], runs["ref"])
 
 
 def test_recovery_baselines_are_named_and_their_scripts_react_as_a_user_would(tmp_path):

@@ -1,0 +1,218 @@
+"""`hpcft chaos`: the bench job (train_job.py) submitted with `hpcft submit` into the sandbox — so that it can be
+requeued when the spares run out — while faults of the chosen mix arrive at the given mean interval (schedule.py),
+crashed nodes coming back after the repair time; then its goodput, every fault's recovery, the final parameters
+against a fault-free run's, and the same arrivals replayed against torch.save every k steps (figures.py)."""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcft import events
+from hpcft.bench import recovery, timeline
+from hpcft.chaos import faults as kinds, figures, schedule
+from hpcft.errors import ConfigError, HpcftError
+from hpcft.slurm import state as slurmstate
+
+
+@dataclass(frozen=True)
+class ChaosOptions:
+    mtbf: float = 60.0              # mean seconds between faults (a Poisson process)
+    faults: int = 10                # faults to inject
+    mix: str = "all"                # kind=weight,… (schedule.parse_mix)
+    seed: int = 1
+    repair_s: float = 30.0          # a crashed node is powered on again this long after it went down
+    steps: int = 0                  # training steps (0: enough for every fault at the expected step time)
+    step_delay: float = 0.1         # seconds of sleep after each step (train_job.py's STEP_DELAY)
+    width: int = 512                # model: `layers` square Linear layers (+ AdamW): 4 × 512² ≈ 1 M parameters
+    layers: int = 4
+    spares: int = 2                 # beside the job's 4 active nodes (one rank each)
+    persist_every: int = 20         # durable flush period (steps), so that losing two nodes of a set costs little
+    hang_timeout: float = 10.0
+    dir: str | None = None          # a running sandbox with >= nodes + spares nodes (None: start one)
+    keep: str | None = None         # keep the runs here (default: a temp dir, removed unless the run failed)
+    reference: str | None = None    # a fault-free run of the same steps, width and layers (its final.pt)
+
+    def __post_init__(self) -> None:
+        schedule.parse_mix(self.mix)
+        if self.keep and Path(self.keep).exists() and any(Path(self.keep).iterdir()):
+            raise ConfigError(f"--keep {self.keep} is not empty: name a new or empty directory (nothing is "
+                              "overwritten)")
+
+    def training_steps(self) -> int:
+        """--steps, or enough steps for every fault at twice the mean interval (recoveries and stretches)."""
+        return self.steps or math.ceil(2.0 * (self.faults + 1) * self.mtbf / (self.step_delay + 0.05)) + 20
+
+
+def _submit(sb: Any, opts: ChaosOptions, out: Path, steps: int) -> str:
+    """`hpcft submit` of the job with spares, XOR protection over all active nodes and a durable flush; its id."""
+    bench = recovery.RecoveryOptions(steps=steps, fault_at=1, step_delay=opts.step_delay, width=opts.width,
+                                     layers=opts.layers, timeout=0)
+    argv = recovery.hpcft_argv("submit", bench, out, "--nodes", str(timeline.ACTIVE), "--spares", str(opts.spares),
+                               "-t", "600", "--warn", "60", "--module", "", "-o", str(out / "job.out"),
+                               "--protect", "xor", "--group", str(timeline.ACTIVE), "--persist-every",
+                               str(opts.persist_every), "--hang-timeout", str(opts.hang_timeout), "--max-restarts",
+                               "100000", "--lost-progress-exit", "0")
+    env = {**sb.client_env(), **timeline.job_env(bench, out, CHAOS="1")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the script runs `hpcft run`
+    done = subprocess.run(sb.client_prefix() + argv, env=env, capture_output=True, text=True, timeout=60, cwd=out)
+    if done.returncode != 0:
+        raise HpcftError(f"hpcft submit failed: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def _reference(sb: Any, opts: ChaosOptions, out: Path, steps: int) -> Path:
+    """The same job and steps without faults and without its sleep (the result does not depend on it)."""
+    bench = recovery.RecoveryOptions(steps=steps, fault_at=1, step_delay=0.0, width=opts.width, layers=opts.layers)
+    recovery.finish(recovery.supervised(sb, bench, out), out, timeout=1800)
+    return out
+
+
+class Repairs(threading.Thread):
+    """Powers crashed nodes on again `repair_s` after they went down, and resumes them in Slurm."""
+
+    def __init__(self, scene: kinds.Scene, repair_s: float):
+        super().__init__(name="hpcft-chaos-repairs", daemon=True)
+        self.scene, self.repair_s, self.stop = scene, repair_s, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.5):
+            with self.scene.lock:
+                due = [n for n, t in self.scene.crashed.items() if time.monotonic() - t >= self.repair_s]
+                for n in due:
+                    del self.scene.crashed[n]
+            for node in due:
+                self.scene.sb.restart_node(node, wait=False)
+                self.scene.sb.runner().run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
+                events.emit("chaos_repaired", node=node)
+
+
+def _frontier(out: Path) -> int:
+    """The newest step every rank of a launch has completed (-1: none yet)."""
+    return max((s for _, s, _ in figures.progress(timeline.read(out))), default=-1)
+
+
+def inject(scene: kinds.Scene, plan: list[schedule.Fault], ended: Callable[[], bool],
+           say: Callable[[str], None], timeout: float = 600.0) -> list[dict]:
+    """Each planned fault at its time from the first step; one due while the run recovers (no step since the last
+    fault) waits for the next step, and one with no target present is tried again for 30 s, then skipped."""
+    timeline.wait(lambda: _frontier(scene.out) >= 0 or ended(), "the first step", timeout)
+    t0, frontier, done = time.time(), -1, []
+    for f in plan:
+        while time.time() < t0 + f.at and not ended():
+            time.sleep(0.05)
+        while _frontier(scene.out) < frontier + 2 and not ended():  # the last fault's step and one more trained
+            time.sleep(0.05)
+        if ended():
+            break
+        deadline, target, at, why = time.monotonic() + 30, None, time.time(), "the job ended"
+        while target is None and time.monotonic() < deadline and not ended():
+            at = time.time()
+            try:
+                target = kinds.INJECT[f.kind](scene, f.pick)
+            except kinds.NoTarget as exc:
+                why = str(exc)
+                time.sleep(0.5)
+        record = {"planned_s": f.at, "t": round(at - t0, 3), "at": at, "kind": f.kind, "target": target}
+        if target is None:
+            record["skipped"] = why if not ended() else "the job ended"
+        else:
+            frontier = _frontier(scene.out)
+        done.append(record)
+        say(f"  fault {len(done)}/{len(plan)} at +{at - t0:.1f} s: {f.kind} → {target or record['skipped']}")
+    return done
+
+
+def _save_seconds(opts: ChaosOptions, into: Path) -> float:
+    """What the baseline's torch.save of this job's state costs here (median of 5, written then renamed)."""
+    import torch
+
+    body = [m for _ in range(opts.layers) for m in (torch.nn.Linear(opts.width, opts.width), torch.nn.Tanh())]
+    model = torch.nn.Sequential(*body, torch.nn.Linear(opts.width, 1))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, opts.width)).sum().backward()
+    opt.step()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, into / "save.tmp")
+        os.replace(into / "save.tmp", into / "save.pt")
+        times.append(time.perf_counter() - t)
+    (into / "save.pt").unlink()
+    return statistics.median(times)
+
+
+def figures_of(opts: ChaosOptions, out: Path, ref: Path, injected: list[dict], steps: int, save_s: float) -> dict:
+    """The run's JSON object (docs/results.md's chaos section reads it)."""
+    records = timeline.read(out)
+    curve = figures.progress(records)
+    step_s = figures.step_seconds(curve)
+    log = events.read(out / "job")
+    start = min(e["time"] for e in log if e["event"] == "start")
+    end = max(t for t, _, _ in curve)
+    restored = [(r["t"], r["step"]) for r in records if r["what"] == "restored"]
+    for f in injected:
+        if "skipped" not in f:
+            o = figures.outcome(curve, restored, f["at"])
+            f.update(recovery_s=None if o.recovery_s is None else round(o.recovery_s, 3), steps_lost=o.steps_lost,
+                     survived=o.recovery_s is not None)
+    hit = [f for f in injected if "skipped" not in f]
+    first_steps = [r["t"] for r in records if r["what"] == "step" and r["run"] == "0.0"]
+    restart_s = (min(first_steps) - start if first_steps else 0.0) + save_s  # a cold launch, then torch.load
+    arrivals = schedule.arrivals(opts.seed, opts.mtbf, until=1000 * steps * step_s)
+    base, k = figures.baseline(steps, step_s, save_s, restart_s, opts.mtbf, arrivals)
+    complete = max((s for _, s, _ in curve), default=-1) >= steps - 1  # step indices 0 … steps - 1
+    return {
+        "seed": opts.seed, "mtbf_s": opts.mtbf, "mix": schedule.parse_mix(opts.mix), "faults_planned": opts.faults,
+        "faults_injected": len(hit), "faults_survived": sum(f["survived"] for f in hit) if complete else 0,
+        "goodput": round(figures.goodput(steps, step_s, end - start), 4) if complete else 0.0,
+        "goodput_baseline": round(base, 4), "step_s": round(step_s, 4), "wall_s": round(end - start, 3),
+        "steps": steps, "completed": complete, "final_equal": complete and recovery.identical(out, ref),
+        "kinds": figures.by_kind(hit),
+        "faults": [{k: v for k, v in f.items() if k != "at"} for f in injected],
+        "baseline": {"save_s": round(save_s, 4), "interval_steps": k, "restart_s": round(restart_s, 3)},
+        "requeues": max((e.get("requeues", 0) for e in log if e["event"] == "start"), default=0),
+        "job_dir": str(out / "job"), "options": asdict(opts),
+    }
+
+
+def run(opts: ChaosOptions, say: Callable[[str], None]) -> dict:
+    """The chaos run end to end (sandbox, reference, faulted run, figures); its JSON object."""
+    plan = schedule.draw(opts.seed, opts.mtbf, opts.faults, schedule.parse_mix(opts.mix))
+    steps = opts.training_steps()
+    say(f"chaos: seed {opts.seed}, {opts.faults} faults at mean interval {opts.mtbf:g} s, {steps} steps; schedule:")
+    for i, f in enumerate(plan, 1):
+        say(f"  {i:3d}. +{f.at:8.1f} s  {f.kind}")
+    keep = Path(opts.keep) if opts.keep else Path(tempfile.mkdtemp(prefix="hpcft-chaos-"))
+    with recovery.sandbox(opts.dir, timeline.ACTIVE + opts.spares) as sb:
+        sb.heal()
+        ref = Path(opts.reference) if opts.reference else _reference(sb, opts, keep / "reference", steps)
+        out = keep / "chaos"
+        out.mkdir(parents=True)
+        job = _submit(sb, opts, out, steps)
+        scene = kinds.Scene(sb, out, job)
+        repairs = Repairs(scene, opts.repair_s)
+        repairs.start()
+        runner = sb.runner()
+        try:
+            injected = inject(scene, plan, lambda: slurmstate.job_ended(runner, job), say)
+            timeline.wait(lambda: slurmstate.job_ended(runner, job), "the job to end",
+                          timeout=600 + 4 * steps * (opts.step_delay + 0.1))
+        finally:
+            repairs.stop.set()
+            runner.run(["scancel", job], check=False)
+            sb.heal()
+        result = figures_of(opts, out, ref, injected, steps, _save_seconds(opts, keep))
+    say(f"chaos: {result['faults_survived']}/{result['faults_injected']} faults survived, goodput "
+        f"{result['goodput']:.3f} (torch.save every {result['baseline']['interval_steps']} steps: "
+        f"{result['goodput_baseline']:.3f}), final {'equal' if result['final_equal'] else 'DIFFERENT'}; in {keep}")
+    return result
