@@ -21,6 +21,7 @@ from hpcft import events
 from hpcft.bench import recovery, timeline
 from hpcft.chaos import faults as kinds, figures, schedule
 from hpcft.errors import ConfigError, HpcftError
+from hpcft.report.timeline import try_draw
 from hpcft.slurm import state as slurmstate
 
 
@@ -211,7 +212,11 @@ def run(opts: ChaosOptions, say: Callable[[str], None]) -> dict:
             repairs.stop.set()
             runner.run(["scancel", job], check=False)
             sb.heal()
+        png, drawn = try_draw(out / "job", keep / "timeline.png",
+                              marks=[(f["at"], f["kind"], "injected") for f in injected if "skipped" not in f])
         result = figures_of(opts, out, ref, injected, steps, _save_seconds(opts, keep))
+        result["timeline"] = str(png) if png else None
+        say(drawn)
     say(f"chaos: {result['faults_survived']}/{result['faults_injected']} faults survived, goodput "
         f"{result['goodput']:.3f} (torch.save every {result['baseline']['interval_steps']} steps: "
         f"{result['goodput_baseline']:.3f}), final {'equal' if result['final_equal'] else 'DIFFERENT'}; in {keep}")

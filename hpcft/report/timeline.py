@@ -65,11 +65,11 @@ def draw(job_dir: str | os.PathLike, png: str | os.PathLike | None = None,
     return out
 
 
-def try_draw(job_dir: str | os.PathLike, png: str | os.PathLike | None = None,
-             summary: Summary | None = None) -> tuple[Path | None, str]:
+def try_draw(job_dir: str | os.PathLike, png: str | os.PathLike | None = None, summary: Summary | None = None,
+             marks: Iterable = ()) -> tuple[Path | None, str]:
     """`draw`, or nothing without matplotlib: (the PNG's path or None, the one line that says which)."""
     try:
-        out = draw(job_dir, png, summary=summary)
+        out = draw(job_dir, png, marks=marks, summary=summary)
     except MissingDependencyError:
         return None, f"timeline: not drawn without matplotlib; {deps.hint('matplotlib')} for the plot"
     return out, f"timeline: {out}"

@@ -1,0 +1,51 @@
+"""The chaos run's pure parts: the seeded schedule and the mix, and the figures from a job's records."""
+import pytest
+
+from hpcft.chaos import figures, schedule
+from hpcft.errors import ConfigError
+
+
+def test_the_schedule_is_seeded_poisson_and_weighs_kinds_by_the_mix():
+    mix = schedule.parse_mix("rank_kill=3,hang")
+    plan = schedule.draw(7, 60.0, 2000, mix)
+    assert plan == schedule.draw(7, 60.0, 2000, mix) and plan != schedule.draw(8, 60.0, 2000, mix)
+    gaps = [b.at - a.at for a, b in zip(plan, plan[1:])]
+    assert 55 < sum(gaps) / len(gaps) < 65  # exponential gaps of mean --mtbf
+    share = sum(f.kind == "rank_kill" for f in plan) / len(plan)
+    assert 0.7 < share < 0.8 and {f.kind for f in plan} == {"rank_kill", "hang"}
+    assert [round(t, 3) for t in schedule.arrivals(7, 60.0, plan[9].at + 1e-3)] == [f.at for f in plan[:10]]
+
+
+@pytest.mark.parametrize("text,words", [("nosuch", "unknown fault kind 'nosuch'"), ("hang=x", "not a number"),
+                                        ("hang=-1", "negative"), ("hang=0", "weighs no kind")])
+def test_a_bad_mix_is_refused_naming_the_part(text, words):
+    with pytest.raises(ConfigError, match=words):
+        schedule.parse_mix(text)
+    assert set(schedule.parse_mix("all")) == set(schedule.KINDS)
+
+
+def _records():
+    """Two ranks; launch 0.0 trains steps 0-4 at 1 s a step, a fault at t=5.5, launch 0.1 resumes from step 3."""
+    recs = [{"what": "init", "run": "0.0", "rank": r, "t": 0.0} for r in (0, 1)]
+    recs += [{"what": "step", "run": "0.0", "rank": r, "step": s, "t": s + 1.0 + r / 10} for s in range(5) for r in (0, 1)]
+    recs += [{"what": "init", "run": "0.1", "rank": r, "t": 8.0} for r in (0, 1)]
+    recs += [{"what": "restored", "run": "0.1", "rank": r, "step": 3, "t": 8.5} for r in (0, 1)]
+    recs += [{"what": "step", "run": "0.1", "rank": r, "step": s, "t": s + 6.0} for s in range(3, 6) for r in (0, 1)]
+    return recs
+
+
+def test_progress_step_time_and_a_faults_recovery_and_lost_steps():
+    curve = figures.progress(_records())
+    assert [(s, run) for _, s, run in curve] == [(s, "0.0") for s in range(5)] + [(s, "0.1") for s in range(3, 6)]
+    assert figures.step_seconds(curve) == pytest.approx(1.0)
+    out = figures.outcome(curve, [(8.5, 3)], 5.5)
+    assert out.recovery_s == pytest.approx(3.5) and out.steps_lost == 2  # steps 3 and 4 trained again
+    assert figures.goodput(6, 1.0, 12.0) == 0.5
+
+
+def test_the_baseline_replays_the_arrivals_with_youngs_interval():
+    assert figures.young_interval(2.0, 100.0, 1.0) == 20  # sqrt(2 × 2 × 100) = 20 s of steps
+    assert figures.baseline(10, 1.0, 0.0, 5.0, 1e9, [])[0] == 1.0  # no fault, free saves: all training
+    good, k = figures.baseline(40, 1.0, 0.5, 4.0, 100.0, [25.2])
+    assert k == 10  # a save every 10 steps: at 25.2 s, 24 steps done (2 saves) → back to 20, + 4 s restart
+    assert good == pytest.approx(40 / (25.2 + 4.0 + 20 * 1.0 + 2 * 0.5))
