@@ -1,0 +1,30 @@
+"""`hpcft chaos` in the session's sandbox: eight faults of mixed kinds at a short mean interval, the job submitted
+with spares and XOR protection; every fault survived and the final parameters equal a fault-free run's."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+# the kinds that cost no requeue (the batch host's and two nodes' each add a minute of Slurm's requeue): CI's budget
+MIX = "rank_kill,node_crash,exception,hang,straggler,agent_kill,kill_in_snapshot,kill_in_protect,kill_in_flush," \
+      "corrupt_chunk"
+
+
+@pytest.mark.timeout(600)
+def test_eight_mixed_faults_are_all_survived_and_the_result_is_bit_identical(healthy_sandbox, tmp_path):
+    argv = [sys.executable, "-m", "hpcft.cli", "chaos", "--json", "--dir", str(healthy_sandbox.dir), "--keep",
+            str(tmp_path / "runs"), "--mtbf", "3", "--faults", "8", "--seed", "3", "--mix", MIX, "--steps", "300",
+            "--step-delay", "0.05", "--width", "64", "--layers", "2", "--repair-s", "5", "--hang-timeout", "5",
+            "--persist-every", "10"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=580)
+    assert done.stdout, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    story = done.stderr[-3000:]
+    assert result["faults_injected"] >= 8, story
+    assert result["faults_survived"] == result["faults_injected"], story
+    assert result["final_equal"] is True, story
+    assert 0 < result["goodput"] <= 1 and 0 <= result["goodput_baseline"] <= 1, result
+    assert sum(k["count"] for k in result["kinds"].values()) == result["faults_injected"]
+    assert all(f["recovery_s"] is not None for f in result["faults"] if "skipped" not in f), result["faults"]
+    assert done.returncode == 0, story
