@@ -66,9 +66,9 @@ class RecoveryOptions:
 
 
 @contextlib.contextmanager
-def sandbox(directory: str | None, nodes: int = ACTIVE + SPARES) -> Iterator[Any]:
-    """The sandbox at `directory` (must be up, with at least `nodes` nodes), or a fresh one of `nodes` nodes in a temp
-    dir, stopped afterwards."""
+def sandbox(directory: str | None, nodes: int = ACTIVE + SPARES, idle: int = 0) -> Iterator[Any]:
+    """The sandbox at `directory` (must be up, with at least `nodes` nodes), or a fresh one of `nodes` + `idle` nodes in
+    a temp dir, stopped afterwards."""
     from hpcft.sandbox import Sandbox, SandboxConfig
     from hpcft.sandbox.cluster import ensure_up
 
@@ -82,7 +82,7 @@ def sandbox(directory: str | None, nodes: int = ACTIVE + SPARES) -> Iterator[Any
         yield sb
         return
     with tempfile.TemporaryDirectory(prefix="hpcft-bench-sandbox-", ignore_cleanup_errors=True) as own:
-        sb, _ = ensure_up(SandboxConfig(dir=Path(own), nodes=nodes), timeout=60)
+        sb, _ = ensure_up(SandboxConfig(dir=Path(own), nodes=nodes + idle), timeout=60)
         try:
             yield sb
         finally:
@@ -345,14 +345,14 @@ def run(opts: RecoveryOptions) -> Report:
     reference = Path(opts.reference) if opts.reference is not None else work / "fault-free"
     for name, ph in faulted.items():
         ph["resumed_identical"] = identical(work / name.replace("_", "-"), reference)
-    identical = all(ph["resumed_identical"] for ph in faulted.values())
-    if not identical:
+    same = all(ph["resumed_identical"] for ph in faulted.values())
+    if not same:
         events.emit("bench_result_differs", level=logging.ERROR, runs=",".join(
             n for n, ph in faulted.items() if not ph["resumed_identical"]), kept=str(work))
     elif not opts.keep:
         shutil.rmtree(work, ignore_errors=True)
     report = Report("recovery", judge=met)
-    report.add("identical", identical, "", "every faulted run ended bit-identical to the fault-free run")
+    report.add("identical", same, "", "every faulted run ended bit-identical to the fault-free run")
     report.add("rank_kill_s", kill["total_s"], "s", "rank kill: fault -> first step after it")
     report.add("node_crash_s", crash["from_marked_down_s"], "s", "node crash: Slurm marks node bad -> first step")
     report.add("node_crash_from_fault_s", crash["total_s"], "s", "node crash: crash -> first step")

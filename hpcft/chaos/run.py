@@ -194,7 +194,8 @@ def run(opts: ChaosOptions, say: Callable[[str], None]) -> dict:
     for i, f in enumerate(plan, 1):
         say(f"  {i:3d}. +{f.at:8.1f} s  {f.kind}")
     keep = Path(opts.keep) if opts.keep else Path(tempfile.mkdtemp(prefix="hpcft-chaos-"))
-    with recovery.sandbox(opts.dir, timeline.ACTIVE + opts.spares) as sb:
+    # one node beyond the job's own when starting a sandbox: a requeued job need not wait for a repair to start
+    with recovery.sandbox(opts.dir, timeline.ACTIVE + opts.spares, idle=1) as sb:
         sb.heal()
         ref = Path(opts.reference) if opts.reference else _reference(sb, opts, keep / "reference", steps)
         out = keep / "chaos"
