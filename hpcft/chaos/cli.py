@@ -9,11 +9,13 @@ import click
 from hpcft.chaos.schedule import KINDS
 
 _HELP = {
-    "mtbf": "Mean seconds between faults (a Poisson process).", "faults": "Faults to inject.",
+    "mtbf": "Mean seconds between faults (a Poisson process).",
+    "faults": "About how many faults: sizes the run; faults keep coming until the job ends.",
     "mix": "Fault kinds and weights: kind=w,… or all. Kinds: " + ", ".join(KINDS) + ".",
     "seed": "Seed of the fault schedule (printed; the same seed repeats the run's faults).",
     "repair_s": "Seconds after which a crashed node is powered on again and resumed.",
-    "steps": "Training steps (0: enough for every fault).", "step_delay": "Seconds of sleep after each step.",
+    "steps": "Training steps (0: --faults × --mtbf of training at the step time of a short fault-free run).",
+    "step_delay": "Seconds of sleep after each step (what a step's compute takes on a real machine).",
     "width": "Model width (layers of width² parameters, AdamW).", "layers": "Model depth.",
     "spares": "Spare nodes beside the 4 active ones.", "persist_every": "Durable flush every N protected steps.",
     "hang_timeout": "Seconds without a step before a rank counts as hung.",

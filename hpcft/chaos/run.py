@@ -32,8 +32,8 @@ class ChaosOptions:
     mix: str = "all"                # kind=weight,… (schedule.parse_mix)
     seed: int = 1
     repair_s: float = 30.0          # a crashed node is powered on again this long after it went down
-    steps: int = 0                  # training steps (0: enough for every fault at the expected step time)
-    step_delay: float = 0.1         # seconds of sleep after each step (train_job.py's STEP_DELAY)
+    steps: int = 0                  # training steps (0: --faults × --mtbf of training at the calibrated step time)
+    step_delay: float = 0.5         # seconds of sleep after each step: the step's compute on a real machine
     width: int = 512                # model: `layers` square Linear layers (+ AdamW): 4 × 512² ≈ 1 M parameters
     layers: int = 4
     spares: int = 2                 # beside the job's 4 active nodes (one rank each)
@@ -49,9 +49,10 @@ class ChaosOptions:
             raise ConfigError(f"--keep {self.keep} is not empty: name a new or empty directory (nothing is "
                               "overwritten)")
 
-    def training_steps(self) -> int:
-        """--steps, or enough steps for every fault at twice the mean interval (recoveries and stretches)."""
-        return self.steps or math.ceil(2.0 * (self.faults + 1) * self.mtbf / (self.step_delay + 0.05)) + 20
+    def training_steps(self, step_s: float) -> int:
+        """--steps, or training for --faults mean intervals (and a tenth more) at `step_s` a step: faults keep coming
+        until the job ends, so about --faults of them land, at the rate asked for, over the whole run."""
+        return self.steps or math.ceil(1.1 * self.faults * self.mtbf / step_s)
 
 
 def _submit(sb: Any, opts: ChaosOptions, out: Path, steps: int) -> str:
@@ -71,11 +72,15 @@ def _submit(sb: Any, opts: ChaosOptions, out: Path, steps: int) -> str:
     return done.stdout.strip()
 
 
-def _reference(sb: Any, opts: ChaosOptions, out: Path, steps: int) -> Path:
-    """The same job and steps without faults and without its sleep (the result does not depend on it)."""
-    bench = recovery.RecoveryOptions(steps=steps, fault_at=1, step_delay=0.0, width=opts.width, layers=opts.layers)
-    recovery.finish(recovery.supervised(sb, bench, out), out, timeout=1800)
+def _fault_free(sb: Any, opts: ChaosOptions, out: Path, steps: int, delay: float) -> Path:
+    """The same job under `hpcft run` without faults: the reference (no sleep: the result does not depend on it), or
+    the calibration of the step time (with it)."""
+    bench = recovery.RecoveryOptions(steps=steps, fault_at=1, step_delay=delay, width=opts.width, layers=opts.layers)
+    recovery.finish(recovery.supervised(sb, bench, out), out, timeout=3600)
     return out
+
+
+CALIBRATION_STEPS = 30
 
 
 class Repairs(threading.Thread):
@@ -129,7 +134,7 @@ def inject(scene: kinds.Scene, plan: list[schedule.Fault], ended: Callable[[], b
         else:
             frontier = _frontier(scene.out)
         done.append(record)
-        say(f"  fault {len(done)}/{len(plan)} at +{at - t0:.1f} s: {f.kind} → {target or record['skipped']}")
+        say(f"  fault {len(done)} at +{at - t0:.1f} s: {f.kind} → {target or record['skipped']}")
     return done
 
 
@@ -173,7 +178,7 @@ def figures_of(opts: ChaosOptions, out: Path, ref: Path, injected: list[dict], s
     base, k = figures.baseline(steps, step_s, save_s, restart_s, opts.mtbf, arrivals)
     complete = max((s for _, s, _ in curve), default=-1) >= steps - 1  # step indices 0 … steps - 1
     return {
-        "seed": opts.seed, "mtbf_s": opts.mtbf, "mix": schedule.parse_mix(opts.mix), "faults_planned": opts.faults,
+        "seed": opts.seed, "mtbf_s": opts.mtbf, "mix": schedule.parse_mix(opts.mix), "faults_asked": opts.faults,
         "faults_injected": len(hit), "faults_survived": sum(f["survived"] for f in hit) if complete else 0,
         "goodput": round(figures.goodput(steps, step_s, end - start), 4) if complete else 0.0,
         "goodput_baseline": round(base, 4), "step_s": round(step_s, 4), "wall_s": round(end - start, 3),
@@ -188,16 +193,21 @@ def figures_of(opts: ChaosOptions, out: Path, ref: Path, injected: list[dict], s
 
 def run(opts: ChaosOptions, say: Callable[[str], None]) -> dict:
     """The chaos run end to end (sandbox, reference, faulted run, figures); its JSON object."""
-    plan = schedule.draw(opts.seed, opts.mtbf, opts.faults, schedule.parse_mix(opts.mix))
-    steps = opts.training_steps()
-    say(f"chaos: seed {opts.seed}, {opts.faults} faults at mean interval {opts.mtbf:g} s, {steps} steps; schedule:")
+    plan = schedule.draw(opts.seed, opts.mtbf, 3 * opts.faults + 10, schedule.parse_mix(opts.mix))
+    say(f"chaos: seed {opts.seed}, about {opts.faults} faults at mean interval {opts.mtbf:g} s; the schedule, followed "
+        "until the job ends:")
     for i, f in enumerate(plan, 1):
         say(f"  {i:3d}. +{f.at:8.1f} s  {f.kind}")
     keep = Path(opts.keep) if opts.keep else Path(tempfile.mkdtemp(prefix="hpcft-chaos-"))
     # one node beyond the job's own when starting a sandbox: a requeued job need not wait for a repair to start
     with recovery.sandbox(opts.dir, timeline.ACTIVE + opts.spares, idle=1) as sb:
         sb.heal()
-        ref = Path(opts.reference) if opts.reference else _reference(sb, opts, keep / "reference", steps)
+        steps = opts.steps
+        if not steps:
+            calibration = _fault_free(sb, opts, keep / "calibration", CALIBRATION_STEPS, opts.step_delay)
+            steps = opts.training_steps(figures.step_seconds(figures.progress(timeline.read(calibration))))
+        say(f"chaos: {steps} training steps")
+        ref = Path(opts.reference) if opts.reference else _fault_free(sb, opts, keep / "reference", steps, 0.0)
         out = keep / "chaos"
         out.mkdir(parents=True)
         job = _submit(sb, opts, out, steps)
