@@ -1,4 +1,4 @@
-"""`hpcft bench …`: benchmarks that report ratios against baselines measured in the same run (docs/benchmarks.md).
+"""`hpcft bench …`: benchmarks that report ratios against baselines measured in the same run (docs/results.md).
 Each command's options are the fields of its module's `<Name>Options`, which `_run` builds from them."""
 import importlib
 from collections.abc import Callable
@@ -228,3 +228,23 @@ def recovery(**options: Any) -> None:
     if options["keep"] and options["runs"] > 1:
         raise click.UsageError("--keep keeps one run's output: give it with --runs 1")
     _run("recovery", **options)
+
+
+@bench.command()
+@click.option("--from", "data_dir", type=click.Path(file_okay=False), default="docs/results/data", show_default=True,
+              help="The saved --json objects: <bench>.json and chaos-*.json (notes on earlier figures: ../notes/).")
+@click.option("--out", type=click.Path(dir_okay=False), default="docs/results.md", show_default=True,
+              help="The page to write.")
+@click.option("--img", type=click.Path(file_okay=False), default="docs/img", show_default=True,
+              help="Where its PNGs go (with matplotlib: pip install 'hpcft[plots]').")
+@click.option("--run", is_flag=True, help="Run the benches first and save each object in --from.")
+@click.option("--quick", is_flag=True,
+              help="With --run: small sizes, 10 to 20 minutes in all on 2 cores (most of it recovery and protect).")
+@click.option("--bench", "benches", multiple=True, type=click.Choice(["snapshot", "restore", "protect", "transport",
+                                                                     "recovery", "scale", "reports"]),
+              help="With --run: only this bench (repeatable) [default: all; recovery needs root].")
+def page(**options: Any) -> None:
+    """Write the results page (docs/results.md) and its plots from the benches' saved --json objects."""
+    from hpcft.bench import page as results
+
+    results.main(**options)
