@@ -1,5 +1,5 @@
 """`hpcft bench recovery`: time from a fault to the first completed training step after it, in the sandbox
-(docs/benchmarks.md, "hpcft bench recovery"). The same 4-rank DP job (train_job.py, 4 active + 2 spare nodes) under
+(docs/results.md, "Recovery time"). The same 4-rank DP job (train_job.py, 4 active + 2 spare nodes) under
 a rank kill, an in-process exception, a node crash, a lost batch host and the baselines (recovery_baselines.py); each
 run must end bit-identical to a fault-free one. Totals run from the fault itself, cut into phases (timeline.py) from
 the supervisor's events and the job's own timeline, on one clock.

@@ -1,4 +1,4 @@
-"""The baselines of `hpcft bench recovery` (docs/benchmarks.md): what a user does without hpcft on the same job
+"""The baselines of `hpcft bench recovery` (docs/results.md): what a user does without hpcft on the same job
 (train_job.py with CKPT=disk), one rank SIGKILLed after step `fault_at`: the batch script runs `srun` again in the
 allocation (relaunch, issue 14's fair one) or `scontrol requeue`s the job (requeue), and the next launch
 `torch.load`s; detection ends when the script reacts."""

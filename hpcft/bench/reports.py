@@ -1,4 +1,4 @@
-"""`hpcft bench reports` (docs/benchmarks.md): N nodes' steady reports (8 ranks each, once a second) from a client
+"""`hpcft bench reports` (docs/results.md): N nodes' steady reports (8 ranks each, once a second) from a client
 process into a real report service (the supervisor's Fabric) in this one; measured: reports received per second,
 the supervisor's CPU per second and per report, the bounded log. `sent_hz` says what the client managed to send."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`hpcft bench restore` (docs/benchmarks.md): the state after one AdamW step, saved once by hpcft (shm store), DCP
+"""`hpcft bench restore` (docs/results.md): the state after one AdamW step, saved once by hpcft (shm store), DCP
 and torch.save (local disk), restored interleaved by each into a perturbed live model and optimizer, every restore
 checked bit for bit (untimed); reported against a memcpy of the same bytes and as speedups over DCP and torch.load."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`hpcft bench scale` (docs/benchmarks.md): N real agent processes (`hpcft.bench.scale_agent`), each on a loopback
+"""`hpcft bench scale` (docs/results.md): N real agent processes (`hpcft.bench.scale_agent`), each on a loopback
 address of its own as if on its own node, meshed as `hpcft run` meshes them; per N their setup, agreement latency,
 heartbeat traffic and sockets, and the growth of each with N. Wall times are this box's (N agents share its cores);
 per-agent CPU is what a machine with one agent per node pays."""

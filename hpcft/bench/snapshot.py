@@ -1,4 +1,4 @@
-"""`hpcft bench snapshot` (docs/benchmarks.md): the step-time cost of checkpointing every step. One trainer, its
+"""`hpcft bench snapshot` (docs/results.md): the step-time cost of checkpointing every step. One trainer, its
 variants interleaved in blocks (none, hpcft, torch.save, dcp.async_save, hpcft with a flushing agent); reported as
 overheads over the step without checkpointing, and hpcft's copy bandwidth against a memcpy of the same bytes."""
 from __future__ import annotations

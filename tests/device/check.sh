@@ -7,7 +7,8 @@
 # tests/device/probe.py: the device checksum's rate, a profile of the snapshot calls, copy and host-checksum rates,
 # with PROBES="... restore" a warm and a relaunch's restore into the GPU timed and profiled;
 # RESTORE=0 skips the restore bench). Results go to $OUT (default ./device-out).
-# Wheels for that machine's Python (crc32c, zfec, hip-python) may be carried in .whl/ (docs/benchmarks.md).
+# Wheels for that machine's Python (crc32c, zfec, hip-python) may be carried in .whl/ (docs/results.md,
+# the snapshot section).
 set -u
 OUT=${OUT:-device-out}; mkdir -p "$OUT"
 PARAMS=${PARAMS:-200M}; BATCH=${BATCH:-24}; STEPS=${STEPS:-12}; BLOCK=${BLOCK:-4}; BENCH=${BENCH:-1}
