@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import sys
 from dataclasses import fields
 
 import click
@@ -11,7 +13,8 @@ from hpcft.chaos.schedule import KINDS
 _HELP = {
     "mtbf": "Mean seconds between faults (a Poisson process).",
     "faults": "About how many faults: sizes the run; faults keep coming until the job ends.",
-    "mix": "Fault kinds and weights: kind=w,… or all. Kinds: " + ", ".join(KINDS) + ".",
+    "mix": "Fault kinds and weights: kind=w,…, all (each kind alike), or field (Llama 3's interruptions). "
+           "Kinds: " + ", ".join(KINDS) + ".",
     "seed": "Seed of the fault schedule (printed; the same seed repeats the run's faults).",
     "repair_s": "Seconds after which a crashed node is powered on again and resumed.",
     "steps": "Training steps (0: --faults × --mtbf of training at the step time of a short fault-free run).",
@@ -46,6 +49,7 @@ def chaos(as_json: bool, **opts) -> None:
     when the spares run out; crashed nodes come back after --repair-s. The fault schedule is seeded and printed."""
     from hpcft.chaos.run import ChaosOptions, run
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the run's jobs cancelled, its sandbox stopped
     result = run(ChaosOptions(**opts), lambda line: click.echo(line, err=as_json))
     if as_json:
         click.echo(json.dumps(result))

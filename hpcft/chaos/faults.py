@@ -3,6 +3,7 @@ run.py's). Targets are read from what the run itself writes: the newest launch's
 job's timeline), each agent's pid (its status). A fault with no target present raises NoTarget."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -19,7 +20,7 @@ from hpcft.errors import HpcftError
 from hpcft.agent.protection.bundle import complete_steps
 from hpcft.store import job_dir as store_job_dir
 
-STRAGGLE_S = 8.0  # how long a straggler stays slow: half speed (stopped 0.1 s of every 0.2 s)
+STRAGGLE_S = 8.0  # how long a straggler stays slow (half speed: stopped 0.1 s of every 0.2 s), a store full
 
 
 class NoTarget(HpcftError):
@@ -202,6 +203,42 @@ def corrupt_chunk(scene: Scene, pick: float) -> str:
     return f"rank {rank}, step {max(held)}"
 
 
+def enospc(scene: Scene, pick: float) -> str:
+    """One node's /dev/shm filled to its last MiB for STRAGGLE_S seconds (another job's files, as its ranks see it):
+    their snapshots find no space, are skipped and said; training goes on. The filler is removed through a handle on
+    the directory, so it goes even if the node's ranks end meanwhile."""
+    ranks = scene.ranks()
+    rank = _choose(list(ranks), pick)
+    shm = Path(f"/proc/{ranks[rank]}/root/dev/shm")
+    try:
+        fd = os.open(shm, os.O_RDONLY | os.O_DIRECTORY)
+        free = os.statvfs(fd).f_bavail * os.statvfs(fd).f_frsize
+        filler = os.open("hpcft-chaos-filler", os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=fd)
+    except OSError as exc:
+        raise NoTarget(f"rank {rank}'s /dev/shm: {exc}") from None
+    try:
+        os.posix_fallocate(filler, 0, max(0, free - (1 << 20)))
+    except OSError:
+        pass  # as full as it gets
+    finally:
+        os.close(filler)
+
+    def free_it() -> None:
+        time.sleep(STRAGGLE_S)
+        with contextlib.suppress(OSError):
+            os.unlink("hpcft-chaos-filler", dir_fd=fd)
+        os.close(fd)
+
+    threading.Thread(target=free_it, name="hpcft-chaos-enospc", daemon=True).start()
+    return f"rank {rank}'s node, {free >> 20} MiB filled for {STRAGGLE_S:g} s"
+
+
+def walltime(scene: Scene, pick: float) -> str:
+    """Slurm's walltime warning now: USR1 to the batch script (hpcft run), which protects, flushes and requeues."""
+    scene.sb.runner().run(["scancel", "--batch", "--signal=USR1", scene.job_id])
+    return f"job {scene.job_id}"
+
+
 def _batch_host(scene: Scene) -> str:
     from hpcft.slurm import state
     return state.job_info(scene.sb.runner(), scene.job_id).batch_host
@@ -251,4 +288,4 @@ def two_nodes(scene: Scene, pick: float) -> str:
 INJECT = {"rank_kill": rank_kill, "node_crash": node_crash, "exception": exception, "hang": hang,
           "straggler": straggler, "agent_kill": agent_kill, "kill_in_snapshot": kill_in_snapshot,
           "kill_in_protect": kill_in_protect, "kill_in_flush": kill_in_flush, "two_nodes": two_nodes,
-          "corrupt_chunk": corrupt_chunk, "batch_host": batch_host}
+          "corrupt_chunk": corrupt_chunk, "batch_host": batch_host, "enospc": enospc, "walltime": walltime}

@@ -49,3 +49,9 @@ def test_the_baseline_replays_the_arrivals_with_youngs_interval():
     good, k = figures.baseline(40, 1.0, 0.5, 4.0, 100.0, [25.2])
     assert k == 10  # a save every 10 steps: at 25.2 s, 24 steps done (2 saves) → back to 20, + 4 s restart
     assert good == pytest.approx(40 / (25.2 + 4.0 + 20 * 1.0 + 2 * 0.5))
+
+
+def test_the_field_preset_weighs_llama3s_interruptions_onto_the_kinds():
+    mix = schedule.parse_mix("field")
+    assert set(mix) <= set(schedule.KINDS) and max(mix, key=mix.get) == "node_crash"
+    assert sum(mix.values()) == pytest.approx(92.4)
