@@ -76,7 +76,7 @@ def section(runs: Sequence[dict[str, Any]], images: list[str]) -> list[str]:
                    [[f"MTBF {num(r['mtbf_s'], 's')}, seed {r.get('seed')}",
                      f"{r.get('faults_injected')} / {r.get('faults_survived')}", num(r.get("steps")),
                      num(r.get("wall_s"), "s"), num(r.get("step_s"), "s"), _baseline(r.get("baseline") or {}),
-                     num(r.get("final_equal"))] for r in sorted(runs, key=_order)])
+                     _final(r)] for r in sorted(runs, key=_order)])
     lines += ["", *(f"![{alt}]({path})" for path, alt in _pairs(images)), *([""] if images else [])]
     commands = sorted({r["command"] for r in runs if r.get("command")})
     machines = sorted({machine(r) for r in runs if r.get("machine")})
@@ -89,7 +89,12 @@ def _pairs(images: list[str]) -> list[tuple[str, str]]:
 
 
 def _baseline(b: dict[str, Any]) -> str:
-    return f"{num(b.get('save_s'), 's')} / {num(b.get('interval_steps'))} steps / {num(b.get('restart_s'), 's')}"
+    every = b.get("interval_steps")
+    return f"{num(b.get('save_s'), 's')} / {num(every)} step{'s' * (every != 1)} / {num(b.get('restart_s'), 's')}"
+
+
+def _final(r: dict[str, Any]) -> str:
+    return "no (the run did not finish)" if r.get("completed") is False else num(r.get("final_equal"))
 
 
 def _order(r: dict[str, Any]) -> tuple[float, int]:

@@ -157,6 +157,8 @@ def chaos_goodput(fig: Figure, runs: list[dict[str, Any]]) -> None:
         ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[[p[1] - p[2] for p in pts],
                     [p[3] - p[1] for p in pts]], marker="o", capsize=3, label=label, color=color)
     ax.set_xscale("log")
+    ax.set_xticks([g["mtbf_s"] for g in groups], [f"{g['mtbf_s']:g}" for g in groups])
+    ax.minorticks_off()
     ax.set_xlabel("mean time between faults (s)")
     ax.set_ylabel("goodput")
     ax.set_ylim(0, 1.05)
@@ -169,10 +171,11 @@ def chaos_recovery(fig: Figure, runs: list[dict[str, Any]]) -> None:
     kinds = {k: v["recovery_s"] for k, v in page_chaos.by_kind(runs).items() if v["recovery_s"]}
     if kinds:
         ax.boxplot(list(kinds.values()), whis=(0, 100))
-        ax.set_xticks(range(1, len(kinds) + 1), list(kinds), fontsize=8, rotation=15)
+        ax.set_yscale("symlog", linthresh=0.1)
+        ax.set_xticks(range(1, len(kinds) + 1), list(kinds), fontsize=8, rotation=30)
         for x, values in enumerate(kinds.values(), start=1):
             ax.annotate(f"{statistics.median(values):.2g} s", (x, max(values)), ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("recovery (s)")
+    ax.set_ylabel("recovery (s, log above 0.1)")
     ax.set_title("Recovery per fault kind, every fault of every saved run")
 
 
@@ -181,7 +184,7 @@ DRAW: dict[str, Callable[[Figure, Any], None]] = {
     "restore-bandwidth.png": restore_bandwidth, "protect-schemes.png": protect_schemes,
     "transport.png": transport_bars, "recovery-phases.png": recovery_phases, "scale.png": scale_lines,
     "reports.png": reports_lines, "chaos-goodput.png": chaos_goodput, "chaos-recovery.png": chaos_recovery}
-WIDE = {"protect-schemes.png", "transport.png", "scale.png", "reports.png"}
+WIDE = {"protect-schemes.png", "transport.png", "scale.png", "reports.png", "chaos-recovery.png"}
 
 
 def draw(name: str, data: Any, path: Path) -> None:

@@ -59,7 +59,8 @@ def chaos_run(mtbf: float, seed: int, goodput: float, baseline: float) -> dict:
 
 
 CHAOS = [chaos_run(60, 1, 0.90, 0.60), chaos_run(60, 2, 0.94, 0.70), chaos_run(60, 3, 0.92, 0.50),
-         chaos_run(300, 1, 0.97, 0.85)]
+         chaos_run(300, 1, 0.97, 0.85), {**chaos_run(900, 1, 0.0, 0.9), "completed": False, "final_equal": False}]
+CHAOS[0]["faults"].append({"kind": "rank_kill", "target": "rank 9", "skipped": "no such rank"})  # never injected
 
 
 def saved(tmp_path: Path, chaos: bool = True, notes: bool = True) -> Path:
@@ -105,14 +106,16 @@ def test_the_page_holds_each_bench_s_ratios_against_its_baselines_machine_and_co
 def test_chaos_goodput_is_the_median_over_seeds_per_mtbf_and_recovery_is_per_fault_kind(tmp_path):
     groups = page_chaos.by_mtbf(CHAOS)
     assert [(g["mtbf_s"], g["seeds"], g["goodput"], g["goodput_baseline"]) for g in groups] == [
-        (60, [1, 2, 3], (0.92, 0.90, 0.94), (0.60, 0.50, 0.70)), (300, [1], (0.97, 0.97, 0.97), (0.85, 0.85, 0.85))]
+        (60, [1, 2, 3], (0.92, 0.90, 0.94), (0.60, 0.50, 0.70)), (300, [1], (0.97, 0.97, 0.97), (0.85, 0.85, 0.85)),
+        (900, [1], (0.0, 0.0, 0.0), (0.9, 0.9, 0.9))]
     kinds = page_chaos.by_kind(CHAOS)
-    assert list(kinds) == ["node_crash", "rank_kill"] and kinds["rank_kill"]["count"] == 8
-    assert sorted(kinds["node_crash"]["recovery_s"]) == [6.0, 6.0, 7.0, 8.0]
+    assert list(kinds) == ["node_crash", "rank_kill"] and kinds["rank_kill"]["count"] == 10  # the skipped one not
+    assert sorted(kinds["node_crash"]["recovery_s"]) == [6.0, 6.0, 6.0, 7.0, 8.0]
     text = page.markdown(page.load(saved(tmp_path)), "img")
     assert "| 60 s | 1, 2, 3 | 92.0 % [90.0 %, 94.0 %] | 60.0 % [50.0 %, 70.0 %] |" in text
-    assert "| `node_crash` | 4 | 4 | 6.5 s | 8 s | 2 | 2 |" in text
+    assert "| `node_crash` | 5 | 5 | 6 s | 8 s | 2 | 2 |" in text
     assert "| MTBF 300 s, seed 1 | 3 / 3 | 2,800 | 300 s | 100 ms | 700 ms / 50 steps / 12 s | yes |" in text
+    assert "| MTBF 900 s, seed 1 | 3 / 3 | 2,800 | 300 s | 100 ms | 700 ms / 50 steps / 12 s | no (the run did " in text
     assert "(img/chaos-goodput.png)" in text and "(img/chaos-recovery.png)" in text
 
 
