@@ -162,33 +162,35 @@ def after_step(args: argparse.Namespace, ctx: Any, step: int, loss: torch.Tensor
         time.sleep(args.sleep)
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of the whole tensor: a DTensor (tensor parallel, FSDP2) is gathered from its shards, collectively."""
+def _whole(t: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    """A CPU copy of the whole tensor where `keep`: a DTensor (tensor parallel, FSDP2) is gathered from its shards,
+    collectively, on every rank, and dropped at once where not kept (a big model's state fits one host, not eight)."""
     t = t.detach()
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
+    whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return whole.cpu().clone() if keep else None
 
 
-def final_state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, seen: dict) -> dict:
+def final_state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, seen: dict, keep: bool = True) -> dict:
     """The contract's final.pt: parameters, buffers and AdamW state by parameter name, whole (collective: every rank
-    calls it, in the same order)."""
+    calls it, in the same order; only where `keep` are the tensors kept)."""
     names = {p: n for n, p in model.named_parameters()}
-    optim = {names[p]: {k: _whole(v) for k, v in sorted(s.items())} for p, s in optimizer.state.items()}
-    params = {n: _whole(t) for n, t in model.state_dict().items()}
+    optim = {names[p]: {k: _whole(v, keep) for k, v in sorted(s.items())} for p, s in optimizer.state.items()}
+    params = {n: _whole(t, keep) for n, t in model.state_dict().items()}
     return {"step": step, "seen": dict(seen), "params": params, "optim": dict(sorted(optim.items()))}
 
 
 def finish(args: argparse.Namespace, ctx: Any, ckpt: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
            seen: dict) -> int:
-    """End of training: the last snapshot committed, final.pt from rank 0, the process groups left; a laptop run's
-    snapshots removed (a finished run has nothing to resume). The exit status, 0."""
+    """End of training: the last snapshot committed, with --out final.pt from rank 0, the process groups left; a
+    laptop run's snapshots removed (a finished run has nothing to resume). The exit status, 0."""
     ckpt.wait()
     ckpt.close()
-    state = final_state(model, optimizer, args.steps, seen)
-    if ctx.rank == 0 and args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        tmp = args.out / "final.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, args.out / "final.pt")
+    if args.out is not None:
+        state = final_state(model, optimizer, args.steps, seen, keep=ctx.rank == 0)
+        if ctx.rank == 0:
+            args.out.mkdir(parents=True, exist_ok=True)
+            torch.save(state, args.out / "final.pt.tmp")
+            os.replace(args.out / "final.pt.tmp", args.out / "final.pt")
     if ctx.world > 1:
         dist.barrier()
     ctx.close()

@@ -80,7 +80,8 @@ def crashed_runs(sandbox, tmp_path_factory) -> dict[str, Run]:
     """Every example's run through its node's crash, and (in `reference/NAME/`) its fault-free run."""
     base = tmp_path_factory.mktemp("examples")
     pairs = {node: [n for n in names if n in NAMES] for node, (names, _) in PAIRS.items()}
-    procs = {name: _start(sandbox, name, PAIRS[node][1], base / name) for node, names in pairs.items() for name in names}
+    procs = {name: _start(sandbox, name, PAIRS[node][1], base / name)
+             for node, names in pairs.items() for name in names}
     reference = None
     try:
         left = dict(pairs)
