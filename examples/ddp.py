@@ -5,9 +5,9 @@ synthetic tokens with AdamW, an in-memory snapshot after every optimizer step, a
   hpcft run --spares 1 -- python examples/ddp.py            # inside a Slurm allocation, one rank per task
   sbatch examples/frontier/ddp.sbatch                       # Frontier (see examples/README.md)
 
---sync ddp (default) wraps the model in DDP, which reduces gradients in buckets; `settle_buckets` keeps a resumed run
-bit-identical to an uninterrupted one (docs/checkpointing.md, "Bitwise resume, and DDP"). --sync allreduce averages
-each gradient with its own all-reduce instead: no DDP, bitwise too.
+--sync ddp (default) wraps the model in DDP, which reduces gradients in buckets; `settle_buckets` keeps a resumed
+run bit-identical to an uninterrupted one (docs/reference/checkpointing.md, "Bitwise resume, and DDP").
+--sync allreduce averages each gradient with its own all-reduce instead: no DDP, bitwise too.
 """
 import argparse
 import sys

@@ -4,7 +4,7 @@ frontier`: 4 nodes of 8 GCDs (one rank per GCD) and a spare, each example at a s
   python examples/frontier/generate.py           # rewrite the scripts (after a change here or to slurm/sbatch-*.sh)
   python examples/frontier/generate.py --check   # exit 1, naming them, if the scripts are not what it would write
 
-The scripts carry no site set-up: add yours with `[site]` in $HPCFT_CONFIG or `--setup` (docs/supervisor.md) and
+The scripts carry no site set-up: add yours with `[site]` in $HPCFT_CONFIG or `--setup` (docs/reference/frontier.md) and
 submit from the checkout's root (`sbatch examples/frontier/ddp.sbatch`: the command names examples/NAME.py).
 """
 import os
