@@ -53,7 +53,8 @@ def setup(args: argparse.Namespace, ctx: Any) -> None:
     """Deterministic kernels (a resumed run then equals an uninterrupted one bit for bit) and logging: rank 0 says
     hpcft's events (restored step, its source), the other ranks only warnings."""
     if ctx.device.type != "cpu":  # CPU kernels are deterministic already (and the call imports torch._inductor)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode, before its first use
+        torch.use_deterministic_algorithms(True, warn_only=True)  # a kernel without one warns, and resumes may differ
     logging.basicConfig(level=logging.INFO if ctx.rank == 0 else logging.WARNING,
                         format=f"%(asctime)s rank {ctx.rank}: %(message)s")
     if args.heads < 1 or args.width % args.heads:

@@ -32,11 +32,12 @@ STEPS = 40
 BATCH = 4
 ARGS = ("--steps", str(STEPS), "--width", "32", "--layers", "2", "--heads", "2", "--seq", "16", "--batch", str(BATCH),
         "--vocab", "64", "--log-every", "8")
-# --sleep: the tiny model trains a step in milliseconds; the runs must last until the agents protected a step
+# --sleep: the tiny model trains a step in milliseconds; a run must last until its node is crashed (_ready_to_crash)
 SLEEP = "0.5"
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one thread a rank: the same kernels here and there
-# the nodes of each run (active, active, spare) and the node crashed under each pair of runs: runs of like pace together
-PAIRS = {"n2": (("ddp", "fsdp2"), "n1,n2,n5"), "n4": (("tp", "llama"), "n3,n4,n6")}
+# the nodes of each run (active, active, spare) and the node crashed under each pair of runs: the DTensor ones
+# together (slower steps), the fastest steps beside the latest start (llama's standbys import transformers too)
+PAIRS = {"n2": (("tp", "fsdp2"), "n1,n2,n5"), "n4": (("ddp", "llama"), "n3,n4,n6")}
 NAMES = ["ddp", "tp", "fsdp2"] + (["llama"] if available("transformers") else [])
 # what a user of llama.py adds to the standbys' imports, so that no rank imports transformers itself
 PRELOAD = {"llama": f"{DEFAULT_PRELOAD},transformers.models.llama.modeling_llama"}
@@ -62,17 +63,22 @@ def _start(sandbox, name: str, nodes: str, out: Path) -> subprocess.Popen:
     return sandbox.runner().popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _ready_to_crash(out: Path) -> bool:
-    """Every node agent of the run has protected a step, and the spare's standby has imported torch, so that the
-    relaunch forks the spare's ranks, as on a cluster whose spare has cores of its own (started cold here, they would
-    import torch beside the standby, yielding its cores to them: the costliest seconds of the test). Under a load that
-    holds the spare's standby back, the crash comes at two thirds of the run all the same, started cold."""
+def _progress(out: Path) -> tuple[int, bool]:
+    """(the step every node agent of the run has protected, 0 for none yet; whether the spare's standby is ready)."""
     tag = newest_ready(out / "job")
     done = [s.get("protected") for s in agent_status.read(out / "job" / "agents", tag).values()] if tag else []
-    if len(done) < NODES or any(d is None or d < 1 for d in done):
-        return False
-    return min(done) >= STEPS * 2 // 3 or any(e["event"] == "standby_ready" and e.get("spare")
-                                              for e in events.read(out / "job"))
+    spare = any(e["event"] == "standby_ready" and e.get("spare") for e in events.read(out / "job"))
+    return (min(d or 0 for d in done) if len(done) == NODES else 0), spare
+
+
+def _ready_to_crash(outs: list[Path]) -> bool:
+    """Every run on the node has a protected step, and the spares' standbys have imported torch, so that the relaunch
+    forks the spares' ranks, as on a cluster whose spare has cores of its own (started cold here, they would import
+    torch beside the standby, yielding its cores to them: the costliest seconds of the test). Under a load that holds
+    a spare's standby back, the crash comes once one of the runs is two thirds through all the same, started cold."""
+    runs = [_progress(out) for out in outs]
+    return all(step > 0 for step, _ in runs) and (all(spare for _, spare in runs)
+                                                   or any(step >= STEPS * 2 // 3 for step, _ in runs))
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +93,16 @@ def crashed_runs(sandbox, tmp_path_factory) -> dict[str, Run]:
         left = dict(pairs)
 
         def crash_ready() -> bool:
-            """Crash each node under its pair of runs once both have a protected step; True when all are crashed."""
+            """Crash the node under a pair of runs once they are `_ready_to_crash`; True when every node is crashed."""
             ended = [name for name, proc in procs.items() if proc.poll() is not None and name in sum(left.values(), [])]
             assert not ended, f"{ended} ended before their node was crashed" + told(base / ended[0])
             for node, names in list(left.items()):
-                if all(_ready_to_crash(base / name) for name in names):
+                if _ready_to_crash([base / name for name in names]):
                     sandbox.crash_node(node)  # slurmd, both runs' ranks on it, its /dev/shm
                     del left[node]
             return not left
 
-        wait(crash_ready, "every run to have a protected step", 180, story=base / next(iter(procs)))
+        wait(crash_ready, "every run to be ready for its node's crash", 180, story=base / next(iter(procs)))
         # the fault-free runs take the cores while the sandbox runs detect the crash, relaunch and restore
         reference = subprocess.Popen([sys.executable, str(REFERENCE), str(base / "reference"), str(RANKS),
                                       str(PER_NODE), ",".join(NAMES), "--", *ARGS], stdout=subprocess.PIPE,

@@ -7,7 +7,9 @@ it has imported torch (and transformers for llama): one interpreter's start-up f
 Exit 0 when every rank of every example exited 0.
 """
 import os
+import random
 import runpy
+import signal
 import socket
 import sys
 import traceback
@@ -37,23 +39,54 @@ def _rank(script: Path, args: list[str], env: dict[str, str], log: Path) -> None
         os._exit(code)
 
 
-def run(out: Path, ranks: int, per_node: int, name: str, args: list[str]) -> bool:
-    """Every rank of examples/NAME.py at once, then wait for them; True when all exited 0."""
+def _port() -> int:
+    """A port to rendezvous on, free now, below the ephemeral range: a port the kernel hands out (to the sandbox runs'
+    supervisors listening beside this, to their connections) may be taken again before rank 0 binds it."""
+    while True:
+        port = random.randrange(10000, 20000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+
+
+def _wait_all(pids: list[int]) -> bool:
+    """Wait for the ranks; the first that fails takes the others down (they would wait for it in a collective, or
+    for rank 0's rendezvous, for minutes). True when every rank exited 0."""
+    left = set(pids)
+    while left:
+        pid, status = os.wait()
+        left.discard(pid)
+        if os.waitstatus_to_exitcode(status) != 0:
+            for other in left:
+                os.kill(other, signal.SIGKILL)
+            for other in left:
+                os.waitpid(other, 0)
+            return False
+    return True
+
+
+def run(out: Path, ranks: int, per_node: int, name: str, args: list[str], tries: int = 3) -> bool:
+    """Every rank of examples/NAME.py at once, then wait for them; True when all exited 0. A rendezvous port taken
+    meanwhile (rank 0 says EADDRINUSE) is tried again on another."""
     where = out / name
-    (where / "store").mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (where / "store").mkdir(parents=True, exist_ok=True)
+    port = _port()
     pids = []
     for rank in range(ranks):
         env = {"RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank % per_node),
                "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "TORCHELASTIC_RUN_ID": f"reference-{name}", "HPCFT_STORE_ROOT": str(where / "store")}
+               "TORCHELASTIC_RUN_ID": f"reference-{name}-{port}", "HPCFT_STORE_ROOT": str(where / "store")}
         pid = os.fork()
         if pid == 0:
             _rank(EXAMPLES / f"{name}.py", [*args, "--out", str(where)], env, where / f"rank-{rank}.log")
         pids.append(pid)
-    return all(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 for pid in pids)
+    ok = _wait_all(pids)
+    if not ok and tries > 1 and "EADDRINUSE" in (where / "rank-0.log").read_text(errors="replace"):
+        return run(out, ranks, per_node, name, args, tries - 1)
+    return ok
 
 
 def main(argv: list[str]) -> int:
