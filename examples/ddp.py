@@ -26,8 +26,8 @@ def settle_buckets(net: DistributedDataParallel, args: argparse.Namespace, ctx: 
     its backward produced them: the two sum a gradient's elements in another order, so the first step of a relaunched
     run would differ from the uninterrupted run's in the last bits. After this pass the rebuilt buckets serve every
     real step of every launch, fresh or resumed. No optimizer step is taken, the RNG is left as it was and the gradients
-    are dropped (restore() builds AdamW's state only where no gradient exists); a BatchNorm's statistics, which the
-    pass would change, restore() overwrites, and a fresh run makes the same pass.
+    are dropped; a BatchNorm's statistics, which the pass would change, restore() overwrites, and a fresh run makes
+    the same pass.
     """
     inputs, targets = common.batch(args, 0, ctx.dp_rank, ctx.device)
     with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):

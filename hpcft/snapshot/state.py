@@ -245,4 +245,12 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
         return
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-    _init_optim_state(optimizer)
+    # torch's helper does nothing once any gradient exists (a warm-up pass before restore): set them aside meanwhile
+    kept = {p: p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+    for p in kept:
+        p.grad = None
+    try:
+        _init_optim_state(optimizer)
+    finally:
+        for p, grad in kept.items():
+            p.grad = grad

@@ -56,6 +56,22 @@ def test_fresh_run_restores_zero(root: Path) -> None:
         assert ckpt.restore() == 0 and ckpt.extra is None and not opt.state  # no optimizer state invented
 
 
+def test_a_warm_up_pass_before_restore_keeps_its_gradients_and_the_restore_is_exact(root: Path) -> None:
+    """Gradients present at restore (DDP's throw-away pass, examples/ddp.py) once stopped torch's helper from making
+    the optimizer state a restore copies into: the restore failed, blaming the data-parallel group."""
+    model, opt = _model()
+    with Checkpointer(model, opt, Options(root=root, job_id="j")) as ckpt:
+        _step(model, opt, 0)
+        want = _state(model, opt)
+    model2, opt2 = _model(seed=9)
+    model2(torch.ones(1, 32)).sum().backward()
+    grads = [p.grad.clone() for p in model2.parameters()]
+    with Checkpointer(model2, opt2, Options(root=root, job_id="j")) as again:
+        assert again.restore() == 1
+    assert all(torch.equal(want[k], v) for k, v in _state(model2, opt2).items())
+    assert all(torch.equal(p.grad, g) for p, g in zip(model2.parameters(), grads))
+
+
 @pytest.mark.parametrize("racy", [False, True], ids=["guarded", "racy-control"])
 def test_snapshot_during_next_step_is_the_state_after_its_step(root: Path, racy: bool) -> None:
     model, opt = _model()
