@@ -23,20 +23,23 @@ def num(value: Any, unit: str = "") -> str:
     if unit == "x":
         return f"{value:.2f}×" if abs(value) < 100 else f"{value:.0f}×"
     if unit == "s":
-        return f"{value * 1e3:.3g} ms" if abs(value) < 1 else f"{value:.3g} s"
-    if unit == "ms":
-        return f"{value:.3g} ms"
+        return f"{_g(value * 1e3)} ms" if abs(value) < 1 else f"{_g(value)} s"
     if unit == "B":
         return _bytes(value)
     if unit:
-        return f"{value:.3g} {unit}"
-    return f"{value:,}" if isinstance(value, int) else f"{value:.3g}"
+        return f"{_g(value)} {unit}"
+    return f"{value:,}" if isinstance(value, int) else _g(value)
+
+
+def _g(value: float) -> str:
+    """Three significant digits; from 100 up the whole number (1,000, never 1e+03)."""
+    return f"{value:,.0f}" if abs(value) >= 99.95 else f"{value:.3g}"
 
 
 def _bytes(value: float) -> str:
     for scale, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
         if abs(value) >= scale:
-            return f"{value / scale:.3g} {name}"
+            return f"{_g(value / scale)} {name}"
     return f"{value:.0f} B"
 
 

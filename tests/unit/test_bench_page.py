@@ -78,8 +78,9 @@ def saved(tmp_path: Path, chaos: bool = True, notes: bool = True) -> Path:
 
 def test_figures_are_written_one_way_with_the_spread_of_repeated_runs_beside_the_median():
     assert [num(0.015, "%"), num(-0.008, "%"), num(0.88, "x"), num(2244.0, "x"), num(0.0029, "s"), num(12.4, "s"),
-            num(600468480, "B"), num(50039040), num(None), num(True)] == \
-        ["+1.5 %", "-0.8 %", "0.88×", "2244×", "2.9 ms", "12.4 s", "600 MB", "50,039,040", "–", "yes"]
+            num(600468480, "B"), num(50039040), num(None), num(True), num(1000.0), num(1120.4, "B/s"),
+            num(2500.0, "s")] == ["+1.5 %", "-0.8 %", "0.88×", "2244×", "2.9 ms", "12.4 s", "600 MB", "50,039,040",
+                                  "–", "yes", "1,000", "1,120 B/s", "2,500 s"]
     assert cell(RESTORE, "restore_vs_memcpy", "x") == "0.83× [0.80×, 0.90×]"
     assert cell(RESTORE, "speedup_vs_dcp", "x") == "9.00×"
 
