@@ -252,16 +252,19 @@ class Requeued:
         return "; ".join(filter(None, said)) or "no node was found bad: nothing to keep out of the next allocation"
 
 
-def requeue(runner: Runner, job_id: str, exclude: list[str]) -> Requeued:
+def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0) -> Requeued:
     """Requeue the job, keeping out of its next allocation those of `exclude` Slurm deems healthy that the job can spare
-    (`affordable`). Slurm takes ExcNodeList only from a pending job, so it is set after the requeue, whose SIGTERM hits
-    the whole batch step: both commands ignore SIGTERM and run within KillWait."""
+    (`affordable`) with `nodes` (the allocation this run started with) still in service: Slurm removes a DOWN node from
+    a --no-kill job for good, so its NumNodes then reads fewer than its tasks need, and excluding by that count left a
+    requeued job never runnable. Slurm takes ExcNodeList only from a pending job, so it is set after the requeue,
+    whose SIGTERM hits the whole batch step: both commands ignore SIGTERM and run within KillWait."""
     where = Placement(0, [], [])  # unknown: every suspect is kept out
     if exclude:
         try:
             where = placement(runner, job_id)  # all reads before the requeue's SIGTERM
         except SlurmError as exc:
             _log.warning("cannot read where job %s may be placed (%s): every suspect node is excluded", job_id, exc)
+        where = Placement(max(where.need, nodes) if where.pool else 0, where.pool, where.excluded)
     states = node_states(runner, list(dict.fromkeys([*exclude, *where.pool])))
     suspects = [n for n in exclude if not is_bad(states.get(n, "DOWN"))]  # no state: not one to keep out by name
     keep_out = affordable(suspects, states, where)

@@ -44,3 +44,35 @@ def test_placement_reads_the_partitions_or_the_reservation_and_the_jobs_exclusio
     slurm = _Slurm({"job": "JobId=7 Partition=batch NumNodes=2 ExcNodeList=(null) Reservation=hero",
                     "reservation": "ReservationName=hero Nodes=frontier[00010-00011] NodeCnt=2"})
     assert placement(slurm, "7") == Placement(2, ["frontier00010", "frontier00011"], [])
+
+
+class _Requeue(_Slurm):
+    """Also the nodes' states and the commands run with SIGTERM ignored (requeue, update), recorded."""
+
+    def __init__(self, answers: dict[str, str]):
+        super().__init__(answers)
+        self.unkillable, self.timeout = [], 5
+
+    def run(self, argv, check=True):
+        if argv[:3] == ["scontrol", "show", "node"]:  # every node idle, as the repaired ones are
+            said = "\n".join(f"NodeName={n} State=IDLE" for n in argv[4].split(","))
+            return subprocess.CompletedProcess(argv, 0, said, "")
+        return super().run(argv, check)
+
+    def popen(self, argv, **_):
+        self.unkillable.append(argv)
+        return subprocess.Popen(["true"], stdout=subprocess.PIPE, text=True)
+
+
+def test_a_job_slurm_shrank_keeps_out_only_what_its_whole_allocation_can_spare():
+    """A --no-kill job loses a DOWN node from its allocation for good: its NumNodes read 4 for 6 tasks of one per
+    node, both lost nodes were excluded by that count, and the requeued job, left 5 of 7 nodes, was never runnable
+    (found by hpcft chaos: two nodes of a set lost, then the walltime warning)."""
+    from hpcft.slurm.state import requeue
+
+    job = {"job": "JobId=7 Partition=batch NumNodes=4 NumTasks=6 ExcNodeList=(null) Reservation=(null)",
+           "partition": "PartitionName=batch Nodes=n[1-7] State=UP"}
+    slurm = _Requeue(job)
+    done = requeue(slurm, "7", ["n4", "n5"], nodes=6)
+    assert slurm.unkillable == [["scontrol", "requeue", "7"], ["scontrol", "update", "JobId=7", "ExcNodeList=n4"]]
+    assert done.excluded == ["n4"] and done.allowed == ["n5"]
