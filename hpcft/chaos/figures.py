@@ -38,11 +38,20 @@ class Outcome:
     steps_lost: int
 
 
-def outcome(curve: list[tuple[float, int, str]], restored: list[tuple[float, int]], at: float) -> Outcome:
-    """The fault at `at`: the first step completed after it (None: none was) and how far the next launch that
-    resumed after it went back from the newest step complete before it (`restored`: (when, step resumed from))."""
+def in_flight(records: Iterable[dict], at: float) -> tuple[str, int] | None:
+    """(launch, step) of the newest step any rank had recorded by `at`: its peers may complete it after a fault."""
+    done = [(r["t"], r["run"], r["step"]) for r in records if r["what"] == "step" and r["t"] <= at]
+    return max(done)[1:] if done else None
+
+
+def outcome(curve: list[tuple[float, int, str]], restored: list[tuple[float, int]], at: float,
+            flight: tuple[str, int] | None = None) -> Outcome:
+    """The fault at `at`: the first step completed after it (None: none was), not counting the steps some rank had
+    already recorded (`flight`: in_flight), and how far the next launch that resumed after it went back from the
+    newest step complete before it (`restored`: (when, step resumed from))."""
     before = max((s for t, s, _ in curve if t <= at), default=-1)  # step indices: resuming at r redoes r..before
-    after = next(((t, s) for t, s, _ in curve if t > at), None)
+    after = next(((t, s) for t, s, run in curve if t > at and (flight is None or run != flight[0] or s > flight[1])),
+                 None)
     resumed = [s for t, s in restored if t > at and (after is None or t <= after[0])]
     return Outcome(None if after is None else after[0] - at, max(0, before + 1 - min(resumed)) if resumed else 0)
 

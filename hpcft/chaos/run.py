@@ -166,20 +166,20 @@ def figures_of(opts: ChaosOptions, out: Path, ref: Path, injected: list[dict], s
     start = min(e["time"] for e in log if e["event"] == "start")
     end = max(t for t, _, _ in curve)
     restored = [(r["t"], r["step"]) for r in records if r["what"] == "restored"]
-    for f in injected:
+    complete = max((s for _, s, _ in curve), default=-1) >= steps - 1  # step indices 0 … steps - 1
+    for f in injected:  # a fault is survived when the job trained every step after it (recovery None: none was left)
         if "skipped" not in f:
-            o = figures.outcome(curve, restored, f["at"])
+            o = figures.outcome(curve, restored, f["at"], figures.in_flight(records, f["at"]))
             f.update(recovery_s=None if o.recovery_s is None else round(o.recovery_s, 3), steps_lost=o.steps_lost,
-                     survived=o.recovery_s is not None)
+                     survived=complete)
     hit = [f for f in injected if "skipped" not in f]
     first_steps = [r["t"] for r in records if r["what"] == "step" and r["run"] == "0.0"]
     restart_s = (min(first_steps) - start if first_steps else 0.0) + save_s  # a cold launch, then torch.load
     arrivals = schedule.arrivals(opts.seed, opts.mtbf, until=1000 * steps * step_s)
     base, k = figures.baseline(steps, step_s, save_s, restart_s, opts.mtbf, arrivals)
-    complete = max((s for _, s, _ in curve), default=-1) >= steps - 1  # step indices 0 … steps - 1
     return {
         "seed": opts.seed, "mtbf_s": opts.mtbf, "mix": schedule.parse_mix(opts.mix), "faults_asked": opts.faults,
-        "faults_injected": len(hit), "faults_survived": sum(f["survived"] for f in hit) if complete else 0,
+        "faults_injected": len(hit), "faults_survived": len(hit) if complete else 0,
         "goodput": round(figures.goodput(steps, step_s, end - start), 4) if complete else 0.0,
         "goodput_baseline": round(base, 4), "step_s": round(step_s, 4), "wall_s": round(end - start, 3),
         "steps": steps, "completed": complete, "final_equal": complete and recovery.identical(out, ref),

@@ -41,6 +41,10 @@ def test_progress_step_time_and_a_faults_recovery_and_lost_steps():
     out = figures.outcome(curve, [(8.5, 3)], 5.5)
     assert out.recovery_s == pytest.approx(3.5) and out.steps_lost == 2  # steps 3 and 4 trained again
     assert figures.goodput(6, 1.0, 12.0) == 0.5
+    # a rank killed just after recording step 4 (t=5.05): its peer completes step 4 after the kill, which is no
+    # recovery; the relaunch's first step is
+    flight = figures.in_flight(_records(), 5.05)
+    assert flight == ("0.0", 4) and figures.outcome(curve, [(8.5, 3)], 5.05, flight).recovery_s == pytest.approx(3.95)
 
 
 def test_the_baseline_replays_the_arrivals_with_youngs_interval():
