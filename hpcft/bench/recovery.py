@@ -117,6 +117,18 @@ def supervised(sb, opts: RecoveryOptions, out: Path, *options: str, **env: str) 
                              stderr=subprocess.STDOUT)
 
 
+def submit(sb, opts: RecoveryOptions, out: Path, *options: str, **env: str) -> str:
+    """`hpcft submit OPTIONS -- python train_job.py` into the sandbox (USR1 60 s before the walltime, no module, the
+    output in OUT/job.out); the job id."""
+    argv = hpcft_argv("submit", opts, out, "--warn", "60", "--module", "", "-o", str(out / "job.out"), *options)
+    environ = {**sb.client_env(), **timeline.job_env(opts, out, **env)}
+    environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{environ.get('PATH', '')}"  # it runs `hpcft run`
+    job = subprocess.run(sb.client_prefix() + argv, env=environ, capture_output=True, text=True, timeout=60, cwd=out)
+    if job.returncode != 0:
+        raise HpcftError(f"hpcft submit failed: {job.stderr.strip()}")
+    return job.stdout.strip()
+
+
 def finish(proc: subprocess.Popen, out: Path, timeout: float) -> None:
     try:
         code = proc.wait(timeout=timeout)
@@ -280,14 +292,9 @@ def batch_host(sb, opts: RecoveryOptions, out: Path) -> dict[str, Any]:
     crashed once a step is protected → the janitors on the other nodes requeue the job (`batch_host_lost`), whose
     next run resumes from the survivors' memory, the lost slot rebuilt on another node."""
     hold = out / "protected"
-    argv = hpcft_argv("submit", opts, out, "--nodes", str(ACTIVE), "--spares", "0", "-t", "15", "--warn", "60",
-                  "--module", "", "-o", str(out / "job.out"), "--protect", "xor")
-    env = {**sb.client_env(), **timeline.job_env(opts, out, HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the script runs `hpcft run`
-    job = subprocess.run(sb.client_prefix() + argv, env=env, capture_output=True, text=True, timeout=60, cwd=out)
-    if job.returncode != 0:
-        raise HpcftError(f"hpcft submit failed: {job.stderr.strip()}")
-    runner, job_id = sb.runner(), job.stdout.strip()
+    job_id = submit(sb, opts, out, "--nodes", str(ACTIVE), "--spares", "0", "-t", "15", "--protect", "xor",
+                    HOLD_AT=str(opts.fault_at), HOLD_FILE=str(hold))
+    runner = sb.runner()
     try:
         timeline.wait_victim(out, opts)
         timeline.wait(lambda: _protected(out / "job" / "agents", opts.fault_at + 1), "the step protected", opts.timeout)

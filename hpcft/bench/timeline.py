@@ -22,11 +22,30 @@ def job_env(opts: Any, out: Path, **extra: str) -> dict[str, str]:
             "LAYERS": str(opts.layers), "PYTHONUNBUFFERED": "1", **extra}
 
 
+class Tail:
+    """The job's timeline in `out` as it grows: `records()` parses only the lines written since the last call (a poll
+    of a long run's timeline re-read whole would cost the job it measures a share of its cores)."""
+
+    def __init__(self, out: Path) -> None:
+        self.path, self.offset, self.kept, self.partial = out / "timeline.jsonl", 0, [], b""
+
+    def records(self) -> list[dict]:
+        """Every record so far, in the order written (a line still being written waits for the next call)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.kept
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        self.kept += [json.loads(line) for line in lines if line.strip()]
+        return self.kept
+
+
 def read(out: Path) -> list[dict]:
     """Every record of the job's timeline in `out`, in the order written."""
-    path = out / "timeline.jsonl"
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip()]
+    return Tail(out).records()
 
 
 def wait(predicate: Callable[[], Any], what: str, timeout: float, proc: subprocess.Popen | None = None) -> Any:

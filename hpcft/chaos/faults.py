@@ -15,9 +15,11 @@ from typing import Any
 from hpcft import events
 from hpcft.agent import status as agent_status
 from hpcft.agent.protection import flush
+from hpcft.agent.protection.bundle import complete_steps
 from hpcft.bench import timeline
 from hpcft.errors import HpcftError
-from hpcft.agent.protection.bundle import complete_steps
+from hpcft.launch.node import progress
+from hpcft.slurm import state as slurmstate
 from hpcft.store import job_dir as store_job_dir
 
 STRAGGLE_S = 8.0  # how long a straggler stays slow (half speed: stopped 0.1 s of every 0.2 s), a store full
@@ -35,6 +37,10 @@ class Scene:
     job_id: str
     crashed: dict[str, float] = field(default_factory=dict)  # node → when it went down (repairs: run.py)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    tail: timeline.Tail = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tail = timeline.Tail(self.out)
 
     @property
     def job_dir(self) -> Path:
@@ -49,7 +55,7 @@ class Scene:
 
     def ranks(self) -> dict[int, int]:
         """rank → pid of the newest launch's trainers (by their first record)."""
-        recs = [r for r in timeline.read(self.out) if "rank" in r and r["what"] in ("init", "step")]
+        recs = [r for r in self.tail.records() if "rank" in r and r["what"] in ("init", "step")]
         if not recs:
             raise NoTarget("no trainer has started")
         newest = recs[-1]["run"]
@@ -78,6 +84,13 @@ def _choose(items: list, pick: float) -> Any:
     return sorted(items)[min(int(pick * len(items)), len(items) - 1)]
 
 
+def _rank(scene: Scene, pick: float) -> tuple[int, int]:
+    """(rank, pid) of the trainer `pick` chooses among the newest launch's."""
+    ranks = scene.ranks()
+    rank = _choose(list(ranks), pick)
+    return rank, ranks[rank]
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -86,21 +99,21 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def rank_kill(scene: Scene, pick: float) -> str:
-    rank = _choose(list(scene.ranks()), pick)
-    _signal(scene.ranks()[rank], signal.SIGKILL)
+    rank, pid = _rank(scene, pick)
+    _signal(pid, signal.SIGKILL)
     return f"rank {rank}"
 
 
 def exception(scene: Scene, pick: float) -> str:
     """SIGUSR2, which the job (CHAOS=1) turns into a RuntimeError raised where its main thread is."""
-    rank = _choose(list(scene.ranks()), pick)
-    _signal(scene.ranks()[rank], signal.SIGUSR2)
+    rank, pid = _rank(scene, pick)
+    _signal(pid, signal.SIGUSR2)
     return f"rank {rank}"
 
 
 def hang(scene: Scene, pick: float) -> str:
-    rank = _choose(list(scene.ranks()), pick)
-    _signal(scene.ranks()[rank], signal.SIGSTOP)  # the supervisor's hang timeout kills it (SIGKILL ends a stopped one)
+    rank, pid = _rank(scene, pick)
+    _signal(pid, signal.SIGSTOP)  # the supervisor's hang timeout kills it (SIGKILL ends a stopped one)
     return f"rank {rank}"
 
 
@@ -127,21 +140,21 @@ def straggler(scene: Scene, pick: float) -> str:
 
 
 def agent_kill(scene: Scene, pick: float) -> str:
-    slot = _choose(list(scene.agents()), pick)
-    _signal(scene.agents()[slot]["pid"], signal.SIGKILL)
+    agents = scene.agents()
+    slot = _choose(list(agents), pick)
+    _signal(agents[slot]["pid"], signal.SIGKILL)
     return f"agent of slot {slot}"
 
 
 def kill_in_snapshot(scene: Scene, pick: float) -> str:
     """SIGKILL a rank as soon as it records a new step: its snapshot of that step is being copied then."""
-    ranks = scene.ranks()
-    rank = _choose(list(ranks), pick)
-    seen = len(timeline.read(scene.out))
+    rank, pid = _rank(scene, pick)
+    seen = len(scene.tail.records())
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        recs = timeline.read(scene.out)[seen:]
-        if any(r["what"] == "step" and r.get("rank") == rank and r["pid"] == ranks[rank] for r in recs):
-            _signal(ranks[rank], signal.SIGKILL)
+        recs = scene.tail.records()[seen:]
+        if any(r["what"] == "step" and r.get("rank") == rank and r["pid"] == pid for r in recs):
+            _signal(pid, signal.SIGKILL)
             return f"rank {rank}"
         time.sleep(0.005)
     raise NoTarget(f"rank {rank} completed no step within 10 s")
@@ -152,7 +165,7 @@ def kill_in_protect(scene: Scene, pick: float) -> str:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         agents = scene.agents()
-        newest = max((s for _, (s, _) in _progress(scene).items()), default=-1)
+        newest = max((s for s, _ in progress.read(scene.job_dir).values()), default=-1)
         busy = [s for s, r in agents.items() if r.get("protected") is not None and r["protected"] < newest]
         if busy:
             slot = _choose(busy, pick)
@@ -162,21 +175,17 @@ def kill_in_protect(scene: Scene, pick: float) -> str:
     raise NoTarget("no agent was behind the trainers within 10 s")
 
 
-def _progress(scene: Scene) -> dict:
-    from hpcft.launch.node import progress
-    return progress.read(scene.job_dir)
-
-
 def kill_in_flush(scene: Scene, pick: float) -> str:
     """Ask the agents for a flush, then SIGKILL one that reports it is flushing."""
     agents = scene.agents()
     flush.request(scene.job_dir / "agents", next(iter(agents.values()))["tag"])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        flushing = [s for s, r in scene.agents().items() if r.get("flushing")]
+        agents = scene.agents()
+        flushing = [s for s, r in agents.items() if r.get("flushing")]
         if flushing:
             slot = _choose(flushing, pick)
-            _signal(scene.agents()[slot]["pid"], signal.SIGKILL)
+            _signal(agents[slot]["pid"], signal.SIGKILL)
             return f"agent of slot {slot} mid-flush"
         time.sleep(0.02)
     raise NoTarget("no agent reported a flush within 10 s")
@@ -185,9 +194,7 @@ def kill_in_flush(scene: Scene, pick: float) -> str:
 def corrupt_chunk(scene: Scene, pick: float) -> str:
     """Flip bytes in the newest complete snapshot one rank holds in its node's memory, then SIGKILL that rank, so that
     the restore reads the corrupt copy (its checksum must send it to a peer's, the parity or the durable tier)."""
-    ranks = scene.ranks()
-    rank = _choose(list(ranks), pick)
-    pid = ranks[rank]
+    rank, pid = _rank(scene, pick)
     held = complete_steps(store_job_dir(Path(f"/proc/{pid}/root/dev/shm"), scene.job_id))
     if not held:
         raise NoTarget(f"rank {rank}'s node holds no complete snapshot")
@@ -207,9 +214,8 @@ def enospc(scene: Scene, pick: float) -> str:
     """One node's /dev/shm filled to its last MiB for STRAGGLE_S seconds (another job's files, as its ranks see it):
     their snapshots find no space, are skipped and said; training goes on. The filler is removed through a handle on
     the directory, so it goes even if the node's ranks end meanwhile."""
-    ranks = scene.ranks()
-    rank = _choose(list(ranks), pick)
-    shm = Path(f"/proc/{ranks[rank]}/root/dev/shm")
+    rank, pid = _rank(scene, pick)
+    shm = Path(f"/proc/{pid}/root/dev/shm")
     try:
         fd = os.open(shm, os.O_RDONLY | os.O_DIRECTORY)
         free = os.statvfs(fd).f_bavail * os.statvfs(fd).f_frsize
@@ -240,8 +246,7 @@ def walltime(scene: Scene, pick: float) -> str:
 
 
 def _batch_host(scene: Scene) -> str:
-    from hpcft.slurm import state
-    return state.job_info(scene.sb.runner(), scene.job_id).batch_host
+    return slurmstate.job_info(scene.sb.runner(), scene.job_id).batch_host
 
 
 def node_crash(scene: Scene, pick: float, count: int = 1, nodes: list[str] | None = None) -> str:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -20,7 +18,7 @@ from typing import Any
 from hpcft import events
 from hpcft.bench import recovery, timeline
 from hpcft.chaos import faults as kinds, figures, schedule
-from hpcft.errors import ConfigError, HpcftError
+from hpcft.errors import ConfigError
 from hpcft.report.timeline import try_draw
 from hpcft.slurm import state as slurmstate
 
@@ -59,17 +57,10 @@ def _submit(sb: Any, opts: ChaosOptions, out: Path, steps: int) -> str:
     """`hpcft submit` of the job with spares, XOR protection over all active nodes and a durable flush; its id."""
     bench = recovery.RecoveryOptions(steps=steps, fault_at=1, step_delay=opts.step_delay, width=opts.width,
                                      layers=opts.layers, timeout=0)
-    argv = recovery.hpcft_argv("submit", bench, out, "--nodes", str(timeline.ACTIVE), "--spares", str(opts.spares),
-                               "-t", "600", "--warn", "60", "--module", "", "-o", str(out / "job.out"),
-                               "--protect", "xor", "--group", str(timeline.ACTIVE), "--persist-every",
-                               str(opts.persist_every), "--hang-timeout", str(opts.hang_timeout), "--max-restarts",
-                               "100000", "--lost-progress-exit", "0")
-    env = {**sb.client_env(), **timeline.job_env(bench, out, CHAOS="1")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the script runs `hpcft run`
-    done = subprocess.run(sb.client_prefix() + argv, env=env, capture_output=True, text=True, timeout=60, cwd=out)
-    if done.returncode != 0:
-        raise HpcftError(f"hpcft submit failed: {done.stderr.strip()}")
-    return done.stdout.strip()
+    return recovery.submit(sb, bench, out, "--nodes", str(timeline.ACTIVE), "--spares", str(opts.spares), "-t", "600",
+                           "--protect", "xor", "--group", str(timeline.ACTIVE), "--persist-every",
+                           str(opts.persist_every), "--hang-timeout", str(opts.hang_timeout), "--max-restarts",
+                           "100000", "--lost-progress-exit", "0", CHAOS="1")
 
 
 def _fault_free(sb: Any, opts: ChaosOptions, out: Path, steps: int, delay: float) -> Path:
@@ -102,22 +93,34 @@ class Repairs(threading.Thread):
                 events.emit("chaos_repaired", node=node)
 
 
-def _frontier(out: Path) -> int:
+def _frontier(scene: kinds.Scene) -> int:
     """The newest step every rank of a launch has completed (-1: none yet)."""
-    return max((s for _, s, _ in figures.progress(timeline.read(out))), default=-1)
+    return max((s for _, s, _ in figures.progress(scene.tail.records())), default=-1)
+
+
+def _at_most_every(seconds: float, check: Callable[[], bool]) -> Callable[[], bool]:
+    """`check`, asked again only once `seconds` have passed (a Slurm query: the waits poll every 0.1 s)."""
+    last: list = [-math.inf, False]
+
+    def cached() -> bool:
+        if time.monotonic() - last[0] >= seconds:
+            last[:] = [time.monotonic(), check()]
+        return last[1]
+
+    return cached
 
 
 def inject(scene: kinds.Scene, plan: list[schedule.Fault], ended: Callable[[], bool],
            say: Callable[[str], None], timeout: float = 600.0) -> list[dict]:
     """Each planned fault at its time from the first step; one due while the run recovers (no step since the last
     fault) waits for the next step, and one with no target present is tried again for 30 s, then skipped."""
-    timeline.wait(lambda: _frontier(scene.out) >= 0 or ended(), "the first step", timeout)
+    timeline.wait(lambda: _frontier(scene) >= 0 or ended(), "the first step", timeout)
     t0, frontier, done = time.time(), -1, []
     for f in plan:
         while time.time() < t0 + f.at and not ended():
             time.sleep(0.05)
-        while _frontier(scene.out) < frontier + 2 and not ended():  # the last fault's step and one more trained
-            time.sleep(0.05)
+        while _frontier(scene) < frontier + 2 and not ended():  # the last fault's step and one more trained
+            time.sleep(0.1)
         if ended():
             break
         deadline, target, at, why = time.monotonic() + 30, None, time.time(), "the job ended"
@@ -132,7 +135,7 @@ def inject(scene: kinds.Scene, plan: list[schedule.Fault], ended: Callable[[], b
         if target is None:
             record["skipped"] = why if not ended() else "the job ended"
         else:
-            frontier = _frontier(scene.out)
+            frontier = _frontier(scene)
         done.append(record)
         say(f"  fault {len(done)} at +{at - t0:.1f} s: {f.kind} → {target or record['skipped']}")
     return done
@@ -216,7 +219,7 @@ def run(opts: ChaosOptions, say: Callable[[str], None]) -> dict:
         repairs.start()
         runner = sb.runner()
         try:
-            injected = inject(scene, plan, lambda: slurmstate.job_ended(runner, job), say)
+            injected = inject(scene, plan, _at_most_every(1.0, lambda: slurmstate.job_ended(runner, job)), say)
             timeline.wait(lambda: slurmstate.job_ended(runner, job), "the job to end",
                           timeout=600 + 4 * steps * (opts.step_delay + 0.1))
         finally:
