@@ -9,8 +9,8 @@ import sys
 import pytest
 
 # the kinds that cost no requeue (the batch host's and two nodes' each add a minute of Slurm's requeue): CI's budget
-MIX = "rank_kill,node_crash,exception,hang,straggler,agent_kill,kill_in_snapshot,kill_in_protect,kill_in_flush,enospc," \
-      "corrupt_chunk"
+MIX = ("rank_kill,node_crash,exception,hang,straggler,agent_kill,kill_in_snapshot,kill_in_protect,kill_in_flush,"
+       "enospc,corrupt_chunk")
 
 
 @pytest.mark.timeout(600)

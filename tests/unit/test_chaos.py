@@ -27,7 +27,8 @@ def test_a_bad_mix_is_refused_naming_the_part(text, words):
 def _records():
     """Two ranks; launch 0.0 trains steps 0-4 at 1 s a step, a fault at t=5.5, launch 0.1 resumes from step 3."""
     recs = [{"what": "init", "run": "0.0", "rank": r, "t": 0.0} for r in (0, 1)]
-    recs += [{"what": "step", "run": "0.0", "rank": r, "step": s, "t": s + 1.0 + r / 10} for s in range(5) for r in (0, 1)]
+    recs += [{"what": "step", "run": "0.0", "rank": r, "step": s, "t": s + 1.0 + r / 10}
+             for s in range(5) for r in (0, 1)]
     recs += [{"what": "init", "run": "0.1", "rank": r, "t": 8.0} for r in (0, 1)]
     recs += [{"what": "restored", "run": "0.1", "rank": r, "step": 3, "t": 8.5} for r in (0, 1)]
     recs += [{"what": "step", "run": "0.1", "rank": r, "step": s, "t": s + 6.0} for s in range(3, 6) for r in (0, 1)]

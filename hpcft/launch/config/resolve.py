@@ -34,7 +34,7 @@ def check_shape(cfg: RunConfig, allocated: int) -> RunConfig:
     if cfg.protection.protected:
         from hpcft.agent.protection.placement import plan
 
-        plan(active, cfg.protection.scheme())  # the agents' own checks (group, losses, distance against the active nodes)
+        plan(active, cfg.protection.scheme())  # the agents' own checks: group, losses, distance against the nodes
     return cfg
 
 

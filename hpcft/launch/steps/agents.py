@@ -164,7 +164,7 @@ class AgentSteps:
                       reason="agents standing in for lost slots run as srun steps of their own, which cannot join "
                              "the others' MPI world: this launch's agents mesh over TCP")
 
-        # on the command line, not in a file: a full job directory must not stop a launch (nor Lustre see a file a launch)
+        # on the command line, not in a file: a full job directory must not stop a launch
         settings = agent_settings(cfg, self.job_dir, layout, mpi)
 
         def argv(nodes: list[str]) -> list[str]:
