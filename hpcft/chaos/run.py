@@ -23,6 +23,10 @@ from hpcft.report.timeline import try_draw
 from hpcft.slurm import state as slurmstate
 
 
+CALIBRATION_STEPS = 30
+BACKEND = "cuda:gloo"  # the job's process groups refuse CPU tensors, as NCCL/RCCL ones do (train_job.py)
+
+
 @dataclass(frozen=True)
 class ChaosOptions:
     mtbf: float = 60.0              # mean seconds between faults (a Poisson process)
@@ -60,18 +64,15 @@ def _submit(sb: Any, opts: ChaosOptions, out: Path, steps: int) -> str:
     return recovery.submit(sb, bench, out, "--nodes", str(timeline.ACTIVE), "--spares", str(opts.spares), "-t", "600",
                            "--protect", "xor", "--group", str(timeline.ACTIVE), "--persist-every",
                            str(opts.persist_every), "--hang-timeout", str(opts.hang_timeout), "--max-restarts",
-                           "100000", "--lost-progress-exit", "0", CHAOS="1")
+                           "100000", "--lost-progress-exit", "0", CHAOS="1", BACKEND=BACKEND)
 
 
 def _fault_free(sb: Any, opts: ChaosOptions, out: Path, steps: int, delay: float) -> Path:
     """The same job under `hpcft run` without faults: the reference (no sleep: the result does not depend on it), or
     the calibration of the step time (with it)."""
     bench = recovery.RecoveryOptions(steps=steps, fault_at=1, step_delay=delay, width=opts.width, layers=opts.layers)
-    recovery.finish(recovery.supervised(sb, bench, out), out, timeout=3600)
+    recovery.finish(recovery.supervised(sb, bench, out, BACKEND=BACKEND), out, timeout=3600)
     return out
-
-
-CALIBRATION_STEPS = 30
 
 
 class Repairs(threading.Thread):
