@@ -36,6 +36,7 @@ from hpcft.launch.steps.nodecheck import NodeCheck
 from hpcft.launch.node.srun import TRAIN_STEP_NAME, step_env, trainer_argv
 from hpcft.launch.steps.standbys import Standbys
 from hpcft.launch.steps.stop import StepStopper, tee
+from hpcft.launch.watch.slurm import SlurmWatch
 from hpcft.launch.watch.stragglers import StragglerWatch
 from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
@@ -276,7 +277,7 @@ class Supervisor:
             event = None
             try:
                 event = self._watch(proc, layout, launched, watch, lambda suspects: self.agent_loss.while_training(
-                    layout, suspects, launch, env))
+                    layout, suspects, launch, env), lines)
             finally:
                 self.agents.stop_with_trainers({TRAIN_STEP_NAME: proc}, event, settled=lambda: all(  # srun said so
                     slurmstate.ended_tasks(lines).get(node, 0) >= layout.tasks_per_node
@@ -332,9 +333,11 @@ class Supervisor:
         return env
 
     def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float, watch: losses.RestoreWatch,
-               agents_lost: Callable[[dict[str, str]], Event | None]) -> Event:
+               agents_lost: Callable[[dict[str, str]], Event | None], said: list[str]) -> Event:
         """Until the trainers' step ends or must be stopped; `agents_lost` (AgentLoss.while_training) answers agents
-        that failed meanwhile: an event, or None when the agents were restarted alone and the trainers go on."""
+        that failed meanwhile: an event, or None when the agents were restarted alone and the trainers go on. Slurm
+        is asked about the slots' nodes as watch/slurm.py says, from srun's lines `said` and the nodes' reports."""
+        slurm = SlurmWatch(self.nodes, self.fabric.view, layout, self.cfg.recovery.slurm_check_every, launched, said)
         while True:
             watch.say(self.emit, self.ledger.lost)
             self.fabric.poll(layout.world_size)  # the progress history: a point when every rank's step moved
@@ -357,7 +360,7 @@ class Supervisor:
                 self.emit("signal", level=logging.WARNING, signal="USR1", meaning="stale", ignored=True, reason=stale)
                 self._signal = None
                 self._wake.clear()
-            bad = self.nodes.bad(layout.slots, probe=False, closed=False)  # a drain alone stops nothing
+            bad = slurm.poll()
             if bad:
                 return Event.nodes_lost(bad)
             suspects = self.agents.lost(layout)

@@ -132,13 +132,14 @@ class Health:
         return {**self.lost, **self.closed}
 
 
-def node_health(runner: Runner, job_id: str, nodes: list[str]) -> Health:
-    """Slurm's view of `nodes` of job `job_id`, read fresh."""
+def node_health(runner: Runner, job_id: str, nodes: list[str], *, allocation: bool = True) -> Health:
+    """Slurm's view of `nodes` of job `job_id`, read fresh: `scontrol show node`, and with `allocation` `scontrol show
+    job` too (a node out of the allocation is lost; without, one RPC: a node leaves a job only once Slurm marks it)."""
+    in_job = set(nodes)
     try:
-        in_job = set(job_info(runner, job_id).nodes)
+        in_job = set(job_info(runner, job_id).nodes) if allocation else in_job
     except SlurmError as exc:
         _log.warning("cannot read job %s: %s", job_id, exc)
-        in_job = set(nodes)
     states = node_states(runner, nodes)
     lost, closed = {}, {}
     for node in nodes:

@@ -99,7 +99,8 @@ def test_the_watch_says_each_return_relapse_and_failed_probe_and_grows_only_past
 
     said, now = [], [T0]
     slurm, probe = Slurm(), Probe()
-    cfg = config.make(elastic=True, elastic_grow=True, grow_settle=10, grow_every=50, poll_interval=1)
+    cfg = config.make(elastic=True, elastic_grow=True, grow_settle=10, grow_every=50, poll_interval=1,
+                      slurm_check_every=5)
     watch = GrowWatch(cfg, slurm, "7", probe, lambda kind, **f: said.append((kind, f)), clock=lambda: now[0])
     watch.target = 4
     shrunk = Layout(slots=("n1", "n2", "n4"), excluded=("n3",), tasks_per_node=2)

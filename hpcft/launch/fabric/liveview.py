@@ -38,6 +38,7 @@ class LiveView:
         self._progress: dict[int, tuple[int, float | None, float]] = {}  # rank -> (step, ready_s, changed at)
         self.version = 0  # moves with every change (the log is written only when it moved)
         self.heard: float | None = None  # when the newest report (an empty one included) arrived
+        self._heard_from: dict[int, float] = {}  # slot -> when its node's newest report arrived
         self._ended: set[str] = set()  # launches whose agents the supervisor has seen end (`ended`)
         self._history: list[tuple[float, int]] = []  # (time, the step every rank had completed): history.py
 
@@ -45,6 +46,8 @@ class LiveView:
         """One node's report (`Uplink._message`): its status delta, its ranks' progress."""
         with self._lock:
             self.heard = now
+            if isinstance(msg.get("slot"), int):
+                self._heard_from[msg["slot"]] = now
             if "set" in msg:
                 tag, slot = str(msg["tag"]), int(msg["slot"])
                 slots = self._agents.setdefault(tag, {})
@@ -95,6 +98,12 @@ class LiveView:
                     if s not in out or v.get("time", 0) > out[s].get("time", 0):
                         out[s] = dict(v)
             return out
+
+    def silent(self, slots: int, now: float, since: float, within: float = BLIND_S) -> list[int]:
+        """Those of slots 0 … slots-1 whose node reported at or after `since` (a launch), then nothing for `within` s
+        (each node reports at least every KEEPALIVE_S): a sign to ask Slurm. A slot not heard yet is not judged."""
+        with self._lock:
+            return [s for s in range(slots) if since <= self._heard_from.get(s, -1.0) < now - within]
 
     def samples(self) -> dict[int, tuple[int, float | None, float]]:
         """{rank: (step, ready_s or None, when the supervisor saw the step change)}."""

@@ -87,3 +87,14 @@ def choose(active: int, seen: Mapping[str, Seen], rules: GrowRules, now: float, 
     take = tuple(settled[:want])
     healthy = ", ".join(f"{n} for {now - seen[n].healthy_since:.0f} s" for n in take)  # type: ignore[operator]
     return GrowChoice(take, f"healthy {healthy}; {active + len(take)} of {rules.target} node(s)")
+
+
+def next_look(seen: Mapping[str, Seen], rules: GrowRules, now: float, period: float, last_change: float) -> float:
+    """When to ask Slurm about the returned nodes again: after `period` (--slurm-check-every), or sooner when a node
+    seen healthy completes its settle time or a settled one its --grow-every wait (a decision is due then)."""
+    due = [now + period]
+    for s in seen.values():
+        if s.healthy_since is not None and s.losses <= rules.max_losses:
+            settled = s.healthy_since + settle_for(rules, s.losses)
+            due.append(max(settled, last_change + rules.every))
+    return min(t for t in due if t > now) if any(t > now for t in due) else now + period

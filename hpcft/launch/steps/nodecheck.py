@@ -33,12 +33,13 @@ class NodeCheck:
 
     def bad(self, nodes: Sequence[str], *, probe: bool, closed: bool = True, found_by: str | None = None,
             suspected: Mapping[str, str] | None = None, controls: Sequence[str] = (),
-            until: Callable[[], bool] | None = None) -> dict[str, str]:
+            until: Callable[[], bool] | None = None, allocation: bool = True) -> dict[str, str]:
         """Slurm's bad nodes among `nodes`; with `probe` and none lost, those that fail the probe (beside `controls`).
         `closed`: a node Slurm gives no new work counts as bad, as a launch needs; without, it is only said
-        (`node_closed`) and its step goes on. `found_by` and `suspected` go into the events; `until`: see `probe`."""
+        (`node_closed`) and its step goes on. `found_by` and `suspected` go into the events; `until`: see `probe`;
+        `allocation`: the job's node list is read too (without: one RPC, `scontrol show node`, for the slow timer)."""
         try:
-            health = slurmstate.node_health(self.runner, self.job_id, list(nodes))
+            health = slurmstate.node_health(self.runner, self.job_id, list(nodes), allocation=allocation)
         except SlurmError as exc:
             _log.warning("node check failed: %s", exc)
             health = slurmstate.Health({}, {})

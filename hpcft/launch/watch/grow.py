@@ -1,5 +1,7 @@
 """The watch of `--elastic-grow`: while a shrunk job trains, Slurm is asked about its allocation's nodes out of its
-slots; policy/grow.py decides when to take which back, each probed once before the supervisor is told. Events:
+slots every --slurm-check-every, and when a node seen healthy completes its settle time (one `scontrol show node`; the
+allocation is read once per shape); policy/grow.py decides when to take which back, each probed once before the
+supervisor is told. Events:
 node_back, node_relapse, node_unsettled, node_retired, grow_deferred."""
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
-LOOK_EVERY_S = 5.0  # Slurm is asked about the returned nodes at most this often (and at most every settle / 2)
 
 
 class GrowWatch:
@@ -32,6 +33,7 @@ class GrowWatch:
         self.last_change = clock()
         self._next_look = 0.0
         self._said: dict[str, str] = {}  # the last deferral / retirement said, so each is said once
+        self._info: slurmstate.JobInfo | None = None  # the allocation, read once per shape (its nodes never return)
 
     @property
     def rules(self) -> policy_grow.GrowRules:
@@ -47,21 +49,26 @@ class GrowWatch:
         """The job changed shape now (shrank or grew, or tried to)."""
         self.last_change = self.clock()
         self._said.pop("deferred", None)
+        self._info = None  # the allocation and its end time read again: one `scontrol show job` per shape
 
     def poll(self, layout: Layout) -> Event | None:
         """Look (throttled) at the allocation's nodes out of `layout`'s slots; an event when the policy takes some."""
         now = self.clock()
         if not self.cfg.elastic.elastic_grow or len(layout.slots) >= self.target or now < self._next_look:
             return None
-        self._next_look = now + max(self.cfg.launch.poll_interval, min(LOOK_EVERY_S, self.cfg.elastic.grow_settle / 2))
+        self._next_look = now + self.cfg.recovery.slurm_check_every  # if Slurm does not answer
+        cached = self._info is not None
         try:
-            info = slurmstate.job_info(self.runner, self.job_id)
+            info = self._info = self._info or slurmstate.job_info(self.runner, self.job_id)
             out = [n for n in info.nodes if n not in layout.slots]
             states = slurmstate.node_states(self.runner, out)
         except SlurmError as exc:
             _log.warning("cannot look at the returned nodes: %s", exc)
             return None
         self._observe({n: not slurmstate.is_bad(states.get(n, "UNKNOWN")) for n in out}, states, now)
+        self._next_look = max(now + self.cfg.launch.poll_interval, policy_grow.next_look(
+            {n: self.seen[n] for n in out if n in self.seen}, self.rules, now, self.cfg.recovery.slurm_check_every,
+            self.last_change))
         left = None if info.end_time is None else info.end_time - now
         choice = policy_grow.choose(len(layout.slots), {n: self.seen[n] for n in out if n in self.seen}, self.rules,
                                     now, self.last_change, left)
@@ -70,14 +77,27 @@ class GrowWatch:
                 self._said["deferred"] = choice.blocked
                 self.emit("grow_deferred", blocked=choice.blocked, reason=choice.why)
             return None
-        failed = self.nodes.probe(choice.nodes)
+        taken = self._still_allocated(choice.nodes) if cached else choice.nodes
+        if not taken:
+            return None
+        failed = self.nodes.probe(taken)
         if failed:  # Slurm's view lags behind a dead node (healthy until its SlurmdTimeout): settle again, no loss
             self.seen = policy_grow.unsettled(self.seen, failed)
             for node, why in failed.items():
                 self.emit("node_unsettled", level=logging.WARNING, node=node, reason=why,
                           action="not taken back: its settle time starts again")
             return None
-        return Event(Kind.NODES_RETURNED, returned=choice.nodes, detail=choice.why)
+        return Event(Kind.NODES_RETURNED, returned=taken, detail=choice.why)
+
+    def _still_allocated(self, nodes: tuple[str, ...]) -> tuple[str, ...]:
+        """Those of `nodes` the allocation still holds, read fresh at the decision (Slurm excises a node it marked
+        DOWN from a --no-kill job); () when Slurm does not answer."""
+        try:
+            self._info = slurmstate.job_info(self.runner, self.job_id)
+        except SlurmError as exc:
+            _log.warning("cannot read the allocation: %s", exc)
+            return ()
+        return tuple(n for n in nodes if n in self._info.nodes)
 
     def _observe(self, healthy: dict[str, bool], states: dict[str, str], now: float) -> None:
         before = self.seen
