@@ -199,6 +199,26 @@ def reports(**options: Any) -> None:
 
 @bench.command()
 @click.option("--dir", type=click.Path(file_okay=False), default=None,
+              help="A running sandbox with 4 nodes (default: start one in a temp dir, stop it afterwards).")
+@click.option("--window", type=click.FloatRange(min=10), default=60.0, show_default=True,
+              help="Seconds measured at steady state.")
+@click.option("--warmup", type=click.FloatRange(min=0), default=20.0, show_default=True,
+              help="Seconds of training after every agent protected a step, before the window.")
+@click.option("--slurm-check-every", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="hpcft run --slurm-check-every for the job [default: hpcft run's].")
+@click.option("--scale", type=click.IntRange(min=1), default=9408, show_default=True,
+              help="Nodes the figures are modelled at (Frontier: 9,408).")
+@click.option("--keep", type=click.Path(file_okay=False), default=None,
+              help="Keep the run's output (job dir, straces) in this directory (default: removed).")
+@OUTPUT
+def control(**options: Any) -> None:
+    """The control plane at steady state, from a real sandbox run: RPCs at slurmctld per minute (sdiag) and
+    shared-FS operations per node per minute (strace of hpcft's per-node processes), each modelled at --scale nodes."""
+    _run("control", **options)
+
+
+@bench.command()
+@click.option("--dir", type=click.Path(file_okay=False), default=None,
               help="A running sandbox with 6 nodes (default: start one in a temp dir, stop it afterwards).")
 @click.option("--steps", type=click.IntRange(min=3), default=30, show_default=True, help="Training steps per run.")
 @click.option("--fault-at", type=click.IntRange(min=1), default=8, show_default=True,

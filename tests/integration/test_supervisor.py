@@ -107,8 +107,9 @@ def test_a_drained_node_trains_on_and_after_a_failure_gives_its_slot_to_a_spare_
     hold = out / "go"
     fault = dict(HOLD_AT="6", HOLD_FILE=str(hold), RAISE_AT="12", RAISE_RANK="0",
                  MAX_RESTARTS="0")  # no in-process restart: the step fails
-    proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", **fault) if spares else \
-        start(healthy_sandbox, out, 4, "--spares", "0", "--protect", "xor", "--group", "4", **fault)
+    seen = ("--slurm-check-every", "10")  # a drain is seen on the slow timer (60 s by default): sooner here
+    proc = _start(healthy_sandbox, out, "--protect", "xor", "--group", "4", *seen, **fault) if spares else \
+        start(healthy_sandbox, out, 4, "--spares", "0", "--protect", "xor", "--group", "4", *seen, **fault)
     try:
         wait_protected(out, timeout=180)
         healthy_sandbox.runner().run(["scontrol", "update", "NodeName=n3", "State=DRAIN", "Reason=hpcft-test admin"])

@@ -49,6 +49,7 @@ def test_a_node_lost_without_spare_shrinks_the_job_from_memory_and_it_grows_back
     slurm = healthy_sandbox.runner()
     proc = start(healthy_sandbox, out, 4, "--nodes", "4", "--spares", "0", "--tasks-per-node", str(PER_NODE),
                  "--elastic", "--min-nodes", "3", "--elastic-grow", "--grow-settle", "2", "--grow-every", "2",
+                 "--slurm-check-every", "10",  # the returned node is seen on the slow timer (60 s by default)
                  per_node=PER_NODE, steps=STEPS, minutes=15, HOLD_AT=f"{HOLD_AT},{HOLD_SHRUNK}",
                  HOLD_FILE=f"{hold},{hold_shrunk}", **JOB_ENV)  # two reshapes outlast 5 min on a loaded 2-core box
     try:

@@ -73,12 +73,12 @@ class Recovery:
     requeue_margin: float = option(300.0, "With less walltime left than this (s), persist and requeue instead of "
                                    "relaunching.", bound=">=0")
     probe_timeout: float = option(15.0, "Seconds a node health probe may take.", bound=">0")
-    slurm_check_every: float = option(30.0, "Seconds between the supervisor's looks at its nodes in Slurm while the "
-                                      "trainers run (one `scontrol show node`: an admin's drain is seen within this). "
-                                      "Slurm is also asked at launch, at decisions and at once on suspicion (an srun "
-                                      "error, a node's reports silent); the step's exit and the agents' heartbeats "
-                                      "find a lost node. Below 30 s the job polls slurmctld more than sites allow.",
-                                      bound=">0")
+    slurm_check_every: float = option(60.0, "Seconds between the supervisor's looks at its nodes in Slurm while the "
+                                      "trainers run (one `scontrol show node`, 2 RPCs at slurmctld: an admin's drain "
+                                      "is seen within this). Slurm is also asked at launch, at decisions and at once "
+                                      "on suspicion (an srun error, a node's reports silent); the step's exit and the "
+                                      "agents' heartbeats find a lost node. Below 30 s the job polls slurmctld more "
+                                      "than sites allow.", bound=">0")
     loss_timeout: float = option(LOSS_TIMEOUT_S, "Seconds without a heartbeat after which a node agent names its peer "
                                  "a suspect, whose node is then probed (0: no heartbeats; a node is lost when its "
                                  "connections close or Slurm marks it).", bound=">=0")

@@ -57,7 +57,7 @@ class StepEnded(CheckpointError):
         self.exit_status = exit_status
 
 
-PROBE_EVERY_S = 5.0  # while the agents get ready: a probe of the slots' nodes this often (scontrol every poll)
+PROBE_EVERY_S = 5.0  # while the agents get ready: Slurm asked about the slots' nodes and a probe of them this often
 
 
 class AgentSteps:
@@ -210,16 +210,16 @@ class AgentSteps:
                                 f"agent was ready; see {self.job_dir / f'agents-{tag}.log'}", proc and proc.returncode)
             if self._interrupted():
                 raise CheckpointError("interrupted by SIGTERM")
-            probe = time.monotonic() >= probe_at
+            if time.monotonic() < probe_at:  # Slurm is asked with the probe only: not every poll (watch/slurm.py)
+                continue
             # an agent that fails meanwhile (its heartbeats named a peer) ends the probe: its suspect is probed next,
             # timed against its peers (AgentLoss.not_ready), as while training
-            self.bad_nodes = self._check_nodes(layout, probe, lambda: any(
+            self.bad_nodes = self._check_nodes(layout, True, lambda: any(
                 r.get("phase") == agent_status.FAILED for r in self._read(tag).values()))
             if self.bad_nodes:
                 raise CheckpointError("node(s) lost while the agents got ready: " +
                                       "; ".join(f"{n}: {why}" for n, why in self.bad_nodes.items()))
-            if probe:
-                probe_at = time.monotonic() + PROBE_EVERY_S
+            probe_at = time.monotonic() + PROBE_EVERY_S
 
     def drain(self, deadline: float) -> str | None:
         """Once the trainers have stopped: ask the agents to protect the newest step without caps, and wait until
