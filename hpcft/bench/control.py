@@ -88,9 +88,10 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
 
 
-def processes(job_id: str) -> dict[str, list[int]]:
+def processes(job_id: str, job_dir: str) -> dict[str, list[int]]:
     """The job's processes on this machine by kind: KINDS on the nodes, `trainer` for the rest there and a standby's
-    forked children (warm-started ranks), `supervisor` (`hpcft run`, off the nodes); srun and salloc left out."""
+    forked children (warm-started ranks), `supervisor` (`hpcft run`, off the nodes); srun and salloc left out. Each
+    names `job_dir` in its command line or environment: other sandboxes here number their jobs from 1 too."""
     found: dict[str, list[int]] = {}
     parent: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
@@ -103,9 +104,10 @@ def processes(job_id: str) -> dict[str, list[int]]:
             parent[pid] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if env.get("SLURM_JOB_ID") != job_id or Path(argv[0]).name in ("srun", "salloc", "nsenter"):
-            continue
         line = " ".join(argv)
+        if env.get("SLURM_JOB_ID") != job_id or Path(argv[0]).name in ("srun", "salloc", "nsenter") or \
+                not (job_dir in line or any(job_dir in v for v in env.values())):
+            continue
         if not env.get("SLURMD_NODENAME"):
             kind = "supervisor" if " run " in line and "hpcft" in line else ""
         else:
@@ -173,9 +175,10 @@ def measure(sb: Any, opts: ControlOptions, out: Path) -> dict[str, Any]:
     try:
         job = _steady(out, opts, proc)
         time.sleep(opts.warmup)
-        kinds = processes(job)
-        if not all(kinds.get(k) for k in ("supervisor", "agent", "janitor")):
-            raise HpcftError(f"the job's processes were not all found on this machine: {sorted(kinds)}")
+        kinds = processes(job, str((out / "job").resolve()))
+        if not all(kinds.get(k) for k in ("supervisor", "agent")) or len(kinds.get("janitor", ())) != ACTIVE:
+            raise HpcftError(f"the job's processes were not found on this machine as expected (a supervisor, agents, "
+                             f"one janitor per node): {kinds}")
         traces = {k: trace(pids, out / f"strace-{k}.log", "%file" if k == "trainer" else "%file,%desc")
                   for k, pids in kinds.items()}
         time.sleep(2.0)  # attached
