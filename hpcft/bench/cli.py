@@ -261,7 +261,8 @@ def recovery(**options: Any) -> None:
 @click.option("--quick", is_flag=True,
               help="With --run: small sizes, 10 to 20 minutes in all on 2 cores (most of it recovery and protect).")
 @click.option("--bench", "benches", multiple=True, type=click.Choice(["snapshot", "restore", "protect", "transport",
-                                                                     "recovery", "scale", "reports"]),
+                                                                     "recovery", "scale", "reports",
+                                                                     "control"]),
               help="With --run: only this bench (repeatable) [default: all; recovery needs root].")
 def page(**options: Any) -> None:
     """Write the results page (docs/results.md) and its plots from the benches' saved --json objects."""

@@ -94,11 +94,13 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def processes(job_id: str, job_dir: str) -> dict[str, list[int]]:
-    """The job's processes on this machine by kind: KINDS on the nodes, `trainer` for the rest there and a standby's
-    forked children (warm-started ranks), `supervisor` (`hpcft run`, off the nodes); srun and salloc left out. Each
-    names `job_dir` in its command line or environment: other sandboxes here number their jobs from 1 too."""
+    """The job's processes on this machine by kind: KINDS on the nodes, `trainer` for the rest there, `supervisor`
+    (`hpcft run`, off the nodes); srun and salloc left out. Each names `job_dir` in its command line or environment
+    (other sandboxes here number their jobs from 1 too). A standby's forked child (a warm start) is of its wrapper's
+    kind, the task whose stdout it took over: an agent for the agents' handoff, a trainer for the task wrapper."""
     found: dict[str, list[int]] = {}
     parent: dict[int, int] = {}
+    stdout: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -107,6 +109,7 @@ def processes(job_id: str, job_dir: str) -> dict[str, list[int]]:
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
             env = _environ(pid)
             parent[pid] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            stdout[pid] = os.readlink(entry / "fd" / "1")
         except (OSError, ValueError, IndexError):
             continue
         line = " ".join(argv)
@@ -120,10 +123,11 @@ def processes(job_id: str, job_dir: str) -> dict[str, list[int]]:
         if kind:
             found.setdefault(kind, []).append(pid)
     standbys = set(found.get("standby", ()))
-    ranks = [p for p in standbys if parent.get(p) in standbys]  # a warm-started rank: a standby's forked child
-    if ranks:
-        found["standby"] = [p for p in found["standby"] if p not in ranks]
-        found.setdefault("trainer", []).extend(ranks)
+    wrappers = {stdout[p]: ("agent" if k == "agent" else "trainer") for k in ("agent", "reporter")
+                for p in found.get(k, ())}
+    for child in [p for p in standbys if parent.get(p) in standbys]:
+        found["standby"].remove(child)
+        found.setdefault(wrappers.get(stdout[child], "trainer"), []).append(child)
     return found
 
 
@@ -239,6 +243,7 @@ def report(m: dict[str, Any], opts: ControlOptions) -> Report:
                                      "for a large job's log), not multiplied by N"})
     r.note("window_s", round(m["seconds"], 2))
     r.note("nodes", n)
+    r.note("scale", scale)
     r.note("slurm_rpcs_by_type", m["rpcs"])
     r.note("slurm_rpcs_left_out", m["left_out"])
     r.note("processes", m["pids"])

@@ -34,6 +34,7 @@ QUICK = {
                  "--baseline", "relaunch", "--crash", "silent"],
     "scale": ["--agents", "16,64", "--rounds", "5", "--window", "2"],
     "reports": ["--nodes", "1000,4000", "--seconds", "3"],
+    "control": ["--window", "60", "--warmup", "10"],
 }
 BENCHES = tuple(QUICK)
 BenchRunner = Callable[[list[str]], str]  # argv -> its stdout

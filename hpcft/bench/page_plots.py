@@ -23,6 +23,7 @@ IMAGES: dict[str, dict[str, str]] = {  # bench -> {file: alt text}
     "recovery": {"recovery-phases.png": "fault → first step per fault kind and path, cut into phases"},
     "scale": {"scale.png": "the agents' fabric against N: setup, agreement, sockets and heartbeat bytes per agent"},
     "reports": {"reports.png": "the supervisor's CPU and CPU per report against the number of nodes"},
+    "control": {},
     "chaos": page_chaos.ALT,
 }
 COLORS = {"hpcft": "#1f77b4", "baseline": "#d62728", "other": "#7f7f7f", "extra": "#2ca02c"}

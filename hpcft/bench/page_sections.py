@@ -200,6 +200,30 @@ def reports(d: dict[str, Any]) -> list[str]:
                   "CPU per report", "bounded log", "log writes/s"], rows)
 
 
+def control(d: dict[str, Any]) -> list[str]:
+    """The job's load on slurmctld and on the shared file system at steady state, measured and modelled."""
+    scale, model = num(d.get("scale") or 9408), d.get("model") or {}
+    per_node = "shared_fs_ops_per_node_per_min"
+    rows = [["RPCs at slurmctld a minute (the job)", num(d.get("slurm_rpcs_per_min")),
+             num(d.get("slurm_rpcs_per_min_at_scale")), model.get("slurm_rpcs_per_min_at_scale", MISSING)],
+            ["shared-FS operations a minute, per node", num(d.get(per_node)),
+             f"{num(d.get('shared_fs_ops_per_min_at_scale'))} per job", model.get("shared_fs_ops_per_min_at_scale",
+                                                                                 MISSING)],
+            *[[f"… of the {kind}s", num(d.get(f"{per_node}_{kind}")), MISSING, ""]
+              for kind in ("janitor", "agent", "standby", "reporter") if f"{per_node}_{kind}" in d],
+            ["the supervisor's, a minute", num(d.get("supervisor_fs_ops_per_min")), num(d.get(
+                "supervisor_fs_ops_per_min")), model.get("supervisor_fs_ops_per_min", MISSING)],
+            ["the durable flush's, a minute, per node", num(d.get("durable_fs_ops_per_node_per_min")), MISSING,
+             "data, every --persist-every steps"]]
+    kinds = d.get("fs_ops_by_kind") or {}
+    said = "; ".join(f"{kind}: " + ", ".join(f"{op} {n}" for op, n in list(ops.items())[:3])
+                     for kind, ops in kinds.items())
+    return table(["figure", f"measured ({num(d.get('nodes'))} nodes, {num(d.get('window_s'))} s)",
+                  f"modelled at {scale} nodes", "model"], rows) + [
+        "", f"slurmctld's RPCs by type in the window: {d.get('slurm_rpcs_by_type') or 'none'}. The most frequent "
+        f"operations on the job directory: {said or 'none'}."]
+
+
 SECTIONS = (
     Section("snapshot", "Snapshot every step: `hpcft bench snapshot`",
             "What a training step pays to checkpoint every step: one trainer takes its steps with no checkpoint, an "
@@ -239,4 +263,9 @@ SECTIONS = (
             "process into the supervisor's real report service: the reports it received, its CPU per report, and "
             "the size and writes of its bounded log.",
             "hpcft bench reports --json", reports),
+    Section("control", "The control plane at steady state: `hpcft bench control`",
+            "What a protected job training quietly asks of the machine's shared services, from a real sandbox run: "
+            "the RPCs slurmctld counts (sdiag) and the operations hpcft's per-node processes make on the job "
+            "directory (strace), each modelled at Frontier's 9,408 nodes beside the measurement.",
+            "hpcft bench control --json", control),
 )
