@@ -105,3 +105,18 @@ def test_a_node_whose_reports_stop_is_a_suspicion_one_never_heard_is_not():
     watch.poll()
     assert slurm.calls == ["scontrol show job", "scontrol show node"]
     assert watch.looks.suspicion == "no report from n3"
+
+
+def test_a_node_that_stays_silent_is_one_suspicion_not_a_poll_of_slurm_for_good():
+    slurm, said, now = CountingSlurm(), [], [T0]
+    view, watch = _watch(slurm, said, now)
+    for slot in range(len(SLOTS)):
+        view.apply({"tag": "0", "slot": slot, "node": SLOTS[slot]}, T0 + 1)
+    for t in range(2, 400):  # n3's reporter never reaches the supervisor again; the others report every 5 s
+        now[0] = T0 + t
+        if t % 5 == 0:
+            for slot in (0, 1, 3):
+                view.apply({"tag": "0", "slot": slot, "node": SLOTS[slot]}, now[0])
+        watch.poll()
+    suspicious = SUSPECT_FOR_S / SUSPECT_EVERY_S + 1  # asked at once, then every 2 s while the suspicion lasts
+    assert watch.asked <= suspicious + (400 - SUSPECT_FOR_S) / 30 + 1  # then on the slow timer again

@@ -24,6 +24,7 @@ class SlurmWatch:
         self.launched = launched
         self.looks = SlurmLooks(period, last=clock())  # the launch asked Slurm already
         self.read = 0  # srun's lines looked at
+        self.silent: set[int] = set()  # the slots silent at the last poll: a suspicion once per silence, not forever
         self.asked = 0  # looks taken (for tests and the bench)
 
     def signs(self, now: float) -> None:
@@ -32,8 +33,10 @@ class SlurmWatch:
         self.read += len(lines)
         if (trouble := srun_trouble(lines)) is not None:
             self.looks.suspect(now, trouble)
-        if silent := self.view.silent(len(self.layout.slots), now, self.launched):
-            self.looks.suspect(now, "no report from " + ",".join(self.layout.slots[s] for s in silent))
+        silent = set(self.view.silent(len(self.layout.slots), now, self.launched))
+        if fresh := silent - self.silent:  # a node whose reporter cannot reach us is no reason to poll Slurm for good
+            self.looks.suspect(now, "no report from " + ",".join(self.layout.slots[s] for s in sorted(fresh)))
+        self.silent = silent
 
     def poll(self) -> dict[str, str]:
         """Ask Slurm if due, after this poll's signs: the slots' lost nodes (a drain alone stops nothing)."""
