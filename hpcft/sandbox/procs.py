@@ -155,11 +155,31 @@ def stopped(pid: int) -> bool:
     return bool(fields) and fields[0] in ("T", "t")
 
 
+def _leaves_first(pids: list[int]) -> list[int]:
+    """`pids` with every process before its parent. A frozen node killed parents first would run again: a stopped
+    process group orphaned by its parent's death gets SIGHUP and SIGCONT from the kernel (POSIX), and an srun woken
+    so forwards SIGKILL to its step's tasks on every other node, which no crashed node can do."""
+    parent = {}
+    for pid in pids:
+        fields = _stat_fields(pid)
+        parent[pid] = int(fields[1]) if fields else 0
+
+    def depth(pid: int) -> int:
+        d, seen = 0, {pid}
+        while (pid := parent.get(pid, 0)) in parent and pid not in seen:
+            d, seen = d + 1, seen | {pid}
+        return d
+
+    return sorted(pids, key=depth, reverse=True)
+
+
 def kill(group: Group, sig: int = signal.SIGKILL, timeout: float = 5.0) -> None:
-    """Send `sig` to every member until none is left (SIGKILL) or the daemon itself has exited (others)."""
+    """Send `sig` to every member until none is left (SIGKILL: children before parents) or the daemon itself has
+    exited (others)."""
     deadline = time.monotonic() + timeout
     while True:
-        pids = members(group) if sig == signal.SIGKILL else [p for p in [group.pid] if alive(p, group.start_time)]
+        pids = (_leaves_first(members(group)) if sig == signal.SIGKILL
+                else [p for p in [group.pid] if alive(p, group.start_time)])
         if not pids:
             return
         for pid in pids:
