@@ -38,7 +38,9 @@ def told(out: Path, events_kept: int = 40, lines_kept: int = 60) -> str:
     agents = {tag: agent_status.read(out / "job" / "agents", tag) for tag in "0123"}
     logs = sorted((out / "job").glob("agents-*.log"), key=lambda p: p.stat().st_mtime)[-2:]  # what srun said of them
     steps = [f"{p.name}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines_kept // 3:]) for p in logs]
-    return ("\n--- events ---\n" + "\n".join(said) + "\n--- job.out ---\n" + "\n".join(lines)
+    successors = [f"{p.name}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines_kept // 3:])
+                  for p in sorted((out / "job").glob("supervisor-*.log"))]  # a successor's output (a lost batch host)
+    return ("\n--- events ---\n" + "\n".join(said) + "\n--- job.out ---\n" + "\n".join(lines + successors)
             + "\n--- agents ---\n" + "\n".join(f"{t}: {s}" for t, s in agents.items() if s)
             + "\n--- agents' steps ---\n" + "\n".join(steps))
 
