@@ -152,8 +152,12 @@ class Supervisor:
         if self.replaces and not lost_slot and self.replaces not in saved.excluded:
             saved.excluded.append(self.replaces)
         nodes = [*info.nodes, *([self.replaces] if lost_slot and self.replaces not in info.nodes else [])]
+        usable = sum(n not in saved.excluded for n in nodes)
+        if self.generation and saved.slots:  # the job lost nodes before: the slots as they were, the spares left
+            self.cfg = self.cfg.but(nodes=len(saved.slots),
+                                    spares=max(0, min(self.cfg.launch.spares, usable - len(saved.slots))))
         # the allocation's shape decides what the options mean (auto protection, set sizes): refused before any step
-        self.cfg = self.base_cfg = check_shape(self.cfg, sum(n not in saved.excluded for n in nodes))
+        self.cfg = self.base_cfg = check_shape(self.cfg, usable)
         layout = Layout.plan(nodes, active=self.cfg.launch.nodes, spares=self.cfg.launch.spares,
                              tasks_per_node=self.cfg.launch.tasks_per_node or self.profile.tasks_per_node,
                              excluded=saved.excluded, previous=saved.slots)
@@ -201,6 +205,7 @@ class Supervisor:
             saved.excluded = list(layout.excluded)
             if decision.action in RELAUNCHES:
                 saved.count(decision.action)
+                saved.slots = list(layout.slots)  # the next launch's (its agents rebuild there): a successor's plan
                 self.ledger.save(saved)
                 continue
             self.ledger.save(saved)
