@@ -119,7 +119,8 @@ def test_a_confined_sandbox_confines_steps_as_a_real_node_and_gives_each_node_8_
     from hpcft.sandbox.confine import render_cgroup_conf, render_gres_conf
 
     def lines(**kw) -> list[str]:
-        return render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb", nodes=2, prolog=None, epilog=None, **kw))).split("\n")
+        config = SandboxConfig(dir="/tmp/sb", nodes=2, prolog=None, epilog=None, **kw)
+        return render_slurm_conf(plan(config)).split("\n")
 
     plain, confined = lines(), lines(confine=True)
     cpus = os.cpu_count()
