@@ -3,6 +3,7 @@ node): forked by the node's standby, which lives in a step of its own, it runs i
 with exactly that step's cores and GPU — before and after a node crash moves a slot to the spare. What srun placed
 in the step (the task wrapper, as a cold rank would be) is the yardstick."""
 import json
+import subprocess
 from pathlib import Path
 
 from runs import finished_ok, start, wait
@@ -20,6 +21,10 @@ def _reports(out: Path) -> dict[int, dict]:
 
 def _cgroups(text: str) -> dict[str, str]:
     return {line.split(":")[1]: line.split(":", 2)[2] for line in text.splitlines() if line.split(":")[1] in CONFINED}
+
+
+def _jobs(directories: list[Path]) -> list[Path]:
+    return [p for d in directories for p in d.rglob("job_*")]
 
 
 def _assert_confined(reports: dict[int, dict]) -> None:
@@ -67,3 +72,39 @@ def test_a_warm_rank_runs_in_its_own_steps_cgroups_with_its_cores_and_gpu(health
     assert [e["how"] for e in started] == ["warm"] * (2 * NODES * TASKS), started
     assert {e["pid"] for e in started} == {r["pid"] for r in (*first.values(), *again.values())}
     assert not [e for e in events.read(out / "job") if e["event"] == "standby_refused"]
+
+
+def test_a_confined_sandbox_gives_each_node_its_own_cgroups_and_removes_them_on_down(confined_sandbox):
+    """A sandbox of its own beside the session's (one node, where the tests' reaper finds it if the session is
+    killed): its slurmd sees its node's cgroup as the root, a restarted node starts from an empty one, and `down`
+    leaves no cgroup behind."""
+    import shutil
+
+    from hpcft.sandbox import Sandbox, SandboxConfig
+    from hpcft.sandbox.config import plan
+
+    directory = confined_sandbox.dir.with_name(confined_sandbox.dir.name + "-own")
+    sb = Sandbox(plan(SandboxConfig(dir=directory, nodes=1, confine=True, prolog=None, epilog=None)))
+    sb.up(timeout=60)
+    try:
+        made = [Path(d) for d in sb.created_cgroups]  # one per controller
+        assert len(made) == len(CONFINED) and all(d.is_dir() for d in made), made
+        assert all(d.name == "n1" and d.parent.name == f"hpcft-sandbox-{sb.config.tag}" for d in made), made
+        slurmd = str(sb.groups["n1"].pid)
+        host_view = _cgroups(Path(f"/proc/{slurmd}/cgroup").read_text())
+        assert all(path.endswith(f"/hpcft-sandbox-{sb.config.tag}/n1") for path in host_view.values()), host_view
+        inside = subprocess.run(["nsenter", "-t", slurmd, "--cgroup", "cat", f"/proc/{slurmd}/cgroup"],
+                                capture_output=True, text=True, check=True).stdout
+        assert set(_cgroups(inside).values()) == {"/"}, "in its cgroup namespace, its node's cgroup is the root"
+        step = sb.runner().popen(["srun", "-N1", "sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait(lambda: _jobs(made), "the step's cgroups below the node's", 30)
+            sb.restart_node("n1", timeout=60)  # crashed with the step in it: what Slurm made stays, until removed
+            assert not _jobs(made), "a restarted node starts from an empty cgroup"
+        finally:
+            step.kill()
+            step.wait()
+    finally:
+        sb.down()
+        shutil.rmtree(directory, ignore_errors=True)
+    assert not [d for d in made if d.parent.exists()], made
