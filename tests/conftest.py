@@ -24,7 +24,6 @@ os.environ.setdefault("HPCFT_COPY", "default")
 
 SANDBOX_NODES = 6
 CONFINED_NODES = 4  # hpcft demo's allocation (3 train, 1 spare)
-CONFINED_MEMORY_MB = 3000  # per node: ConstrainRAMSpace holds each job to it (the unconfined sandbox's 1000 is a label)
 _PREFIX = "hpcft-pytest-sandbox-"
 _log = logging.getLogger(__name__)
 
@@ -109,8 +108,7 @@ def confined_sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
     reason = unavailable_reason("netns") or confine.unavailable_reason()
     if reason:
         pytest.skip(f"no confined Slurm sandbox on this machine: {reason}")
-    yield from _session_sandbox(request, tmp_path_factory, "-confined", nodes=CONFINED_NODES, confine=True,
-                                memory_mb=CONFINED_MEMORY_MB)
+    yield from _session_sandbox(request, tmp_path_factory, "-confined", nodes=CONFINED_NODES, confine=True)
 
 
 @pytest.fixture
