@@ -83,10 +83,13 @@ def pids_in_mntns(inode: int, marker: str) -> list[int]:
 
 def namespaced(argv: Sequence[str], *, marker: str, marker_dir: Path, netns: str | None = None,
                hostname: str | None = None, binds: Sequence[tuple[Path, str]] = (),
-               tmpfs: Sequence[tuple[str, str, str]] = ()) -> list[str]:
+               tmpfs: Sequence[tuple[str, str, str]] = (), cgroups: Sequence[Path] = (),
+               cgroup_mounts: Sequence[tuple[str, str]] = ()) -> list[str]:
     """argv run in a new private mount namespace (and UTS namespace with `hostname`, net namespace `netns`): the
     marker tmpfs on `marker_dir`, bind mounts (source, target), tmpfs mounts (name, options, target), then `exec
-    argv`. Not `ip netns exec`: it remounts /sys."""
+    argv`. With `cgroups` it first joins those (v1) cgroups and makes a cgroup namespace rooted there, in which each
+    (controller, mount point) of `cgroup_mounts` is mounted afresh: its own view. Not `ip netns exec`: it remounts
+    /sys."""
     q = shlex.quote
     steps = ["set -e"]
     if hostname:
@@ -94,8 +97,14 @@ def namespaced(argv: Sequence[str], *, marker: str, marker_dir: Path, netns: str
     steps.append(f"mount -t tmpfs -o size=4k,mode=0700 {q(marker)} {q(str(marker_dir))}")
     steps += [f"mount --bind {q(str(src))} {q(dst)}" for src, dst in binds]
     steps += [f"mount -t tmpfs -o {q(opts)} {q(name)} {q(target)}" for name, opts, target in tmpfs]
+    for controller, point in cgroup_mounts:  # unmounted first: the kernel refuses the same hierarchy on its own root
+        steps += [f"umount {q(point)}", f"mount -t cgroup -o {q(controller)} cgroup {q(point)}"]
     steps.append("exec " + " ".join(q(str(a)) for a in argv))
-    cmd = ["unshare", "-m", *(["--uts"] if hostname else []), "--propagation", "private", "sh", "-c", "\n".join(steps)]
+    cmd = ["unshare", "-m", *(["--uts"] if hostname else []), *(["--cgroup"] if cgroups else []),
+           "--propagation", "private", "sh", "-c", "\n".join(steps)]
+    if cgroups:  # joined before the namespace is made: its root is where the shell is then
+        joins = "".join(f"echo $$ > {q(str(Path(c) / 'cgroup.procs'))}\n" for c in cgroups)
+        cmd = ["sh", "-c", f"set -e\n{joins}exec " + " ".join(q(a) for a in cmd)]
     return (["nsenter", f"--net=/run/netns/{netns}"] if netns else []) + cmd
 
 
