@@ -362,10 +362,12 @@ def test_a_job_requeued_onto_other_nodes_resumes_from_the_durable_tier(healthy_s
     runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
     nvme = tmp_path / "nvme"  # the sandbox's nodes share /tmp: a directory per node stands for each one's NVMe
     job_id = _submit(healthy_sandbox, out, "--nodes", "3", "--warn", "60", "--probe-timeout", "5", "--kill-grace",
-                     "1", "--slurm-check-every", "10", "--protect", "xor", "--group", "3", "--persist-local", f"{nvme}/$SLURMD_NODENAME",
+                     "1", "--slurm-check-every", "1", "--protect", "xor", "--group", "3", "--persist-local",
+                     f"{nvme}/$SLURMD_NODENAME",
                      STEPS=STEPS, STEP_DELAY="0.3")
     wait_progress(job_dir, 0, 6)
     first = fields(runner.run(["scontrol", "show", "job", "-o", job_id]).stdout)["NodeList"]
+    # the job trains ~10 s more: the drain is seen on a 1 s slow timer here (--slurm-check-every; 60 s by default)
     runner.run(["scontrol", "update", f"NodeName={first}", "State=DRAIN", "Reason=hpcft-test"])
     slots = next(e for e in events.read(job_dir) if e["event"] == "start")["slots"].split(",")
     wait(lambda: {e["node"] for e in events.read(job_dir) if e["event"] == "node_closed"} == set(slots),
