@@ -18,7 +18,7 @@ from hpcft.agent.protection import flush
 from hpcft.agent.protection.bundle import complete_steps
 from hpcft.bench import timeline
 from hpcft.errors import HpcftError
-from hpcft.launch import succession
+from hpcft.launch.node import succession
 from hpcft.launch.node import progress
 from hpcft.slurm import state as slurmstate
 from hpcft.store import job_dir as store_job_dir

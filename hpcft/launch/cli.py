@@ -20,7 +20,7 @@ def run(config_file, command, **kwargs) -> None:
     story = logging.getLogger("hpcft.events")
     story.setLevel(min(story.getEffectiveLevel(), logging.INFO))
     cfg = config.load(given(kwargs), config_file=config_file)
-    import sys  # a successor runs `hpcft run` again with these arguments (launch/succession.py)
+    import sys  # a successor runs `hpcft run` again with these arguments (launch/node/succession.py)
 
     click.get_current_context().exit(Supervisor(cfg, command, argv=sys.argv[1:]).run())
 

@@ -26,14 +26,14 @@ from hpcft.durable.catalog import ENV_PERSIST
 from hpcft.durable.local import ENV_LOCAL
 from hpcft.launch.config.model import RunConfig
 from hpcft.launch.config.resolve import check_paths, check_shape, copy_env, durable_dir
-from hpcft.launch import succession
+from hpcft.launch.node import succession
 from hpcft.launch.node.janitor import JANITOR_STEP_NAME, Janitor, requeue_flag
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.ledger import Ledger
 from hpcft.launch.state import RunState
 from hpcft.launch.policy.failures import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.steps.preflight import Preflight
-from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.launch.node.nodecheck import NodeCheck
 from hpcft.launch.node.srun import TRAIN_STEP_NAME, step_env, trainer_argv
 from hpcft.launch.steps.standbys import STANDBY_STEP_NAME, Standbys
 from hpcft.launch.steps.stop import StepStopper, stop_steps_left, tee

@@ -1,4 +1,4 @@
-"""hpcft's node probe against the real Slurm (hpcft/launch/steps/nodecheck.py): a controller that stops answering for
+"""hpcft's node probe against the real Slurm (hpcft/launch/node/nodecheck.py): a controller that stops answering for
 longer than --probe-timeout (slurmctld busy with a big machine's steps: here it is stopped outright, past Slurm's
 MessageTimeout, so the probe's srun gives up and is started again) does not make a healthy node bad, since the node
 was never asked; a node whose slurmd is frozen is still bad at the timeout."""

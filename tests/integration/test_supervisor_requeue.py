@@ -16,7 +16,7 @@ import pytest
 from runs import FAULT_AT, JOB, agents_ready, assert_same_result, told, wait, wait_progress, wait_protected
 
 from hpcft import events
-from hpcft.launch import succession
+from hpcft.launch.node import succession
 from hpcft.launch.node import progress
 from hpcft.slurm.state import fields
 from hpcft.store.paths import mark_run, marked_run

@@ -1,4 +1,4 @@
-"""The node probe's srun for narrow unit tests of hpcft/launch/steps/nodecheck.py (the real srun runs in the integration
+"""The node probe's srun for narrow unit tests of hpcft/launch/node/nodecheck.py (the real srun runs in the integration
 tests): a process per node that first says on stderr what `srun --verbose` says once it sends the node its task,
 then prints the node's name; a frozen node never answers after that, and a node whose step the controller never
 creates says nothing at all."""

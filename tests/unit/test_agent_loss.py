@@ -18,7 +18,7 @@ from hpcft.agent.transport.tcp import TransportError
 from hpcft.launch.steps.agents import AgentSteps
 from hpcft.launch.config.model import RunConfig, make
 from hpcft.launch.policy.layout import Layout
-from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.launch.node.nodecheck import NodeCheck
 from hpcft.slurm.runner import Runner
 
 SECRET = b"k" * 64

@@ -1,6 +1,6 @@
 """Slurm's node states sorted into lost (cannot run the job's tasks: the step stops) and closed (runs them, but gets
 no new work: an admin's drain, `scontrol reboot ASAP`), hpcft/slurm/state.py; and the watch's node check that keeps
-a closed node's step running and says so once (hpcft/launch/steps/nodecheck.py). The integration test that drains a
+a closed node's step running and says so once (hpcft/launch/node/nodecheck.py). The integration test that drains a
 running job's nodes is test_supervisor_requeue.py's durable-tier test."""
 import subprocess
 
@@ -8,7 +8,7 @@ import pytest
 
 import fake_probe  # tests/unit is on sys.path (pytest's rootdir insertion)
 
-from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.launch.node.nodecheck import NodeCheck
 from hpcft.slurm import state as slurmstate
 
 # as `scontrol show node -o` prints them (22.05: base state, then +FLAG…), and sinfo's short forms

@@ -1,5 +1,5 @@
 """The probe of the agents' suspects, timed against a few healthy-looking nodes (hpcft/launch/policy/failures.py
-`probe_deadline`, `control_nodes`; hpcft/launch/steps/nodecheck.py): a node silent past --loss-timeout that does not
+`probe_deadline`, `control_nodes`; hpcft/launch/node/nodecheck.py): a node silent past --loss-timeout that does not
 answer a probe its peers answer at once is bad within seconds, not at --probe-timeout; a slow cluster slows the
 controls too, and the suspect gets longer."""
 import time
@@ -8,8 +8,8 @@ import pytest
 
 import fake_probe  # tests/unit is on sys.path (pytest's rootdir insertion)
 
-from hpcft.launch.steps import nodecheck
-from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.launch.node import nodecheck
+from hpcft.launch.node.nodecheck import NodeCheck
 from hpcft.launch.policy.failures import CONTROL_FACTOR, CONTROL_FLOOR_S, control_nodes, probe_deadline
 
 

@@ -1,4 +1,4 @@
-"""The supervisor's succession (launch/succession.py) and the janitors' watch of it (node/janitor.py): who watches,
+"""The supervisor's succession (launch/node/succession.py) and the janitors' watch of it (node/janitor.py): who watches,
 the beacon over real UDP, the claim, the successor's environment, and when Slurm is asked."""
 import dataclasses
 import os
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcft.launch import succession
+from hpcft.launch.node import succession
 from hpcft.launch.node import janitor
 from hpcft.launch.node.janitor import SupervisorWatch
 

@@ -1,7 +1,7 @@
 """Leave nothing in node memory when a job ends, without a site epilog (Frontier users cannot install one): a sleeping
 janitor task per node removes the job's store on SIGUSR2 from `hpcft run`, or on Slurm's SIGTERM unless a requeue is
 pending (`requeue_flag`, node/clean.py). As Slurm keeps a `--no-kill` job RUNNING with nobody in charge once the
-supervisor's node is lost, the janitors after it ping its beacon (launch/succession.py); when it is silent for
+supervisor's node is lost, the janitors after it ping its beacon (launch/node/succession.py); when it is silent for
 SILENCE_S and Slurm says its node is bad or gone, the first to claim becomes the supervisor in the same allocation, or,
 where no successor can be (`--no-takeover`, salloc's hpcft run), requeues the job (`event=batch_host_lost`)."""
 from __future__ import annotations
@@ -19,12 +19,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from hpcft import events
-from hpcft.launch import succession
+from hpcft.launch.node import succession
 from hpcft.errors import HpcftError
 from hpcft.launch.node.clean import clean
 from hpcft.launch.node.broadcast_paths import ENV_NODE_DIR
 from hpcft.launch.node.zygote import socket_dir
-from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.launch.node.nodecheck import NodeCheck
 from hpcft.slurm.state import job_info
 from hpcft.slurm.nodelist import compress, expand
 from hpcft.slurm.runner import Runner

@@ -33,7 +33,7 @@ def trainer_argv(layout: Layout, profile: Profile, command: Sequence[str], *, py
 def probe_argv(nodes: Sequence[str]) -> list[str]:
     """A one-task-per-node step that prints each node's name: who answers is alive. --overlap so that it
     runs next to a step still holding the nodes' resources; --verbose so that srun says when it sends the nodes
-    their tasks (a slow controller is not a slow node: hpcft/launch/steps/nodecheck.py)."""
+    their tasks (a slow controller is not a slow node: hpcft/launch/node/nodecheck.py)."""
     return ["srun", "--verbose", "--job-name=hpcft-probe", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
             "--ntasks-per-node=1", f"--nodelist={compress(list(nodes))}", "--overlap", "--export=ALL",
             "printenv", "SLURMD_NODENAME"]

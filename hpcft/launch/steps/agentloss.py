@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from hpcft.errors import CheckpointError
 from hpcft.launch.steps.agents import AgentSteps, StepEnded
 from hpcft.launch.policy.layout import Layout
-from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.launch.node.nodecheck import NodeCheck
 from hpcft.launch.policy.failures import Event, Kind, control_nodes
 
 ALONE_PER_LAUNCH = 3  # agent restarts without the trainers in one launch before a relaunch instead

@@ -13,7 +13,7 @@ from hpcft.errors import SlurmError
 from hpcft.launch.policy import grow as policy_grow
 from hpcft.launch.config.model import RunConfig
 from hpcft.launch.policy.layout import Layout
-from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.launch.node.nodecheck import NodeCheck
 from hpcft.launch.policy.failures import Event, Kind
 from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner

@@ -1,4 +1,4 @@
-"""Inside an allocation: hpcft's node probe (hpcft/launch/steps/nodecheck.py) of every node named on the command line,
+"""Inside an allocation: hpcft's node probe (hpcft/launch/node/nodecheck.py) of every node named on the command line,
 once per line the test writes into the file $PROBE_GO (a line each time it has set up the next fault), each
 probe's {bad: {node: why}, seconds} appended as a JSON line to $PROBE_OUT."""
 import json
@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.launch.node.nodecheck import NodeCheck
 from hpcft.slurm.runner import Runner
 
 
