@@ -134,7 +134,8 @@ class Health:
 
 def node_health(runner: Runner, job_id: str, nodes: list[str], *, allocation: bool = True) -> Health:
     """Slurm's view of `nodes` of job `job_id`, read fresh: `scontrol show node`, and with `allocation` `scontrol show
-    job` too (a node out of the allocation is lost; without, one RPC: a node leaves a job only once Slurm marks it)."""
+    job` too (a node out of the allocation is lost; without, half the RPCs: a node leaves a job only once Slurm marks
+    it)."""
     in_job = set(nodes)
     try:
         in_job = set(job_info(runner, job_id).nodes) if allocation else in_job

@@ -7,7 +7,7 @@ import subprocess
 from hpcft.launch.fabric.liveview import BLIND_S, LiveView
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.policy.slurmlook import SUSPECT_EVERY_S, SUSPECT_FOR_S, SlurmLooks, srun_trouble
-from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.launch.node.nodecheck import NodeCheck
 from hpcft.launch.watch.slurm import SlurmWatch
 
 T0 = 1_700_000_000.0

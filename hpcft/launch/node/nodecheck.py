@@ -37,7 +37,7 @@ class NodeCheck:
         """Slurm's bad nodes among `nodes`; with `probe` and none lost, those that fail the probe (beside `controls`).
         `closed`: a node Slurm gives no new work counts as bad, as a launch needs; without, it is only said
         (`node_closed`) and its step goes on. `found_by` and `suspected` go into the events; `until`: see `probe`;
-        `allocation`: the job's node list is read too (without: one RPC, `scontrol show node`, for the slow timer)."""
+        `allocation`: the job's node list is read too (without: `scontrol show node` alone, for the slow timer)."""
         try:
             health = slurmstate.node_health(self.runner, self.job_id, list(nodes), allocation=allocation)
         except SlurmError as exc:

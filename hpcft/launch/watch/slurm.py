@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from hpcft.launch.fabric.liveview import LiveView
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.policy.slurmlook import SlurmLooks, srun_trouble
-from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.launch.node.nodecheck import NodeCheck
 
 _log = logging.getLogger(__name__)
 
