@@ -118,14 +118,14 @@ def step_seconds(complete: dict[int, dict]) -> float | None:
     return None if a is None or b is None or b <= a else (b - a) / (steps[1] - steps[0])
 
 
-def _watch_requests(flag: Path, stop: Path, mesh: MeshBase, drained: threading.Event, wake: threading.Event,
+def _watch_requests(requests: status.Requests, mesh: MeshBase, drained: threading.Event, wake: threading.Event,
                     poll: float = 0.2) -> None:
     """Until the supervisor asks for a stop (then SIGTERM to this process, which unwinds the agent cleanly): once it
     asks for a drain, lift the caps and wake the round loop."""
-    while not stop.exists():
-        if not drained.is_set() and flag.exists():
+    while not requests.stop():
+        if not drained.is_set() and requests.drain():
             mesh.throttle.release()
-            events.emit("agent_drain", flag=str(flag))
+            events.emit("agent_drain", tag=requests.tag)
             drained.set()
             wake.set()
         time.sleep(poll)
@@ -226,6 +226,7 @@ def run(cfg: AgentConfig) -> int:
     node = socket.gethostname()
     up = uplink.from_env(cfg.secret, tag=cfg.tag, slot=cfg.slot, node=node, job=None if cfg.root else job)
     publish = up.status if up is not None else partial(status.write, cfg.rendezvous, cfg.tag, cfg.slot)
+    requests = status.Requests(cfg.rendezvous, cfg.tag, (lambda: up.orders) if up is not None else None)
 
     flusher: Flusher | None = None
     mesh: MeshBase | None = None
@@ -263,7 +264,7 @@ def run(cfg: AgentConfig) -> int:
         meet.close()
         raise
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
-    flusher = Flusher(cfg.persist, job, cfg.job_id, cfg.slot, pins, cfg.rendezvous, cfg.tag)
+    flusher = Flusher(cfg.persist, job, cfg.job_id, cfg.slot, pins, requests.flush)
     budget = LagBudget(mesh.throttle.cpu, max(mesh.throttle.cpu, cfg.lag_cores), cfg.lag_bound) \
         if cfg.lag_bound else None
     drained, wake = threading.Event(), threading.Event()
@@ -276,8 +277,7 @@ def run(cfg: AgentConfig) -> int:
         if said != status.STOPPED:
             report(status.STOPPED)
 
-    chore(_watch_requests, status.drain_path(cfg.rendezvous, cfg.tag), status.stop_path(cfg.rendezvous, cfg.tag), mesh,
-          drained, wake, name="hpcft-agent-requests").start()
+    chore(_watch_requests, requests, mesh, drained, wake, name="hpcft-agent-requests").start()
     try:
         beat = _listen_for_silence(cfg, mesh, meet, node, wake)
         extra = {}

@@ -53,6 +53,33 @@ def request_stop(rendezvous: str | os.PathLike, tag: str) -> None:
     stop_path(rendezvous, tag).touch()
 
 
+class Requests:
+    """What the supervisor asks the agents of launch `tag`: a drain, a stop, a flush (its id). Under `hpcft run` the
+    supervisor pushes them on the node's uplink (`orders`, read in memory: nothing per node polls the shared file
+    system); agents started by hand read the request files the supervisor also writes."""
+
+    def __init__(self, rendezvous: str | os.PathLike, tag: str, orders: Callable[[], dict[str, Any]] | None = None):
+        self.rendezvous, self.tag, self._orders = rendezvous, tag, orders
+
+    def _asked(self) -> dict[str, Any]:
+        return (self._orders() or {}).get(self.tag, {}) if self._orders is not None else {}
+
+    def drain(self) -> bool:
+        return bool(self._asked().get("drain")) if self._orders is not None else drain_path(self.rendezvous, self.tag).exists()
+
+    def stop(self) -> bool:
+        return bool(self._asked().get("stop")) if self._orders is not None else stop_path(self.rendezvous, self.tag).exists()
+
+    def flush(self) -> str | None:
+        """The id of the newest flush asked for, or None."""
+        if self._orders is not None:
+            asked = self._asked().get("flush")
+            return str(asked) if asked else None
+        from hpcft.agent.protection.flush import read_request  # the file's format is the flush's
+
+        return read_request(self.rendezvous, self.tag)
+
+
 def read_log(where: str | os.PathLike) -> dict[str, Any]:
     """The supervisor's bounded log in directory `where` (or its parent, for a rendezvous directory); {} if none."""
     for candidate in (Path(where) / LOG, Path(where).parent / LOG):

@@ -84,6 +84,7 @@ class Supervisor:
         self.ledger = Ledger(self.job_dir, self.emit, self.fabric)  # what the summary and the next run are owed
         self.agents = AgentSteps(lambda: self.cfg, self.runner, self.job_dir, python, emit=self.emit,
                                  stop_steps=self._stop_steps, interrupted=self._terminated, view=self.fabric.view,
+                                 order=self.fabric.order,
                                  check_nodes=lambda layout, probe, until: self.nodes.bad(
                                      layout.slots, probe=probe, closed=False, until=until))
         self.agent_loss = AgentLoss(self.agents, self.nodes, self.emit, self._terminated)
@@ -414,6 +415,7 @@ class Supervisor:
             watch.say(self.emit, self.ledger.lost)
             self.fabric.poll(layout.world_size)  # the progress history: a point when every rank's step moved
             self.preflight.poll(self.agents.reports, expected=self.agents.nodes(layout))  # the plan, once all snapshot
+            self.agents.forward_requests()  # `hpcft flush` by hand
             code = proc.poll()
             if code is not None:
                 if code == 0:

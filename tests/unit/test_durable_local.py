@@ -58,7 +58,7 @@ def test_two_level_flush_and_a_damaged_local_copy(shm_root: Path, tmp_path: Path
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     job = job_dir(shm_root, "j")
     flusher = Flusher(PersistConfig(str(persist), every=1, keep=2, local=str(nvme)), job, "j", 0,
-                      Pins("test", 30), str(tmp_path), "0")
+                      Pins("test", 30), lambda: None)
     with Checkpointer(model, opt, Options(root=shm_root, job_id="j")) as ck:
         for it in range(2):
             model(torch.randn(4, 64)).square().mean().backward()

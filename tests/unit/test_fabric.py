@@ -251,3 +251,43 @@ def test_a_node_that_cannot_reach_the_supervisor_writes_its_events_to_the_events
         up.close()
     assert [e["event"] for e in events.read(tmp_path)] == ["peer_silent"]
     assert not up.connected
+
+
+def test_the_supervisors_requests_reach_every_node_on_its_uplink_and_a_late_one_on_connecting(tmp_path):
+    """#32: drain, stop and flush requests pushed down the uplinks, not request files each node polls on the shared
+    file system; a node connecting after a request still gets it, and an agent reads it from memory."""
+    fabric, secret = _fabric(tmp_path)
+    early = Uplink(fabric.server.address, secret, tag="1", slot=0, node="n1", gap=0.05)
+    late = None
+    try:
+        early.status(phase="ready")
+        _until(lambda: fabric.view.reports("1").get(0, {}).get("phase") == "ready")
+        fabric.order("1", drain=True)
+        _until(lambda: early.orders.get("1", {}).get("drain") is True)
+        fabric.order("1", flush="f00d")
+        late = Uplink(fabric.server.address, secret, tag="1", slot=1, node="n2", gap=0.05)
+        late.status(phase="ready")
+        for up in (early, late):
+            _until(lambda: up.orders.get("1") == {"drain": True, "flush": "f00d"})
+        asked = agent_status.Requests(tmp_path / "agents", "1", lambda: late.orders)
+        assert asked.drain() and not asked.stop() and asked.flush() == "f00d"
+        assert agent_status.Requests(tmp_path / "agents", "2", lambda: late.orders).drain() is False  # another launch
+        fabric.order("1", stop=True)
+        _until(lambda: agent_status.Requests(tmp_path / "agents", "1", lambda: late.orders).stop())
+        assert not list(tmp_path.glob("**/agent-1-*")), "no request file was needed"
+    finally:
+        for up in (early, late):
+            if up is not None:
+                up.close()
+        fabric.close()
+
+
+def test_agents_started_by_hand_read_the_request_files(tmp_path):
+    from hpcft.agent.protection import flush as persist
+
+    asked = agent_status.Requests(tmp_path, "0")
+    assert not asked.drain() and not asked.stop() and asked.flush() is None
+    agent_status.request_drain(tmp_path, "0")
+    agent_status.request_stop(tmp_path, "0")
+    rid = persist.request(tmp_path, "0")
+    assert asked.drain() and asked.stop() and asked.flush() == rid

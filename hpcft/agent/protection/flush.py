@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ def outcome(reports: list[dict[str, Any]], rid: str, slots: int) -> tuple[bool, 
     return served, durable, next((r["flush_error"] for r in reports if r.get("flush_error")), None) if served else None
 
 
-def _read_request(rendezvous: str | Path, tag: str) -> str | None:
+def read_request(rendezvous: str | Path, tag: str) -> str | None:
     try:
         return str(json.loads(request_path(rendezvous, tag).read_text())["id"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -58,10 +59,11 @@ def _read_request(rendezvous: str | Path, tag: str) -> str | None:
 class Flusher:
     """One agent's side of the flush, driven by `round` (collective: every agent calls it once per round)."""
 
-    def __init__(self, cfg: PersistConfig, job: Path, job_id: str, slot: int, pins: Pins, rendezvous: str, tag: str):
+    def __init__(self, cfg: PersistConfig, job: Path, job_id: str, slot: int, pins: Pins,
+                 requests: Callable[[], str | None]):
         self.cfg, self.job, self.job_id, self.slot = cfg, job, job_id, slot
         self.root = Path(cfg.root) if cfg.root else None
-        self.pins, self.rendezvous, self.tag = pins, rendezvous, tag
+        self.pins, self.requests = pins, requests  # the newest flush asked for (agent/status.py Requests.flush)
         self.throttle = Throttle(cfg.rate)
         self.local = local.local_root(cfg.local) if self.root else None  # this node's first level, if any
         try:
@@ -109,7 +111,7 @@ class Flusher:
         votes), or, once every node has written its part, let slot 0 commit it."""
         if self.root is None:
             return
-        asked = _read_request(self.rendezvous, self.tag)
+        asked = self.requests()
         mine = vote(self.slot, self._state, self._error, asked, uuid.uuid4().hex[:8], self.durable,
                     [s for s in protected if s in complete][-4:], sorted(complete)[-4:], _world(complete))
         states = mesh.allreduce(mine, combine, VOTE)  # log2 N messages of one vote each, whatever the job's size

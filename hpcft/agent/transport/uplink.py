@@ -61,6 +61,7 @@ class Uplink:
         self._sent_ranks: dict[str, list] = {}
         self._failures = 0
         self.sent = 0  # messages sent (for tests and the scale figures)
+        self.orders: dict[str, dict[str, Any]] = {}  # {tag: what the supervisor asks}, as it pushed them last
         self._thread = chore(self._run, name="hpcft-uplink")
         self._thread.start()
 
@@ -180,8 +181,20 @@ class Uplink:
                 events.write(record)
 
     def _connect(self) -> Channel:
-        """A channel to the report service: its addresses tried in turn, as the directory's (agent/rendezvous.py)."""
-        return Rendezvous(self.address, self.secret, how=ENV)._connect(5.0)
+        """A channel to the report service (its addresses tried in turn, as the directory's: agent/rendezvous.py), and
+        a thread reading what the supervisor pushes on it (its orders) until it closes."""
+        ch = Rendezvous(self.address, self.secret, how=ENV)._connect(5.0)
+        chore(self._listen, ch, name="hpcft-uplink-orders").start()
+        return ch
+
+    def _listen(self, ch: Channel) -> None:
+        while True:
+            try:
+                header, _ = ch.recv_header()
+            except TransportError:
+                return  # closed: the next connection has a listener of its own
+            if isinstance(header.get("orders"), dict):
+                self.orders = header["orders"]
 
 
 def from_env(secret: bytes, *, tag: str, slot: int, node: str, job: Path | None,

@@ -37,6 +37,8 @@ class ReportServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._new: list[Channel] = []
+        self._orders: dict[str, Any] = {}  # {tag: what the supervisor asks of that launch's agents}, pushed (`order`)
+        self._orders_sent = True
         self._lock = threading.Lock()
         self._stopped = False
         self._threads = [threading.Thread(target=self._accept, daemon=True, name="hpcft-reports-accept"),
@@ -77,8 +79,13 @@ class ReportServer:
                 self._wake_r.recv(4096)
                 with self._lock:
                     new, self._new = self._new, []
+                    orders, resend = dict(self._orders), not self._orders_sent
+                    self._orders_sent = True
                 for ch in new:
                     self._sel.register(ch.sock, selectors.EVENT_READ, (ch, bytearray()))
+                told = [k.data[0] for k in self._sel.get_map().values() if k.data is not None] if resend else new
+                for ch in told if orders else ():
+                    self._tell(ch, orders)
             else:
                 self._read(*key.data)
         return bool(ready)
@@ -111,6 +118,24 @@ class ReportServer:
                 self.received += 1
             except (ValueError, KeyError, TypeError) as exc:
                 events.emit("report_bad", level=logging.WARNING, peer=ch.peer, reason=f"unreadable report: {exc}")
+
+    def order(self, tag: str, **asked: Any) -> None:
+        """Ask the agents of launch `tag` (drain=True, stop=True, flush=<id>): pushed to every node connected now and
+        to each that connects later, on its uplink (no request file for a node to poll on the shared file system)."""
+        with self._lock:
+            self._orders[tag] = {**self._orders.get(tag, {}), **asked}
+            self._orders_sent = False
+        self._wake_w.send(b"o")
+
+    def _tell(self, ch: Channel, orders: dict[str, Any]) -> None:
+        try:
+            ch.sock.settimeout(1.0)  # a node that does not read is dropped, not waited for
+            ch.send({"orders": orders})
+        except (TransportError, OSError):
+            self._drop(ch)
+            return
+        with contextlib.suppress(OSError):
+            ch.sock.setblocking(False)
 
     def _drop(self, ch: Channel) -> None:
         with contextlib.suppress(KeyError, ValueError):

@@ -54,6 +54,11 @@ class Fabric:
         self._thread = threading.Thread(target=self._write_loop, daemon=True, name="hpcft-status-log")
         self._thread.start()
 
+    def order(self, tag: str, **asked: object) -> None:
+        """Push a request to the agents of launch `tag` over their uplinks (fabric/reports.py ReportServer.order)."""
+        if self.server is not None:
+            self.server.order(tag, **asked)
+
     def env(self, with_agents: bool) -> dict[str, str]:
         """What the agents' and trainers' steps need to report here."""
         if self.server is None:

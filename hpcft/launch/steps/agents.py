@@ -69,8 +69,9 @@ class AgentSteps:
                  emit: Callable[..., None],
                  stop_steps: Callable[[Mapping[str, subprocess.Popen]], None], interrupted: Callable[[], bool],
                  check_nodes: Callable[[Layout, bool, Callable[[], bool]], dict[str, str]],
-                 view: LiveView | None = None):
+                 view: LiveView | None = None, order: Callable[..., None] | None = None):
         self._config, self.runner, self.job_dir, self.python = config, runner, job_dir, python
+        self._order = order  # Fabric.order: a request pushed to the agents over their uplinks
         self.view = view  # the agents' statuses as they report them over the network (launch/fabric.py)
         self.emit, self._stop_steps, self._interrupted, self._check_nodes = emit, stop_steps, interrupted, check_nodes
         self.bad_nodes: dict[str, str] = {}  # found while the last launch's agents got ready
@@ -82,11 +83,32 @@ class AgentSteps:
         self.no_checkpoint: str | None = None  # why the last launch's agents could rebuild nothing, if so
         self.directory: rendezvous.Directory | None = None  # where every launch's agents meet (over the network)
         self._killed = False  # the running step was killed with the trainers' (a lost node), not yet reported
+        self._forwarded: str | None = None  # the last flush request file (`hpcft flush`) pushed to the agents
 
     @property
     def cfg(self) -> RunConfig:
         """The run's options now (the supervisor's own: a shrink or grow changes the protection sets)."""
         return self._config()
+
+    def _ask(self, **asked: str | bool) -> None:
+        """Ask the agents of the last launch (drain, stop, flush=<id>): over their uplinks, and in the request files
+        that agents started by hand (no uplink) read."""
+        if "drain" in asked:
+            agent_status.request_drain(self.rendezvous, self.tag)
+        if "stop" in asked:
+            agent_status.request_stop(self.rendezvous, self.tag)
+        if self._order is not None:
+            self._order(self.tag, **asked)
+
+    def forward_requests(self) -> None:
+        """`hpcft flush`, typed by hand, writes a request file: the supervisor alone reads it (per poll) and pushes
+        it to the agents, so that no node polls the shared file system for it."""
+        if self._order is None or not self.tag or self.proc is None:
+            return
+        rid = agent_persist.read_request(self.rendezvous, self.tag)
+        if rid is not None and rid != self._forwarded:
+            self._forwarded = rid
+            self._order(self.tag, flush=rid)
 
     def _read(self, tag: str) -> dict[int, dict]:
         """{slot: status} of the agents of launch `tag`."""
@@ -226,7 +248,7 @@ class AgentSteps:
         every one reports it protected. None when it is, else why not (their step ended, or `deadline`, a
         time.monotonic() value, passed)."""
         stopped = time.time()
-        agent_status.request_drain(self.rendezvous, self.tag)
+        self._ask(drain=True)
         while True:
             fresh = [r for r in self._read(self.tag).values() if r.get("time", 0) > stopped]
             if fresh and len(fresh) == len(self._ready_slots or ()):
@@ -246,6 +268,8 @@ class AgentSteps:
         the request served: (the newest durable step, None), or (the newest durable step the agents know of, why
         the flush did not happen) when their step ended or `deadline` (time.monotonic()) passed."""
         rid = agent_persist.request(self.rendezvous, self.tag)
+        self._forwarded = rid
+        self._ask(flush=rid)
         while True:
             reports = list(self._read(self.tag).values())
             served, durable, error = agent_persist.outcome(reports, rid, len(self._ready_slots or ()))
@@ -368,7 +392,7 @@ class AgentSteps:
         if how == "asked":
             if flush:
                 self._finish_flush()
-            agent_status.request_stop(self.rendezvous, self.tag)
+            self._ask(stop=True)
             try:
                 for p in [self.proc, *self.hosted_procs.values()]:
                     p.wait(timeout=self.cfg.launch.kill_grace)
