@@ -1,9 +1,11 @@
 """A session's CPU priority against its machine's other sessions, lowered and given back, so that a spare's warm standby
-does not slow the active nodes' import where they share cores. Linux schedules a session as one group (autogroup,
-sched(7)): a plain nice yields only within it and cannot be undone unprivileged; the autogroup's does both."""
+does not slow the active nodes' import where they share cores, and a node agent runs below the trainers (`Below`).
+Linux schedules a session as one group (autogroup, sched(7)): a plain nice yields only within it and cannot be undone
+unprivileged; the autogroup's does both."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -58,3 +60,35 @@ def lower(nice: int = 19, path: Path = PATH) -> Lowered | None:
     if before is None or before >= nice or not _set(path, nice):
         return None
     return Lowered(path, before, nice)
+
+
+class Below:
+    """A helper process scheduled below the trainers: its plain nice raised for good (`nice`; an unprivileged process
+    cannot take that back) and, where it leads its own session (an srun task does) and Linux groups sessions, that
+    session's autogroup at `nice` too, which weighs against the trainers' sessions where the plain nice would not.
+    `level()` gives the autogroup's back while the trainers wait on this process (a persist, a lag over its bound);
+    `below()` lowers it again. Where there is no autogroup to change, both are no-ops (`said()` tells which)."""
+
+    def __init__(self, nice: int, path: Path = PATH):
+        self.nice, self.path = nice, path
+        self.own_session = os.getsid(0) == os.getpid()
+        self._lowered: Lowered | None = None
+        self._able = nice > 0 and self.own_session  # false once the autogroup could not be lowered: not tried again
+        if nice > 0:
+            os.nice(nice)
+
+    def below(self) -> None:
+        """Lower the session's autogroup (idempotent)."""
+        if self._able and (self._lowered is None or self._lowered.held_s is not None):
+            self._lowered = lower(self.nice, self.path)
+            self._able = self._lowered is not None
+
+    def level(self) -> None:
+        """Give the session's autogroup nice back (idempotent)."""
+        if self._lowered is not None:
+            self._lowered.restore()
+
+    def said(self) -> dict[str, object]:
+        """What the agent reports: its nice, and its session's autogroup nice where it may change it."""
+        return {"nice": os.getpriority(os.PRIO_PROCESS, 0),
+                "autogroup_nice": current(self.path) if self.own_session else None}
