@@ -32,7 +32,7 @@ class AgentConfig:
     rounds: int = 1  # protection rounds before exiting (0: until stopped)
     interval: float = 1.0  # seconds between protection rounds
     timeout: float = 120.0  # seconds to wait for the other agents
-    nice: int = 19  # CPU priority increment, its session's autogroup too (transport/autogroup.Below): below the trainers
+    nice: int = 10  # CPU priority increment, its session's autogroup too (transport/autogroup.Below): below trainers
     pin_lease: float = LEASE_S  # seconds a pin outlives the agent's last renewal
     cpu_share: float = CPU_SHARE  # cap on the agent's CPU time: this fraction of its cores, on average (0: none)
     cpu_cores: float | None = None  # the CPU cap in cores, instead of cpu_share (see launch/config/profiles.py)

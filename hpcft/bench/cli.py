@@ -139,7 +139,7 @@ def restore(**options: Any) -> None:
 @click.option("--cpu-cores", type=click.FloatRange(0), default=None,
               help="Agents' CPU cap in cores instead [default, without --cpu-share: the cpu profile's, 0.01, as "
                    "hpcft run gives agents of CPU trainers]; 0 for none.")
-@click.option("--nice", type=click.IntRange(0, 19), default=19, show_default=True,
+@click.option("--nice", type=click.IntRange(0, 19), default=10, show_default=True,
               help="Agents' CPU priority increment (the agent's default).")
 @click.option("--protect-lag", "lag_bound", type=click.IntRange(min=0), default=LAG_STEPS, show_default=True,
               help="Steps protection may trail before the agents' cap rises, as hpcft run's --protect-lag (0: off).")

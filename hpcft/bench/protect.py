@@ -55,7 +55,7 @@ class ProtectOptions:
     rate: float | None = None      # agents' bytes/s cap; None or 0: none (the agent's default)
     cpu_share: float = CPU_SHARE   # agents' CPU cap, a fraction of this machine's cores (the agent's default)
     cpu_cores: float | None = None # agents' CPU cap in cores instead (what `hpcft run` gives them for CPU trainers)
-    nice: int = 19                 # the agent's default: below the trainers
+    nice: int = 10                 # the agent's default: below the trainers
     lag_bound: int | None = None   # steps protection may trail before the cap rises (`hpcft run --protect-lag`)
     window: float = 60.0           # seconds of training with the agents running freely, after the timed steps
     schemes: tuple[str, ...] = ()  # names from SCHEMES; empty: all

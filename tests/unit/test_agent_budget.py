@@ -113,3 +113,17 @@ def test_below_leaves_a_session_it_does_not_lead_alone(monkeypatch):
     below = autogroup.Below(19, path)
     below.below()
     assert autogroup.current(path) == 0 and below.said()["autogroup_nice"] is None
+
+
+def test_hpcft_status_says_the_budget_once_and_the_cap_in_force():
+    from hpcft.status import NodeView, _cpu_lines
+
+    def node(slot: int, cap: float, nice: int | None) -> NodeView:
+        return NodeView(slot, f"n{slot}", "protecting", 0.1, True, cpu_cores=cap, cpu_budget=1.0, cpu_ceiling=4.0,
+                        cpu_set=56, autogroup_nice=nice)
+
+    assert _cpu_lines([node(0, 1.0, 10), node(1, 1.0, 10)]) == [
+        "agents' CPU: budget 1 cores each, up to 4 over the lag bound, over the 56 cores they may run on, below the "
+        "trainers (autogroup nice 10)", "agents' CPU cap in force: 1 cores"]
+    assert "at the trainers' priority now" in _cpu_lines([node(0, 2.0, 0)])[0]
+    assert _cpu_lines([NodeView(0, None, "absent", None, False)]) == []
