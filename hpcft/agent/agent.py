@@ -325,6 +325,8 @@ def run(cfg: AgentConfig) -> int:
             lag, per_step, round_s = protection_lag(complete, recs)[0], step_seconds(complete), time.monotonic() - began
             over = budget is not None and not drained.is_set() and _steer(budget, mesh, below, cfg,
                                                                           foreseen_lag(lag, per_step, round_s))
+            if drained.is_set():
+                below.level()  # a drain that landed while this round was steered keeps the trainers' priority
             done += 1
             if up is None:  # under hpcft run the supervisor has it: no line per round in the job's agents log
                 print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)
