@@ -79,8 +79,11 @@ def train_through_a_crash(sb: Sandbox, say: Callable[[str], None]) -> int:
     out.mkdir(parents=True)
     job_dir = out / "job"
     active = nodes - 1
-    argv = ["salloc", f"-N{nodes}", f"--ntasks-per-node={TP}", "--no-kill", "-t", "10", "--job-name=hpcft-demo-train",
-            sys.executable, "-m", "hpcft.cli", "run", "--spares", "1", "--tasks-per-node", str(TP),
+    # a confined sandbox (`--confine`) gives each rank its own (fake) GPU, as a Frontier node does
+    gpus = ([f"--gres=gpu:{TP}"], ["--srun-args=--gpus-per-task=1"]) if sb.config.confine else ([], [])
+    argv = ["salloc", f"-N{nodes}", f"--ntasks-per-node={TP}", *gpus[0], "--no-kill", "-t", "10",
+            "--job-name=hpcft-demo-train", sys.executable, "-m", "hpcft.cli", "run", *gpus[1], "--spares", "1",
+            "--tasks-per-node", str(TP),
             "--protect", "xor", "--group", str(active), "--job-dir",
             str(job_dir), "--poll-interval", "0.5", "--kill-grace", "1", "--probe-timeout", "5", "--",
             sys.executable, train_job.__file__]

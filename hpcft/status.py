@@ -84,6 +84,7 @@ class JobView:
     training: int | None = None  # the newest step the trainers completed (their progress, else the newest staged)
     steps_at_risk: int | None = None  # staged steps a node lost now would cost: newest staged − newest resumable
     warnings: list[str] = field(default_factory=list)
+    supervisor: dict[str, Any] | None = None  # who supervises (node, generation, took over from) and how the run ended
 
 
 def collect(rendezvous: str | Path, tag: str | None = None, stale_after: float | None = None,
@@ -118,9 +119,26 @@ def collect(rendezvous: str | Path, tag: str | None = None, stale_after: float |
     cleaned = _cleaned(record)
     sets = [_set_view(placement, pset.index, list(pset.members), nodes, reports, cleaned) for pset in placement.sets] \
         if placement else []
-    view = JobView(str(where), tag, asdict(scheme), stale, nodes, sets, stragglers(record))
+    view = JobView(str(where), tag, asdict(scheme), stale, nodes, sets, stragglers(record),
+                   supervisor=supervision(where.parent, record))
     _judge_lag(view, reports, log, now, max(MIN_STALL_S, 5 * interval))
     return view
+
+
+def supervision(job_dir: Path, record: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Who supervises the job (the batch script's hpcft run, or a janitor that took over: launch/succession.py), from
+    whom it took over, and how the run ended (its summary), if it has."""
+    from hpcft.launch import succession
+
+    found = succession.read(job_dir)
+    if found is None:
+        return None
+    took = [e for e in record if e.get("event") == "takeover"]
+    ended = [e for e in record if e.get("event") == "summary"]
+    return {"node": found.host, "generation": found.generation,
+            "took_over_from": took[-1].get("lost") if took and found.generation else None,
+            "ended": ({"action": ended[-1].get("action"), "exit_code": ended[-1].get("exit_code")}
+                      if ended and ended[-1]["time"] >= found.started else None)}
 
 
 def _newest_launch(reports: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -274,6 +292,13 @@ def render(view: JobView) -> str:
     """The human table."""
     sc = view.scheme
     lines = [f"WARNING: {w}" for w in view.warnings]
+    if view.supervisor:
+        sup = view.supervisor
+        lines.append(f"supervisor on {sup['node']}"
+                     + (f" (generation {sup['generation']}: took over from {sup['took_over_from']})"
+                        if sup["generation"] else "")
+                     + (f"; the run ended: {sup['ended']['action']}, exit status {sup['ended']['exit_code']}"
+                        if sup["ended"] else ""))
     lines += [f"rendezvous {view.rendezvous}  launch {view.tag or 'newest'}  scheme {sc['name']}"
              + (f" (group {sc['group']}, losses {sc['losses']})" if sc["name"] in ("xor", "rs") else "")
              + (f" (distance {sc['distance']})" if sc["name"] == "partner" else ""),

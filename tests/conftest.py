@@ -1,4 +1,6 @@
-"""Shared fixtures: `sandbox` (a real 6-node Slurm cluster, one per session) and `healthy_sandbox`.
+"""Shared fixtures: `sandbox` (a real 6-node Slurm cluster, one per session) and `healthy_sandbox`; their confined
+twins `confined_sandbox` (4 nodes, task/cgroup and fake GPUs, started only for the tests that use it) and
+`healthy_confined_sandbox`.
 
 `sandbox` starts once per pytest session (netns mode, nodes n1..n6: 4 active + 2 spares, no hpcft epilog or
 prolog, as on a cluster whose users cannot install one) in its own directory, so it never touches a user's
@@ -21,6 +23,7 @@ import pytest
 os.environ.setdefault("HPCFT_COPY", "default")
 
 SANDBOX_NODES = 6
+CONFINED_NODES = 4  # hpcft demo's allocation (3 train, 1 spare)
 _PREFIX = "hpcft-pytest-sandbox-"
 _log = logging.getLogger(__name__)
 
@@ -28,7 +31,8 @@ _log = logging.getLogger(__name__)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test that uses the sandbox, so it can be selected or deselected as a group."""
     for item in items:
-        if {"sandbox", "healthy_sandbox"} & set(getattr(item, "fixturenames", ())):
+        if {"sandbox", "healthy_sandbox", "confined_sandbox", "healthy_confined_sandbox"} & \
+                set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.sandbox)
 
 
@@ -50,24 +54,21 @@ def _reap_orphans(root: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """A running 6-node sandbox (hpcft.sandbox.Sandbox); skipped where this machine cannot run one."""
+def _session_sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, suffix: str = "",
+                     **config):
+    """Start a sandbox for the session (stopped, its logs kept if a test failed, at the end): the generator of the
+    `sandbox` and `confined_sandbox` fixtures; **config: its SandboxConfig fields beyond the directory."""
     from hpcft.sandbox import Sandbox, SandboxConfig
-    from hpcft.sandbox.cluster import unavailable_reason
     from hpcft.sandbox.config import plan
 
-    reason = unavailable_reason("netns")
-    if reason:
-        pytest.skip(f"no Slurm sandbox on this machine: {reason}")
     root = Path(os.environ.get("TMPDIR", "/tmp"))
     _reap_orphans(root)
-    directory = root / f"{_PREFIX}{os.getpid()}"
+    directory = root / f"{_PREFIX}{os.getpid()}{suffix}"
     if (directory / "state.json").exists():  # left by an earlier session that had our pid
         Sandbox.load(directory).down()
     # No hpcft epilog or prolog (slurm/): Frontier users cannot install one, so hpcft must clean up by itself;
     # the tests of those scripts run them by hand.
-    sb = Sandbox(plan(SandboxConfig(dir=directory, nodes=SANDBOX_NODES, mode="netns", prolog=None, epilog=None)))
+    sb = Sandbox(plan(SandboxConfig(dir=directory, mode="netns", prolog=None, epilog=None, **config)))
     started = time.monotonic()
     sb.up(timeout=60)  # on failure it stops what it started and the error carries the log tails
     _log.info("sandbox up in %.2f s at %s", time.monotonic() - started, sb.dir)
@@ -75,7 +76,7 @@ def sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         yield sb
     finally:
         if request.session.testsfailed:
-            keep = Path(tmp_path_factory.getbasetemp()) / "sandbox-logs"
+            keep = Path(tmp_path_factory.getbasetemp()) / f"sandbox-logs{suffix}"
             keep.mkdir(parents=True, exist_ok=True)
             for log in sb.log_files():
                 shutil.copy2(log, keep / log.name)
@@ -86,8 +87,39 @@ def sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         shutil.rmtree(sb.dir, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A running 6-node sandbox (hpcft.sandbox.Sandbox); skipped where this machine cannot run one."""
+    from hpcft.sandbox.cluster import unavailable_reason
+
+    reason = unavailable_reason("netns")
+    if reason:
+        pytest.skip(f"no Slurm sandbox on this machine: {reason}")
+    yield from _session_sandbox(request, tmp_path_factory, nodes=SANDBOX_NODES)
+
+
+@pytest.fixture(scope="session")
+def confined_sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A running confined sandbox (`hpcft sandbox up --confine`: task/cgroup, 8 fake GPUs per node) of 4 nodes, beside
+    `sandbox`; skipped where this machine has no cgroup v1 controllers or cgroup namespaces."""
+    from hpcft.sandbox import confine
+    from hpcft.sandbox.cluster import unavailable_reason
+
+    reason = unavailable_reason("netns") or confine.unavailable_reason()
+    if reason:
+        pytest.skip(f"no confined Slurm sandbox on this machine: {reason}")
+    yield from _session_sandbox(request, tmp_path_factory, "-confined", nodes=CONFINED_NODES, confine=True)
+
+
 @pytest.fixture
 def healthy_sandbox(sandbox):
     """The session sandbox, healed after the test: crashed nodes restarted, jobs cancelled, all idle."""
     yield sandbox
     sandbox.heal()
+
+
+@pytest.fixture
+def healthy_confined_sandbox(confined_sandbox):
+    """The session's confined sandbox, healed after the test."""
+    yield confined_sandbox
+    confined_sandbox.heal()

@@ -135,7 +135,9 @@ RECOVERY = (("rank_kill", "rank kill (relaunch in place)"), ("exception", "excep
 def recovery_rows(d: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     """(key, label, phases) of every scenario the report holds, in RECOVERY's order."""
     phases = d.get("phases") or {}
-    return [(k, label, phases[k]) for k, label in RECOVERY if k in phases]
+    taken = (phases.get("batch_host") or {}).get("requeued") is False  # a janitor took over (older runs: requeue)
+    return [(k, label.replace("(requeue)", "(taken over)") if k == "batch_host" and taken else label, phases[k])
+            for k, label in RECOVERY if k in phases]
 
 
 def restart_s(ph: dict[str, Any]) -> float | None:
@@ -160,7 +162,7 @@ def recovery(d: dict[str, Any]) -> list[str]:
     return table(["scenario", "fault → first step", "detection", "relaunch / restart", "restore", "first step",
                   "÷ rank kill"], rows) + [
         "", f"Targets (#14): {'; '.join(judged) or MISSING}. Node crash from Slurm's mark: "
-        f"{cell(d, 'node_crash_s', 's')}; batch host: Slurm's mark → the janitors' requeue "
+        f"{cell(d, 'node_crash_s', 's')}; batch host: Slurm's mark → a janitor acts "
         f"{cell(d, 'batch_host_s', 's')}. Every faulted run ended bit-identical to a fault-free one: "
         f"{num(d.get('identical'))}. Job: {config.get('ranks', '?')} ranks + {config.get('spares', '?')} spares, "
         f"{num(config.get('params'))} parameters, {config.get('steps', '?')} steps, fault after step "

@@ -18,6 +18,7 @@ from hpcft.agent.protection import flush
 from hpcft.agent.protection.bundle import complete_steps
 from hpcft.bench import timeline
 from hpcft.errors import HpcftError
+from hpcft.launch import succession
 from hpcft.launch.node import progress
 from hpcft.slurm import state as slurmstate
 from hpcft.store import job_dir as store_job_dir
@@ -240,13 +241,20 @@ def enospc(scene: Scene, pick: float) -> str:
 
 
 def walltime(scene: Scene, pick: float) -> str:
-    """Slurm's walltime warning now: USR1 to the batch script (hpcft run), which protects, flushes and requeues."""
+    """Slurm's walltime warning now: USR1 to the batch script (hpcft run), which protects, flushes and requeues; to a
+    successor (which Slurm does not signal: it watches the end time itself) straight, as nothing else reaches it."""
+    record = succession.read(scene.job_dir)
+    if record is not None and record.generation:
+        os.kill(record.pid, signal.SIGUSR1)  # the sandbox's nodes share this host's processes
+        return f"job {scene.job_id} (supervisor generation {record.generation})"
     scene.sb.runner().run(["scancel", "--batch", "--signal=USR1", scene.job_id])
     return f"job {scene.job_id}"
 
 
 def _batch_host(scene: Scene) -> str:
-    return slurmstate.job_info(scene.sb.runner(), scene.job_id).batch_host
+    """The node the supervisor runs on: the batch host, or the successor's once a janitor took over."""
+    record = succession.read(scene.job_dir)
+    return record.host if record is not None else slurmstate.job_info(scene.sb.runner(), scene.job_id).batch_host
 
 
 def node_crash(scene: Scene, pick: float, count: int = 1, nodes: list[str] | None = None) -> str:
@@ -280,7 +288,7 @@ def node_crash(scene: Scene, pick: float, count: int = 1, nodes: list[str] | Non
 
 
 def batch_host(scene: Scene, pick: float) -> str:
-    """The node running the batch script (and hpcft run), which also trains: the other nodes' janitors requeue."""
+    """The node running hpcft run (the batch script's, or a successor's), which also trains: a janitor takes over."""
     return node_crash(scene, pick, nodes=[_batch_host(scene)])
 
 

@@ -21,7 +21,7 @@ KINDS = {
     "kill_in_flush": "SIGKILL one node agent while it flushes to the durable tier",
     "two_nodes": "two nodes of one protection set crashed at once (beyond parity: the durable tier serves)",
     "corrupt_chunk": "bytes of the newest snapshot flipped in one node's store, then one of its ranks killed",
-    "batch_host": "the batch script's node (it trains too) frozen, then powered off: its peers' janitors requeue",
+    "batch_host": "the node running hpcft run (it trains too) frozen, then powered off: a janitor takes over",
     "enospc": "one node's /dev/shm full for 8 s: its snapshots are skipped, training goes on",
     "walltime": "Slurm's walltime warning (USR1 to the batch script): protect, flush, requeue, resume",
 }

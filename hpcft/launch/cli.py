@@ -24,7 +24,9 @@ def run(config_file, command, **kwargs) -> None:
     node = devices()  # this node's GPUs: the profile's default, and the check that the profile fits
     cfg = config.load(given(kwargs), config_file=config_file, node=node)
     check_node(cfg, node)
-    click.get_current_context().exit(Supervisor(cfg, command).run())
+    import sys  # a successor runs `hpcft run` again with these arguments (launch/succession.py)
+
+    click.get_current_context().exit(Supervisor(cfg, command, argv=sys.argv[1:]).run())
 
 
 @click.command(cls=SectionedCommand)

@@ -23,6 +23,7 @@ class Ledger:
         self.lost: list[losses.Loss] = []
         self.reshaped: dict[str, list[str]] = {"shrunk": [], "grown": []}
         self.previous: losses.PreviousRun | None = None
+        self.supervisors: list[str] = []  # the successors' nodes, when the supervisor was taken over
         self.reached: int | None = None
         self.why_launch = "first launch"
         self._state_unwritten: str | None = None  # why state.json could not be written last (a full disk)
@@ -44,13 +45,14 @@ class Ledger:
         else:
             self._state_unwritten = None
 
-    def previous_run(self, layout: Layout, requeues: int) -> None:
-        """What this run takes over: the step the trainers had reached (a requeued run's view comes from the log the
-        previous run left) and, when the previous run lost its batch host, that, said at once (`previous_run`)."""
+    def previous_run(self, layout: Layout, requeues: int, generation: int = 0) -> None:
+        """What this run takes over: the step the trainers had reached (a requeued run's or a successor's view comes
+        from the log the previous supervisor left) and, when that one was lost with its node, that, said at once
+        (`previous_run`)."""
         self.reached = self.fabric.view.reached(layout.world_size)
-        if not requeues:
+        if not requeues and not generation:
             return
-        self.why_launch = f"requeued run {requeues}"
+        self.why_launch = f"supervisor generation {generation}" if generation else f"requeued run {requeues}"
         self.previous = losses.PreviousRun.lost_batch_host(events.read(self.job_dir), self.reached)
         if self.previous is not None:
             self.why_launch += f": {self.previous.what()}"
@@ -78,6 +80,7 @@ class Ledger:
                   lost="; ".join(loss.line() for loss in self.lost), steps_lost=losses.steps_lost(self.lost),
                   inprocess_restarts=inproc,  # the ranks' own (restartable)
                   **({"previous_run": self.previous.summary()} if self.previous else {}),
+                  **({"supervised_by": ",".join(self.supervisors)} if self.supervisors else {}),
                   **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines},
                   **stragglers, **({"unwritten": unwritten} if unwritten else {}))
 

@@ -48,35 +48,41 @@ def exit_status(code: int, lost: Sequence[Loss], lost_exit: int) -> int:
 
 @dataclass
 class PreviousRun:
-    """A requeued run's word on the run before it, which lost its batch host (and `hpcft run` with it): said at its
-    start (`previous_run`) and in its summary, with what it cost once the first launch's ranks have restored."""
+    """A requeued run's or a successor's word on the supervisor before it, lost with its node (the batch host, or an
+    earlier successor's): said at its start (`previous_run`) and in its summary, with what it cost once the first
+    launch's ranks have restored."""
     node: str
     state: str
     reached: int | None  # the step the previous run's trainers had reached (the log it left)
-    silent_s: float | None = None  # how long its supervisor had been silent when the janitors requeued the job
+    silent_s: float | None = None  # how long its supervisor had been silent when a janitor acted
     resumed: int | None = None  # the step this run's trainers resumed from
+    how: str = "requeue"  # what the janitor did: "requeue" the job, or "takeover" in the same allocation
 
     @classmethod
     def lost_batch_host(cls, records: Sequence[dict], reached: int | None) -> PreviousRun | None:
-        """The previous run, if the janitors requeued it for its lost batch host (`batch_host_lost action=requeue`
+        """The previous supervisor, if a janitor requeued the job or took over for its lost node (`batch_host_lost`
         after its `start`; `records`: the job's events, oldest first, read before this run's own `start`)."""
         for record in reversed(records):
             if record.get("event") == "start":
                 return None
-            if record.get("event") == "batch_host_lost" and record.get("action") == "requeue":
+            if record.get("event") == "batch_host_lost" and record.get("action") in ("requeue", "takeover"):
                 return cls(str(record.get("node", "?")), str(record.get("state", "?")), reached,
-                           record.get("silent_s"))
+                           record.get("silent_s"), how=str(record["action"]))
         return None
 
     def what(self) -> str:
+        if self.how == "takeover":
+            return f"the supervisor's node {self.node} was lost ({self.state}), and hpcft run with it"
         return f"the previous run lost its batch host {self.node} ({self.state}), and hpcft run with it"
 
     def reason(self) -> str:
         """The start's word: what happened, and what the run resumes from."""
         reached = f"its trainers had reached step {self.reached}; " if self.reached is not None else ""
         silent = f" after {self.silent_s} s of silence" if self.silent_s is not None else ""
-        return (f"{self.what()}: its janitors requeued the job{silent}; {reached}this run resumes from what the "
-                "other nodes hold (event progress_lost says what is lost)")
+        acted = ("a janitor took the supervision over in the same allocation" if self.how == "takeover"
+                 else "its janitors requeued the job")
+        return (f"{self.what()}: {acted}{silent}; {reached}this run resumes from what the other nodes hold (event "
+                "progress_lost says what is lost)")
 
     def summary(self) -> str:
         """The summary's word: what happened and what it cost (losses.loss, as every other loss)."""

@@ -26,7 +26,8 @@ from hpcft.durable.catalog import ENV_PERSIST
 from hpcft.durable.local import ENV_LOCAL
 from hpcft.launch.config.model import RunConfig
 from hpcft.launch.config.resolve import check_paths, check_shape, copy_env, durable_dir
-from hpcft.launch.node.janitor import Janitor, requeue_flag, start_heartbeat
+from hpcft.launch import succession
+from hpcft.launch.node.janitor import JANITOR_STEP_NAME, Janitor, requeue_flag
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.ledger import Ledger
 from hpcft.launch.state import RunState
@@ -34,8 +35,8 @@ from hpcft.launch.policy.failures import EXIT_ERROR, Action, Decision, Event, Ki
 from hpcft.launch.steps.preflight import Preflight
 from hpcft.launch.steps.nodecheck import NodeCheck
 from hpcft.launch.node.srun import TRAIN_STEP_NAME, step_env, trainer_argv
-from hpcft.launch.steps.standbys import Standbys
-from hpcft.launch.steps.stop import StepStopper, tee
+from hpcft.launch.steps.standbys import STANDBY_STEP_NAME, Standbys
+from hpcft.launch.steps.stop import StepStopper, stop_steps_left, tee
 from hpcft.launch.watch.stragglers import StragglerWatch
 from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
@@ -48,11 +49,14 @@ class Supervisor:
     """One `hpcft run`: everything it touches in Slurm goes through `runner`."""
 
     def __init__(self, cfg: RunConfig, command: Sequence[str], *, runner: Runner | None = None,
-                 environ: Mapping[str, str] | None = None, python: str = sys.executable):
+                 environ: Mapping[str, str] | None = None, python: str = sys.executable,
+                 argv: Sequence[str] | None = None):
         self.cfg, self.command = cfg, list(command)
+        self.argv = argv  # `hpcft run`'s arguments, which a successor runs again (None: it cannot)
         self.runner = runner or Runner()
         self.environ = dict(os.environ if environ is None else environ)
         self.python = python
+        self.generation, self.replaces = succession.succeeds(self.environ)  # (0, "") but in a successor
         self.job_id = self.environ.get("SLURM_JOB_ID") or self.environ.get("SLURM_JOBID") or ""
         if not self.job_id:
             raise ConfigError("hpcft run must run inside a Slurm allocation (sbatch or salloc); "
@@ -65,6 +69,8 @@ class Supervisor:
         self._started = time.time()
         self._launched = False  # whether the run got past its start checks (and may have changed the nodes' memory)
         self._requeued_run = False
+        self._end_time: float | None = None
+        self._job_goes_on = False  # Slurm's job outlives this supervisor: requeued, or taken over
         self._stopper = StepStopper(self.runner, self.job_id, cfg.launch.kill_grace, self.emit)
         self._stop_steps = self._stopper.stop
         self.janitor = Janitor(self.runner, self.job_dir, python, self._stop_steps)
@@ -100,13 +106,15 @@ class Supervisor:
 
     def run(self) -> int:
         """Run the command until it succeeds, gives up or is requeued; `hpcft run`'s exit status. States: start (a
-        ConfigError there ends the run before any step, the nodes' memory untouched) → launch → decide → launch again,
-        or finish (done, requeue, stop); SIGTERM ends any state."""
+        ConfigError there ends the run before any step, the nodes' memory untouched) → launch → decide → launch
+        again, or finish (done, requeue, stop); SIGTERM ends any state. A successor ends the Slurm job last."""
         # Handlers first: SIGUSR1's default action would kill us while we still talk to Slurm.
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGUSR1, signal.SIGTERM)}
+        code = EXIT_ERROR
         try:
             saved, info, layout = self._start()
-            return self._loop(saved, info, layout)
+            code = self._loop(saved, info, layout, self._took_over(layout))
+            return code
         except HpcftError as exc:  # every run's decisions are recorded, the one that gives up included
             self.emit("decision", level=logging.ERROR, action=Action.STOP.value, cause="error", reason=str(exc),
                       result=EXIT_ERROR)
@@ -123,6 +131,8 @@ class Supervisor:
             self.fabric.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            if self.generation and not self._job_goes_on:
+                self._end_job(code)  # last: Slurm ends this process with the job
 
     def _start(self) -> tuple[RunState, slurmstate.JobInfo, Layout]:
         """The start state: the saved state, the allocation, the options for its shape, the slots, the services."""
@@ -131,17 +141,30 @@ class Supervisor:
         info = slurmstate.job_info(self.runner, self.job_id)
         saved.requeues = max(saved.requeues, info.restarts)
         self._slurm_run = info.restarts
+        self._end_time = info.end_time  # a successor's walltime warning (_walltime_near)
         # A node excluded earlier that Slurm allocates again is back in service by Slurm's judgement, and may be the
         # only way the job starts (a reservation of its size); its memory is empty: the agents rebuild it as a spare.
         returned = [n for n in saved.excluded if n in info.nodes]
         saved.excluded = [n for n in saved.excluded if n not in returned]
+        # a successor plans the layout its predecessor ran, lost node included (Slurm may have removed it from the
+        # job): its first decision replaces that node as any lost node is (_took_over); a lost spare is just left out
+        lost_slot = self.replaces in saved.slots
+        if self.replaces and not lost_slot and self.replaces not in saved.excluded:
+            saved.excluded.append(self.replaces)
+        nodes = [*info.nodes, *([self.replaces] if lost_slot and self.replaces not in info.nodes else [])]
+        usable = sum(n not in saved.excluded for n in nodes)
+        if self.generation and saved.slots:  # the job lost nodes before: the slots as they were, the spares left
+            self.cfg = self.cfg.but(nodes=len(saved.slots),
+                                    spares=max(0, min(self.cfg.launch.spares, usable - len(saved.slots))))
         # the allocation's shape decides what the options mean (auto protection, set sizes): refused before any step
-        self.cfg = self.base_cfg = check_shape(self.cfg, sum(n not in saved.excluded for n in info.nodes))
-        layout = Layout.plan(info.nodes, active=self.cfg.launch.nodes, spares=self.cfg.launch.spares,
+        self.cfg = self.base_cfg = check_shape(self.cfg, usable)
+        layout = Layout.plan(nodes, active=self.cfg.launch.nodes, spares=self.cfg.launch.spares,
                              tasks_per_node=self.cfg.launch.tasks_per_node or self.profile.tasks_per_node,
                              excluded=saved.excluded, previous=saved.slots)
         self._launched = True  # from here on the run may have changed the nodes' memory
-        start_heartbeat(self.job_dir)  # the janitors requeue the job when it stops with the batch host
+        # the janitors after this node watch it over the network, and one takes over if it is lost (or requeues)
+        self.beacon = succession.start(self.job_dir, self.environ, agent_iface(self.cfg), self.argv,
+                                       self.cfg.recovery.takeover, self.cfg.recovery.probe_timeout)
         if returned:
             self.emit("node_returned", level=logging.WARNING, nodes=",".join(returned),
                       reason="excluded by an earlier run, allocated again by Slurm: used as a healthy node whose "
@@ -150,7 +173,7 @@ class Supervisor:
         self.base_world = layout.world_size
         self.grow_watch.target = len(layout.slots)
         self._requeued_run = saved.requeues > 0
-        self.ledger.previous_run(layout, saved.requeues)  # before `start`: it reads the previous run's events
+        self.ledger.previous_run(layout, saved.requeues, self.generation)  # before `start`: it reads the events
         self.emit("start", slots=",".join(layout.slots), spares=",".join(layout.spares),
                   excluded=",".join(layout.excluded), restarts=saved.restarts, requeues=saved.requeues,
                   kept=",".join(kept), profile=self.profile.name, protect=self.cfg.protection.protect,
@@ -164,21 +187,25 @@ class Supervisor:
             self.agents.prepare()
         return saved, info, layout
 
-    def _loop(self, saved: RunState, info: slurmstate.JobInfo, layout: Layout) -> int:
-        """Launch, decide, launch again or finish."""
+    def _loop(self, saved: RunState, info: slurmstate.JobInfo, layout: Layout, event: Event | None = None) -> int:
+        """Launch, decide, launch again or finish; `event`: one to decide on first (a successor's lost node)."""
         while True:
-            self.stragglers.launched(self.cfg, saved.restarts)
-            event = self._launch(layout, saved.launches)
-            if self._signal == signal.SIGTERM:
-                self.agents.stop()
-                self.emit("terminated", level=logging.WARNING, reason="SIGTERM (scancel, preemption or requeue)")
-                return 128 + signal.SIGTERM
-            decision = self._decide(event, layout, saved, info)
+            if self._superseded():
+                return EXIT_ERROR
+            if event is None:
+                self.stragglers.launched(self.cfg, saved.restarts)
+                event = self._launch(layout, saved.launches)
+                if self._signal == signal.SIGTERM:
+                    self.agents.stop()
+                    self.emit("terminated", level=logging.WARNING, reason="SIGTERM (scancel, preemption or requeue)")
+                    return 128 + signal.SIGTERM
+            decision, event = self._decide(event, layout, saved, info), None
             saved.slots = list(layout.slots)  # the nodes that held the slots' snapshots in this run
             layout = decision.layout
             saved.excluded = list(layout.excluded)
             if decision.action in RELAUNCHES:
                 saved.count(decision.action)
+                saved.slots = list(layout.slots)  # the next launch's (its agents rebuild there): a successor's plan
                 self.ledger.save(saved)
                 continue
             self.ledger.save(saved)
@@ -210,8 +237,53 @@ class Supervisor:
         self.ledger.decided(decision, event, self.cfg.protection.protect)
         return decision
 
+    def _took_over(self, layout: Layout) -> Event | None:
+        """A successor's start: the steps its predecessor left stopped (but the janitors, of which this process is one,
+        and the warm standbys, adopted), and the event to decide on first: the predecessor's node lost. None for the
+        batch script's run."""
+        if not self.generation:
+            return None
+        left, kept = stop_steps_left(self.runner, self.job_id, keep=(JANITOR_STEP_NAME, STANDBY_STEP_NAME))
+        if STANDBY_STEP_NAME in kept:
+            self.standbys.adopt()  # warm on the live nodes; a new step would import for seconds
+        me = self.environ.get("SLURMD_NODENAME", "?")
+        self.emit("takeover", level=logging.WARNING, generation=self.generation, node=me, lost=self.replaces,
+                  stopped=",".join(left), reason=f"the supervisor on {self.replaces} was lost with its node: {me} "
+                                                 f"supervises the job from here (generation {self.generation})")
+        self.ledger.supervisors += [self.replaces, me]
+        return Event.nodes_lost({self.replaces: "the supervisor's node: lost"}) if self.replaces in layout.slots \
+            else None
+
+    def _walltime_near(self) -> bool:
+        """A successor's walltime warning: Slurm signals the batch script, which died with its node."""
+        if not self.generation or self._end_time is None:
+            return False
+        return time.time() >= self._end_time - max(self.cfg.recovery.requeue_margin, self.cfg.launch.poll_interval)
+
+    def _superseded(self) -> bool:
+        """Whether a successor took the supervision over (a janitor found this one silent on a node Slurm called
+        lost: a network partition, not a crash): then this one touches nothing more, and ends."""
+        record = succession.read(self.job_dir)
+        if record is None or record.generation <= self.generation:
+            return False
+        self.agents.stop(ask=False)
+        self._job_goes_on = True  # its successor ends it
+        self.emit("superseded", level=logging.ERROR, generation=self.generation, successor=record.host,
+                  reason=f"the janitors found this supervisor silent and its node lost: {record.host} supervises the "
+                         f"job since (generation {record.generation}); this one stops without touching anything")
+        return True
+
+    def _end_job(self, code: int) -> None:
+        """A successor's last act: end the Slurm job as its batch script would have (that script died with its node),
+        COMPLETED for status 0, FAILED otherwise."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm ends this process with the job: say how first
+        how = slurmstate.complete(self.runner, self.job_id, code)
+        self.emit("job_ended", level=logging.INFO if code == 0 else logging.WARNING, exit_code=code, by=how,
+                  generation=self.generation)
+
     def _finish(self, decision: Decision, saved: RunState) -> int:
         if decision.action is Action.REQUEUE:
+            self._job_goes_on = True
             saved.requeues += 1
             self.ledger.save(saved)
         code = losses.exit_status(int(decision.exit_code or 0), self.ledger.lost, self.cfg.recovery.lost_progress_exit)
@@ -357,6 +429,9 @@ class Supervisor:
                 self.emit("signal", level=logging.WARNING, signal="USR1", meaning="stale", ignored=True, reason=stale)
                 self._signal = None
                 self._wake.clear()
+            if self._walltime_near():
+                return Event(Kind.WALLTIME, detail="the walltime is near (a successor gets no USR1: it watches the "
+                                                   "job's end time itself)")
             bad = self.nodes.bad(layout.slots, probe=False, closed=False)  # a drain alone stops nothing
             if bad:
                 return Event.nodes_lost(bad)

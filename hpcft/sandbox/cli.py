@@ -28,17 +28,20 @@ def sandbox() -> None:
 @click.option("--ctld-port", type=int, default=None, help="slurmctld port [6817 netns, 17000 local].")
 @click.option("--slurmd-port", type=int, default=None, help="slurmd port (local: the first node's) [6818, ctld+1].")
 @click.option("--subnet", default="10.77.0", show_default=True, help="netns: /24 used only inside the sandbox.")
+@click.option("--confine", is_flag=True, help="Confine steps as a real node does: task/cgroup, task/affinity, "
+              "proctrack/cgroup (cgroup v1), 8 fake GPUs per node as GRES; the nodes declare this machine's CPUs.")
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for every node to be idle.")
 @dir_option
-def up(nodes: int, mode: str, ctld_port: int | None, slurmd_port: int | None, subnet: str, timeout: float,
-       directory: Path | None) -> None:
+def up(nodes: int, mode: str, ctld_port: int | None, slurmd_port: int | None, subnet: str, confine: bool,
+       timeout: float, directory: Path | None) -> None:
     """Start the sandbox and wait until every node is idle (exit 0 if it is already up)."""
     config = SandboxConfig(dir=sandbox_dir(directory), nodes=nodes, mode=mode, ctld_port=ctld_port,
-                           slurmd_port=slurmd_port, subnet=subnet)
+                           slurmd_port=slurmd_port, subnet=subnet, confine=confine)
     t0 = time.monotonic()
     sb, started = ensure_up(config, timeout=timeout)
     how = f"up in {time.monotonic() - t0:.1f} s" if started else "already up"
-    click.echo(f"sandbox {how}: {len(sb.node_names)} nodes, mode {sb.config.mode}, dir {sb.dir}")
+    confined = ", confined" if sb.config.confine else ""
+    click.echo(f"sandbox {how}: {len(sb.node_names)} nodes, mode {sb.config.mode}{confined}, dir {sb.dir}")
     _print_usage(sb)
 
 

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hpcft.errors import SandboxError, SlurmError
-from hpcft.sandbox import mounts, munge, netns, procs
+from hpcft.sandbox import confine, mounts, munge, netns, procs
 from hpcft.sandbox.config import Layout, SandboxConfig, plan, render_hosts, render_mpi_conf, render_slurm_conf
 from hpcft.slurm.runner import Runner
 
@@ -34,11 +34,13 @@ _NEEDED = {
 class Sandbox:
     """One sandbox directory: its layout, and the daemons (groups) started for it."""
 
-    def __init__(self, layout: Layout, groups: Mapping[str, dict] | None = None, created_netns: Iterable[str] = ()):
+    def __init__(self, layout: Layout, groups: Mapping[str, dict] | None = None, created_netns: Iterable[str] = (),
+                 created_cgroups: Iterable[str] = ()):
         self.layout = layout
         self.groups: dict[str, procs.Group | None] = {k: procs.Group.from_json(v) if v else None
                                                       for k, v in (groups or {}).items()}
         self.created_netns: list[str] = list(created_netns)
+        self.created_cgroups: list[str] = list(created_cgroups)  # confined: every node's cgroup, all controllers
 
     # -- construction and the state file ------------------------------------------------------
     @classmethod
@@ -55,7 +57,7 @@ class Sandbox:
                 from exc
         config = SandboxConfig(**{**data["config"], "dir": Path(data["config"]["dir"])})
         layout = plan(config, hostname=data["ctld_host"])
-        return cls(layout, data.get("groups"), data.get("netns", []))
+        return cls(layout, data.get("groups"), data.get("netns", []), data.get("cgroups", []))
 
     @property
     def dir(self) -> Path:
@@ -75,7 +77,7 @@ class Sandbox:
                 "ctld_host": lay.ctld_host, "controller": {"host": lay.ctld_host, "addr": lay.ctld_addr,
                                                            "port": lay.ctld_port},
                 "nodes": [asdict(n) for n in lay.nodes], "client_prefix": self.client_prefix(),
-                "slurm_conf": str(lay.slurm_conf), "netns": self.created_netns,
+                "slurm_conf": str(lay.slurm_conf), "netns": self.created_netns, "cgroups": self.created_cgroups,
                 "groups": {k: g.to_json() if g else None for k, g in self.groups.items()}}
         tmp = self.dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
@@ -149,6 +151,8 @@ class Sandbox:
     def preflight(self) -> None:
         """Fail early, naming the missing privilege, binary or busy port, before anything starts."""
         check_machine(self.config.mode)
+        if self.config.confine and (why := confine.unavailable_reason()):
+            raise SandboxError(f"no confined sandbox on this machine: {why}; start one without --confine")
         if self.config.mode == "local":
             ports = [("slurmctld", self.layout.ctld_port)] + [(f"slurmd {n.name}", n.port) for n in self.layout.nodes]
             for who, port in ports:
@@ -169,6 +173,8 @@ class Sandbox:
         self.layout.slurm_conf.write_text(render_slurm_conf(self.layout))
         self.layout.mpi_conf.write_text(render_mpi_conf(self.layout))
         self.layout.hosts_file.write_text(render_hosts(self.layout))
+        lay = self.layout
+        confine.write_files(lay.cgroup_conf, lay.gres_conf, lay.gpu_dir, self.config.confine)
         munge.prepare(d / "munge")
 
     def _marker(self, name: str) -> str:
@@ -216,6 +222,10 @@ class Sandbox:
         own = mounts.node_mounts(self.layout, name, self._marker(name))
         ns = self._netns_options(node.netns, node.hostname)
         ns["binds"] = [*ns.get("binds", ()), *own.binds]
+        if self.config.confine:
+            directories, options = confine.prepare_node(self.config.tag, name)
+            self.created_cgroups += [str(d) for d in directories if str(d) not in self.created_cgroups]
+            ns.update(options)
         self._spawn(name, argv, tmpfs=own.tmpfs, **ns)
 
     # -- readiness -------------------------------------------------------------------------------
@@ -314,6 +324,11 @@ class Sandbox:
         try:
             netns.delete(self.created_netns)
             self.created_netns = []
+        except SandboxError as exc:
+            errors.append(str(exc))
+        try:
+            confine.remove([Path(d) for d in self.created_cgroups])
+            self.created_cgroups = []
         except SandboxError as exc:
             errors.append(str(exc))
         if errors:

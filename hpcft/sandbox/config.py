@@ -8,6 +8,7 @@ from pathlib import Path
 from hpcft.errors import ConfigError
 
 MODES = ("netns", "local")
+GPUS = 8  # the confined sandbox's fake GPUs per node, as a Frontier node's 8 GCDs
 MAX_NODES = 64
 
 
@@ -37,6 +38,9 @@ class SandboxConfig:
     shm_size: str = "2g"
     prolog: str | None = field(default_factory=lambda: _slurm_script("prolog.sh"))  # slurm.conf Prolog= (None: none)
     epilog: str | None = field(default_factory=lambda: _slurm_script("epilog.sh"))  # slurm.conf Epilog= (None: none)
+    # task/cgroup + task/affinity, proctrack/cgroup, 8 fake GPUs per node (hpcft/sandbox/confine.py); the nodes then
+    # declare this machine's real CPUs, not `cpus` (a cpuset holds only CPUs that exist)
+    confine: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", Path(self.dir).absolute())
@@ -52,6 +56,11 @@ class SandboxConfig:
             port = getattr(self, name)
             if port is not None and not 1 <= port <= 65535 - MAX_NODES:
                 raise ConfigError(f"sandbox {name} {port} is out of range")
+
+    @property
+    def node_cpus(self) -> int:
+        """The CPUs each node declares: `cpus`, or this machine's when confined."""
+        return (os.cpu_count() or 1) if self.confine else self.cpus
 
     @property
     def tag(self) -> str:
@@ -92,6 +101,19 @@ class Layout:
     @property
     def mpi_conf(self) -> Path:
         return self.dir / "etc" / "mpi.conf"
+
+    @property
+    def cgroup_conf(self) -> Path:
+        return self.dir / "etc" / "cgroup.conf"
+
+    @property
+    def gres_conf(self) -> Path:
+        return self.dir / "etc" / "gres.conf"
+
+    @property
+    def gpu_dir(self) -> Path:
+        """The confined sandbox's fake GPUs (confine.make_gpus)."""
+        return self.dir / "dev"
 
     @property
     def hosts_file(self) -> Path:
@@ -144,7 +166,8 @@ def plan(config: SandboxConfig, hostname: str | None = None) -> Layout:
 
 
 def render_slurm_conf(layout: Layout) -> str:
-    """slurm.conf for the sandbox: no cgroups, no accounting, fast failure detection and requeue."""
+    """slurm.conf for the sandbox: no accounting, fast failure detection and requeue; no cgroups, or (confined) a
+    real node's task/cgroup + task/affinity and proctrack/cgroup, and GPUs as GRES."""
     d = layout.dir
     lines = [
         "# Written by `hpcft sandbox up`; rewritten on every start.", "ClusterName=hpcft-sandbox",
@@ -155,7 +178,8 @@ def render_slurm_conf(layout: Layout) -> str:
         f"SlurmctldPidFile={d}/run/slurmctld.pid", f"SlurmdPidFile={d}/run/slurmd-%n.pid",
         f"SlurmctldLogFile={layout.log_dir}/slurmctld.log", f"SlurmdLogFile={layout.log_dir}/slurmd-%n.log",
         "SlurmctldDebug=info", "SlurmdDebug=info", "MailProg=/bin/true",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+        *(("ProctrackType=proctrack/cgroup", "TaskPlugin=task/cgroup,task/affinity", "GresTypes=gpu")
+          if layout.config.confine else ("ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none")),
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SlurmdParameters=config_overrides",
         "MpiDefault=none", "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
         "SlurmdTimeout=10", "SlurmctldTimeout=10", "MessageTimeout=5", "KillWait=3",
@@ -163,9 +187,10 @@ def render_slurm_conf(layout: Layout) -> str:
     ]
     cfg = layout.config
     lines += [f"{key}={path}" for key, path in (("Prolog", cfg.prolog), ("Epilog", cfg.epilog)) if path]
+    gres = f" Gres=gpu:{GPUS}" if cfg.confine else ""
     for node in layout.nodes:
         lines.append(f"NodeName={node.name} NodeHostname={node.hostname} NodeAddr={node.addr} Port={node.port} "
-                     f"CPUs={cfg.cpus} RealMemory={cfg.memory_mb} State=UNKNOWN")
+                     f"CPUs={cfg.node_cpus} RealMemory={cfg.memory_mb}{gres} State=UNKNOWN")
     lines.append("PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
     return "\n".join(lines) + "\n"
 

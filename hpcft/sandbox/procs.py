@@ -83,10 +83,13 @@ def pids_in_mntns(inode: int, marker: str) -> list[int]:
 
 def namespaced(argv: Sequence[str], *, marker: str, marker_dir: Path, netns: str | None = None,
                hostname: str | None = None, binds: Sequence[tuple[Path, str]] = (),
-               tmpfs: Sequence[tuple[str, str, str]] = ()) -> list[str]:
+               tmpfs: Sequence[tuple[str, str, str]] = (), cgroups: Sequence[Path] = (),
+               cgroup_mounts: Sequence[tuple[str, str]] = ()) -> list[str]:
     """argv run in a new private mount namespace (and UTS namespace with `hostname`, net namespace `netns`): the
     marker tmpfs on `marker_dir`, bind mounts (source, target), tmpfs mounts (name, options, target), then `exec
-    argv`. Not `ip netns exec`: it remounts /sys."""
+    argv`. With `cgroups` it first joins those (v1) cgroups and makes a cgroup namespace rooted there, in which each
+    (controller, mount point) of `cgroup_mounts` is mounted afresh: its own view. Not `ip netns exec`: it remounts
+    /sys."""
     q = shlex.quote
     steps = ["set -e"]
     if hostname:
@@ -94,8 +97,14 @@ def namespaced(argv: Sequence[str], *, marker: str, marker_dir: Path, netns: str
     steps.append(f"mount -t tmpfs -o size=4k,mode=0700 {q(marker)} {q(str(marker_dir))}")
     steps += [f"mount --bind {q(str(src))} {q(dst)}" for src, dst in binds]
     steps += [f"mount -t tmpfs -o {q(opts)} {q(name)} {q(target)}" for name, opts, target in tmpfs]
+    for controller, point in cgroup_mounts:  # unmounted first: the kernel refuses the same hierarchy on its own root
+        steps += [f"umount {q(point)}", f"mount -t cgroup -o {q(controller)} cgroup {q(point)}"]
     steps.append("exec " + " ".join(q(str(a)) for a in argv))
-    cmd = ["unshare", "-m", *(["--uts"] if hostname else []), "--propagation", "private", "sh", "-c", "\n".join(steps)]
+    cmd = ["unshare", "-m", *(["--uts"] if hostname else []), *(["--cgroup"] if cgroups else []),
+           "--propagation", "private", "sh", "-c", "\n".join(steps)]
+    if cgroups:  # joined before the namespace is made: its root is where the shell is then
+        joins = "".join(f"echo $$ > {q(str(Path(c) / 'cgroup.procs'))}\n" for c in cgroups)
+        cmd = ["sh", "-c", f"set -e\n{joins}exec " + " ".join(q(a) for a in cmd)]
     return (["nsenter", f"--net=/run/netns/{netns}"] if netns else []) + cmd
 
 
@@ -155,11 +164,31 @@ def stopped(pid: int) -> bool:
     return bool(fields) and fields[0] in ("T", "t")
 
 
+def _leaves_first(pids: list[int]) -> list[int]:
+    """`pids` with every process before its parent. A frozen node killed parents first would run again: a stopped
+    process group orphaned by its parent's death gets SIGHUP and SIGCONT from the kernel (POSIX), and an srun woken
+    so forwards SIGKILL to its step's tasks on every other node, which no crashed node can do."""
+    parent = {}
+    for pid in pids:
+        fields = _stat_fields(pid)
+        parent[pid] = int(fields[1]) if fields else 0
+
+    def depth(pid: int) -> int:
+        d, seen = 0, {pid}
+        while (pid := parent.get(pid, 0)) in parent and pid not in seen:
+            d, seen = d + 1, seen | {pid}
+        return d
+
+    return sorted(pids, key=depth, reverse=True)
+
+
 def kill(group: Group, sig: int = signal.SIGKILL, timeout: float = 5.0) -> None:
-    """Send `sig` to every member until none is left (SIGKILL) or the daemon itself has exited (others)."""
+    """Send `sig` to every member until none is left (SIGKILL: children before parents) or the daemon itself has
+    exited (others)."""
     deadline = time.monotonic() + timeout
     while True:
-        pids = members(group) if sig == signal.SIGKILL else [p for p in [group.pid] if alive(p, group.start_time)]
+        pids = (_leaves_first(members(group)) if sig == signal.SIGKILL
+                else [p for p in [group.pid] if alive(p, group.start_time)])
         if not pids:
             return
         for pid in pids:

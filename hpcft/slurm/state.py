@@ -282,3 +282,15 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0) -> 
                      code, out)
         return Requeued([], allowed, reported, keep_out)
     return Requeued(keep_out, allowed, reported)
+
+
+def complete(runner: Runner, job_id: str, exit_code: int) -> str:
+    """End a batch job whose batch script died with its node, as that script's exit would (libslurm); failing that,
+    cancel it (the job reads CANCELLED though hpcft run ended with `exit_code`). How it was ended."""
+    from hpcft.slurm.libslurm import complete_job
+
+    why = complete_job(job_id, exit_code)
+    if why is None:
+        return "slurm_complete_job"
+    runner.run(["scancel", job_id], check=False)
+    return f"scancel ({why})"

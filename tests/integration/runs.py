@@ -38,7 +38,9 @@ def told(out: Path, events_kept: int = 40, lines_kept: int = 60) -> str:
     agents = {tag: agent_status.read(out / "job" / "agents", tag) for tag in "0123"}
     logs = sorted((out / "job").glob("agents-*.log"), key=lambda p: p.stat().st_mtime)[-2:]  # what srun said of them
     steps = [f"{p.name}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines_kept // 3:]) for p in logs]
-    return ("\n--- events ---\n" + "\n".join(said) + "\n--- job.out ---\n" + "\n".join(lines)
+    successors = [f"{p.name}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines_kept // 3:])
+                  for p in sorted((out / "job").glob("supervisor-*.log"))]  # a successor's output (a lost batch host)
+    return ("\n--- events ---\n" + "\n".join(said) + "\n--- job.out ---\n" + "\n".join(lines + successors)
             + "\n--- agents ---\n" + "\n".join(f"{t}: {s}" for t, s in agents.items() if s)
             + "\n--- agents' steps ---\n" + "\n".join(steps))
 
@@ -103,15 +105,17 @@ def resumed_from(out: Path) -> dict[str, int]:
 
 
 def start(sandbox, out: Path, allocate: int, *args: str, per_node: int = 1, steps: int = STEPS, delay: float = 0.0,
-          verbose: bool = True, minutes: int = 5, python: str = sys.executable, **env: str) -> subprocess.Popen:
-    """`salloc -N<allocate> --ntasks-per-node=<per_node> --no-kill -t <minutes> python -m hpcft.cli [-v] run ARGS --
-    python train_job.py` in the sandbox, at once (without -v, the job output is what a person reads by default);
-    `python`: the interpreter of both, this one by default."""
+          verbose: bool = True, minutes: int = 5, python: str = sys.executable, job: Path = JOB,
+          salloc: tuple[str, ...] = (), **env: str) -> subprocess.Popen:
+    """`salloc -N<allocate> --ntasks-per-node=<per_node> [SALLOC] --no-kill -t <minutes> python -m hpcft.cli [-v] run
+    ARGS -- python train_job.py` (or `job`) in the sandbox, at once (without -v, the job output is what a person reads
+    by default); `python`: the interpreter of both, this one by default."""
     out.mkdir(parents=True, exist_ok=True)
     env = {"OUT": str(out), "STEPS": str(steps), "STEP_DELAY": str(delay), "PYTHONUNBUFFERED": "1", **env}
-    argv = ["salloc", f"-N{allocate}", f"--ntasks-per-node={per_node}", "--no-kill", "-t", str(minutes), python, "-m",
+    argv = ["salloc", f"-N{allocate}", f"--ntasks-per-node={per_node}", *salloc, "--no-kill", "-t", str(minutes),
+            python, "-m",
             "hpcft.cli", *(["-v"] if verbose else []), "run", "--job-dir", str(out / "job"), "--poll-interval", "0.5", "--kill-grace", "1", "--probe-timeout", "5",
-            "--requeue-margin", "30", *args, "--", python, str(JOB)]
+            "--requeue-margin", "30", *args, "--", python, str(job)]
     return sandbox.runner().popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -16,7 +16,7 @@ from hpcft import events
 from hpcft.launch.node import progress
 
 STEPS, DELAY, TASKS = 50, 0.25, 2
-ALLOWED = {"status.json", "supervisor.alive", "events.jsonl"}  # the supervisor's own files, one writer each
+ALLOWED = {"status.json", "events.jsonl"}  # the supervisor's own files, one writer each
 
 
 def _scan(job: Path) -> dict[str, tuple[int, int]]:
@@ -64,7 +64,6 @@ def test_a_protected_run_with_several_tasks_per_node_writes_nothing_per_step_und
     moved = {path for path, n in changes.items() if n}
     assert moved <= ALLOWED, f"written while the job trained: {moved - ALLOWED}"
     assert 2 <= changes["status.json"] <= 1.5 * window + 2, (changes["status.json"], window)  # live, ≤ ~1 Hz
-    assert changes.get("supervisor.alive", 0) <= 1.5 * window + 2
     lines = [e for e in events.read(job) if t0 <= e["time"] <= t1]
     assert sum(e["event"] == "snapshot_protected" for e in lines) <= steps + 2, lines[-10:]  # one per step, all nodes
     assert all(e.get("slots") == 3 for e in events.read(job) if e["event"] == "snapshot_protected")

@@ -3,8 +3,8 @@ delivered again into the requeued run before its first step is recognised as sta
 → the newest snapshot protected, requeue → the restarted job (SLURM_RESTART_COUNT=1) gets the nodes that came back
 in their slots, the agents rebuild the lost one and training resumes bit-identical; `hpcft clean` /
 slurm/epilog.sh keep a job's store while a requeue is pending, remove it afterwards; slurm/prolog.sh sweeps the
-stores of jobs that ended; a lost batch host (the session's recovery bench run, conftest.py) is requeued by the
-janitors and the job resumes from the survivors' memory."""
+stores of jobs that ended; a lost batch host (the session's recovery bench run, conftest.py) is taken over by a
+janitor in the same allocation, and so is the successor's own node (a chain), each job ending COMPLETED."""
 import json
 import os
 import signal
@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from runs import FAULT_AT, JOB, agents_ready, assert_same_result, wait, wait_progress, wait_protected
+from runs import FAULT_AT, JOB, agents_ready, assert_same_result, told, wait, wait_progress, wait_protected
 
 from hpcft import events
+from hpcft.launch import succession
 from hpcft.launch.node import progress
 from hpcft.slurm.state import fields
 from hpcft.store.paths import mark_run, marked_run
@@ -274,27 +275,81 @@ def test_a_job_that_ends_completed_failed_or_cancelled_leaves_nothing_in_node_me
 
 
 @pytest.mark.timeout(900)  # the session's recovery bench, if no test has made it yet
-def test_a_lost_batch_host_is_requeued_by_the_janitors_and_the_job_resumes_from_what_survives(recovery_bench,
-                                                                                             dp_reference):
-    # the recovery bench's batch-host run (conftest.py): `hpcft submit --nodes 4 --spares 0 --protect xor`, the batch
-    # script's node lost (a power loss: frozen, powered off after the requeue) once every agent had protected step
+def test_a_lost_batch_host_is_taken_over_by_a_janitor_and_the_job_completes_without_a_requeue(recovery_bench,
+                                                                                              dp_reference):
+    # the recovery bench's batch-host run (conftest.py): `hpcft submit --nodes 4 --spares 1 --protect xor`, the batch
+    # script's node lost (a power loss: frozen, powered off once a janitor acted) once every agent had protected step
     # FAULT_AT + 1
     out = recovery_bench.runs / "batch-host"
     recs = events.read(out / "job")
     starts = [e for e in recs if e["event"] == "start"]
     assert len(starts) == 2, starts
-    slots = starts[0]["slots"].split(",")
+    slots, spares = starts[0]["slots"].split(","), starts[0]["spares"].split(",")
     lost = [e for e in recs if e["event"] == "batch_host_lost"]
-    assert [(e["node"], e["action"]) for e in lost] == [(slots[0], "requeue")], lost  # hpcft run lives on slot 0
-    restart = starts[1]
-    assert restart["requeues"] == 1 and restart["slots"].split(",")[1:] == slots[1:], restart
+    assert [(e["node"], e["action"], e["generation"]) for e in lost] == [(slots[0], "takeover", 1)], lost
+    took = [e for e in recs if e["event"] == "takeover"]
+    assert len(took) == 1 and took[0]["lost"] == slots[0] and took[0]["node"] in slots[1:] + spares, took
+    assert starts[1]["requeues"] == 0, starts[1]  # the same allocation: no requeue
+    made = [(e["action"], e["cause"]) for e in recs if e["event"] == "decision"]
+    assert made[0][0] == "replace" and made[-1] == ("done", "success"), made
+    launch = [e for e in recs if e["event"] == "launch"][-1]
+    assert launch["slots"].split(",") == [spares[0], *slots[1:]], launch  # the spare took the lost slot
     ready = [e for e in recs if e["event"] == "agents_ready"][-1]
-    assert ready["rebuild"] is True and ready["rebuilt"] == restart["slots"].split(",")[0], ready
+    assert ready["rebuild"] is True and ready["rebuilt"] == spares[0], ready
     assert ready["step"] >= FAULT_AT + 1
-    assert _restored(out, "1.") == {ready["step"]}
     summary = [e for e in recs if e["event"] == "summary"]
-    assert summary and (summary[-1]["action"], summary[-1]["exit_code"]) == ("done", 0), summary  # it completed
+    assert summary and (summary[-1]["action"], summary[-1]["exit_code"]) == ("done", 0), summary
+    assert summary[-1]["supervised_by"] == f"{slots[0]},{took[0]['node']}", summary[-1]
+    ended = [e for e in recs if e["event"] == "job_ended"]
+    assert ended and ended[-1]["by"] == "slurm_complete_job", ended
+    phases = recovery_bench.report["phases"]["batch_host"]
+    assert phases["requeued"] is False and phases["job_state"] == "COMPLETED", phases
+    status = subprocess.run([sys.executable, "-m", "hpcft.cli", "status", "--json", str(out / "job")],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["supervisor"] == {"node": took[0]["node"], "generation": 1,
+                                                       "took_over_from": slots[0],
+                                                       "ended": {"action": "done", "exit_code": 0}}
     assert_same_result(out, dp_reference)
+
+
+def test_a_chain_of_successors_survives_the_successors_own_node_and_the_job_completes(healthy_sandbox, reference,
+                                                                                      tmp_path):
+    """The batch host lost (frozen, powered off once a janitor took over), then the node of the janitor that took over
+    (generation 1), itself training: generation 2 takes over, a spare each time, and the job ends COMPLETED in the
+    same allocation, bit-identical, with no requeue."""
+    runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
+    holds = {1: 5, 2: 12}  # launch 0 waits after step 5, launch 1 after step 12: no loss can race the job's end
+    job = _submit(healthy_sandbox, out, "--nodes", "3", "--spares", "2", "--warn", "60", "--probe-timeout", "5",
+                  "--kill-grace", "1", "--protect", "xor", "--group", "3", STEPS=STEPS, STEP_DELAY="0.1",
+                  HOLD_AT=",".join(map(str, holds.values())), HOLD_FILE=f"{out}/never0,{out}/never1")
+    log = lambda: events.read(job_dir)  # noqa: E731
+    for generation in (1, 2):
+        tag = str(generation - 1)  # the launch whose agents must have protected its hold step before its node goes
+        wait_progress(job_dir, 0, holds[generation], timeout=120)
+        wait_protected(out, tag, slots=3, timeout=120, above=holds[generation] - 1)
+        host = succession.read(job_dir).host
+        slots = [e for e in log() if e["event"] == "launch"][-1]["slots"].split(",")
+        assert host in slots, (host, slots)  # the supervisor's node trains: its loss is a node loss too
+        healthy_sandbox.freeze_node(host)
+        wait(lambda: any(e["event"] == "takeover" and e["generation"] == generation for e in log()),
+             f"generation {generation} to take over", 120, story=out)
+        healthy_sandbox.crash_node(host)
+        wait(lambda: agents_ready(job_dir, str(generation)) is not None, "the successor's agents", 120, story=out)
+    wait(lambda: _ended(runner, job), "the job to end", 240, story=out)
+    assert _state(runner, job) == "COMPLETED", told(out)
+    recs = log()
+    lost = [(e["generation"], e["action"]) for e in recs if e["event"] == "batch_host_lost"]
+    assert lost == [(1, "takeover"), (2, "takeover")], lost
+    made = [(e["action"], e["cause"]) for e in recs if e["event"] == "decision"]
+    assert made == [("replace", "node_failed"), ("replace", "node_failed"), ("done", "success")], made
+    assert all(e["requeues"] == 0 for e in recs if e["event"] == "start")
+    took = [e for e in recs if e["event"] == "takeover"]
+    summary = [e for e in recs if e["event"] == "summary"]
+    assert summary[-1]["supervised_by"] == f"{took[1]['lost']},{took[1]['node']}" and \
+        took[1]["lost"] == took[0]["node"], (took, summary[-1])
+    assert [e["by"] for e in recs if e["event"] == "job_ended"] == ["slurm_complete_job"]
+    assert_same_result(out, reference)
 
 
 def test_a_job_requeued_onto_other_nodes_resumes_from_the_durable_tier(healthy_sandbox, reference, tmp_path):

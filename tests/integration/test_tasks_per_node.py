@@ -2,8 +2,8 @@
 across nodes), process groups that refuse CPU tensors as NCCL/RCCL ones do, and a node crash that takes all of that
 node's ranks and their /dev/shm at once: the spare takes the slot, the agents rebuild every rank's snapshot of that
 node there, and every rank resumes from memory, ending bit-identical (parameters and optimizer state) to a
-fault-free run. That run is `hpcft demo`'s training (its part 4/4, hpcft/demo.py), which has exactly this shape: the
-test shows the demo works and checks its run in depth."""
+fault-free run, on the sandbox and on the confined one. That run is `hpcft demo`'s training (its part 4/4,
+hpcft/demo.py), which has exactly this shape: the test shows the demo works and checks its run in depth."""
 import re
 
 import pytest
@@ -27,7 +27,11 @@ def reference(sandbox, tmp_path_factory):
     return out
 
 
-def test_a_node_crash_takes_all_its_ranks_and_every_rank_resumes_from_memory(healthy_sandbox, reference):
+@pytest.mark.parametrize("cluster", ["healthy_sandbox", "healthy_confined_sandbox"])
+def test_a_node_crash_takes_all_its_ranks_and_every_rank_resumes_from_memory(cluster, request, reference):
+    """On the sandbox, and on the confined one (task/cgroup, each rank its own fake GPU, the reference unconfined):
+    there a warm rank is one that joined its trainer step's cgroups, as a child that cannot refuses."""
+    healthy_sandbox = request.getfixturevalue(cluster)
     said: list[str] = []
     assert demo.train_through_a_crash(healthy_sandbox, said.append) == 0, "\n".join(said)
     assert any("spare takes the slot" in line for line in said) and any("rebuilt step" in line for line in said)

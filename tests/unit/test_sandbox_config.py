@@ -109,3 +109,48 @@ def test_namespaced_command_is_valid_shell_and_keeps_arguments_intact():
     script = argv[-1]
     assert subprocess.run(["sh", "-n", "-c", script]).returncode == 0
     assert "exec echo 'a b' '$HOME'" in script and "mount --bind '/tmp/h o' /etc/hosts" in script
+
+
+def test_a_confined_sandbox_confines_steps_as_a_real_node_and_gives_each_node_8_gpus():
+    """--confine changes the plugins and the node lines only: task/cgroup + task/affinity, proctrack/cgroup, GPUs as
+    GRES, and the machine's real CPUs (a cpuset holds only CPUs that exist); its cgroup.conf and gres.conf."""
+    import os
+
+    from hpcft.sandbox.confine import render_cgroup_conf, render_gres_conf
+
+    def lines(**kw) -> list[str]:
+        config = SandboxConfig(dir="/tmp/sb", nodes=2, prolog=None, epilog=None, **kw)
+        return render_slurm_conf(plan(config)).split("\n")
+
+    plain, confined = lines(), lines(confine=True)
+    cpus = os.cpu_count()
+    assert [x for x in plain if x not in confined] == [
+        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+        *(x for x in plain if x.startswith("NodeName="))]
+    assert [x for x in confined if x not in plain] == [
+        "ProctrackType=proctrack/cgroup", "TaskPlugin=task/cgroup,task/affinity", "GresTypes=gpu",
+        f"NodeName=n1 NodeHostname=n1 NodeAddr=10.77.0.11 Port=6818 CPUs={cpus} RealMemory=1000 Gres=gpu:8 "
+        "State=UNKNOWN",
+        f"NodeName=n2 NodeHostname=n2 NodeAddr=10.77.0.12 Port=6818 CPUs={cpus} RealMemory=1000 Gres=gpu:8 "
+        "State=UNKNOWN"]
+    assert render_cgroup_conf().splitlines()[1:] == ["CgroupPlugin=cgroup/v1", "ConstrainCores=yes",
+                                                     "ConstrainRAMSpace=yes", "ConstrainDevices=yes"]
+    assert render_gres_conf(Path("/tmp/sb/dev")).splitlines()[1:] == ["Name=gpu File=/tmp/sb/dev/gpu[0-7]"]
+
+
+def test_a_confined_node_joins_its_cgroups_then_sees_them_as_its_own_root():
+    """Each slurmd joins its node's cgroup in every controller before a cgroup namespace is made there, and mounts
+    each controller afresh inside (the host's mount of the same hierarchy is unmounted first: the kernel refuses
+    the hierarchy on its own root)."""
+    argv = namespaced(["slurmd", "-D"], marker="m-1", marker_dir=Path("/run/x"),
+                      cgroups=[Path("/sys/fs/cgroup/cpuset/sb/n1"), Path("/sys/fs/cgroup/memory/p q/sb/n1")],
+                      cgroup_mounts=[("cpuset", "/sys/fs/cgroup/cpuset")])
+    assert argv[:2] == ["sh", "-c"]
+    outer = argv[2]
+    assert subprocess.run(["sh", "-n", "-c", outer]).returncode == 0
+    joins, unshare = outer.split("exec ", 1)
+    assert joins.splitlines()[1:] == ["echo $$ > /sys/fs/cgroup/cpuset/sb/n1/cgroup.procs",
+                                      "echo $$ > '/sys/fs/cgroup/memory/p q/sb/n1/cgroup.procs'"]
+    assert unshare.startswith("unshare -m --cgroup --propagation private sh -c")
+    assert "umount /sys/fs/cgroup/cpuset\nmount -t cgroup -o cpuset cgroup /sys/fs/cgroup/cpuset\nexec slurmd -D" \
+        in unshare.replace("'", "")

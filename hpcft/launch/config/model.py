@@ -75,6 +75,8 @@ class Recovery:
                                   "(start-up, process groups, restore) before it counts as hung (0: the hang timeout).",
                                   bound=">=0")
     requeue: bool = option(True, "Allow `scontrol requeue` when the walltime nears or no relaunch is possible.")
+    takeover: bool = option(True, "When the node running hpcft run is lost, a janitor on another node of the job "
+                            "becomes the supervisor in the same allocation (else the job is requeued).")
     requeue_margin: float = option(300.0, "With less walltime left than this (s), persist and requeue instead of "
                                    "relaunching.", bound=">=0")
     probe_timeout: float = option(15.0, "Seconds a node health probe may take.", bound=">0")

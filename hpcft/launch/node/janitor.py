@@ -1,8 +1,9 @@
 """Leave nothing in node memory when a job ends, without a site epilog (Frontier users cannot install one): a sleeping
 janitor task per node removes the job's store on SIGUSR2 from `hpcft run`, or on Slurm's SIGTERM unless a requeue is
-pending (`requeue_flag`, node/clean.py). As Slurm keeps a `--no-kill` job RUNNING with nobody in charge once the batch
-host is lost, a janitor requeues the job when `supervisor.alive` is silent for SILENCE_S and Slurm says that host is bad
-or gone (`event=batch_host_lost`)."""
+pending (`requeue_flag`, node/clean.py). As Slurm keeps a `--no-kill` job RUNNING with nobody in charge once the
+supervisor's node is lost, the janitors after it ping its beacon (launch/succession.py); when it is silent for
+SILENCE_S and Slurm says its node is bad or gone, the first to claim becomes the supervisor in the same allocation, or,
+where no successor can be (`--no-takeover`, salloc's hpcft run), requeues the job (`event=batch_host_lost`)."""
 from __future__ import annotations
 
 import argparse
@@ -13,41 +14,27 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from hpcft import events
+from hpcft.launch import succession
 from hpcft.errors import HpcftError
 from hpcft.launch.node.clean import clean
 from hpcft.launch.node.broadcast_paths import ENV_NODE_DIR
 from hpcft.launch.node.zygote import socket_dir
-from hpcft.slurm.state import is_lost, job_info, node_states
-from hpcft.slurm.nodelist import compress
+from hpcft.launch.steps.nodecheck import NodeCheck
+from hpcft.slurm.state import job_info
+from hpcft.slurm.nodelist import compress, expand
 from hpcft.slurm.runner import Runner
 from hpcft.store.paths import job_dir, resolve_root
 
 JANITOR_STEP_NAME = "hpcft-janitor"
-SILENCE_S = 15.0  # the supervisor's heartbeat this much older, and the batch host bad: it is lost
-CHECK_S = 2.0
-
-
-def heartbeat_path(job_dir_: str | os.PathLike) -> Path:
-    return Path(job_dir_) / "supervisor.alive"
-
-
-def start_heartbeat(job_dir_: str | os.PathLike, interval: float = 1.0) -> None:
-    """Touch the heartbeat file every `interval` s from a daemon thread of `hpcft run` (alive while it is)."""
-    path = heartbeat_path(job_dir_)
-
-    def beat() -> None:
-        while True:
-            with contextlib.suppress(OSError):  # the shared filesystem hiccups: the janitors allow SILENCE_S
-                path.touch()
-            time.sleep(interval)
-
-    threading.Thread(target=beat, daemon=True, name="hpcft-heartbeat").start()
+SILENCE_S = 5.0  # the supervisor unanswering this long, and its node bad (Slurm, or a probe): it is lost
+CHECK_S = 1.0  # a watcher's ping period
+FAR_CHECK_S = 60.0  # the other janitors' (should the supervisor and its watchers be lost together)
+ASK_SLURM_S = 30.0  # while the supervisor is silent on a live node, Slurm is asked at most this often
 
 
 def requeue_flag(job_dir_: str | os.PathLike, run: int | str) -> Path:
@@ -205,42 +192,88 @@ def main(argv: list[str] | None = None) -> int:
     flag = requeue_flag(args.job_dir, run)
     signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(args.job, store, flag))
     signal.signal(signal.SIGUSR2, lambda *_: _on_done(args.job, store))
+    watch = SupervisorWatch(args.job, Path(args.job_dir), run, os.environ.get("SLURMD_NODENAME", ""),
+                            expand(os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")))
     while True:
-        time.sleep(CHECK_S)
-        _watch_supervisor(args.job, Path(args.job_dir), run, flag)
+        time.sleep(watch.period)
+        watch.check()
 
 
-def _silent_for(job_dir_: Path) -> float:
+class SupervisorWatch:
+    """One janitor's watch of the supervisor (see the module doc): pings over the network at steady state; the job
+    directory and Slurm are read only once it is silent."""
+
+    def __init__(self, job: str, job_dir_: Path, run: str, me: str, nodes: list[str],
+                 clock: Callable[[], float] = time.monotonic):
+        self.job, self.job_dir, self.run, self.me, self.nodes, self.clock = job, job_dir_, run, me, nodes, clock
+        self.record = succession.read(job_dir_)  # written before any janitor starts
+        self.answered = self._asked = clock()
+
+    @property
+    def period(self) -> float:
+        watching = self.record is not None and self.me in succession.watchers(self.nodes, self.record.host)
+        return CHECK_S if watching else FAR_CHECK_S
+
+    def check(self) -> None:
+        now = self.clock()
+        if self.record is None:
+            return  # an hpcft run of before the beacon: nothing to watch
+        if succession.ping(self.record.beacon, self.record.token) is not None:
+            self.answered = now
+            return
+        if now - self.answered < SILENCE_S:
+            return
+        if self._asked > self.answered and now - self._asked < ASK_SLURM_S:
+            return  # Slurm said the silent supervisor's node is alive: asked again later, not at every ping
+        fresh = succession.read(self.job_dir)
+        if fresh is not None and fresh.generation != self.record.generation:  # a successor took over: watch it
+            self.record, self.answered = fresh, now
+            return
+        self._asked = now
+        silent = now - self.answered
+        if requeue_flag(self.job_dir, self.run).exists():
+            return  # hpcft run requeued the job: its SIGTERM is on its way
+        runner, host = Runner(timeout=10), self.record.host
+        try:
+            if not job_info(runner, self.job).batch:
+                return  # salloc: no successor nor requeue (its hpcft run is on a login node)
+        except HpcftError:
+            return  # Slurm did not answer: ask again later
+        # Slurm's view first (out of the job, or marked bad), then a probe beside this node: Slurm may take minutes
+        # (SlurmdTimeout) to mark a dead node, and a busy supervisor on a live node answers the probe
+        check = NodeCheck(runner, self.job, self.record.env, self.record.probe_timeout, self._emit)
+        state = check.bad([host], probe=True, closed=False, found_by="janitor", controls=[self.me] if self.me else ())
+        if host not in state:
+            return  # a busy supervisor on a live (even drained) node
+        generation = self.record.generation + 1
+        if not succession.claim(self.job_dir, self.run, generation):
+            self.answered = now  # another janitor took it: give its successor time to answer
+            return
+        _lost(self.job, self.job_dir, self.run, self.record, generation, state[host], silent, self.me)
+
+    def _emit(self, kind: str, **fields) -> None:
+        events.emit(kind, log_dir=self.job_dir, job=self.job, **fields)
+
+
+def _lost(job: str, job_dir_: Path, run: str, record: succession.Record, generation: int, state: str, silent: float,
+          me: str) -> None:
+    """This janitor claimed the supervision: take it over, or requeue the job where no successor can be."""
+    takeover = bool(record.argv) and record.takeover
+    events.emit("batch_host_lost", level=logging.ERROR, log_dir=job_dir_, job=job, node=record.host or "?",
+                state=state, silent_s=round(silent, 1), generation=generation,
+                action="takeover" if takeover else "requeue",
+                reason="the supervisor's node is lost and hpcft run with it: "
+                       + (f"the janitor of {me or '?'} takes the supervision over (generation {generation})"
+                          if takeover else f"requeued by the janitor of {me or '?'}"))
+    if takeover:
+        try:
+            succession.take_over(record, generation, job_dir_ / f"supervisor-{run}-{generation}.log")
+        except OSError as exc:
+            events.emit("batch_host_lost", level=logging.ERROR, log_dir=job_dir_, job=job, action="takeover_failed",
+                        reason=f"{exc}: requeued instead")
+    requeue_flag(job_dir_, run).touch()  # every janitor keeps its store through the requeue's SIGTERM
     try:
-        return time.time() - heartbeat_path(job_dir_).stat().st_mtime
-    except FileNotFoundError:
-        return 0.0  # no heartbeat yet (an older hpcft run, or not started): nothing to judge
-
-
-def _watch_supervisor(job: str, job_dir_: Path, run: str, flag: Path) -> None:
-    """Requeue the job when the supervisor is silent and its node is lost (see the module doc)."""
-    silent = _silent_for(job_dir_)
-    if silent < SILENCE_S or flag.exists():
-        return
-    runner = Runner(timeout=10)
-    try:
-        info = job_info(runner, job)
-        host = info.batch_host
-        state = node_states(runner, [host]).get(host, "UNKNOWN") if host else "UNKNOWN"
-    except HpcftError:
-        return  # Slurm did not answer: ask again at the next check
-    if not info.batch or (host in info.nodes and not is_lost(state)):
-        return  # salloc (nothing to requeue), or a slow disk or busy supervisor on a live (even drained) batch host
-    try:  # one janitor acts: the first to create the claim
-        os.close(os.open(job_dir_ / f"batch-host-lost-run-{run}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
-        return
-    flag.touch()  # every janitor keeps its store through the requeue's SIGTERM
-    events.emit("batch_host_lost", level=logging.ERROR, log_dir=job_dir_, job=job, node=host or "?", state=state,
-                silent_s=round(silent, 1), action="requeue", reason="the supervisor's node is lost and hpcft run "
-                "with it: requeued by the janitor of " + os.environ.get("SLURMD_NODENAME", "?"))
-    try:
-        runner.run(["scontrol", "requeue", job])
+        Runner(timeout=10).run(["scontrol", "requeue", job])
     except HpcftError as exc:
         events.emit("batch_host_lost", level=logging.ERROR, log_dir=job_dir_, job=job, action="requeue_failed",
                     reason=str(exc))

@@ -1,6 +1,6 @@
 """What a warm standby's forked child does to become its wrapper's rank: take the wrapper's fds, environment, cwd,
-umask, CPU affinity and devices, make stdio as the interpreter would, and run the script or module as
-`python SCRIPT` / `python -m MODULE` would."""
+umask, cgroups (its trainer step's cores, memory and devices), CPU affinity and devices, make stdio as the
+interpreter would, and run the script or module as `python SCRIPT` / `python -m MODULE` would."""
 from __future__ import annotations
 
 import io
@@ -10,7 +10,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from hpcft.launch.node import zygote
+from hpcft.launch.node import cgroups, zygote
 
 
 @dataclass
@@ -32,8 +32,10 @@ def _stdio(fd: int, spec: dict, unbuffered: bool, reading: bool) -> io.TextIOWra
 
 
 def _setup(job: Job) -> zygote.Target:
-    """Become the wrapper's rank: its fds, environment, cwd, umask, CPU affinity, devices, stdio, argv, sys.path."""
+    """Become the wrapper's rank: its cgroups (first: before anything is allocated or opened, and as the cpuset
+    move resets the affinity), fds, environment, cwd, umask, CPU affinity, devices, stdio, argv, sys.path."""
     req = job.request
+    cgroups.join(req.get("cgroups") or {})
     for target_fd, fd in enumerate(job.fds):
         os.dup2(fd, target_fd)
         os.close(fd)

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from hpcft import events
 from hpcft.errors import HpcftError
-from hpcft.launch.node import zygote
+from hpcft.launch.node import cgroups, zygote
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
 START_TIMEOUT_S = 60.0  # fork and set-up take milliseconds; a standby this slow is treated as absent
@@ -34,8 +34,8 @@ def _stdio_spec() -> dict:
 def request(target: zygote.Target, environ: Mapping[str, str]) -> dict:
     """What the standby needs to become this rank."""
     return {"python": sys.executable, "target": {**target.__dict__, "args": list(target.args)}, "env": dict(environ),
-            "cwd": os.getcwd(), "umask": _umask(), "affinity": sorted(os.sched_getaffinity(0)),
-            "devices": zygote.reachable_devices(), "stdio": _stdio_spec()}
+            "cwd": os.getcwd(), "umask": _umask(), "cgroups": cgroups.own(),  # its step's: the child joins them
+            "affinity": sorted(os.sched_getaffinity(0)), "devices": zygote.reachable_devices(), "stdio": _stdio_spec()}
 
 
 def _umask() -> int:

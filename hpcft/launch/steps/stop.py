@@ -44,9 +44,7 @@ class StepStopper:
             return
         for p in left.values():
             p.kill()
-        listed = self.runner.run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False).stdout
-        for line in listed.splitlines():
-            step_id, _, name = line.strip().partition(" ")
+        for step_id, name in steps_of(self.runner, self.job_id):
             if name in left:
                 self._background.append(self.runner.popen(["scancel", "--signal=KILL", step_id],
                                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -55,6 +53,25 @@ class StepStopper:
         self._background = [p for p in self._background if p.poll() is None]
         self.emit("step_killed", level=logging.WARNING, steps=",".join(left), grace=grace,
                   seconds=round(time.monotonic() - started, 3))
+
+
+def steps_of(runner: Runner, job_id: str) -> list[tuple[str, str]]:
+    """(step id, name) of the job's running steps, as squeue lists them (the batch and extern steps included)."""
+    listed = runner.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"], check=False).stdout
+    return [(step_id, name) for step_id, _, name in (line.strip().partition(" ") for line in listed.splitlines())
+            if step_id]
+
+
+def stop_steps_left(runner: Runner, job_id: str, keep: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """Kill the steps a lost supervisor left, but those named in `keep` and Slurm's own (batch, extern), with one
+    scancel, not waited for (a step with the lost node stays listed until Slurm marks that node down, though its
+    tasks on the live nodes are gone at once); (the names of those killed, of those kept)."""
+    steps = [(i, n) for i, n in steps_of(runner, job_id)
+             if not i.endswith((".batch", ".extern")) and n not in ("batch", "extern")]
+    killed = [(i, n) for i, n in steps if n not in keep]
+    if killed:
+        runner.run(["scancel", "--signal=KILL", *(i for i, _ in killed)], check=False)
+    return [n for _, n in killed], [n for _, n in steps if n in keep]
 
 
 def tee(stream, lines: list[str]) -> None:
