@@ -92,8 +92,7 @@ class FakeAutogroup:
 
 def test_below_lowers_its_own_sessions_autogroup_and_gives_it_back(monkeypatch):
     path = FakeAutogroup()
-    monkeypatch.setattr(autogroup.os, "getsid", lambda _: 4242)
-    monkeypatch.setattr(autogroup.os, "getpid", lambda: 4242)
+    monkeypatch.setattr(autogroup, "own_session", lambda: True)
     monkeypatch.setattr(autogroup.os, "nice", lambda n: None)  # not this test process's own priority
     below = autogroup.Below(19, path)
     below.below()
@@ -108,7 +107,7 @@ def test_below_lowers_its_own_sessions_autogroup_and_gives_it_back(monkeypatch):
 def test_below_leaves_a_session_it_does_not_lead_alone(monkeypatch):
     """A local agent shares its parent's session (a bench's trainer): lowering that would slow the trainer."""
     path = FakeAutogroup()
-    monkeypatch.setattr(autogroup.os, "getsid", lambda _: 1)
+    monkeypatch.setattr(autogroup, "own_session", lambda: False)
     monkeypatch.setattr(autogroup.os, "nice", lambda n: None)
     below = autogroup.Below(19, path)
     below.below()
@@ -127,3 +126,15 @@ def test_hpcft_status_says_the_budget_once_and_the_cap_in_force():
         "trainers (autogroup nice 10)", "agents' CPU cap in force: 1 cores"]
     assert "at the trainers' priority now" in _cpu_lines([node(0, 2.0, 0)])[0]
     assert _cpu_lines([NodeView(0, None, "absent", None, False)]) == []
+
+
+def test_an_srun_task_owns_its_steps_session_a_standbys_child_does_not(tmp_path, monkeypatch):
+    """Each srun step's tasks share their slurmstepd's session (not theirs to lead), apart from the trainers' step."""
+    monkeypatch.setattr(autogroup.os, "getsid", lambda _: 1)
+    monkeypatch.setattr(autogroup.os, "getppid", lambda: 77)
+    (tmp_path / "77").mkdir()
+    for parent, owned in (("slurmstepd\n", True), ("python\n", False)):
+        (tmp_path / "77" / "comm").write_text(parent)
+        assert autogroup.own_session(tmp_path) is owned
+    monkeypatch.setattr(autogroup.os, "getppid", lambda: 78)  # gone
+    assert autogroup.own_session(tmp_path) is False

@@ -62,16 +62,28 @@ def lower(nice: int = 19, path: Path = PATH) -> Lowered | None:
     return Lowered(path, before, nice)
 
 
+def own_session(proc: Path = Path("/proc")) -> bool:
+    """Whether this process's session is its own to lower: it leads it, or it is an srun task, whose session is its
+    step's slurmstepd's (measured on the confined sandbox: each step's tasks share one autogroup, the trainers'
+    another). Not a child of a warm standby (which shares its session with the warm ranks) nor of a local parent."""
+    if os.getsid(0) == os.getpid():
+        return True
+    try:
+        return (proc / str(os.getppid()) / "comm").read_text().strip() == "slurmstepd"
+    except OSError:
+        return False
+
+
 class Below:
     """A helper process scheduled below the trainers: its plain nice raised for good (`nice`; an unprivileged process
-    cannot take that back) and, where it leads its own session (an srun task does) and Linux groups sessions, that
+    cannot take that back) and, where its session is its own (`own_session`) and Linux groups sessions, that
     session's autogroup at `nice` too, which weighs against the trainers' sessions where the plain nice would not.
     `level()` gives the autogroup's back while the trainers wait on this process (a persist, a lag over its bound);
     `below()` lowers it again. Where there is no autogroup to change, both are no-ops (`said()` tells which)."""
 
     def __init__(self, nice: int, path: Path = PATH):
         self.nice, self.path = nice, path
-        self.own_session = os.getsid(0) == os.getpid()
+        self.own_session = own_session()
         self._lowered: Lowered | None = None
         self._able = nice > 0 and self.own_session  # false once the autogroup could not be lowered: not tried again
         if nice > 0:
