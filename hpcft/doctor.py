@@ -6,12 +6,16 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import click
 
 from hpcft import deps
 from hpcft.env import NVME_ENV, in_allocation, job_env, nvme_dir
 from hpcft.errors import MissingDependencyError
+
+if TYPE_CHECKING:
+    from hpcft.launch.config.detect import Devices
 
 
 @dataclass
@@ -243,15 +247,32 @@ def network_checks(profile: str | None, environ: Mapping[str, str] | None = None
     return checks
 
 
+def profile_check(profile: str | None, environ: Mapping[str, str] | None = None,
+                  found: "Devices | None" = None) -> Check:
+    """The profile `hpcft run` would take here (the one given, else detected as `hpcft run` detects it) and whether
+    it fits this node's GPUs; a misfit is a warning here (doctor may run on a login node), an error in `hpcft run`."""
+    from hpcft.errors import ConfigError
+    from hpcft.launch.config.detect import check_fits, detect, devices
+
+    found = devices() if found is None else found
+    name, why = (profile, "--profile") if profile else detect(os.environ if environ is None else environ, found)
+    try:
+        check_fits(name, found)
+    except ConfigError as exc:
+        return Check("profile", False, f"{name} ({why}): {exc}")
+    return Check("profile", True, f"{name} ({why}); this node: {found.said()}")
+
+
 def run_checks(profile: str | None = None) -> list[Check]:
     """Every check, in the order shown to people."""
-    return _slurm() + _torch() + network_checks(profile) + _optional() + _storage()
+    return [profile_check(profile)] + _slurm() + _torch() + network_checks(profile) + _optional() + _storage()
 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--profile", type=click.Choice(["frontier", "cuda", "cpu"]), default=None, envvar="HPCFT_PROFILE",
-              help="Check what this profile needs (frontier: RCCL's network plugin); default: by the torch build.")
+              help="Check what this profile needs (frontier: RCCL's network plugin); default: the one `hpcft run` "
+                   "detects (its RCCL check by the torch build).")
 def doctor(as_json: bool, profile: str | None) -> None:
     """Report Slurm, torch device backend, RCCL/NCCL and its network plugin, the copy kernel, hip-python, mpi4py, /dev/shm and NVMe; exit 1 if an essential is missing."""
     checks = run_checks(profile)

@@ -40,6 +40,10 @@ class NodeView:
     lag_steps: int | None = None  # newest staged step − newest protected step
     lag_s: float | None = None  # seconds between those two snapshots
     cpu_cores: float | None = None  # the agent's CPU cap in force (raised by a lag bound, `--protect-lag`)
+    cpu_budget: float | None = None  # its CPU budget in cores (`--agent-cores`), and the most a lag bound raises it to
+    cpu_ceiling: float | None = None
+    cpu_set: int | None = None  # the cores it may run on (its step's cpuset and affinity)
+    autogroup_nice: int | None = None  # its session's priority against the trainers' (None: not its to change)
     ranks: dict[str, list[int]] = field(default_factory=dict)
     steps: dict[str, str] = field(default_factory=dict)  # step → staged / protected / persisted
     error: str | None = None
@@ -214,7 +218,7 @@ def _node(slot: int, rep: dict[str, Any] | None, now: float, stale: float) -> No
     age = max(0.0, now - float(rep.get("time", 0)))
     phase = rep.get("phase", "?")
     said = {k: rep.get(k) for k in ("staged", "protected", "persisted", "local", "lag_steps", "lag_s", "cpu_cores",
-                                    "error")}
+                                    "cpu_budget", "cpu_ceiling", "cpu_set", "autogroup_nice", "error")}
     return NodeView(slot, rep.get("node"), phase, round(age, 3), phase not in agent_status.TERMINAL and age <= stale,
                     ranks={str(r): list(v) for r, v in (rep.get("versions") or {}).items()}, **said)
 
@@ -308,6 +312,7 @@ def render(view: JobView) -> str:
         lag = "-" if n.lag_steps is None else f"{n.lag_steps}" + ("" if n.lag_s is None else f" ({n.lag_s:.1f} s)")
         lines.append(f"{n.slot:>4}  {(n.node or '-'):<14} {n.phase:<11} {age:>9}  {_opt(n.staged):>6} "
                      f"{_opt(n.protected):>9} {_opt(n.persisted):>9} {_opt(n.local):>5} {lag:>12}  {versions or '-'}")
+    lines += _cpu_lines(view.nodes)
     for s in view.sets:
         lines.append(f"set {s.index} slots {','.join(map(str, s.members))}: {s.health}"
                      f" (newest step protected on all: {_opt(s.protected_step)}; {s.detail})")
@@ -322,6 +327,24 @@ def render(view: JobView) -> str:
                  "one; versions: * protected, ** persisted, plain staged; ! heartbeat older than "
                  f"{view.stale_after_s:g} s")
     return "\n".join(lines)
+
+
+def _cpu_lines(nodes: list[NodeView]) -> list[str]:
+    """The agents' CPU budget, once for all when they agree (they are told the same), with the cap in force."""
+    said = {(n.cpu_budget, n.cpu_ceiling, n.cpu_set, n.autogroup_nice) for n in nodes if n.cpu_budget is not None}
+    if not said:
+        return []
+    caps = sorted({n.cpu_cores for n in nodes if n.cpu_cores is not None})
+    out = []
+    for budget, ceiling, cpus, nice in sorted(said, key=str):
+        below = (f"below the trainers (autogroup nice {nice})" if nice else "at the trainers' priority now (a "
+                 "persist, or over the lag bound)" if nice == 0 else "below the trainers by a plain nice only")
+        out.append(f"agents' CPU: budget {budget:g} cores each" + (f", up to {ceiling:g} over the lag bound"
+                                                                   if ceiling and ceiling > budget else "")
+                   + f", over the {cpus} cores they may run on, {below}")
+    if caps:
+        out.append("agents' CPU cap in force: " + ", ".join(f"{c:g}" for c in caps) + " cores")
+    return out
 
 
 def _opt(x: Any) -> str:

@@ -17,7 +17,8 @@ from pathlib import Path
 from hpcft import events, nodemem
 from hpcft.agent import status
 from hpcft.agent.transport import uplink
-from hpcft.agent.protection.budget import LagBudget, foreseen_lag, pause
+from hpcft.agent.transport.autogroup import Below
+from hpcft.agent.protection.budget import LagBudget, at_trainers_priority, foreseen_lag, pause
 from hpcft.agent.protection.bundle import Bundle, both, complete_steps, local_versions, owned, pin_targets
 from hpcft.agent.transport.heartbeat import Heartbeat, PeerSilent
 from hpcft.agent.transport.link import COUNT
@@ -118,13 +119,15 @@ def step_seconds(complete: dict[int, dict]) -> float | None:
     return None if a is None or b is None or b <= a else (b - a) / (steps[1] - steps[0])
 
 
-def _watch_requests(requests: status.Requests, mesh: MeshBase, drained: threading.Event, wake: threading.Event,
-                    poll: float = 0.2) -> None:
+def _watch_requests(requests: status.Requests, mesh: MeshBase, below: Below, drained: threading.Event,
+                    wake: threading.Event, poll: float = 0.2) -> None:
     """Until the supervisor asks for a stop (then SIGTERM to this process, which unwinds the agent cleanly): once it
-    asks for a drain, lift the caps and wake the round loop."""
+    asks for a drain (a persist: the trainers wait), lift the caps, a sleep under way included, give the agent the
+    trainers' priority, and wake the round loop."""
     while not requests.stop():
         if not drained.is_set() and requests.drain():
             mesh.throttle.release()
+            below.level()
             events.emit("agent_drain", tag=requests.tag)
             drained.set()
             wake.set()
@@ -141,13 +144,18 @@ def _by_rank(versions: dict[int, dict]) -> dict[int, list[int]]:
     return out
 
 
-def _steer(budget: LagBudget, mesh: MeshBase, cfg: AgentConfig, lag: int | None) -> bool:
+def _steer(budget: LagBudget, mesh: MeshBase, below: Below, cfg: AgentConfig, lag: int | None) -> bool:
     """Set the next round's CPU cap from the foreseen `lag` (events `protect_budget`, `protect_lag_unmet`); over the
-    bound (True) the bound beats the cap: the CPU spent so far is forgiven and the next round starts at once."""
+    bound (True) the bound beats the cap: the CPU spent so far is forgiven, the next round starts at once, and the
+    agent runs at the trainers' priority until the lag is back within the bound."""
     cap, unmet = budget.update(lag)
     over = lag is not None and lag > budget.bound
     if over:
         mesh.throttle.forgive()
+    if at_trainers_priority(over, persisting=False):
+        below.level()
+    else:
+        below.below()
     if cap != mesh.throttle.cpu:
         mesh.throttle.cpu = cap
         events.emit("protect_budget", slot=cfg.slot, cores=round(cap, 4), lag=lag, bound=cfg.lag_bound)
@@ -216,8 +224,15 @@ class Stopped(BaseException):
 def run(cfg: AgentConfig) -> int:
     """The agent's life: mesh, optional rebuild, protection rounds; 0 when the rounds are done."""
     placement = plan(cfg.slots, cfg.scheme)
-    if cfg.nice:
-        os.nice(cfg.nice)  # yield the cores to the trainers: protection is background work
+    below = Below(cfg.nice)  # yield the cores to the trainers: protection is background work
+    below.below()
+    floor = cpu_cores(cfg.cpu_share, cfg.cpu_cores)
+    cpu = {"cpu_budget": floor, "cpu_ceiling": max(floor, cfg.lag_cores) if cfg.lag_bound else floor,
+           "cpu_set": len(os.sched_getaffinity(0))}  # the budget, its ceiling, and the cores it may run on
+    events.emit("agent_cpu", level=logging.WARNING if floor > cpu["cpu_set"] else logging.INFO, slot=cfg.slot,
+                cores=floor, may_run_on=cpu["cpu_set"], **below.said(),
+                **({"advice": "the agent's step has fewer cores than its budget: give it the node's CPUs "
+                              "(--cpus-per-task), or lower --agent-cores"} if floor > cpu["cpu_set"] else {}))
     job = secure_dir(job_dir(resolve_root(cfg.root), cfg.job_id))
     store_pin.announce(job)  # trainers opening their stores from now on keep a spare slot for the pins
     # data files a killed pass left without a record; no record is retired by count here: after passes that failed
@@ -253,7 +268,7 @@ def run(cfg: AgentConfig) -> int:
                 ranks={str(r): max(v) for r, v in by_rank.items()},
                 versions={str(r): sorted(v) for r, v in by_rank.items()}, staged_steps=sorted(complete),
                 protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s, behind_since=behind_since,
-                lag_bound=cfg.lag_bound, **nodemem.figures(job), **fields)
+                lag_bound=cfg.lag_bound, **cpu, **below.said(), **nodemem.figures(job), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
     meet = join(cfg.secret, cfg.rendezvous, slot=cfg.slot, tag=cfg.tag, host=cfg.host, bind=cfg.bind,
@@ -265,8 +280,7 @@ def run(cfg: AgentConfig) -> int:
         raise
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
     flusher = Flusher(cfg.persist, job, cfg.job_id, cfg.slot, pins, requests.flush)
-    budget = LagBudget(mesh.throttle.cpu, max(mesh.throttle.cpu, cfg.lag_cores), cfg.lag_bound) \
-        if cfg.lag_bound else None
+    budget = LagBudget(floor, cpu["cpu_ceiling"], cfg.lag_bound) if cfg.lag_bound else None
     drained, wake = threading.Event(), threading.Event()
     owner = Owner(cfg.job_id, adopt=adoption())  # whose steps the flush may write under this job's name
 
@@ -277,7 +291,7 @@ def run(cfg: AgentConfig) -> int:
         if said != status.STOPPED:
             report(status.STOPPED)
 
-    chore(_watch_requests, requests, mesh, drained, wake, name="hpcft-agent-requests").start()
+    chore(_watch_requests, requests, mesh, below, drained, wake, name="hpcft-agent-requests").start()
     try:
         beat = _listen_for_silence(cfg, mesh, meet, node, wake)
         extra = {}
@@ -309,8 +323,10 @@ def run(cfg: AgentConfig) -> int:
             if not flusher.busy:  # then a new one when due, which sees this round's pass
                 _flush_round(flusher, mesh, complete, recs, cfg.scheme, owner)
             lag, per_step, round_s = protection_lag(complete, recs)[0], step_seconds(complete), time.monotonic() - began
-            over = budget is not None and not drained.is_set() and _steer(budget, mesh, cfg,
+            over = budget is not None and not drained.is_set() and _steer(budget, mesh, below, cfg,
                                                                           foreseen_lag(lag, per_step, round_s))
+            if drained.is_set():
+                below.level()  # a drain that landed while this round was steered keeps the trainers' priority
             done += 1
             if up is None:  # under hpcft run the supervisor has it: no line per round in the job's agents log
                 print(f"slot={cfg.slot} protected={rec.step if rec else None}", flush=True)

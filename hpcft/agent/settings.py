@@ -32,13 +32,13 @@ class AgentConfig:
     rounds: int = 1  # protection rounds before exiting (0: until stopped)
     interval: float = 1.0  # seconds between protection rounds
     timeout: float = 120.0  # seconds to wait for the other agents
-    nice: int = 10  # CPU priority increment (os.nice), so that the agent yields the cores to the trainers (0: none)
+    nice: int = 10  # CPU priority increment, its session's autogroup too (transport/autogroup.Below): below trainers
     pin_lease: float = LEASE_S  # seconds a pin outlives the agent's last renewal
     cpu_share: float = CPU_SHARE  # cap on the agent's CPU time: this fraction of its cores, on average (0: none)
     cpu_cores: float | None = None  # the CPU cap in cores, instead of cpu_share (see launch/config/profiles.py)
     persist: PersistConfig = PersistConfig()  # the durable tier (no flushing without a directory)
     lag_bound: int | None = None  # protection lag (steps) the CPU cap is raised to keep to (see protection/budget.py)
-    lag_cores: float = 1.0  # the most cores a lag bound may raise the cap to
+    lag_cores: float = 1.0  # the most cores a lag bound may raise the cap to (`hpcft run`: protection/budget.ceiling)
     loss_timeout: float = LOSS_TIMEOUT_S  # seconds of silence after which a peer is a suspect (0: no heartbeats)
     transport: str = "tcp"  # the mesh's carrier: tcp, or mpi (transport/mpimesh.py; the heartbeats stay on TCP)
     job_id: str = ""

@@ -6,6 +6,8 @@ from typing import Any
 
 import click
 
+from hpcft.agent.protection.budget import LAG_STEPS
+
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
 
 
@@ -138,7 +140,9 @@ def restore(**options: Any) -> None:
               help="Agents' CPU cap in cores instead [default, without --cpu-share: the cpu profile's, 0.01, as "
                    "hpcft run gives agents of CPU trainers]; 0 for none.")
 @click.option("--nice", type=click.IntRange(0, 19), default=10, show_default=True,
-              help="Agents' CPU priority increment.")
+              help="Agents' CPU priority increment (the agent's default).")
+@click.option("--protect-lag", "lag_bound", type=click.IntRange(min=0), default=LAG_STEPS, show_default=True,
+              help="Steps protection may trail before the agents' cap rises, as hpcft run's --protect-lag (0: off).")
 @click.option("--window", type=click.FloatRange(min=1), default=60.0, show_default=True,
               help="Seconds of training with the agents running freely (protection rate, CPU per GB, lag).")
 @click.option("--scheme", "schemes", multiple=True, type=click.Choice(["xor", "partner", "rs"]),
@@ -153,6 +157,7 @@ def protect(**options: Any) -> None:
         del options["cpu_share"]
         if options["cpu_cores"] is None:  # the bench trains on the CPU: the cap hpcft run gives such agents
             options["cpu_cores"] = profiles.CPU.agent_cpu_cores
+    options["lag_bound"] = options["lag_bound"] or None
     _run("protect", **options)
 
 

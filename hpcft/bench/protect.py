@@ -23,6 +23,7 @@ import numpy as np
 
 from hpcft import events
 from hpcft.agent.transport import secret as job_secret
+from hpcft.agent.protection import budget
 from hpcft.agent.protection.bundle import Bundle, complete_steps
 from hpcft.agent.protection.codec import codec_for
 from hpcft.agent.protection.placement import Scheme, plan
@@ -54,7 +55,8 @@ class ProtectOptions:
     rate: float | None = None      # agents' bytes/s cap; None or 0: none (the agent's default)
     cpu_share: float = CPU_SHARE   # agents' CPU cap, a fraction of this machine's cores (the agent's default)
     cpu_cores: float | None = None # agents' CPU cap in cores instead (what `hpcft run` gives them for CPU trainers)
-    nice: int = 10
+    nice: int = 10                 # the agent's default: below the trainers
+    lag_bound: int | None = None   # steps protection may trail before the cap rises (`hpcft run --protect-lag`)
     window: float = 60.0           # seconds of training with the agents running freely, after the timed steps
     schemes: tuple[str, ...] = ()  # names from SCHEMES; empty: all
     root: str | None = None
@@ -216,8 +218,10 @@ def _overhead(opts: ProtectOptions, scheme: Scheme, base: Path) -> Overhead:
             (j / rank_dir.name).symlink_to(rank_dir)
         interval = opts.interval if opts.interval is not None else step_s
         rate = opts.rate or None
+        cap = cpu_cores(opts.cpu_share, opts.cpu_cores)
         agents = _agents(roots, shared, scheme, "train", rounds=0, interval=interval, nice=opts.nice,
-                         cpu_share=opts.cpu_share, cpu_cores=opts.cpu_cores, rate=rate)
+                         cpu_share=opts.cpu_share, cpu_cores=opts.cpu_cores, rate=rate, lag_bound=opts.lag_bound,
+                         lag_cores=budget.ceiling(cap))
         with_p = Train("with_protection", trainer, ckpt, agents, True, committed)
         without = Train("without", trainer, ckpt, agents, False, committed)
         timed0 = [_cpu_s(p.pid) for p in agents]
@@ -390,7 +394,7 @@ def run(opts: ProtectOptions) -> Report:
     report.note("config", {"nodes": NODES, "state_bytes": opts.state_bytes, "params": opts.params, "steps": opts.steps,
                            "interval_s": opts.interval, "rate": opts.rate,
                            "cpu_share": opts.cpu_share if opts.cpu_cores is None else None, "cpu_cores": opts.cpu_cores,
-                           "nice": opts.nice, "window_s": opts.window,
+                           "nice": opts.nice, "lag_bound": opts.lag_bound, "window_s": opts.window,
                            "threads": opts.threads, "agents_on_this_machine": NODES})
     return report
 

@@ -14,12 +14,16 @@ def run(config_file, command, **kwargs) -> None:
     Use inside an allocation: `hpcft run --spares 2 --profile frontier -- python train.py`."""
     import logging
 
+    from hpcft.launch.config.detect import devices
+    from hpcft.launch.config.resolve import check_node
     from hpcft.launch.supervisor import Supervisor
 
     # the run's story (start, launch, decision, summary) is in the job output without -v
     story = logging.getLogger("hpcft.events")
     story.setLevel(min(story.getEffectiveLevel(), logging.INFO))
-    cfg = config.load(given(kwargs), config_file=config_file)
+    node = devices()  # this node's GPUs: the profile's default, and the check that the profile fits
+    cfg = config.load(given(kwargs), config_file=config_file, node=node)
+    check_node(cfg, node)
     import sys  # a successor runs `hpcft run` again with these arguments (launch/node/succession.py)
 
     click.get_current_context().exit(Supervisor(cfg, command, argv=sys.argv[1:]).run())

@@ -100,10 +100,11 @@ def test_frontier_environment():
 
 
 def test_agent_srun_line_and_settings():
-    """The agents' step carries the settings of a Frontier run's configuration; they have a record of their own too."""
+    """The agents' step carries the settings of a Frontier run's configuration, asks for the node's 56 user cores
+    (shared with the trainers, bound to none); the settings have a record of their own too."""
     cfg = config.make(profile="frontier", protect="xor", group=4, protect_lag=3)
     settings = agent_settings(cfg, Path("/lustre/job"), Layout(slots=tuple(NODES[:4])), mpi=None)
-    check_golden("srun-agents-frontier.txt", _lines(agent_argv(NODES[:4], settings, python="python3")))
+    check_golden("srun-agents-frontier.txt", _lines(agent_argv(NODES[:4], settings, python="python3", cpus=56)))
     check_golden("agent-settings-frontier.json", json.dumps(json.loads(settings.to_json()), indent=1) + "\n")
     assert AgentConfig.from_json(settings.to_json()) == settings
 

@@ -257,7 +257,7 @@ def _behind_in_a_session(top: Path, job: Path) -> None:
     script = f"""
 import os, threading, time
 os.setsid()
-from hpcft.launch.node import autogroup
+from hpcft.agent.transport import autogroup
 from hpcft.launch.node import standby
 marker = standby.active_ready_path({str(job)!r})
 marker.parent.mkdir(exist_ok=True)

@@ -8,6 +8,20 @@ from dataclasses import dataclass
 
 RAISE, LOWER = 2.0, 1.5  # the factors the cap moves by, one round at a time
 UNMET_ROUNDS = 3  # rounds at the ceiling with the lag above the bound before that is said
+LAG_STEPS = 3  # `hpcft run`'s default bound: a node lost costs at most about this many snapshots (--protect-lag)
+CEILING_FACTOR, CEILING_MIN = 4.0, 1.0  # a lag bound may raise the cap to 4 budgets, and to 1 core at least
+
+
+def ceiling(budget: float) -> float:
+    """The most cores a lag bound may raise the agent's cap to: four times its budget, one core at least (a budget
+    of a hundredth of a core, the CPU trainers', could not catch up at four hundredths)."""
+    return max(CEILING_MIN, CEILING_FACTOR * budget)
+
+
+def at_trainers_priority(over: bool, persisting: bool) -> bool:
+    """Whether the agent competes with the trainers as their equal now, rather than below them: while they wait on it
+    (a persist: drained, flushed before a requeue) or protection would trail past its bound (`over`)."""
+    return over or persisting
 
 
 @dataclass

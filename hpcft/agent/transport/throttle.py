@@ -55,15 +55,18 @@ def billed_cpu() -> float:
 
 class Throttle:
     """Token buckets: `take(n)` sleeps until n bytes fit under `rate` bytes/s (default burst: a tenth of a second's,
-    64 KiB to 4 MiB) and the process's CPU time under `cpu` cores on average (burst: a second's); 0 or None: no cap."""
+    64 KiB to 4 MiB) and the process's CPU time under `cpu` cores on average (burst: a second's); 0 or None: no cap.
+    `release()` ends a sleep under way: at 0.01 cores a pass's debt of 1 CPU-s was a 100 s sleep that a persist (the
+    trainers stopped, waiting) sat through."""
 
     def __init__(self, rate: float | None, burst: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, cpu: float | None = None,
+                 sleep: Callable[[float], object] | None = None, cpu: float | None = None,
                  cpu_clock: Callable[[], float] = billed_cpu):
         self.rate = rate or 0.0
         self.cpu = cpu or 0.0
         self.burst = burst if burst is not None else int(min(4 << 20, max(64 << 10, self.rate / 10)))
-        self._clock, self._sleep, self._cpu_clock = clock, sleep, cpu_clock
+        self._lifted = threading.Event()  # set by `release`: wakes a `take` sleeping off its debt
+        self._clock, self._sleep, self._cpu_clock = clock, sleep or self._lifted.wait, cpu_clock
         self._tokens = float(self.burst)
         self._cpu_tokens = self.cpu
         self._last = clock()
@@ -71,9 +74,10 @@ class Throttle:
         self._released = False
 
     def release(self) -> None:
-        """Lift both caps for good (nothing left to spare: the trainers have stopped)."""
+        """Lift both caps for good (nothing left to spare: the trainers have stopped), a sleep under way included."""
         self._released = True
         self.rate = self.cpu = 0.0
+        self._lifted.set()
 
     @contextmanager
     def uncapped(self) -> Iterator[None]:

@@ -1,6 +1,7 @@
 """`hpcft run`'s options: one model, typed sections of fields, each with its default and help. The command line
 (launch/config/command.py), the config file, the HPCFT_<NAME> environment variables and the configuration reference
 (docs/configuration.md) are generated from it; precedence CLI > environment > file > default."""
+import logging
 import os
 import tomllib
 from collections.abc import Mapping
@@ -8,10 +9,12 @@ from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from hpcft.agent.protection.budget import LAG_STEPS
 from hpcft.agent.protection.placement import Scheme
 from hpcft.agent.transport.heartbeat import LOSS_TIMEOUT_S
 from hpcft.elastic import KEEP_GLOBAL, KEEP_PER_RANK
 from hpcft.errors import ConfigError
+from hpcft.launch.config.detect import Devices, detect
 from hpcft.launch.config.memplan import parse_bytes
 
 CONFIG_ENV = "HPCFT_CONFIG"
@@ -43,8 +46,11 @@ class Launch:
     nodes: int | None = option(None, "Active nodes (default: the allocation minus the spares).", daily=True,
                                bound=">=1")
     spares: int = option(0, "Nodes held back to replace failed ones.", daily=True, bound=">=0")
-    profile: str = option("cpu", "Machine profile: tasks per node, srun options, library environment.", daily=True,
-                          choices=PROFILES)
+    profile: str = option("cpu", "Machine profile: tasks per node, srun options, library environment (default: "
+                          "detected: frontier where SLURM_CLUSTER_NAME or LMOD_SYSTEM_NAME says so, else cuda on a GPU "
+                          "node, else cpu).", daily=True, choices=PROFILES)
+    profile_check: bool = option(True, "Refuse a profile that does not fit the node `hpcft run` starts on (GPU "
+                                 "profiles without GPUs, cpu with GPUs); off where a profile is forced on purpose.")
     tasks_per_node: int | None = option(None, "Trainer tasks per node (default: the profile's).", bound=">=1")
     job_dir: str | None = option(None, "Where events, decisions and progress go (default ./hpcft-<job id>).",
                                  daily=True)
@@ -103,8 +109,12 @@ class Protection:
                                         bound=">0")
     protect_timeout: float = option(300.0, "Seconds the agents may take to be ready (rebuild included) before the "
                                     "launch counts as failed.", bound=">=0")
-    protect_lag: int | None = option(None, "Steps protection may trail the newest snapshot: the agents' CPU cap rises "
-                                     "while it does (default: a fixed cap).", daily=True, bound=">=1")
+    protect_lag: int = option(LAG_STEPS, "Steps protection may trail the newest snapshot: while it would, the agents' "
+                              "CPU cap rises (up to 4 budgets, 1 core at least) and they run at the trainers' "
+                              "priority (0: a fixed cap, protection may trail any distance).", daily=True, bound=">=0")
+    agent_cores: float | None = option(None, "Each node agent's CPU budget in cores, taken from what the trainers "
+                                       "leave idle (below their priority, over the node's cores; default: the "
+                                       "profile's, 1 on frontier and cuda, 0.01 on cpu).", bound=">=0")
     agent_iface: str | None = option(None, "Network interface the agents bind to (default: the profile's, hsn0 on "
                                      "Frontier; a node without it uses its hostname's address, with a warning).")
     agent_transport: str = option("tcp", "What carries the agents' bulk data and agreements: tcp, or mpi (mpi4py over "
@@ -328,8 +338,9 @@ def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def load(cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
-         config_file: str | os.PathLike | None = None) -> RunConfig:
-    """Merge defaults < file (`config_file` or $HPCFT_CONFIG) < environment < CLI (None means not given)."""
+         config_file: str | os.PathLike | None = None, node: Devices | None = None) -> RunConfig:
+    """Merge defaults < file (`config_file` or $HPCFT_CONFIG) < environment < CLI (None means not given); a profile
+    given nowhere is detected from the environment and `node`, the GPUs of the node that trains (detect.py)."""
     env = os.environ if environ is None else environ
     merged: dict[str, Any] = {}
     path = config_file or env.get(CONFIG_ENV)
@@ -337,6 +348,10 @@ def load(cli: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None
         merged.update(from_file(path))
     merged.update(from_env(env))
     merged.update(_check_keys({k: v for k, v in (cli or {}).items() if v is not None}, "command line"))
+    if merged.get("profile") is None:
+        merged["profile"], why = detect(env, node)
+        logging.getLogger("hpcft.events").info("profile %s detected (%s); --profile chooses another",
+                                               merged["profile"], why)
     return make(**merged)
 
 

@@ -15,9 +15,11 @@ class Profile:
     srun_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     description: str = ""
-    # The agent's CPU cap in cores (None: its default share of the node's): trainers computing on the CPU meet at
-    # barriers on every core, so each ms an agent takes on any core delays the whole step by about that ms.
-    agent_cpu_cores: float | None = None
+    # Each node agent's CPU budget in cores (`hpcft run --agent-cores`), a cap over the node's cores at a priority
+    # below the trainers' (docs/reference/protection.md, "The CPU budget"): GPU trainers leave most host cores idle
+    # while the devices compute; CPU trainers meet at barriers on every core, so each ms an agent takes on any core
+    # delays the whole step by about that ms.
+    agent_cpu_cores: float = 1.0
     # RCCL needs its network plugin between nodes: checked by `hpcft doctor` and at the start of `hpcft run`
     net_plugin: bool = False
     # the interface the node agents' bulk traffic binds to (None: the address of the node's hostname)

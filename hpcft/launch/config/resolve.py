@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 from hpcft.errors import ConfigError
+from hpcft.launch.config.detect import Devices, check_fits
 from hpcft.launch.config.model import DEFAULT_GROUP, RunConfig, env_name
 
 def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:
@@ -36,6 +37,13 @@ def check_shape(cfg: RunConfig, allocated: int) -> RunConfig:
 
         plan(active, cfg.protection.scheme())  # the agents' own checks: group, losses, distance against the nodes
     return cfg
+
+
+def check_node(cfg: RunConfig, found: Devices) -> None:
+    """The profile fits the node `hpcft run` starts on (the allocation's first), unless --profile-check is off:
+    ConfigError before anything is launched, naming the profile to choose (detect.check_fits)."""
+    if cfg.launch.profile_check:
+        check_fits(cfg.launch.profile, found)
 
 
 def check_paths(cfg: RunConfig, job_dir: Path) -> None:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcft import events
-from hpcft.launch.node import autogroup, progress, zygote
+from hpcft.agent.transport import autogroup
+from hpcft.launch.node import progress, zygote
 from hpcft.launch.node.standby_child import Job, run_child
 from hpcft.slurm.nodelist import expand
 from hpcft.launch.config.model import DEFAULT_PRELOAD

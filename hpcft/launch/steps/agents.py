@@ -15,13 +15,14 @@ from hpcft.agent.settings import AgentConfig
 from hpcft.agent.step import AGENT_STEP_NAME, agent_argv
 from hpcft.errors import CheckpointError, NoCheckpointError
 from hpcft.launch.config import profiles
-from hpcft.agent.protection import flush as agent_persist
+from hpcft.agent.protection import budget, flush as agent_persist
 from hpcft.durable.settings import PersistConfig
 from hpcft.launch.config.model import RunConfig
 from hpcft.launch.config.resolve import durable_dir
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.fabric.liveview import LiveView
 from hpcft.launch.policy.failures import Event, Kind
+from hpcft.launch.steps.standbys import cpus_per_node
 from hpcft.slurm.runner import Runner
 
 
@@ -38,13 +39,21 @@ def agent_mpi(cfg: RunConfig) -> str | None:
     return cfg.protection.agent_mpi or profiles.get(cfg.launch.profile).agent_mpi
 
 
+def agent_cores(cfg: RunConfig) -> float:
+    """Each node's agent's CPU budget in cores: --agent-cores, else the profile's."""
+    given = cfg.protection.agent_cores
+    return profiles.get(cfg.launch.profile).agent_cpu_cores if given is None else given
+
+
 def agent_settings(cfg: RunConfig, job_dir: Path, layout: Layout, mpi: str | None) -> AgentConfig:
-    """What every agent of a launch on `layout` is told; `mpi`: their step's srun MPI plugin (None: TCP)."""
+    """What every agent of a launch on `layout` is told; `mpi`: their step's srun MPI plugin (None: TCP). The CPU
+    budget as a cap in cores, which a lag bound (--protect-lag; 0: none) may raise to `budget.ceiling` of it."""
     root, dur, prot = durable_dir(cfg, job_dir), cfg.durable, cfg.protection
+    cores = agent_cores(cfg)
     return AgentConfig(rendezvous=str(job_dir / "agents"), secret_file=str(job_dir / job_secret.NAME),
                        layout=layout.slots, host="auto", iface=agent_iface(cfg), scheme=cfg.protection.scheme(),
-                       rate=prot.protect_rate, rounds=0, cpu_cores=profiles.get(cfg.launch.profile).agent_cpu_cores,
-                       lag_bound=prot.protect_lag, loss_timeout=cfg.recovery.loss_timeout,
+                       rate=prot.protect_rate, rounds=0, cpu_cores=cores, lag_bound=prot.protect_lag or None,
+                       lag_cores=budget.ceiling(cores), loss_timeout=cfg.recovery.loss_timeout,
                        persist=PersistConfig(str(root), dur.persist_every, dur.persist_keep, dur.persist_rate)
                        if root else PersistConfig(), transport="mpi" if mpi else "tcp")
 
@@ -190,13 +199,14 @@ class AgentSteps:
         settings = agent_settings(cfg, self.job_dir, layout, mpi)
 
         def argv(nodes: list[str]) -> list[str]:
-            return agent_argv(nodes, settings, python=self.python, rebuild=rebuild, mpi=mpi,
-                              wrap=self._wrap()) + ["--tag", tag]
+            return agent_argv(nodes, settings, python=self.python, rebuild=rebuild, mpi=mpi, wrap=self._wrap(),
+                              cpus=cpus_per_node(env)) + ["--tag", tag]
 
         self.emit("agents_launch", tag=tag, rebuild=rebuild, slots=",".join(layout.slots),
                   scheme=cfg.protection.protect, group=cfg.protection.group, losses=cfg.protection.losses,
-                  distance=cfg.protection.distance,
-                  **({"hosted": ",".join(f"{k}:{n}" for k, n in hosted.items())} if hosted else {}))
+                  distance=cfg.protection.distance, cpu_budget=settings.cpu_cores, lag_bound=settings.lag_bound,
+                  cpu_ceiling=settings.lag_cores if settings.lag_bound else settings.cpu_cores,
+                  node_cpus=cpus_per_node(env), **({"hosted": ",".join(f"{k}:{n}" for k, n in hosted.items())} if hosted else {}))
         with open(self.job_dir / f"agents-{tag}.log", "ab") as log:
             for k, node in hosted.items():
                 name = f"{AGENT_STEP_NAME}-hosted-{k}"
