@@ -126,8 +126,8 @@ def collect(rendezvous: str | Path, tag: str | None = None, stale_after: float |
 
 
 def supervision(job_dir: Path, record: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Who supervises the job (the batch script's hpcft run, or a janitor that took over: launch/node/succession.py), from
-    whom it took over, and how the run ended (its summary), if it has."""
+    """Who supervises the job (the batch script's hpcft run, or a janitor that took over: launch/node/succession.py),
+    from whom it took over, and how the run ended (its summary), if it has."""
     from hpcft.launch.node import succession
 
     found = succession.read(job_dir)

@@ -65,10 +65,14 @@ class Requests:
         return (self._orders() or {}).get(self.tag, {}) if self._orders is not None else {}
 
     def drain(self) -> bool:
-        return bool(self._asked().get("drain")) if self._orders is not None else drain_path(self.rendezvous, self.tag).exists()
+        if self._orders is not None:
+            return bool(self._asked().get("drain"))
+        return drain_path(self.rendezvous, self.tag).exists()
 
     def stop(self) -> bool:
-        return bool(self._asked().get("stop")) if self._orders is not None else stop_path(self.rendezvous, self.tag).exists()
+        if self._orders is not None:
+            return bool(self._asked().get("stop"))
+        return stop_path(self.rendezvous, self.tag).exists()
 
     def flush(self) -> str | None:
         """The id of the newest flush asked for, or None."""

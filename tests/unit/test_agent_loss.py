@@ -16,7 +16,7 @@ from hpcft.agent import status as agent_status
 from hpcft.agent.transport.mesh import Mesh
 from hpcft.agent.transport.tcp import TransportError
 from hpcft.launch.steps.agents import AgentSteps
-from hpcft.launch.config.model import RunConfig, make
+from hpcft.launch.config.model import RunConfig
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.node.nodecheck import NodeCheck
 from hpcft.slurm.runner import Runner

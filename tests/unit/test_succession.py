@@ -91,7 +91,8 @@ def _watch(tmp_path: Path, me: str, clock: _Clock) -> SupervisorWatch:
 
 
 def test_the_watchers_ping_often_the_others_rarely(tmp_path):
-    rec, clock = _record(tmp_path), _Clock()
+    _record(tmp_path)
+    clock = _Clock()
     assert _watch(tmp_path, "frontier00043", clock).period == janitor.CHECK_S
     assert _watch(tmp_path, "frontier00046", clock).period == janitor.FAR_CHECK_S
 

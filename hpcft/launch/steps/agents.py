@@ -206,7 +206,8 @@ class AgentSteps:
                   scheme=cfg.protection.protect, group=cfg.protection.group, losses=cfg.protection.losses,
                   distance=cfg.protection.distance, cpu_budget=settings.cpu_cores, lag_bound=settings.lag_bound,
                   cpu_ceiling=settings.lag_cores if settings.lag_bound else settings.cpu_cores,
-                  node_cpus=cpus_per_node(env), **({"hosted": ",".join(f"{k}:{n}" for k, n in hosted.items())} if hosted else {}))
+                  node_cpus=cpus_per_node(env),
+                  **({"hosted": ",".join(f"{k}:{n}" for k, n in hosted.items())} if hosted else {}))
         with open(self.job_dir / f"agents-{tag}.log", "ab") as log:
             for k, node in hosted.items():
                 name = f"{AGENT_STEP_NAME}-hosted-{k}"
