@@ -8,11 +8,11 @@ from runs import FAULT_AT, assert_same_result, decisions
 pytestmark = pytest.mark.sandbox
 
 KEYS = {"rank_kill_s", "node_crash_s", "node_crash_from_fault_s", "restore_share", "baseline_relaunch_s",
-        "baseline_relaunch_over_rank_kill", "batch_host_s", "batch_host_total_s", "exception_s", "identical", "phases",
-        "targets", "met", "config"}
+        "baseline_relaunch_over_rank_kill", "batch_host_s", "batch_host_total_s", "batch_host_requeued", "exception_s",
+        "identical", "phases", "targets", "met", "config"}
 
 
-@pytest.mark.timeout(900)  # four recoveries in a row, one of them a requeue
+@pytest.mark.timeout(900)  # four recoveries in a row and a baseline
 def test_recovery_bench_reports_every_figure_as_json(recovery_bench):
     report = recovery_bench.report
     assert KEYS <= report.keys() and report["bench"] == "recovery"
@@ -27,7 +27,9 @@ def test_recovery_bench_reports_every_figure_as_json(recovery_bench):
     # from the torch.save checkpoint, by the script's second srun in the same allocation
     assert report["phases"]["baseline_relaunch"]["resumed_from"] >= FAULT_AT
     assert report["phases"]["batch_host"]["resumed_from"] >= FAULT_AT  # the survivors' memory, the lost slot rebuilt
-    assert report["batch_host_s"] > 0
+    # a janitor took the supervision over in the same allocation; it may act before Slurm marks the node (a probe):
+    # batch_host_s, from Slurm's mark to the janitor's act, is then negative
+    assert report["batch_host_requeued"] is False and report["phases"]["batch_host"]["job_state"] == "COMPLETED"
     # the bench's own check: each faulted run ended as its fault-free run did, bit for bit
     assert report["identical"] is True and report["met"]["identical"] is True
     assert all(report["phases"][name]["resumed_identical"] for name in ("rank_kill", "exception", "node_crash",
