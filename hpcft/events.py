@@ -127,3 +127,32 @@ def read(log_dir: str | os.PathLike) -> list[dict]:
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # none, or not a record (`append` says so)
         return []
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+class Tail:
+    """A JSON-lines file as it grows (the events, a bench job's timeline): `new()` parses only the whole lines written
+    since the last call, from byte `start` on at first; a line still being written waits for the next call. A line
+    that is not JSON raises ValueError, or is skipped when `lenient` (a record torn on a full disk)."""
+
+    def __init__(self, path: str | os.PathLike, *, start: int = 0, lenient: bool = False):
+        self.path, self.offset, self.lenient = Path(path), start, lenient
+
+    def new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        records = []
+        for line in data[:end].splitlines():
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if not self.lenient:
+                    raise
+        return records

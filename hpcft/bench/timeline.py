@@ -3,13 +3,13 @@ reading it, waiting on it, and cutting a recovery into consecutive phases. Share
 scenarios and its baselines."""
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hpcft import events
 from hpcft.errors import HpcftError
 
 JOB = Path(__file__).with_name("train_job.py")
@@ -27,19 +27,11 @@ class Tail:
     of a long run's timeline re-read whole would cost the job it measures a share of its cores)."""
 
     def __init__(self, out: Path) -> None:
-        self.path, self.offset, self.kept, self.partial = out / "timeline.jsonl", 0, [], b""
+        self.tail, self.kept = events.Tail(out / "timeline.jsonl"), []
 
     def records(self) -> list[dict]:
         """Every record so far, in the order written (a line still being written waits for the next call)."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return self.kept
-        self.offset += len(data)
-        *lines, self.partial = (self.partial + data).split(b"\n")
-        self.kept += [json.loads(line) for line in lines if line.strip()]
+        self.kept += self.tail.new()
         return self.kept
 
 

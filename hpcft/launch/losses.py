@@ -3,13 +3,13 @@ view's `reached`, read then: a rebuilt node later reports an older step) against
 must never pass for a success (docs/reference/supervisor.md, "Lost progress")."""
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from hpcft import events
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class RestoreWatch:
     def __init__(self, job_dir: str | os.PathLike, world: int, *, since: float, before: int | None, reason: str):
         self.path = Path(job_dir) / "events.jsonl"
         self.world, self.since, self.before, self.reason = world, since, before, reason
-        self._offset = self.path.stat().st_size if self.path.exists() else 0
+        self._tail = events.Tail(self.path, start=self.path.stat().st_size if self.path.exists() else 0, lenient=True)
         self._restored: dict[int, int] = {}
         self.resumed: int | None = None  # the step every rank restored (the lowest), once each has
         self.done = False  # the loss, if any, has been returned
@@ -133,7 +133,7 @@ class RestoreWatch:
     def _read(self) -> None:
         if self.resumed is not None:
             return
-        for record in self._new_records():
+        for record in self._tail.new():
             if record.get("time", 0) < self.since or "rank" not in record:
                 continue
             if record.get("event") == "restore_none":  # the ranks' agreement gives step 0 to all of them
@@ -142,18 +142,3 @@ class RestoreWatch:
                 self._restored.setdefault(int(record["rank"]), int(record["step"]))
         if len(self._restored) >= self.world:
             self.resumed = min(self._restored.values())
-
-    def _new_records(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self._offset)
-                data = fh.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1  # a line being written is read whole at the next poll
-        self._offset += end
-        records = []
-        for line in data[:end].splitlines():
-            with contextlib.suppress(ValueError):
-                records.append(json.loads(line))
-        return records
