@@ -62,7 +62,8 @@ class Requests:
         self.rendezvous, self.tag, self._orders = rendezvous, tag, orders
 
     def _asked(self) -> dict[str, Any]:
-        return (self._orders() or {}).get(self.tag, {}) if self._orders is not None else {}
+        """This launch's requests as pushed (only with an uplink: `_orders` set)."""
+        return (self._orders() or {}).get(self.tag, {})
 
     def drain(self) -> bool:
         if self._orders is not None:

@@ -23,7 +23,7 @@ class Ledger:
         self.lost: list[losses.Loss] = []
         self.reshaped: dict[str, list[str]] = {"shrunk": [], "grown": []}
         self.previous: losses.PreviousRun | None = None
-        self.supervisors: list[str] = []  # the successors' nodes, when the supervisor was taken over
+        self.supervisors: list[str] = []  # a successor's: the lost supervisor's node, then its own
         self.reached: int | None = None
         self.why_launch = "first launch"
         self._state_unwritten: str | None = None  # why state.json could not be written last (a full disk)

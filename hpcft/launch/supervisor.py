@@ -202,12 +202,14 @@ class Supervisor:
                     self.emit("terminated", level=logging.WARNING, reason="SIGTERM (scancel, preemption or requeue)")
                     return 128 + signal.SIGTERM
             decision, event = self._decide(event, layout, saved, info), None
-            saved.slots = list(layout.slots)  # the nodes that held the slots' snapshots in this run
+            relaunch = decision.action in RELAUNCHES
+            # the nodes that hold the slots' snapshots: the next launch's (its agents rebuild there; a successor plans
+            # from them), else this run's (a requeued run keeps each returning node in its slot)
+            saved.slots = list((decision.layout if relaunch else layout).slots)
             layout = decision.layout
             saved.excluded = list(layout.excluded)
-            if decision.action in RELAUNCHES:
+            if relaunch:
                 saved.count(decision.action)
-                saved.slots = list(layout.slots)  # the next launch's (its agents rebuild there): a successor's plan
                 self.ledger.save(saved)
                 continue
             self.ledger.save(saved)
@@ -246,8 +248,8 @@ class Supervisor:
         if not self.generation:
             return None
         left, kept = stop_steps_left(self.runner, self.job_id, keep=(JANITOR_STEP_NAME, STANDBY_STEP_NAME))
-        if STANDBY_STEP_NAME in kept:
-            self.standbys.adopt()  # warm on the live nodes; a new step would import for seconds
+        # the warm standbys on the live nodes are adopted: a new step would import for seconds
+        self.standbys.adopt([step for step, name in kept if name == STANDBY_STEP_NAME])
         me = self.environ.get("SLURMD_NODENAME", "?")
         self.emit("takeover", level=logging.WARNING, generation=self.generation, node=me, lost=self.replaces,
                   stopped=",".join(left), reason=f"the supervisor on {self.replaces} was lost with its node: {me} "

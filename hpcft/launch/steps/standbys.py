@@ -14,7 +14,6 @@ from pathlib import Path
 
 from hpcft.launch.node.standby import STATUS_DIR, active_ready_path, status_path
 from hpcft.launch.node.zygote import ENV_STANDBY
-from hpcft.launch.steps.stop import steps_of
 from hpcft.slurm.nodelist import compress
 from hpcft.slurm.runner import Runner
 
@@ -69,13 +68,12 @@ class Standbys:
         self.runner, self.job_dir, self.python, self.preload = runner, job_dir, python, preload
         self.enabled = enabled  # --standby: without it `ensure` and `wait` do nothing and every rank starts cold
         self.cpus = cpus_per_node(environ)
-        self._job_id = environ.get("SLURM_JOB_ID", "")
         self.emit, self._stop_steps = emit, stop_steps
         self.proc: subprocess.Popen | None = None
         self.nodes: list[str] = []
         self._since = 0.0
         self._waited = True  # for the step running: only its start is waited for
-        self.adopted = False  # a lost supervisor's standby step, left running for its warm processes (`adopt`)
+        self.adopted: list[str] = []  # a lost supervisor's standby step(s), left running for their warm processes
 
     def ensure(self, nodes: Sequence[str], env: Mapping[str, str], spares: Sequence[str] = ()) -> None:
         """A standby step on `nodes` unless one runs; `spares` import at the lowest priority."""
@@ -122,10 +120,11 @@ class Standbys:
                   **({"reason": why, "action": "these nodes' trainers start cold"} if missing else {}))
         return found
 
-    def adopt(self) -> None:
-        """A successor keeps the standby step its lost predecessor started: its standbys on the live nodes are warm,
-        where a new step would import for seconds; a node without one starts its trainers cold."""
-        self.adopted = self.enabled
+    def adopt(self, steps: Sequence[str]) -> None:
+        """A successor keeps the standby step (ids in `steps`, as squeue lists them) its lost predecessor started: its
+        standbys on the live nodes are warm, where a new step would import for seconds; a node without one starts its
+        trainers cold."""
+        self.adopted = list(steps) if self.enabled else []
 
     def env(self) -> dict[str, str]:
         """What the trainers' tasks are told: whether to hand themselves to a standby (hpcft.launch.node.warm)."""
@@ -135,10 +134,8 @@ class Standbys:
         """Stop the standby step: SIGUSR2 first (each removes its socket), after `asked_s` the supervisor's; an
         adopted one, whose srun died with its supervisor, through Slurm."""
         if self.adopted:
-            ids = [i for i, name in steps_of(self.runner, self._job_id) if name == STANDBY_STEP_NAME]
-            if ids:
-                self.runner.run(["scancel", "--signal=USR2", *ids], check=False)
-            self.adopted = False
+            self.runner.run(["scancel", "--signal=USR2", *self.adopted], check=False)
+            self.adopted = []
             self.emit("standby_stopped", exit_code=None, adopted=True)
         if self.proc is None:
             return

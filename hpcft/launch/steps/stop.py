@@ -63,18 +63,18 @@ def steps_of(runner: Runner, job_id: str) -> list[tuple[str, str]]:
             if step_id]
 
 
-def stop_steps_left(runner: Runner, job_id: str, keep: tuple[str, ...]) -> tuple[list[str], list[str]]:
+def stop_steps_left(runner: Runner, job_id: str, keep: tuple[str, ...]) -> tuple[list[str], list[tuple[str, str]]]:
     """Kill the steps a lost supervisor left, but those named in `keep` and Slurm's own (batch, extern), with one
     scancel from a thread, not waited for: slurmctld answers it only once it gave up on the lost node (MessageTimeout;
     6 s of a 17 s takeover in the sandbox), though the tasks on the live nodes are gone at once, as after any node
-    loss (StepStopper); (the names of those killed, of those kept)."""
+    loss (StepStopper); (the names of those killed, (id, name) of those kept)."""
     steps = [(i, n) for i, n in steps_of(runner, job_id)
              if not i.endswith((".batch", ".extern")) and n not in ("batch", "extern")]
     killed = [(i, n) for i, n in steps if n not in keep]
     if killed:
         threading.Thread(target=runner.run, args=(["scancel", "--signal=KILL", *(i for i, _ in killed)],),
                          kwargs={"check": False}, daemon=True, name="hpcft-kill-left").start()
-    return [n for _, n in killed], [n for _, n in steps if n in keep]
+    return [n for _, n in killed], [(i, n) for i, n in steps if n in keep]
 
 
 def tee(stream, lines: list[str]) -> None:
