@@ -179,6 +179,8 @@ def kill_in_protect(scene: Scene, pick: float) -> str:
 def kill_in_flush(scene: Scene, pick: float) -> str:
     """Ask the agents for a flush, then SIGKILL one that reports it is flushing."""
     agents = scene.agents()
+    if not agents:  # the newest launch's agents are gone: a relaunch is under way
+        raise NoTarget("no agent of the newest launch is running")
     flush.request(scene.job_dir / "agents", next(iter(agents.values()))["tag"])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -291,21 +291,35 @@ class Sandbox:
             self.wait_ready([name], timeout=timeout)
 
     def heal(self, timeout: float = 60.0) -> None:
-        """Back to a clean cluster for the next test: no jobs, every node running and idle. Nodes without a live (or
-        with a frozen) slurmd are restarted; nodes Slurm holds down or drained are resumed."""
+        """Back to a clean cluster for the next test: no jobs, every node running and idle. Asked again every 2 s until
+        then: jobs are cancelled, nodes without a live (or with a frozen) slurmd restarted, nodes Slurm holds down or
+        drained resumed (a node drains late, e.g. when a killed job's processes outlive UnkillableStepTimeout), and a
+        node still not idle after half the timeout restarted (a slurmd stuck completing a job, or not answering)."""
         runner = self.runner(timeout=15)
-        jobs = runner.run(["squeue", "--noheader", "--format=%i"]).stdout.split()
-        if jobs:
-            runner.run(["scancel", *jobs], check=False)
-        for name in self.node_names:
-            group = self.groups.get(name)
-            if group is None or not procs.alive(group.pid, group.start_time) or procs.stopped(group.pid):
-                # a frozen node too (freeze_node); not waited for here: a drained one stays drained until resumed
-                self.restart_node(name, timeout=timeout, wait=False)
-        held = [n for n, s in self.node_states().items() if s.rstrip("*~#").startswith(("down", "drain", "fail"))]
-        if held:
-            runner.run(["scontrol", "update", f"NodeName={','.join(held)}", "State=RESUME"], check=False)
-        self.wait_for(self.node_names, lambda s: s == "idle", "idle", timeout)
+        started, restarted = time.monotonic(), set()
+        while time.monotonic() < started + timeout:
+            jobs = runner.run(["squeue", "--noheader", "--format=%i"], check=False).stdout.split()
+            if jobs:
+                runner.run(["scancel", *jobs], check=False)
+            for name in self.node_names:
+                group = self.groups.get(name)
+                if group is None or not procs.alive(group.pid, group.start_time) or procs.stopped(group.pid):
+                    self.restart_node(name, timeout=timeout, wait=False)  # a frozen node too (freeze_node)
+            try:
+                states = self.node_states()
+            except SlurmError:
+                states = {}
+            if states and all(states.get(n) == "idle" for n in self.node_names):
+                return
+            held = [n for n, s in states.items() if s.rstrip("*~#").startswith(("down", "drain", "fail"))]
+            if held:
+                runner.run(["scontrol", "update", f"NodeName={','.join(held)}", "State=RESUME"], check=False)
+            if time.monotonic() > started + timeout / 2:
+                for name in [n for n in self.node_names if states.get(n) != "idle" and n not in restarted]:
+                    restarted.add(name)
+                    self.restart_node(name, timeout=timeout, wait=False)
+            time.sleep(2)
+        self.wait_for(self.node_names, lambda s: s == "idle", "idle", 0)  # the error, with Slurm's view and the logs
 
     # -- stop --------------------------------------------------------------------------------------
     def down(self) -> None:
