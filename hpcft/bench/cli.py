@@ -147,12 +147,27 @@ def restore(**options: Any) -> None:
               help="Seconds of training with the agents running freely (protection rate, CPU per GB, lag).")
 @click.option("--scheme", "schemes", multiple=True, type=click.Choice(["xor", "partner", "rs"]),
               help="Schemes to measure (repeatable) [default: all].")
+@click.option("--dir", type=click.Path(file_okay=False), default=None,
+              help="Instead: a real job in this running sandbox of 4 nodes (a confined one: `hpcft sandbox up "
+                   "--confine`), XOR over them, its ranks holding every core; steps at risk over --window, from "
+                   "`hpcft status`'s view (--params, --protect-lag, --cpu-cores as the job's --agent-cores).")
+@click.option("--tasks-per-node", type=click.IntRange(min=1), default=2, show_default=True,
+              help="With --dir: ranks a node.")
+@click.option("--keep", type=click.Path(file_okay=False), default=None,
+              help="With --dir: keep the job's output in this directory (default: removed).")
 def protect(**options: Any) -> None:
-    """Cross-node protection per scheme: encode vs memcpy, bytes sent/stored vs state, rebuild time, step overhead."""
+    """Cross-node protection per scheme: encode vs memcpy, bytes sent/stored vs state, rebuild time, step overhead;
+    with --dir, protection's lag in a real job laid out as the machine's."""
     from hpcft.launch.config import profiles
 
     if options["cpu_share"] is not None and options["cpu_cores"] is not None:
         raise click.UsageError("give --cpu-share or --cpu-cores, not both")
+    job = {k: options.pop(k) for k in ("dir", "tasks_per_node", "keep")}
+    if job["dir"]:
+        _run("lag", options["as_json"], options["runs"], dir=job["dir"], params=options["params"],
+             tasks_per_node=job["tasks_per_node"], window=options["window"], keep=job["keep"],
+             lag_bound=options["lag_bound"], agent_cores=options["cpu_cores"])
+        return
     if options["cpu_share"] is None:  # ProtectOptions' default: the agent's
         del options["cpu_share"]
         if options["cpu_cores"] is None:  # the bench trains on the CPU: the cap hpcft run gives such agents

@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any
 
 from hpcft.bench import timeline
 from hpcft.bench.harness import Report
-from hpcft.bench.recovery import hpcft_argv, keep_logs, sandbox
+from hpcft.bench.recovery import end_allocation, hpcft_argv, measured
 from hpcft.bench.timeline import ACTIVE
 from hpcft.errors import ConfigError, HpcftError
 
@@ -200,13 +199,7 @@ def measure(sb: Any, opts: ControlOptions, out: Path) -> dict[str, Any]:
         for t in traces.values():
             t.wait(timeout=30)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # salloc ends the allocation, hpcft run its steps
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        end_allocation(proc)
     job_rpcs, left_out = rpcs_between(before, after)
     under = str((out / "job").resolve())
     traced = {k: fs_ops(out / f"strace-{k}.log", under, f"{under}/checkpoints") for k in kinds if k != "trainer"}
@@ -255,24 +248,7 @@ def report(m: dict[str, Any], opts: ControlOptions) -> Report:
 
 def run(opts: ControlOptions) -> Report:
     """One sandbox, one job, one window (see module doc)."""
-    work = Path(opts.keep) if opts.keep else Path(tempfile.mkdtemp(prefix="hpcft-bench-control-"))
-    work.mkdir(parents=True, exist_ok=True)
-    os.chmod(work, 0o755)
-    try:
-        with sandbox(opts.dir, nodes=ACTIVE) as sb:
-            sb.heal()
-            try:
-                m = measure(sb, opts, work / "steady")
-            except HpcftError:
-                keep_logs(sb, work / "sandbox-logs")
-                raise
-            finally:
-                sb.heal()
-    except HpcftError as exc:
-        raise HpcftError(f"{exc} (the run's output is kept in {work})") from exc
-    if not opts.keep:
-        import shutil
-
-        shutil.rmtree(work, ignore_errors=True)
+    with measured(opts.dir, ACTIVE, opts.keep, "hpcft-bench-control-") as (sb, work):
+        m = measure(sb, opts, work / "steady")
     print(f"hpcft bench control: {m['pids']} processes traced for {m['seconds']:.1f} s", file=sys.stderr)
     return report(m, opts)

@@ -100,6 +100,41 @@ def keep_logs(sb: Any, into: Path) -> list[Path]:
     return kept
 
 
+@contextlib.contextmanager
+def measured(directory: str | None, nodes: int, keep: str | None, prefix: str) -> Iterator[tuple[Any, Path]]:
+    """(sandbox, work dir) for a bench's sandbox run: the sandbox healed before and after, its logs kept in the work
+    dir on failure and the error naming that dir; the work dir removed after a success unless `keep` named it."""
+    with sandbox(directory, nodes=nodes) as sb:  # a sandbox that is not there: its error alone, no work dir made
+        work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix=prefix))
+        work.mkdir(parents=True, exist_ok=True)
+        os.chmod(work, 0o755)
+        try:
+            sb.heal()
+            try:
+                yield sb, work
+            except HpcftError:
+                keep_logs(sb, work / "sandbox-logs")
+                raise
+            finally:
+                sb.heal()
+        except HpcftError as exc:
+            raise HpcftError(f"{exc} (the run's output is kept in {work})") from exc
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def end_allocation(proc: subprocess.Popen) -> None:
+    """End an `salloc` started in its own session: SIGTERM (salloc ends the allocation, hpcft run its steps), SIGKILL
+    after 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def hpcft_argv(command: str, opts: RecoveryOptions, out: Path, *options: str) -> list[str]:
     """`hpcft COMMAND` (run or submit) of the bench job with the bench's supervisor options and `options`."""
     out.mkdir(parents=True, exist_ok=True)

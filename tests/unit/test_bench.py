@@ -181,3 +181,23 @@ def test_the_protect_bench_measures_the_most_steps_a_node_loss_would_have_cost()
     # passes complete at 3.5 (step 2), 5.5 (step 5), 10.5 (step 9, after a stall): before the last, 10 - 5 at risk
     assert steps_at_risk_max(committed, [(3.5, 2), (5.5, 5), (10.5, 9)]) == 5
     assert steps_at_risk_max(committed, [(3.5, 2)]) is None  # one pass measures nothing
+
+
+def test_the_lag_of_a_real_job_is_judged_on_its_median_look_beside_the_unprotected_step() -> None:
+    """`hpcft bench protect --dir` (bench/lag.py, measured on the confined sandbox by hand: a real job takes minutes):
+    its figures from the looks at `hpcft status`'s view."""
+    from hpcft.bench.lag import LagOptions, report
+
+    looks = [{"t": float(t), "training": t, "at_risk": r, "warned": r > 3, "caps": [1.0 if r > 1 else 0.01],
+              "budget": 0.01, "ceiling": 1.0} for t, r in enumerate([1, 2, 1, 5, 1, 0, 2])]
+    got = report(looks, LagOptions(dir="/nowhere", params=1_000_000), {"n1": "2"}, 1.1, 1.0).as_dict()
+    assert (got["steps_at_risk"], got["steps_at_risk_p95"], got["steps_at_risk_max"]) == (1, 5, 5)
+    assert got["met"] == {"steps_at_risk": True}
+    assert got["step_overhead"] == pytest.approx(0.1) and got["lag_warned_share"] == pytest.approx(1 / 7)
+    assert got["cap_raised_share"] == pytest.approx(3 / 7) and got["layout"]["tasks_per_node"] == 2
+
+
+def test_the_lag_bench_names_a_missing_sandbox(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hpcft.cli", "bench", "protect", "--dir", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "no sandbox in" in proc.stderr and "Traceback" not in proc.stderr
