@@ -147,7 +147,8 @@ def report(looks: list[dict[str, Any]], opts: LagOptions, cpus: dict[str, str], 
     r.add("step_overhead", step_s / base_s - 1 if step_s and base_s else None, "%", "  protection's step overhead")
     r.add("lag_warned_share", sum(x["warned"] for x in looks) / len(looks), "",
           "share of looks where `hpcft status` warned of protection trailing")
-    r.add("cap_raised_share", len(raised) / len(looks), "", "share of looks with an agent's cap raised by the lag bound")
+    r.add("cap_raised_share", len(raised) / len(looks), "",
+          "share of looks with an agent's cap raised by the lag bound")
     r.note("agents_cpu_budget_cores", looks[-1]["budget"])
     r.note("agents_cpu_ceiling_cores", looks[-1]["ceiling"])
     r.note("layout", {"nodes": ACTIVE, "tasks_per_node": opts.tasks_per_node, "node_cpus": cpus,
