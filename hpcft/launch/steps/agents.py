@@ -93,6 +93,7 @@ class AgentSteps:
         self.directory: rendezvous.Directory | None = None  # where every launch's agents meet (over the network)
         self._killed = False  # the running step was killed with the trainers' (a lost node), not yet reported
         self._forwarded: str | None = None  # the last flush request file (`hpcft flush`) pushed to the agents
+        self._ending: list[subprocess.Popen] = []  # stopped launches' sruns, their agents exiting (`stop`)
 
     @property
     def cfg(self) -> RunConfig:
@@ -139,7 +140,15 @@ class AgentSteps:
             self.emit("agents_directory", address=self.directory.address)
 
     def close(self) -> None:
-        """The supervisor ends: stop serving the agents' directory."""
+        """The supervisor ends: stop serving the agents' directory, and wait for the stopped launches' sruns (killed
+        past the grace: their agents had said they stopped)."""
+        for p in self._ending:
+            try:
+                p.wait(timeout=self.cfg.launch.kill_grace)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._ending = []
         if self.directory is not None:
             self.directory.close()
             self.directory = None
@@ -392,6 +401,12 @@ class AgentSteps:
         self._stop_steps({**trainers, **({AGENT_STEP_NAME: self.proc} if self.proc else {}), **self.hosted_procs},
                          lost=True, settled=settled)
 
+    def _said_stopped(self) -> bool:
+        """Every agent of the last launch reported `stopped`: what is left of its step is processes exiting."""
+        reports = self._read(self.tag)
+        return bool(self._ready_slots) and len(reports) >= len(self._ready_slots) and all(
+            r.get("phase") == agent_status.STOPPED for r in reports.values())
+
     def stop(self, ask: bool = True, flush: bool = True) -> None:
         """Stop the agents' step of the last launch, if it runs: asked to (each agent exits 0 within a poll, after a
         flush under way when `flush`), for up to --kill-grace, then killed with the step. `ask=False` kills at once
@@ -400,20 +415,31 @@ class AgentSteps:
             return
         killed, self._killed = self._killed, False  # already, with the trainers (stop_with_trainers)
         how = "killed" if killed else "exited" if self.proc.poll() is not None else "asked" if ask else "killed"
+        ending = False  # every agent said it stopped: its srun ends in the background (the step is --overlap)
         if how == "asked":
             if flush:
                 self._finish_flush()
             self._ask(stop=True)
-            try:
-                for p in [self.proc, *self.hosted_procs.values()]:
-                    p.wait(timeout=self.cfg.launch.kill_grace)
-            except subprocess.TimeoutExpired:
-                how = "killed"
+            procs, deadline = [self.proc, *self.hosted_procs.values()], time.monotonic() + self.cfg.launch.kill_grace
+            while any(p.poll() is None for p in procs):
+                if not self.hosted_procs and self._said_stopped():
+                    ending = True
+                    break
+                if time.monotonic() >= deadline:
+                    how = "killed"
+                    break
+                time.sleep(0.02)
         asked = how != "exited" and ask and not killed
-        self._stop_steps({AGENT_STEP_NAME: self.proc, **self.hosted_procs}, lost=not ask)
+        if ending:
+            self._ending.append(self.proc)
+        else:
+            self._stop_steps({AGENT_STEP_NAME: self.proc, **self.hosted_procs}, lost=not ask)
+        self._ending = [p for p in self._ending if p.poll() is None]
         self.hosted_procs = {}
         # asked (healthy agents): none runs now, so none is "protecting", whether or not its last report came
         marked = self.view.ended(self.tag, how) if asked and self.view is not None else []
-        self.emit("agents_stopped", exit_code=self.proc.returncode, how=how,
+        # ending: every agent said it stopped (each exits 0 then); its srun, still ending, is not waited for
+        self.emit("agents_stopped", exit_code=0 if ending else self.proc.returncode, how=how,
+                  **({"srun": "ending"} if ending else {}),
                   **({"unreported": ",".join(map(str, marked))} if marked else {}))
         self.proc = None
