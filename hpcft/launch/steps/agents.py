@@ -409,8 +409,9 @@ class AgentSteps:
 
     def stop(self, ask: bool = True, flush: bool = True) -> None:
         """Stop the agents' step of the last launch, if it runs: asked to (each agent exits 0 within a poll, after a
-        flush under way when `flush`), for up to --kill-grace, then killed with the step. `ask=False` kills at once
-        (a node was lost: the mesh is broken, and recovery must not wait)."""
+        flush under way when `flush`), until every agent said it stopped (its srun, ending, is then reaped in the
+        background) or for up to --kill-grace, then killed with the step. `ask=False` kills at once (a node was lost:
+        the mesh is broken, and recovery must not wait)."""
         if self.proc is None:
             return
         killed, self._killed = self._killed, False  # already, with the trainers (stop_with_trainers)
