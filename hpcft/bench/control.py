@@ -24,7 +24,7 @@ from typing import Any
 
 from hpcft.bench import timeline
 from hpcft.bench.harness import Report
-from hpcft.bench.recovery import end_allocation, hpcft_argv, measured
+from hpcft.bench.recovery import allocation, end_allocation, measured
 from hpcft.bench.timeline import ACTIVE
 from hpcft.errors import ConfigError, HpcftError
 
@@ -158,11 +158,7 @@ def fs_ops(log: Path, under: str, durable: str) -> tuple[Counter, Counter]:
 def _start(sb: Any, opts: ControlOptions, out: Path) -> subprocess.Popen:
     """`salloc -N4 --no-kill hpcft run --protect xor … -- python train_job.py` in the sandbox."""
     extra = ["--slurm-check-every", f"{opts.slurm_check_every:g}"] if opts.slurm_check_every else []
-    argv = ["salloc", f"-N{ACTIVE}", "--no-kill", "-t", "30",
-            *hpcft_argv("run", opts, out, "--spares", "0", "--protect", "xor", "--loss-timeout", f"{LOSS_TIMEOUT_S:g}",
-                        *extra)]
-    return sb.runner().popen(argv, env=timeline.job_env(opts, out), stdout=open(out / "run.log", "ab"),
-                             stderr=subprocess.STDOUT, start_new_session=True)
+    return allocation(sb, opts, out, (), "--protect", "xor", "--loss-timeout", f"{LOSS_TIMEOUT_S:g}", *extra)
 
 
 def _steady(out: Path, opts: ControlOptions, proc: subprocess.Popen) -> str:

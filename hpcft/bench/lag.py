@@ -17,12 +17,13 @@ from typing import Any
 
 from hpcft.bench import timeline
 from hpcft.bench.harness import Report
-from hpcft.bench.recovery import end_allocation, hpcft_argv, measured
+from hpcft.bench.recovery import allocation, end_allocation, measured
 from hpcft.bench.timeline import ACTIVE
 from hpcft.errors import ConfigError, HpcftError
 
 TARGET = 3  # issue #32: steps_at_risk at most 3
 WIDTH = 1024  # the job's square layers; --params sets their number
+LAYER_PARAMS = WIDTH * WIDTH + WIDTH  # one Linear(WIDTH, WIDTH)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class LagOptions:
 
     @property
     def layers(self) -> int:
-        return max(1, round(self.params / (WIDTH * WIDTH + WIDTH)))
+        return max(1, round(self.params / LAYER_PARAMS))
 
     @property
     def steps(self) -> int:
@@ -67,12 +68,8 @@ def _start(sb: Any, opts: LagOptions, out: Path, protect: str = "xor") -> subpro
     """`salloc -N4 --ntasks-per-node T --no-kill hpcft run --protect PROTECT --tasks-per-node T … -- train_job.py`."""
     extra = [*(["--protect-lag", str(opts.lag_bound)] if opts.lag_bound is not None else []),
              *(["--agent-cores", f"{opts.agent_cores:g}"] if opts.agent_cores is not None else [])]
-    argv = ["salloc", f"-N{ACTIVE}", f"--ntasks-per-node={opts.tasks_per_node}", "--no-kill", "-t", "30",
-            *hpcft_argv("run", opts, out, "--spares", "0", "--protect", protect, "--group", str(ACTIVE),
-                        "--tasks-per-node", str(opts.tasks_per_node), *extra)]
-    env = timeline.job_env(opts, out, OMP_NUM_THREADS="1")
-    return sb.runner().popen(argv, env=env, stdout=open(out / "run.log", "ab"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
+    return allocation(sb, opts, out, (f"--ntasks-per-node={opts.tasks_per_node}",), "--protect", protect, "--group",
+                      str(ACTIVE), "--tasks-per-node", str(opts.tasks_per_node), *extra, OMP_NUM_THREADS="1")
 
 
 def _view(job_dir: Path) -> Any:
@@ -152,8 +149,8 @@ def report(looks: list[dict[str, Any]], opts: LagOptions, cpus: dict[str, str], 
     r.note("agents_cpu_budget_cores", looks[-1]["budget"])
     r.note("agents_cpu_ceiling_cores", looks[-1]["ceiling"])
     r.note("layout", {"nodes": ACTIVE, "tasks_per_node": opts.tasks_per_node, "node_cpus": cpus,
-                      "params": opts.layers * (WIDTH * WIDTH + WIDTH), "snapshot_bytes_per_rank_approx":
-                      12 * opts.layers * (WIDTH * WIDTH + WIDTH), "protect": f"xor over {ACTIVE}"})
+                      "params": opts.layers * LAYER_PARAMS, "snapshot_bytes_per_rank_approx":
+                      12 * opts.layers * LAYER_PARAMS, "protect": f"xor over {ACTIVE}"})
     r.note("window_s", round(seconds, 2))
     r.note("looks", len(looks))
     r.note("lag_bound", opts.lag_bound)

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +121,15 @@ def measured(directory: str | None, nodes: int, keep: str | None, prefix: str) -
             raise HpcftError(f"{exc} (the run's output is kept in {work})") from exc
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def allocation(sb: Any, opts: Any, out: Path, salloc: Sequence[str], *options: str, **env: str) -> subprocess.Popen:
+    """`salloc -N4 --no-kill -t 30 SALLOC… hpcft run --spares 0 OPTIONS… -- python train_job.py` in the sandbox, in a
+    session of its own (`end_allocation` ends it), its output in OUT/run.log."""
+    argv = ["salloc", f"-N{ACTIVE}", *salloc, "--no-kill", "-t", "30",
+            *hpcft_argv("run", opts, out, "--spares", "0", *options)]
+    return sb.runner().popen(argv, env=timeline.job_env(opts, out, **env), stdout=open(out / "run.log", "ab"),
+                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def end_allocation(proc: subprocess.Popen) -> None:

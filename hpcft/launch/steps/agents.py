@@ -23,6 +23,7 @@ from hpcft.launch.policy.layout import Layout
 from hpcft.launch.fabric.liveview import LiveView
 from hpcft.launch.policy.failures import Event, Kind
 from hpcft.launch.steps.standbys import cpus_per_node
+from hpcft.launch.steps.stop import SETTLE_POLL_S
 from hpcft.slurm.runner import Runner
 
 
@@ -429,7 +430,7 @@ class AgentSteps:
                 if time.monotonic() >= deadline:
                     how = "killed"
                     break
-                time.sleep(0.02)
+                time.sleep(SETTLE_POLL_S)
         asked = how != "exited" and ask and not killed
         if ending:
             self._ending.append(self.proc)
