@@ -327,12 +327,14 @@ class Supervisor:
         return done
 
     def _launch(self, layout: Layout, launch: int) -> Event:
-        """The launch state: the steps beside the trainers (the environment's broadcast, janitors, standbys, agents:
-        `_ready`), then the trainers' step, watched until it ends or must be stopped. The agents' step is left running
-        for the decision: a requeue first waits for their protection; every other path stops them."""
+        """The launch state: the steps beside the trainers (the environment's broadcast, janitors, standbys, and the
+        agents when the trainers need them first: `_ready`), then the trainers' step (the agents' right after it when
+        not: AgentSteps.gate), watched until it ends or must be stopped. The agents' step is left running for the
+        decision: a requeue first waits for their protection; every other path stops them."""
         env = self._env(layout, launch)
+        first = self.cfg.with_agents and self.agents.gate(layout, launch)  # else they start beside the trainers
         try:
-            event = self._ready(layout, launch, env)
+            event = self._ready(layout, launch, env, agents=first)
             if event is not None:
                 return event
             argv = trainer_argv(layout, self.profile, self.command, python=self.python,
@@ -346,8 +348,10 @@ class Supervisor:
             launched = time.time()
             self.agent_loss.launched()
             proc = self.runner.popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+            if self.cfg.with_agents and not first:
+                self.agents.beside(layout, launch, env)
             lines: list[str] = []
-            reader = threading.Thread(target=tee, args=(proc.stderr, lines), daemon=True)
+            reader = threading.Thread(target=self._read_trainers, args=(proc, lines), daemon=True)
             reader.start()
             event = None
             try:
@@ -368,12 +372,20 @@ class Supervisor:
             raise
         return self._ended(event, proc.returncode, lines)
 
-    def _ready(self, layout: Layout, launch: int, env: dict[str, str]) -> Event | None:
-        """The steps the trainers need first; an event when the agents could not get ready."""
+    def _read_trainers(self, proc: subprocess.Popen, lines: list[str]) -> None:
+        """srun's stderr into `lines` until the trainers' step ends, then the watch woken at once: a rank's death is
+        decided on when srun exits, not at the next poll (up to --poll-interval later)."""
+        tee(proc.stderr, lines)
+        proc.wait()
+        self._wake.set()
+
+    def _ready(self, layout: Layout, launch: int, env: dict[str, str], agents: bool) -> Event | None:
+        """The steps the trainers need first (the agents too when `agents`); an event when the agents could not get
+        ready."""
         self.broadcast.ensure([*layout.slots, *layout.spares], env, (self, self.standbys, self.agents))
         self.janitor.ensure([*layout.slots, *layout.spares], env)
         self.standbys.ensure([*layout.slots, *layout.spares], env, spares=layout.spares)
-        if self.cfg.with_agents:
+        if agents:
             failure = self.agents.start(layout, launch, env)
             event = None if failure is None else self.agent_loss.before_training(layout, failure, launch, env)
             if event is not None:
@@ -413,6 +425,7 @@ class Supervisor:
         that failed meanwhile: an event, or None when the agents were restarted alone and the trainers go on. Slurm
         is asked about the slots' nodes as watch/slurm.py says, from srun's lines `said` and the nodes' reports."""
         slurm = SlurmWatch(self.nodes, self.fabric.view, layout, self.cfg.recovery.slurm_check_every, launched, said)
+        self._wake.clear()  # set by the last launch's step ending; a signal since is in self._signal, seen below
         while True:
             watch.say(self.emit, self.ledger.lost)
             self.fabric.poll(layout.world_size)  # the progress history: a point when every rank's step moved

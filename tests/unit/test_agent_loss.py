@@ -118,6 +118,45 @@ def test_an_agents_step_that_ended_silently_is_a_loss_of_every_slot(tmp_path, ma
     assert steps.lost(layout) is None
 
 
+class _Sleepers(Runner):
+    """srun's stand-in for the agents' step: a process that sleeps (the test writes the agents' reports)."""
+
+    def popen(self, argv, *, env=None, **kwargs):
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs)
+
+
+def test_agents_started_beside_the_trainers_are_ready_once_all_say_so_and_late_ones_are_named(tmp_path, made_steps):
+    from hpcft.launch.config.model import make
+
+    layout, said = Layout(slots=("frontier00041", "frontier00042"), spares=()), []
+    steps = AgentSteps(lambda: make(protect_timeout=0.5, protect="xor"), runner=_Sleepers(), job_dir=tmp_path,
+                       python=sys.executable, emit=lambda kind, **f: said.append((kind, f)),
+                       stop_steps=lambda procs, **kw: [p.kill() or p.wait() for p in procs.values()],
+                       interrupted=lambda: False, check_nodes=lambda layout, probe: {})
+    made_steps.append(steps)
+    steps.prepare()
+    assert steps.gate(layout, 0), "the first launch waits for its agents: they announce their pins first"
+    steps._ready_slots = layout.slots  # as once a launch's agents were ready on these slots
+    assert not steps.gate(layout, 1) and steps.gate(Layout(slots=("frontier00041", "frontier00043")), 1)
+    try:
+        steps.beside(layout, 1, {})
+        agent_status.write(steps.rendezvous, "1", 0, phase=agent_status.READY)
+        assert steps.lost(layout) is None and not [k for k, _ in said if k == "agents_ready"]  # slot 1 not yet
+        agent_status.write(steps.rendezvous, "1", 1, phase=agent_status.PROTECTING)
+        assert steps.lost(layout) is None
+        ready = [f for k, f in said if k == "agents_ready"]
+        assert len(ready) == 1 and ready[0]["beside"] and ready[0]["tag"] == "1" and not ready[0]["rebuild"], said
+        steps.stop(ask=False)
+        steps.beside(layout, 2, {})  # the next relaunch's agents: one never reports
+        agent_status.write(steps.rendezvous, "2", 1, phase=agent_status.READY)
+        assert steps.lost(layout) is None  # within --protect-timeout
+        time.sleep(0.6)
+        late = steps.lost(layout)
+        assert set(late) == {"frontier00041"} and "not ready within --protect-timeout 0.5 s" in late["frontier00041"]
+    finally:
+        steps.stop(ask=False)
+
+
 class _Agents:
     """A narrow stand-in for AgentSteps: restarts that succeed or fail as told, and what was asked of it."""
 

@@ -1,6 +1,7 @@
-"""The node agents' srun step of each launch of `hpcft run --protect`: launched before the trainers (rebuilding when
-the slots changed since agents were last ready), waited on until all are ready, drained before a requeue (the trainers
-gone, the newest step is protected without caps), stopped. The supervisor turns a failure here into a policy event."""
+"""The node agents' srun step of each launch of `hpcft run --protect`: launched before the trainers and waited on until
+all are ready when the trainers need them first (the first launch, or slots changed since agents were last ready: they
+rebuild), else beside the trainers; drained before a requeue (the trainers gone, the newest step is protected without
+caps), stopped. The supervisor turns a failure here into a policy event."""
 from __future__ import annotations
 
 import logging
@@ -95,6 +96,7 @@ class AgentSteps:
         self._killed = False  # the running step was killed with the trainers' (a lost node), not yet reported
         self._forwarded: str | None = None  # the last flush request file (`hpcft flush`) pushed to the agents
         self._ending: list[subprocess.Popen] = []  # stopped launches' sruns, their agents exiting (`stop`)
+        self._beside: float | None = None  # agents started beside the trainers: ready by then (time.monotonic())
 
     @property
     def cfg(self) -> RunConfig:
@@ -154,6 +156,19 @@ class AgentSteps:
             self.directory.close()
             self.directory = None
 
+    def gate(self, layout: Layout, restart_count: int) -> bool:
+        """Whether the trainers of a launch wait for its agents (`start`): on the first launch (its agents announce
+        their pins before any store opens) and when the slots changed since agents were last ready (they rebuild
+        first). A relaunch onto the same slots needs nothing of them: they start beside the trainers (`beside`)."""
+        return restart_count == 0 or layout.slots != self._ready_slots
+
+    def beside(self, layout: Layout, restart_count: int, env: Mapping[str, str]) -> None:
+        """Launch the agents beside the trainers (not `gate`d): no rebuild, their readiness checked while the trainers
+        run (`lost`), a second or so of their start off the relaunch's path."""
+        self.tag, self.no_checkpoint, self.bad_nodes = str(restart_count), None, {}
+        self.proc = self._launch(layout, False, env)
+        self._beside = time.monotonic() + self.cfg.protection.protect_timeout
+
     def start(self, layout: Layout, restart_count: int, env: Mapping[str, str], *,
               hosted: Mapping[int, str] | None = None, tag: str | None = None) -> CheckpointError | None:
         """Launch the agents (rebuilding when the slots changed since they were last ready) and wait for all; None, or
@@ -161,7 +176,7 @@ class AgentSteps:
         what the trainers restore. `hosted` {slot: survivor}: a shrink's lost slots, rebuilt from parity there."""
         hosted = dict(hosted or {})
         rebuild = bool(hosted) or (restart_count > 0 and layout.slots != self._ready_slots)
-        self.tag, self.no_checkpoint, self.bad_nodes = tag or str(restart_count), None, {}
+        self.tag, self.no_checkpoint, self.bad_nodes, self._beside = tag or str(restart_count), None, {}, None
         self.proc = self._launch(layout, rebuild, env, hosted)
         running = Layout(slots=tuple(n for i, n in enumerate(layout.slots) if i not in hosted))
         try:
@@ -306,12 +321,14 @@ class AgentSteps:
     def lost(self, layout: Layout) -> dict[str, str] | None:
         """While the trainers run: None when the running launch's agents are well. Else {node: why} of the nodes to
         check: those whose agent a failed agent lost (its report's `peer_slot`: the round's all-gather is the agents'
-        heartbeat), or every slot when no report names one (the step ended, or an agent failed on its own)."""
+        heartbeat), every slot when no report names one (the step ended, or an agent failed on its own), or those
+        whose agent, started `beside` the trainers, is not ready within --protect-timeout."""
         if self.proc is None:
             return None
-        failed = [r for r in self._read(self.tag).values() if r.get("phase") == agent_status.FAILED]
+        reports = self._read(self.tag)
+        failed = [r for r in reports.values() if r.get("phase") == agent_status.FAILED]
         if not failed and self.proc.poll() is None:
-            return None
+            return self._late(layout, reports)
         named = {layout.slots[r["peer_slot"]]: f"agent of slot {r.get('slot')} lost it: {r.get('error')}"
                  for r in failed if isinstance(r.get("peer_slot"), int) and 0 <= r["peer_slot"] < len(layout.slots)}
         if named:
@@ -319,6 +336,22 @@ class AgentSteps:
         why = "; ".join(f"agent of slot {r.get('slot')} failed: {r.get('error')}" for r in failed) or \
             f"the agents' step ended (exit status {self.proc.poll()}); see {self.job_dir / f'agents-{self.tag}.log'}"
         return dict.fromkeys(layout.slots, why)
+
+    def _late(self, layout: Layout, reports: Mapping[int, dict]) -> dict[str, str] | None:
+        """The agents started `beside` the trainers: once all are ready, event `agents_ready` (`beside=True`); past
+        --protect-timeout, {node: why} of those that are not; else None."""
+        if self._beside is None:
+            return None
+        ready = {slot for slot, r in reports.items() if r.get("phase") in (agent_status.READY, agent_status.PROTECTING)}
+        if ready >= set(range(len(layout.slots))):
+            self._beside = None
+            self.emit("agents_ready", tag=self.tag, rebuild=False, step=None, rebuilt="", beside=True)
+            return None
+        if time.monotonic() < self._beside:
+            return None
+        why = (f"its agent was not ready within --protect-timeout {self.cfg.protection.protect_timeout:g} s; see "
+               f"{self.job_dir / f'agents-{self.tag}.log'}")
+        return {n: why for i, n in enumerate(layout.slots) if i not in ready}
 
     def persist(self, bad_nodes: tuple[str, ...] | list[str] = ()) -> tuple[int | None, int | None, str | None]:
         """Before a requeue or elastic grow: protect the newest step the trainers completed everywhere and flush it, by
@@ -437,7 +470,7 @@ class AgentSteps:
         else:
             self._stop_steps({AGENT_STEP_NAME: self.proc, **self.hosted_procs}, lost=not ask)
         self._ending = [p for p in self._ending if p.poll() is None]
-        self.hosted_procs = {}
+        self.hosted_procs, self._beside = {}, None
         # asked (healthy agents): none runs now, so none is "protecting", whether or not its last report came
         marked = self.view.ended(self.tag, how) if asked and self.view is not None else []
         # ending: every agent said it stopped (each exits 0 then); its srun, still ending, is not waited for
