@@ -80,7 +80,7 @@ class Supervisor:
         self._slurm_run = 0  # Slurm's restart count of this run
         self._site_env: dict[str, str] = {}  # what the preflight adds to the steps' environment
         self.nodes = NodeCheck(self.runner, self.job_id, self.environ, cfg.recovery.probe_timeout, self.emit)
-        self.fabric = Fabric(self.job_dir, self.emit)  # the nodes' progress and status, over the network
+        self.fabric = Fabric(self.job_dir, self.emit, alarm=self._wake.set)  # the nodes' progress and status
         self.ledger = Ledger(self.job_dir, self.emit, self.fabric)  # what the summary and the next run are owed
         self.agents = AgentSteps(lambda: self.cfg, self.runner, self.job_dir, python, emit=self.emit,
                                  stop_steps=self._stop_steps, interrupted=self._terminated, view=self.fabric.view,
@@ -425,7 +425,6 @@ class Supervisor:
         that failed meanwhile: an event, or None when the agents were restarted alone and the trainers go on. Slurm
         is asked about the slots' nodes as watch/slurm.py says, from srun's lines `said` and the nodes' reports."""
         slurm = SlurmWatch(self.nodes, self.fabric.view, layout, self.cfg.recovery.slurm_check_every, launched, said)
-        self._wake.clear()  # set by the last launch's step ending; a signal since is in self._signal, seen below
         while True:
             watch.say(self.emit, self.ledger.lost)
             self.fabric.poll(layout.world_size)  # the progress history: a point when every rank's step moved
@@ -448,7 +447,6 @@ class Supervisor:
                     return Event(Kind.WALLTIME, detail=f"signal {self._signal}")
                 self.emit("signal", level=logging.WARNING, signal="USR1", meaning="stale", ignored=True, reason=stale)
                 self._signal = None
-                self._wake.clear()
             if self._walltime_near():
                 return Event(Kind.WALLTIME, detail="the walltime is near (a successor gets no USR1: it watches the "
                                                    "job's end time itself)")
@@ -467,7 +465,8 @@ class Supervisor:
             why = self.fabric.hung(launched, self.cfg.recovery.hang_timeout, self.cfg.recovery.start_timeout)
             if why:
                 return Event(Kind.HANG, detail=why)
-            self._wake.wait(self.cfg.launch.poll_interval)
+            if self._wake.wait(self.cfg.launch.poll_interval):  # a signal, the trainers' srun ended, an agent failed
+                self._wake.clear()  # each is looked at again above, after the clear: none is missed
 
     def _stale_signal(self) -> str | None:
         """Why the USR1 just received is not for this run (policy.stale_signal over fresh Slurm data), or None."""

@@ -105,6 +105,27 @@ def _until(predicate, timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
+def test_an_agent_that_reports_it_failed_raises_the_alarm_at_once_and_no_other_phase_does(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    alarms = []
+    fabric = Fabric(job, emit=lambda *a, **k: None, alarm=lambda: alarms.append(time.monotonic()))
+    fabric.start(None)
+    up = Uplink(fabric.server.address, job_secret.load(job / job_secret.NAME), tag="0", slot=1, node="n2",
+                progress=dict, gap=1.0, every=0.1)
+    try:
+        up.status(phase="protecting", staged=3)
+        _until(lambda: fabric.view.reports("0").get(1, {}).get("phase") == "protecting")
+        assert alarms == []
+        sent = time.monotonic()
+        up.status(phase="failed", error="peer closed", peer_slot=2)
+        _until(lambda: alarms, timeout=0.9)  # the supervisor wakes: it looks at the agents now, not at its next poll
+        assert fabric.view.reports("0")[1]["peer_slot"] == 2 and alarms[0] - sent < 0.9
+    finally:
+        up.close()
+        fabric.close()
+
+
 def test_an_uplink_coalesces_its_reports_sends_a_new_phase_at_once_and_its_last_one_on_close(tmp_path):
     fabric, secret = _fabric(tmp_path)
     ranks = {4: (1, 0.3), 5: (1, 0.2)}

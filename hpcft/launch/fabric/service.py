@@ -15,7 +15,7 @@ from typing import Any
 from hpcft import events
 from hpcft.env import AGENTS_REPORT
 from hpcft.agent.transport import rendezvous, uplink, secret as job_secret
-from hpcft.agent.status import LOG, read_log
+from hpcft.agent.status import FAILED, LOG, read_log
 from hpcft.launch.fabric.liveview import BLIND_S, LiveView, Rounds, blind, next_write
 from hpcft.launch.policy.failures import hung
 from hpcft.launch.fabric.reports import ReportServer
@@ -26,10 +26,12 @@ _log = logging.getLogger(__name__)
 
 
 class Fabric:
-    """One run's view of its nodes; `start` serves the reports, `env` tells the steps where, `close` ends both."""
+    """One run's view of its nodes; `start` serves the reports, `env` tells the steps where, `close` ends both.
+    `alarm()` is called when an agent reports that it failed (the supervisor looks at once, not at its next poll)."""
 
-    def __init__(self, job_dir: Path, emit: Callable[..., None], clock: Callable[[], float] = time.time):
-        self.job_dir, self.emit, self.clock = job_dir, emit, clock
+    def __init__(self, job_dir: Path, emit: Callable[..., None], clock: Callable[[], float] = time.time,
+                 alarm: Callable[[], None] = lambda: None):
+        self.job_dir, self.emit, self.clock, self.alarm = job_dir, emit, clock, alarm
         self.path = job_dir / LOG
         self.view = LiveView()
         self.view.load(read_log(job_dir))  # a requeued run: what the ranks had reached before
@@ -68,6 +70,8 @@ class Fabric:
     def take(self, report: dict[str, Any]) -> None:
         """One node's report into the view, its events into the job's, each round's summed (liveview.Rounds)."""
         self.view.apply(report, self.clock())
+        if (report.get("set") or {}).get("phase") == FAILED:  # the status delta: the phase when it changed
+            self.alarm()
         tag = str(report.get("tag"))
         for record in report.get("events") or ():
             if record.get("event") == Rounds.KIND and "step" in record:
