@@ -98,7 +98,7 @@ def markdown(saved: Saved, images: str | None) -> str:
     if images is None:
         lines += [f"No plots on this page: matplotlib is not installed ({deps.hint('matplotlib')}, then "
                   f"`{REGENERATE}`).", ""]
-    chaos_images = [f"{images}/{n}" for n in page_plots.IMAGES["chaos"]] if images is not None and saved.chaos else []
+    chaos_images = [f"{images}/{n}" for n in page_chaos.images(saved.chaos)] if images is not None else []
     for s in SECTIONS:
         lines += _section(s, saved, images)
         if s.name == "recovery":
@@ -146,7 +146,7 @@ def write(data_dir: str | os.PathLike = DATA, out: str | os.PathLike = OUT, img:
     if plots:
         img.mkdir(parents=True, exist_ok=True)
         todo = [(n, saved.benches[b]) for b, names in page_plots.IMAGES.items() if b in saved.benches for n in names]
-        todo += [(n, saved.chaos) for n in page_plots.IMAGES["chaos"]] if saved.chaos else []
+        todo += [(n, saved.chaos) for n in page_chaos.images(saved.chaos)]
         for name, data in todo:
             page_plots.draw(name, data, img / name)
             written.append(img / name)

@@ -101,5 +101,22 @@ def _order(r: dict[str, Any]) -> tuple[float, int]:
     return r["mtbf_s"], r.get("seed") or 0
 
 
-ALT = {"chaos-goodput.png": "goodput against MTBF, hpcft and the baseline: median over seeds, bars from min to max",
+def shown(runs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run whose timeline the page draws: of those saved with their progress curve, the lowest seed at the
+    largest MTBF (the headline's setting); None when none has one."""
+    drawn = [r for r in runs if r.get("curve")]
+    return min(drawn, key=lambda r: (-r["mtbf_s"], r.get("seed") or 0)) if drawn else None
+
+
+def images(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """The chaos section's PNGs (ALT's names): none without a saved run, the timeline only when a run has a curve."""
+    if not runs:
+        return []
+    return [name for name in ALT if name != TIMELINE or shown(runs) is not None]
+
+
+TIMELINE = "chaos-timeline.png"
+ALT = {TIMELINE: "one chaos run: the step every rank had completed against wall time, each injected fault a line "
+                 "coloured by kind",
+       "chaos-goodput.png": "goodput against MTBF, hpcft and the baseline: median over seeds, bars from min to max",
        "chaos-recovery.png": "recovery time per fault kind over every fault: box from quartiles, whiskers min to max"}

@@ -167,6 +167,27 @@ def chaos_goodput(fig: Figure, runs: list[dict[str, Any]]) -> None:
     ax.set_title("Goodput against MTBF (median over seeds, min to max)")
 
 
+def chaos_timeline(fig: Figure, runs: list[dict[str, Any]]) -> None:
+    from matplotlib import colormaps
+
+    ax = fig.subplots()
+    run = page_chaos.shown(runs) or {}
+    curve = run.get("curve") or []
+    ax.plot([t for t, _ in curve], [s for _, s in curve], color="black", lw=1, label="step (every rank)")
+    faults = [f for f in run.get("faults") or [] if not f.get("skipped")]
+    palette = colormaps["tab20"]
+    colours = {kind: palette(i % 20) for i, kind in enumerate(dict.fromkeys(f["kind"] for f in faults))}
+    for f in faults:
+        ax.axvline(f["t"], color=colours[f["kind"]], lw=0.7)
+    for kind, colour in colours.items():
+        ax.plot([], [], color=colour, label=kind)
+    ax.legend(fontsize=6, ncol=2, loc="upper left")
+    ax.set_xlabel("wall time since the first step (s)")
+    ax.set_ylabel("step every rank has completed")
+    ax.set_title(f"MTBF {run.get('mtbf_s', 0):g} s, seed {run.get('seed')}: {len(faults)} faults, goodput "
+                 f"{run.get('goodput', 0):.3f}", fontsize=9)
+
+
 def chaos_recovery(fig: Figure, runs: list[dict[str, Any]]) -> None:
     ax = fig.subplots()
     kinds = {k: v["recovery_s"] for k, v in page_chaos.by_kind(runs).items() if v["recovery_s"]}
@@ -184,8 +205,9 @@ DRAW: dict[str, Callable[[Figure, Any], None]] = {
     "snapshot-overhead.png": snapshot_overhead, "snapshot-bandwidth.png": snapshot_bandwidth,
     "restore-bandwidth.png": restore_bandwidth, "protect-schemes.png": protect_schemes,
     "transport.png": transport_bars, "recovery-phases.png": recovery_phases, "scale.png": scale_lines,
-    "reports.png": reports_lines, "chaos-goodput.png": chaos_goodput, "chaos-recovery.png": chaos_recovery}
-WIDE = {"protect-schemes.png", "transport.png", "scale.png", "reports.png", "chaos-recovery.png"}
+    "reports.png": reports_lines, "chaos-goodput.png": chaos_goodput, "chaos-recovery.png": chaos_recovery,
+    page_chaos.TIMELINE: chaos_timeline}
+WIDE = {"protect-schemes.png", "transport.png", "scale.png", "reports.png", "chaos-recovery.png", page_chaos.TIMELINE}
 
 
 def draw(name: str, data: Any, path: Path) -> None:

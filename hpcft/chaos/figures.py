@@ -23,6 +23,15 @@ def progress(records: Iterable[dict]) -> list[tuple[float, int, str]]:
     return sorted(done)
 
 
+def thin(curve: list[tuple[float, int, str]], start: float, points: int = 800) -> list[list[float]]:
+    """The progress `curve` as [[seconds since `start`, step], …] for the results page's timeline: about `points`
+    evenly spaced points plus both ends of every launch, so that each fall back to a snapshot stays drawn."""
+    stride = max(1, math.ceil(len(curve) / points))
+    keep = [i for i, (_, _, run) in enumerate(curve) if i % stride == 0 or i == len(curve) - 1
+            or curve[i - 1][2] != run or curve[i + 1][2] != run]
+    return [[round(curve[i][0] - start, 2), curve[i][1]] for i in keep]
+
+
 def step_seconds(curve: list[tuple[float, int, str]]) -> float:
     """The fault-free step time: the median gap between consecutive steps of one launch."""
     gaps = [b[0] - a[0] for a, b in zip(curve, curve[1:]) if a[2] == b[2] and b[1] == a[1] + 1]

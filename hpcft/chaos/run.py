@@ -177,6 +177,7 @@ def figures_of(opts: ChaosOptions, out: Path, ref: Path, injected: list[dict], s
             f.update(recovery_s=None if o.recovery_s is None else round(o.recovery_s, 3), steps_lost=o.steps_lost,
                      survived=complete)
     hit = [f for f in injected if "skipped" not in f]
+    zero = hit[0]["at"] - hit[0]["t"] if hit else start  # the faults' times count from the first step inject saw
     first_steps = [r["t"] for r in records if r["what"] == "step" and r["run"] == "0.0"]
     restart_s = (min(first_steps) - start if first_steps else 0.0) + save_s  # a cold launch, then torch.load
     arrivals = schedule.arrivals(opts.seed, opts.mtbf, until=1000 * steps * step_s)
@@ -187,7 +188,7 @@ def figures_of(opts: ChaosOptions, out: Path, ref: Path, injected: list[dict], s
         "goodput": round(figures.goodput(steps, step_s, end - start), 4) if complete else 0.0,
         "goodput_baseline": round(base, 4), "step_s": round(step_s, 4), "wall_s": round(end - start, 3),
         "steps": steps, "completed": complete, "final_equal": complete and recovery.identical(out, ref),
-        "kinds": figures.by_kind(hit),
+        "kinds": figures.by_kind(hit), "curve": figures.thin(curve, zero),
         "faults": [{k: v for k, v in f.items() if k != "at"} for f in injected],
         "baseline": {"save_s": round(save_s, 4), "interval_steps": k, "restart_s": round(restart_s, 3)},
         "requeues": max((e.get("requeues", 0) for e in log if e["event"] == "start"), default=0),

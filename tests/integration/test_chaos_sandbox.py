@@ -30,4 +30,5 @@ def test_eight_mixed_faults_are_all_survived_and_the_result_is_bit_identical(hea
     assert sum(k["count"] for k in result["kinds"].values()) == result["faults_injected"]
     timed = [f["recovery_s"] is not None for f in result["faults"] if "skipped" not in f]
     assert all(timed[:-1]), result["faults"]  # the last may have come with no step left to time it by
+    assert result["curve"][-1][1] == result["steps"] - 1, result["curve"][-5:]  # the page's timeline, to the end
     assert done.returncode == 0, story

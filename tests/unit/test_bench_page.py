@@ -61,6 +61,7 @@ def chaos_run(mtbf: float, seed: int, goodput: float, baseline: float) -> dict:
 CHAOS = [chaos_run(60, 1, 0.90, 0.60), chaos_run(60, 2, 0.94, 0.70), chaos_run(60, 3, 0.92, 0.50),
          chaos_run(300, 1, 0.97, 0.85), {**chaos_run(900, 1, 0.0, 0.9), "completed": False, "final_equal": False}]
 CHAOS[0]["faults"].append({"kind": "rank_kill", "target": "rank 9", "skipped": "no such rank"})  # never injected
+CHAOS[0]["curve"] = [[0.0, 0], [9.9, 99], [14.0, 90], [30.0, 250]]  # a fall back to a snapshot after a fault
 
 
 def saved(tmp_path: Path, chaos: bool = True, notes: bool = True) -> Path:
@@ -118,6 +119,8 @@ def test_chaos_goodput_is_the_median_over_seeds_per_mtbf_and_recovery_is_per_fau
     assert "| MTBF 300 s, seed 1 | 3 / 3 | 2,800 | 300 s | 100 ms | 700 ms / 50 steps / 12 s | yes |" in text
     assert "| MTBF 900 s, seed 1 | 3 / 3 | 2,800 | 300 s | 100 ms | 700 ms / 50 steps / 12 s | no (the run did " in text
     assert "(img/chaos-goodput.png)" in text and "(img/chaos-recovery.png)" in text
+    assert "(img/chaos-timeline.png)" in text and page_chaos.shown(CHAOS) is CHAOS[0]  # the one saved with a curve
+    assert page_chaos.images(CHAOS[1:]) == ["chaos-goodput.png", "chaos-recovery.png"]  # no curve: no timeline
 
 
 def test_without_a_saved_chaos_run_the_page_says_how_to_make_one(tmp_path):

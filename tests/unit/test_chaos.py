@@ -48,6 +48,14 @@ def test_progress_step_time_and_a_faults_recovery_and_lost_steps():
     assert flight == ("0.0", 4) and figures.outcome(curve, [(8.5, 3)], 5.05, flight).recovery_s == pytest.approx(3.95)
 
 
+def test_the_saved_curve_is_thinned_but_keeps_both_ends_of_every_launch():
+    curve = [(100.0 + i, i, "0.0") for i in range(1000)] + [(1200.0 + i, 990 + i, "0.1") for i in range(1000)]
+    thinned = figures.thin(curve, 100.0, points=100)
+    assert len(thinned) <= 105 and thinned[0] == [0.0, 0] and thinned[-1] == [2099.0, 1989]
+    assert [999.0, 999] in thinned and [1100.0, 990] in thinned  # the launch's last step, the relaunch's first
+    assert figures.thin(curve[:5], 100.0) == [[float(i), i] for i in range(5)] and figures.thin([], 0.0) == []
+
+
 def test_the_baseline_replays_the_arrivals_with_youngs_interval():
     assert figures.young_interval(2.0, 100.0, 1.0) == 20  # sqrt(2 × 2 × 100) = 20 s of steps
     assert figures.baseline(10, 1.0, 0.0, 5.0, 1e9, [])[0] == 1.0  # no fault, free saves: all training
