@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import signal
@@ -153,8 +154,9 @@ def hpcft_argv(command: str, opts: RecoveryOptions, out: Path, *options: str) ->
 
 
 def supervised(sb, opts: RecoveryOptions, out: Path, *options: str, **env: str) -> subprocess.Popen:
-    """`salloc -N6 --no-kill hpcft run --spares 2 … OPTIONS -- python train_job.py` in the sandbox."""
-    argv = ["salloc", f"-N{ACTIVE + SPARES}", "--no-kill", "-t", "15",
+    """`salloc -N6 --no-kill hpcft run --spares 2 … OPTIONS -- python train_job.py` in the sandbox, its time limit
+    the run's --timeout (15 minutes at least)."""
+    argv = ["salloc", f"-N{ACTIVE + SPARES}", "--no-kill", "-t", str(max(15, math.ceil(opts.timeout / 60))),
             *hpcft_argv("run", opts, out, "--spares", str(SPARES), "--lost-progress-exit", "0", *options)]
     # --lost-progress-exit 0: a recovery redoes the steps past its snapshot, which the bench measures
     return sb.runner().popen(argv, env=timeline.job_env(opts, out, **env), stdout=open(out / "run.log", "ab"),

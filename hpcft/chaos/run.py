@@ -69,9 +69,11 @@ def _submit(sb: Any, opts: ChaosOptions, out: Path, steps: int) -> str:
 
 def _fault_free(sb: Any, opts: ChaosOptions, out: Path, steps: int, delay: float) -> Path:
     """The same job under `hpcft run` without faults: the reference (no sleep: the result does not depend on it), or
-    the calibration of the step time (with it)."""
-    bench = recovery.RecoveryOptions(steps=steps, fault_at=1, step_delay=delay, width=opts.width, layers=opts.layers)
-    recovery.finish(recovery.supervised(sb, bench, out, BACKEND=BACKEND), out, timeout=3600)
+    the calibration of the step time (with it). Its allocation's time limit and the wait: 10 minutes, and a second
+    for each step beyond the sleep (a step takes 0.1 s on the sandbox's 2 cores at the default model)."""
+    bench = recovery.RecoveryOptions(steps=steps, fault_at=1, step_delay=delay, width=opts.width, layers=opts.layers,
+                                     timeout=600 + steps * (delay + 1.0))
+    recovery.finish(recovery.supervised(sb, bench, out, BACKEND=BACKEND), out, timeout=bench.timeout)
     return out
 
 
