@@ -43,6 +43,7 @@ from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
+BESIDE_AFTER_S = 30.0  # a relaunch's agents start once every rank restored, or this long after the launch at the latest
 RELAUNCHES = (Action.RELAUNCH, Action.REPLACE, Action.SHRINK, Action.GROW, Action.EVICT)  # what launches again
 
 
@@ -231,15 +232,26 @@ class Supervisor:
             self.agents.persist(event.lost_nodes)  # protect + flush, with a closed node's agent too: it still runs
         # a relaunch does not wait for a flush under way (its node-local copies stay for the next one); a shrink
         # lost a node, whose agent no flush can wait for; a grow flushes with them first (Reshaper.grow)
-        if decision.action is not Action.GROW:  # an evicted straggler's agent is healthy: asked like the others
-            self.agents.stop(ask=not event.lost_nodes or event.kind is Kind.STRAGGLER,
-                             flush=decision.action not in RELAUNCHES)
+        if decision.action is not Action.GROW and not self._keep_agents(decision, event, layout):
+            self.agents.stop(ask=not event.lost_nodes or event.kind is Kind.STRAGGLER,  # an evicted straggler's
+                             flush=decision.action not in RELAUNCHES)  # agent is healthy: asked like the others
         self.preflight.poll(self.agents.reports, now=True, expected=self.agents.nodes(layout))  # their final reports
         self.stragglers.carried_out(decision, event)
         if decision.action in (Action.SHRINK, Action.GROW):
             decision = self._reshape(decision, event, state, saved.launches)
         self.ledger.decided(decision, event, self.cfg.protection.protect)
         return decision
+
+    def _keep_agents(self, decision: Decision, event: Event, layout: Layout) -> bool:
+        """Whether the agents run on through a relaunch (event `agents_kept`): onto the same slots, after a failure
+        that was not theirs nor a node's, with every agent well. They protect what the new trainers snapshot, and the
+        relaunch neither waits for their stop nor shares the nodes' cores with their start."""
+        if decision.action is not Action.RELAUNCH or decision.layout.slots != layout.slots or event.lost_nodes \
+                or event.kind is Kind.AGENT_FAILED or not self.agents.well(layout):
+            return False
+        self.emit("agents_kept", tag=self.agents.tag, cause=event.kind.value,
+                  reason="a relaunch onto the same slots: the running agents protect what the new trainers snapshot")
+        return True
 
     def _took_over(self, layout: Layout) -> Event | None:
         """A successor's start: the steps its predecessor left stopped (but the janitors, of which this process is one,
@@ -328,9 +340,9 @@ class Supervisor:
 
     def _launch(self, layout: Layout, launch: int) -> Event:
         """The launch state: the steps beside the trainers (the environment's broadcast, janitors, standbys, and the
-        agents when the trainers need them first: `_ready`), then the trainers' step (the agents' right after it when
-        not: AgentSteps.gate), watched until it ends or must be stopped. The agents' step is left running for the
-        decision: a requeue first waits for their protection; every other path stops them."""
+        agents when the trainers need them first: `_ready`), then the trainers' step (the agents' once the trainers
+        restored when not: AgentSteps.gate, `_watch`), watched until it ends or must be stopped. The agents' step is
+        left running for the decision: a requeue first waits for their protection; every other path stops them."""
         env = self._env(layout, launch)
         first = self.cfg.with_agents and self.agents.gate(layout, launch)  # else they start beside the trainers
         try:
@@ -348,15 +360,15 @@ class Supervisor:
             launched = time.time()
             self.agent_loss.launched()
             proc = self.runner.popen(argv, env=env, stderr=subprocess.PIPE, text=True)
-            if self.cfg.with_agents and not first:
-                self.agents.beside(layout, launch, env)
             lines: list[str] = []
             reader = threading.Thread(target=self._read_trainers, args=(proc, lines), daemon=True)
             reader.start()
             event = None
             try:
+                later = (lambda: self.agents.beside(layout, launch, env)) \
+                    if self.cfg.with_agents and not first and not self.agents.well(layout) else None
                 event = self._watch(proc, layout, launched, watch, lambda suspects: self.agent_loss.while_training(
-                    layout, suspects, launch, env), lines)
+                    layout, suspects, launch, env), lines, later)
             finally:
                 self.agents.stop_with_trainers({TRAIN_STEP_NAME: proc}, event, settled=lambda: all(  # srun said so
                     slurmstate.ended_tasks(lines).get(node, 0) >= layout.tasks_per_node
@@ -420,13 +432,19 @@ class Supervisor:
         return env
 
     def _watch(self, proc: subprocess.Popen, layout: Layout, launched: float, watch: losses.RestoreWatch,
-               agents_lost: Callable[[dict[str, str]], Event | None], said: list[str]) -> Event:
+               agents_lost: Callable[[dict[str, str]], Event | None], said: list[str],
+               later: Callable[[], None] | None = None) -> Event:
         """Until the trainers' step ends or must be stopped; `agents_lost` (AgentLoss.while_training) answers agents
         that failed meanwhile: an event, or None when the agents were restarted alone and the trainers go on. Slurm
-        is asked about the slots' nodes as watch/slurm.py says, from srun's lines `said` and the nodes' reports."""
+        is asked about the slots' nodes as watch/slurm.py says, from srun's lines `said` and the nodes' reports.
+        `later()` starts the agents of a relaunch that needs nothing of them once every rank has restored (or
+        BESIDE_AFTER_S after the launch): their start takes nothing from the trainers' until then."""
         slurm = SlurmWatch(self.nodes, self.fabric.view, layout, self.cfg.recovery.slurm_check_every, launched, said)
         while True:
             watch.say(self.emit, self.ledger.lost)
+            if later is not None and (watch.resumed is not None or time.time() - launched > BESIDE_AFTER_S):
+                later()
+                later = None
             self.fabric.poll(layout.world_size)  # the progress history: a point when every rank's step moved
             self.preflight.poll(self.agents.reports, expected=self.agents.nodes(layout))  # the plan, once all snapshot
             self.agents.forward_requests()  # `hpcft flush` by hand

@@ -49,9 +49,11 @@ def test_a_killed_rank_is_relaunched_warm_and_resumes_bit_identical(recovery_ben
     assert ran == {e["pid"] for e in again}, "the relaunched ranks are the standbys' children"
     assert recovery_bench.report["phases"]["rank_kill"]["warm_ranks"] == 4
     log = events.read(out / "job")
-    relaunch = log[[i for i, e in enumerate(log) if e["event"] == "agents_launch"][1]:]
-    agents = [(e["node"], e["how"]) for e in relaunch if e["event"] == "agent_start"]
-    assert sorted(agents) == [(f"n{i}", "warm") for i in range(1, 5)], "the relaunch's agents are forked too"
+    kept = [e for e in log if e["event"] == "agents_kept"]
+    assert len(kept) == 1 and kept[0]["cause"] == "task_failed", "the agents ran on through the relaunch"
+    assert [e["event"] for e in log].count("agents_launch") == 1, "no agents' step was stopped or started for it"
+    protected = [e["step"] for e in log if e["event"] == "snapshot_protected" and e["time"] > kept[0]["time"]]
+    assert protected and max(protected) > FAULT_AT + 1, "and protected what the relaunched trainers snapshot"
     assert recovery_bench.report["rank_kill_warm_ranks"] == 4
     assert set(resumed_from(out).values()) == {min(resumed_from(out).values())} and \
         min(resumed_from(out).values()) >= FAULT_AT
@@ -67,6 +69,10 @@ def test_the_spare_taking_a_crashed_nodes_slot_starts_its_rank_warm(recovery_ben
                                                             ("n5", "warm")]
     log = events.read(out / "job")
     assert not [e for e in log if e["event"] == "standby_failed" and e.get("cause") != "step_ended"]
+    relaunch = log[[i for i, e in enumerate(log) if e["event"] == "agents_launch"][1]:]
+    agents = [(e["node"], e["how"]) for e in relaunch if e["event"] == "agent_start"]
+    assert sorted(agents) == [("n1", "warm"), ("n2", "warm"), ("n4", "warm"), ("n5", "warm")], \
+        "the relaunch's agents are forked too, the spare's included"
     assert_same_result(out, dp_reference)
 
 

@@ -162,6 +162,12 @@ class AgentSteps:
         first). A relaunch onto the same slots needs nothing of them: they start beside the trainers (`beside`)."""
         return restart_count == 0 or layout.slots != self._ready_slots
 
+    def well(self, layout: Layout) -> bool:
+        """Whether the last launch's agents run on `layout`'s slots, none failed or late (`lost`): a relaunch onto
+        the same slots keeps them (the supervisor's `_keep_agents`)."""
+        return self.proc is not None and not self.hosted_procs and self._ready_slots == layout.slots \
+            and self.lost(layout) is None
+
     def beside(self, layout: Layout, restart_count: int, env: Mapping[str, str]) -> None:
         """Launch the agents beside the trainers (not `gate`d): no rebuild, their readiness checked while the trainers
         run (`lost`), a second or so of their start off the relaunch's path."""
