@@ -39,16 +39,21 @@ _log = logging.getLogger(__name__)
 STEPS = [COUNT]  # what an agreement on steps carries (link.mismatch): a peer's malformed list is its TransportError
 
 
-def protect_newest(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, keep: int = 2) -> Record | None:
+def protect_newest(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, keep: int = 2,
+                   failed: set[int] | None = None) -> Record | None:
     """One collective round: protect the newest step complete on every node and not yet protected everywhere, pinned
-    for the pass; None if there is none, or a node's copy was reused before the pin or is damaged (with an event)."""
+    for the pass; None if there is none, or a node's copy was reused before the pin or is damaged (with an event).
+    `failed`: the steps whose pass found that (the same set on every agent), not tried again while they are held:
+    a damaged copy pinned round after round would also keep a relaunched trainer's restore from withdrawing it."""
     started = time.perf_counter()
+    failed = set() if failed is None else failed
     complete = complete_steps(job)
     held = mesh.allreduce(sorted(complete), both, STEPS)  # held everywhere: log2 N messages of one list each
     done = mesh.allreduce(sorted(records(job)), both, STEPS)
+    failed &= set(held)
     # the newest `keep` steps held everywhere (the records kept): an older one would be retired right after its
     # pass and protected again the next round, forever
-    todo = sorted(set(held[-keep:]) - set(done))
+    todo = sorted(set(held[-keep:]) - set(done) - failed)
     if not todo:
         return None
     step = todo[-1]
@@ -57,6 +62,7 @@ def protect_newest(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, 
         with pins.holding(bundle.pin_targets()):
             ok = _readable(bundle, mesh)
             if not mesh.allreduce(ok, operator.and_, bool):
+                failed.add(step)
                 return None
             rec = protect_step(mesh, placement, bundle, job, keep, started)
             pins.keep(bundle.pin_targets())  # held until a newer step is protected: a node loss finds this one
@@ -306,7 +312,7 @@ def run(cfg: AgentConfig) -> int:
                 print(f"slot={cfg.slot} rebuilt={outcome.step} here={cfg.slot in outcome.rebuilt}", flush=True)
             keep_newest_protected(mesh, job, pins)
         report(status.READY, **extra)
-        done = 0
+        done, failed = 0, set()  # the steps a pass found damaged or reused on some node (protect_newest)
         while cfg.rounds <= 0 or done < cfg.rounds:
             if (silence := _silence(beat)) is not None:
                 raise silence
@@ -316,7 +322,7 @@ def run(cfg: AgentConfig) -> int:
                 _flush_round(flusher, mesh, complete_steps(job), records(job), cfg.scheme, owner)
             if not flusher.pinning and cfg.scheme.name != "none":  # the same on every agent (collective rounds)
                 try:
-                    rec = protect_newest(mesh, placement, job, pins)
+                    rec = protect_newest(mesh, placement, job, pins, failed=failed)
                 except StaleStep as exc:  # after the exchange, so the mesh is still in step
                     events.emit("protect_stale", slot=cfg.slot, reason=str(exc))
             complete, recs = complete_steps(job), records(job)
