@@ -21,10 +21,14 @@ def test_protection_keeps_its_lag_bound_while_a_flush_lands_every_few_steps(heal
         except Exception:  # noqa: BLE001 - not started yet, or between the supervisor's writes
             view = None
         if view is not None and view.steps_at_risk is not None and view.nodes[0].phase != "stopped":
-            seen.append((view.training, view.steps_at_risk, view.warnings))
+            seen.append((view.training, view.steps_at_risk, view.warnings,
+                         all(s.protected_step is not None for s in view.sets)))
         time.sleep(0.3)
     recs, _, output = finished_ok(proc, out)
-    running = [s for s in seen if s[0] >= 3]  # once the first pass had its chance
+    # once every set's first pass was reported (before it, everything staged is at risk, said so by `hpcft status`:
+    # a sample taken while one agent's first report is still on its way read 5 of 5 steps at risk)
+    first = next((i for i, s in enumerate(seen) if s[3]), len(seen))
+    running = [s[:3] for s in seen[first:]]
     assert len(running) > 20, (seen, output[-3000:])
     assert max(r for _, r, _ in running) <= BOUND, running
     assert not [w for *_, w in running if w], running
