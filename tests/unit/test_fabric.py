@@ -126,6 +126,22 @@ def test_an_agent_that_reports_it_failed_raises_the_alarm_at_once_and_no_other_p
         fabric.close()
 
 
+def test_a_newly_protected_step_is_reported_at_once_other_changes_wait_for_the_gap(tmp_path):
+    fabric, secret = _fabric(tmp_path)
+    up = Uplink(fabric.server.address, secret, tag="0", slot=1, node="n2", progress=dict, gap=5.0, every=5.0)
+    try:
+        up.status(phase="protecting", staged=3, protected=3)
+        _until(lambda: fabric.view.reports("0").get(1, {}).get("protected") == 3)
+        up.status(phase="protecting", staged=4, protected=3)  # staged alone: within the next gap
+        time.sleep(0.5)
+        assert fabric.view.reports("0")[1]["staged"] == 3
+        up.status(phase="protecting", staged=5, protected=5)  # a set's members commit a step together
+        _until(lambda: fabric.view.reports("0")[1].get("protected") == 5, timeout=2.0)
+    finally:
+        up.close()
+        fabric.close()
+
+
 def test_an_uplink_coalesces_its_reports_sends_a_new_phase_at_once_and_its_last_one_on_close(tmp_path):
     fabric, secret = _fabric(tmp_path)
     ranks = {4: (1, 0.3), 5: (1, 0.2)}
