@@ -365,8 +365,10 @@ class Supervisor:
             reader.start()
             event = None
             try:
+                # none kept through the decision (_keep_agents): new ones once the trainers restored; kept ones that
+                # fail later are the watch's (AgentLoss.while_training), never a second set beside them on the stores
                 later = (lambda: self.agents.beside(layout, launch, env)) \
-                    if self.cfg.with_agents and not first and not self.agents.well(layout) else None
+                    if self.cfg.with_agents and not first and self.agents.proc is None else None
                 event = self._watch(proc, layout, launched, watch, lambda suspects: self.agent_loss.while_training(
                     layout, suspects, launch, env), lines, later)
             finally:
