@@ -129,13 +129,17 @@ def _watch_requests(requests: status.Requests, mesh: MeshBase, below: Below, dra
                     wake: threading.Event, poll: float = 0.2) -> None:
     """Until the supervisor asks for a stop (then SIGTERM to this process, which unwinds the agent cleanly): once it
     asks for a drain (a persist: the trainers wait), lift the caps, a sleep under way included, give the agent the
-    trainers' priority, and wake the round loop."""
+    trainers' priority, and wake the round loop; a new flush request wakes it too (a persist waits for that flush)."""
+    flush = requests.flush()
     while not requests.stop():
         if not drained.is_set() and requests.drain():
             mesh.throttle.release()
             below.level()
             events.emit("agent_drain", tag=requests.tag)
             drained.set()
+            wake.set()
+        if (asked := requests.flush()) != flush:
+            flush = asked
             wake.set()
         time.sleep(poll)
     os.kill(os.getpid(), signal.SIGTERM)
@@ -253,6 +257,7 @@ def run(cfg: AgentConfig) -> int:
     mesh: MeshBase | None = None
     beat: Heartbeat | None = None
     said = ""  # the phase reported last
+    drained, wake = threading.Event(), threading.Event()
     guarded, behind_since = None, time.time()  # the newest protected step; since when it trails without advancing
 
     def report(phase: str, **fields) -> None:
@@ -274,7 +279,8 @@ def run(cfg: AgentConfig) -> int:
                 ranks={str(r): max(v) for r, v in by_rank.items()},
                 versions={str(r): sorted(v) for r, v in by_rank.items()}, staged_steps=sorted(complete),
                 protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s, behind_since=behind_since,
-                lag_bound=cfg.lag_bound, **cpu, **below.said(), **nodemem.figures(job), **fields)
+                lag_bound=cfg.lag_bound, drained=drained.is_set(), **cpu, **below.said(), **nodemem.figures(job),
+                **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
     meet = join(cfg.secret, cfg.rendezvous, slot=cfg.slot, tag=cfg.tag, host=cfg.host, bind=cfg.bind,
@@ -285,9 +291,8 @@ def run(cfg: AgentConfig) -> int:
         meet.close()
         raise
     pins = Pins(f"agent slot {cfg.slot}", cfg.pin_lease)
-    flusher = Flusher(cfg.persist, job, cfg.job_id, cfg.slot, pins, requests.flush)
+    flusher = Flusher(cfg.persist, job, cfg.job_id, cfg.slot, pins, requests.flush, wake.set)
     budget = LagBudget(floor, cpu["cpu_ceiling"], cfg.lag_bound) if cfg.lag_bound else None
-    drained, wake = threading.Event(), threading.Event()
     owner = Owner(cfg.job_id, adopt=adoption())  # whose steps the flush may write under this job's name
 
     def stopping() -> None:

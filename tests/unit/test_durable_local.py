@@ -57,8 +57,9 @@ def test_two_level_flush_and_a_damaged_local_copy(shm_root: Path, tmp_path: Path
     model = torch.nn.Linear(64, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     job = job_dir(shm_root, "j")
+    woken = []  # the agent's round loop, woken when this node's part is written: the commit need not wait a round
     flusher = Flusher(PersistConfig(str(persist), every=1, keep=2, local=str(nvme)), job, "j", 0,
-                      Pins("test", 30), lambda: None)
+                      Pins("test", 30), lambda: None, lambda: woken.append(time.monotonic()))
     with Checkpointer(model, opt, Options(root=shm_root, job_id="j")) as ck:
         for it in range(2):
             model(torch.randn(4, 64)).square().mean().backward()
@@ -66,7 +67,7 @@ def test_two_level_flush_and_a_damaged_local_copy(shm_root: Path, tmp_path: Path
             opt.zero_grad()
             ck.wait()
         _flush(flusher, job)
-        assert flusher.durable == 2 and flusher.local_step == 2 and flusher.last_error is None
+        assert flusher.durable == 2 and flusher.local_step == 2 and flusher.last_error is None and len(woken) == 1
         assert [c.step for c in catalog.checkpoints(persist)] == [2]
         copy = local.copies(nvme, persist)[-1]
         assert copy.step == 2 and copy.index["ranks"] == [0]
@@ -90,6 +91,7 @@ def test_two_level_flush_and_a_damaged_local_copy(shm_root: Path, tmp_path: Path
         ck.wait()
         _flush(flusher, job)
     assert flusher.durable == 2 and "drain" in flusher.last_error and "crc32c" in flusher.last_error
+    assert len(woken) == 2  # a failed part wakes the loop too: the failure is agreed in the next round
     failed = [e for e in events.read(tmp_path / "events") if e["event"] == "flush_failed"]
     assert failed and failed[-1]["step"] == 3 and failed[-1]["level"] == "ERROR" and failed[-1]["durable"] == 2
     assert [c.step for c in catalog.checkpoints(persist)] == [2]  # the last good one stays, the damaged one unseen

@@ -137,6 +137,9 @@ def test_a_newly_protected_step_is_reported_at_once_other_changes_wait_for_the_g
         assert fabric.view.reports("0")[1]["staged"] == 3
         up.status(phase="protecting", staged=5, protected=5)  # a set's members commit a step together
         _until(lambda: fabric.view.reports("0")[1].get("protected") == 5, timeout=2.0)
+        for change in ({"drained": True}, {"flushing": True}, {"flushing": False, "flushed_request": "r1"}):
+            up.status(phase="protecting", staged=5, protected=5, **{"drained": True, **change})  # a persist waits
+            _until(lambda: all(fabric.view.reports("0")[1].get(k) == v for k, v in change.items()), timeout=2.0)
     finally:
         up.close()
         fabric.close()
@@ -328,3 +331,42 @@ def test_agents_started_by_hand_read_the_request_files(tmp_path):
     agent_status.request_stop(tmp_path, "0")
     rid = persist.request(tmp_path, "0")
     assert asked.drain() and asked.stop() and asked.flush() == rid
+
+
+def test_an_agent_wakes_its_round_loop_for_a_new_flush_request_and_a_drain(tmp_path, monkeypatch):
+    """A persist (walltime warning, requeue) waits for its drain and its flush: neither may wait for a round's
+    interval to be seen."""
+    from hpcft.agent import agent
+    from hpcft.agent.agent import _watch_requests
+
+    killed = []
+    monkeypatch.setattr(agent.os, "kill", lambda pid, sig: killed.append(sig))  # a stop: SIGTERM to the agent
+
+    class Throttle:
+        released = False
+
+        def release(self):
+            self.released = True
+
+    class Below:
+        def level(self):
+            pass
+
+    orders: dict = {"0": {}}
+    mesh, drained, wake = type("Mesh", (), {"throttle": Throttle()})(), threading.Event(), threading.Event()
+    watcher = threading.Thread(target=_watch_requests, daemon=True, args=(
+        agent_status.Requests(tmp_path, "0", lambda: orders), mesh, Below(), drained, wake, 0.01))
+    watcher.start()
+    time.sleep(0.1)
+    assert not wake.is_set()
+    orders["0"] = {"flush": "f1"}
+    assert wake.wait(2.0) and not drained.is_set()
+    wake.clear()
+    orders["0"] = {"flush": "f1", "drain": True}
+    assert wake.wait(2.0) and drained.is_set() and mesh.throttle.released
+    wake.clear()
+    time.sleep(0.1)
+    assert not wake.is_set()  # nothing new asked
+    orders["0"] = {"flush": "f1", "drain": True, "stop": True}
+    watcher.join(2.0)
+    assert not watcher.is_alive() and killed

@@ -57,11 +57,12 @@ def read_request(rendezvous: str | Path, tag: str) -> str | None:
 
 
 class Flusher:
-    """One agent's side of the flush, driven by `round` (collective: every agent calls it once per round)."""
+    """One agent's side of the flush, driven by `round` (collective: every agent calls it once per round); `wake`
+    is called when this node's part is written, so that the round which commits it need not wait for the interval."""
 
     def __init__(self, cfg: PersistConfig, job: Path, job_id: str, slot: int, pins: Pins,
-                 requests: Callable[[], str | None]):
-        self.cfg, self.job, self.job_id, self.slot = cfg, job, job_id, slot
+                 requests: Callable[[], str | None], wake: Callable[[], None] = lambda: None):
+        self.cfg, self.job, self.job_id, self.slot, self.wake = cfg, job, job_id, slot, wake
         self.root = Path(cfg.root) if cfg.root else None
         self.pins, self.requests = pins, requests  # the newest flush asked for (agent/status.py Requests.flush)
         self.throttle = Throttle(cfg.rate)
@@ -169,6 +170,8 @@ class Flusher:
         except (HpcftError, OSError, ImportError) as exc:
             self._error = f"drain to {self.root}: {exc}" if self._state == DRAINING else str(exc)
             self._state = FAILED
+        finally:
+            self.wake()
 
     def _from_store(self, step: int, held: dict[int, Held], dest: Path, pace) -> None:
         """Write this node's ranks of `step` into `dest`, pinned meanwhile (pin first, then check the version is still

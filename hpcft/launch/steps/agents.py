@@ -27,6 +27,8 @@ from hpcft.launch.steps.standbys import cpus_per_node
 from hpcft.launch.steps.stop import SETTLE_POLL_S
 from hpcft.slurm.runner import Runner
 
+PERSIST_POLL_S = 0.05  # a persist's and a stop's waits read the agents' reports (in memory, or files) this often
+
 
 def agent_iface(cfg: RunConfig) -> str | None:
     """The interface the agents bind to: --agent-iface, else the profile's ('none': the hostname's address)."""
@@ -303,7 +305,7 @@ class AgentSteps:
             if time.monotonic() > deadline:
                 return ("the newest step was not protected within --protect-timeout "
                         f"{self.cfg.protection.protect_timeout:g} s")
-            time.sleep(min(self.cfg.launch.poll_interval, 0.5))
+            time.sleep(PERSIST_POLL_S)
 
     def flush(self, deadline: float) -> tuple[int | None, str | None]:
         """Ask the agents to flush the newest protected step to the durable tier and wait until every one reports
@@ -322,7 +324,7 @@ class AgentSteps:
             if time.monotonic() > deadline:
                 return durable, ("the flush did not finish within --protect-timeout "
                                  f"{self.cfg.protection.protect_timeout:g} s")
-            time.sleep(min(self.cfg.launch.poll_interval, 0.5))
+            time.sleep(PERSIST_POLL_S)
 
     def lost(self, layout: Layout) -> dict[str, str] | None:
         """While the trainers run: None when the running launch's agents are well. Else {node: why} of the nodes to
@@ -405,7 +407,7 @@ class AgentSteps:
             if not any(r.get("flushing") for r in self._read(self.tag).values()):
                 break
             waited = True
-            time.sleep(min(self.cfg.launch.poll_interval, 0.5))
+            time.sleep(PERSIST_POLL_S)
         if waited:
             busy = [r for r in self._read(self.tag).values() if r.get("flushing")]
             self.emit("flush_wait", level=logging.WARNING if busy else logging.INFO, done=not busy,
