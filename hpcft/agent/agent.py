@@ -10,7 +10,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from functools import partial
 from pathlib import Path
 
@@ -176,10 +176,11 @@ def _steer(budget: LagBudget, mesh: MeshBase, below: Below, cfg: AgentConfig, la
     return over
 
 
-def _listen_for_silence(cfg: AgentConfig, mesh: MeshBase, meet: Rendezvous, node: str,
-                        wake: threading.Event) -> Heartbeat | None:
+def _listen_for_silence(cfg: AgentConfig, mesh: MeshBase, meet: Rendezvous, node: str, wake: threading.Event,
+                        late: Callable[[list[int]], None]) -> Heartbeat | None:
     """Heartbeats with the overlay neighbours (none with --loss-timeout 0 or one agent); a silent or closed one (event
-    `peer_silent` / `peer_closed`) shuts the mesh down and wakes the round loop, which fails naming it (`_silence`)."""
+    `peer_silent` / `peer_closed`) shuts the mesh down and wakes the round loop, which fails naming it (`_silence`);
+    the late ones go to `late` (the report's `late_peers`)."""
     if cfg.loss_timeout <= 0 or cfg.slots < 2:
         return None
 
@@ -193,6 +194,7 @@ def _listen_for_silence(cfg: AgentConfig, mesh: MeshBase, meet: Rendezvous, node
                                                            loss_timeout=cfg.loss_timeout),
                      on_closed=lambda peer: named("peer_closed", peer_slot=peer, reason="its heartbeat connection "
                                                   "closed without a goodbye (the agent was killed or crashed)"),
+                     on_late=late,
                      stopping=status.stop_path(cfg.rendezvous, cfg.tag).exists, host=cfg.host, bind=cfg.bind,
                      tag=cfg.tag, join_timeout=cfg.timeout)
 
@@ -279,8 +281,8 @@ def run(cfg: AgentConfig) -> int:
                 ranks={str(r): max(v) for r, v in by_rank.items()},
                 versions={str(r): sorted(v) for r, v in by_rank.items()}, staged_steps=sorted(complete),
                 protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s, behind_since=behind_since,
-                lag_bound=cfg.lag_bound, drained=drained.is_set(), **cpu, **below.said(), **nodemem.figures(job),
-                **fields)
+                lag_bound=cfg.lag_bound, drained=drained.is_set(), late_peers=beat.late if beat else [], **cpu,
+                **below.said(), **nodemem.figures(job), **fields)
 
     report(status.REBUILDING if cfg.rebuild else status.READY)
     meet = join(cfg.secret, cfg.rendezvous, slot=cfg.slot, tag=cfg.tag, host=cfg.host, bind=cfg.bind,
@@ -295,6 +297,12 @@ def run(cfg: AgentConfig) -> int:
     budget = LagBudget(floor, cpu["cpu_ceiling"], cfg.lag_bound) if cfg.lag_bound else None
     owner = Owner(cfg.job_id, adopt=adoption())  # whose steps the flush may write under this job's name
 
+    def late(peers: list[int]) -> None:
+        """Told by the beat thread, sent at once: the round loop may be blocked on the late peer (no uplink: no probe
+        ahead, the supervisor probes once the peer is named lost)."""
+        if up is not None:
+            up.amend(late_peers=peers)
+
     def stopping() -> None:
         """Asked to stop: no second SIGTERM may cut the cleanup or the last report short; "stopped" is said once."""
         if threading.current_thread() is threading.main_thread():
@@ -304,7 +312,7 @@ def run(cfg: AgentConfig) -> int:
 
     chore(_watch_requests, requests, mesh, below, drained, wake, name="hpcft-agent-requests").start()
     try:
-        beat = _listen_for_silence(cfg, mesh, meet, node, wake)
+        beat = _listen_for_silence(cfg, mesh, meet, node, wake, late)
         extra = {}
         with mesh.throttle.uncapped():  # the trainers wait for this: no cap, and none of it billed to the rounds
             if cfg.rebuild:

@@ -473,6 +473,7 @@ class Supervisor:
             bad = slurm.poll()  # a drain alone stops nothing
             if bad:
                 return Event.nodes_lost(bad)
+            self.agent_loss.ahead(layout)  # late peers: probed now, the verdict in by their loss timeout
             suspects = self.agents.lost(layout)
             if suspects is not None and (event := agents_lost(suspects)) is not None:
                 return event

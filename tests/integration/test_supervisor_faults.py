@@ -146,8 +146,9 @@ def _timeline(out):
 def test_a_frozen_node_is_named_by_the_agents_heartbeats_and_confirmed_by_the_probe(healthy_sandbox, dp_reference,
                                                                                      tmp_path):
     """A node that stops answering without closing its connections (SIGSTOP of its slurmd and every process of it):
-    its peers' heartbeats name it after --loss-timeout, the supervisor's probe confirms it, a spare takes its slot
-    before Slurm marks it (SlurmdTimeout 10 s). A node paused for less than the timeout first is not named."""
+    its peers' heartbeats name it after --loss-timeout, the supervisor's probe (started once it was late, half that
+    silent) confirms it, a spare takes its slot before Slurm marks it (SlurmdTimeout 10 s). A node paused for less
+    than the timeout first is not named."""
     out = tmp_path / "freeze"
     loss = 2.0
     hold = tmp_path / "hold"  # the job waits after step 3 until it exists: the freeze must come before its end
@@ -180,9 +181,12 @@ def test_a_frozen_node_is_named_by_the_agents_heartbeats_and_confirmed_by_the_pr
     assert "silent" in bad[0]["suspected"], bad
     assert "probe did not answer" in bad[0]["state"] or "while the probe waited" in bad[0]["state"], bad
     heard = next(e for e in log if e["event"] == "agents_suspect" and "n3" in e["nodes"].split(","))
-    print(f"\nfrozen node: named by its peers {min(e['time'] for e in silent) - frozen:.2f} s after the freeze "
-          f"(--loss-timeout {loss:g}), the supervisor probing it {heard['time'] - frozen:.2f} s after, declared lost "
-          f"{bad[0]['time'] - frozen:.2f} s after (--probe-timeout 5)")
+    late = next(e for e in log if e["event"] == "agents_late" and "n3" in e["nodes"].split(",") and e["time"] > frozen)
+    assert late["time"] < heard["time"] and "(probed ahead)" in bad[0]["state"], (late, bad)  # the verdict was in
+    print(f"\nfrozen node: late {late['time'] - frozen:.2f} s after the freeze (probed then), named by its peers "
+          f"{min(e['time'] for e in silent) - frozen:.2f} s after (--loss-timeout {loss:g}), the supervisor told "
+          f"{heard['time'] - frozen:.2f} s after, declared lost {bad[0]['time'] - frozen:.2f} s after "
+          "(--probe-timeout 5)")
     assert_same_result(out, dp_reference)
 
 

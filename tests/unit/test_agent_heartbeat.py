@@ -153,7 +153,7 @@ def test_a_beat_connection_closed_without_a_goodbye_is_a_loss_at_once_an_orderly
 
 def test_a_silent_peer_is_named_at_its_deadline_not_at_the_next_beat():
     """Pure timing (a fake clock): the loop wakes at the earliest deadline of a watched peer, or at the next beat."""
-    from hpcft.agent.transport.heartbeat import next_wake, silent_peer
+    from hpcft.agent.transport.heartbeat import late_peers, next_wake, silent_peer
 
     limit = LOSS_S + period_for(LOSS_S)
     heard = {1: 10.0, 2: 11.0}
@@ -163,3 +163,7 @@ def test_a_silent_peer_is_named_at_its_deadline_not_at_the_next_beat():
     assert next_wake(heard, now=20.0, limit=limit, beat_at=20.3, skip=()) == 20.0  # overdue: at once, never before now
     assert silent_peer(heard, 9.99 + limit, limit, ()) is None  # within the limit: not yet
     assert silent_peer(heard, 10.01 + limit, limit, ()) == 1 and silent_peer(heard, 10.01 + limit, limit, {1}) is None
+    # late: silent past half the limit, probed ahead by the supervisor
+    assert late_peers(heard, 9.99 + limit / 2, limit, ()) == []
+    assert late_peers(heard, 10.01 + limit / 2, limit, ()) == [1]
+    assert late_peers(heard, 11.01 + limit / 2, limit, ()) == [1, 2] and late_peers(heard, 20.0, limit, {1}) == [2]

@@ -163,10 +163,14 @@ class _Agents:
     def __init__(self, outcomes: list):
         self.tag, self.bad_nodes, self.outcomes, self.calls = "0", {}, outcomes, []
         self.named: dict[str, str] = {}  # the peers failed agents named ({node: why}), as AgentSteps.lost says
+        self.late_nodes: dict[str, str] = {}  # the peers running agents find late, as AgentSteps.late says
         self.cfg = RunConfig()  # the run's options, as AgentSteps has them (its transport)
 
     def lost(self, layout):
         return self.named or None
+
+    def late(self, layout):
+        return self.late_nodes
 
     def stop(self, ask: bool = True, flush: bool = True) -> None:
         self.calls.append(("stop", ask, flush))
@@ -181,7 +185,7 @@ class _Nodes:
     def __init__(self, bad: dict):
         self.bad_ones, self.asked = bad, []
 
-    def bad(self, nodes, *, probe, found_by=None, suspected=None, controls=()):
+    def bad(self, nodes, *, probe, found_by=None, suspected=None, controls=(), ahead=None):
         self.asked.append((tuple(nodes), found_by, dict(suspected or {})))
         self.controls = tuple(controls)
         return {n: w for n, w in self.bad_ones.items() if n in nodes}
@@ -251,6 +255,31 @@ def test_a_probe_still_waiting_for_a_frozen_node_ends_when_slurm_marks_it():
     checks = NodeCheck(_FrozenCluster(marks_after=1.0), "7", {}, probe_timeout=600, emit=lambda *a, **k: None)
     bad = checks.probe(["n1", "n2", "n3"])
     assert set(bad) == {"n3"} and "NOT_RESPONDING (Slurm, while the probe waited)" in bad["n3"], bad
+
+
+def test_a_late_node_is_probed_ahead_and_the_verdict_is_used_once_the_agents_name_it_lost():
+    from hpcft.launch.steps.agentloss import AgentLoss
+    from hpcft.launch.policy.failures import CONTROL_FLOOR_S
+
+    layout, said = Layout(slots=("n1", "n2", "n3"), spares=()), []
+    checks = NodeCheck(_FrozenCluster(marks_after=600), "7", {}, probe_timeout=600, emit=lambda *a, **k: None)
+    agents = _Agents([])
+    loss = AgentLoss(agents, checks, lambda kind, **f: said.append((kind, f)), interrupted=lambda: False)
+    loss.ahead(layout)
+    assert said == []  # nobody late
+    agents.late_nodes = {"n3": "the agent of slot 0 has not heard its agent for over half the loss timeout (3 s)"}
+    loss.ahead(layout)
+    loss.ahead(layout)  # probed once
+    assert [k for k, _ in said] == ["agents_late"] and said[0][1]["nodes"] == "n3"
+    time.sleep(CONTROL_FLOOR_S + 0.5)  # the rest of the loss timeout: the verdict is in
+    asked = time.monotonic()
+    bad = loss.suspects_lost(layout, {"n3": "agent of slot 0 lost it: silent for 3.3 s"})
+    assert set(bad) == {"n3"} and "(probed ahead)" in bad["n3"] and "did not answer" in bad["n3"], bad
+    assert time.monotonic() - asked < CONTROL_FLOOR_S  # no new probe waited for
+    agents.late_nodes = {}
+    loss.ahead(layout)
+    bad = loss.suspects_lost(layout, {"n3": "agent of slot 0 lost it: silent for 3.3 s"})  # nothing ahead: probed now
+    assert set(bad) == {"n3"} and "(probed ahead)" not in bad["n3"]
 
 
 def test_an_agents_step_that_ended_before_ready_on_healthy_nodes_is_launched_once_more_before_the_trainers():

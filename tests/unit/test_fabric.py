@@ -105,7 +105,7 @@ def _until(predicate, timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-def test_an_agent_that_reports_it_failed_raises_the_alarm_at_once_and_no_other_phase_does(tmp_path):
+def test_an_agent_that_reports_it_failed_or_late_peers_raises_the_alarm_at_once_and_no_other_phase_does(tmp_path):
     job = tmp_path / "job"
     job.mkdir()
     alarms = []
@@ -117,6 +117,14 @@ def test_an_agent_that_reports_it_failed_raises_the_alarm_at_once_and_no_other_p
         up.status(phase="protecting", staged=3)
         _until(lambda: fabric.view.reports("0").get(1, {}).get("phase") == "protecting")
         assert alarms == []
+        sent = time.monotonic()
+        up.amend(late_peers=[3])  # from the beat thread: the round loop may be blocked on that peer
+        _until(lambda: alarms, timeout=0.9)  # the supervisor probes it ahead of the loss timeout
+        assert fabric.view.reports("0")[1]["late_peers"] == [3] and fabric.view.reports("0")[1]["staged"] == 3
+        up.status(phase="protecting", staged=3, late_peers=[])  # heard again: no alarm
+        _until(lambda: fabric.view.reports("0")[1]["late_peers"] == [], timeout=0.9)
+        assert len(alarms) == 1
+        alarms.clear()
         sent = time.monotonic()
         up.status(phase="failed", error="peer closed", peer_slot=2)
         _until(lambda: alarms, timeout=0.9)  # the supervisor wakes: it looks at the agents now, not at its next poll

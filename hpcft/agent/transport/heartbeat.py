@@ -1,9 +1,10 @@
 """Heartbeats between the agents of one job, for the deaths that close no connection (a frozen node, a partition, a
 hung kernel), which would hold a round's all-gather for as long as the peer's sockets stay open. Each agent beats to
 its overlay neighbours (mesh.overlay) on connections of their own and names one silent past the loss timeout a suspect
-(`on_silent`): the agent fails as if the connection had closed, and the supervisor's probe confirms. A beat connection
-closed without a goodbye (every orderly close sends one) is a loss at once (`on_closed`): a killed agent's sockets close
-with it, and the data mesh would notice only in its next, CPU-capped round."""
+(`on_silent`): the agent fails as if the connection had closed, and the supervisor's probe confirms. One silent past
+half that is late (`on_late`): the supervisor probes it ahead, so that its verdict is in when the timeout names it. A
+beat connection closed without a goodbye (every orderly close sends one) is a loss at once (`on_closed`): a killed
+agent's sockets close with it, and the data mesh would notice only in its next, CPU-capped round."""
 from __future__ import annotations
 
 import logging
@@ -41,6 +42,11 @@ def silent_peer(heard: Mapping[int, float], now: float, limit: float, skip: Coll
     return next((j for j, when in heard.items() if j not in skip and now - when > limit), None)
 
 
+def late_peers(heard: Mapping[int, float], now: float, limit: float, skip: Collection[int]) -> list[int]:
+    """The peers not in `skip` whose newest beat is more than half `limit` old, in order."""
+    return sorted(j for j, when in heard.items() if j not in skip and now - when > limit / 2)
+
+
 def next_wake(heard: Mapping[int, float], now: float, limit: float, beat_at: float, skip: Collection[int]) -> float:
     """When the beat loop wakes next: at the next beat, or sooner at the first moment a watched peer could be silent
     past `limit` (so a frozen peer is named at its deadline, not at the beat after it)."""
@@ -51,13 +57,16 @@ def next_wake(heard: Mapping[int, float], now: float, limit: float, beat_at: flo
 class Heartbeat:
     """Beats to the overlay neighbours every `period_for(timeout)` and watches theirs; `suspect` (slot, seconds silent),
     reported once to `on_silent`, once one is silent past `timeout` plus a period (so a shorter pause is never named).
-    Silence needs evidence: nothing new for that long, nothing unread in its socket, this agent not itself paused."""
+    Silence needs evidence: nothing new for that long, nothing unread in its socket, this agent not itself paused.
+    `late`, the peers silent past half that, goes to `on_late` whenever it changes (checked at each beat)."""
 
     def __init__(self, slot: int, size: int, secret: bytes, rendezvous: Rendezvous | str | os.PathLike, *,
                  timeout: float, on_silent: Callable[[int, float], None],
-                 on_closed: Callable[[int], None] | None = None, stopping: Callable[[], bool] = lambda: False,
+                 on_closed: Callable[[int], None] | None = None, on_late: Callable[[list[int]], None] | None = None,
+                 stopping: Callable[[], bool] = lambda: False,
                  host: str = "127.0.0.1", bind: str = "0.0.0.0", tag: str = "0", join_timeout: float = 60.0):
         self.slot, self.timeout, self.on_silent, self.on_closed = slot, timeout, on_silent, on_closed
+        self.on_late = on_late
         self.stopping = stopping  # true once the agents were asked to stop: a close is then no loss
         self.period = period_for(timeout)
         self.mesh = Mesh(slot, size, secret, rendezvous, host=host, bind=bind, timeout=join_timeout,
@@ -66,6 +75,7 @@ class Heartbeat:
         self.heard = dict.fromkeys(self.mesh.peers, now)  # slot -> when its newest beat arrived
         self.closed: set[int] = set()
         self.suspect: tuple[int, float] | None = None
+        self.late: list[int] = []
         self.cause = ""  # what made `suspect` one: "silent" or "closed" (its connection closed without a goodbye)
         self._named = threading.Lock()
         self._sending = threading.Lock()  # the beats and the goodbye share each peer's socket: whole frames only
@@ -138,9 +148,16 @@ class Heartbeat:
                     self.closed.add(j)
 
     def _check(self, now: float, limit: float) -> None:
-        j = silent_peer(self.heard, now, limit, self.closed | self._pending_now())
+        skip = self.closed | self._pending_now()
+        j = silent_peer(self.heard, now, limit, skip)
         if j is not None:
             self._name(j, round(now - self.heard[j], 3), "silent")
+            return
+        late = late_peers(self.heard, now, limit, skip)
+        if late != self.late:
+            self.late = late
+            if self.on_late is not None:
+                self.on_late(late)
 
     def _pending_now(self) -> set[int]:
         """The peers silent past half the limit whose bytes wait unread (their listener is behind): not silence."""

@@ -1,10 +1,9 @@
 """A node's reports to the supervisor's report service ($HPCFT_REPORTS) on one authenticated connection, instead of
 files on the shared file system: its agent's status, its ranks' progress (read from the node-local store) and the
-agent's events. Only what changed is sent, at most once per `gap` seconds (a new phase, protected step, drain or
-flush state, a warning and the last report at once), so N nodes send
-about N small messages a second. Unreachable, a node retries every
-`gap` and writes its events to the job's events file meanwhile; agents started by hand (no $HPCFT_REPORTS) write
-status files instead."""
+agent's events. Only what changed is sent, at most once per `gap` seconds (what the supervisor waits on: a new
+phase, protected step, drain or flush state, late peers; a warning and the last report at once), so N nodes send
+about N small messages a second. Unreachable, a node retries every `gap` and writes its events to the job's events
+file meanwhile; agents started by hand (no $HPCFT_REPORTS) write status files instead."""
 from __future__ import annotations
 
 import atexit
@@ -26,7 +25,7 @@ from hpcft.agent.transport.tcp import Channel, TransportError
 
 ENV = REPORTS  # exported by hpcft run
 GAP_S = 1.0  # the most one node reports per second, but for what the supervisor waits on (URGENT), warnings, the last
-URGENT = ("phase", "protected", "drained", "flushing", "flushed_request")  # status fields whose change leaves at once
+URGENT = ("phase", "protected", "drained", "flushing", "flushed_request", "late_peers")  # a change leaves at once
 PROGRESS_S = 0.25  # how often the node's ranks' progress is looked at in its store (a stat per manifest)
 CLOSE_S = 3.0  # the most `close` waits for the last report to leave
 KEEPALIVE_S = 5.0  # with nothing new for this long, an empty report: the supervisor tells silence from no progress
@@ -76,12 +75,21 @@ class Uplink:
         """The agent's new report (the fields of agent/status.py `write`). What the supervisor waits on leaves at once:
         a new phase; a newly protected step (every member of a set commits it together, and the supervisor's view of
         the set must not pair one member's report from before the commit with another's from after it: no step in
-        common); a drain taken (a persist waits for it) and a flush's start and end."""
+        common); a drain taken (a persist waits for it), a flush's start and end, a late peer (probed ahead)."""
         report = {"slot": self.slot, "tag": self.tag, "pid": os.getpid(), "time": time.time(), **fields}
         with self._cv:
             last = self._status or {}
             self._urgent |= any(last.get(k) != report.get(k) for k in URGENT)
             self._status = report
+            self._cv.notify()
+
+    def amend(self, **fields: Any) -> None:
+        """Change `fields` of the agent's last report and send it at once (from a thread beside the round loop)."""
+        with self._cv:
+            if self._status is None:
+                return
+            self._status = {**self._status, **fields}
+            self._urgent = True
             self._cv.notify()
 
     def event(self, record: dict) -> bool:

@@ -88,8 +88,9 @@ class Recovery:
                                       "agents' heartbeats find a lost node. Below 30 s the job polls slurmctld more "
                                       "than sites allow.", bound=">0")
     loss_timeout: float = option(LOSS_TIMEOUT_S, "Seconds without a heartbeat after which a node agent names its peer "
-                                 "a suspect, whose node is then probed (0: no heartbeats; a node is lost when its "
-                                 "connections close or Slurm marks it).", bound=">=0")
+                                 "lost, once its node fails a probe (started ahead, after half of it: the verdict "
+                                 "is in by then); 0: no heartbeats, a node is lost when its connections close or "
+                                 "Slurm marks it.", bound=">=0")
     lost_progress_exit: int = option(LOST_PROGRESS_EXIT, "Exit status of a run that finished but lost progress on "
                                      "the way (resumed from an older step than its trainers had reached), so that it "
                                      "cannot pass for a clean success (0: exit 0).", metavar="N")

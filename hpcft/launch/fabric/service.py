@@ -27,7 +27,8 @@ _log = logging.getLogger(__name__)
 
 class Fabric:
     """One run's view of its nodes; `start` serves the reports, `env` tells the steps where, `close` ends both.
-    `alarm()` is called when an agent reports that it failed (the supervisor looks at once, not at its next poll)."""
+    `alarm()` is called when an agent reports that it failed or that peers are late (the supervisor looks at once, not
+    at its next poll)."""
 
     def __init__(self, job_dir: Path, emit: Callable[..., None], clock: Callable[[], float] = time.time,
                  alarm: Callable[[], None] = lambda: None):
@@ -70,7 +71,8 @@ class Fabric:
     def take(self, report: dict[str, Any]) -> None:
         """One node's report into the view, its events into the job's, each round's summed (liveview.Rounds)."""
         self.view.apply(report, self.clock())
-        if (report.get("set") or {}).get("phase") == FAILED:  # the status delta: the phase when it changed
+        changed = report.get("set") or {}  # the status delta: the phase when it changed, late peers when named
+        if changed.get("phase") == FAILED or changed.get("late_peers"):
             self.alarm()
         tag = str(report.get("tag"))
         for record in report.get("events") or ():

@@ -7,8 +7,10 @@ import contextlib
 import logging
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 
 from hpcft.errors import SlurmError
 from hpcft.launch.policy.failures import probe_deadline
@@ -33,11 +35,14 @@ class NodeCheck:
 
     def bad(self, nodes: Sequence[str], *, probe: bool, closed: bool = True, found_by: str | None = None,
             suspected: Mapping[str, str] | None = None, controls: Sequence[str] = (),
-            until: Callable[[], bool] | None = None, allocation: bool = True) -> dict[str, str]:
+            until: Callable[[], bool] | None = None, allocation: bool = True,
+            ahead: Future | None = None) -> dict[str, str]:
         """Slurm's bad nodes among `nodes`; with `probe` and none lost, those that fail the probe (beside `controls`).
         `closed`: a node Slurm gives no new work counts as bad, as a launch needs; without, it is only said
         (`node_closed`) and its step goes on. `found_by` and `suspected` go into the events; `until`: see `probe`;
-        `allocation`: the job's node list is read too (without: `scontrol show node` alone, for the slow timer)."""
+        `allocation`: the job's node list is read too (without: `scontrol show node` alone, for the slow timer);
+        `ahead`: a probe of (at least) these nodes started before (`probe_ahead`), its verdict awaited in place of a
+        new probe where it found a bad one (where all answered then, they are probed again)."""
         try:
             health = slurmstate.node_health(self.runner, self.job_id, list(nodes), allocation=allocation)
         except SlurmError as exc:
@@ -49,7 +54,8 @@ class NodeCheck:
         bad = dict(health.bad if closed else health.lost)
         rest = [n for n in nodes if n not in bad]
         if probe and not health.lost and rest:  # a closed node may hide a dead one: the others are probed still
-            bad.update(self.probe(rest, controls, closed=closed, until=until))
+            found = {n: f"{why} (probed ahead)" for n, why in (ahead.result() if ahead else {}).items() if n in rest}
+            bad.update(found or self.probe(rest, controls, closed=closed, until=until))
         for node, why in bad.items():
             self.emit("node_bad", level=logging.WARNING, node=node, state=why,
                       **({"found_by": found_by} if found_by else {}),
@@ -126,6 +132,21 @@ class NodeCheck:
                 bad[node] = why
             time.sleep(0.05 if pending or again else 0)
         return bad
+
+    def probe_ahead(self, nodes: Sequence[str], controls: Sequence[str] = ()) -> Future:
+        """`probe(nodes, controls)` on a thread of its own: its {node: why}, for a `bad(…, ahead=)` to come."""
+        verdict: Future = Future()
+
+        def run() -> None:
+            try:
+                found = self.probe(nodes, controls)
+            except Exception as exc:  # (srun missing, say) no verdict: the nodes are probed when named lost
+                _log.warning("probe ahead of %s failed: %s", ",".join(nodes), exc)
+                found = {}
+            verdict.set_result(found)
+
+        threading.Thread(target=run, name="hpcft-probe-ahead", daemon=True).start()
+        return verdict
 
     def _start(self, node: str) -> _Probe:
         """The probe's srun on `node`."""

@@ -1,13 +1,15 @@
 """What the supervisor makes of failed node agents, the job's own failure detector: the nodes they name are probed at
-once beside healthy controls (then every slot); one that fails is lost (`node_failed`). Where all answer, the agents
-alone restart and the trainers go on (every store is intact), unless that fails or happened ALONE_PER_LAUNCH times in
-the launch (`agent_failed`: relaunch); a step that ended before its agents were ready is launched once more
-(`agents_again`): a Slurm hiccup at a step's start must not cost a relaunch."""
+once beside healthy controls (then every slot); one that fails is lost (`node_failed`); one the agents find late
+(silent for half the loss timeout) is probed ahead, so that the verdict is in when they name it. Where all answer,
+the agents alone restart and the trainers go on (every store is intact), unless that fails or happened
+ALONE_PER_LAUNCH times in the launch (`agent_failed`: relaunch); a step that ended before its agents were ready is
+launched once more (`agents_again`): a Slurm hiccup at a step's start must not cost a relaunch."""
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 
 from hpcft.errors import CheckpointError
 from hpcft.launch.steps.agents import AgentSteps, StepEnded
@@ -25,15 +27,29 @@ class AgentLoss:
                  interrupted: Callable[[], bool]):
         self.agents, self.nodes, self.emit, self.interrupted = agents, nodes, emit, interrupted
         self.alone = 0  # agent restarts without the trainers in the current launch
+        self._ahead: tuple[frozenset[str], Future] | None = None  # the late nodes probed ahead, and the verdict
 
     def launched(self) -> None:
-        """A new launch of the trainers: its own count of agent restarts."""
-        self.alone = 0
+        """A new launch of the trainers: its own count of agent restarts, nothing probed ahead."""
+        self.alone, self._ahead = 0, None
+
+    def ahead(self, layout: Layout) -> None:
+        """While the trainers run: probe the nodes the agents find late (event `agents_late`), unless they were."""
+        late = self.agents.late(layout)
+        if not late or (self._ahead is not None and self._ahead[0] >= late.keys()):
+            return
+        self.emit("agents_late", tag=self.agents.tag, nodes=",".join(late), reason="; ".join(dict.fromkeys(
+            late.values())), action="probed now, beside controls; lost only if the agents name it past the timeout")
+        self._ahead = (frozenset(late), self.nodes.probe_ahead(list(late), control_nodes(list(layout.slots),
+                                                                                         list(late))))
 
     def suspects_lost(self, layout: Layout, suspects: Mapping[str, str]) -> dict[str, str]:
-        """The nodes among the agents' suspects (then among every slot, when they all answer) that fail the probe."""
+        """The nodes among the agents' suspects (then among every slot, when they all answer) that fail the probe:
+        the one probed ahead, if it covers them."""
+        ahead, self._ahead = self._ahead, None
         bad = self.nodes.bad(list(suspects), probe=True, found_by="agents", suspected=suspects,
-                             controls=control_nodes(list(layout.slots), list(suspects)))
+                             controls=control_nodes(list(layout.slots), list(suspects)),
+                             ahead=ahead[1] if ahead is not None and ahead[0] >= suspects.keys() else None)
         if not bad and len(suspects) < len(layout.slots):
             bad = self.nodes.bad(layout.slots, probe=True, found_by="agents")
         return bad

@@ -345,6 +345,16 @@ class AgentSteps:
             f"the agents' step ended (exit status {self.proc.poll()}); see {self.job_dir / f'agents-{self.tag}.log'}"
         return dict.fromkeys(layout.slots, why)
 
+    def late(self, layout: Layout) -> dict[str, str]:
+        """{node: why} of the nodes whose agent a running agent has not heard for over half the loss timeout (its
+        report's `late_peers`): probed ahead (AgentLoss.ahead), named lost only once the timeout passes (`lost`)."""
+        if self.proc is None:
+            return {}
+        return {layout.slots[p]: f"the agent of slot {r.get('slot')} has not heard its agent for over half the loss "
+                                 f"timeout ({self.cfg.recovery.loss_timeout:g} s)"
+                for r in self._read(self.tag).values() for p in r.get("late_peers") or ()
+                if isinstance(p, int) and 0 <= p < len(layout.slots)}
+
     def _late(self, layout: Layout, reports: Mapping[int, dict]) -> dict[str, str] | None:
         """The agents started `beside` the trainers: once all are ready, event `agents_ready` (`beside=True`); past
         --protect-timeout, {node: why} of those that are not; else None."""
