@@ -13,6 +13,7 @@ from hpcft.slurm.nodelist import expand, expand_range
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
+UPDATE_ANSWER_S = 1.0  # how long a requeue waits for slurmctld to answer its ExcNodeList update (see `requeue`)
 # A node's state words (`scontrol show node`: 'MIXED+DRAIN', 'IDLE+POWERED_DOWN'; sinfo's suffixes too). Lost: it
 # cannot run the job's tasks now. Closed: it runs them, but Slurm gives it no new work (an admin's drain, a health
 # check's, `scontrol reboot ASAP`, a requested power-down): the running steps go on, the next allocation leaves it.
@@ -192,10 +193,16 @@ def _ignore_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # kept across exec: the command outlives the requeue's SIGTERM
 
 
-def _unkillable(runner: Runner, argv: list[str]) -> tuple[int, str]:
-    """Run a Slurm command with SIGTERM ignored: (exit status, output)."""
+def _unkillable(runner: Runner, argv: list[str], wait: float | None = None) -> tuple[int | None, str]:
+    """Run a Slurm command with SIGTERM ignored: (exit status, output); with `wait`, (None, "") when it has not
+    answered within that many seconds (it is left running: its request is with slurmctld)."""
     proc = runner.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_ignore_sigterm)
-    out, _ = proc.communicate(timeout=runner.timeout)
+    try:
+        out, _ = proc.communicate(timeout=runner.timeout if wait is None else wait)
+    except subprocess.TimeoutExpired:
+        if wait is None:
+            raise
+        return None, ""
     return proc.returncode, (out or "").strip()
 
 
@@ -278,8 +285,13 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0) -> 
     if not keep_out:
         return Requeued([], allowed, reported)
     merged = ",".join(dict.fromkeys([*where.excluded, *keep_out]))  # the user's --exclude stays
-    code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"])
-    if code != 0:
+    # slurmctld answers an update of a job being requeued only once the job has ended, and its batch step is this
+    # process: waiting for that answer held the requeue ~5 s, until Slurm killed the batch step (found by hpcft chaos)
+    code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"],
+                            wait=UPDATE_ANSWER_S)
+    if code is None:
+        _log.info("ExcNodeList=%s of job %s: asked; slurmctld applies it once the job has ended", merged, job_id)
+    elif code != 0:
         _log.warning("could not exclude %s from job %s's next allocation (exit status %s): %s", keep_out, job_id,
                      code, out)
         return Requeued([], allowed, reported, keep_out)

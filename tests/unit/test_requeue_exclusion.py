@@ -49,9 +49,9 @@ def test_placement_reads_the_partitions_or_the_reservation_and_the_jobs_exclusio
 class _Requeue(_Slurm):
     """Also the nodes' states and the commands run with SIGTERM ignored (requeue, update), recorded."""
 
-    def __init__(self, answers: dict[str, str]):
+    def __init__(self, answers: dict[str, str], update: list[str] = ("true",)):
         super().__init__(answers)
-        self.unkillable, self.timeout = [], 5
+        self.unkillable, self.timeout, self.update = [], 5, list(update)
 
     def run(self, argv, check=True):
         if argv[:3] == ["scontrol", "show", "node"]:  # every node idle, as the repaired ones are
@@ -61,7 +61,7 @@ class _Requeue(_Slurm):
 
     def popen(self, argv, **_):
         self.unkillable.append(argv)
-        return subprocess.Popen(["true"], stdout=subprocess.PIPE, text=True)
+        return subprocess.Popen(self.update if argv[1] == "update" else ["true"], stdout=subprocess.PIPE, text=True)
 
 
 def test_a_job_slurm_shrank_keeps_out_only_what_its_whole_allocation_can_spare():
@@ -76,3 +76,20 @@ def test_a_job_slurm_shrank_keeps_out_only_what_its_whole_allocation_can_spare()
     done = requeue(slurm, "7", ["n4", "n5"], nodes=6)
     assert slurm.unkillable == [["scontrol", "requeue", "7"], ["scontrol", "update", "JobId=7", "ExcNodeList=n4"]]
     assert done.excluded == ["n4"] and done.allowed == ["n5"]
+
+
+def test_a_requeue_does_not_wait_for_the_answer_to_its_exclusion_that_slurm_gives_once_the_job_has_ended():
+    """slurmctld answers `scontrol update JobId= ExcNodeList=` of a job being requeued only once the job has ended,
+    and the batch step it waits for is hpcft run itself: the walltime requeues of hpcft chaos spent ~5 s there, until
+    Slurm killed the batch step (KillWait), and said nothing of what was excluded."""
+    import time
+
+    from hpcft.slurm.state import UPDATE_ANSWER_S, requeue
+
+    job = {"job": "JobId=7 Partition=batch NumNodes=4 NumTasks=4 ExcNodeList=(null) Reservation=(null)",
+           "partition": "PartitionName=batch Nodes=n[1-7] State=UP"}
+    slurm = _Requeue(job, update=["sleep", "5"])
+    started = time.monotonic()
+    done = requeue(slurm, "7", ["n4"], nodes=4)
+    assert time.monotonic() - started < UPDATE_ANSWER_S + 2  # not the update's 5 s
+    assert done.excluded == ["n4"] and slurm.unkillable[-1] == ["scontrol", "update", "JobId=7", "ExcNodeList=n4"]
