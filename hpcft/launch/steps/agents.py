@@ -160,9 +160,13 @@ class AgentSteps:
 
     def gate(self, layout: Layout, restart_count: int) -> bool:
         """Whether the trainers of a launch wait for its agents (`start`): on the first launch (its agents announce
-        their pins before any store opens) and when the slots changed since agents were last ready (they rebuild
-        first). A relaunch onto the same slots needs nothing of them: they start beside the trainers (`beside`)."""
-        return restart_count == 0 or layout.slots != self._ready_slots
+        their pins before any store opens) and when they rebuild first (`_moved`). A relaunch onto the same slots
+        needs nothing of them: they start beside the trainers (`beside`)."""
+        return restart_count == 0 or self._moved(layout, restart_count)
+
+    def _moved(self, layout: Layout, restart_count: int) -> bool:
+        """A relaunch onto other slots than those agents were last ready on: its agents rebuild what moved."""
+        return restart_count > 0 and layout.slots != self._ready_slots
 
     def well(self, layout: Layout) -> bool:
         """Whether the last launch's agents run on `layout`'s slots, none failed or late (`lost`): a relaunch onto
@@ -183,7 +187,7 @@ class AgentSteps:
         why not (the step left for `stop`). Nothing to rebuild (NoCheckpointError) is no failure: fresh agents protect
         what the trainers restore. `hosted` {slot: survivor}: a shrink's lost slots, rebuilt from parity there."""
         hosted = dict(hosted or {})
-        rebuild = bool(hosted) or (restart_count > 0 and layout.slots != self._ready_slots)
+        rebuild = bool(hosted) or self._moved(layout, restart_count)
         self.tag, self.no_checkpoint, self.bad_nodes, self._beside = tag or str(restart_count), None, {}, None
         self.proc = self._launch(layout, rebuild, env, hosted)
         running = Layout(slots=tuple(n for i, n in enumerate(layout.slots) if i not in hosted))
@@ -336,7 +340,7 @@ class AgentSteps:
         reports = self._read(self.tag)
         failed = [r for r in reports.values() if r.get("phase") == agent_status.FAILED]
         if not failed and self.proc.poll() is None:
-            return self._late(layout, reports)
+            return self._unready(layout, reports)
         named = {layout.slots[r["peer_slot"]]: f"agent of slot {r.get('slot')} lost it: {r.get('error')}"
                  for r in failed if isinstance(r.get("peer_slot"), int) and 0 <= r["peer_slot"] < len(layout.slots)}
         if named:
@@ -355,7 +359,7 @@ class AgentSteps:
                 for r in self._read(self.tag).values() for p in r.get("late_peers") or ()
                 if isinstance(p, int) and 0 <= p < len(layout.slots)}
 
-    def _late(self, layout: Layout, reports: Mapping[int, dict]) -> dict[str, str] | None:
+    def _unready(self, layout: Layout, reports: Mapping[int, dict]) -> dict[str, str] | None:
         """The agents started `beside` the trainers: once all are ready, event `agents_ready` (`beside=True`); past
         --protect-timeout, {node: why} of those that are not; else None."""
         if self._beside is None:
