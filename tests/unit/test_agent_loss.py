@@ -276,10 +276,12 @@ def test_a_late_node_is_probed_ahead_and_the_verdict_is_used_once_the_agents_nam
     bad = loss.suspects_lost(layout, {"n3": "agent of slot 0 lost it: silent for 3.3 s"})
     assert set(bad) == {"n3"} and "(probed ahead)" in bad["n3"] and "did not answer" in bad["n3"], bad
     assert time.monotonic() - asked < CONTROL_FLOOR_S  # no new probe waited for
-    agents.late_nodes = {}
     loss.ahead(layout)
+    agents.late_nodes = {}
+    loss.ahead(layout)  # heard again: the verdict is dropped
     bad = loss.suspects_lost(layout, {"n3": "agent of slot 0 lost it: silent for 3.3 s"})  # nothing ahead: probed now
     assert set(bad) == {"n3"} and "(probed ahead)" not in bad["n3"]
+    assert [k for k, _ in said] == ["agents_late", "agents_late"]
 
 
 def test_an_agents_step_that_ended_before_ready_on_healthy_nodes_is_launched_once_more_before_the_trainers():

@@ -34,8 +34,11 @@ class AgentLoss:
         self.alone, self._ahead = 0, None
 
     def ahead(self, layout: Layout) -> None:
-        """While the trainers run: probe the nodes the agents find late (event `agents_late`), unless they were."""
+        """While the trainers run: probe the nodes the agents find late (event `agents_late`), unless they were while
+        late; a verdict outlives no recovery (none late: it is dropped)."""
         late = self.agents.late(layout)
+        if not late:
+            self._ahead = None
         if not late or (self._ahead is not None and self._ahead[0] >= late.keys()):
             return
         self.emit("agents_late", tag=self.agents.tag, nodes=",".join(late), reason="; ".join(dict.fromkeys(
