@@ -75,10 +75,11 @@ class NodeCheck:
     def probe(self, nodes: Sequence[str], controls: Sequence[str] = (), *, closed: bool = True,
               until: Callable[[], bool] | None = None) -> dict[str, str]:
         """Run a trivial task on each node and control at once; a node is bad that does not answer within
-        --probe-timeout of srun sending it the task or, once every control answered, `probe_deadline`. Before srun sent
-        it (`--verbose`), the slow one is the controller: that counts only past UNLAUNCHED_FACTOR × --probe-timeout (a
-        failed srun is restarted). A node Slurm marks bad meanwhile is bad at once; `until()` ends the probe (a
-        better-informed check is due)."""
+        --probe-timeout of srun sending it the task or, once half the controls answered, `probe_deadline` (a control
+        silent past it is bad too: a switch or a rack takes several nodes at once). Before srun sent it (`--verbose`),
+        the slow one is the controller: that counts only past UNLAUNCHED_FACTOR × --probe-timeout (a failed srun is
+        restarted). A node Slurm marks bad meanwhile is bad at once; `until()` ends the probe (a better-informed check
+        is due)."""
         controls = [c for c in controls if c not in nodes]
         started = time.monotonic()
         pending = {n: self._start(n) for n in [*nodes, *controls]}
@@ -111,18 +112,19 @@ class NodeCheck:
                     bad[node] = f"probe failed (exit status {p.proc.returncode}{p.error(': ')})"
                 if node in controls:
                     answered[node] = now - (p.launched or started)
-            timed = [answered[c] for c in controls] if controls and len(answered) == len(controls) else None
+            # half the controls answered: a second lost node among them (a switch, a rack) is judged as the suspects
+            timed = list(answered.values()) if controls and 2 * len(answered) >= len(controls) else None
             waited = probe_deadline(self.probe_timeout, timed)
-            late = {n: f"probe did not answer within {waited:.3g} s" + (
-                        "" if timed is None else f" (--probe-timeout {self.probe_timeout:g} s; {len(timed)} other "
-                                                 f"node(s) answered within {max(timed):.2f} s)")
-                    for n, p in pending.items() if p.launched is not None and now - p.launched >= waited}
-            late.update({n: f"Slurm did not launch the probe's task within {unlaunched:.3g} s ({UNLAUNCHED_FACTOR:g}"
-                            f" × --probe-timeout {self.probe_timeout:g} s{p.error('; ')})"
-                         for n, p in {**pending, **again}.items()
-                         if p.launched is None and now - started >= unlaunched})
-            rest = [n for n in [*pending, *again] if n not in late]
-            marked = {**(self._slurm_marked(rest, closed) if rest and now >= ask_slurm else {}), **late}
+            overdue = {n: f"probe did not answer within {waited:.3g} s" + (
+                           "" if timed is None else f" (--probe-timeout {self.probe_timeout:g} s; {len(timed)} other "
+                                                    f"node(s) answered within {max(timed):.2f} s)")
+                       for n, p in pending.items() if p.launched is not None and now - p.launched >= waited}
+            overdue.update({n: f"Slurm did not launch the probe's task within {unlaunched:.3g} s "
+                               f"({UNLAUNCHED_FACTOR:g} × --probe-timeout {self.probe_timeout:g} s{p.error('; ')})"
+                            for n, p in {**pending, **again}.items()
+                            if p.launched is None and now - started >= unlaunched})
+            rest = [n for n in [*pending, *again] if n not in overdue]
+            marked = {**(self._slurm_marked(rest, closed) if rest and now >= ask_slurm else {}), **overdue}
             if now >= ask_slurm:
                 ask_slurm = now + SLURM_EVERY_S
             for node, why in marked.items():

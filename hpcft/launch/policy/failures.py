@@ -212,9 +212,10 @@ CONTROL_FLOOR_S = 1.0    # ... and at least this long
 
 
 def probe_deadline(timeout: float, controls: list[float] | None) -> float:
-    """When (s after the probe's start) a silent node is bad: `timeout`, or once every control answered (`controls`:
-    their times) CONTROL_FACTOR × the slowest, at least CONTROL_FLOOR_S: the controls share the suspect's cluster and
-    load, and a node silent past --loss-timeout that answers so much later than its peers is not answering."""
+    """When (s after the probe's start) a silent node is bad: `timeout`, or once half the controls answered
+    (`controls`: their times) CONTROL_FACTOR × the slowest, at least CONTROL_FLOOR_S: the controls share the suspect's
+    cluster and load, and a node silent past --loss-timeout that answers so much later than its peers is not
+    answering."""
     if not controls:
         return timeout
     return min(timeout, max(CONTROL_FLOOR_S, CONTROL_FACTOR * max(controls)))
