@@ -237,6 +237,7 @@ class _FrozenCluster(Runner):
         super().__init__()
         self.since = time.monotonic()
         self.marks_after = marks_after
+        self.frozen = {"n3"}  # whose probe never answers
 
     def run(self, argv, **kw):
         if argv[:3] == ["scontrol", "show", "job"]:
@@ -248,7 +249,7 @@ class _FrozenCluster(Runner):
         return subprocess.CompletedProcess(argv, 0, out, "")
 
     def popen(self, argv, **kw):
-        return fake_probe.probe(argv, {"n3"}, stdout=kw.get("stdout"), stderr=kw.get("stderr"))
+        return fake_probe.probe(argv, self.frozen, stdout=kw.get("stdout"), stderr=kw.get("stderr"))
 
 
 def test_a_probe_still_waiting_for_a_frozen_node_ends_when_slurm_marks_it():
@@ -276,12 +277,19 @@ def test_a_late_node_is_probed_ahead_and_the_verdict_is_used_once_the_agents_nam
     bad = loss.suspects_lost(layout, {"n3": "agent of slot 0 lost it: silent for 3.3 s"})
     assert set(bad) == {"n3"} and "(probed ahead)" in bad["n3"] and "did not answer" in bad["n3"], bad
     assert time.monotonic() - asked < CONTROL_FLOOR_S  # no new probe waited for
+    checks.runner.frozen = {"n2", "n3"}  # two of a set: the other one is among the controls, and is lost with it
+    agents.late_nodes = {"n3": "late"}
+    loss.ahead(layout)
+    time.sleep(CONTROL_FLOOR_S + 0.5)
+    bad = loss.suspects_lost(layout, {"n3": "agent of slot 0 lost it: silent for 3.3 s"})
+    assert set(bad) == {"n2", "n3"} and all("(probed ahead)" in w for w in bad.values()), bad
+    checks.runner.frozen = {"n3"}
     loss.ahead(layout)
     agents.late_nodes = {}
     loss.ahead(layout)  # heard again: the verdict is dropped
     bad = loss.suspects_lost(layout, {"n3": "agent of slot 0 lost it: silent for 3.3 s"})  # nothing ahead: probed now
     assert set(bad) == {"n3"} and "(probed ahead)" not in bad["n3"]
-    assert [k for k, _ in said] == ["agents_late", "agents_late"]
+    assert [k for k, _ in said] == ["agents_late"] * 3
 
 
 def test_an_agents_step_that_ended_before_ready_on_healthy_nodes_is_launched_once_more_before_the_trainers():

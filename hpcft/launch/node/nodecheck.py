@@ -41,8 +41,9 @@ class NodeCheck:
         `closed`: a node Slurm gives no new work counts as bad, as a launch needs; without, it is only said
         (`node_closed`) and its step goes on. `found_by` and `suspected` go into the events; `until`: see `probe`;
         `allocation`: the job's node list is read too (without: `scontrol show node` alone, for the slow timer);
-        `ahead`: a probe of (at least) these nodes started before (`probe_ahead`), its verdict awaited in place of a
-        new probe where it found a bad one (where all answered then, they are probed again)."""
+        `ahead`: a probe of (at least) these nodes started before (`probe_ahead`), its verdict (its controls' too)
+        awaited in place of a new probe where it found one of them bad (where they answered then, they are probed
+        again)."""
         try:
             health = slurmstate.node_health(self.runner, self.job_id, list(nodes), allocation=allocation)
         except SlurmError as exc:
@@ -54,8 +55,8 @@ class NodeCheck:
         bad = dict(health.bad if closed else health.lost)
         rest = [n for n in nodes if n not in bad]
         if probe and not health.lost and rest:  # a closed node may hide a dead one: the others are probed still
-            found = {n: f"{why} (probed ahead)" for n, why in (ahead.result() if ahead else {}).items() if n in rest}
-            bad.update(found or self.probe(rest, controls, closed=closed, until=until))
+            found = {n: f"{why} (probed ahead)" for n, why in (ahead.result() if ahead else {}).items()}
+            bad.update(found if set(found) & set(rest) else self.probe(rest, controls, closed=closed, until=until))
         for node, why in bad.items():
             self.emit("node_bad", level=logging.WARNING, node=node, state=why,
                       **({"found_by": found_by} if found_by else {}),
