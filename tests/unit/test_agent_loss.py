@@ -277,11 +277,11 @@ def test_a_late_node_is_probed_ahead_and_the_verdict_is_used_once_the_agents_nam
     bad = loss.suspects_lost(layout, {"n3": "agent of slot 0 lost it: silent for 3.3 s"})
     assert set(bad) == {"n3"} and "(probed ahead)" in bad["n3"] and "did not answer" in bad["n3"], bad
     assert time.monotonic() - asked < CONTROL_FLOOR_S  # no new probe waited for
-    checks.runner.frozen = {"n2", "n3"}  # two of a set: the other one is among the controls, and is lost with it
-    agents.late_nodes = {"n3": "late"}
+    checks.runner.frozen = {"n2", "n3"}  # two of a set at once: both late, both probed ahead, both in the verdict
+    agents.late_nodes = {"n2": "late", "n3": "late"}
     loss.ahead(layout)
     time.sleep(CONTROL_FLOOR_S + 0.5)
-    bad = loss.suspects_lost(layout, {"n3": "agent of slot 0 lost it: silent for 3.3 s"})
+    bad = loss.suspects_lost(layout, {"n3": "agent of slot 0 lost it: silent for 3.3 s"})  # the first one named
     assert set(bad) == {"n2", "n3"} and all("(probed ahead)" in w for w in bad.values()), bad
     checks.runner.frozen = {"n3"}
     loss.ahead(layout)

@@ -64,14 +64,15 @@ def test_a_suspect_that_answers_is_not_bad_and_a_frozen_control_leaves_the_timeo
     assert sorted(bad) == ["n2", "n3"] and bad["n3"] == "probe did not answer within 1 s", bad
 
 
-def test_two_frozen_nodes_one_a_control_are_both_bad_once_half_the_controls_answered_not_at_the_timeout(monkeypatch):
+def test_a_frozen_suspect_with_a_frozen_control_is_bad_once_half_the_controls_answered_not_at_the_timeout(monkeypatch):
     """Two nodes of a set lost at once (a switch, a rack): the agents name one, the other is among its controls. It
-    never answers, so 'every control answered' never came and both waited --probe-timeout (5 s in hpcft chaos, 15 s by
-    default); half the controls answering is enough to time a healthy answer, and the silent control is judged too."""
+    never answers, so 'every control answered' never came and the suspect waited --probe-timeout (5 s in hpcft chaos,
+    15 s by default); half the controls answering times a healthy answer. The silent control is not judged by that
+    (a control's probe times, its node was not suspected): the agents name it (as late, both are probed ahead)."""
     monkeypatch.setattr(nodecheck, "SLURM_EVERY_S", 3600.0)
     started = time.monotonic()
     bad = _check({"n3", "n4"}, timeout=60.0).probe(["n3"], controls=["n2", "n4", "n5"])
-    assert sorted(bad) == ["n3", "n4"] and all("2 other node(s) answered within" in w for w in bad.values()), bad
+    assert sorted(bad) == ["n3"] and "2 other node(s) answered within" in bad["n3"], bad
     assert time.monotonic() - started < 30.0, "named long before --probe-timeout (60 s)"
     bad = _check({"n3", "n4", "n5"}, timeout=1.0).probe(["n3"], controls=["n2", "n4", "n5"])  # one of three: not half
     assert sorted(bad) == ["n3", "n4", "n5"] and bad["n3"] == "probe did not answer within 1 s", bad

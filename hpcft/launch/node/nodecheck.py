@@ -77,7 +77,7 @@ class NodeCheck:
               until: Callable[[], bool] | None = None) -> dict[str, str]:
         """Run a trivial task on each node and control at once; a node is bad that does not answer within
         --probe-timeout of srun sending it the task or, once half the controls answered, `probe_deadline` (a control
-        silent past it is bad too: a switch or a rack takes several nodes at once). Before srun sent it (`--verbose`),
+        still silent once every suspect is judged is left unjudged). Before srun sent it (`--verbose`),
         the slow one is the controller: that counts only past UNLAUNCHED_FACTOR × --probe-timeout (a failed srun is
         restarted). A node Slurm marks bad meanwhile is bad at once; `until()` ends the probe (a better-informed check
         is due)."""
@@ -113,13 +113,15 @@ class NodeCheck:
                     bad[node] = f"probe failed (exit status {p.proc.returncode}{p.error(': ')})"
                 if node in controls:
                     answered[node] = now - (p.launched or started)
-            # half the controls answered: a second lost node among them (a switch, a rack) is judged as the suspects
+            # half the controls answered time a healthy answer: a second lost node among them (a switch, a rack) must
+            # not hold the suspects' verdict for --probe-timeout
             timed = list(answered.values()) if controls and 2 * len(answered) >= len(controls) else None
             waited = probe_deadline(self.probe_timeout, timed)
             overdue = {n: f"probe did not answer within {waited:.3g} s" + (
                            "" if timed is None else f" (--probe-timeout {self.probe_timeout:g} s; {len(timed)} other "
                                                     f"node(s) answered within {max(timed):.2f} s)")
-                       for n, p in pending.items() if p.launched is not None and now - p.launched >= waited}
+                       for n, p in pending.items() if p.launched is not None and now - p.launched >= waited
+                       and (timed is None or n not in controls)}
             overdue.update({n: f"Slurm did not launch the probe's task within {unlaunched:.3g} s "
                                f"({UNLAUNCHED_FACTOR:g} × --probe-timeout {self.probe_timeout:g} s{p.error('; ')})"
                             for n, p in {**pending, **again}.items()
@@ -133,6 +135,11 @@ class NodeCheck:
                     pending.pop(node).end(now, node, kill=True)
                 again.pop(node, None)
                 bad[node] = why
+            if timed is not None and all(n in controls for n in [*pending, *again]):  # every suspect judged
+                for node, p in pending.items():  # a control still silent times nothing: not judged here (the
+                    p.end(now, node, kill=True)  # agents name it, or the next launch's check finds it)
+                    _log.info("probe of control %s: no answer by the suspects' verdict; not judged", node)
+                return bad
             time.sleep(0.05 if pending or again else 0)
         return bad
 
