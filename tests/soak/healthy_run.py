@@ -23,7 +23,7 @@ t0 = time.time()
 with open(out / "job.out", "w") as log:
     code = sb.runner().popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True).wait()
 recs = events.read(out / "job")
-bad = [e for e in recs if e["event"] in ("peer_silent", "peer_closed", "agents_suspect", "agents_failed", "node_bad",
+bad = [e for e in recs if e["event"] in ("peer_silent", "peer_closed", "agents_late", "agents_suspect", "agents_failed", "node_bad",
                                           "node_failed", "straggler", "progress_lost", "hang") or e.get("level") == "ERROR"]
 print(json.dumps({"exit": code, "wall_s": round(time.time() - t0), "decisions": [e["action"] for e in recs if e["event"] == "decision"],
                   "events": len(recs), "bad": bad[:20]}, indent=1))
