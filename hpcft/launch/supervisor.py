@@ -72,7 +72,7 @@ class Supervisor:
         self._launched = False  # whether the run got past its start checks (and may have changed the nodes' memory)
         self._requeued_run = False
         self._end_time: float | None = None
-        self._job_goes_on = False  # Slurm's job outlives this supervisor: requeued, or taken over
+        self._job_goes_on = False  # Slurm's job outlives this supervisor (requeued, taken over), or Slurm ends it
         self._stopper = StepStopper(self.runner, self.job_id, cfg.launch.kill_grace, self.emit)
         self._stop_steps = self._stopper.stop
         self.janitor = Janitor(self.runner, self.job_dir, python, self._stop_steps)
@@ -201,6 +201,9 @@ class Supervisor:
                 if self._signal == signal.SIGTERM:
                     self.agents.stop()
                     self.emit("terminated", level=logging.WARNING, reason="SIGTERM (scancel, preemption or requeue)")
+                    # Slurm is ending or requeuing the job: a successor must not complete it as its batch script
+                    # would (a batch script killed so completes nothing either)
+                    self._job_goes_on = True
                     return 128 + signal.SIGTERM
             decision, event = self._decide(event, layout, saved, info), None
             relaunch = decision.action in RELAUNCHES

@@ -43,7 +43,7 @@ class JobInfo:
     job_id: str
     nodes: list[str]
     end_time: float | None
-    batch: bool
+    batch: bool  # a batch job (BatchFlag 1, or 2 once Slurm requeued it after a node failure), not an salloc
     requeue: bool
     restarts: int
     batch_host: str = ""  # the node running the batch script (`hpcft run` under sbatch)
@@ -66,6 +66,12 @@ def _time(text: str) -> float | None:
         return None
 
 
+def _batch(flag: str) -> bool:
+    """BatchFlag: 0 for an allocation (salloc), 1 for a batch job, 2 for one Slurm requeued itself after a node
+    failure or a batch host that came back without its script (job_complete: "only one retry")."""
+    return flag.isdigit() and int(flag) > 0
+
+
 def job_info(runner: Runner, job_id: str) -> JobInfo:
     """The allocation as slurmctld sees it now: nodes, end time, batch or interactive, requeue allowed."""
     line = runner.run(["scontrol", "show", "job", "-o", job_id]).stdout.strip().splitlines()
@@ -74,7 +80,7 @@ def job_info(runner: Runner, job_id: str) -> JobInfo:
     f = fields(line[0])
     unlimited = f.get("TimeLimit", "") in ("UNLIMITED", "Partition_Limit")
     return JobInfo(job_id=job_id, nodes=_nodes(f.get("NodeList", "")),
-                   end_time=None if unlimited else _time(f.get("EndTime", "")), batch=f.get("BatchFlag") == "1",
+                   end_time=None if unlimited else _time(f.get("EndTime", "")), batch=_batch(f.get("BatchFlag", "")),
                    requeue=f.get("Requeue") == "1", restarts=int(f.get("Restarts", "0") or 0),
                    batch_host=f.get("BatchHost", "") if f.get("BatchHost") != "(null)" else "",
                    num_nodes=int(re.match(r"\d*", f.get("NumNodes", "")).group() or 0),

@@ -93,3 +93,15 @@ def test_a_requeue_does_not_wait_for_the_answer_to_its_exclusion_that_slurm_give
     done = requeue(slurm, "7", ["n4"], nodes=4)
     assert time.monotonic() - started < UPDATE_ANSWER_S + 2  # not the update's 5 s
     assert done.excluded == ["n4"] and slurm.unkillable[-1] == ["scontrol", "update", "JobId=7", "ExcNodeList=n4"]
+
+
+def test_a_job_slurm_requeued_itself_after_a_node_failure_is_still_a_batch_job():
+    """Slurm's own requeue (a node failure; a lost batch host back without its script: 'missing from batch node') sets
+    BatchFlag=2 ('only one retry'). Read as an salloc, the next run refused to requeue at the walltime warning
+    ('requeue not allowed': the job stopped half trained, found by hpcft chaos) and no janitor would take a lost batch
+    host over."""
+    from hpcft.slurm.state import job_info
+
+    for flag, batch in (("0", False), ("1", True), ("2", True), ("", False)):
+        slurm = _Slurm({"job": f"JobId=7 NodeList=n[1-2] TimeLimit=UNLIMITED BatchFlag={flag} Requeue=1 Restarts=3"})
+        assert job_info(slurm, "7").batch is batch, flag
