@@ -355,3 +355,35 @@ def test_a_warm_ranks_first_restore_imports_nothing_the_preload_left_out(tmp_pat
     late = [m for m in got.stdout.split() if m.startswith(("torch.distributed", "torch.optim", "hpcft"))
             and m != "hpcft.snapshot.calibration.measure"]  # a host's first calibration (then cached)
     assert late == []
+
+
+def test_a_spare_given_a_slot_is_waited_for_at_that_launch_and_a_node_only_once(tmp_path):
+    """The first launch waits for the active nodes' standbys; a spare's imports behind them, so a relaunch onto it
+    soon after came before it was ready and that rank started cold (found once the loss was decided sooner): the
+    relaunch waits for the spare's standby (a cold rank would import as long). A node waited for once, or one the
+    step does not cover (a node back later), is not waited for again."""
+    from hpcft.launch.steps.standbys import Standbys
+    from hpcft.slurm.runner import Runner
+
+    class Sleeper(Runner):
+        def popen(self, argv, **kw):
+            return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw)
+
+    said: list = []
+    standbys = Standbys(Sleeper(), tmp_path, sys.executable, "json", {}, emit=lambda kind, **f: said.append((kind, f)),
+                        stop_steps=lambda procs: [p.kill() or p.wait() for p in procs.values()])
+    standbys.ensure(["n1", "n2", "n3"], {}, spares=["n3"])
+    try:
+        for node in ("n1", "n2"):
+            standby.write_status(tmp_path, node, phase="ready", import_s=1.0)
+        assert set(standbys.wait(["n1", "n2"], timeout=5)) == {"n1", "n2"}
+        assert standby.active_ready_path(tmp_path).exists()  # the spare may import at full priority now
+        threading.Timer(0.5, lambda: standby.write_status(tmp_path, "n3", phase="ready", import_s=2.0)).start()
+        started = time.monotonic()
+        assert set(standbys.wait(["n1", "n3"], timeout=5)) == {"n3"}  # the spare took a slot: waited for
+        assert 0.4 < time.monotonic() - started < 4
+        assert standbys.wait(["n1", "n3"], timeout=5) == {} and standbys.wait(["n9"], timeout=5) == {}
+        assert [f["nodes"] for k, f in said if k == "standby_wait"] == [2, 1]
+    finally:
+        standbys.proc.kill()
+        standbys.proc.wait()

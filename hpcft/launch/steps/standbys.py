@@ -72,7 +72,7 @@ class Standbys:
         self.proc: subprocess.Popen | None = None
         self.nodes: list[str] = []
         self._since = 0.0
-        self._waited = True  # for the step running: only its start is waited for
+        self._seen: set[str] = set()  # the nodes of the running step whose standby was waited for (`wait`)
         self.adopted: list[str] = []  # a lost supervisor's standby step(s), left running for their warm processes
 
     def ensure(self, nodes: Sequence[str], env: Mapping[str, str], spares: Sequence[str] = ()) -> None:
@@ -83,7 +83,7 @@ class Standbys:
             self.emit("standby_failed", level=logging.WARNING, cause="step_ended", exit_code=self.proc.returncode,
                       nodes=",".join(self.nodes), action="started again on " + compress(list(nodes)))
         (self.job_dir / STATUS_DIR).mkdir(exist_ok=True)
-        self._since, self.nodes, self._waited = time.time(), list(nodes), False
+        self._since, self.nodes, self._seen = time.time(), list(nodes), set()
         argv = standby_argv(nodes, python=self.python, job_dir=str(self.job_dir), preload=self.preload,
                             cpus=self.cpus, spares=spares, since=self._since)
         with open(self.job_dir / "standby.log", "ab") as log:
@@ -92,13 +92,16 @@ class Standbys:
 
     def wait(self, nodes: Sequence[str], timeout: float = READY_TIMEOUT_S,
              interrupted: Callable[[], bool] = lambda: False) -> dict[str, dict]:
-        """After `ensure` started a step: until each of `nodes` has a standby ready or failed (their statuses), the
-        step ended, `timeout` passed or `interrupted()`; one `standby_wait` event says how it went (WARNING when a
-        node has none). Later calls for the same step return at once ({}): its standbys are up, or said not to be."""
-        if not self.enabled or self._waited or self.proc is None:
+        """After `ensure` started a step: until each of `nodes` not waited for before has a standby ready or failed
+        (their statuses), the step ended, `timeout` passed or `interrupted()`; one `standby_wait` event says how it
+        went (WARNING when a node has none). A spare given a slot is waited for at that launch: its standby imports
+        behind the active ones', and a rank started cold would import as long. Nodes waited for once are not again
+        (their standbys are up, or said not to be): {} at once."""
+        nodes = [n for n in nodes if n not in self._seen and n in self.nodes]  # a node the step has not: none comes
+        if not self.enabled or self.proc is None or not nodes:
             return {}
-        self._waited = True
-        started = time.monotonic()
+        first, started = not self._seen, time.monotonic()
+        self._seen.update(nodes)
         while True:
             found = read_status(self.job_dir, nodes, self._since)
             if len(found) == len(nodes) or self.proc is None or self.proc.poll() is not None \
@@ -106,7 +109,8 @@ class Standbys:
                 break
             time.sleep(0.2)
         try:  # the spares' standbys import behind these until now (standby._preload_behind)
-            active_ready_path(self.job_dir).touch()
+            if first:
+                active_ready_path(self.job_dir).touch()
         except OSError as exc:
             _log.warning("cannot tell the spares' standbys that the active ones are up: %s", exc)
         ready = sorted(n for n, r in found.items() if r.get("phase") == "ready")
