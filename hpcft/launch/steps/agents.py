@@ -168,7 +168,7 @@ class AgentSteps(Persisting):
         return restart_count > 0 and layout.slots != self._ready_slots
 
     def well(self, layout: Layout) -> bool:
-        """Whether the last launch's agents run on `layout`'s slots, none failed or late (`lost`): a relaunch onto
+        """Whether the last launch's agents run on `layout`'s slots, none failed nor unready (`lost`): a relaunch onto
         the same slots keeps them (the supervisor's `_keep_agents`)."""
         return self.proc is not None and not self.hosted_procs and self._ready_slots == layout.slots \
             and self.lost(layout) is None
