@@ -28,7 +28,7 @@ from hpcft.launch.config.model import RunConfig
 from hpcft.launch.config.resolve import check_paths, check_shape, copy_env, durable_dir
 from hpcft.launch.node import succession
 from hpcft.launch.node.janitor import JANITOR_STEP_NAME, Janitor, requeue_flag
-from hpcft.launch.policy.layout import Layout
+from hpcft.launch.policy.layout import Layout, given_back
 from hpcft.launch.ledger import Ledger
 from hpcft.launch.state import RunState
 from hpcft.launch.policy.failures import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
@@ -147,7 +147,7 @@ class Supervisor:
         self._end_time = info.end_time  # a successor's walltime warning (_walltime_near)
         # A node excluded earlier that Slurm allocates again is back in service by Slurm's judgement, and may be the
         # only way the job starts (a reservation of its size); its memory is empty: the agents rebuild it as a spare.
-        returned = [n for n in saved.excluded if n in info.nodes]
+        returned = given_back(saved.excluded, info.nodes, successor=bool(self.generation))
         saved.excluded = [n for n in saved.excluded if n not in returned]
         # a successor plans the layout its predecessor ran, lost node included (Slurm may have removed it from the
         # job): its first decision replaces that node as any lost node is (_took_over); a lost spare is just left out

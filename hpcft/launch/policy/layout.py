@@ -6,6 +6,14 @@ from hpcft.errors import ConfigError
 from hpcft.slurm.nodelist import compress
 
 
+def given_back(excluded: list[str] | tuple[str, ...], allocation: list[str] | tuple[str, ...],
+               successor: bool) -> list[str]:
+    """The excluded nodes Slurm gave back: those a new allocation (a requeued job's) holds again, used as healthy
+    nodes whose memory is empty. A successor runs in the allocation they were excluded from, where a lost node is
+    still listed until Slurm marks it down (--no-kill): none is given back there."""
+    return [] if successor else [n for n in excluded if n in allocation]
+
+
 class NoSpareError(ConfigError):
     """A slot lost its node and no spare is left to take it."""
 
