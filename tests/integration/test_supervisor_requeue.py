@@ -344,6 +344,7 @@ def test_a_chain_of_successors_survives_the_successors_own_node_and_the_job_comp
     made = [(e["action"], e["cause"]) for e in recs if e["event"] == "decision"]
     assert made == [("replace", "node_failed"), ("replace", "node_failed"), ("done", "success")], made
     assert all(e["requeues"] == 0 for e in recs if e["event"] == "start")
+    assert not [e for e in recs if e["event"] == "node_returned"]  # a lost node is lost for its whole allocation
     took = [e for e in recs if e["event"] == "takeover"]
     summary = [e for e in recs if e["event"] == "summary"]
     assert summary[-1]["supervised_by"] == f"{took[1]['lost']},{took[1]['node']}" and \
