@@ -2,6 +2,7 @@
 watched: their exit, the slots' nodes, progress over the network, the agents, SIGUSR1), decide (the policy's decision
 carried out), launch again or finish. What outlives a requeue is in the ledger's state.json (launch/ledger.py)."""
 import dataclasses
+import functools
 import getpass
 import logging
 import os
@@ -33,6 +34,7 @@ from hpcft.launch.ledger import Ledger
 from hpcft.launch.state import RunState
 from hpcft.launch.policy.failures import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record, stale_signal
 from hpcft.launch.steps.preflight import Preflight
+from hpcft.launch.node import gate
 from hpcft.launch.node.nodecheck import NodeCheck
 from hpcft.launch.node.srun import TRAIN_STEP_NAME, step_env, trainer_argv
 from hpcft.launch.steps.standbys import STANDBY_STEP_NAME, Standbys
@@ -40,6 +42,7 @@ from hpcft.launch.steps.stop import StepStopper, stop_steps_left, tee
 from hpcft.launch.watch.slurm import SlurmWatch
 from hpcft.launch.watch.stragglers import StragglerWatch
 from hpcft.slurm import state as slurmstate
+from hpcft.slurm.nodelist import compress
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
@@ -348,37 +351,50 @@ class Supervisor:
         left running for the decision: a requeue first waits for their protection; every other path stops them."""
         env = self._env(layout, launch)
         first = self.cfg.with_agents and self.agents.gate(layout, launch)  # else they start beside the trainers
+        # a relaunch whose agents rebuild: the trainers' step starts with theirs, the rebuilt nodes' tasks wait for
+        # them (node/gate.py), the others start meanwhile; a first launch's agents pin before any store opens
+        gated = self.agents.rebuilt_nodes(layout) if first and launch > 0 else []
+        opened = self.job_dir / f"agents-ready-{launch}"
         try:
-            event = self._ready(layout, launch, env, agents=first)
+            event = self._ready(layout, launch, env, agents=first, begin_only=bool(gated))
             if event is not None:
                 return event
             argv = trainer_argv(layout, self.profile, self.command, python=self.python,
                                 extra=self.cfg.launch.srun_args)
-            why = self.ledger.why_launch + (f"; the agents could not rebuild: {self.agents.no_checkpoint}"
-                                      if self.agents.no_checkpoint else "")
-            watch = losses.RestoreWatch(self.job_dir, layout.world_size, since=time.time(), reason=why,
+            watch = losses.RestoreWatch(self.job_dir, layout.world_size, since=time.time(), reason="",
                                         before=self.ledger.reached)  # as the last launch ended, not now
             self.emit("launch", restart=launch, slots=",".join(layout.slots), world=layout.world_size,
-                      master=f"{layout.master}:{env['MASTER_PORT']}")
-            launched = time.time()
+                      master=f"{layout.master}:{env['MASTER_PORT']}", **({"gated": compress(gated)} if gated else {}))
             self.agent_loss.launched()
-            proc = self.runner.popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+            opened.unlink(missing_ok=True)
+            proc = self.runner.popen(argv, stderr=subprocess.PIPE, text=True, env={**env, **(gate.env(
+                opened, gated, 2 * self.cfg.protection.protect_timeout + 60) if gated else {})})
             lines: list[str] = []
             reader = threading.Thread(target=self._read_trainers, args=(proc, lines), daemon=True)
             reader.start()
             event = None
             try:
+                if gated:  # the rebuilt nodes' tasks go on once the file exists
+                    event = self._agents_ready(layout, launch, env, opened)
+                unready = event is not None
+                watch.reason = self.ledger.why_launch + (f"; the agents could not rebuild: {self.agents.no_checkpoint}"
+                                                         if self.agents.no_checkpoint else "")
+                launched = time.time()  # the hang and start timeouts count from here, the rebuild done
                 # none kept through the decision (_keep_agents): new ones once the trainers restored; kept ones that
                 # fail later are the watch's (AgentLoss.while_training), never a second set beside them on the stores
                 later = (lambda: self.agents.beside(layout, launch, env)) \
                     if self.cfg.with_agents and not first and self.agents.proc is None else None
-                event = self._watch(proc, layout, launched, watch, lambda suspects: self.agent_loss.while_training(
-                    layout, suspects, launch, env), lines, later)
+                if event is None:
+                    event = self._watch(proc, layout, launched, watch, functools.partial(
+                        self.agent_loss.while_training, layout, restart_count=launch, env=env), lines, later)
             finally:
                 self.agents.stop_with_trainers({TRAIN_STEP_NAME: proc}, event, settled=lambda: all(  # srun said so
                     slurmstate.ended_tasks(lines).get(node, 0) >= layout.tasks_per_node
                     for node in layout.slots if node not in event.bad_nodes))  # with the agents' after a loss
                 reader.join(timeout=5)
+                opened.unlink(missing_ok=True)
+            if unready:  # as `_ready` stops agents that never got ready
+                self.agents.stop(ask=not event.lost_nodes)
             watch.say(self.emit, self.ledger.lost)
             self.fabric.poll(layout.world_size)  # the step the trainers reached as they ended, in the history
             self.ledger.reached = watch.reached_after(self.fabric.view.reached(layout.world_size))
@@ -396,20 +412,32 @@ class Supervisor:
         proc.wait()
         self._wake.set()
 
-    def _ready(self, layout: Layout, launch: int, env: dict[str, str], agents: bool) -> Event | None:
-        """The steps the trainers need first (the agents too when `agents`); an event when the agents could not get
-        ready."""
+    def _ready(self, layout: Layout, launch: int, env: dict[str, str], agents: bool,
+               begin_only: bool = False) -> Event | None:
+        """The steps the trainers need first (the agents too when `agents`: launched, and waited for unless
+        `begin_only`); an event when the agents could not get ready."""
         self.broadcast.ensure([*layout.slots, *layout.spares], env, (self, self.standbys, self.agents))
         self.janitor.ensure([*layout.slots, *layout.spares], env)
         self.standbys.ensure([*layout.slots, *layout.spares], env, spares=layout.spares)
-        if agents:
-            failure = self.agents.start(layout, launch, env)
-            event = None if failure is None else self.agent_loss.before_training(layout, failure, launch, env)
+        if agents and begin_only:
+            self.agents.begin(layout, launch, env)
+        elif agents:
+            event = self._agents_ready(layout, launch, env, started=False)
             if event is not None:
                 self.agents.stop(ask=not event.lost_nodes)  # a lost node's mesh is broken: no grace to wait
                 return event
         self.standbys.wait(layout.slots, interrupted=self._terminated)
         return None
+
+    def _agents_ready(self, layout: Layout, launch: int, env: dict[str, str], opened: Path | None = None,
+                      started: bool = True) -> Event | None:
+        """Wait for the launch's agents (launched already when `started`); None once ready (`opened` then created:
+        the gated tasks go on), else the event their failure is (AgentLoss.before_training)."""
+        failure = self.agents.ready(layout, launch, env) if started else self.agents.start(layout, launch, env)
+        event = None if failure is None else self.agent_loss.before_training(layout, failure, launch, env)
+        if event is None and opened is not None:
+            opened.touch()
+        return event
 
     @staticmethod
     def _ended(event: Event, exit_code: int | None, lines: list[str]) -> Event:

@@ -1,7 +1,8 @@
 """`hpcft run` for real in the 6-node sandbox (4 active + 2 spares) with the DP training job: a killed rank is
 relaunched on the same nodes and resumes from local memory; a crashed node's slot is taken by a spare (with
---protect xor the node agents rebuild its snapshot there and every rank resumes from memory); a hung rank is
-found by the watchdog, the step killed and relaunched; --max-restarts reached ends with a summary.
+--protect xor the node agents rebuild its snapshot there, the spare's ranks starting once they did, and every rank
+resumes from memory); a hung rank is found by the watchdog, the step killed and relaunched; --max-restarts reached
+ends with a summary.
 All that finish must end with parameters bit-identical to an uninterrupted run. The killed rank and the crashed
 node are the runs of the session's recovery bench (conftest.py), which makes exactly these recoveries."""
 import json
@@ -17,6 +18,7 @@ from runs import start
 from runs import start_spared as _start
 
 from hpcft import events
+from hpcft.bench import timeline
 from hpcft.agent import status as agent_status
 from hpcft.launch.steps.stop import LOST_NODE_GRACE_S
 
@@ -58,7 +60,12 @@ def test_crashed_node_is_rebuilt_on_the_spare_by_the_agents_and_every_rank_resum
     assert ready[1]["rebuilt"] == "n5" and ready[1]["step"] >= FAULT_AT + 1
     assert not [e for e in log if e["event"] in ("agents_failed", "agents_no_checkpoint")]
     order = [e["event"] for e in log if e["event"] in ("agents_ready", "launch")]
-    assert order == ["agents_ready", "launch"] * 2, "the trainers start only once the agents are ready"
+    assert order == ["agents_ready", "launch", "launch", "agents_ready"], \
+        "a first launch's trainers wait for its agents; a rebuild's start with them"
+    assert [e.get("gated") for e in log if e["event"] == "launch"] == [None, "n5"]
+    # n5's rank (slot 2) runs its command only once the agents rebuilt its snapshot there: the gate held it
+    relaunched = [r for r in timeline.read(out) if r["what"] == "start" and r["run"] == "0.1"]
+    assert min(r["t"] for r in relaunched if r["rank"] == 2) >= ready[1]["time"], relaunched
     assert (out / "job" / "secret").stat().st_mode & 0o777 == 0o600
     resumed = resumed_from(out)
     assert len(resumed) == 4 and set(resumed.values()) == {ready[1]["step"]}, resumed

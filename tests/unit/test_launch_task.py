@@ -1,12 +1,15 @@
-"""The task wrapper, run for real: ranks from the slot layout, exec of the command, the node's progress reporter."""
+"""The task wrapper, run for real: ranks from the slot layout, exec of the command, the node's progress reporter, the
+gate of a node being rebuilt."""
 import getpass
 import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from hpcft.launch.fabric.service import Fabric
+from hpcft.launch.node import gate
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.node.srun import step_env
 
@@ -80,3 +83,27 @@ def test_with_agents_no_task_forks_a_reporter_and_only_the_first_task_of_a_node_
                                _children_after(0)], env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert len(proc.stdout.split()) == 1, proc.stdout  # the progress file's path, no child
+
+
+def test_a_gated_nodes_task_waits_for_the_agents_ready_file_and_an_ungated_one_does_not(tmp_path):
+    """A relaunch onto a spare (node/gate.py): n2's tasks wait until the supervisor creates the file, n1's go on."""
+    opened = tmp_path / "agents-ready-3"
+    gated = gate.env(opened, ["n2"], timeout=30)
+    cmd = [sys.executable, "-m", "hpcft.launch.node.task", "--", sys.executable, "-c", "print('ran')"]
+    env = {node: {k: v for k, v in _env(tmp_path, node, 0, **gated).items() if k != "HPCFT_JOB_DIR"}
+           for node in ("n1", "n2")}
+    free = subprocess.run(cmd, env=env["n1"], capture_output=True, text=True, timeout=60)
+    assert free.returncode == 0 and free.stdout.strip() == "ran", free.stderr
+    waiting = subprocess.Popen(cmd, env=env["n2"], stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    assert waiting.poll() is None  # still at the gate
+    opened.touch()
+    assert waiting.wait(timeout=60) == 0 and waiting.stdout.read().strip() == "ran"
+
+
+def test_a_gate_that_never_opens_ends_the_task_with_an_error():
+    clock = iter(range(100)).__next__
+    env = {**gate.env(Path("/nonexistent/agents-ready-1"), ["n2"], timeout=3), "SLURMD_NODENAME": "n2"}
+    why = gate.wait(env, sleep=lambda _s: None, clock=lambda: float(clock()))
+    assert why is not None and "not ready within 3 s" in why
+    assert gate.wait({**env, "SLURMD_NODENAME": "n1"}) is None  # another node is not gated

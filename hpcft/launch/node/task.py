@@ -1,13 +1,14 @@
 """`python -m hpcft.launch.node.task -- CMD …`, the first thing each trainer task runs: this task's ranks from the
 exported slot layout and SLURMD_NODENAME/SLURM_LOCALID, $HPCFT_PROGRESS_FILE in the node-local store, the node's
-progress reporter in a run without agents, then CMD in the node's warm standby, or exec'd where none can run it."""
+progress reporter in a run without agents, then (on a node the agents rebuild: once they are ready, node/gate.py) CMD
+in the node's warm standby, or exec'd where none can run it."""
 import os
 import sys
 
 from hpcft.errors import HpcftError
 from hpcft.store.paths import job_dir as store_job_dir, progress_file, resolve_root, secure_dir
 from hpcft.env import AGENTS_REPORT, REPORTS
-from hpcft.launch.node import warm
+from hpcft.launch.node import gate, warm
 from hpcft.launch.node.srun import task_env
 from hpcft.launch.node.broadcast_paths import localized
 
@@ -30,6 +31,10 @@ def main(argv: list[str]) -> int:
             _progress(job_dir)
         except HpcftError as exc:  # no node-local store root: progress is best effort, the training is not
             print(f"hpcft task: no progress reports from this task: {exc}", file=sys.stderr)
+    closed = gate.wait(os.environ)  # a node being rebuilt: its ranks restore once the agents are ready
+    if closed:
+        print(f"hpcft task: error: {closed}", file=sys.stderr)
+        return 1
     sys.stdout.flush()
     sys.stderr.flush()
     return warm.run_or_exec(command, os.environ)

@@ -92,6 +92,7 @@ class AgentSteps(Persisting):
         self.hosted_procs: dict[str, subprocess.Popen] = {}  # a shrink's agents standing in for lost slots
         self.tag = ""
         self._ready_slots: tuple[str, ...] | None = None  # slots whose agents were last ready
+        self._rebuild, self._hosted = False, dict[int, str]()  # what `begin` launched, for `ready`
         self.no_checkpoint: str | None = None  # why the last launch's agents could rebuild nothing, if so
         self.directory: rendezvous.Directory | None = None  # where every launch's agents meet (over the network)
         self._killed = False  # the running step was killed with the trainers' (a lost node), not yet reported
@@ -185,10 +186,24 @@ class AgentSteps(Persisting):
         """Launch the agents (rebuilding when the slots changed since they were last ready) and wait for all; None, or
         why not (the step left for `stop`). Nothing to rebuild (NoCheckpointError) is no failure: fresh agents protect
         what the trainers restore. `hosted` {slot: survivor}: a shrink's lost slots, rebuilt from parity there."""
+        self.begin(layout, restart_count, env, hosted=hosted, tag=tag)
+        return self.ready(layout, restart_count, env)
+
+    def rebuilt_nodes(self, layout: Layout) -> list[str]:
+        """The nodes of `layout` whose slot the agents rebuild at its launch: not where they were last ready."""
+        return [n for i, n in enumerate(layout.slots) if (self._ready_slots or ())[i:i + 1] != (n,)]
+
+    def begin(self, layout: Layout, restart_count: int, env: Mapping[str, str], *,
+              hosted: Mapping[int, str] | None = None, tag: str | None = None) -> None:
+        """`start`'s launch alone: `ready` waits for them (the trainers may start in between, node/gate.py)."""
         hosted = dict(hosted or {})
-        rebuild = bool(hosted) or self._moved(layout, restart_count)
+        self._rebuild, self._hosted = bool(hosted) or self._moved(layout, restart_count), hosted
         self.tag, self.no_checkpoint, self.bad_nodes, self._beside = tag or str(restart_count), None, {}, None
-        self.proc = self._launch(layout, rebuild, env, hosted)
+        self.proc = self._launch(layout, self._rebuild, env, hosted)
+
+    def ready(self, layout: Layout, restart_count: int, env: Mapping[str, str]) -> CheckpointError | None:
+        """`start`'s wait for the agents `begin` launched: None once all are ready, else why not."""
+        rebuild, hosted = self._rebuild, self._hosted
         running = Layout(slots=tuple(n for i, n in enumerate(layout.slots) if i not in hosted))
         try:
             try:
