@@ -403,7 +403,7 @@ class Supervisor:
         except BaseException:
             self.agents.stop()
             raise
-        return self._ended(event, proc.returncode, lines)
+        return event if unready else self._ended(event, proc.returncode, lines)  # unready: hpcft stopped them
 
     def _read_trainers(self, proc: subprocess.Popen, lines: list[str]) -> None:
         """srun's stderr into `lines` until the trainers' step ends, then the watch woken at once: a rank's death is
