@@ -419,21 +419,21 @@ class Supervisor:
         self.broadcast.ensure([*layout.slots, *layout.spares], env, (self, self.standbys, self.agents))
         self.janitor.ensure([*layout.slots, *layout.spares], env)
         self.standbys.ensure([*layout.slots, *layout.spares], env, spares=layout.spares)
-        if agents and begin_only:
+        if agents:
             self.agents.begin(layout, launch, env)
-        elif agents:
-            event = self._agents_ready(layout, launch, env, started=False)
+        if agents and not begin_only:
+            event = self._agents_ready(layout, launch, env)
             if event is not None:
                 self.agents.stop(ask=not event.lost_nodes)  # a lost node's mesh is broken: no grace to wait
                 return event
         self.standbys.wait(layout.slots, interrupted=self._terminated)
         return None
 
-    def _agents_ready(self, layout: Layout, launch: int, env: dict[str, str], opened: Path | None = None,
-                      started: bool = True) -> Event | None:
-        """Wait for the launch's agents (launched already when `started`); None once ready (`opened` then created:
-        the gated tasks go on), else the event their failure is (AgentLoss.before_training)."""
-        failure = self.agents.ready(layout, launch, env) if started else self.agents.start(layout, launch, env)
+    def _agents_ready(self, layout: Layout, launch: int, env: dict[str, str],
+                      opened: Path | None = None) -> Event | None:
+        """Wait for the agents `begin` launched; None once ready (`opened` then created: the gated tasks go on), else
+        the event their failure is (AgentLoss.before_training)."""
+        failure = self.agents.ready(layout, launch, env)
         event = None if failure is None else self.agent_loss.before_training(layout, failure, launch, env)
         if event is None and opened is not None:
             opened.touch()
