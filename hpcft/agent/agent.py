@@ -32,7 +32,7 @@ from hpcft.agent.settings import AgentConfig
 from hpcft.agent.protection.rebuild import rebuild
 from hpcft.agent.transport.throttle import chore, cpu_cores
 from hpcft.errors import HpcftError, IntegrityError, NoCheckpointError
-from hpcft.store import job_dir, resolve_root, secure_dir, pin as store_pin
+from hpcft.store import job_dir, resolve_root, secure_dir, pin as store_pin, writer
 from hpcft.store.owner import Owner, adoption
 
 _log = logging.getLogger(__name__)
@@ -246,6 +246,9 @@ def run(cfg: AgentConfig) -> int:
                 **({"advice": "the agent's step has fewer cores than its budget: give it the node's CPUs "
                               "(--cpus-per-task), or lower --agent-cores"} if floor > cpu["cpu_set"] else {}))
     job = secure_dir(job_dir(resolve_root(cfg.root), cfg.job_id))
+    # one agent per node and job, for the process's life: a relaunch's waits here for its predecessor, killed with
+    # its step and maybe still writing a record, to exit
+    writer.claim(protect_dir(job))
     store_pin.announce(job)  # trainers opening their stores from now on keep a spare slot for the pins
     # data files a killed pass left without a record; no record is retired by count here: after passes that failed
     # their barrier, the newest step protected on every node may be older than this node's two newest records

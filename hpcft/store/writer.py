@@ -1,9 +1,12 @@
-"""One writer per rank store: its process holds `writer.lock` (flock, released when it dies, so a relaunch is never
-refused) and names itself there; another process is refused, naming it. One process's stores of a rank share it."""
+"""One writer per rank store (and one agent per node's protection records): its process holds `writer.lock` (flock,
+released when it dies) and names itself there; another process waits up to HANDOVER_S for it, then is refused, naming
+it. The wait is the relaunch's: its predecessor on the node, killed with its step, may not have exited yet (hpcft stops
+a lost node's steps without waiting for srun to say so). One process's stores of a rank share the lock."""
 import fcntl
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -12,6 +15,8 @@ from hpcft.errors import StoreError
 from hpcft.store.paths import LOCK, open_file
 from hpcft.store.pin import process_start
 
+HANDOVER_S = 10.0  # how long a claim waits for the lock's holder to exit (a killed process's exit takes its time)
+POLL_S = 0.01
 _held: dict[Path, list] = {}  # rank directory -> [its lock file, stores of this process using it]
 _guard = threading.Lock()
 
@@ -23,8 +28,8 @@ def writer_id() -> str:
 
 
 def claim(rank_dir: Path) -> Callable[[], None]:
-    """Claim `rank_dir` for this process (StoreError if another holds it); the release, to call once (the process's
-    last release frees it)."""
+    """Claim `rank_dir` for this process (StoreError if another holds it past HANDOVER_S); the release, to call once
+    (the process's last release frees it)."""
     with _guard:
         entry = _held.get(rank_dir)
         if entry is None:
@@ -43,15 +48,21 @@ def claim(rank_dir: Path) -> Callable[[], None]:
 
 def _lock(path: Path) -> BinaryIO:
     fd = open_file(path, os.O_RDWR, create=True)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        other = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise StoreError(
-            f"rank store {path.parent} is already being written by {other} (host:pid:start); two runs with the "
-            "same job id would overwrite each other's snapshots: give this run its own job id (job_id= or "
-            "HPCFT_JOB_ID) or stop the other one") from None
+    deadline = time.monotonic() + HANDOVER_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            if time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                continue
+            other = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise StoreError(
+                f"store {path.parent} is already being written by {other} (host:pid:start), still after "
+                f"{HANDOVER_S:g} s; two runs with the same job id would overwrite each other's snapshots: give this "
+                "run its own job id (job_id= or HPCFT_JOB_ID) or stop the other one") from None
     try:  # who holds it, for the message above; best effort (a full store may refuse the page)
         os.ftruncate(fd, 0)
         os.pwrite(fd, writer_id().encode(), 0)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 
+from hpcft.launch.steps import stop
 from hpcft.launch.steps.stop import LOST_NODE_GRACE_S, StepStopper
 from hpcft.slurm import state as slurmstate
 
@@ -44,9 +45,10 @@ def test_a_step_with_a_lost_node_gets_the_short_grace_and_the_others_the_whole_o
     assert p.poll() is not None and time.monotonic() - started >= 1.5 and said[0]["grace"] == 1.5, said
 
 
-def test_a_lost_node_stop_ends_once_srun_reported_every_other_task_ended():
+def test_a_lost_node_stop_ends_once_srun_reported_every_other_task_ended(monkeypatch):
     """srun waits on the lost node's tasks, which never answer; once it has reported the others ended there is
-    nothing left to wait for, so the stop does not sit out the lost-node grace."""
+    nothing left to wait for, so the stop does not sit out the lost-node grace (made long here to tell them apart)."""
+    monkeypatch.setattr(stop, "LOST_NODE_GRACE_S", 5.0)
     said: list = []
     stopper = StepStopper(_Runner(), "1", kill_grace=600.0, emit=lambda *a, **k: said.append(k))
     lines = ["srun: error: frontier00042: tasks 0-6: Terminated"]
@@ -55,7 +57,7 @@ def test_a_lost_node_stop_ends_once_srun_reported_every_other_task_ended():
     started = time.monotonic()
     lines.append("srun: error: frontier00042: task 7: Killed")
     stopper.stop({"train": p}, lost=True, settled=settled)
-    assert p.poll() is not None and time.monotonic() - started < LOST_NODE_GRACE_S / 2, "ended at the settle"
+    assert p.poll() is not None and time.monotonic() - started < stop.LOST_NODE_GRACE_S / 2, "ended at the settle"
     assert said[0]["steps"] == "train", said
 
 

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from hpcft import events
 from hpcft.checkpointer import Checkpointer
 from hpcft.errors import StoreError
 from hpcft.options import Options
+from hpcft.store import writer
 
 from live_state import same, state_of  # tests/unit is on sys.path (pytest's rootdir insertion)
 
@@ -171,21 +173,37 @@ def test_a_smaller_keep_still_sees_the_newest_version(root: Path) -> None:
         assert sorted(p.name for p in ckpt.store.dir.glob("slot-*.data")) == ["slot-0.data", "slot-1.data"]
 
 
-def test_a_second_writer_of_a_rank_store_is_refused(root: Path) -> None:
+def _holder(root: Path, exit_after: float | None = None) -> subprocess.Popen:
+    """Another process writing rank 0's store of job "j" until its stdin closes (or `exit_after` seconds)."""
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import sys
+        import sys, time
         from hpcft.store import RankStore
         store = RankStore("j", 0, root={str(root)!r})
         print("open", flush=True)
-        sys.stdin.read()
+        time.sleep({exit_after}) if {exit_after is not None} else sys.stdin.read()
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "open"
+    return holder
+
+
+def test_a_second_writer_of_a_rank_store_is_refused(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer, "HANDOVER_S", 0.5)
+    holder = _holder(root)
     try:
-        assert holder.stdout.readline().strip() == "open"
-        with pytest.raises(StoreError, match=rf"already being written by .*:{holder.pid}:.*own job id"):
+        with pytest.raises(StoreError, match=rf"already being written by .*:{holder.pid}:.*after 0.5 s.*own job id"):
             Checkpointer(*_model(), Options(root=root, job_id="j"))
     finally:
         holder.communicate("", timeout=60)
     Checkpointer(*_model(), Options(root=root, job_id="j")).close()  # the other writer is gone: free again
+
+
+def test_a_relaunched_writer_waits_for_its_predecessor_to_exit(root: Path) -> None:
+    """A relaunch does not wait for srun to say the old step ended (a lost node's srun says nothing for seconds):
+    the new rank's store waits on its node for the killed writer's exit, then takes the store over."""
+    holder = _holder(root, exit_after=1.0)
+    started = time.monotonic()
+    Checkpointer(*_model(), Options(root=root, job_id="j")).close()
+    assert holder.wait(timeout=60) == 0 and 0.5 < time.monotonic() - started < writer.HANDOVER_S
 
 
 def test_default_job_id_refuses_another_process_state_unless_adopted(shm_root: Path, tmp_path: Path,

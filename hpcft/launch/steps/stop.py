@@ -13,7 +13,10 @@ from collections.abc import Callable, Mapping
 
 from hpcft.slurm.runner import Runner
 
-LOST_NODE_GRACE_S = 1.0  # a step with a lost node: its srun waits for that node's tasks, which never answer
+# a step with a lost node: its srun waits for that node's tasks, which never answer, and on a confined node it says
+# nothing of the others' end for seconds, though they were killed at once; the relaunch does not wait for it: each
+# relaunched process waits on its node for its predecessor's exit (the store's and the agent's lock, store/writer.py)
+LOST_NODE_GRACE_S = 0.2
 SETTLE_POLL_S = 0.02  # how often a stop looks whether its steps have ended
 
 
