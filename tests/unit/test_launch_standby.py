@@ -362,17 +362,8 @@ def test_a_spare_given_a_slot_is_waited_for_at_that_launch_and_a_node_only_once(
     soon after came before it was ready and that rank started cold (found once the loss was decided sooner): the
     relaunch waits for the spare's standby (a cold rank would import as long). A node waited for once, or one the
     step does not cover (a node back later), is not waited for again."""
-    from hpcft.launch.steps.standbys import Standbys
-    from hpcft.slurm.runner import Runner
-
-    class Sleeper(Runner):
-        def popen(self, argv, **kw):
-            return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw)
-
     said: list = []
-    standbys = Standbys(Sleeper(), tmp_path, sys.executable, "json", {}, emit=lambda kind, **f: said.append((kind, f)),
-                        stop_steps=lambda procs: [p.kill() or p.wait() for p in procs.values()])
-    standbys.ensure(["n1", "n2", "n3"], {}, spares=["n3"])
+    standbys = _standbys(tmp_path, said)
     try:
         for node in ("n1", "n2"):
             standby.write_status(tmp_path, node, phase="ready", import_s=1.0)
@@ -387,3 +378,41 @@ def test_a_spare_given_a_slot_is_waited_for_at_that_launch_and_a_node_only_once(
     finally:
         standbys.proc.kill()
         standbys.proc.wait()
+
+
+def test_a_spares_standby_that_never_says_ready_is_waited_for_twice_the_active_ones_import_not_120_s(
+        tmp_path, monkeypatch):
+    """A standby that cannot write its status (a full job directory) said nothing: the relaunch onto its spare waits
+    as long as a cold start would take (SPARE_WAIT_FACTOR × the active standbys' import, at least the floor), then its
+    rank starts cold; it once waited READY_TIMEOUT_S (120 s) there."""
+    from hpcft.launch.steps import standbys as module
+
+    monkeypatch.setattr(module, "SPARE_WAIT_FLOOR_S", 0.5)
+    said: list = []
+    standbys = _standbys(tmp_path, said)
+    try:
+        for node in ("n1", "n2"):
+            standby.write_status(tmp_path, node, phase="ready", import_s=0.1)
+        assert set(standbys.wait(["n1", "n2"])) == {"n1", "n2"}
+        started = time.monotonic()
+        assert standbys.wait(["n3"]) == {}
+        assert 0.4 < time.monotonic() - started < 5
+        assert "n3: no standby ready" in said[-1][1]["reason"] and said[-1][1]["action"].endswith("start cold")
+    finally:
+        standbys.proc.kill()
+        standbys.proc.wait()
+
+
+def _standbys(job_dir, said: list):
+    """A Standbys whose step (a sleeping process, no Slurm) covers n1, n2 and the spare n3; its events into `said`."""
+    from hpcft.launch.steps.standbys import Standbys
+    from hpcft.slurm.runner import Runner
+
+    class Sleeper(Runner):
+        def popen(self, argv, **kw):
+            return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw)
+
+    standbys = Standbys(Sleeper(), job_dir, sys.executable, "json", {}, emit=lambda kind, **f: said.append((kind, f)),
+                        stop_steps=lambda procs: [p.kill() or p.wait() for p in procs.values()])
+    standbys.ensure(["n1", "n2", "n3"], {}, spares=["n3"])
+    return standbys

@@ -20,6 +20,10 @@ from hpcft.slurm.runner import Runner
 _log = logging.getLogger(__name__)
 STANDBY_STEP_NAME = "hpcft-standby"
 READY_TIMEOUT_S = 120.0  # the standbys' import (torch's, under load); past it the trainers of the late nodes go cold
+# a spare's standby, waited for at a later launch, imports behind the active ones: once it is this many times their
+# import late, a cold start costs no more than waiting on (and a standby that cannot write its status is not waited
+# for 120 s: a full job directory)
+SPARE_WAIT_FACTOR, SPARE_WAIT_FLOOR_S = 2.0, 10.0
 
 
 def cpus_per_node(environ: Mapping[str, str]) -> int | None:
@@ -73,6 +77,7 @@ class Standbys:
         self.nodes: list[str] = []
         self._since = 0.0
         self._seen: set[str] = set()  # the nodes of the running step whose standby was waited for (`wait`)
+        self._import_s = 0.0  # the slowest import the first wait of the running step saw (bounds a spare's wait)
         self.adopted: list[str] = []  # a lost supervisor's standby step(s), left running for their warm processes
 
     def ensure(self, nodes: Sequence[str], env: Mapping[str, str], spares: Sequence[str] = ()) -> None:
@@ -83,7 +88,7 @@ class Standbys:
             self.emit("standby_failed", level=logging.WARNING, cause="step_ended", exit_code=self.proc.returncode,
                       nodes=",".join(self.nodes), action="started again on " + compress(list(nodes)))
         (self.job_dir / STATUS_DIR).mkdir(exist_ok=True)
-        self._since, self.nodes, self._seen = time.time(), list(nodes), set()
+        self._since, self.nodes, self._seen, self._import_s = time.time(), list(nodes), set(), 0.0
         argv = standby_argv(nodes, python=self.python, job_dir=str(self.job_dir), preload=self.preload,
                             cpus=self.cpus, spares=spares, since=self._since)
         with open(self.job_dir / "standby.log", "ab") as log:
@@ -95,12 +100,15 @@ class Standbys:
         """After `ensure` started a step: until each of `nodes` not waited for before has a standby ready or failed
         (their statuses), the step ended, `timeout` passed or `interrupted()`; one `standby_wait` event says how it
         went (WARNING when a node has none). A spare given a slot is waited for at that launch: its standby imports
-        behind the active ones', and a rank started cold would import as long. Nodes waited for once are not again
+        behind the active ones', and a rank started cold would import as long (so for SPARE_WAIT_FACTOR × their
+        import at most). Nodes waited for once are not again
         (their standbys are up, or said not to be): {} at once."""
         nodes = [n for n in nodes if n not in self._seen and n in self.nodes]  # a node the step has not: none comes
         if not self.enabled or self.proc is None or not nodes:
             return {}
         first, started = not self._seen, time.monotonic()
+        if not first and self._import_s:
+            timeout = min(timeout, max(SPARE_WAIT_FLOOR_S, SPARE_WAIT_FACTOR * self._import_s))
         self._seen.update(nodes)
         while True:
             found = read_status(self.job_dir, nodes, self._since)
@@ -114,6 +122,8 @@ class Standbys:
         except OSError as exc:
             _log.warning("cannot tell the spares' standbys that the active ones are up: %s", exc)
         ready = sorted(n for n, r in found.items() if r.get("phase") == "ready")
+        if first:
+            self._import_s = max((found[n].get("import_s") or 0.0 for n in ready), default=0.0)
         missing = [n for n in nodes if n not in ready]
         why = "; ".join(f"{n}: {found[n].get('error')}" if n in found else
                         f"{n}: no standby ready (its step {'ended' if self.proc.poll() is not None else 'is late'})"
