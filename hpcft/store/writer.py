@@ -49,23 +49,27 @@ def claim(rank_dir: Path) -> Callable[[], None]:
 def _lock(path: Path) -> BinaryIO:
     fd = open_file(path, os.O_RDWR, create=True)
     deadline = time.monotonic() + HANDOVER_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except OSError:
-            if time.monotonic() < deadline:
-                time.sleep(POLL_S)
-                continue
+    while not _flocked(fd):
+        if time.monotonic() >= deadline:
             other = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
             raise StoreError(
                 f"store {path.parent} is already being written by {other} (host:pid:start), still after "
                 f"{HANDOVER_S:g} s; two runs with the same job id would overwrite each other's snapshots: give this "
-                "run its own job id (job_id= or HPCFT_JOB_ID) or stop the other one") from None
+                "run its own job id (job_id= or HPCFT_JOB_ID) or stop the other one")
+        time.sleep(POLL_S)
     try:  # who holds it, for the message above; best effort (a full store may refuse the page)
         os.ftruncate(fd, 0)
         os.pwrite(fd, writer_id().encode(), 0)
     except OSError:
         pass
     return os.fdopen(fd, "r+b", buffering=0)
+
+
+def _flocked(fd: int) -> bool:
+    """Whether this process now holds `fd`'s exclusive flock (False: another process holds it, or it cannot be had)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False

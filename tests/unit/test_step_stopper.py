@@ -5,7 +5,7 @@ import sys
 import time
 
 from hpcft.launch.steps import stop
-from hpcft.launch.steps.stop import LOST_NODE_GRACE_S, StepStopper
+from hpcft.launch.steps.stop import StepStopper
 from hpcft.slurm import state as slurmstate
 
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
@@ -35,7 +35,7 @@ def test_a_step_with_a_lost_node_gets_the_short_grace_and_the_others_the_whole_o
     started = time.monotonic()
     stopper.stop({"train": p}, lost=True)
     assert p.poll() is not None and time.monotonic() - started < 60, "killed long before the 600 s grace"
-    assert said == [said[0]] and said[0]["grace"] == LOST_NODE_GRACE_S and said[0]["steps"] == "train", said
+    assert said == [said[0]] and said[0]["grace"] == stop.LOST_NODE_GRACE_S and said[0]["steps"] == "train", said
 
     said.clear()
     stopper = StepStopper(_Runner(), "1", kill_grace=1.5, emit=lambda *a, **k: said.append(k))

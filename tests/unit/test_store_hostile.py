@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -173,14 +174,14 @@ def test_a_smaller_keep_still_sees_the_newest_version(root: Path) -> None:
         assert sorted(p.name for p in ckpt.store.dir.glob("slot-*.data")) == ["slot-0.data", "slot-1.data"]
 
 
-def _holder(root: Path, exit_after: float | None = None) -> subprocess.Popen:
-    """Another process writing rank 0's store of job "j" until its stdin closes (or `exit_after` seconds)."""
+def _holder(root: Path) -> subprocess.Popen:
+    """Another process writing rank 0's store of job "j" until its stdin closes."""
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import sys, time
+        import sys
         from hpcft.store import RankStore
         store = RankStore("j", 0, root={str(root)!r})
         print("open", flush=True)
-        time.sleep({exit_after}) if {exit_after is not None} else sys.stdin.read()
+        sys.stdin.read()
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "open"
     return holder
@@ -200,7 +201,8 @@ def test_a_second_writer_of_a_rank_store_is_refused(root: Path, monkeypatch: pyt
 def test_a_relaunched_writer_waits_for_its_predecessor_to_exit(root: Path) -> None:
     """A relaunch does not wait for srun to say the old step ended (a lost node's srun says nothing for seconds):
     the new rank's store waits on its node for the killed writer's exit, then takes the store over."""
-    holder = _holder(root, exit_after=1.0)
+    holder = _holder(root)
+    threading.Timer(1.0, holder.stdin.close).start()  # it exits a second from now
     started = time.monotonic()
     Checkpointer(*_model(), Options(root=root, job_id="j")).close()
     assert holder.wait(timeout=60) == 0 and 0.5 < time.monotonic() - started < writer.HANDOVER_S

@@ -101,8 +101,7 @@ class Standbys:
         (their statuses), the step ended, `timeout` passed or `interrupted()`; one `standby_wait` event says how it
         went (WARNING when a node has none). A spare given a slot is waited for at that launch: its standby imports
         behind the active ones', and a rank started cold would import as long (so for SPARE_WAIT_FACTOR × their
-        import at most). Nodes waited for once are not again
-        (their standbys are up, or said not to be): {} at once."""
+        import at most). Nodes waited for once are not again (their standbys are up, or said not to be): {} at once."""
         nodes = [n for n in nodes if n not in self._seen and n in self.nodes]  # a node the step has not: none comes
         if not self.enabled or self.proc is None or not nodes:
             return {}
