@@ -17,6 +17,7 @@ from hpcft.agent import status as agent_status
 from hpcft.agent.protection import flush
 from hpcft.agent.protection.bundle import complete_steps
 from hpcft.bench import timeline
+from hpcft.durable import catalog
 from hpcft.errors import HpcftError
 from hpcft.launch.node import succession
 from hpcft.launch.node import progress
@@ -177,21 +178,33 @@ def kill_in_protect(scene: Scene, pick: float) -> str:
 
 
 def kill_in_flush(scene: Scene, pick: float) -> str:
-    """Ask the agents for a flush, then SIGKILL one that reports it is flushing."""
+    """Ask the agents for a flush; once its temporary directory appears in the durable tier, stop the agents and,
+    the flush still uncommitted, SIGKILL one of them (the rest go on). Their reports reach chaos through the
+    supervisor's log up to a second old, and a flush of the bench's model takes tens of milliseconds."""
     agents = scene.agents()
     if not agents:  # the newest launch's agents are gone: a relaunch is under way
         raise NoTarget("no agent of the newest launch is running")
+    pids = {s: r["pid"] for s, r in agents.items()}
+    root = scene.job_dir / "checkpoints"  # the durable tier of the chaos job (no --persist-dir)
+    before = catalog.temporaries(root)
     flush.request(scene.job_dir / "agents", next(iter(agents.values()))["tag"])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        agents = scene.agents()
-        flushing = [s for s, r in agents.items() if r.get("flushing")]
-        if flushing:
-            slot = _choose(flushing, pick)
-            _signal(agents[slot]["pid"], signal.SIGKILL)
-            return f"agent of slot {slot} mid-flush"
-        time.sleep(0.02)
-    raise NoTarget("no agent reported a flush within 10 s")
+        if catalog.temporaries(root) - before:
+            for pid in pids.values():  # the commit cannot happen between the look below and the kill
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            try:
+                if catalog.temporaries(root) - before:
+                    slot = _choose(list(pids), pick)
+                    _signal(pids[slot], signal.SIGKILL)
+                    return f"agent of slot {slot} mid-flush"
+            finally:
+                for pid in pids.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.002)
+    raise NoTarget("no flush started within 10 s")
 
 
 def corrupt_chunk(scene: Scene, pick: float) -> str:

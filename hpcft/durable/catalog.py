@@ -42,6 +42,14 @@ def tmp_name(step: int, flush_id: str) -> str:
     return f".step-{step}.{flush_id}.tmp"
 
 
+def temporaries(root: Path) -> set[str]:
+    """The names of the flushes' temporary directories in `root`: flushes under way, or failed ones not pruned yet."""
+    try:
+        return {d.name for d in os.scandir(root) if _TMP.match(d.name)}
+    except FileNotFoundError:
+        return set()
+
+
 def final_name(step: int) -> str:
     return f"step-{step}"
 
