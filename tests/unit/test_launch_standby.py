@@ -21,12 +21,14 @@ from hpcft.launch.node.srun import step_env
 from hpcft.launch.steps.standbys import cpus_per_node, standby_argv
 
 JOB = "4242"
-PROBE = """import json, os, sys
+PROBE = """import json, os, signal, sys
 import __main__
 print(json.dumps({"spec": __spec__ and (__spec__.name, __spec__.origin), "pkg": __package__, "loader": type(__loader__).__name__, "argv": sys.argv, "path0": sys.path[0], "file": __file__, "name": __name__, "cwd": os.getcwd(),
                   "rank": os.environ.get("RANK"), "extra": os.environ.get("PROBE_EXTRA"), "main": sys.modules["__main__"].__file__,
                   "affinity": sorted(os.sched_getaffinity(0)), "umask": os.umask(0o022), "stdin": sys.stdin.read(),
-                  "buffering": [sys.stdout.line_buffering, sys.stdout.write_through, sys.stderr.line_buffering]}))
+                  "buffering": [sys.stdout.line_buffering, sys.stdout.write_through, sys.stderr.line_buffering],
+                  "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+                  "ignored": sorted(s for s in signal.valid_signals() if signal.getsignal(s) is signal.SIG_IGN)}))
 print("to stderr", file=sys.stderr)
 sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
 """
@@ -73,9 +75,33 @@ def _starts(env) -> list[dict]:
     return [e for e in events.read(env["HPCFT_EVENT_DIR"]) if e["event"] == "trainer_start"]
 
 
+def _finish(wrapper: subprocess.Popen, env, timeout: float = 60) -> tuple[str, str]:
+    """communicate(), or a failure saying what the wrapper and its warm rank were doing (state, signal masks)."""
+    try:
+        return wrapper.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        seen = {}
+        for pid in [wrapper.pid, *(e["pid"] for e in _starts(env))]:
+            try:
+                lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+                seen[pid] = [ln for ln in lines if ln.startswith(("State", "Sig", "ShdPnd"))]
+                seen[pid].append("wchan: " + Path(f"/proc/{pid}/wchan").read_text())
+            except OSError as exc:
+                seen[pid] = str(exc)
+        wrapper.kill()
+        pytest.fail(f"the wrapper did not end within {timeout:g} s: {seen}; "
+                    f"events: {events.read(env['HPCFT_EVENT_DIR'])}")
+
+
+def _nohup_and_masked() -> None:
+    """As `nohup` leaves a process (SIGHUP ignored), with SIGUSR2 blocked: what exec keeps, a warm rank must too."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+
+
 def test_a_warm_rank_sees_what_a_cold_python_script_sees(node, tmp_path):
-    """argv, sys.path[0], __file__, __main__, cwd, the environment, affinity, umask, stdio (its buffering too) and
-    the exit code are those of `python SCRIPT`, through the wrapper's own fds."""
+    """argv, sys.path[0], __file__, __main__, cwd, the environment, affinity, umask, signal mask and ignored signals,
+    stdio (its buffering too) and the exit code are those of `python SCRIPT`, through the wrapper's own fds."""
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     (scripts / "probe.py").write_text(PROBE)
@@ -84,10 +110,11 @@ def test_a_warm_rank_sees_what_a_cold_python_script_sees(node, tmp_path):
     work.mkdir()
     env = {**node, "PROBE_EXTRA": "x y", "PROBE_EXIT": "3"}
     for script in ("../link.py", str(scripts / "probe.py")):
-        warm = _wrapped(env, sys.executable, script, "a", "--b", cwd=work)
+        warm = _wrapped(env, sys.executable, script, "a", "--b", cwd=work, preexec_fn=_nohup_and_masked)
         w_out, w_err = warm.communicate("stdin text", timeout=60)
         cold = subprocess.run([sys.executable, script, "a", "--b"], env={**env, "RANK": "3"}, cwd=work,
-                              input="stdin text", capture_output=True, text=True, timeout=60)
+                              input="stdin text", capture_output=True, text=True, timeout=60,
+                              preexec_fn=_nohup_and_masked)
         assert warm.returncode == cold.returncode == 3, w_err
         assert json.loads(w_out) == json.loads(cold.stdout)
         assert w_err.endswith("to stderr\n") and cold.stderr == "to stderr\n"
@@ -130,7 +157,7 @@ def test_signal_deaths_propagate_and_signals_are_forwarded(node, tmp_path):
     term = _wrapped(node, sys.executable, str(tmp_path / "term.py"))
     assert term.stdout.readline() == "ready\n"
     term.send_signal(signal.SIGTERM)
-    out, _ = term.communicate(timeout=60)
+    out, _ = _finish(term, node)
     assert (term.returncode, out) == (7, "got 15\n")
 
 

@@ -1,11 +1,12 @@
 """What a warm standby's forked child does to become its wrapper's rank: take the wrapper's fds, environment, cwd,
-umask, cgroups (its trainer step's cores, memory and devices), CPU affinity and devices, make stdio as the
-interpreter would, and run the script or module as `python SCRIPT` / `python -m MODULE` would."""
+umask, cgroups (its trainer step's cores, memory and devices), CPU affinity, devices, signal mask and ignored signals,
+make stdio as the interpreter would, and run the script or module as `python SCRIPT` / `python -m MODULE` would."""
 from __future__ import annotations
 
 import io
 import os
 import runpy
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ def _stdio(fd: int, spec: dict, unbuffered: bool, reading: bool) -> io.TextIOWra
 
 def _setup(job: Job) -> zygote.Target:
     """Become the wrapper's rank: its cgroups (first: before anything is allocated or opened, and as the cpuset
-    move resets the affinity), fds, environment, cwd, umask, CPU affinity, devices, stdio, argv, sys.path."""
+    move resets the affinity), fds, environment, cwd, umask, CPU affinity, devices, signals, stdio, argv, sys.path."""
     req = job.request
     cgroups.join(req.get("cgroups") or {})
     for target_fd, fd in enumerate(job.fds):
@@ -45,6 +46,10 @@ def _setup(job: Job) -> zygote.Target:
     os.umask(int(req.get("umask", 0o022)))
     if req.get("affinity"):
         os.sched_setaffinity(0, req["affinity"])
+    signals = req.get("signals") or {}
+    for sig in signals.get("ignored") or ():
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, signals.get("blocked") or ())
     for device in req.get("devices") or ():
         os.close(os.open(device, os.O_RDWR | os.O_CLOEXEC))
     target = zygote.Target(**{**req["target"], "args": tuple(req["target"]["args"])})

@@ -31,11 +31,17 @@ def _stdio_spec() -> dict:
     return spec
 
 
-def request(target: zygote.Target, environ: Mapping[str, str]) -> dict:
-    """What the standby needs to become this rank."""
+def request(target: zygote.Target, environ: Mapping[str, str], blocked: set[int]) -> dict:
+    """What the standby needs to become this rank (`blocked`: this process's signal mask, as exec would keep it)."""
     return {"python": sys.executable, "target": {**target.__dict__, "args": list(target.args)}, "env": dict(environ),
             "cwd": os.getcwd(), "umask": _umask(), "cgroups": cgroups.own(),  # its step's: the child joins them
-            "affinity": sorted(os.sched_getaffinity(0)), "devices": zygote.reachable_devices(), "stdio": _stdio_spec()}
+            "affinity": sorted(os.sched_getaffinity(0)), "devices": zygote.reachable_devices(), "stdio": _stdio_spec(),
+            "signals": {"blocked": sorted(int(s) for s in blocked), "ignored": _ignored()}}
+
+
+def _ignored() -> list[int]:
+    """The signals ignored here (exec keeps them ignored: `nohup`'s SIGHUP, a background job's SIGINT)."""
+    return sorted(int(s) for s in signal.valid_signals() if signal.getsignal(s) is signal.SIG_IGN)
 
 
 def _umask() -> int:
@@ -64,7 +70,7 @@ def run(command: Sequence[str], environ: Mapping[str, str], role: str = "trainer
         return None
     started = time.monotonic()
     # a signal srun sends before the forwarding is in place (the rank may already run) waits for it, not kills us
-    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
         path = zygote.socket_path(environ.get("HPCFT_JOB_ID", "local"), environ.get("HPCFT_STORE_ROOT") or None)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -72,20 +78,20 @@ def run(command: Sequence[str], environ: Mapping[str, str], role: str = "trainer
         sock.connect(str(path))
         if zygote.peer_uid(sock) != os.getuid():
             raise zygote.ProtocolError(f"the process listening at {path} is not of uid {os.getuid()}")
-        zygote.send(sock, request(target, environ), fds=(0, 1, 2))
+        zygote.send(sock, request(target, environ, blocked), fds=(0, 1, 2))
         reply, _ = zygote.receive(sock)
     except (OSError, HpcftError) as exc:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # the cold exec must not inherit the mask
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # the cold exec inherits the mask as it was
         _cold(f"no standby answered: {type(exc).__name__}: {exc}", environ, role)
         return None
     if reply is None or "started" not in reply:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         sock.close()  # the standby kills a child whose wrapper is gone
         _cold(f"the standby refused: {(reply or {}).get('refused', 'it closed the connection')}", environ, role)
         return None
     events.emit(f"{role}_start", how="warm", **_who(environ), pid=reply["started"],
                 seconds=round(time.monotonic() - started, 3))
-    return _wait(sock)
+    return _wait(sock, blocked)
 
 
 def run_or_exec(command: Sequence[str], environ: Mapping[str, str], role: str = "trainer") -> int:
@@ -100,7 +106,7 @@ def run_or_exec(command: Sequence[str], environ: Mapping[str, str], role: str = 
         return 127
 
 
-def _wait(sock: socket.socket) -> int:
+def _wait(sock: socket.socket, blocked: set[int]) -> int:
     """Forward signals to the rank until it ends; end as it did."""
     sock.settimeout(None)
 
@@ -110,7 +116,7 @@ def _wait(sock: socket.socket) -> int:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # what came meanwhile is forwarded now
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # what came meanwhile is forwarded now
     try:
         reply, _ = zygote.receive(sock)
     except (OSError, HpcftError) as exc:
