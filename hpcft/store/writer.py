@@ -18,7 +18,8 @@ from hpcft.store.pin import process_start
 HANDOVER_S = 10.0  # how long a claim waits for the lock's holder to exit (a killed process's exit takes its time)
 POLL_S = 0.01
 _held: dict[Path, list] = {}  # rank directory -> [its lock file, stores of this process using it]
-_guard = threading.Lock()
+_claims: dict[Path, threading.Lock] = {}  # rank directory -> one claim of it at a time in this process
+_guard = threading.Lock()  # both dicts; never held across a wait
 
 
 def writer_id() -> str:
@@ -31,10 +32,16 @@ def claim(rank_dir: Path) -> Callable[[], None]:
     """Claim `rank_dir` for this process (StoreError if another holds it past HANDOVER_S); the release, to call once
     (the process's last release frees it)."""
     with _guard:
-        entry = _held.get(rank_dir)
+        gate = _claims.setdefault(rank_dir, threading.Lock())
+    with gate:  # a claim waiting for another process's exit holds up no claim of another directory
+        with _guard:
+            entry = _held.get(rank_dir)
+            if entry is not None:
+                entry[1] += 1
         if entry is None:
-            entry = _held[rank_dir] = [_lock(rank_dir / LOCK), 0]
-        entry[1] += 1
+            entry = [_lock(rank_dir / LOCK), 1]
+            with _guard:
+                _held[rank_dir] = entry
 
     def release() -> None:
         with _guard:

@@ -208,6 +208,29 @@ def test_a_relaunched_writer_waits_for_its_predecessor_to_exit(root: Path) -> No
     assert holder.wait(timeout=60) == 0 and 0.5 < time.monotonic() - started < writer.HANDOVER_S
 
 
+def test_a_claim_waiting_for_another_process_holds_up_no_claim_of_another_directory(tmp_path: Path) -> None:
+    """A store waiting for its killed predecessor's exit (up to HANDOVER_S) must not stall this process's claims of
+    other stores: an agent's, or a bench's ranks in threads."""
+    busy, free = tmp_path / "busy", tmp_path / "free"
+    busy.mkdir()
+    free.mkdir()
+    lock = os.open(busy / writer.LOCK, os.O_CREAT | os.O_RDWR, 0o600)  # as a store makes it
+    os.close(lock)
+    holder = subprocess.Popen([sys.executable, "-c", f"import fcntl, sys; f = open({str(busy / writer.LOCK)!r}, 'r+'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    waiting = threading.Thread(target=lambda: writer.claim(busy)())
+    waiting.start()
+    time.sleep(0.2)  # its claim waits for the holder now
+    started = time.monotonic()
+    writer.claim(free)()
+    assert time.monotonic() - started < 1.0 and waiting.is_alive()
+    holder.communicate("", timeout=60)
+    waiting.join(timeout=writer.HANDOVER_S)
+    assert not waiting.is_alive()
+
+
 def test_default_job_id_refuses_another_process_state_unless_adopted(shm_root: Path, tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HPCFT_JOB_ID", "HPCFT_RANK", "RANK", "SLURM_PROCID", "SLURM_JOB_ID", "HPCFT_ADOPT"):
