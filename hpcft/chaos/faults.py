@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from hpcft.durable import catalog
 from hpcft.errors import HpcftError
 from hpcft.launch.node import succession
 from hpcft.launch.node import progress
+from hpcft.launch.config.resolve import default_durable_dir
 from hpcft.slurm import state as slurmstate
 from hpcft.store import job_dir as store_job_dir
 
@@ -185,26 +187,36 @@ def kill_in_flush(scene: Scene, pick: float) -> str:
     if not agents:  # the newest launch's agents are gone: a relaunch is under way
         raise NoTarget("no agent of the newest launch is running")
     pids = {s: r["pid"] for s, r in agents.items()}
-    root = scene.job_dir / "checkpoints"  # the durable tier of the chaos job (no --persist-dir)
+    root = default_durable_dir(scene.job_dir)  # the chaos job's (no --persist-dir)
     before = catalog.temporaries(root)
     flush.request(scene.job_dir / "agents", next(iter(agents.values()))["tag"])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if catalog.temporaries(root) - before:
-            for pid in pids.values():  # the commit cannot happen between the look below and the kill
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGSTOP)
-            try:
+            with _stopped(pids.values()):  # the commit cannot happen between the look below and the kill
                 if catalog.temporaries(root) - before:
                     slot = _choose(list(pids), pick)
                     _signal(pids[slot], signal.SIGKILL)
                     return f"agent of slot {slot} mid-flush"
-            finally:
-                for pid in pids.values():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGCONT)
         time.sleep(0.002)
     raise NoTarget("no flush started within 10 s")
+
+
+@contextlib.contextmanager
+def _stopped(pids: Iterable[int]) -> Iterator[None]:
+    """`pids` stopped (SIGSTOP) for the block, continued after; one that has ended is passed over."""
+    pids = list(pids)
+    _signal_each(pids, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        _signal_each(pids, signal.SIGCONT)
+
+
+def _signal_each(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def corrupt_chunk(scene: Scene, pick: float) -> str:

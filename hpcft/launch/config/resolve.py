@@ -72,4 +72,9 @@ def durable_dir(cfg: RunConfig, job_dir: Path) -> Path | None:
     """The durable tier's directory: `persist_dir`, else `<job_dir>/checkpoints`; None when flushing is off."""
     if not cfg.durable.persisting:
         return None
-    return Path(cfg.durable.persist_dir).resolve() if cfg.durable.persist_dir else job_dir / "checkpoints"
+    return Path(cfg.durable.persist_dir).resolve() if cfg.durable.persist_dir else default_durable_dir(job_dir)
+
+
+def default_durable_dir(job_dir: Path) -> Path:
+    """The durable tier's directory of a run given no `persist_dir`."""
+    return job_dir / "checkpoints"
