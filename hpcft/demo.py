@@ -139,6 +139,8 @@ def _report(job_dir: Path, out: Path, code: int, crashed: str, say: Callable[[st
         elif e["event"] == "agents_ready" and e.get("rebuild"):
             say(f"    agents: rebuilt step {e['step']} onto {e['rebuilt'] or '(nothing missing)'}, then released the "
                 "trainers")
+        elif e["event"] in ("agents_no_checkpoint", "progress_lost"):  # what went wrong, said where it shows
+            say(f"    {e['event']}: " + " ".join(f"{k}={e[k]}" for k in ("reason", "steps_lost") if k in e))
     timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     resumed = sorted({r["step"] for r in timeline if r["what"] == "restored" and r["run"] != "0.0"})
     summary = next((e for e in reversed(log) if e["event"] == "summary"), {})

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcft import events
+from hpcft.launch.fabric.liveview import Rounds
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,9 @@ class PreviousRun:
 class RestoreWatch:
     """One launch's restore, read from the job's events.jsonl as the ranks record it (incrementally: only the
     lines written since the last poll are read). `poll` returns the Loss once known, or None; `reached_after` is
-    what the trainers had reached when the launch ended (the next launch's `before`)."""
+    what the trainers had reached when the launch ended (the next launch's `before`): the live view's progress, or
+    the newest step the agents protected after the restore if newer (progress reaches the view up to a second late;
+    a step protected everywhere is one every rank committed)."""
 
     def __init__(self, job_dir: str | os.PathLike, world: int, *, since: float, before: int | None, reason: str):
         self.path = Path(job_dir) / "events.jsonl"
@@ -103,6 +106,7 @@ class RestoreWatch:
         self._tail = events.Tail(self.path, start=self.path.stat().st_size if self.path.exists() else 0, lenient=True)
         self._restored: dict[int, int] = {}
         self.resumed: int | None = None  # the step every rank restored (the lowest), once each has
+        self.protected: int | None = None  # the newest step protected on every node since then
         self.done = False  # the loss, if any, has been returned
 
     def poll(self) -> Loss | None:
@@ -119,7 +123,7 @@ class RestoreWatch:
         self._read()
         if self.resumed is None:
             return self.before
-        return self.resumed if view is None else max(self.resumed, view)
+        return max(s for s in (self.resumed, view, self.protected) if s is not None)
 
     def say(self, emit: Callable[..., None], lost: list[Loss]) -> None:
         """Add the loss to `lost` and say it once (`progress_lost`, ERROR after a restart from step 0)."""
@@ -131,14 +135,17 @@ class RestoreWatch:
              reached=found.reached, resumed_from=found.resumed_from, steps_lost=found.steps_lost, reason=found.reason)
 
     def _read(self) -> None:
-        if self.resumed is not None:
-            return
         for record in self._tail.new():
-            if record.get("time", 0) < self.since or "rank" not in record:
+            if record.get("time", 0) < self.since:
                 continue
-            if record.get("event") == "restore_none":  # the ranks' agreement gives step 0 to all of them
+            what = record.get("event")
+            if self.resumed is not None:  # a kept agent's protection of the last launch's steps comes before
+                if what == Rounds.KIND:  # the summed record: every node protected the step
+                    self.protected = max(int(record["step"]), self.protected or 0)
+                continue
+            if what == "restore_none" and "rank" in record:  # the ranks' agreement gives step 0 to all of them
                 self._restored = {r: 0 for r in range(self.world)}
-            elif record.get("event") == "restore_done":
+            elif what == "restore_done" and "rank" in record:
                 self._restored.setdefault(int(record["rank"]), int(record["step"]))
-        if len(self._restored) >= self.world:
-            self.resumed = min(self._restored.values())
+            if len(self._restored) >= self.world:
+                self.resumed = min(self._restored.values())

@@ -39,3 +39,17 @@ def test_resuming_from_the_newest_step_loses_nothing_and_an_older_one_the_steps_
     assert first.reached_after(None) is None  # its ranks have not restored: nothing reached
     events.emit("restore_none", log_dir=tmp_path, rank=0)
     assert first.poll() is None and first.reached_after(5) == 5  # nothing to lose; then what its trainers reached
+
+
+def test_a_step_protected_everywhere_counts_as_reached_though_progress_said_less(tmp_path):
+    """The demo's flake: the agents protected step 1 on every node while the view's progress (up to a second late)
+    still said 0; the relaunch resumed from 0. That is a loss of a step, not none."""
+    first = losses.RestoreWatch(tmp_path, 2, since=time.time(), before=None, reason="first launch")
+    events.emit("snapshot_protected", log_dir=tmp_path, tag="0", step=3, slots=2)  # a kept agent's, before restore
+    for rank in (0, 1):
+        events.emit("restore_done", log_dir=tmp_path, rank=rank, step=0)
+    events.emit("snapshot_protected", log_dir=tmp_path, tag="0", step=1, slots=2)
+    assert first.reached_after(0) == 1 and first.reached_after(4) == 4
+    relaunch = losses.RestoreWatch(tmp_path, 2, since=time.time(), before=first.reached_after(0), reason="node lost")
+    events.emit("restore_none", log_dir=tmp_path, rank=0)
+    assert relaunch.poll().steps_lost == 1
