@@ -14,6 +14,11 @@ WHAT = ("`hpcft chaos` trains the recovery bench's job in the Slurm sandbox whil
         "cost; goodput is the share of the wall time that became training in the final model. The baseline's goodput "
         "is a model: torch.save every k steps (Young's interval), replayed under the same fault arrivals with the "
         "save and restart times measured in the run.")
+REQUEUES = ("Slurm's wait is the time from each requeue hpcft asked for (a walltime warning, a node lost with no "
+            "spare left, a janitor's for a lost batch host) to the requeued run's start, summed: Slurm holds a requeued "
+            "job for its credential's lifetime (`cred_expire`, 10 s in the sandbox, 120 s by default) and starts it "
+            "once enough nodes are in service; in the sandbox's 7 nodes a requeue after node losses waits for a "
+            "repair (`--repair-s`). No rank trains meanwhile, and no fault tolerance inside the allocation shortens it.")
 COMMAND = "hpcft chaos --json --mtbf 60 --faults 100 --seed N > docs/results/data/chaos-mtbf60-seedN.json"
 
 
@@ -71,12 +76,13 @@ def section(runs: Sequence[dict[str, Any]], images: list[str]) -> list[str]:
                      *_median_max(k["steps_lost"])])
     lines += table(["fault kind", "faults", "survived", "recovery, median", "recovery, max", "steps lost, median",
                     "steps lost, max"], rows) + [""]
-    lines += table(["run", "faults injected / survived", "steps", "wall", "step", "baseline: save / every / restart",
-                    "final state equal"],
+    lines += table(["run", "faults injected / survived", "steps", "wall", "step", "requeues: Slurm's wait",
+                    "baseline: save / every / restart", "final state equal"],
                    [[f"MTBF {num(r['mtbf_s'], 's')}, seed {r.get('seed')}",
                      f"{r.get('faults_injected')} / {r.get('faults_survived')}", num(r.get("steps")),
-                     num(r.get("wall_s"), "s"), num(r.get("step_s"), "s"), _baseline(r.get("baseline") or {}),
-                     _final(r)] for r in sorted(runs, key=_order)])
+                     num(r.get("wall_s"), "s"), num(r.get("step_s"), "s"), _requeues(r),
+                     _baseline(r.get("baseline") or {}), _final(r)] for r in sorted(runs, key=_order)])
+    lines += ["", REQUEUES]
     lines += ["", *(f"![{alt}]({path})" for path, alt in _pairs(images)), *([""] if images else [])]
     commands = sorted({r["command"] for r in runs if r.get("command")})
     machines = sorted({machine(r) for r in runs if r.get("machine")})
@@ -86,6 +92,13 @@ def section(runs: Sequence[dict[str, Any]], images: list[str]) -> list[str]:
 
 def _pairs(images: list[str]) -> list[tuple[str, str]]:
     return [(path, ALT[path.rsplit("/", 1)[-1]]) for path in images]
+
+
+def _requeues(r: dict[str, Any]) -> str:
+    wait, wall = r.get("requeue_wait_s"), r.get("wall_s")
+    if wait is None or not wall:
+        return num(r.get("requeues"))
+    return f"{num(r.get('requeues'))}: {num(wait, 's')} ({num(wait / wall, 'share')} of the wall)"
 
 
 def _baseline(b: dict[str, Any]) -> str:

@@ -98,6 +98,20 @@ def baseline(steps: int, step_s: float, save_s: float, restart_s: float, mtbf: f
     return goodput(steps, step_s, t), k
 
 
+def requeue_waits(log: Iterable[dict]) -> list[float]:
+    """Seconds from each requeue (hpcft run's, or a janitor's for a lost batch host) to the start of the run Slurm
+    started next, from the job's events: Slurm's hold of a requeued job and its wait for nodes in service, while no
+    rank trains (docs/results.md separates it from hpcft's own recovery)."""
+    waits, since = [], None
+    for e in log:
+        if e["event"] == "requeue" or (e["event"] == "batch_host_lost" and e.get("action") == "requeue"):
+            since = e["time"] if since is None else since
+        elif e["event"] == "start" and since is not None:
+            waits.append(e["time"] - since)
+            since = None
+    return waits
+
+
 def by_kind(faults: list[dict]) -> dict[str, dict]:
     """Per kind: count, recovery time median and max, steps lost median and max (survived faults only timed)."""
     out: dict[str, dict] = {}

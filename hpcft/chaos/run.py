@@ -194,6 +194,7 @@ def figures_of(opts: ChaosOptions, out: Path, ref: Path, injected: list[dict], s
         "faults": [{k: v for k, v in f.items() if k != "at"} for f in injected],
         "baseline": {"save_s": round(save_s, 4), "interval_steps": k, "restart_s": round(restart_s, 3)},
         "requeues": max((e.get("requeues", 0) for e in log if e["event"] == "start"), default=0),
+        "requeue_wait_s": round(sum(figures.requeue_waits(log)), 1),
         "job_dir": str(out / "job"), "options": asdict(opts),
     }
 

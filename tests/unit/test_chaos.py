@@ -68,3 +68,12 @@ def test_the_field_preset_weighs_llama3s_interruptions_onto_the_kinds():
     mix = schedule.parse_mix("field")
     assert set(mix) <= set(schedule.KINDS) and max(mix, key=mix.get) == "node_crash"
     assert sum(mix.values()) == pytest.approx(92.4)
+
+
+def test_a_requeue_waits_from_hpcfts_requeue_to_the_next_runs_start():
+    log = [{"event": "start", "time": 0.0}, {"event": "requeue", "time": 10.0},
+           {"event": "batch_host_lost", "action": "requeue", "time": 10.5},  # a janitor's too: the first counts
+           {"event": "start", "time": 24.0}, {"event": "batch_host_lost", "action": "takeover", "time": 30.0},
+           {"event": "start", "time": 33.0}, {"event": "batch_host_lost", "action": "requeue", "time": 40.0},
+           {"event": "start", "time": 71.0}]
+    assert figures.requeue_waits(log) == [14.0, 31.0]
