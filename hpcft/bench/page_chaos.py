@@ -15,10 +15,9 @@ WHAT = ("`hpcft chaos` trains the recovery bench's job in the Slurm sandbox whil
         "is a model: torch.save every k steps (Young's interval), replayed under the same fault arrivals with the "
         "save and restart times measured in the run.")
 REQUEUES = ("Slurm's wait is the time from each requeue hpcft asked for (a walltime warning, a node lost with no "
-            "spare left, a janitor's for a lost batch host) to the requeued run's start, summed: Slurm holds a requeued "
-            "job for its credential's lifetime (`cred_expire`, 10 s in the sandbox, 120 s by default) and starts it "
-            "once enough nodes are in service; in the sandbox's 7 nodes a requeue after node losses waits for a "
-            "repair (`--repair-s`). No rank trains meanwhile, and no fault tolerance inside the allocation shortens it.")
+            "spare left, a janitor's for a lost batch host) to the requeued run's start, summed: Slurm holds a "
+            "requeued job for its credential's lifetime (`cred_expire`: 10 s in the sandbox, 120 s by default) and "
+            "starts it once it has nodes. No rank trains meanwhile; no recovery inside the allocation shortens it.")
 COMMAND = "hpcft chaos --json --mtbf 60 --faults 100 --seed N > docs/results/data/chaos-mtbf60-seedN.json"
 
 
