@@ -107,6 +107,7 @@ class RestoreWatch:
         self._restored: dict[int, int] = {}
         self.resumed: int | None = None  # the step every rank restored (the lowest), once each has
         self.protected: int | None = None  # the newest step protected on every node since then
+        self._restored_at = 0.0  # when the last rank restored
         self.done = False  # the loss, if any, has been returned
 
     def poll(self) -> Loss | None:
@@ -136,16 +137,21 @@ class RestoreWatch:
 
     def _read(self) -> None:
         for record in self._tail.new():
-            if record.get("time", 0) < self.since:
+            when, what = record.get("time", 0), record.get("event")
+            if when < self.since:
                 continue
-            what = record.get("event")
-            if self.resumed is not None:  # a kept agent's protection of the last launch's steps comes before
-                if what == Rounds.KIND:  # the summed record: every node protected the step
+            if self.resumed is not None:
+                # the summed record: every node protected the step, after the restore (a kept agent's pass over the
+                # last launch's step may end, and reach this file, after it)
+                if what == Rounds.KIND and when >= self._restored_at:
                     self.protected = max(int(record["step"]), self.protected or 0)
                 continue
             if what == "restore_none" and "rank" in record:  # the ranks' agreement gives step 0 to all of them
                 self._restored = {r: 0 for r in range(self.world)}
             elif what == "restore_done" and "rank" in record:
                 self._restored.setdefault(int(record["rank"]), int(record["step"]))
+            else:
+                continue
+            self._restored_at = max(self._restored_at, when)
             if len(self._restored) >= self.world:
                 self.resumed = min(self._restored.values())

@@ -44,10 +44,12 @@ def test_resuming_from_the_newest_step_loses_nothing_and_an_older_one_the_steps_
 def test_a_step_protected_everywhere_counts_as_reached_though_progress_said_less(tmp_path):
     """The demo's flake: the agents protected step 1 on every node while the view's progress (up to a second late)
     still said 0; the relaunch resumed from 0. That is a loss of a step, not none."""
-    first = losses.RestoreWatch(tmp_path, 2, since=time.time(), before=None, reason="first launch")
+    first = losses.RestoreWatch(tmp_path, 2, since=time.time() - 10, before=None, reason="first launch")
     events.emit("snapshot_protected", log_dir=tmp_path, tag="0", step=3, slots=2)  # a kept agent's, before restore
     for rank in (0, 1):
         events.emit("restore_done", log_dir=tmp_path, rank=rank, step=0)
+    late = {"event": "snapshot_protected", "time": time.time() - 0.5, "level": "INFO", "tag": "0", "step": 4}
+    events.write(late, tmp_path)  # a kept agent's pass that ended before the restore, its record written after it
     events.emit("snapshot_protected", log_dir=tmp_path, tag="0", step=1, slots=2)
     assert first.reached_after(0) == 1 and first.reached_after(4) == 4
     relaunch = losses.RestoreWatch(tmp_path, 2, since=time.time(), before=first.reached_after(0), reason="node lost")
