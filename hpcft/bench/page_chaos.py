@@ -3,7 +3,7 @@ goodput against MTBF as medians over seeds with their range, and recovery per fa
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from hpcft.bench.page_format import MISSING, machine, num, table
@@ -17,7 +17,8 @@ WHAT = ("`hpcft chaos` trains the recovery bench's job in the Slurm sandbox whil
 REQUEUES = ("Slurm's wait is the time from each requeue hpcft asked for (a walltime warning, a node lost with no "
             "spare left, a janitor's for a lost batch host) to the requeued run's start, summed: Slurm holds a "
             "requeued job for its credential's lifetime (`cred_expire`: 10 s in the sandbox, 120 s by default) and "
-            "starts it once it has nodes. No rank trains meanwhile; no recovery inside the allocation shortens it. "
+            "starts it once it has nodes, and the requeued run then starts (the notes below say what of it is not "
+            "Slurm's). No rank trains meanwhile; no recovery inside the allocation shortens it. "
             "\"Less Slurm's wait\" is goodput over the time the job held nodes, as the baseline's model counts it "
             "(every fault a relaunch in the same allocation).")
 COMMAND = "hpcft chaos --json --mtbf 60 --faults 100 --seed N > docs/results/data/chaos-mtbf60-seedN.json"
@@ -29,16 +30,13 @@ def by_mtbf(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for mtbf in sorted({r["mtbf_s"] for r in runs}):
         group = [r for r in runs if r["mtbf_s"] == mtbf]
         row: dict[str, Any] = {"mtbf_s": mtbf, "seeds": sorted(r.get("seed") for r in group)}
-        for key, of in (("goodput", _key("goodput")), ("goodput_allocation", in_allocation),
-                        ("goodput_baseline", _key("goodput_baseline"))):
-            values = [v for v in map(of, group) if v is not None]
+        for key, got in (("goodput", [r.get("goodput") for r in group]),
+                         ("goodput_allocation", [in_allocation(r) for r in group]),
+                         ("goodput_baseline", [r.get("goodput_baseline") for r in group])):
+            values = [v for v in got if v is not None]
             row[key] = (statistics.median(values), min(values), max(values)) if values else None
         out.append(row)
     return out
-
-
-def _key(key: str) -> Callable[[dict[str, Any]], Any]:
-    return lambda r: r.get(key)
 
 
 def in_allocation(r: dict[str, Any]) -> float | None:

@@ -100,8 +100,8 @@ def baseline(steps: int, step_s: float, save_s: float, restart_s: float, mtbf: f
 
 def requeue_waits(log: Iterable[dict]) -> list[float]:
     """Seconds from each requeue (hpcft run's, or a janitor's for a lost batch host) to the start of the run Slurm
-    started next, from the job's events: Slurm's hold of a requeued job and its wait for nodes in service, while no
-    rank trains (docs/results.md separates it from hpcft's own recovery)."""
+    started next, from the job's events: Slurm's hold of a requeued job, its wait for nodes and the requeued run's
+    start, while no rank trains (docs/results.md separates it from the recoveries inside the allocation)."""
     waits, since = [], None
     for e in log:
         if e["event"] == "requeue" or (e["event"] == "batch_host_lost" and e.get("action") == "requeue"):
