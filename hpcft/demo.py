@@ -19,7 +19,7 @@ from hpcft.agent import status as agent_status
 from hpcft.bench import train_job
 from hpcft.errors import HpcftError, SlurmError
 from hpcft.launch.node import progress
-from hpcft.launch.config.model import LOST_PROGRESS_EXIT as LOST_EXIT  # the default: the demo runs on it
+from hpcft.launch.config.sections import LOST_PROGRESS_EXIT as LOST_EXIT  # the default: the demo runs on it
 from hpcft.report import summary as report
 from hpcft.report.timeline import try_draw
 from hpcft.sandbox.cli import dir_option, sandbox_dir

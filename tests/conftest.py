@@ -90,7 +90,7 @@ def _session_sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
 @pytest.fixture(scope="session")
 def sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """A running 6-node sandbox (hpcft.sandbox.Sandbox); skipped where this machine cannot run one."""
-    from hpcft.sandbox.cluster import unavailable_reason
+    from hpcft.sandbox.machine import unavailable_reason
 
     reason = unavailable_reason("netns")
     if reason:
@@ -103,7 +103,7 @@ def confined_sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
     """A running confined sandbox (`hpcft sandbox up --confine`: task/cgroup, 8 fake GPUs per node) of 4 nodes, beside
     `sandbox`; skipped where this machine has no cgroup v1 controllers or cgroup namespaces."""
     from hpcft.sandbox import confine
-    from hpcft.sandbox.cluster import unavailable_reason
+    from hpcft.sandbox.machine import unavailable_reason
 
     reason = unavailable_reason("netns") or confine.unavailable_reason()
     if reason:
@@ -126,7 +126,7 @@ def healthy_confined_sandbox(confined_sandbox):
 def _healed(sb):
     """`sb` healed after the test, and before it too when the last test's heal failed (that test errs, not the next)."""
     if getattr(sb, "unhealed", False):
-        sb.heal(timeout=120)
+        sb.heal()
     sb.unhealed = True
     yield sb
     sb.heal()

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpcft.launch.config.model import DEFAULT_PRELOAD
+from hpcft.launch.config.sections import DEFAULT_PRELOAD
 
 HERE = Path(__file__).resolve().parent
 SUBMIT = ("--profile", "frontier", "--nodes", "4", "--spares", "1", "-t", "02:00:00")

@@ -37,6 +37,7 @@ from hpcft.store.owner import Owner, adoption
 
 _log = logging.getLogger(__name__)
 STEPS = [COUNT]  # what an agreement on steps carries (link.mismatch): a peer's malformed list is its TransportError
+LATE_VERDICT_POLL_S = 0.05  # how often a failing agent looks for its heartbeat's verdict on a late peer (_silence)
 
 
 def protect_newest(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, keep: int = 2,
@@ -200,8 +201,15 @@ def _listen_for_silence(cfg: AgentConfig, mesh: MeshBase, meet: Rendezvous, node
 
 
 def _silence(beat: Heartbeat | None) -> PeerSilent | None:
-    """The failure to report when a peer went silent: naming it rather than whichever connection the abort broke."""
-    if beat is None or beat.suspect is None:
+    """The failure to report when a peer went silent: naming it rather than whichever connection the abort broke.
+    With a peer late and none named yet, the break is likely another agent's abort over that peer: this one's own
+    verdict on it is due within the loss timeout, and is waited for (else a healthy aborting peer is named)."""
+    if beat is None:
+        return None
+    deadline = time.monotonic() + beat.timeout
+    while beat.suspect is None and beat.late and time.monotonic() < deadline:
+        time.sleep(LATE_VERDICT_POLL_S)
+    if beat.suspect is None:
         return None
     peer, seconds = beat.suspect
     err = PeerSilent(f"the agent of slot {peer} closed its heartbeat connection without a goodbye (killed or crashed)"

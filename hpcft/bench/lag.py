@@ -17,7 +17,7 @@ from typing import Any
 
 from hpcft.bench import timeline
 from hpcft.bench.harness import Report
-from hpcft.bench.recovery import allocation, end_allocation, measured
+from hpcft.bench.sandboxed import allocation, end_allocation, measured
 from hpcft.bench.timeline import ACTIVE
 from hpcft.errors import ConfigError, HpcftError
 

@@ -379,9 +379,9 @@ def run(opts: ProtectOptions) -> Report:
                    f"{s}: this node's agent share of the cores / (1 - share), agents running freely")
         report.add(f"{s}_agent_cpu_s_per_gb", rec["agent_cpu_s_per_gb"], "s",
                    f"{s}: this node's agent, core-seconds per protected GB of snapshot")
+        rate = f"{rec['rate_bytes_per_s'] / 1e6:.0f} MB/s" if rec["rate_bytes_per_s"] else "none"
         report.add(f"{s}_protected_per_snapshot", rec["protected_per_snapshot"], "x",
-                   f"{s}: snapshots protected per snapshot taken (cap {rec['cpu_cores_cap']:.3f} cores, "
-                   f"{_rate(rec['rate_bytes_per_s'])})")
+                   f"{s}: snapshots protected per snapshot taken (cap {rec['cpu_cores_cap']:.3f} cores, {rate})")
         report.add(f"{s}_protected_behind_s", rec["protected_behind_s"], "s",
                    f"{s}: a snapshot's age when its protection completes (median)")
         report.add(f"{s}_steps_at_risk", rec["steps_at_risk"], "",
@@ -397,7 +397,3 @@ def run(opts: ProtectOptions) -> Report:
                            "nice": opts.nice, "lag_bound": opts.lag_bound, "window_s": opts.window,
                            "threads": opts.threads, "agents_on_this_machine": NODES})
     return report
-
-
-def _rate(rate: float | None) -> str:
-    return "none" if not rate else f"{rate / 1e6:.0f} MB/s"

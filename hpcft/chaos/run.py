@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcft import events
-from hpcft.bench import recovery, timeline
+from hpcft.bench import recovery, sandboxed, timeline
 from hpcft.chaos import faults as kinds, figures, schedule
 from hpcft.errors import ConfigError
 from hpcft.report.timeline import try_draw
@@ -40,7 +40,7 @@ class ChaosOptions:
     layers: int = 4
     spares: int = 2                 # beside the job's 4 active nodes (one rank each)
     persist_every: int = 20         # durable flush period (steps), so that losing two nodes of a set costs little
-    hang_timeout: float = 10.0
+    hang_timeout: float = 5.0       # a hang costs this much; the job's longest gap between steps was 2.15 s (seed 3)
     dir: str | None = None          # a running sandbox with >= nodes + spares nodes (None: start one)
     keep: str | None = None         # keep the runs here (default: a temp dir, removed unless the run failed)
     reference: str | None = None    # a fault-free run of the same steps, width and layers (its final.pt)
@@ -61,7 +61,7 @@ def _submit(sb: Any, opts: ChaosOptions, out: Path, steps: int) -> str:
     """`hpcft submit` of the job with spares, XOR protection over all active nodes and a durable flush; its id."""
     bench = recovery.RecoveryOptions(steps=steps, fault_at=1, step_delay=opts.step_delay, width=opts.width,
                                      layers=opts.layers, timeout=0)
-    return recovery.submit(sb, bench, out, "--nodes", str(timeline.ACTIVE), "--spares", str(opts.spares), "-t", "600",
+    return sandboxed.submit(sb, bench, out, "--nodes", str(timeline.ACTIVE), "--spares", str(opts.spares), "-t", "600",
                            "--protect", "xor", "--group", str(timeline.ACTIVE), "--persist-every",
                            str(opts.persist_every), "--hang-timeout", str(opts.hang_timeout), "--max-restarts",
                            "100000", "--lost-progress-exit", "0", CHAOS="1", BACKEND=BACKEND)
@@ -73,7 +73,7 @@ def _fault_free(sb: Any, opts: ChaosOptions, out: Path, steps: int, delay: float
     for each step beyond the sleep (a step takes 0.1 s on the sandbox's 2 cores at the default model)."""
     bench = recovery.RecoveryOptions(steps=steps, fault_at=1, step_delay=delay, width=opts.width, layers=opts.layers,
                                      timeout=600 + steps * (delay + 1.0))
-    recovery.finish(recovery.supervised(sb, bench, out, BACKEND=BACKEND), out, timeout=bench.timeout)
+    sandboxed.finish(sandboxed.supervised(sb, bench, out, BACKEND=BACKEND), out, timeout=bench.timeout)
     return out
 
 
@@ -208,7 +208,7 @@ def run(opts: ChaosOptions, say: Callable[[str], None]) -> dict:
         say(f"  {i:3d}. +{f.at:8.1f} s  {f.kind}")
     keep = Path(opts.keep) if opts.keep else Path(tempfile.mkdtemp(prefix="hpcft-chaos-"))
     # one node beyond the job's own when starting a sandbox: a requeued job need not wait for a repair to start
-    with recovery.sandbox(opts.dir, timeline.ACTIVE + opts.spares, idle=1) as sb:
+    with sandboxed.sandbox(opts.dir, timeline.ACTIVE + opts.spares, idle=1) as sb:
         sb.heal()
         steps = opts.steps
         if not steps:

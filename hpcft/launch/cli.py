@@ -54,8 +54,9 @@ def submit(config_file, command, walltime, account, partition, job_name, output,
            no_site_modules, setup, nvme, dry_run, **kwargs) -> None:
     """Write the batch script for `hpcft run … -- CMD` (template in slurm/) and submit it; print the job id.
 
-    --nodes counts the active nodes; the allocation is --nodes + --spares. Site module lines, the Python set-up
-    and NVMe come from the config file's [site] table, the flags overriding it (docs/reference/frontier.md)."""
+    --nodes counts the active nodes; the allocation is a range from --nodes to --nodes + --spares (the job starts
+    with the spares that are free). Site module lines, the Python set-up and NVMe come from the config file's [site]
+    table, the flags overriding it (docs/reference/frontier.md)."""
     from dataclasses import replace
 
     from hpcft.launch.config import site as site_config

@@ -113,19 +113,23 @@ def render(spec: SubmitSpec, template_dir: Path = TEMPLATE_DIR) -> str:
         raise ConfigError(f"--warn {spec.warn_seconds} s is not shorter than the walltime --time {spec.time} "
                           f"({limit} s): Slurm would send the requeue warning at once; give a smaller --warn or a "
                           "longer --time")
-    # every node's CPUs for its tasks: without it a cluster that shares nodes allocates one task (one CPU) per node,
-    # and the trainer step fails "More processors requested than permitted"
+    # every node's CPUs for its tasks: without it a cluster that shares nodes allocates one CPU per node, and the
+    # trainer step fails "More processors requested than permitted". --mincpus, not --ntasks-per-node: that fixes
+    # the job's task count, and with it its node count, to the least of the range
     tasks = spec.run_options.get("tasks_per_node") or profiles.get(spec.profile).tasks_per_node
     nvme = spec.site.nvme_constraint if spec.wants_nvme else None
     sbatch = [f"#SBATCH --{k}={v}\n" for k, v in (("account", spec.account), ("partition", spec.partition),
-                                                  ("ntasks-per-node", tasks), ("constraint", nvme)) if v]
+                                                  ("mincpus", tasks), ("constraint", nvme)) if v]
     run = ["--nodes", str(spec.nodes), "--spares", str(spec.spares), "--profile", spec.profile]
     for key, value in spec.run_options.items():
         if value is not None and key not in ("nodes", "spares", "profile"):
             run += _flag(key, value)
     values = {
         "job_name": spec.job_name, "active": str(spec.nodes), "spares": str(spec.spares),
-        "total_nodes": str(spec.nodes + spec.spares), "time": spec.time, "sbatch_lines": "".join(sbatch),
+        # a range: Slurm starts the job on the nodes in service, spares as many as it has, and a requeued job waits
+        # for no spare (in a reservation of its size a lost node's repair can take hours)
+        "nodes": f"{spec.nodes}-{spec.nodes + spec.spares}" if spec.spares else str(spec.nodes),
+        "time": spec.time, "sbatch_lines": "".join(sbatch),
         "warn_seconds": str(spec.warn_seconds), "output": spec.output,
         "site_lines": site_lines(spec),
         "run_options": shlex.join(run), "command": shlex.join(spec.command),

@@ -6,8 +6,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
@@ -15,6 +13,7 @@ from pathlib import Path
 
 from hpcft.errors import SandboxError, SlurmError
 from hpcft.sandbox import confine, mounts, munge, netns, procs
+from hpcft.sandbox.machine import check_machine, port_free
 from hpcft.sandbox.config import Layout, SandboxConfig, plan, render_hosts, render_mpi_conf, render_slurm_conf
 from hpcft.slurm.runner import Runner
 
@@ -25,10 +24,6 @@ STATE_FILE = "state.json"
 # a mount point, even one mounted only in another namespace, detaches the mount and would hide the marker).
 MARKER_DIR = Path("/run/hpcft-sandbox-mark")
 _READY = {"idle", "mixed", "allocated", "completing"}  # responding (no '*'), not down, drained or failing
-_NEEDED = {
-    "slurmctld": "slurmctld", "slurmd": "slurmd", "sinfo": "slurm-client", "srun": "slurm-client",
-    "/usr/sbin/munged": "munge", "nsenter": "util-linux", "unshare": "util-linux", "setpriv": "util-linux",
-}
 
 
 class Sandbox:
@@ -156,7 +151,7 @@ class Sandbox:
         if self.config.mode == "local":
             ports = [("slurmctld", self.layout.ctld_port)] + [(f"slurmd {n.name}", n.port) for n in self.layout.nodes]
             for who, port in ports:
-                if not _port_free(port):
+                if not port_free(port):
                     raise SandboxError(f"port {port} ({who}) is in use on this machine: choose free ports with "
                                        "--ctld-port/--slurmd-port or use --mode netns")
 
@@ -290,13 +285,15 @@ class Sandbox:
         if wait:
             self.wait_ready([name], timeout=timeout)
 
-    def heal(self, timeout: float = 60.0) -> None:
+    def heal(self, timeout: float = 120.0) -> None:
         """Back to a clean cluster for the next test: no jobs, every node running and idle. Asked again every 2 s until
         then: jobs are cancelled, nodes without a live (or with a frozen) slurmd restarted, nodes Slurm holds down or
         drained resumed (a node drains late, e.g. when a killed job's processes outlive UnkillableStepTimeout), and a
-        node still not idle after half the timeout restarted (a slurmd stuck completing a job, or not answering)."""
+        node still not idle after 30 s restarted and set DOWN, which ends a job Slurm still sees completing on it
+        (a crashed node's slurmd, restarted before slurmctld marked it, knows nothing of that job). What it saw is
+        logged."""
         runner = self.runner(timeout=15)
-        started, restarted = time.monotonic(), set()
+        started, forced, seen = time.monotonic(), set(), None
         while time.monotonic() < started + timeout:
             jobs = runner.run(["squeue", "--noheader", "--format=%i"], check=False).stdout.split()
             if jobs:
@@ -309,15 +306,22 @@ class Sandbox:
                 states = self.node_states()
             except SlurmError:
                 states = {}
+            if (states, jobs) != seen:
+                seen = (states, jobs)
+                _log.info("heal at +%.1f s: jobs %s, nodes %s", time.monotonic() - started, jobs, states)
             if states and all(states.get(n) == "idle" for n in self.node_names):
                 return
             held = [n for n, s in states.items() if s.rstrip("*~#").startswith(("down", "drain", "fail"))]
             if held:
                 runner.run(["scontrol", "update", f"NodeName={','.join(held)}", "State=RESUME"], check=False)
-            if time.monotonic() > started + timeout / 2:
-                for name in [n for n in self.node_names if states.get(n) != "idle" and n not in restarted]:
-                    restarted.add(name)
+            stuck = [n for n in self.node_names if states.get(n) != "idle" and n not in forced]
+            if stuck and time.monotonic() > started + 30:
+                forced.update(stuck)
+                _log.warning("heal: nodes %s not idle after 30 s (%s): restarted and set DOWN", stuck, states)
+                for name in stuck:
                     self.restart_node(name, timeout=timeout, wait=False)
+                runner.run(["scontrol", "update", f"NodeName={','.join(stuck)}", "State=DOWN",
+                            "Reason=sandbox heal"], check=False)
             time.sleep(2)
         self.wait_for(self.node_names, lambda s: s == "idle", "idle", 0)  # the error, with Slurm's view and the logs
 
@@ -351,30 +355,6 @@ class Sandbox:
         (self.dir / STATE_FILE).unlink(missing_ok=True)
 
 
-def unavailable_reason(mode: str = "netns") -> str | None:
-    """Why this machine cannot run a sandbox in `mode` (not root, packages missing, no namespaces), or None."""
-    try:
-        check_machine(mode)
-    except SandboxError as exc:
-        return str(exc)
-    return None
-
-
-def check_machine(mode: str) -> None:
-    """Raise SandboxError naming the missing privilege or binary that `mode` needs."""
-    if os.geteuid() != 0:
-        raise SandboxError("the sandbox needs root (namespaces, mounts, munged as user munge): run it as root")
-    needed = dict(_NEEDED, **({"ip": "iproute2"} if mode == "netns" else {}))
-    missing = [f"{b} ({pkg})" for b, pkg in needed.items() if shutil.which(b) is None]
-    if missing:
-        raise SandboxError(f"missing for the sandbox: {', '.join(missing)}; run `make debs` or apt-get install them")
-    flags = ["--mount"] + (["--net", "--uts"] if mode == "netns" else [])
-    probe = subprocess.run(["unshare", *flags, "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        hint = "; try --mode local" if mode == "netns" else ""
-        raise SandboxError(f"cannot create namespaces (`unshare {' '.join(flags)}`: {probe.stderr.strip()}){hint}")
-
-
 def ensure_up(config: SandboxConfig, timeout: float = 30.0) -> tuple[Sandbox, bool]:
     """The sandbox in config.dir, started if it is not running; True in second place if we started it. One already
     running there is returned as it is (whatever `config` says); one recorded but dead is cleaned up first."""
@@ -387,14 +367,3 @@ def ensure_up(config: SandboxConfig, timeout: float = 30.0) -> tuple[Sandbox, bo
     sandbox = Sandbox(plan(config))
     sandbox.up(timeout=timeout)
     return sandbox, True
-
-
-def _port_free(port: int) -> bool:
-    """True if a TCP listener could bind `port` on all addresses (what slurmd and slurmctld do)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return False
-    return True

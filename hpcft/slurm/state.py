@@ -217,6 +217,7 @@ class Placement:
     need: int          # nodes the job asks for (the least of a range)
     pool: list[str]    # where it may be placed: its reservation's nodes, else its partitions'
     excluded: list[str]  # its ExcNodeList now (the user's --exclude, an earlier requeue's)
+    held: list[str] = field(default_factory=list)  # the nodes it holds now
 
 
 def placement(runner: Runner, job_id: str) -> Placement:
@@ -227,7 +228,7 @@ def placement(runner: Runner, job_id: str) -> Placement:
     pool: list[str] = []
     for argv in sources:
         pool += [n for n in _nodes(fields(runner.run(argv, check=False).stdout).get("Nodes", "")) if n not in pool]
-    return Placement(job.num_nodes, pool, list(job.exc_nodes))
+    return Placement(job.num_nodes, pool, list(job.exc_nodes), job.nodes)
 
 
 def affordable(exclude: list[str], states: dict[str, str], where: Placement) -> list[str]:
@@ -246,13 +247,14 @@ class Requeued:
     allowed: list[str]   # found bad by hpcft but left allowed: without them too few nodes are left in service
     reported: dict[str, str] = field(default_factory=dict)  # {node found bad by hpcft: its state, as Slurm said}
     unexcluded: list[str] = field(default_factory=list)  # to be excluded, but `scontrol update` failed
+    trusted: list[str] = field(default_factory=list)  # found bad in an earlier allocation: allowed again
 
     def reason(self) -> str:
         """What became of each node found bad, in the words of what Slurm reported of it."""
         def named(nodes: list[str]) -> str:
             return ", ".join(f"{n} ({self.reported.get(n) or 'no state reported'})" for n in nodes)
 
-        kept = set(self.excluded) | set(self.allowed) | set(self.unexcluded)
+        kept = set(self.excluded) | set(self.allowed) | set(self.unexcluded) | set(self.trusted)
         marked = [n for n, state in self.reported.items() if n not in kept and state]
         unknown = [n for n, state in self.reported.items() if n not in kept and not state]
         said = [f"{named(self.excluded)} put into ExcNodeList: found bad by hpcft, while Slurm took it for healthy"
@@ -262,46 +264,54 @@ class Requeued:
                 f"{named(unknown)} not put into ExcNodeList: Slurm reported nothing of it" if unknown else "",
                 f"{named(self.allowed)} left allowed although found bad by hpcft: the job cannot start without it "
                 "(too few nodes in service in its partition or reservation)" if self.allowed else "",
+                f"{named(self.trusted)} allowed again: found bad in an earlier allocation, in service by Slurm since"
+                if self.trusted else "",
                 f"{named(self.unexcluded)} could not be put into ExcNodeList (scontrol update failed)"
                 if self.unexcluded else ""]
         return "; ".join(filter(None, said)) or "no node was found bad: nothing to keep out of the next allocation"
 
 
-def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0) -> Requeued:
-    """Requeue the job, keeping out of its next allocation those of `exclude` Slurm deems healthy that the job can spare
-    (`affordable`) with `nodes` (the allocation this run started with) still in service: Slurm removes a DOWN node from
-    a --no-kill job for good, so its NumNodes then reads fewer than its tasks need, and excluding by that count left a
-    requeued job never runnable. Slurm takes ExcNodeList only from a pending job, so it is set after the requeue,
-    whose SIGTERM hits the whole batch step: both commands ignore SIGTERM and run within KillWait."""
+def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, ours: list[str] = ()) -> Requeued:
+    """Requeue the job, keeping out of its next allocation those of `exclude` that it holds and Slurm deems healthy,
+    as many as it can spare (`affordable`) with `nodes` (the allocation this run started with) still in service:
+    Slurm removes a DOWN node from a --no-kill job for good, so its NumNodes then reads fewer than its tasks need, and
+    excluding by that count left a requeued job never runnable. One found bad in an earlier allocation has been
+    through Slurm's hands since (marked down and back, or kept out for one allocation): `ours`, what hpcft put into
+    the job's ExcNodeList before, is lifted, the user's --exclude stays; else every node of a long job is out one
+    day. Slurm takes ExcNodeList only from a pending job, so it is set after the requeue, whose SIGTERM hits the whole
+    batch step: both commands ignore SIGTERM and run within KillWait."""
     where = Placement(0, [], [])  # unknown: every suspect is kept out
-    if exclude:
+    if exclude or ours:  # else nothing to keep out or lift: slurmctld is asked nothing more
         try:
             where = placement(runner, job_id)  # all reads before the requeue's SIGTERM
         except SlurmError as exc:
             _log.warning("cannot read where job %s may be placed (%s): every suspect node is excluded", job_id, exc)
-        where = Placement(max(where.need, nodes) if where.pool else 0, where.pool, where.excluded)
-    states = node_states(runner, list(dict.fromkeys([*exclude, *where.pool])))
-    suspects = [n for n in exclude if not is_bad(states.get(n, "DOWN"))]  # no state: not one to keep out by name
+    before, users = where.excluded, [n for n in where.excluded if n not in ours]
+    where = Placement(max(where.need, nodes) if where.pool else 0, where.pool, users, where.held)
+    states = node_states(runner, list(dict.fromkeys([*exclude, *where.pool]))) if exclude else {}
+    healthy = [n for n in exclude if not is_bad(states.get(n, "DOWN"))]  # no state: not one to keep out by name
+    trusted = [n for n in healthy if where.pool and n not in where.held]
+    suspects = [n for n in healthy if n not in trusted]
     keep_out = affordable(suspects, states, where)
     allowed = [n for n in suspects if n not in keep_out]
     reported = {n: states.get(n, "") for n in exclude}
     code, out = _unkillable(runner, ["scontrol", "requeue", job_id])
     if code != 0:
         raise SlurmError(f"'scontrol requeue {job_id}' failed with exit status {code}: {out[-2000:]}")
-    if not keep_out:
-        return Requeued([], allowed, reported)
-    merged = ",".join(dict.fromkeys([*where.excluded, *keep_out]))  # the user's --exclude stays
+    merged = list(dict.fromkeys([*users, *keep_out]))
+    if set(merged) == set(before):
+        return Requeued(keep_out, allowed, reported, trusted=trusted)
     # slurmctld answers an update of a job being requeued only once the job has ended, and its batch step is this
     # process: waiting for that answer held the requeue ~5 s, until Slurm killed the batch step (found by hpcft chaos)
-    code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"],
+    code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(merged)}"],
                             wait=UPDATE_ANSWER_S)
     if code is None:
-        _log.info("ExcNodeList=%s of job %s: asked; slurmctld applies it once the job has ended", merged, job_id)
+        _log.info("ExcNodeList=%s of job %s: asked; slurmctld applies it once the job has ended (and refuses it if the "
+                  "job is still completing 5 s after the requeue)", merged, job_id)
     elif code != 0:
-        _log.warning("could not exclude %s from job %s's next allocation (exit status %s): %s", keep_out, job_id,
-                     code, out)
-        return Requeued([], allowed, reported, keep_out)
-    return Requeued(keep_out, allowed, reported)
+        _log.warning("could not set job %s's ExcNodeList to %s (exit status %s): %s", job_id, merged, code, out)
+        return Requeued([], allowed, reported, keep_out, trusted)
+    return Requeued(keep_out, allowed, reported, trusted=trusted)
 
 
 def complete(runner: Runner, job_id: str, exit_code: int) -> str:

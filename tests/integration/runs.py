@@ -12,6 +12,7 @@ from hpcft import events
 from hpcft.agent import status as agent_status
 from hpcft.bench import train_job
 from hpcft.launch.node import progress
+from hpcft.slurm.state import fields
 
 JOB = Path(train_job.__file__)  # the DP job shared with `hpcft bench recovery`
 STEPS = 16
@@ -152,3 +153,9 @@ def assert_same_ranks(out: Path, ref: Path, ranks: int) -> None:
 def start_spared(sandbox, out: Path, *args: str, **kw) -> subprocess.Popen:
     """`start` on the whole 6-node sandbox: 4 active nodes n1..n4, spares n5 and n6."""
     return start(sandbox, out, 6, "--spares", "2", *args, **kw)
+
+
+def job_state(runner, job: str) -> str:
+    """Slurm's state of `job` (PENDING, RUNNING, COMPLETED...), GONE once slurmctld forgot it."""
+    out = runner.run(["scontrol", "show", "job", "-o", job], check=False).stdout
+    return fields(out).get("JobState", "GONE")

@@ -22,7 +22,7 @@ from runs import decisions, finish, newest_ready, told, wait
 from hpcft import events
 from hpcft.agent import status as agent_status
 from hpcft.deps import available
-from hpcft.launch.config.model import DEFAULT_PRELOAD
+from hpcft.launch.config.sections import DEFAULT_PRELOAD
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 REFERENCE = Path(__file__).parent / "helpers" / "example_reference.py"
@@ -35,9 +35,10 @@ ARGS = ("--steps", str(STEPS), "--width", "32", "--layers", "2", "--heads", "2",
 # --sleep: the tiny model trains a step in milliseconds; a run must last until its node is crashed (_ready_to_crash)
 SLEEP = "0.5"
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one thread a rank: the same kernels here and there
-# the nodes of each run (active, active, spare) and the node crashed under each pair of runs: the DTensor ones
-# together (slower steps), the fastest steps beside the latest start (llama's standbys import transformers too)
-PAIRS = {"n2": (("tp", "fsdp2"), "n1,n2,n5"), "n4": (("ddp", "llama"), "n3,n4,n6")}
+# the nodes of each run (active, active, spare) and the node crashed under each pair of runs: the latest start
+# (llama's standbys import transformers too) beside a slow run (fsdp2's DTensor steps), so that no run of a pair ends
+# before its partner has protected a step (ddp beside llama had, on CI's box, and was crashed after its last step)
+PAIRS = {"n2": (("ddp", "tp"), "n1,n2,n5"), "n4": (("fsdp2", "llama"), "n3,n4,n6")}
 NAMES = ["ddp", "tp", "fsdp2"] + (["llama"] if available("transformers") else [])
 # what a user of llama.py adds to the standbys' imports, so that no rank imports transformers itself
 PRELOAD = {"llama": f"{DEFAULT_PRELOAD},transformers.models.llama.modeling_llama"}
@@ -75,10 +76,10 @@ def _ready_to_crash(outs: list[Path]) -> bool:
     """Every run on the node has a protected step, and the spares' standbys have imported torch, so that the relaunch
     forks the spares' ranks, as on a cluster whose spare has cores of its own (started cold here, they would import
     torch beside the standby, yielding its cores to them: the costliest seconds of the test). Under a load that holds
-    a spare's standby back, the crash comes once one of the runs is two thirds through all the same, started cold."""
+    a spare's standby back, the crash comes once one of the runs is half through all the same, started cold."""
     runs = [_progress(out) for out in outs]
     return all(step > 0 for step, _ in runs) and (all(spare for _, spare in runs)
-                                                   or any(step >= STEPS * 2 // 3 for step, _ in runs))
+                                                   or any(step >= STEPS // 2 for step, _ in runs))
 
 
 @pytest.fixture(scope="module")

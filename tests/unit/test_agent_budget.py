@@ -16,7 +16,7 @@ from hpcft.agent.transport import autogroup
 from hpcft.agent.transport.throttle import Throttle
 from hpcft.launch.config import model as config
 from hpcft.launch.policy.layout import Layout
-from hpcft.launch.steps.agents import agent_cores, agent_settings
+from hpcft.launch.steps.agentconf import agent_cores, agent_settings
 
 NODES = ("n1", "n2", "n3")
 

@@ -33,6 +33,24 @@ def test_the_overlay_is_symmetric_and_logarithmic():
     assert period_for(5.0) == 0.5 and period_for(3.0) == 0.3 and period_for(2.0) == 0.2
 
 
+def test_a_failing_agent_with_a_late_peer_names_it_once_its_own_heartbeat_does_not_the_peer_that_aborted_first():
+    """CI once saw slot 1 name slot 3, whose agent had shut its mesh over slot 2's silence 10 ms before slot 1's own
+    heartbeat named slot 2: the supervisor probed the healthy node."""
+    import threading
+    from types import SimpleNamespace
+
+    from hpcft.agent.agent import _silence
+
+    beat = SimpleNamespace(timeout=LOSS_S, suspect=None, late=[2], cause="")
+    threading.Timer(0.2, lambda: setattr(beat, "suspect", (2, 3.2)) or setattr(beat, "cause", "silent")).start()
+    started = time.monotonic()
+    named = _silence(beat)
+    assert named is not None and named.peer_slot == 2 and 0.15 < time.monotonic() - started < LOSS_S
+    assert _silence(SimpleNamespace(timeout=LOSS_S, suspect=None, late=[], cause="")) is None  # at once: none late
+    never = SimpleNamespace(timeout=0.3, suspect=None, late=[2], cause="")  # a late peer that is never named
+    assert _silence(never) is None and _silence(None) is None
+
+
 def _phases(shared: Path) -> dict[int, dict]:
     return agent_status.read(shared, "t")
 

@@ -8,7 +8,7 @@ import pytest
 
 from hpcft.errors import ConfigError
 from hpcft.launch.config import model as config
-from hpcft.launch.steps.agents import agent_mpi
+from hpcft.launch.steps.agentconf import agent_mpi
 
 
 def test_tcp_is_the_default_and_the_environment_and_cli_override_the_file(tmp_path):

@@ -106,7 +106,7 @@ def test_recovery_keep_refuses_a_directory_with_something_in_it(tmp_path):
 def test_a_failed_recovery_bench_keeps_the_sandboxs_logs_with_its_runs(tmp_path):
     """The bench's own sandbox goes with its end: on a failure its Slurm logs are copied beside the runs' output
     (a batch-host run once failed with nothing left to tell why). A log gone meanwhile is skipped."""
-    from hpcft.bench.recovery import keep_logs
+    from hpcft.bench.sandboxed import keep_logs
 
     logs = tmp_path / "logs"
     logs.mkdir()

@@ -22,7 +22,7 @@ from hpcft.launch.config.site import SiteConfig
 from hpcft.launch.submit import SubmitSpec, render, walltime_seconds
 from hpcft.launch.policy.layout import Layout
 from hpcft.launch.node.srun import probe_argv, trainer_argv
-from hpcft.launch.steps.agents import agent_mpi, agent_settings
+from hpcft.launch.steps.agentconf import agent_mpi, agent_settings
 
 GOLDEN = Path(__file__).parent / "golden"
 NODES = [f"frontier{n:05d}" for n in range(10, 16)]

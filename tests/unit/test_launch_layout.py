@@ -6,7 +6,7 @@ from hpcft.errors import ConfigError
 from hpcft.launch.config import model as config
 from hpcft.launch.config import resolve
 from hpcft.launch.config import profiles
-from hpcft.launch.policy.layout import Layout, NoSpareError, given_back
+from hpcft.launch.policy.layout import Layout, NoSpareError, given_back, run_shape
 from hpcft.launch.node.srun import master_port, step_env, task_env
 
 NODES = ["n1", "n2", "n3", "n4", "n5", "n6"]
@@ -147,3 +147,15 @@ def test_the_default_protects_wherever_the_allocation_allows_it(active, want):
 def test_bad_protection_options_are_named(options, message):
     with pytest.raises(ConfigError, match=message):
         config.load(options, {})
+
+
+def test_a_run_takes_the_spares_its_allocation_has_and_a_requeued_one_grows_back_where_it_can():
+    assert run_shape(0, 4, 2, 6, successor=False) == (4, 2)
+    assert run_shape(0, 4, 2, 5, successor=False) == (4, 1)  # Slurm filled the range --nodes=4-6 with 5
+    assert run_shape(0, 4, 2, 3, successor=False) == (4, 0)  # too few for the active nodes: check_shape says so
+    assert run_shape(0, None, 1, 5, successor=False) == (None, 1)  # no --nodes: the allocation less the spares
+    assert run_shape(4, 4, 2, 5, successor=False) == (4, 1)  # requeued onto the 5 nodes in service
+    assert run_shape(3, 4, 2, 6, successor=False) == (4, 2)  # shrunk (--elastic), requeued: grows back
+    assert run_shape(3, 4, 2, 3, successor=False) == (3, 0)  # not enough nodes to grow back
+    assert run_shape(3, 4, 2, 5, successor=True) == (3, 2)  # a successor runs the slots as they were
+    assert run_shape(4, None, 1, 5, successor=False) == (4, 1)  # --nodes not given: the slots it ran

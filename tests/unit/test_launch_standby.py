@@ -323,7 +323,7 @@ def test_what_a_rank_leaves_in_its_group_ends_with_it(node, tmp_path):
 
 PRELOADED_RESTORE = """import importlib, sys
 import torch
-from hpcft.launch.config.model import DEFAULT_PRELOAD
+from hpcft.launch.config.sections import DEFAULT_PRELOAD
 for name in DEFAULT_PRELOAD.split(","):
     importlib.import_module(name)
 import hpcft

@@ -1,5 +1,6 @@
 """hpcft's layers (docs/design.md "A module map"): no import runs up the declared order and no packages import each
-other. Every import counts: those inside functions too (a late import is a dependency all the same)."""
+other. Every import counts: those inside functions too (a late import is a dependency all the same). And no file
+over 400 lines."""
 from __future__ import annotations
 
 import ast
@@ -143,3 +144,10 @@ def test_no_import_up_the_layers() -> None:
                    f"INSIDE puts {inside[0]} at or above {inside[1]} (a package's root modules are its top)")
             wrong.append(f"{where} imports {target}: {why}")
     assert not wrong, "imports up the layers (tests/unit/test_layers.py ORDER, INSIDE):\n  " + "\n  ".join(wrong)
+
+
+def test_no_file_over_400_lines() -> None:
+    """STYLE.md: no module over 400 lines, the tests' own files included (a file that fits on a few screens)."""
+    files = [*ROOT.rglob("*.py"), *(ROOT.parent / "tests").rglob("*.py")]
+    long = {str(p.relative_to(ROOT.parent)): n for p in files if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"split these files (STYLE.md: no module over 400 lines): {long}"

@@ -70,12 +70,30 @@ def test_a_job_slurm_shrank_keeps_out_only_what_its_whole_allocation_can_spare()
     (found by hpcft chaos: two nodes of a set lost, then the walltime warning)."""
     from hpcft.slurm.state import requeue
 
-    job = {"job": "JobId=7 Partition=batch NumNodes=4 NumTasks=6 ExcNodeList=(null) Reservation=(null)",
-           "partition": "PartitionName=batch Nodes=n[1-7] State=UP"}
+    job = {"job": "JobId=7 Partition=batch NodeList=n[1-5] NumNodes=4 NumTasks=6 ExcNodeList=(null) "
+                  "Reservation=(null)", "partition": "PartitionName=batch Nodes=n[1-7] State=UP"}
     slurm = _Requeue(job)
     done = requeue(slurm, "7", ["n4", "n5"], nodes=6)
     assert slurm.unkillable == [["scontrol", "requeue", "7"], ["scontrol", "update", "JobId=7", "ExcNodeList=n4"]]
     assert done.excluded == ["n4"] and done.allowed == ["n5"]
+
+
+def test_a_node_found_bad_in_an_earlier_allocation_is_allowed_again_and_the_users_exclusion_stays():
+    """hpcft's exclusions used to pile up for the job's life: a node kept out once (or marked down by Slurm and
+    repaired since) stayed out, and seed 1 of the mtbf-60 chaos ran its last 100 minutes on a pool of its exact size,
+    each node loss then waiting for a repair. Only a suspect the job still holds is kept out; the last requeue's
+    exclusion (`ours`) is lifted, the user's --exclude stays."""
+    from hpcft.slurm.state import requeue
+
+    job = {"job": "JobId=7 Partition=batch NodeList=n[1-4] NumNodes=4 ExcNodeList=n[6-7] Reservation=(null)",
+           "partition": "PartitionName=batch Nodes=n[1-8] State=UP"}
+    slurm = _Requeue(job)
+    done = requeue(slurm, "7", ["n6", "n2"], nodes=4, ours=["n6"])
+    assert slurm.unkillable[-1] == ["scontrol", "update", "JobId=7", "ExcNodeList=n7,n2"]
+    assert (done.excluded, done.trusted) == (["n2"], ["n6"]) and "n6 (IDLE) allowed again" in done.reason()
+    slurm = _Requeue({**job, "job": job["job"].replace("n[6-7]", "n7")})
+    done = requeue(slurm, "7", ["n6"], nodes=4, ours=[])  # nothing to change: no update
+    assert slurm.unkillable == [["scontrol", "requeue", "7"]] and done.trusted == ["n6"]
 
 
 def test_a_requeue_does_not_wait_for_the_answer_to_its_exclusion_that_slurm_gives_once_the_job_has_ended():
@@ -86,8 +104,8 @@ def test_a_requeue_does_not_wait_for_the_answer_to_its_exclusion_that_slurm_give
 
     from hpcft.slurm.state import UPDATE_ANSWER_S, requeue
 
-    job = {"job": "JobId=7 Partition=batch NumNodes=4 NumTasks=4 ExcNodeList=(null) Reservation=(null)",
-           "partition": "PartitionName=batch Nodes=n[1-7] State=UP"}
+    job = {"job": "JobId=7 Partition=batch NodeList=n[1-4] NumNodes=4 NumTasks=4 ExcNodeList=(null) "
+                  "Reservation=(null)", "partition": "PartitionName=batch Nodes=n[1-7] State=UP"}
     slurm = _Requeue(job, update=["sleep", "5"])
     started = time.monotonic()
     done = requeue(slurm, "7", ["n4"], nodes=4)
@@ -105,3 +123,13 @@ def test_a_job_slurm_requeued_itself_after_a_node_failure_is_still_a_batch_job()
     for flag, batch in (("0", False), ("1", True), ("2", True), ("", False)):
         slurm = _Slurm({"job": f"JobId=7 NodeList=n[1-2] TimeLimit=UNLIMITED BatchFlag={flag} Requeue=1 Restarts=3"})
         assert job_info(slurm, "7").batch is batch, flag
+
+
+def test_a_requeue_with_nothing_to_keep_out_or_lift_asks_slurmctld_nothing_more():
+    """A walltime requeue of a job with no node found bad: no job, partition or node reads (a shared slurmctld)."""
+    from hpcft.slurm.state import requeue
+
+    slurm = _Requeue({})
+    done = requeue(slurm, "7", [], nodes=4)
+    assert (slurm.asked, slurm.unkillable) == ([], [["scontrol", "requeue", "7"]])
+    assert done.reason() == "no node was found bad: nothing to keep out of the next allocation"

@@ -210,7 +210,8 @@ def test_a_requeue_the_run_asked_for_itself_is_no_lost_batch_host(tmp_path):
 def test_requeued_says_what_slurm_reported_of_each_node_found_bad(tmp_path, states, excluded, allowed, says, never):
     sup = _supervisor(tmp_path, _Slurm({"n1": "ALLOCATED", **states}))
     layout = Layout.plan(NODES, active=2, spares=1)
-    sup._finish(Decision(Action.REQUEUE, "no spare left", layout, 4), RunState(excluded=["n2"]))
+    sup._finish(Decision(Action.REQUEUE, "no spare left", layout, 4),
+                RunState(excluded=["n2"], slots=list(layout.slots)))
     said = _said(sup, "requeued")[-1]
     assert said["slurm_excluded"] == ",".join(excluded) and said["allowed"] == ",".join(allowed), said
     assert all(word in said["reason"] for word in says), said

@@ -126,9 +126,28 @@ def test_a_silent_supervisor_on_a_live_node_is_asked_about_at_most_every_30_s(tm
     for _ in range(60):
         clock.t += janitor.CHECK_S
         watch.check()
-    assert asked and asked[0] - 1000.0 >= janitor.SILENCE_S
+    assert asked and asked[0] - 1000.0 >= succession.read(tmp_path).loss_timeout
     assert all(b - a >= janitor.ASK_SLURM_S for a, b in zip(asked, asked[1:])), asked
     assert not list(tmp_path.glob("supervisor-claim-*"))
+
+
+@pytest.mark.parametrize("loss_timeout, silence", [(1.5, 1.5), (0.0, janitor.SILENCE_S)])
+def test_the_supervisor_is_a_suspect_after_the_runs_loss_timeout(tmp_path, monkeypatch, loss_timeout, silence):
+    """As an agent's peer is (--loss-timeout); with the heartbeats off (0), after janitor.SILENCE_S."""
+    _record(tmp_path, loss_timeout=loss_timeout)
+    clock, asked = _Clock(), []
+    watch = _watch(tmp_path, "frontier00043", clock)
+    monkeypatch.setattr(succession, "ping", lambda *a, **k: None)
+
+    class Info:
+        batch, nodes = True, ["frontier00042", "frontier00043"]
+
+    monkeypatch.setattr(janitor, "job_info", lambda *_: asked.append(clock.t - 1000.0) or Info)
+    monkeypatch.setattr(janitor, "NodeCheck", _checks({}))
+    while not asked and clock.t < 1100:
+        clock.t += 0.25
+        watch.check()
+    assert asked and silence <= asked[0] < silence + 0.5, asked
 
 
 def test_a_successor_that_took_over_is_watched_instead(tmp_path, monkeypatch):
@@ -138,7 +157,7 @@ def test_a_successor_that_took_over_is_watched_instead(tmp_path, monkeypatch):
     monkeypatch.setattr(succession, "ping", lambda *a, **k: None)
     dataclasses.replace(succession.read(tmp_path), generation=1, host="frontier00043").write(tmp_path)
     monkeypatch.setattr(janitor, "job_info", lambda *_: pytest.fail("a successor is known: nothing to ask"))
-    clock.t += janitor.SILENCE_S + 1
+    clock.t += succession.read(tmp_path).loss_timeout + 1
     watch.check()
     assert watch.record.generation == 1 and watch.record.host == "frontier00043"
 
@@ -155,7 +174,7 @@ def test_the_supervisors_lost_node_makes_one_janitor_its_successor(tmp_path, mon
     monkeypatch.setattr(janitor, "NodeCheck", _checks({"frontier00042": "left the allocation (state DOWN*)"}))
     monkeypatch.setattr(janitor, "_lost", lambda *a: did.append(a))
     first, second = (_watch(tmp_path, me, clock) for me in ("frontier00043", "frontier00044"))
-    clock.t += janitor.SILENCE_S + 1
+    clock.t += succession.read(tmp_path).loss_timeout + 1
     first.check()
     second.check()
     assert len(did) == 1 and did[0][4] == 1 and did[0][5] == "left the allocation (state DOWN*)", did

@@ -5,7 +5,8 @@ from pathlib import Path
 
 from hpcft.errors import ConfigError
 from hpcft.launch.config.detect import Devices, check_fits
-from hpcft.launch.config.model import DEFAULT_GROUP, RunConfig, env_name
+from hpcft.launch.config.model import RunConfig, env_name
+from hpcft.launch.config.sections import DEFAULT_GROUP
 
 def resolve_protect(cfg: RunConfig, active: int) -> RunConfig:
     """`cfg` made concrete for `active` training nodes: auto protects wherever the allocation allows it (xor from 3

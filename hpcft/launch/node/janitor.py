@@ -2,8 +2,9 @@
 janitor task per node removes the job's store on SIGUSR2 from `hpcft run`, or on Slurm's SIGTERM unless a requeue is
 pending (`requeue_flag`, node/clean.py). As Slurm keeps a `--no-kill` job RUNNING with nobody in charge once the
 supervisor's node is lost, the janitors after it ping its beacon (launch/node/succession.py); when it is silent for
-SILENCE_S and Slurm says its node is bad or gone, the first to claim becomes the supervisor in the same allocation, or,
-where no successor can be (`--no-takeover`, salloc's hpcft run), requeues the job (`event=batch_host_lost`)."""
+--loss-timeout and Slurm says its node is bad or gone, the first to claim becomes the supervisor in the same
+allocation, or, where no successor can be (`--no-takeover`, salloc's hpcft run), requeues the job
+(`event=batch_host_lost`)."""
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ from hpcft.slurm.runner import Runner
 from hpcft.store.paths import job_dir, resolve_root
 
 JANITOR_STEP_NAME = "hpcft-janitor"
-SILENCE_S = 5.0  # the supervisor unanswering this long, and its node bad (Slurm, or a probe): it is lost
+SILENCE_S = 5.0  # with --loss-timeout 0 (no heartbeats): the supervisor unanswering this long is a suspect
 CHECK_S = 1.0  # a watcher's ping period
 FAR_CHECK_S = 60.0  # the other janitors' (should the supervisor and its watchers be lost together)
 ASK_SLURM_S = 30.0  # while the supervisor is silent on a live node, Slurm is asked at most this often
@@ -221,7 +222,7 @@ class SupervisorWatch:
         if succession.ping(self.record.beacon, self.record.token) is not None:
             self.answered = now
             return
-        if now - self.answered < SILENCE_S:
+        if now - self.answered < (self.record.loss_timeout or SILENCE_S):
             return
         if self._asked > self.answered and now - self._asked < ASK_SLURM_S:
             return  # Slurm said the silent supervisor's node is alive: asked again later, not at every ping

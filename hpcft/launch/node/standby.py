@@ -25,7 +25,7 @@ from hpcft.agent.transport import autogroup
 from hpcft.launch.node import progress, zygote
 from hpcft.launch.node.standby_child import Job, run_child
 from hpcft.slurm.nodelist import expand
-from hpcft.launch.config.model import DEFAULT_PRELOAD
+from hpcft.launch.config.sections import DEFAULT_PRELOAD
 
 STATUS_DIR = "standby"  # <job dir>/standby/<node>.json: each standby's phase, for the supervisor's wait
 _log = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hpcft.agent.transport.heartbeat import LOSS_TIMEOUT_S
 from hpcft.agent.transport.rendezvous import addresses
 
 ENV_SUCCESSION = "HPCFT_SUCCESSION"  # in a successor's environment: "GENERATION:LOST_NODE"
@@ -38,6 +39,7 @@ class Record:
     env: dict[str, str]
     takeover: bool = True  # --takeover: whether a janitor may become the supervisor (else it requeues)
     probe_timeout: float = 15.0  # --probe-timeout: how long the supervisor's node may take to answer a probe
+    loss_timeout: float = LOSS_TIMEOUT_S  # --loss-timeout: the supervisor unanswering this long is a suspect
     pid: int = 0
     started: float = field(default_factory=time.time)
 
@@ -152,7 +154,8 @@ def succeeds(environ: Mapping[str, str]) -> tuple[int, str]:
 
 
 def start(job_dir: str | os.PathLike, environ: Mapping[str, str], iface: str | None,
-          argv: Sequence[str] | None, takeover: bool = True, probe_timeout: float = 15.0) -> Beacon:
+          argv: Sequence[str] | None, takeover: bool = True, probe_timeout: float = 15.0,
+          loss_timeout: float = LOSS_TIMEOUT_S) -> Beacon:
     """Answer the janitors and say where (supervisor.json): once, at the supervisor's start. `argv`: `hpcft run`'s
     arguments, which a successor runs again (None: no successor can, and a lost supervisor means a requeue)."""
     gen = succeeds(environ)[0]
@@ -160,6 +163,5 @@ def start(job_dir: str | os.PathLike, environ: Mapping[str, str], iface: str | N
     env = {k: v for k, v in environ.items() if k != ENV_SUCCESSION}
     Record(generation=gen, host=environ.get("SLURMD_NODENAME") or socket.gethostname(), beacon=beacon.address,
            token=beacon.token, argv=list(argv or []), cwd=os.getcwd(), env=env, takeover=takeover,
-           probe_timeout=probe_timeout,
-           pid=os.getpid()).write(job_dir)
+           probe_timeout=probe_timeout, loss_timeout=loss_timeout, pid=os.getpid()).write(job_dir)
     return beacon

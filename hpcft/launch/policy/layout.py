@@ -14,6 +14,16 @@ def given_back(excluded: list[str] | tuple[str, ...], allocation: list[str] | tu
     return [] if successor else [n for n in excluded if n in allocation]
 
 
+def run_shape(ran: int, nodes: int | None, spares: int, usable: int, successor: bool) -> tuple[int | None, int]:
+    """(active nodes, spares) of a run in an allocation of `usable` nodes, the job asking for `nodes` active ones
+    (None: the allocation less the spares) and `spares`, having run `ran` slots before (0: none, or a new job). A
+    successor runs the slots as they were; a requeued run those, or the active nodes asked for where it has them
+    (after an elastic shrink). Spares are those the allocation has beyond the active nodes: `hpcft submit` asks for
+    a range (--nodes=N-(N+S)), which Slurm fills with the nodes in service."""
+    active = ran if successor else max(ran, min(nodes or 0, usable)) if ran else nodes
+    return (None, spares) if active is None else (active, max(0, min(spares, usable - active)))
+
+
 class NoSpareError(ConfigError):
     """A slot lost its node and no spare is left to take it."""
 
