@@ -120,13 +120,14 @@ def forward(sink: Callable[[dict], bool] | None) -> None:
 
 
 def read(log_dir: str | os.PathLike) -> list[dict]:
-    """All events recorded in `log_dir`, oldest first (for status views and tests)."""
+    """All events recorded in `log_dir`, oldest first (for status views and tests). A line not yet ended is one still
+    being written (a reader sees a write that crosses a page boundary in part): it is left for the next read."""
     path = Path(log_dir) / "events.jsonl"
     try:
         text = path.read_text(encoding="utf-8")
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # none, or not a record (`append` says so)
         return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 class Tail:

@@ -19,7 +19,8 @@ from hpcft.agent import status
 from hpcft.agent.transport import uplink
 from hpcft.agent.transport.autogroup import Below
 from hpcft.agent.protection.budget import LagBudget, at_trainers_priority, foreseen_lag, pause
-from hpcft.agent.protection.bundle import Bundle, both, complete_steps, local_versions, owned, pin_targets
+from hpcft.agent.protection.bundle import (Bundle, both, complete_steps, local_versions, owned, pin_targets,
+                                          release_others)
 from hpcft.agent.transport.heartbeat import Heartbeat, PeerSilent
 from hpcft.agent.transport.link import COUNT
 from hpcft.agent.transport.mesh import Mesh, MeshBase
@@ -41,14 +42,15 @@ LATE_VERDICT_POLL_S = 0.05  # how often a failing agent looks for its heartbeat'
 
 
 def protect_newest(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, keep: int = 2,
-                   failed: set[int] | None = None) -> Record | None:
+                   failed: set[int] | None = None, ranks: Collection[int] | None = None) -> Record | None:
     """One collective round: protect the newest step complete on every node and not yet protected everywhere, pinned
     for the pass; None if there is none, or a node's copy was reused before the pin or is damaged (with an event).
     `failed`: the steps whose pass found that (the same set on every agent), not tried again while they are held:
-    a damaged copy pinned round after round would also keep a relaunched trainer's restore from withdrawing it."""
+    a damaged copy pinned round after round would also keep a relaunched trainer's restore from withdrawing it.
+    `ranks`: the node's (`complete_steps`)."""
     started = time.perf_counter()
     failed = set() if failed is None else failed
-    complete = complete_steps(job)
+    complete = complete_steps(job, ranks=ranks)
     held = mesh.allreduce(sorted(complete), both, STEPS)  # held everywhere: log2 N messages of one list each
     done = mesh.allreduce(sorted(records(job)), both, STEPS)
     failed &= set(held)
@@ -89,10 +91,11 @@ def _readable(bundle: Bundle, mesh: MeshBase) -> bool:
         return False
 
 
-def keep_newest_protected(mesh: MeshBase, job: Path, pins: Pins) -> int | None:
+def keep_newest_protected(mesh: MeshBase, job: Path, pins: Pins,
+                          ranks: Collection[int] | None = None) -> int | None:
     """At start (collective): keep pinned the newest step every node holds and has a record of, as a pass would have,
     so resuming trainers do not recycle it; agreed, as a record of a step a lost peer never committed guards nothing."""
-    complete, recs = complete_steps(job), records(job)
+    complete, recs = complete_steps(job, ranks=ranks), records(job)
     everywhere = mesh.allreduce(sorted(set(complete) & set(recs)), both, STEPS)
     if not everywhere:
         return None
@@ -102,13 +105,15 @@ def keep_newest_protected(mesh: MeshBase, job: Path, pins: Pins) -> int | None:
 
 def protection_lag(complete: dict[int, dict], protected: Iterable[int]) -> tuple[int | None, float | None]:
     """How far protection trails the trainers here: (steps, seconds between the two snapshots), None where nothing
-    is protected (or a snapshot's time is unknown)."""
-    done = [s for s in protected if s in complete]
+    is protected (or a snapshot's time is unknown, as a protected step the trainers no longer hold: the lag counts
+    from it all the same, else a stall behind a recycled step would read as none)."""
+    done = list(protected)
     if not complete or not done:
         return None, None
     newest, guarded = max(complete), max(done)
-    a, b = _taken(complete, newest), _taken(complete, guarded)
-    return newest - guarded, None if a is None or b is None else round(max(0.0, a - b), 3)
+    a = _taken(complete, newest)
+    b = _taken(complete, guarded) if guarded in complete else None
+    return max(0, newest - guarded), None if a is None or b is None else round(max(0.0, a - b), 3)
 
 
 def _taken(complete: dict[int, dict], step: int) -> float | None:
@@ -261,7 +266,7 @@ def run(cfg: AgentConfig) -> int:
     # data files a killed pass left without a record; no record is retired by count here: after passes that failed
     # their barrier, the newest step protected on every node may be older than this node's two newest records
     drop_orphans(protect_dir(job))
-    node = socket.gethostname()
+    node, mine = socket.gethostname(), cfg.ranks  # the ranks whose snapshots this node protects
     up = uplink.from_env(cfg.secret, tag=cfg.tag, slot=cfg.slot, node=node, job=None if cfg.root else job)
     publish = up.status if up is not None else partial(status.write, cfg.rendezvous, cfg.tag, cfg.slot)
     requests = status.Requests(cfg.rendezvous, cfg.tag, (lambda: up.orders) if up is not None else None)
@@ -277,7 +282,7 @@ def run(cfg: AgentConfig) -> int:
         nonlocal said, guarded, behind_since
         said = phase
         versions = local_versions(job)
-        complete, recs, by_rank = complete_steps(job, versions), records(job), _by_rank(versions)
+        complete, recs, by_rank = complete_steps(job, versions, mine), records(job), _by_rank(versions)
         lag_steps, lag_s = protection_lag(complete, recs)
         newest = max(recs) if recs else None
         if newest != guarded or not lag_steps:  # advanced, or nothing newer staged: no stall (`hpcft status`)
@@ -328,13 +333,13 @@ def run(cfg: AgentConfig) -> int:
         with mesh.throttle.uncapped():  # the trainers wait for this: no cap, and none of it billed to the rounds
             if cfg.rebuild:
                 try:
-                    outcome = rebuild(mesh, placement, job, pins, cfg.job_id, cfg.root)
+                    outcome = rebuild(mesh, placement, job, pins, cfg.job_id, cfg.root, mine)
                 except NoCheckpointError as exc:
                     report(status.FAILED, reason="no_checkpoint", error=str(exc))
                     raise
                 extra = {"rebuilt_step": outcome.step, "rebuilt": list(outcome.rebuilt)}
                 print(f"slot={cfg.slot} rebuilt={outcome.step} here={cfg.slot in outcome.rebuilt}", flush=True)
-            keep_newest_protected(mesh, job, pins)
+            keep_newest_protected(mesh, job, pins, mine)
         report(status.READY, **extra)
         done, failed = 0, set()  # the steps a pass found damaged or reused on some node (protect_newest)
         while cfg.rounds <= 0 or done < cfg.rounds:
@@ -343,13 +348,15 @@ def run(cfg: AgentConfig) -> int:
             mesh.pace()  # the rounds' own CPU (all-gathers, status, manifest reads) counts against the cap
             rec, began = None, time.monotonic()
             if flusher.busy:  # first, so that a flush past the store frees it for this round's pass
-                _flush_round(flusher, mesh, complete_steps(job), records(job), cfg.scheme, owner)
+                _flush_round(flusher, mesh, complete_steps(job, ranks=mine), records(job), cfg.scheme, owner)
             if not flusher.pinning and cfg.scheme.name != "none":  # the same on every agent (collective rounds)
                 try:
-                    rec = protect_newest(mesh, placement, job, pins, failed=failed)
+                    rec = protect_newest(mesh, placement, job, pins, failed=failed, ranks=mine)
                 except StaleStep as exc:  # after the exchange, so the mesh is still in step
                     events.emit("protect_stale", slot=cfg.slot, reason=str(exc))
-            complete, recs = complete_steps(job), records(job)
+                if rec is not None and mine is not None:
+                    release_others(job, mine, rec.step, cfg.slot)
+            complete, recs = complete_steps(job, ranks=mine), records(job)
             if not flusher.busy:  # then a new one when due, which sees this round's pass
                 _flush_round(flusher, mesh, complete, recs, cfg.scheme, owner)
             lag, per_step, round_s = protection_lag(complete, recs)[0], step_seconds(complete), time.monotonic() - began

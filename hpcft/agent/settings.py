@@ -14,6 +14,7 @@ from hpcft.agent.transport.heartbeat import LOSS_TIMEOUT_S
 from hpcft.agent.transport.throttle import CPU_SHARE
 from hpcft.durable.settings import PersistConfig
 from hpcft.errors import ConfigError
+from hpcft.store.paths import slot_ranks
 
 NODE_FIELDS = ("job_id", "slot", "slots", "secret", "bind", "tag", "rebuild", "root")  # derived on the node
 
@@ -41,6 +42,7 @@ class AgentConfig:
     lag_cores: float = 1.0  # the most cores a lag bound may raise the cap to (`hpcft run`: protection/budget.ceiling)
     loss_timeout: float = LOSS_TIMEOUT_S  # seconds of silence after which a peer is a suspect (0: no heartbeats)
     transport: str = "tcp"  # the mesh's carrier: tcp, or mpi (transport/mpimesh.py; the heartbeats stay on TCP)
+    tasks_per_node: int = 0  # the ranks a slot runs (store.paths.slot_ranks); 0: every rank directory on the node
     job_id: str = ""
     slot: int = 0
     slots: int = 1
@@ -53,6 +55,11 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if self.transport not in ("tcp", "mpi"):
             raise ConfigError(f"agent settings: transport {self.transport!r} is neither tcp nor mpi")
+
+    @property
+    def ranks(self) -> range | None:
+        """The ranks whose snapshots this node protects in this launch (None: every rank directory in its store)."""
+        return slot_ranks(self.slot, self.tasks_per_node) if self.tasks_per_node else None
 
     def to_json(self) -> str:
         """The launch's settings as one JSON object (not the node's own fields)."""

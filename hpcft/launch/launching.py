@@ -198,6 +198,9 @@ class LaunchState:
             suspects = self.agents.lost(layout)
             if suspects is not None and (event := agents_lost(suspects)) is not None:
                 return event
+            if self.cfg.protection.protected:
+                self.protection.poll(self.agents.protected(), self.fabric.view.reached(layout.world_size),
+                                     sum(bool(r.get("flushing")) for r in self.agents.reports()))
             slow = self.stragglers.poll(layout, self.agents.protected)  # --evict-stragglers: one due for eviction
             if slow is not None:
                 return slow

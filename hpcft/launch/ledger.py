@@ -66,13 +66,14 @@ class Ledger:
             self.why_launch += f"; nothing protected the lost node's snapshots (--protect {protect})"
 
     def summary(self, action: Action, reason: str, saved: RunState, exit_code: int | None,
-                stragglers: dict[str, str]) -> None:
-        """The run's last word: its end, each loss, a lost batch host (ERROR if it gave up or restarted from 0)."""
+                watched: dict[str, str]) -> None:
+        """The run's last word: its end, each loss, a lost batch host (ERROR if it gave up or restarted from 0), and
+        what the watches add (`watched`: evictions, protection stalls)."""
         from_zero = any(loss.resumed_from == 0 for loss in self.lost)
         inproc = sum(e["event"] == "inprocess_restart" and e.get("rank") == 0 for e in events.read(self.job_dir))
         unwritten = self.unwritten()
         level = (logging.ERROR if action is Action.STOP or from_zero
-                 else logging.WARNING if self.lost or any(self.reshaped.values()) or stragglers or inproc
+                 else logging.WARNING if self.lost or any(self.reshaped.values()) or watched or inproc
                  or action is Action.REQUEUE or unwritten or self.previous
                  else logging.INFO)
         self.emit("summary", level=level, action=action.value, reason=reason, restarts=saved.restarts,
@@ -82,7 +83,7 @@ class Ledger:
                   **({"previous_run": self.previous.summary()} if self.previous else {}),
                   **({"supervised_by": ",".join(self.supervisors)} if self.supervisors else {}),
                   **{key: "; ".join(lines) for key, lines in self.reshaped.items() if lines},
-                  **stragglers, **({"unwritten": unwritten} if unwritten else {}))
+                  **watched, **({"unwritten": unwritten} if unwritten else {}))
 
     def unwritten(self) -> str:
         """What the run could not write to its job directory (a full disk, a quota): its events and status log."""

@@ -34,6 +34,7 @@ from hpcft.launch.steps.preflight import Preflight
 from hpcft.launch.node.nodecheck import NodeCheck
 from hpcft.launch.steps.standbys import STANDBY_STEP_NAME, Standbys
 from hpcft.launch.steps.stop import StepStopper, stop_steps_left
+from hpcft.launch.watch.protection import ProtectionWatch
 from hpcft.launch.watch.stragglers import StragglerWatch
 from hpcft.slurm import state as slurmstate
 from hpcft.slurm.runner import Runner
@@ -90,11 +91,16 @@ class Supervisor(LaunchState):
         self.asked = cfg.launch  # the nodes and spares asked for (a run has the spares its allocation has)
         self.grow_watch = GrowWatch(cfg, self.runner, self.job_id, self.nodes, self.emit)
         self.stragglers = StragglerWatch(cfg, self.fabric.view.samples, self.emit)
+        self.protection = ProtectionWatch(self.emit)
         self.broadcast = broadcast.EnvBroadcast(cfg, self.profile, self.runner, self.job_dir, python, self.job_id,
                                                 self.environ, self.emit)
 
     def emit(self, kind: str, **fields) -> None:
         events.emit(kind, log_dir=str(self.job_dir), job=self.job_id, **fields)
+
+    def _watched(self) -> dict[str, str]:
+        """What the run's watches add to its summary (evictions, protection stalls)."""
+        return {**self.stragglers.summary(), **self.protection.summary()}
 
     def _terminated(self) -> bool:
         return self._signal == signal.SIGTERM
@@ -117,7 +123,7 @@ class Supervisor(LaunchState):
         except HpcftError as exc:  # every run's decisions are recorded, the one that gives up included
             self.emit("decision", level=logging.ERROR, action=Action.STOP.value, cause="error", reason=str(exc),
                       result=EXIT_ERROR)
-            self.ledger.summary(Action.STOP, str(exc), self.ledger.load(), EXIT_ERROR, self.stragglers.summary())
+            self.ledger.summary(Action.STOP, str(exc), self.ledger.load(), EXIT_ERROR, self._watched())
             if self._launched:  # the job ends here: nothing of it stays in node memory
                 try:
                     self._clean_up(slurmstate.job_info(self.runner, self.job_id).nodes)
@@ -198,6 +204,7 @@ class Supervisor(LaunchState):
                 return EXIT_ERROR
             if event is None:
                 self.stragglers.launched(self.cfg, saved.restarts)
+                self.protection.launched()
                 event = self._launch(layout, saved.launches)
                 if self._signal == signal.SIGTERM:
                     self.agents.stop()
@@ -307,7 +314,7 @@ class Supervisor(LaunchState):
             saved.requeues += 1
             self.ledger.save(saved)
         code = losses.exit_status(int(decision.exit_code or 0), self.ledger.lost, self.cfg.recovery.lost_progress_exit)
-        self.ledger.summary(decision.action, decision.reason, saved, code, self.stragglers.summary())
+        self.ledger.summary(decision.action, decision.reason, saved, code, self._watched())
         if decision.action is Action.REQUEUE:
             # in this order: what the next run needs is on disk before the requeue's SIGTERM reaches this process
             self.emit("requeue", level=logging.WARNING, excluded=",".join(saved.excluded), reason=decision.reason)

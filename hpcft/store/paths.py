@@ -69,6 +69,12 @@ def rank_name(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
+def slot_ranks(slot: int, tasks_per_node: int) -> range:
+    """The global ranks slot `slot` runs (`hpcft run`'s layout: fixed by the slot, not by srun's node order), whose
+    directories its node's store holds."""
+    return range(slot * tasks_per_node, (slot + 1) * tasks_per_node)
+
+
 def rank_dir(job: Path, rank: int) -> Path:
     """`<job dir>/rank-<r>`: one rank's slots and manifests."""
     return job / rank_name(rank)

@@ -80,3 +80,17 @@ def _flocked(fd: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def unheld(rank_dir: Path) -> bool:
+    """Whether no process writes `rank_dir` now: its lock is free (its writer exited) or absent."""
+    try:
+        fd = os.open(rank_dir / LOCK, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        return _flocked(fd)  # released with the close
+    finally:
+        os.close(fd)

@@ -2,6 +2,8 @@
 Slurm sandbox, 2 nodes of 2 ranks (tp.py: tensor parallel 2 inside a node, data parallel 2 across them; the others:
 data parallel 4), one node crashed once the agents protected a snapshot: the spare takes its slot, every rank resumes
 from memory, and the run ends bit-identical (parameters and AdamW state, final.pt) to a fault-free run of the steps.
+The spare holds old copies of the surviving node's ranks, as a node does that ran that slot before a requeue moved
+it: its agent protects its new slot's ranks all the same, and protection goes on after the relaunch.
 
 Cheap by construction (CI runs the whole suite on 2 cores): the four runs go at once, two to a pair of nodes (a
 sandbox node has 4 CPUs, a run takes 2 a node), and one crash hits both runs of a pair, as a node crash hits every
@@ -10,6 +12,7 @@ their place as torchrun tells them (helpers/example_reference.py: the same group
 in the same order, one thread a rank here and there), forked from one interpreter while the sandbox runs wait.
 """
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -23,6 +26,8 @@ from hpcft import events
 from hpcft.agent import status as agent_status
 from hpcft.deps import available
 from hpcft.launch.config.sections import DEFAULT_PRELOAD
+from hpcft.store import job_dir, secure_dir
+from hpcft.store.paths import ranks
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 REFERENCE = Path(__file__).parent / "helpers" / "example_reference.py"
@@ -82,6 +87,20 @@ def _ready_to_crash(outs: list[Path]) -> bool:
                                                    or any(step >= STEPS // 2 for step, _ in runs))
 
 
+def _shm(sandbox, node: str) -> Path:
+    return Path(f"/proc/{sandbox.node_pids(node)[0]}/root/dev/shm")
+
+
+def _plant_old_ranks(sandbox, nodes: str, out: Path) -> None:
+    """Copy the surviving node's rank directories into the spare's store (nodes: active, crashed, spare), as a node
+    holds them that ran that slot before a requeue moved it to the spares (stores outlive their run)."""
+    survivor, _, spare = nodes.split(",")
+    job = next(e["job"] for e in events.read(out / "job") if e.get("job"))
+    src, dst = job_dir(_shm(sandbox, survivor), job), secure_dir(job_dir(_shm(sandbox, spare), job))
+    for rdir in ranks(src).values():
+        shutil.copytree(rdir, dst / rdir.name, ignore=shutil.ignore_patterns("*.pin", "*.lock", "*.dirty"))
+
+
 @pytest.fixture(scope="module")
 def crashed_runs(sandbox, tmp_path_factory) -> dict[str, Run]:
     """Every example's run through its node's crash, and (in `reference/NAME/`) its fault-free run."""
@@ -99,6 +118,8 @@ def crashed_runs(sandbox, tmp_path_factory) -> dict[str, Run]:
             assert not ended, f"{ended} ended before their node was crashed" + told(base / ended[0])
             for node, names in list(left.items()):
                 if _ready_to_crash([base / name for name in names]):
+                    for name in names:
+                        _plant_old_ranks(sandbox, PAIRS[node][1], base / name)
                     sandbox.crash_node(node)  # slurmd, both runs' ranks on it, its /dev/shm
                     del left[node]
             return not left
@@ -144,6 +165,9 @@ def test_an_example_survives_a_node_crash_bit_identical(crashed_runs, name):
     resumed = {e["rank"]: e["step"] for e in events.read(run.out / "job") if e["event"] == "restore_done"}
     assert sorted(resumed) == list(range(RANKS)) and len(set(resumed.values())) == 1, resumed
     assert 0 < resumed[0] < STEPS, resumed  # from memory, mid-run
+    protected = [r.get("protected") for r in agent_status.read(run.out / "job" / "agents",
+                                                                 newest_ready(run.out / "job")).values()]
+    assert len(protected) == NODES and None not in protected and min(protected) > resumed[0], (protected, resumed)
     got = torch.load(run.out / "final.pt", weights_only=True)
     want = torch.load(run.out.parent / "reference" / name / "final.pt", weights_only=True)
     replicas = RANKS // PER_NODE if name == "tp" else RANKS

@@ -1,6 +1,7 @@
 """The event record never kills what writes it: a full disk (/dev/full: every write ENOSPC), a directory in the place
 of events.jsonl, a file in the place of the event directory. The events are kept in memory (bounded), said once,
-and written once the record can be; a training process outside `hpcft run` trains on."""
+and written once the record can be; a training process outside `hpcft run` trains on. A reader never trips on a line
+still being written."""
 import logging
 
 import torch
@@ -33,6 +34,13 @@ def test_the_kept_events_are_bounded_and_the_dropped_ones_counted(tmp_path, monk
     assert [int(line[6]) for line in kept.lines] == [3, 4] and kept.dropped == 3
     (tmp_path / "events.jsonl").unlink()
     assert events.append(tmp_path, {"i": 5}) and [e["i"] for e in events.read(tmp_path)] == [3, 4, 5]
+
+
+def test_a_record_read_while_a_line_is_being_written_holds_the_whole_lines_only(tmp_path):
+    events.append(tmp_path, {"event": "one"})
+    with open(tmp_path / "events.jsonl", "a") as f:  # what a reader sees of a write that crosses a page boundary
+        f.write('{"event": "two", "ra')
+    assert [e["event"] for e in events.read(tmp_path)] == ["one"]
 
 
 def test_a_trainer_whose_event_directory_is_a_file_or_whose_record_is_a_directory_trains_on(tmp_path, monkeypatch,

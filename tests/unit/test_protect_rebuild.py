@@ -1,10 +1,12 @@
 """Rebuild planning (pure) and the bundle round trip: which slots a step can be rebuilt on, and a bundle
 parsed from bytes checks every manifest and chunk and unpacks into committed rank-store versions."""
+import fcntl
+
 import numpy as np
 import pytest
 
 from hpcft.agent import status as agent_status
-from hpcft.agent.protection.bundle import Bundle, complete_steps, parse, unpack
+from hpcft.agent.protection.bundle import Bundle, complete_steps, parse, release_others, unpack
 from hpcft.agent.protection.codec import Unrecoverable
 from hpcft.agent.protection.placement import Scheme, plan
 from hpcft.agent.protection.rebuild import lost_slots
@@ -92,3 +94,24 @@ def test_wait_ready_gates_on_every_slot_and_reports_failures(tmp_path):
     with pytest.raises(NoCheckpointError):
         agent_status.wait_ready(tmp_path, "2", 2, timeout=1)
     assert agent_status.read(tmp_path)[0]["tag"] == "2"  # newest launch per slot
+
+
+def test_a_node_counts_only_its_slots_ranks_not_those_it_ran_before_a_requeue_moved_it(tmp_path):
+    """A node that left the allocation with its store and came back in another slot keeps the old ranks' directories:
+    counted, they leave no step complete on it, and protection stalls everywhere."""
+    for rank, steps in ((2, (8, 9)), (3, (8, 9)), (5, (1, 2))):  # slot 1 of 2 tasks a node; rank 5 from slot 2
+        for step in steps:
+            _commit(tmp_path, rank, step, 3000)
+    job = job_dir(tmp_path, "7")
+    assert complete_steps(job) == {}
+    mine = complete_steps(job, ranks=range(2, 4))
+    assert {s: sorted(v) for s, v in mine.items()} == {8: [2, 3], 9: [2, 3]}
+    assert complete_steps(job, ranks=range(0, 2)) == {}  # a slot whose ranks it does not hold yet
+    # once a newer step is protected everywhere, the old ranks' memory goes back (not while a process writes them)
+    _commit(tmp_path, 6, 1, 3000)
+    with open(job / "rank-00006" / "writer.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert release_others(job, range(2, 4), 2, slot=1) == {}  # rank 5 holds step 2: not older
+        freed = release_others(job, range(2, 4), 9, slot=1)
+    assert list(freed) == [5] and freed[5] >= 2 * 3000
+    assert sorted(p.name for p in job.glob("rank-*")) == ["rank-00002", "rank-00003", "rank-00006"]

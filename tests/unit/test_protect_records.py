@@ -46,6 +46,7 @@ def test_protection_lag_in_steps_and_seconds() -> None:
     complete = {3: held(100.0), 4: held(101.5), 7: held(106.25)}
     assert protection_lag(complete, [1, 4]) == (3, 4.75)
     assert protection_lag(complete, []) == (None, None)
+    assert protection_lag(complete, [2]) == (5, None)  # protected, since recycled by the trainers: the lag counts
     assert protection_lag({}, [4]) == (None, None)
 
 

@@ -7,8 +7,9 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import struct
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +19,9 @@ from hpcft import events
 from hpcft.agent.transport.link import COUNT, mismatch
 from hpcft.agent.transport.throttle import Throttle
 from hpcft.errors import IntegrityError, StoreError
-from hpcft.store import crc32c, seal, seal_key, manifest as mf, pin as store_pin
+from hpcft.store import crc32c, seal, seal_key, manifest as mf, pin as store_pin, writer
 from hpcft.store.owner import Owner, stranger
-from hpcft.store.paths import DATA, open_file, ranks, read_file, slot_file, slot_files
+from hpcft.store.paths import DATA, open_file, read_file, ranks, slot_file, slot_files
 
 _LEN = struct.Struct("!Q")
 _HEADER = {"step": COUNT, "ranks": [{"rank": COUNT, "manifest_bytes": COUNT, "data_bytes": COUNT}]}
@@ -70,11 +71,36 @@ def local_versions(job: Path) -> dict[int, dict[int, Held]]:
     return found
 
 
-def complete_steps(job: Path, versions: dict[int, dict[int, Held]] | None = None) -> dict[int, dict[int, Held]]:
-    """The steps every local rank holds (the node's complete versions), newest last; from `versions` when given."""
+def complete_steps(job: Path, versions: dict[int, dict[int, Held]] | None = None,
+                   ranks: Collection[int] | None = None) -> dict[int, dict[int, Held]]:
+    """The steps every one of the node's `ranks` holds (the node's complete versions, of those ranks), newest last;
+    from `versions` when given. `ranks` None: every rank directory here. A store also keeps the directories of ranks
+    the node ran before a requeue moved it to another slot: counted, they would leave no step complete."""
     versions = local_versions(job) if versions is None else versions
-    ranks = {r for by_rank in versions.values() for r in by_rank}
-    return dict(sorted((s, v) for s, v in versions.items() if set(v) == ranks))
+    want = {r for by_rank in versions.values() for r in by_rank} if ranks is None else set(ranks)
+    return dict(sorted((s, {r: h for r, h in v.items() if r in want}) for s, v in versions.items()
+                       if want and want <= set(v)))
+
+
+def release_others(job: Path, mine: Collection[int], protected: int, slot: int) -> dict[int, int]:
+    """Remove the directories of the ranks this node no longer runs (kept from a slot it ran before a requeue moved
+    it: no restore reads them) whose every version is older than `protected`, a step protected everywhere since, and
+    that no process writes: their memory goes back to the trainers (event `store_released`). {rank: bytes freed}."""
+    newest: dict[int, int] = {}
+    for step, held in local_versions(job).items():
+        for r in held:
+            newest[r] = max(step, newest.get(r, step))
+    freed = {}
+    for rank, rdir in ranks(job).items():
+        if rank in mine or newest.get(rank, -1) >= protected or not writer.unheld(rdir):
+            continue
+        freed[rank] = sum(f.stat().st_size for f in rdir.iterdir() if f.is_file())
+        shutil.rmtree(rdir, ignore_errors=True)
+    if freed:
+        events.emit("store_released", slot=slot, ranks=",".join(map(str, freed)), bytes=sum(freed.values()),
+                    protected=protected, reason="ranks this node ran in another slot before, older than a step "
+                    "protected since")
+    return freed
 
 
 def owned(complete: dict[int, dict[int, Held]], owner: Owner) -> dict[int, dict[int, Held]]:

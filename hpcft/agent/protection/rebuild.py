@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -108,10 +108,11 @@ class _Local:
 
 
 def rebuild(mesh: MeshBase, placement: Placement, job: Path, pins: Pins, job_id: str,
-            root: str | None = None) -> Outcome:
-    """Collective: make every slot hold the newest step it can, rebuilding lost bundles (see module doc)."""
+            root: str | None = None, ranks: Collection[int] | None = None) -> Outcome:
+    """Collective: make every slot hold the newest step it can, rebuilding lost bundles (see module doc); `ranks`:
+    the node's (`complete_steps`)."""
     t0 = time.perf_counter()
-    complete = complete_steps(job)
+    complete = complete_steps(job, ranks=ranks)
     recs = {s: r for s, r in records(job).items() if _fits(r.meta, placement, mesh.slot)}
     foreign = refuse(((s, h.manifest) for s, by_rank in complete.items() for h in by_rank.values()),
                      Owner(job_id, adopt=adoption()), slot=mesh.slot, path=str(job))

@@ -4,6 +4,7 @@ from dataclasses import dataclass, replace
 
 from hpcft.errors import ConfigError
 from hpcft.slurm.nodelist import compress
+from hpcft.store.paths import slot_ranks
 
 
 def given_back(excluded: list[str] | tuple[str, ...], allocation: list[str] | tuple[str, ...],
@@ -87,7 +88,7 @@ class Layout:
         """The global rank of task `local_rank` on `node`: fixed by the slot, not by srun's node order."""
         if not 0 <= local_rank < self.tasks_per_node:
             raise ConfigError(f"local rank {local_rank} is outside 0..{self.tasks_per_node - 1}")
-        return self.slot_of(node) * self.tasks_per_node + local_rank
+        return slot_ranks(self.slot_of(node), self.tasks_per_node)[local_rank]
 
     def replace(self, failed: list[str] | tuple[str, ...]) -> tuple["Layout", dict[str, str]]:
         """A spare takes each failed slot: (layout, {failed: spare}); NoSpareError when spares run out."""

@@ -43,4 +43,5 @@ def agent_settings(cfg: RunConfig, job_dir: Path, layout: Layout, mpi: str | Non
                        rate=prot.protect_rate, rounds=0, cpu_cores=cores, lag_bound=prot.protect_lag or None,
                        lag_cores=budget.ceiling(cores), loss_timeout=cfg.recovery.loss_timeout,
                        persist=PersistConfig(str(root), dur.persist_every, dur.persist_keep, dur.persist_rate)
-                       if root else PersistConfig(), transport="mpi" if mpi else "tcp")
+                       if root else PersistConfig(), transport="mpi" if mpi else "tcp",
+                       tasks_per_node=layout.tasks_per_node)
