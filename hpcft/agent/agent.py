@@ -151,11 +151,11 @@ def _watch_requests(requests: status.Requests, mesh: MeshBase, below: Below, dra
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _by_rank(versions: dict[int, dict]) -> dict[int, list[int]]:
-    """rank → the steps it holds, from `local_versions`."""
+def _by_rank(versions: dict[int, dict], mine: Collection[int] | None) -> dict[int, list[int]]:
+    """rank → the steps it holds, from `local_versions`, for the node's ranks (`mine`; None: every rank here)."""
     out: dict[int, list[int]] = {}
     for step, held in versions.items():
-        for r in held:
+        for r in held if mine is None else set(held) & set(mine):
             out.setdefault(r, []).append(step)
     return out
 
@@ -282,7 +282,7 @@ def run(cfg: AgentConfig) -> int:
         nonlocal said, guarded, behind_since
         said = phase
         versions = local_versions(job)
-        complete, recs, by_rank = complete_steps(job, versions, mine), records(job), _by_rank(versions)
+        complete, recs, by_rank = complete_steps(job, versions, mine), records(job), _by_rank(versions, mine)
         lag_steps, lag_s = protection_lag(complete, recs)
         newest = max(recs) if recs else None
         if newest != guarded or not lag_steps:  # advanced, or nothing newer staged: no stall (`hpcft status`)

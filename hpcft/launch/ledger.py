@@ -9,7 +9,7 @@ from hpcft.launch import losses
 from hpcft.launch.fabric.service import Fabric
 from hpcft.launch.policy.failures import Action, Decision, Event
 from hpcft.launch.policy.layout import Layout
-from hpcft.launch.state import RunState
+from hpcft.launch.policy.state import NAME as STATE, RunState
 
 
 class Ledger:
@@ -19,7 +19,7 @@ class Ledger:
 
     def __init__(self, job_dir: Path, emit: Callable[..., None], fabric: Fabric):
         self.job_dir, self.emit, self.fabric = job_dir, emit, fabric
-        self.path = job_dir / "state.json"
+        self.path = job_dir / STATE
         self.lost: list[losses.Loss] = []
         self.reshaped: dict[str, list[str]] = {"shrunk": [], "grown": []}
         self.previous: losses.PreviousRun | None = None

@@ -28,7 +28,7 @@ from hpcft.launch.node.janitor import JANITOR_STEP_NAME, Janitor, requeue_flag
 from hpcft.launch.policy.layout import Layout, given_back, run_shape
 from hpcft.launch.launching import LaunchState
 from hpcft.launch.ledger import Ledger
-from hpcft.launch.state import RunState
+from hpcft.launch.policy.state import RunState
 from hpcft.launch.policy.failures import EXIT_ERROR, Action, Decision, Event, Kind, State, decide, record
 from hpcft.launch.steps.preflight import Preflight
 from hpcft.launch.node.nodecheck import NodeCheck

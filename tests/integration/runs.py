@@ -1,5 +1,6 @@
 """What the sandbox tests of `hpcft run` share: the DP job, waiting on its progress and on the agents' protection,
 and comparing its final parameters with an uninterrupted run's."""
+import os
 import subprocess
 import sys
 import time
@@ -153,6 +154,22 @@ def assert_same_ranks(out: Path, ref: Path, ranks: int) -> None:
 def start_spared(sandbox, out: Path, *args: str, **kw) -> subprocess.Popen:
     """`start` on the whole 6-node sandbox: 4 active nodes n1..n4, spares n5 and n6."""
     return start(sandbox, out, 6, "--spares", "2", *args, **kw)
+
+
+def submit(sandbox, out: Path, *options: str, **env: str) -> str:
+    """`hpcft submit OPTIONS -- python train_job.py` into the sandbox (the job's environment: `env`); the job id."""
+    argv = [sys.executable, "-m", "hpcft.cli", "submit", "-t", "5", "--module", "", "--job-dir", str(out / "job"),
+            "--poll-interval", "0.5", "--requeue-margin", "30", "-o", str(out / "job.out"), *options,
+            "--", sys.executable, str(JOB)]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(out),
+           "SLURM_CONF": sandbox.runner().env["SLURM_CONF"], **env}
+    job = subprocess.run(sandbox.client_prefix() + argv, env=env, capture_output=True, text=True, timeout=60)
+    assert job.returncode == 0, job.stderr
+    return job.stdout.strip()
+
+
+def ended(runner, job: str) -> bool:
+    return job_state(runner, job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE")
 
 
 def job_state(runner, job: str) -> str:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from runs import (FAULT_AT, JOB, agents_ready, assert_same_result, job_state, told, wait, wait_progress,
+from runs import (FAULT_AT, agents_ready, assert_same_result, ended, job_state, submit, told, wait, wait_progress,
                   wait_protected)
 
 from hpcft import events
@@ -23,29 +23,9 @@ from hpcft.slurm.state import fields
 
 
 
-def _env() -> dict[str, str]:
-    return {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-
-
-def _submit(sandbox, out: Path, *options: str, **env: str) -> str:
-    """`hpcft submit OPTIONS -- python train_job.py` into the sandbox; the job id."""
-    argv = [sys.executable, "-m", "hpcft.cli", "submit", "-t", "5", "--module", "", "--job-dir", str(out / "job"),
-            "--poll-interval", "0.5", "--requeue-margin", "30", "-o", str(out / "job.out"), *options,
-            "--", sys.executable, str(JOB)]
-    env = {**os.environ, **_env(), "OUT": str(out), "SLURM_CONF": sandbox.runner().env["SLURM_CONF"], **env}
-    job = subprocess.run(sandbox.client_prefix() + argv, env=env, capture_output=True, text=True, timeout=60)
-    assert job.returncode == 0, job.stderr
-    return job.stdout.strip()
-
-
-
 # 3 active nodes + 1 spare of the 6, so that a requeued job finds nodes even with two crashed
 JOB_OPTIONS = ("--nodes", "3", "--spares", "1", "--warn", "60", "--probe-timeout", "5", "--kill-grace", "1")
 STEPS = "30"
-
-
-def _ended(runner, job: str) -> bool:
-    return job_state(runner, job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE")
 
 
 def _restored(out: Path, run: str) -> set[int]:
@@ -73,15 +53,15 @@ def reference(sandbox, tmp_path_factory) -> Path:
     """The uninterrupted batch job the requeued ones are compared with."""
     runner = sandbox.runner()
     ref = tmp_path_factory.mktemp("reference")
-    job = _submit(sandbox, ref, *JOB_OPTIONS, STEPS=STEPS)
-    wait(lambda: _ended(runner, job), "the uninterrupted reference job", 150)
+    job = submit(sandbox, ref, *JOB_OPTIONS, STEPS=STEPS)
+    wait(lambda: ended(runner, job), "the uninterrupted reference job", 150)
     assert job_state(runner, job) == "COMPLETED", (ref / "job.out").read_text()[-3000:]
     return ref
 
 
 def test_warning_signal_persists_requeues_and_the_next_run_resumes_from_memory(healthy_sandbox, reference, tmp_path):
     runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
-    job_id = _submit(healthy_sandbox, out, *JOB_OPTIONS, "--protect", "xor", "--group", "3", STEPS=STEPS,
+    job_id = submit(healthy_sandbox, out, *JOB_OPTIONS, "--protect", "xor", "--group", "3", STEPS=STEPS,
                      STEP_DELAY="0.2")
     wait_progress(job_dir, 0, 6)
     runner.run(["scancel", "--signal=USR1", "--batch", job_id])
@@ -89,7 +69,7 @@ def test_warning_signal_persists_requeues_and_the_next_run_resumes_from_memory(h
     # run (seen once under load). Deliver one on purpose as soon as the requeued run starts, before its first step.
     wait(lambda: len([e for e in events.read(job_dir) if e["event"] == "start"]) == 2, "the requeued run", 90)
     runner.run(["scancel", "--signal=USR1", "--batch", job_id])
-    wait(lambda: _ended(runner, job_id), "the requeued job to end", 150)
+    wait(lambda: ended(runner, job_id), "the requeued job to end", 150)
     assert job_state(runner, job_id) == "COMPLETED", (out / "job.out").read_text()[-3000:]
     recs = events.read(job_dir)
     made = [(e["action"], e["cause"]) for e in recs if e["event"] == "decision"]
@@ -109,7 +89,7 @@ def test_warning_signal_persists_requeues_and_the_next_run_resumes_from_memory(h
 def test_spares_exhausted_requeues_and_the_restarted_job_resumes_from_its_nodes_memory(healthy_sandbox, reference,
                                                                                       tmp_path):
     runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
-    job = _submit(healthy_sandbox, out, *JOB_OPTIONS, "--protect", "xor", "--group", "3", STEPS=STEPS, STEP_DELAY="0.4")
+    job = submit(healthy_sandbox, out, *JOB_OPTIONS, "--protect", "xor", "--group", "3", STEPS=STEPS, STEP_DELAY="0.4")
     # every agent has protected a step (pinned until a newer one is): not "caught up with the trainers", which on a
     # quiet machine may only come once the 30 steps are done, and a crash after the job's end tests nothing
     wait_protected(out, "0", slots=3, timeout=120, above=0)
@@ -121,10 +101,10 @@ def test_spares_exhausted_requeues_and_the_restarted_job_resumes_from_its_nodes_
     rebuilt = agents_ready(job_dir, "1")["step"]
     wait_progress(job_dir, 0, rebuilt + 3)  # the relaunched run trains on, and its agents protect what it adds
     second = wait_protected(out, "1", slots=3, timeout=120, above=rebuilt)
-    assert not _ended(runner, job) and not (out / "final.pt").exists(), "the job ended before its second crash"
+    assert not ended(runner, job) and not (out / "final.pt").exists(), "the job ended before its second crash"
     healthy_sandbox.crash_node(slots[2])  # no spare left: requeue
     log = lambda: events.read(job_dir)  # noqa: E731
-    wait(lambda: sum(e["event"] == "start" for e in log()) == 2 and _ended(runner, job), "the restarted job to end", 240,
+    wait(lambda: sum(e["event"] == "start" for e in log()) == 2 and ended(runner, job), "the restarted job to end", 240,
          story=out)
     assert job_state(runner, job) == "COMPLETED", (out / "job.out").read_text()[-3000:]
 
@@ -187,7 +167,7 @@ def test_a_node_slurm_gives_back_to_the_requeued_job_is_used_and_the_job_resumes
     # allocation, but with the other nodes drained the job could then never start: it stays allowed, and Slurm
     # hands it back once it returns to service. (A node crashed while nodes to spare are in service is kept out:
     # test_spares_exhausted_requeues_and_the_restarted_job_resumes_from_its_nodes_memory.)
-    job = _submit(healthy_sandbox, out, "--nodes", "3", "--spares", "0", "--warn", "60", "--probe-timeout", "20",
+    job = submit(healthy_sandbox, out, "--nodes", "3", "--spares", "0", "--warn", "60", "--probe-timeout", "20",
                   "--kill-grace", "1", "--protect", "xor", "--group", "3", STEPS=STEPS, STEP_DELAY="0.4")
     wait(lambda: any(e["event"] == "start" for e in events.read(job_dir)), "the job to start", 90)
     slots = next(e for e in events.read(job_dir) if e["event"] == "start")["slots"].split(",")
@@ -200,7 +180,7 @@ def test_a_node_slurm_gives_back_to_the_requeued_job_is_used_and_the_job_resumes
     wait(lambda: any(e["event"] == "requeue" for e in events.read(job_dir)), "the requeue", 120, story=out)
     healthy_sandbox.wait_for([slots[1]], lambda s: s.startswith("down"), "down", 60)
     healthy_sandbox.restart_node(slots[1])  # killed (its memory lost), back in service before the requeued run starts
-    wait(lambda: sum(e["event"] == "start" for e in events.read(job_dir)) == 2 and _ended(runner, job),
+    wait(lambda: sum(e["event"] == "start" for e in events.read(job_dir)) == 2 and ended(runner, job),
          "the requeued job to end", 240, story=out)
     assert job_state(runner, job) == "COMPLETED", (out / "job.out").read_text()[-3000:]
     recs = events.read(job_dir)
@@ -229,10 +209,10 @@ def test_a_job_that_ends_completed_failed_or_cancelled_leaves_nothing_in_node_me
     for name, (options, env) in kinds.items():  # three 2-node jobs side by side on the 6 nodes
         out = tmp_path / name
         out.mkdir()
-        jobs[name] = (out, _submit(healthy_sandbox, out, *common, *options, STEPS="8", **env))
+        jobs[name] = (out, submit(healthy_sandbox, out, *common, *options, STEPS="8", **env))
     wait_progress(jobs["cancelled"][0] / "job", 0, 3)
     runner.run(["scancel", jobs["cancelled"][1]])
-    wait(lambda: all(_ended(runner, job) for _, job in jobs.values()), "the three jobs to end", 240)
+    wait(lambda: all(ended(runner, job) for _, job in jobs.values()), "the three jobs to end", 240)
     assert {name: job_state(runner, job) for name, (_, job) in jobs.items()} == {
         "completed": "COMPLETED", "failed": "FAILED", "cancelled": "CANCELLED"}
     nodes = healthy_sandbox.node_names
@@ -291,7 +271,7 @@ def test_a_chain_of_successors_survives_the_successors_own_node_and_the_job_comp
     same allocation, bit-identical, with no requeue."""
     runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
     holds = {1: 5, 2: 12}  # launch 0 waits after step 5, launch 1 after step 12: no loss can race the job's end
-    job = _submit(healthy_sandbox, out, "--nodes", "3", "--spares", "2", "--warn", "60", "--probe-timeout", "5",
+    job = submit(healthy_sandbox, out, "--nodes", "3", "--spares", "2", "--warn", "60", "--probe-timeout", "5",
                   "--kill-grace", "1", "--protect", "xor", "--group", "3", STEPS=STEPS, STEP_DELAY="0.1",
                   HOLD_AT=",".join(map(str, holds.values())), HOLD_FILE=f"{out}/never0,{out}/never1")
     log = lambda: events.read(job_dir)  # noqa: E731
@@ -307,7 +287,7 @@ def test_a_chain_of_successors_survives_the_successors_own_node_and_the_job_comp
              f"generation {generation} to take over", 120, story=out)
         healthy_sandbox.crash_node(host)
         wait(lambda: agents_ready(job_dir, str(generation)) is not None, "the successor's agents", 120, story=out)
-    wait(lambda: _ended(runner, job), "the job to end", 240, story=out)
+    wait(lambda: ended(runner, job), "the job to end", 240, story=out)
     assert job_state(runner, job) == "COMPLETED", told(out)
     recs = log()
     lost = [(e["generation"], e["action"]) for e in recs if e["event"] == "batch_host_lost"]
@@ -333,7 +313,7 @@ def test_a_job_requeued_onto_other_nodes_resumes_from_the_durable_tier(healthy_s
     flushed)."""
     runner, out, job_dir = _fresh(healthy_sandbox, tmp_path)
     nvme = tmp_path / "nvme"  # the sandbox's nodes share /tmp: a directory per node stands for each one's NVMe
-    job_id = _submit(healthy_sandbox, out, "--nodes", "3", "--warn", "60", "--probe-timeout", "5", "--kill-grace",
+    job_id = submit(healthy_sandbox, out, "--nodes", "3", "--warn", "60", "--probe-timeout", "5", "--kill-grace",
                      "1", "--slurm-check-every", "1", "--protect", "xor", "--group", "3", "--persist-local",
                      f"{nvme}/$SLURMD_NODENAME",
                      STEPS=STEPS, STEP_DELAY="0.3")
@@ -348,7 +328,7 @@ def test_a_job_requeued_onto_other_nodes_resumes_from_the_durable_tier(healthy_s
     step = reached()
     wait(lambda: reached() > step, "the trainers to go on on the drained nodes", 60, story=out)
     runner.run(["scancel", "--signal=USR1", "--batch", job_id])
-    wait(lambda: _ended(runner, job_id), "the requeued job to end", 200)
+    wait(lambda: ended(runner, job_id), "the requeued job to end", 200)
     assert job_state(runner, job_id) == "COMPLETED", (out / "job.out").read_text()[-3000:]
     recs = events.read(job_dir)
     starts = [e for e in recs if e["event"] == "start"]

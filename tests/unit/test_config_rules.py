@@ -143,7 +143,7 @@ def test_the_configuration_reference_is_generated_from_the_model():
 
 def test_a_requeued_run_whose_excluded_nodes_are_not_allocated_passes_the_shape_check(tmp_path):
     """The previous run's excluded nodes are outside this allocation (Slurm kept them out): none of its nodes."""
-    from hpcft.launch.state import RunState
+    from hpcft.launch.policy.state import RunState
 
     class Started(Exception):
         pass

@@ -12,7 +12,7 @@ from hpcft import events
 from hpcft.launch import losses
 from hpcft.launch.config.model import RunConfig, make
 from hpcft.launch.policy.layout import Layout
-from hpcft.launch.state import RunState
+from hpcft.launch.policy.state import RunState
 from hpcft.launch.policy.failures import EXIT_GAVE_UP, Action, Decision
 from hpcft.launch.supervisor import Supervisor
 

@@ -178,3 +178,21 @@ def test_the_supervisors_lost_node_makes_one_janitor_its_successor(tmp_path, mon
     first.check()
     second.check()
     assert len(did) == 1 and did[0][4] == 1 and did[0][5] == "left the allocation (state DOWN*)", did
+
+
+def test_a_sigterm_in_the_janitors_requeue_waits_for_its_end_then_its_handler_runs():
+    """The requeue's SIGTERM reaches the janitor's own step: state.json is written before the handler exits."""
+    import signal
+
+    said = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: said.append(("handler", signum)))
+    try:
+        with janitor._sigterm_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            said.append("state.json")
+        assert said == ["state.json", ("handler", signal.SIGTERM)]
+        with janitor._sigterm_held():
+            pass
+        assert len(said) == 2  # none held: none delivered
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from hpcft import events
@@ -26,11 +26,14 @@ from hpcft.launch.node.clean import clean
 from hpcft.launch.node.broadcast_paths import ENV_NODE_DIR
 from hpcft.launch.node.zygote import socket_dir
 from hpcft.launch.node.nodecheck import NodeCheck
+from hpcft.launch.policy.state import NAME as STATE, RunState
+from hpcft.slurm import state as slurmstate
 from hpcft.slurm.state import job_info
 from hpcft.slurm.nodelist import compress, expand
 from hpcft.slurm.runner import Runner
 from hpcft.store.paths import job_dir, resolve_root
 
+_log = logging.getLogger(__name__)
 JANITOR_STEP_NAME = "hpcft-janitor"
 SILENCE_S = 5.0  # with --loss-timeout 0 (no heartbeats): the supervisor unanswering this long is a suspect
 CHECK_S = 1.0  # a watcher's ping period
@@ -274,10 +277,45 @@ def _lost(job: str, job_dir_: Path, run: str, record: succession.Record, generat
                         reason=f"{exc}: requeued instead")
     requeue_flag(job_dir_, run).touch()  # every janitor keeps its store through the requeue's SIGTERM
     try:
-        Runner(timeout=10).run(["scontrol", "requeue", job])
+        _requeue(job, job_dir_, record.host)
     except HpcftError as exc:
         events.emit("batch_host_lost", level=logging.ERROR, log_dir=job_dir_, job=job, action="requeue_failed",
                     reason=str(exc))
+
+
+def _requeue(job: str, job_dir_: Path, lost: str) -> None:
+    """Requeue as `hpcft run` does (slurm.state.requeue): the lost batch host and the nodes the run found bad kept out
+    of the next allocation where Slurm still takes them for healthy (it marks a dead node after SlurmdTimeout, often
+    minutes, while a requeued job is eligible after cred_expire: its batch script could land on the dead node), what
+    Slurm took written to state.json for the next run, which lifts it later; event `requeued by=janitor`."""
+    path, saved = job_dir_ / STATE, None
+    try:
+        saved = RunState.load(path)
+    except HpcftError as exc:  # no reason to keep the job waiting: the next run says what is wrong with the file
+        _log.warning("requeuing without the run's state: %s", exc)
+    with _sigterm_held():  # the requeue's SIGTERM reaches this step too: state.json first, then the handler
+        exclude = [n for n in dict.fromkeys([lost, *(saved.excluded if saved else [])]) if n]
+        done = slurmstate.requeue(Runner(timeout=10), job, exclude, int(os.environ.get("SLURM_JOB_NUM_NODES") or 0),
+                                  ours=saved.slurm_excluded if saved else [])
+        if saved is not None and not done.unexcluded:
+            saved.slurm_excluded = done.excluded
+            with contextlib.suppress(OSError):  # a full disk: the next run finds the nodes in ExcNodeList all the same
+                saved.save(path)
+        events.emit("requeued", level=logging.WARNING, log_dir=job_dir_, job=job, by="janitor", lost=lost,
+                    slurm_excluded=",".join(done.excluded), allowed=",".join(done.allowed), reason=done.reason())
+
+
+@contextlib.contextmanager
+def _sigterm_held() -> Iterator[None]:
+    """A SIGTERM that lands in the block waits for its end, then its handler runs."""
+    held: list[int] = []
+    handler = signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        if held and callable(handler):
+            handler(signal.SIGTERM, None)
 
 
 if __name__ == "__main__":

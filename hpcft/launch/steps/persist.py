@@ -59,11 +59,12 @@ class Persisting:
         --protect-timeout, so the next allocation can rebuild it from returning nodes or read it on new ones; event
         `persist`. (protected step, durable step, why either is not done or None)."""
         started = time.monotonic()
-        if self.proc is None:
+        if self.proc is None:  # none configured, or none running (their step ended; a successor stopped them)
+            why = "no agents (--protect none, --persist-dir none)" if not self.cfg.with_agents else \
+                "no agents running (their step ended, or a successor stopped its predecessor's)"
             self.emit("persist", level=logging.WARNING, done=False, how="none",
-                      reason="no agents (--protect none, --persist-dir none): the next allocation resumes from "
-                             "what its nodes hold")
-            return None, None, "no agents"
+                      reason=f"{why}: the next allocation resumes from what its nodes hold")
+            return None, None, why
         deadline = started + self.cfg.protection.protect_timeout
         if bad_nodes:
             why = (f"node(s) {','.join(bad_nodes)} lost: the newest step their sets protected before is what "

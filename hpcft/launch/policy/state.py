@@ -8,6 +8,8 @@ from pathlib import Path
 from hpcft.errors import ConfigError
 from hpcft.launch.policy.failures import Action
 
+NAME = "state.json"  # in the job directory
+
 
 @dataclass
 class RunState:
