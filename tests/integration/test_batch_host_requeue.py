@@ -17,7 +17,7 @@ HOLD = 8  # the first run waits after this step: the batch host is lost while it
 @pytest.fixture(scope="module")
 def reference(sandbox, tmp_path_factory):
     ref = tmp_path_factory.mktemp("reference")
-    job = submit(sandbox, ref, "--nodes", "3", "--spares", "1", STEPS="20")
+    job = submit(sandbox, ref, "--nodes", "3", "--spares", "1", "--warn", "60", STEPS="20")
     wait(lambda: ended(sandbox.runner(), job), "the uninterrupted reference job", 150)
     return ref
 
@@ -26,8 +26,9 @@ def test_a_lost_batch_host_without_a_successor_is_requeued_by_a_janitor_off_that
                                                                                       tmp_path):
     runner, out = healthy_sandbox.runner(), tmp_path / "out"
     out.mkdir()
-    job = submit(healthy_sandbox, out, "--nodes", "3", "--spares", "1", "--no-takeover", "--probe-timeout", "5",
-                 "--kill-grace", "1", "--protect", "xor", "--group", "3", STEPS="20", STEP_DELAY="0.1",
+    job = submit(healthy_sandbox, out, "--nodes", "3", "--spares", "1", "--warn", "60", "--no-takeover",
+                 "--probe-timeout", "5", "--kill-grace", "1", "--protect", "xor", "--group", "3", STEPS="20",
+                 STEP_DELAY="0.1",
                  HOLD_AT=str(HOLD), HOLD_FILE=str(out / "never"))
     wait_progress(out / "job", 0, HOLD, timeout=120)
     wait_protected(out, "0", slots=3, timeout=120, above=HOLD - 1)
