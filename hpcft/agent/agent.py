@@ -19,8 +19,8 @@ from hpcft.agent import status
 from hpcft.agent.transport import uplink
 from hpcft.agent.transport.autogroup import Below
 from hpcft.agent.protection.budget import LagBudget, at_trainers_priority, foreseen_lag, pause
-from hpcft.agent.protection.bundle import (Bundle, both, complete_steps, local_versions, owned, pin_targets,
-                                          release_others)
+from hpcft.agent.protection.bundle import (Bundle, both, by_rank, complete_steps, local_versions, owned,
+                                          pin_targets, release_others)
 from hpcft.agent.transport.heartbeat import Heartbeat, PeerSilent
 from hpcft.agent.transport.link import COUNT
 from hpcft.agent.transport.mesh import Mesh, MeshBase
@@ -107,10 +107,10 @@ def protection_lag(complete: dict[int, dict], protected: Iterable[int]) -> tuple
     """How far protection trails the trainers here: (steps, seconds between the two snapshots), None where nothing
     is protected (or a snapshot's time is unknown, as a protected step the trainers no longer hold: the lag counts
     from it all the same, else a stall behind a recycled step would read as none)."""
-    done = list(protected)
-    if not complete or not done:
+    guarded = max(protected, default=None)
+    if not complete or guarded is None:
         return None, None
-    newest, guarded = max(complete), max(done)
+    newest = max(complete)
     a = _taken(complete, newest)
     b = _taken(complete, guarded) if guarded in complete else None
     return max(0, newest - guarded), None if a is None or b is None else round(max(0.0, a - b), 3)
@@ -149,15 +149,6 @@ def _watch_requests(requests: status.Requests, mesh: MeshBase, below: Below, dra
             wake.set()
         time.sleep(poll)
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _by_rank(versions: dict[int, dict], mine: Collection[int] | None) -> dict[int, list[int]]:
-    """rank → the steps it holds, from `local_versions`, for the node's ranks (`mine`; None: every rank here)."""
-    out: dict[int, list[int]] = {}
-    for step, held in versions.items():
-        for r in held if mine is None else set(held) & set(mine):
-            out.setdefault(r, []).append(step)
-    return out
 
 
 def _steer(budget: LagBudget, mesh: MeshBase, below: Below, cfg: AgentConfig, lag: int | None) -> bool:
@@ -282,7 +273,7 @@ def run(cfg: AgentConfig) -> int:
         nonlocal said, guarded, behind_since
         said = phase
         versions = local_versions(job)
-        complete, recs, by_rank = complete_steps(job, versions, mine), records(job), _by_rank(versions, mine)
+        complete, recs, held = complete_steps(job, versions, mine), records(job), by_rank(versions, mine)
         lag_steps, lag_s = protection_lag(complete, recs)
         newest = max(recs) if recs else None
         if newest != guarded or not lag_steps:  # advanced, or nothing newer staged: no stall (`hpcft status`)
@@ -294,8 +285,8 @@ def run(cfg: AgentConfig) -> int:
                 flushing=flusher.busy if flusher else False, flush_error=flusher.last_error if flusher else None,
                 flush_phase=flusher.phase if flusher else None, local=flusher.local_step if flusher else None,
                 cpu_cores=mesh.throttle.cpu if mesh else None, addr=mesh.address if mesh else None,
-                ranks={str(r): max(v) for r, v in by_rank.items()},
-                versions={str(r): sorted(v) for r, v in by_rank.items()}, staged_steps=sorted(complete),
+                ranks={str(r): max(v) for r, v in held.items()},
+                versions={str(r): sorted(v) for r, v in held.items()}, staged_steps=sorted(complete),
                 protected_steps=sorted(recs), lag_steps=lag_steps, lag_s=lag_s, behind_since=behind_since,
                 lag_bound=cfg.lag_bound, drained=drained.is_set(), late_peers=beat.late if beat else [], **cpu,
                 **below.said(), **nodemem.figures(job), **fields)

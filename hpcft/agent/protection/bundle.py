@@ -82,17 +82,27 @@ def complete_steps(job: Path, versions: dict[int, dict[int, Held]] | None = None
                        if want and want <= set(v)))
 
 
+def by_rank(versions: dict[int, dict[int, Held]], mine: Collection[int] | None = None) -> dict[int, list[int]]:
+    """rank → the steps it holds, from `local_versions`, for the ranks of `mine` (None: every rank here)."""
+    out: dict[int, list[int]] = {}
+    for step, held in versions.items():
+        for r in held:
+            if mine is None or r in mine:
+                out.setdefault(r, []).append(step)
+    return out
+
+
 def release_others(job: Path, mine: Collection[int], protected: int, slot: int) -> dict[int, int]:
     """Remove the directories of the ranks this node no longer runs (kept from a slot it ran before a requeue moved
     it: no restore reads them) whose every version is older than `protected`, a step protected everywhere since, and
     that no process writes: their memory goes back to the trainers (event `store_released`). {rank: bytes freed}."""
-    newest: dict[int, int] = {}
-    for step, held in local_versions(job).items():
-        for r in held:
-            newest[r] = max(step, newest.get(r, step))
+    others = {r: d for r, d in ranks(job).items() if r not in mine}
+    if not others:  # the usual case, once per protected step: no manifest is looked at
+        return {}
+    held = by_rank(local_versions(job), others)
     freed = {}
-    for rank, rdir in ranks(job).items():
-        if rank in mine or newest.get(rank, -1) >= protected or not writer.unheld(rdir):
+    for rank, rdir in others.items():
+        if max(held.get(rank, ()), default=-1) >= protected or not writer.unheld(rdir):
             continue
         freed[rank] = sum(f.stat().st_size for f in rdir.iterdir() if f.is_file())
         shutil.rmtree(rdir, ignore_errors=True)
