@@ -15,9 +15,10 @@ WHAT = ("`hpcft chaos` trains the recovery bench's job in the Slurm sandbox whil
         "is a model: torch.save every k steps (Young's interval), replayed under the same fault arrivals with the "
         "save and restart times measured in the run.")
 REQUEUES = ("Slurm's wait is the time from each requeue hpcft asked for (a walltime warning, a node lost with no "
-            "spare left, a janitor's for a lost batch host) to the requeued run's start, summed: Slurm holds a "
-            "requeued job for its credential's lifetime (`cred_expire`: 10 s in the sandbox, 120 s by default) and "
-            "starts it once it has nodes, and the requeued run then starts (the notes below say what of it is not "
+            "spare left, a janitor's for a lost batch host) to the requeued run's start, summed: the last run's end on "
+            "every node, the begin time hpcft gives the requeued job (5 s on; runs measured before 2026-12-07 waited "
+            "out Slurm's requeue hold, `cred_expire`: 10 s in the sandbox, 120 s by default, as a run that ends later "
+            "still does), its wait for nodes, and the requeued run's start (the notes below say what of it is not "
             "Slurm's). No rank trains meanwhile; no recovery inside the allocation shortens it. "
             "\"Less Slurm's wait\" is goodput over the time the job held nodes, as the baseline's model counts it "
             "(every fault a relaunch in the same allocation).")

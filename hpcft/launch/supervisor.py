@@ -330,7 +330,8 @@ class Supervisor(LaunchState):
                 saved.slurm_excluded = done.excluded
             self.ledger.save(saved)
             self.emit("requeued", level=logging.WARNING if done.allowed or done.unexcluded else logging.INFO,
-                      slurm_excluded=",".join(done.excluded), allowed=",".join(done.allowed), reason=done.reason())
+                      slurm_excluded=",".join(done.excluded), allowed=",".join(done.allowed), restart=done.restart,
+                      reason=done.reason())
         return code
 
     def _clean_up(self, nodes: list[str]) -> None:

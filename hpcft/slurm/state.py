@@ -13,7 +13,12 @@ from hpcft.slurm.nodelist import expand, expand_range
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
-UPDATE_ANSWER_S = 1.0  # how long a requeue waits for slurmctld to answer its ExcNodeList update (see `requeue`)
+UPDATE_ANSWER_S = 1.0  # how long a requeue waits for slurmctld to answer its update (see `requeue`)
+# When a requeued job may start again. Slurm holds it for the credential's lifetime from the end of its last run
+# (cred_expire, 120 s by default; SchedulerParameters=requeue_delay from 25.11, none for an expedited requeue), which
+# only makes the new launch credential's time stamp later than the old one's revocation (slurmctld's job_mgr.c), and
+# keeps a begin time set before that end if it is still ahead: hpcft sets one that far ahead.
+RESTART_AFTER_S = 5
 # A node's state words (`scontrol show node`: 'MIXED+DRAIN', 'IDLE+POWERED_DOWN'; sinfo's suffixes too). Lost: it
 # cannot run the job's tasks now. Closed: it runs them, but Slurm gives it no new work (an admin's drain, a health
 # check's, `scontrol reboot ASAP`, a requested power-down): the running steps go on, the next allocation leaves it.
@@ -248,6 +253,8 @@ class Requeued:
     reported: dict[str, str] = field(default_factory=dict)  # {node found bad by hpcft: its state, as Slurm said}
     unexcluded: list[str] = field(default_factory=list)  # to be excluded, but `scontrol update` failed
     trusted: list[str] = field(default_factory=list)  # found bad in an earlier allocation: allowed again
+    restart: str = ""  # when Slurm may start the job again, in words
+
 
     def reason(self) -> str:
         """What became of each node found bad, in the words of what Slurm reported of it."""
@@ -278,10 +285,11 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, our
     excluding by that count left a requeued job never runnable. One found bad in an earlier allocation has been
     through Slurm's hands since (marked down and back, or kept out for one allocation): `ours`, what hpcft put into
     the job's ExcNodeList before, is lifted, the user's --exclude stays; else every node of a long job is out one
-    day. Slurm takes ExcNodeList only from a pending job, so it is set after the requeue, whose SIGTERM hits the whole
-    batch step: both commands ignore SIGTERM and run within KillWait."""
+    day. Slurm takes ExcNodeList only from a pending job, so it is set after the requeue, in one update with the time
+    the job may start again (RESTART_AFTER_S); the requeue's SIGTERM hits the whole batch step: both commands ignore
+    SIGTERM and run within KillWait."""
     where = Placement(0, [], [])  # unknown: every suspect is kept out
-    if exclude or ours:  # else nothing to keep out or lift: slurmctld is asked nothing more
+    if exclude or ours:  # else nothing to keep out or lift: nothing to read
         try:
             where = placement(runner, job_id)  # all reads before the requeue's SIGTERM
         except SlurmError as exc:
@@ -299,19 +307,23 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, our
     if code != 0:
         raise SlurmError(f"'scontrol requeue {job_id}' failed with exit status {code}: {out[-2000:]}")
     merged = list(dict.fromkeys([*users, *keep_out]))
-    if set(merged) == set(before):
-        return Requeued(keep_out, allowed, reported, trusted=trusted)
-    # slurmctld answers an update of a job being requeued only once the job has ended, and its batch step is this
+    changes = [f"ExcNodeList={','.join(merged)}"] if set(merged) != set(before) else []
+    # slurmctld may answer an update of a job being requeued only once the job has ended, and its batch step is this
     # process: waiting for that answer held the requeue ~5 s, until Slurm killed the batch step (found by hpcft chaos)
-    code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(merged)}"],
-                            wait=UPDATE_ANSWER_S)
+    start = f"StartTime=now+{RESTART_AFTER_S}"
+    code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", *changes, start], wait=UPDATE_ANSWER_S)
     if code is None:
-        _log.info("ExcNodeList=%s of job %s: asked; slurmctld applies it once the job has ended (and refuses it if the "
-                  "job is still completing 5 s after the requeue)", merged, job_id)
-    elif code != 0:
-        _log.warning("could not set job %s's ExcNodeList to %s (exit status %s): %s", job_id, merged, code, out)
-        return Requeued([], allowed, reported, keep_out, trusted)
-    return Requeued(keep_out, allowed, reported, trusted=trusted)
+        _log.info("%s of job %s: asked; slurmctld applies it once the job has ended (and refuses it if the job is "
+                  "still completing 5 s after the requeue)", " ".join([*changes, start]), job_id)
+        return Requeued(keep_out, allowed, reported, trusted=trusted,
+                        restart=f"{start} asked, not yet answered (refused: after Slurm's requeue hold)")
+    if code != 0:
+        _log.warning("could not update job %s (%s, exit status %s): %s", job_id, " ".join([*changes, start]), code, out)
+        return Requeued([] if changes else keep_out, allowed, reported, keep_out if changes else [], trusted,
+                        restart=f"after Slurm's requeue hold: {start} failed (exit status {code}: {out[-300:]})")
+    return Requeued(keep_out, allowed, reported, trusted=trusted,
+                    restart=f"{RESTART_AFTER_S} s after the requeue ({start}) unless its last run ends later, "
+                            "not after Slurm's requeue hold")
 
 
 def complete(runner: Runner, job_id: str, exit_code: int) -> str:

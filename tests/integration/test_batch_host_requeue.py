@@ -1,7 +1,7 @@
 """A lost batch host where no successor may run (`--no-takeover`): the janitor that claims the supervision requeues
 the job as `hpcft run` would, the lost node kept out of the next allocation where Slurm still takes it for healthy (a
-large machine marks a dead node only after SlurmdTimeout, often minutes, while a requeued job is eligible after
-cred_expire + 1 s: its batch script could be sent to the dead node), what Slurm took written to state.json; the
+large machine marks a dead node only after SlurmdTimeout, often minutes, while a requeued job may start 5 s after
+the requeue: its batch script could be sent to the dead node), what Slurm took written to state.json; the
 requeued run starts elsewhere and resumes from the surviving nodes' memory, bit-identical."""
 import json
 
@@ -48,6 +48,7 @@ def test_a_lost_batch_host_without_a_successor_is_requeued_by_a_janitor_off_that
     # janitor's verdict takes the loss timeout and a probe), Slurm keeps it out itself until it is back
     assert requeued["lost"] == host and (host in requeued["slurm_excluded"].split(",") or (
         f"{host} (" in requeued["reason"] and "Slurm itself reports it out of service" in requeued["reason"])), requeued
+    assert not requeued["restart"].startswith("after"), requeued  # StartTime=now+5 taken: not Slurm's requeue hold
     assert json.loads((out / "job" / "state.json").read_text())["slurm_excluded"] == \
         [n for n in requeued["slurm_excluded"].split(",") if n]
     starts = [e for e in recs if e["event"] == "start"]

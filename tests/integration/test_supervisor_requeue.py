@@ -78,6 +78,8 @@ def test_warning_signal_persists_requeues_and_the_next_run_resumes_from_memory(h
     assert [s["requeues"] for s in starts] == [0, 1]
     signals = [(e["meaning"], e.get("ignored", False)) for e in recs if e["event"] == "signal"]
     assert signals == [("walltime warning", False), ("stale", True)]
+    (requeued,) = [e for e in recs if e["event"] == "requeued"]
+    assert not requeued["restart"].startswith("after"), requeued  # StartTime=now+5 taken: not Slurm's requeue hold
     # the trainers stopped, the agents protected the newest step they had completed: the next run resumes there
     persist = [e for e in recs if e["event"] == "persist"]
     assert len(persist) == 1 and persist[0]["how"] == "protect+flush" and persist[0]["done"] is True, persist

@@ -286,7 +286,7 @@ def _lost(job: str, job_dir_: Path, run: str, record: succession.Record, generat
 def _requeue(job: str, job_dir_: Path, lost: str) -> None:
     """Requeue as `hpcft run` does (slurm.state.requeue): the lost batch host and the nodes the run found bad kept out
     of the next allocation where Slurm still takes them for healthy (it marks a dead node after SlurmdTimeout, often
-    minutes, while a requeued job is eligible after cred_expire: its batch script could land on the dead node), what
+    minutes, while a requeued job may start seconds later: its batch script could land on the dead node), what
     Slurm took written to state.json for the next run, which lifts it later; event `requeued by=janitor`."""
     path, saved = job_dir_ / STATE, None
     try:
@@ -302,7 +302,8 @@ def _requeue(job: str, job_dir_: Path, lost: str) -> None:
             with contextlib.suppress(OSError):  # a full disk: the next run finds the nodes in ExcNodeList all the same
                 saved.save(path)
         events.emit("requeued", level=logging.WARNING, log_dir=job_dir_, job=job, by="janitor", lost=lost,
-                    slurm_excluded=",".join(done.excluded), allowed=",".join(done.allowed), reason=done.reason())
+                    slurm_excluded=",".join(done.excluded), allowed=",".join(done.allowed), restart=done.restart,
+                    reason=done.reason())
 
 
 @contextlib.contextmanager
