@@ -255,7 +255,6 @@ class Requeued:
     trusted: list[str] = field(default_factory=list)  # found bad in an earlier allocation: allowed again
     restart: str = ""  # when Slurm may start the job again, in words
 
-
     def reason(self) -> str:
         """What became of each node found bad, in the words of what Slurm reported of it."""
         def named(nodes: list[str]) -> str:
@@ -310,20 +309,19 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, our
     changes = [f"ExcNodeList={','.join(merged)}"] if set(merged) != set(before) else []
     # slurmctld may answer an update of a job being requeued only once the job has ended, and its batch step is this
     # process: waiting for that answer held the requeue ~5 s, until Slurm killed the batch step (found by hpcft chaos)
-    start = f"StartTime=now+{RESTART_AFTER_S}"
-    code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", *changes, start], wait=UPDATE_ANSWER_S)
+    asked = [*changes, f"StartTime=now+{RESTART_AFTER_S}"]
+    code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", *asked], wait=UPDATE_ANSWER_S)
+    restart = f"{RESTART_AFTER_S} s after the requeue ({asked[-1]}) unless its last run ends later, not after Slurm's " \
+              "requeue hold"
     if code is None:
         _log.info("%s of job %s: asked; slurmctld applies it once the job has ended (and refuses it if the job is "
-                  "still completing 5 s after the requeue)", " ".join([*changes, start]), job_id)
-        return Requeued(keep_out, allowed, reported, trusted=trusted,
-                        restart=f"{start} asked, not yet answered (refused: after Slurm's requeue hold)")
-    if code != 0:
-        _log.warning("could not update job %s (%s, exit status %s): %s", job_id, " ".join([*changes, start]), code, out)
-        return Requeued([] if changes else keep_out, allowed, reported, keep_out if changes else [], trusted,
-                        restart=f"after Slurm's requeue hold: {start} failed (exit status {code}: {out[-300:]})")
-    return Requeued(keep_out, allowed, reported, trusted=trusted,
-                    restart=f"{RESTART_AFTER_S} s after the requeue ({start}) unless its last run ends later, "
-                            "not after Slurm's requeue hold")
+                  "still completing 5 s after the requeue)", " ".join(asked), job_id)
+        restart = f"{asked[-1]} asked, not yet answered (refused: after Slurm's requeue hold)"
+    elif code != 0:
+        _log.warning("could not update job %s (%s, exit status %s): %s", job_id, " ".join(asked), code, out)
+        restart = f"after Slurm's requeue hold: {asked[-1]} failed (exit status {code}: {out[-300:]})"
+    made = code in (0, None) or not changes  # the job's ExcNodeList is what it was asked to be
+    return Requeued(keep_out if made else [], allowed, reported, [] if made else keep_out, trusted, restart=restart)
 
 
 def complete(runner: Runner, job_id: str, exit_code: int) -> str:
