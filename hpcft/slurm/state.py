@@ -311,8 +311,8 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, our
     # process: waiting for that answer held the requeue ~5 s, until Slurm killed the batch step (found by hpcft chaos)
     asked = [*changes, f"StartTime=now+{RESTART_AFTER_S}"]
     code, out = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", *asked], wait=UPDATE_ANSWER_S)
-    restart = f"{RESTART_AFTER_S} s after the requeue ({asked[-1]}) unless its last run ends later, not after Slurm's " \
-              "requeue hold"
+    restart = (f"{RESTART_AFTER_S} s after the requeue ({asked[-1]}) unless its last run ends later, not after "
+               "Slurm's requeue hold")
     if code is None:
         _log.info("%s of job %s: asked; slurmctld applies it once the job has ended (and refuses it if the job is "
                   "still completing 5 s after the requeue)", " ".join(asked), job_id)
