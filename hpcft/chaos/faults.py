@@ -23,6 +23,7 @@ from hpcft.errors import HpcftError
 from hpcft.launch.node import succession
 from hpcft.launch.node import progress
 from hpcft.launch.config.resolve import default_durable_dir
+from hpcft.sandbox import procs
 from hpcft.slurm import state as slurmstate
 from hpcft.store import job_dir as store_job_dir
 
@@ -223,7 +224,7 @@ def corrupt_chunk(scene: Scene, pick: float) -> str:
     """Flip bytes in the newest complete snapshot one rank holds in its node's memory, then SIGKILL that rank, so that
     the restore reads the corrupt copy (its checksum must send it to a peer's, the parity or the durable tier)."""
     rank, pid = _rank(scene, pick)
-    held = complete_steps(store_job_dir(Path(f"/proc/{pid}/root/dev/shm"), scene.job_id))
+    held = complete_steps(store_job_dir(procs.shm(pid), scene.job_id))
     if not held:
         raise NoTarget(f"rank {rank}'s node holds no complete snapshot")
     chunk = held[max(held)].get(rank)
@@ -243,7 +244,7 @@ def enospc(scene: Scene, pick: float) -> str:
     their snapshots find no space, are skipped and said; training goes on. The filler is removed through a handle on
     the directory, so it goes even if the node's ranks end meanwhile."""
     rank, pid = _rank(scene, pick)
-    shm = Path(f"/proc/{pid}/root/dev/shm")
+    shm = procs.shm(pid)
     try:
         fd = os.open(shm, os.O_RDONLY | os.O_DIRECTORY)
         free = os.statvfs(fd).f_bavail * os.statvfs(fd).f_frsize

@@ -24,7 +24,7 @@ from hpcft.launch.fabric.service import Fabric
 from hpcft.launch.config.model import RunConfig
 from hpcft.launch.config.resolve import check_paths, check_shape
 from hpcft.launch.node import succession
-from hpcft.launch.node.janitor import JANITOR_STEP_NAME, Janitor, requeue_flag
+from hpcft.launch.node.janitor import JANITOR_STEP_NAME, Janitor, requeue, requeue_flag
 from hpcft.launch.policy.layout import Layout, given_back, run_shape
 from hpcft.launch.launching import LaunchState
 from hpcft.launch.ledger import Ledger
@@ -324,14 +324,11 @@ class Supervisor(LaunchState):
                 self.emit("requeue_flag_unwritten", level=logging.ERROR, error=str(exc),
                           consequence="the janitors remove the stores at the requeue: the next run resumes from the "
                                       "durable tier, not from memory")
-            done = slurmstate.requeue(self.runner, self.job_id, saved.excluded,
-                                      int(self.environ.get("SLURM_JOB_NUM_NODES") or 0), ours=saved.slurm_excluded)
-            if not done.unexcluded:  # else the job's ExcNodeList is as it was
-                saved.slurm_excluded = done.excluded
+            done = requeue(self.runner, self.job_id, saved.excluded, int(self.environ.get("SLURM_JOB_NUM_NODES") or 0),
+                           saved)
             self.ledger.save(saved)
             self.emit("requeued", level=logging.WARNING if done.allowed or done.unexcluded else logging.INFO,
-                      slurm_excluded=",".join(done.excluded), allowed=",".join(done.allowed), restart=done.restart,
-                      reason=done.reason())
+                      **done.said())
         return code
 
     def _clean_up(self, nodes: list[str]) -> None:

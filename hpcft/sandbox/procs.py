@@ -66,6 +66,11 @@ def mntns_of(pid: int) -> int | None:
         return None
 
 
+def shm(pid: int) -> Path:
+    """The /dev/shm that process `pid` sees: its sandbox node's, from the host."""
+    return Path(f"/proc/{pid}/root/dev/shm")
+
+
 def has_marker(pid: int, marker: str) -> bool:
     """True if `pid`'s mount namespace holds the tmpfs whose source is `marker`."""
     try:

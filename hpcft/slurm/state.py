@@ -255,6 +255,11 @@ class Requeued:
     trusted: list[str] = field(default_factory=list)  # found bad in an earlier allocation: allowed again
     restart: str = ""  # when Slurm may start the job again, in words
 
+    def said(self) -> dict[str, str]:
+        """The fields of the `requeued` event."""
+        return {"slurm_excluded": ",".join(self.excluded), "allowed": ",".join(self.allowed), "restart": self.restart,
+                "reason": self.reason()}
+
     def reason(self) -> str:
         """What became of each node found bad, in the words of what Slurm reported of it."""
         def named(nodes: list[str]) -> str:

@@ -25,6 +25,7 @@ from runs import decisions, finish, newest_ready, told, wait
 from hpcft import events
 from hpcft.agent import status as agent_status
 from hpcft.deps import available
+from hpcft.sandbox import procs
 from hpcft.launch.config.sections import DEFAULT_PRELOAD
 from hpcft.store import job_dir, secure_dir
 from hpcft.store.paths import ranks
@@ -88,7 +89,7 @@ def _ready_to_crash(outs: list[Path]) -> bool:
 
 
 def _shm(sandbox, node: str) -> Path:
-    return Path(f"/proc/{sandbox.node_pids(node)[0]}/root/dev/shm")
+    return procs.shm(sandbox.node_pids(node)[0])
 
 
 def _plant_old_ranks(sandbox, nodes: str, out: Path) -> None:

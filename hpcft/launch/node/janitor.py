@@ -41,6 +41,15 @@ FAR_CHECK_S = 60.0  # the other janitors' (should the supervisor and its watcher
 ASK_SLURM_S = 30.0  # while the supervisor is silent on a live node, Slurm is asked at most this often
 
 
+def requeue(runner: Runner, job: str, exclude: list[str], nodes: int, saved: RunState) -> slurmstate.Requeued:
+    """Requeue (slurm.state.requeue) with what hpcft put into the job's ExcNodeList before lifted, and what Slurm takes
+    now written into `saved` for the next run to lift: `hpcft run`'s and a janitor's requeue alike."""
+    done = slurmstate.requeue(runner, job, exclude, nodes, ours=saved.slurm_excluded)
+    if not done.unexcluded:  # else the job's ExcNodeList is as it was
+        saved.slurm_excluded = done.excluded
+    return done
+
+
 def requeue_flag(job_dir_: str | os.PathLike, run: int | str) -> Path:
     """Written by `hpcft run` before it requeues run `run` (Slurm's restart count) of the job: keep the stores."""
     return Path(job_dir_) / f"requeue-run-{run}"
@@ -288,22 +297,20 @@ def _requeue(job: str, job_dir_: Path, lost: str) -> None:
     of the next allocation where Slurm still takes them for healthy (it marks a dead node after SlurmdTimeout, often
     minutes, while a requeued job may start seconds later: its batch script could land on the dead node), what
     Slurm took written to state.json for the next run, which lifts it later; event `requeued by=janitor`."""
-    path, saved = job_dir_ / STATE, None
+    path, saved, readable = job_dir_ / STATE, RunState(), True
     try:
         saved = RunState.load(path)
     except HpcftError as exc:  # no reason to keep the job waiting: the next run says what is wrong with the file
         _log.warning("requeuing without the run's state: %s", exc)
+        readable = False
     with _sigterm_held():  # the requeue's SIGTERM reaches this step too: state.json first, then the handler
-        exclude = [n for n in dict.fromkeys([lost, *(saved.excluded if saved else [])]) if n]
-        done = slurmstate.requeue(Runner(timeout=10), job, exclude, int(os.environ.get("SLURM_JOB_NUM_NODES") or 0),
-                                  ours=saved.slurm_excluded if saved else [])
-        if saved is not None and not done.unexcluded:
-            saved.slurm_excluded = done.excluded
+        done = requeue(Runner(timeout=10), job, [n for n in dict.fromkeys([lost, *saved.excluded]) if n],
+                       int(os.environ.get("SLURM_JOB_NUM_NODES") or 0), saved)
+        if readable:
             with contextlib.suppress(OSError):  # a full disk: the next run finds the nodes in ExcNodeList all the same
                 saved.save(path)
         events.emit("requeued", level=logging.WARNING, log_dir=job_dir_, job=job, by="janitor", lost=lost,
-                    slurm_excluded=",".join(done.excluded), allowed=",".join(done.allowed), restart=done.restart,
-                    reason=done.reason())
+                    **done.said())
 
 
 @contextlib.contextmanager
