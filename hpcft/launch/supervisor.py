@@ -324,8 +324,7 @@ class Supervisor(LaunchState):
                 self.emit("requeue_flag_unwritten", level=logging.ERROR, error=str(exc),
                           consequence="the janitors remove the stores at the requeue: the next run resumes from the "
                                       "durable tier, not from memory")
-            done = requeue(self.runner, self.job_id, saved.excluded, int(self.environ.get("SLURM_JOB_NUM_NODES") or 0),
-                           saved)
+            done = requeue(self.runner, self.job_id, saved.excluded, self.environ, saved)
             self.ledger.save(saved)
             self.emit("requeued", level=logging.WARNING if done.allowed or done.unexcluded else logging.INFO,
                       **done.said())

@@ -25,8 +25,8 @@ from runs import decisions, finish, newest_ready, told, wait
 from hpcft import events
 from hpcft.agent import status as agent_status
 from hpcft.deps import available
-from hpcft.sandbox import procs
 from hpcft.launch.config.sections import DEFAULT_PRELOAD
+from hpcft.sandbox import procs
 from hpcft.store import job_dir, secure_dir
 from hpcft.store.paths import ranks
 

@@ -41,10 +41,12 @@ FAR_CHECK_S = 60.0  # the other janitors' (should the supervisor and its watcher
 ASK_SLURM_S = 30.0  # while the supervisor is silent on a live node, Slurm is asked at most this often
 
 
-def requeue(runner: Runner, job: str, exclude: list[str], nodes: int, saved: RunState) -> slurmstate.Requeued:
+def requeue(runner: Runner, job: str, exclude: list[str], environ: Mapping[str, str],
+            saved: RunState) -> slurmstate.Requeued:
     """Requeue (slurm.state.requeue) with what hpcft put into the job's ExcNodeList before lifted, and what Slurm takes
     now written into `saved` for the next run to lift: `hpcft run`'s and a janitor's requeue alike."""
-    done = slurmstate.requeue(runner, job, exclude, nodes, ours=saved.slurm_excluded)
+    done = slurmstate.requeue(runner, job, exclude, int(environ.get("SLURM_JOB_NUM_NODES") or 0),
+                              ours=saved.slurm_excluded)
     if not done.unexcluded:  # else the job's ExcNodeList is as it was
         saved.slurm_excluded = done.excluded
     return done
@@ -304,8 +306,8 @@ def _requeue(job: str, job_dir_: Path, lost: str) -> None:
         _log.warning("requeuing without the run's state: %s", exc)
         readable = False
     with _sigterm_held():  # the requeue's SIGTERM reaches this step too: state.json first, then the handler
-        done = requeue(Runner(timeout=10), job, [n for n in dict.fromkeys([lost, *saved.excluded]) if n],
-                       int(os.environ.get("SLURM_JOB_NUM_NODES") or 0), saved)
+        done = requeue(Runner(timeout=10), job, [n for n in dict.fromkeys([lost, *saved.excluded]) if n], os.environ,
+                       saved)
         if readable:
             with contextlib.suppress(OSError):  # a full disk: the next run finds the nodes in ExcNodeList all the same
                 saved.save(path)
