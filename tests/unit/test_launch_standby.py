@@ -160,6 +160,39 @@ def test_signal_deaths_propagate_and_signals_are_forwarded(node, tmp_path):
     assert (term.returncode, out) == (7, "got 15\n")
 
 
+LATE_SIGNAL = """import json, signal, socket, sys, threading, time
+from pathlib import Path
+from hpcft.launch.node import warm, zygote
+ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+main = Path(f"/proc/self/task/{threading.get_native_id()}/stat")
+
+def standby():
+    while signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or main.read_text().rsplit(")", 1)[1].split()[0] != "S":
+        time.sleep(0.01)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # its C handler runs here: the main thread sleeps on
+    theirs.settimeout(5)
+    try:
+        got = zygote.receive(theirs)[0]
+    except TimeoutError:
+        got = None
+    zygote.send(theirs, {"exit": 0})
+    print(json.dumps(got), flush=True)
+
+thread = threading.Thread(target=standby)
+thread.start()
+code = warm._wait(ours, set())
+thread.join()
+sys.exit(code)
+"""
+
+
+def test_a_signal_the_interpreter_takes_just_before_the_wrapper_blocks_is_still_forwarded():
+    # Python runs a signal's handler between bytecodes: one whose C handler ran just before the wrapper's blocking
+    # wait (here: on another thread, so the wait is not interrupted either) must still wake it and be forwarded
+    got = subprocess.run([sys.executable, "-c", LATE_SIGNAL], capture_output=True, text=True, timeout=60)
+    assert (got.returncode, got.stdout) == (0, json.dumps({"signal": signal.SIGTERM.value}) + "\n"), got.stderr
+
+
 def test_a_sigkilled_wrapper_takes_its_rank_and_the_ranks_children_along(node, tmp_path):
     (tmp_path / "sleep.py").write_text(
         "import os, subprocess, sys, time\n"

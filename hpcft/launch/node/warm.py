@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -114,14 +115,20 @@ def _wait(sock: socket.socket, blocked: set[int]) -> int:
         with contextlib.suppress(OSError):
             zygote.send(sock, {"signal": signum})
 
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     for sig in FORWARDED:
         signal.signal(sig, forward)
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # what came meanwhile is forwarded now
     try:
-        reply, _ = zygote.receive(sock)
+        reply, _ = _reply(sock, wake_r)
     except (OSError, HpcftError) as exc:
         reply = None
         print(f"hpcft task: the standby connection failed: {exc}", file=sys.stderr)
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(wake_r)
+        os.close(wake_w)
     for sig in FORWARDED:
         signal.signal(sig, signal.SIG_DFL)
     if reply is None:
@@ -134,3 +141,19 @@ def _wait(sock: socket.socket, blocked: set[int]) -> int:
         os.kill(os.getpid(), reply["signal"])
         return 128 + reply["signal"]
     return int(reply.get("exit", 1))
+
+
+def _reply(sock: socket.socket, wake: int) -> tuple[dict | None, list[int]]:
+    """The standby's reply, waiting on the socket and the signals' wakeup fd: Python runs a handler only between
+    bytecodes, so a signal that lands just before a blocking recvmsg would be forwarded only once the rank ended."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    poller.register(wake, select.POLLIN)
+    while True:
+        ready = dict(poller.poll())
+        if wake in ready:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(wake, 512):
+                    pass
+        if sock.fileno() in ready:
+            return zygote.receive(sock)
