@@ -191,9 +191,7 @@ class Standby:
                     if job is not None:
                         return job
                 elif key.data == "wake":
-                    with contextlib.suppress(BlockingIOError):
-                        while os.read(rfd, 512):
-                            pass
+                    zygote.drain(rfd)
                 else:
                     self._from_wrapper(key.fileobj, key.data)
             self._reap()

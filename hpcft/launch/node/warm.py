@@ -152,8 +152,6 @@ def _reply(sock: socket.socket, wake: int) -> tuple[dict | None, list[int]]:
     while True:
         ready = dict(poller.poll())
         if wake in ready:
-            with contextlib.suppress(BlockingIOError):
-                while os.read(wake, 512):
-                    pass
+            zygote.drain(wake)
         if sock.fileno() in ready:
             return zygote.receive(sock)

@@ -69,6 +69,13 @@ def receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
     return None, []
 
 
+def drain(fd: int) -> None:
+    """Read a non-blocking signal wakeup pipe empty (signal.set_wakeup_fd: it only wakes a wait)."""
+    with contextlib.suppress(BlockingIOError):
+        while os.read(fd, 512):
+            pass
+
+
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end (SO_PEERCRED: the kernel's word, not the peer's)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
