@@ -5,11 +5,12 @@ import logging
 import re
 import signal
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from hpcft.errors import ConfigError, SlurmError
-from hpcft.slurm.nodelist import expand, expand_range
+from hpcft.slurm.nodelist import compress, expand, expand_range
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
@@ -204,10 +205,11 @@ def _ignore_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # kept across exec: the command outlives the requeue's SIGTERM
 
 
-def _unkillable(runner: Runner, argv: list[str], wait: float | None = None) -> tuple[int | None, str]:
+def _unkillable(runner: Runner, argv: list[str], wait: float | None = None, **kw) -> tuple[int | None, str]:
     """Run a Slurm command with SIGTERM ignored: (exit status, output); with `wait`, (None, "") when it has not
     answered within that many seconds (it is left running: its request is with slurmctld)."""
-    proc = runner.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_ignore_sigterm)
+    proc = runner.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_ignore_sigterm,
+                        **kw)
     try:
         out, _ = proc.communicate(timeout=runner.timeout if wait is None else wait)
     except subprocess.TimeoutExpired:
@@ -223,6 +225,7 @@ class Placement:
     pool: list[str]    # where it may be placed: its reservation's nodes, else its partitions'
     excluded: list[str]  # its ExcNodeList now (the user's --exclude, an earlier requeue's)
     held: list[str] = field(default_factory=list)  # the nodes it holds now
+    batch_host: str = ""  # where its batch script runs (Slurm never takes that node from the job)
 
 
 def placement(runner: Runner, job_id: str) -> Placement:
@@ -233,7 +236,7 @@ def placement(runner: Runner, job_id: str) -> Placement:
     pool: list[str] = []
     for argv in sources:
         pool += [n for n in _nodes(fields(runner.run(argv, check=False).stdout).get("Nodes", "")) if n not in pool]
-    return Placement(job.num_nodes, pool, list(job.exc_nodes), job.nodes)
+    return Placement(job.num_nodes, pool, list(job.exc_nodes), job.nodes, job.batch_host if job.batch else "")
 
 
 def affordable(exclude: list[str], states: dict[str, str], where: Placement) -> list[str]:
@@ -254,11 +257,12 @@ class Requeued:
     unexcluded: list[str] = field(default_factory=list)  # to be excluded, but `scontrol update` failed
     trusted: list[str] = field(default_factory=list)  # found bad in an earlier allocation: allowed again
     restart: str = ""  # when Slurm may start the job again, in words
+    released: list[str] = field(default_factory=list)  # found bad and taken out of the job before the requeue
 
     def said(self) -> dict[str, str]:
         """The fields of the `requeued` event."""
-        return {"slurm_excluded": ",".join(self.excluded), "allowed": ",".join(self.allowed), "restart": self.restart,
-                "reason": self.reason()}
+        return {"slurm_excluded": ",".join(self.excluded), "allowed": ",".join(self.allowed),
+                "released": ",".join(self.released), "restart": self.restart, "reason": self.reason()}
 
     def reason(self) -> str:
         """What became of each node found bad, in the words of what Slurm reported of it."""
@@ -278,7 +282,9 @@ class Requeued:
                 f"{named(self.trusted)} allowed again: found bad in an earlier allocation, in service by Slurm since"
                 if self.trusted else "",
                 f"{named(self.unexcluded)} could not be put into ExcNodeList (scontrol update failed)"
-                if self.unexcluded else ""]
+                if self.unexcluded else "",
+                f"{', '.join(self.released)} taken out of the job before the requeue: its end waits for no answer "
+                "from them" if self.released else ""]
         return "; ".join(filter(None, said)) or "no node was found bad: nothing to keep out of the next allocation"
 
 
@@ -289,9 +295,10 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, our
     excluding by that count left a requeued job never runnable. One found bad in an earlier allocation has been
     through Slurm's hands since (marked down and back, or kept out for one allocation): `ours`, what hpcft put into
     the job's ExcNodeList before, is lifted, the user's --exclude stays; else every node of a long job is out one
-    day. Slurm takes ExcNodeList only from a pending job, so it is set after the requeue, in one update with the time
-    the job may start again (RESTART_AFTER_S); the requeue's SIGTERM hits the whole batch step: both commands ignore
-    SIGTERM and run within KillWait."""
+    day. The nodes to keep out that it holds are taken out of the job first (`release`). Slurm takes ExcNodeList only
+    from a pending job, so it is set after the requeue, in one update with the time the job may start again
+    (RESTART_AFTER_S); the requeue's SIGTERM hits the whole batch step: both commands ignore SIGTERM and run within
+    KillWait."""
     where = Placement(0, [], [])  # unknown: every suspect is kept out
     if exclude or ours:  # else nothing to keep out or lift: nothing to read
         try:
@@ -299,7 +306,7 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, our
         except SlurmError as exc:
             _log.warning("cannot read where job %s may be placed (%s): every suspect node is excluded", job_id, exc)
     before, users = where.excluded, [n for n in where.excluded if n not in ours]
-    where = Placement(max(where.need, nodes) if where.pool else 0, where.pool, users, where.held)
+    where = Placement(max(where.need, nodes) if where.pool else 0, where.pool, users, where.held, where.batch_host)
     states = node_states(runner, list(dict.fromkeys([*exclude, *where.pool]))) if exclude else {}
     healthy = [n for n in exclude if not is_bad(states.get(n, "DOWN"))]  # no state: not one to keep out by name
     trusted = [n for n in healthy if where.pool and n not in where.held]
@@ -307,6 +314,7 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, our
     keep_out = affordable(suspects, states, where)
     allowed = [n for n in suspects if n not in keep_out]
     reported = {n: states.get(n, "") for n in exclude}
+    released = release(runner, job_id, keep_out, where)
     code, out = _unkillable(runner, ["scontrol", "requeue", job_id])
     if code != 0:
         raise SlurmError(f"'scontrol requeue {job_id}' failed with exit status {code}: {out[-2000:]}")
@@ -326,7 +334,29 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, our
         _log.warning("could not update job %s (%s, exit status %s): %s", job_id, " ".join(asked), code, out)
         restart = f"after Slurm's requeue hold: {asked[-1]} failed (exit status {code}: {out[-300:]})"
     made = code in (0, None) or not changes  # the job's ExcNodeList is what it was asked to be
-    return Requeued(keep_out if made else [], allowed, reported, [] if made else keep_out, trusted, restart=restart)
+    return Requeued(keep_out if made else [], allowed, reported, [] if made else keep_out, trusted, restart=restart,
+                    released=released)
+
+
+def release(runner: Runner, job_id: str, lost: list[str], where: Placement) -> list[str]:
+    """Take the nodes of `lost` that the job holds out of it (`scontrol update NodeList=` the rest: a job's owner may
+    shrink it), before its requeue: the job's end otherwise waits for a dead node's answer until Slurm marks it down
+    (SlurmdTimeout, minutes on a large machine), and Slurm's requeue hold after that end. Only nodes that go into
+    ExcNodeList: one Slurm still takes for healthy, released and allowed, is allocated again at once, dead. Never the
+    batch host (Slurm refuses it); the requeued job still asks for its node count. Refused
+    (SchedulerParameters=disable_job_shrink): the requeue waits as before. What was taken out."""
+    out = [n for n in lost if n in where.held and n != where.batch_host]
+    keep = [n for n in where.held if n not in out]
+    if not out or not keep:
+        return []
+    with tempfile.TemporaryDirectory(prefix="hpcft-release-") as cwd:  # scontrol writes slurm_job_<id>_resize.*
+        code, said = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"NodeList={compress(keep)}"],
+                                 cwd=cwd)
+    if code != 0:
+        _log.warning("could not take %s out of job %s before its requeue (exit status %s): %s; its end waits for "
+                     "Slurm to mark them down", ",".join(out), job_id, code, said[-300:])
+        return []
+    return out
 
 
 def complete(runner: Runner, job_id: str, exit_code: int) -> str:

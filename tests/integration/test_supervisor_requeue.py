@@ -122,6 +122,9 @@ def test_spares_exhausted_requeues_and_the_restarted_job_resumes_from_its_nodes_
     requeued = [e for e in recs if e["event"] == "requeued"]
     assert len(requeued) == 1 and requeued[0]["allowed"] == "", requeued
     assert set(filter(None, requeued[0]["slurm_excluded"].split(","))) <= {slots[1], slots[2]}, requeued
+    # one Slurm still took for healthy the job still held: taken out of it, its end waited for no dead node's answer
+    assert set(filter(None, requeued[0]["slurm_excluded"].split(","))) <= set(requeued[0]["released"].split(",")), \
+        requeued
     restart = [e for e in recs if e["event"] == "start"][1]
     assert restart["requeues"] == 1 and restart["kept"] == f"{slots[0]},{spare}"
     new_slots = restart["slots"].split(",")
