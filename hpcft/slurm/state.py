@@ -314,7 +314,7 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, our
     keep_out = affordable(suspects, states, where)
     allowed = [n for n in suspects if n not in keep_out]
     reported = {n: states.get(n, "") for n in exclude}
-    released = release(runner, job_id, keep_out, where)
+    released = release(runner, job_id, keep_out, where, nodes)
     code, out = _unkillable(runner, ["scontrol", "requeue", job_id])
     if code != 0:
         raise SlurmError(f"'scontrol requeue {job_id}' failed with exit status {code}: {out[-2000:]}")
@@ -338,16 +338,18 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, our
                     released=released)
 
 
-def release(runner: Runner, job_id: str, lost: list[str], where: Placement) -> list[str]:
+def release(runner: Runner, job_id: str, lost: list[str], where: Placement, nodes: int = 0) -> list[str]:
     """Take the nodes of `lost` that the job holds out of it (`scontrol update NodeList=` the rest: a job's owner may
     shrink it), before its requeue: the job's end otherwise waits for a dead node's answer until Slurm marks it down
     (SlurmdTimeout, minutes on a large machine), and Slurm's requeue hold after that end. Only nodes that go into
     ExcNodeList: one Slurm still takes for healthy, released and allowed, is allocated again at once, dead. Never the
-    batch host (Slurm refuses it); the requeued job still asks for its node count. Refused
-    (SchedulerParameters=disable_job_shrink): the requeue waits as before. What was taken out."""
+    batch host (Slurm refuses it); the requeued job still asks for its node count. Not where Slurm would refuse it: a
+    job already shrunk in this allocation (fewer nodes held than the `nodes` it started with) that slurmctld keeps no
+    accounting record of (`keeps_accounts`). Refused (SchedulerParameters=disable_job_shrink): the requeue waits as
+    before. What was taken out."""
     out = [n for n in lost if n in where.held and n != where.batch_host]
     keep = [n for n in where.held if n not in out]
-    if not out or not keep:
+    if not out or not keep or (len(where.held) < nodes and not keeps_accounts(runner)):
         return []
     with tempfile.TemporaryDirectory(prefix="hpcft-release-") as cwd:  # scontrol writes slurm_job_<id>_resize.*
         code, said = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"NodeList={compress(keep)}"],
@@ -357,6 +359,15 @@ def release(runner: Runner, job_id: str, lost: list[str], where: Placement) -> l
                      "Slurm to mark them down", ",".join(out), job_id, code, said[-300:])
         return []
     return out
+
+
+def keeps_accounts(runner: Runner) -> bool:
+    """Whether slurmctld keeps accounting records. After it resizes a job (a --no-kill job's node marked down, or a
+    release) it refuses every update of that job until the record is written again: at once through slurmdbd, never
+    with accounting_storage/none (until the job ends), and it retries for 5 s before saying so; a release of a job of
+    fewer nodes than it started with would only cost those 5 s there."""
+    said = runner.run(["scontrol", "show", "config"], check=False).stdout
+    return not re.search(r"^AccountingStorageType\s*=\s*accounting_storage/none\s*$", said, re.M)
 
 
 def complete(runner: Runner, job_id: str, exit_code: int) -> str:
