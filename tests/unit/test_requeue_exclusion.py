@@ -50,13 +50,15 @@ def test_placement_reads_the_partitions_or_the_reservation_and_the_jobs_exclusio
 class _Requeue(_Slurm):
     """Also the nodes' states and the commands run with SIGTERM ignored (requeue, update), recorded."""
 
-    def __init__(self, answers: dict[str, str], update: list[str] = ("true",), release: list[str] = ("true",)):
+    def __init__(self, answers: dict[str, str], update: list[str] = ("true",), release: list[str] = ("true",),
+                 states: dict[str, str] | None = None):
         super().__init__({"config": "AccountingStorageType   = accounting_storage/slurmdbd", **answers})
         self.unkillable, self.timeout, self.update, self.release, self.cwd = [], 5, list(update), list(release), []
+        self.states = states or {}
 
     def run(self, argv, check=True):
-        if argv[:3] == ["scontrol", "show", "node"]:  # every node idle, as the repaired ones are
-            said = "\n".join(f"NodeName={n} State=IDLE" for n in argv[4].split(","))
+        if argv[:3] == ["scontrol", "show", "node"]:  # every node idle, as the repaired ones are, unless said
+            said = "\n".join(f"NodeName={n} State={self.states.get(n, 'IDLE')}" for n in argv[4].split(","))
             return subprocess.CompletedProcess(argv, 0, said, "")
         return super().run(argv, check)
 
@@ -181,6 +183,10 @@ def test_the_lost_nodes_a_job_holds_are_taken_out_of_it_before_its_requeue_never
     slurm = _Requeue(job)
     assert requeue(slurm, "7", ["n1"], nodes=5).released == []  # the batch host alone: nothing to ask
     assert slurm.unkillable[0] == ["scontrol", "requeue", "7"]
+    # not responding yet, not DOWN: not put into ExcNodeList (Slurm allocates it no more), still what the end waits for
+    slurm = _Requeue(job, states={"n3": "MIXED+NOT_RESPONDING"})
+    done = requeue(slurm, "7", ["n3"], nodes=5)
+    assert done.released == ["n3"] and done.excluded == [] and slurm.unkillable[1] == ["scontrol", "requeue", "7"]
 
 
 def test_a_job_slurm_already_shrank_is_not_shrunk_again_where_slurm_keeps_no_accounting_record():
