@@ -289,13 +289,13 @@ class Requeued:
 
 
 def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, ours: list[str] = ()) -> Requeued:
-    """Requeue the job, keeping out of its next allocation those of `exclude` that it holds and Slurm deems healthy,
-    as many as it can spare (`affordable`) with `nodes` (the allocation this run started with) still in service:
-    Slurm removes a DOWN node from a --no-kill job for good, so its NumNodes then reads fewer than its tasks need, and
-    excluding by that count left a requeued job never runnable. One found bad in an earlier allocation has been
-    through Slurm's hands since (marked down and back, or kept out for one allocation): `ours`, what hpcft put into
-    the job's ExcNodeList before, is lifted, the user's --exclude stays; else every node of a long job is out one
-    day. The lost nodes it holds, but those left allowed, are taken out of the job first (`release`). Slurm takes ExcNodeList only
+    """Requeue the job, keeping out of its next allocation those of `exclude` that it holds and Slurm deems healthy, as
+    many as it can spare (`affordable`) with `nodes` (the allocation this run started with) still in service: Slurm
+    removes a DOWN node from a --no-kill job for good, so its NumNodes then reads fewer than its tasks need, and
+    excluding by that count left a requeued job never runnable. One found bad in an earlier allocation has been through
+    Slurm's hands since (marked down and back, or kept out for one allocation): `ours`, what hpcft put into the job's
+    ExcNodeList before, is lifted, the user's --exclude stays; else every node of a long job is out one day. The lost
+    nodes it holds, but those left allowed, are taken out of the job first (`release`). Slurm takes ExcNodeList only
     from a pending job, so it is set after the requeue, in one update with the time the job may start again
     (RESTART_AFTER_S); the requeue's SIGTERM hits the whole batch step: both commands ignore SIGTERM and run within
     KillWait."""
@@ -341,12 +341,12 @@ def requeue(runner: Runner, job_id: str, exclude: list[str], nodes: int = 0, our
 def release(runner: Runner, job_id: str, lost: list[str], where: Placement, nodes: int = 0) -> list[str]:
     """Take the nodes of `lost` that the job holds out of it (`scontrol update NodeList=` the rest: a job's owner may
     shrink it), before its requeue: the job's end otherwise waits for a dead node's answer until Slurm marks it down
-    (SlurmdTimeout, minutes on a large machine), and Slurm's requeue hold after that end. Not a node left allowed:
-    Slurm still takes it for healthy, and released it is allocated again at once, dead; one Slurm reports not
-    responding it allocates no more, one in ExcNodeList the job will not get. Never the batch host (Slurm refuses it); the requeued job still asks for its node count. Not where Slurm would refuse it: a
-    job already shrunk in this allocation (fewer nodes held than the `nodes` it started with) that slurmctld keeps no
-    accounting record of (`keeps_accounts`). Refused (SchedulerParameters=disable_job_shrink): the requeue waits as
-    before. What was taken out."""
+    (SlurmdTimeout, minutes on a large machine), and Slurm's requeue hold after that end. Not a node left allowed: Slurm
+    still takes it for healthy, and released it is allocated again at once, dead; one Slurm reports not responding it
+    allocates no more, one in ExcNodeList the job will not get. Never the batch host (Slurm refuses it); the requeued
+    job still asks for its node count. Not where Slurm would refuse it: a job already shrunk in this allocation (fewer
+    nodes held than the `nodes` it started with) that slurmctld keeps no accounting record of (`keeps_accounts`).
+    Refused (SchedulerParameters=disable_job_shrink): the requeue waits as before. What was taken out."""
     out = [n for n in lost if n in where.held and n != where.batch_host]
     keep = [n for n in where.held if n not in out]
     if not out or not keep or (len(where.held) < nodes and not keeps_accounts(runner)):
