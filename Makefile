@@ -3,7 +3,8 @@ PY      ?= python3
 VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.hpcft-installed
-DEBS    := slurm-wlm slurmctld slurmd slurm-client libslurm38 munge openmpi-bin libopenmpi-dev libpmix2 lmod iproute2 gcc
+DEBS    := slurm-wlm slurmctld slurmd slurmdbd slurm-client libslurm38 munge mariadb-server openmpi-bin libopenmpi-dev \
+           libpmix2 lmod iproute2 gcc
 TORCH   ?= torch==2.13.0
 # Triton runs the GPU checksum kernel's tests on the CPU (its interpreter); GPU builds of torch bring their own
 TRITON  ?= triton==3.6.0

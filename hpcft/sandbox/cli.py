@@ -30,18 +30,20 @@ def sandbox() -> None:
 @click.option("--subnet", default="10.77.0", show_default=True, help="netns: /24 used only inside the sandbox.")
 @click.option("--confine", is_flag=True, help="Confine steps as a real node does: task/cgroup, task/affinity, "
               "proctrack/cgroup (cgroup v1), 8 fake GPUs per node as GRES; the nodes declare this machine's CPUs.")
+@click.option("--accounting/--no-accounting", default=True, show_default=True,
+              help="Keep accounts as a real cluster does: slurmdbd and its own MariaDB beside slurmctld (sacct works).")
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for every node to be idle.")
 @dir_option
 def up(nodes: int, mode: str, ctld_port: int | None, slurmd_port: int | None, subnet: str, confine: bool,
-       timeout: float, directory: Path | None) -> None:
+       accounting: bool, timeout: float, directory: Path | None) -> None:
     """Start the sandbox and wait until every node is idle (exit 0 if it is already up)."""
     config = SandboxConfig(dir=sandbox_dir(directory), nodes=nodes, mode=mode, ctld_port=ctld_port,
-                           slurmd_port=slurmd_port, subnet=subnet, confine=confine)
+                           slurmd_port=slurmd_port, subnet=subnet, confine=confine, accounting=accounting)
     t0 = time.monotonic()
     sb, started = ensure_up(config, timeout=timeout)
     how = f"up in {time.monotonic() - t0:.1f} s" if started else "already up"
-    confined = ", confined" if sb.config.confine else ""
-    click.echo(f"sandbox {how}: {len(sb.node_names)} nodes, mode {sb.config.mode}{confined}, dir {sb.dir}")
+    shape = "".join([", confined" if sb.config.confine else "", "" if sb.config.accounting else ", no accounting"])
+    click.echo(f"sandbox {how}: {len(sb.node_names)} nodes, mode {sb.config.mode}{shape}, dir {sb.dir}")
     _print_usage(sb)
 
 
@@ -63,6 +65,9 @@ def status(directory: Path | None) -> None:
     lay = sb.layout
     click.echo(f"sandbox {sb.dir}: mode {sb.config.mode}, controller {lay.ctld_host} {lay.ctld_addr}:{lay.ctld_port} "
                f"(pid {sb.groups['slurmctld'].pid})")
+    if sb.config.accounting:
+        click.echo(f"accounting: slurmdbd {lay.ctld_addr}:{lay.dbd_port} (pid {sb.groups['slurmdbd'].pid}), MariaDB "
+                   f"127.0.0.1:{lay.db_port} there (pid {sb.groups['mariadbd'].pid}), data in {lay.db_dir}")
     states = sb.node_states()
     click.echo(f"{'NODE':<6} {'ADDRESS':<16} {'PORT':<6} {'PIDS':<5} SLURM STATE")
     for node in lay.nodes:

@@ -12,9 +12,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hpcft.errors import SandboxError, SlurmError
-from hpcft.sandbox import confine, mounts, munge, netns, procs
+from hpcft.sandbox import accounting, confine, mounts, munge, netns, procs
 from hpcft.sandbox.machine import check_machine, port_free
-from hpcft.sandbox.config import Layout, SandboxConfig, plan, render_hosts, render_mpi_conf, render_slurm_conf
+from hpcft.sandbox.config import (Layout, SandboxConfig, plan, render_hosts, render_mpi_conf, render_slurm_conf,
+                                  render_slurmdbd_conf)
 from hpcft.slurm.runner import Runner
 
 _log = logging.getLogger(__name__)
@@ -133,6 +134,8 @@ class Sandbox:
             self._start_munge()
             if self.config.mode == "netns":
                 self._create_namespaces()
+            if self.config.accounting:
+                self._start_accounting()
             self._start_controller()
             for node in self.node_names:
                 self._start_node(node)
@@ -145,11 +148,13 @@ class Sandbox:
 
     def preflight(self) -> None:
         """Fail early, naming the missing privilege, binary or busy port, before anything starts."""
-        check_machine(self.config.mode)
+        check_machine(self.config.mode, self.config.accounting)
         if self.config.confine and (why := confine.unavailable_reason()):
             raise SandboxError(f"no confined sandbox on this machine: {why}; start one without --confine")
         if self.config.mode == "local":
-            ports = [("slurmctld", self.layout.ctld_port)] + [(f"slurmd {n.name}", n.port) for n in self.layout.nodes]
+            lay = self.layout
+            ports = [("slurmctld", lay.ctld_port)] + [(f"slurmd {n.name}", n.port) for n in lay.nodes]
+            ports += [("slurmdbd", lay.dbd_port), ("mariadbd", lay.db_port)] if self.config.accounting else []
             for who, port in ports:
                 if not port_free(port):
                     raise SandboxError(f"port {port} ({who}) is in use on this machine: choose free ports with "
@@ -171,6 +176,10 @@ class Sandbox:
         lay = self.layout
         confine.write_files(lay.cgroup_conf, lay.gres_conf, lay.gpu_dir, self.config.confine)
         munge.prepare(d / "munge")
+        if self.config.accounting:
+            lay.slurmdbd_conf.write_text(render_slurmdbd_conf(lay))
+            lay.slurmdbd_conf.chmod(0o600)  # slurmdbd refuses a readable one: it may hold the database's password
+            accounting.prepare(lay.db_dir)
 
     def _marker(self, name: str) -> str:
         return f"hpcft-{self.config.tag}-{name}"
@@ -182,12 +191,7 @@ class Sandbox:
 
     def _start_munge(self) -> None:
         self._spawn("munged", munge.argv(self.dir / "munge"))
-        deadline = time.monotonic() + 5
-        while not self.layout.munge_socket.exists():
-            if time.monotonic() > deadline:
-                log = procs.tail(self.dir / "munge" / "munged.log")
-                raise SandboxError(f"munged did not create {self.layout.munge_socket}:\n{log}")
-            time.sleep(0.01)
+        self._await(self.layout.munge_socket.exists, "munged", self.dir / "munge" / "munged.log", 5)
 
     def _add_netns(self, name: str) -> None:
         netns.add(name)
@@ -206,6 +210,26 @@ class Sandbox:
         if netns_name is None:
             return {}
         return {"netns": netns_name, "hostname": hostname, "binds": [(self.layout.hosts_file, "/etc/hosts")]}
+
+    def _start_accounting(self) -> None:
+        """MariaDB, then slurmdbd, in the controller's namespace; ready once sacctmgr gets an answer through them."""
+        lay, ns = self.layout, self._netns_options(self.layout.ctld_netns, self.layout.ctld_host)
+        self._spawn("mariadbd", accounting.mariadbd_argv(lay.db_dir, lay.db_port), **ns)
+        self._await(lambda: accounting.socket(lay.db_dir).exists(), "mariadbd", lay.db_dir / "mariadbd.log", 30)
+        self._spawn("slurmdbd", accounting.slurmdbd_argv(lay.slurm_conf), **ns)
+        ask = ["sacctmgr", "--noheader", "--parsable2", "show", "cluster", "format=cluster"]
+        self._await(lambda: self.runner(timeout=10).run(ask, check=False).returncode == 0, "slurmdbd",
+                    lay.log_dir / "slurmdbd.log", 60)
+
+    def _await(self, ready: Callable[[], bool], key: str, log: Path, timeout: float) -> None:
+        """Poll `ready` until it holds; an error with `log`'s tail if daemon `key` exits or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            group = self.groups[key]
+            if not procs.alive(group.pid, group.start_time) or time.monotonic() > deadline:
+                raise SandboxError(f"{key} of the sandbox did not start within {timeout:g} s; its log {log}:\n"
+                                   f"{procs.tail(log)}\n{procs.tail(self.layout.log_dir / f'{key}.out', 5)}")
+            time.sleep(0.1)
 
     def _start_controller(self) -> None:
         argv = ["slurmctld", "-D", "-i", "-f", str(self.layout.slurm_conf)]
@@ -250,7 +274,7 @@ class Sandbox:
         return self.wait_for(self.node_names if nodes is None else nodes, _READY.__contains__, "ready", timeout)
 
     def _check_daemons(self) -> None:
-        for key in ("munged", "slurmctld"):
+        for key in ("munged", "slurmctld", *(("mariadbd", "slurmdbd") if self.config.accounting else ())):
             group = self.groups.get(key)
             if group is None or not procs.alive(group.pid, group.start_time):
                 log = self.layout.log_dir / f"{key}.out"
@@ -330,7 +354,7 @@ class Sandbox:
         """Stop only what this sandbox started (recorded groups, created namespaces); keep the logs. Every daemon is
         SIGKILLed: the next `up` starts from empty state."""
         errors = []
-        for key in ["slurmctld", *self.node_names, "munged"]:
+        for key in ["slurmctld", *self.node_names, "slurmdbd", "mariadbd", "munged"]:
             group = self.groups.get(key)
             if group is None:
                 continue

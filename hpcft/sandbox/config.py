@@ -41,6 +41,8 @@ class SandboxConfig:
     # task/cgroup + task/affinity, proctrack/cgroup, 8 fake GPUs per node (hpcft/sandbox/confine.py); the nodes then
     # declare this machine's real CPUs, not `cpus` (a cpuset holds only CPUs that exist)
     confine: bool = False
+    # slurmdbd and its MariaDB, as a real cluster has: slurmctld takes updates of a job it resized only with them
+    accounting: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", Path(self.dir).absolute())
@@ -97,6 +99,25 @@ class Layout:
     @property
     def slurm_conf(self) -> Path:
         return self.dir / "etc" / "slurm.conf"
+
+    @property
+    def slurmdbd_conf(self) -> Path:
+        return self.dir / "etc" / "slurmdbd.conf"
+
+    @property
+    def db_dir(self) -> Path:
+        """The accounting's MariaDB: data, socket, log."""
+        return self.dir / "db"
+
+    @property
+    def dbd_port(self) -> int:
+        """slurmdbd's port: Slurm's default in the controller's namespace; local: past the nodes' ports."""
+        return 6819 if self.ctld_netns else self.ctld_port + MAX_NODES + 1
+
+    @property
+    def db_port(self) -> int:
+        """MariaDB's port on 127.0.0.1 where slurmdbd runs."""
+        return 3306 if self.ctld_netns else self.ctld_port + MAX_NODES + 2
 
     @property
     def mpi_conf(self) -> Path:
@@ -166,8 +187,8 @@ def plan(config: SandboxConfig, hostname: str | None = None) -> Layout:
 
 
 def render_slurm_conf(layout: Layout) -> str:
-    """slurm.conf for the sandbox: no accounting, fast failure detection and requeue; no cgroups, or (confined) a
-    real node's task/cgroup + task/affinity and proctrack/cgroup, and GPUs as GRES."""
+    """slurm.conf for the sandbox: accounting through slurmdbd (or none), fast failure detection and requeue; no
+    cgroups, or (confined) a real node's task/cgroup + task/affinity and proctrack/cgroup, and GPUs as GRES."""
     d = layout.dir
     lines = [
         "# Written by `hpcft sandbox up`; rewritten on every start.", "ClusterName=hpcft-sandbox",
@@ -181,7 +202,11 @@ def render_slurm_conf(layout: Layout) -> str:
         *(("ProctrackType=proctrack/cgroup", "TaskPlugin=task/cgroup,task/affinity", "GresTypes=gpu")
           if layout.config.confine else ("ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none")),
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SlurmdParameters=config_overrides",
-        "MpiDefault=none", "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+        "MpiDefault=none", "JobAcctGatherType=jobacct_gather/none",
+        *(("AccountingStorageType=accounting_storage/slurmdbd", f"AccountingStorageHost={layout.ctld_addr}",
+           f"AccountingStoragePort={layout.dbd_port}", f"AccountingStoragePass={layout.munge_socket}")
+          if layout.config.accounting
+          else ("AccountingStorageType=accounting_storage/none",)),
         "SlurmdTimeout=10", "SlurmctldTimeout=10", "MessageTimeout=5", "KillWait=3",
         "ReturnToService=1", "JobRequeue=1", "SchedulerParameters=sched_interval=2,bf_interval=1",
     ]
@@ -193,6 +218,17 @@ def render_slurm_conf(layout: Layout) -> str:
                      f"CPUs={cfg.node_cpus} RealMemory={cfg.memory_mb}{gres} State=UNKNOWN")
     lines.append("PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
     return "\n".join(lines) + "\n"
+
+
+def render_slurmdbd_conf(layout: Layout) -> str:
+    """slurmdbd.conf: the daemon on the controller's host, storing into the sandbox's MariaDB as root."""
+    return "\n".join([
+        "# Written by `hpcft sandbox up`; rewritten on every start.",
+        f"DbdHost={layout.ctld_host}", f"DbdAddr={layout.ctld_addr}", f"DbdPort={layout.dbd_port}", "SlurmUser=root",
+        "AuthType=auth/munge", f"AuthInfo=socket={layout.munge_socket}", f"LogFile={layout.log_dir}/slurmdbd.log",
+        f"PidFile={layout.dir}/run/slurmdbd.pid", "DebugLevel=info", "StorageType=accounting_storage/mysql",
+        "StorageHost=127.0.0.1", f"StoragePort={layout.db_port}", "StorageUser=root", "StorageLoc=slurm_acct_db",
+    ]) + "\n"
 
 
 # Open MPI (Debian's, PMIx only: srun --mpi=pmix) over TCP alone: its other components (UCX, libfabric, PSM, openib)

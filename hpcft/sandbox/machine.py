@@ -12,6 +12,10 @@ _NEEDED = {
 }
 
 
+_ACCOUNTING = {"slurmdbd": "slurmdbd", "sacctmgr": "slurm-client", "mariadbd": "mariadb-server",
+               "mariadb-install-db": "mariadb-server"}
+
+
 def unavailable_reason(mode: str = "netns") -> str | None:
     """Why this machine cannot run a sandbox in `mode` (not root, packages missing, no namespaces), or None."""
     try:
@@ -21,11 +25,11 @@ def unavailable_reason(mode: str = "netns") -> str | None:
     return None
 
 
-def check_machine(mode: str) -> None:
-    """Raise SandboxError naming the missing privilege or binary that `mode` needs."""
+def check_machine(mode: str, accounting: bool = True) -> None:
+    """Raise SandboxError naming the missing privilege or binary that `mode` (and `accounting`) needs."""
     if os.geteuid() != 0:
         raise SandboxError("the sandbox needs root (namespaces, mounts, munged as user munge): run it as root")
-    needed = dict(_NEEDED, **({"ip": "iproute2"} if mode == "netns" else {}))
+    needed = dict(_NEEDED, **({"ip": "iproute2"} if mode == "netns" else {}), **(_ACCOUNTING if accounting else {}))
     missing = [f"{b} ({pkg})" for b, pkg in needed.items() if shutil.which(b) is None]
     if missing:
         raise SandboxError(f"missing for the sandbox: {', '.join(missing)}; run `make debs` or apt-get install them")

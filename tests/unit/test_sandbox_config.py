@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from hpcft.errors import ConfigError
-from hpcft.sandbox.config import SandboxConfig, plan, render_hosts, render_mpi_conf, render_slurm_conf
+from hpcft.sandbox.config import (SandboxConfig, plan, render_hosts, render_mpi_conf, render_slurm_conf,
+                                  render_slurmdbd_conf)
 from hpcft.sandbox.procs import namespaced
 
 # When a change to the rendering is intended, print render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb",
@@ -36,7 +37,10 @@ SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=10.77.0.1
+AccountingStoragePort=6819
+AccountingStoragePass=/tmp/sb/munge/munge.socket
 SlurmdTimeout=10
 SlurmctldTimeout=10
 MessageTimeout=5
@@ -52,6 +56,26 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 def test_netns_slurm_conf_matches_golden_text():
     assert render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb", nodes=2, prolog=None, epilog=None))) == GOLDEN_NETNS
+
+
+def test_the_sandbox_keeps_accounts_through_its_own_slurmdbd_as_a_real_cluster_or_none_when_asked():
+    """slurmdbd beside slurmctld (its namespace's address; local: ports past the nodes'), storing into MariaDB on
+    127.0.0.1 there; without accounting slurm.conf names accounting_storage/none and nothing else changes."""
+    netns = plan(SandboxConfig(dir="/tmp/sb", nodes=2))
+    assert render_slurmdbd_conf(netns).splitlines()[1:] == [
+        "DbdHost=ctl", "DbdAddr=10.77.0.1", "DbdPort=6819", "SlurmUser=root", "AuthType=auth/munge",
+        "AuthInfo=socket=/tmp/sb/munge/munge.socket", "LogFile=/tmp/sb/log/slurmdbd.log",
+        "PidFile=/tmp/sb/run/slurmdbd.pid", "DebugLevel=info", "StorageType=accounting_storage/mysql",
+        "StorageHost=127.0.0.1", "StoragePort=3306", "StorageUser=root", "StorageLoc=slurm_acct_db"]
+    local = plan(SandboxConfig(dir="/tmp/sb", nodes=64, mode="local", ctld_port=20000), hostname="h")
+    assert (local.dbd_port, local.db_port) == (20065, 20066)
+    assert max(n.port for n in local.nodes) < local.dbd_port
+    with_it, without = (render_slurm_conf(plan(SandboxConfig(dir="/tmp/sb", nodes=2, prolog=None, epilog=None,
+                                                             accounting=a))).split("\n") for a in (True, False))
+    assert [x for x in without if x not in with_it] == ["AccountingStorageType=accounting_storage/none"]
+    assert [x for x in with_it if x not in without] == [
+        "AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=10.77.0.1",
+        "AccountingStoragePort=6819", "AccountingStoragePass=/tmp/sb/munge/munge.socket"]
 
 
 def test_the_sandbox_runs_hpcfts_own_prolog_and_epilog_as_a_cluster_with_hpcft_would():
