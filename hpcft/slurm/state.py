@@ -344,12 +344,14 @@ def release(runner: Runner, job_id: str, lost: list[str], where: Placement, node
     (SlurmdTimeout, minutes on a large machine), and Slurm's requeue hold after that end. Not a node left allowed: Slurm
     still takes it for healthy, and released it is allocated again at once, dead; one Slurm reports not responding it
     allocates no more, one in ExcNodeList the job will not get. Never the batch host (Slurm refuses it); the requeued
-    job still asks for its node count. Not where Slurm would refuse it: a job already shrunk in this allocation (fewer
+    job still asks for its node count. Not where Slurm would refuse it: a job whose batch host it has taken out (a lost
+    batch host, marked down: every node list must still hold it), or a job already shrunk in this allocation (fewer
     nodes held than the `nodes` it started with) that slurmctld keeps no accounting record of (`keeps_accounts`).
     Refused (SchedulerParameters=disable_job_shrink): the requeue waits as before. What was taken out."""
     out = [n for n in lost if n in where.held and n != where.batch_host]
     keep = [n for n in where.held if n not in out]
-    if not out or not keep or (len(where.held) < nodes and not keeps_accounts(runner)):
+    if not out or not keep or where.batch_host not in [*where.held, ""] or \
+            (len(where.held) < nodes and not keeps_accounts(runner)):
         return []
     with tempfile.TemporaryDirectory(prefix="hpcft-release-") as cwd:  # scontrol writes slurm_job_<id>_resize.*
         code, said = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"NodeList={compress(keep)}"],
