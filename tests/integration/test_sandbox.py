@@ -104,6 +104,43 @@ def test_up_twice_says_already_up_and_status_lists_nodes(sandbox):
         assert f"\n{name} " in status.stdout
 
 
+def test_the_sandbox_keeps_accounts_so_a_job_slurm_resized_takes_updates_again(healthy_sandbox):
+    """As on a production cluster (slurmdbd): sacct knows the jobs, and a job slurmctld has resized takes a second
+    update at once; with accounting_storage/none it refuses every update after the first resize until the job ends."""
+    from hpcft.slurm.state import job_info, keeps_accounts
+
+    runner = healthy_sandbox.runner()
+    assert keeps_accounts(runner)
+    job = runner.run(["sbatch", "--parsable", "--no-kill", "-N3", "-o", "/dev/null", "--wrap", "sleep 300"]).stdout
+    job = job.strip()
+    try:
+        deadline = time.monotonic() + 60
+        while len(job_info(runner, job).nodes) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        held = job_info(runner, job).nodes
+        for keep in (held[:2], held[:1]):
+            started = time.monotonic()
+            runner.run(["scontrol", "update", f"JobId={job}", f"NodeList={','.join(keep)}"])
+            assert time.monotonic() - started < 3  # refused, it would take slurmctld's 5-s retry
+            assert job_info(runner, job).nodes == keep
+    finally:
+        runner.run(["scancel", job], check=False)
+    deadline = time.monotonic() + 30
+    while job not in runner.run(["sacct", "-X", "-n", "-P", "-o", "jobid"]).stdout.split():
+        assert time.monotonic() < deadline, "sacct does not know the job"
+        time.sleep(0.5)
+
+
+def test_a_sandbox_without_accounting_runs_no_slurmdbd(scratch_dir):
+    from hpcft.slurm.state import keeps_accounts
+
+    result = _hpcft("sandbox", "up", "-N", "1", "--no-accounting", "--dir", str(scratch_dir))
+    assert result.returncode == 0 and "no accounting" in result.stdout, result.stderr
+    sb = Sandbox.load(scratch_dir)
+    assert not keeps_accounts(sb.runner()) and "slurmdbd" not in sb.groups
+    assert "accounting:" not in _hpcft("sandbox", "status", "--dir", str(scratch_dir)).stdout
+
+
 def test_port_in_use_is_named_and_nothing_is_left_behind(scratch_dir):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
