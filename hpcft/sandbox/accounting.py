@@ -6,6 +6,9 @@ from pathlib import Path
 
 from hpcft.errors import SandboxError
 
+# A few MB of buffers and logs, not the server defaults' hundreds: the database holds a few hundred test jobs
+_SMALL = ["--innodb-buffer-pool-size=32M", "--innodb-log-file-size=8M", "--skip-name-resolve"]
+
 
 def prepare(db_dir: Path) -> None:
     """An empty MariaDB data directory in `db_dir` (wiped first: the sandbox starts from empty state)."""
@@ -16,10 +19,6 @@ def prepare(db_dir: Path) -> None:
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise SandboxError(f"mariadb-install-db failed in {db_dir}: {(proc.stderr or proc.stdout).strip()[-2000:]}")
-
-
-# A few MB of buffers and logs, not the server defaults' hundreds: the database holds a few hundred test jobs
-_SMALL = ["--innodb-buffer-pool-size=32M", "--innodb-log-file-size=8M", "--skip-name-resolve"]
 
 
 def mariadbd_argv(db_dir: Path, port: int) -> list[str]:
@@ -37,4 +36,3 @@ def socket(db_dir: Path) -> Path:
 def slurmdbd_argv(slurm_conf: Path) -> list[str]:
     """slurmdbd in the foreground; it reads slurmdbd.conf from slurm.conf's directory (SLURM_CONF)."""
     return ["env", f"SLURM_CONF={slurm_conf}", "slurmdbd", "-D"]
-

@@ -350,8 +350,8 @@ def release(runner: Runner, job_id: str, lost: list[str], where: Placement, node
     Refused (SchedulerParameters=disable_job_shrink): the requeue waits as before. What was taken out."""
     out = [n for n in lost if n in where.held and n != where.batch_host]
     keep = [n for n in where.held if n not in out]
-    if not out or not keep or where.batch_host not in [*where.held, ""] or \
-            (len(where.held) < nodes and not keeps_accounts(runner)):
+    batch_host_gone = where.batch_host and where.batch_host not in where.held
+    if not out or not keep or batch_host_gone or (len(where.held) < nodes and not keeps_accounts(runner)):
         return []
     with tempfile.TemporaryDirectory(prefix="hpcft-release-") as cwd:  # scontrol writes slurm_job_<id>_resize.*
         code, said = _unkillable(runner, ["scontrol", "update", f"JobId={job_id}", f"NodeList={compress(keep)}"],
