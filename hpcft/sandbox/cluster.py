@@ -218,8 +218,14 @@ class Sandbox:
         self._await(lambda: accounting.socket(lay.db_dir).exists(), "mariadbd", lay.db_dir / "mariadbd.log", 30)
         self._spawn("slurmdbd", accounting.slurmdbd_argv(lay.slurm_conf), **ns)
         ask = ["sacctmgr", "--noheader", "--parsable2", "show", "cluster", "format=cluster"]
-        self._await(lambda: self.runner(timeout=10).run(ask, check=False).returncode == 0, "slurmdbd",
-                    lay.log_dir / "slurmdbd.log", 60)
+
+        def answers() -> bool:  # a sacctmgr that hangs (10 s) is asked again, until the deadline names slurmdbd's log
+            try:
+                return self.runner(timeout=10).run(ask, check=False).returncode == 0
+            except SlurmError:
+                return False
+
+        self._await(answers, "slurmdbd", lay.log_dir / "slurmdbd.log", 60)
 
     def _await(self, ready: Callable[[], bool], key: str, log: Path, timeout: float) -> None:
         """Poll `ready` until it holds; an error with `log`'s tail if daemon `key` exits or `timeout` passes."""
